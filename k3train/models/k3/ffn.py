@@ -1,0 +1,30 @@
+"""SiTU-GLU feed-forward: the dense FFN of layer 1 and the shared experts of every MoE layer."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3train.models.structure import MatrixStructure
+from k3train.ops.situ import situ
+
+
+class SiTUGLU(nn.Module):
+    """out = W2 situ(W1 x, W3 x). `n_fused` independent GLUs of width `hidden` share one set of matmuls
+    (the sum of GLUs is one GLU over the concatenated hidden), so two shared experts cost two matmuls, not six."""
+
+    def __init__(self, dim: int, hidden: int, beta1: float, beta2: float, n_fused: int = 1):
+        super().__init__()
+        self.n_fused, self.beta1, self.beta2 = n_fused, beta1, beta2
+        self.w1 = nn.Linear(dim, hidden * n_fused, bias=False)  # gate branch
+        self.w3 = nn.Linear(dim, hidden * n_fused, bias=False)  # linear branch
+        self.w2 = nn.Linear(hidden * n_fused, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(situ(self.w1(x), self.w3(x), self.beta1, self.beta2))
+
+    def muon_structure(self) -> dict[str, MatrixStructure]:
+        n = self.n_fused
+        rows = MatrixStructure("rows", n) if n > 1 else MatrixStructure()
+        cols = MatrixStructure("cols", n) if n > 1 else MatrixStructure()
+        return {"w1.weight": rows, "w3.weight": rows, "w2.weight": cols}

@@ -1,0 +1,99 @@
+"""Kimi Delta Attention layer: gated delta-rule linear attention with per-channel (fine-grained) decay.
+
+q, k, v: Linear -> depthwise causal conv (width 4, no bias, not across documents) -> SiLU; q, k L2-normalised per head.
+Decay: low-rank d -> r -> H*K, then g = g_min * sigmoid(exp(A_log) * (f + dt_bias)) in (g_min, 0).
+Write strength beta = sigmoid(W_b x) per head. Output: per-head RMSNorm, gated by sigmoid(W_g x) (full rank), then Wo.
+The recurrence itself lives in k3train.ops.kda (naive reference + chunked fast path).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3train.models.k3.args import K3ModelArgs
+from k3train.models.k3.context import BatchContext
+from k3train.models.structure import MatrixStructure
+from k3train.ops.kda import chunk_kda, kda_gate
+from k3train.ops.short_conv import causal_conv1d
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+class KDA(nn.Module):
+    def __init__(self, args: K3ModelArgs):
+        super().__init__()
+        d, H, K = args.dim, args.kda_heads, args.kda_head_dim
+        inner = H * K
+        self.n_heads, self.head_dim, self.g_min, self.chunk = H, K, args.kda_g_min, args.kda_chunk
+        self.q_proj = nn.Linear(d, inner, bias=False)
+        self.k_proj = nn.Linear(d, inner, bias=False)
+        self.v_proj = nn.Linear(d, inner, bias=False)
+        self.q_conv = nn.Parameter(torch.empty(inner, args.kda_conv_size))
+        self.k_conv = nn.Parameter(torch.empty(inner, args.kda_conv_size))
+        self.v_conv = nn.Parameter(torch.empty(inner, args.kda_conv_size))
+        self.f_a = nn.Linear(d, args.kda_decay_rank, bias=False)
+        self.f_b = nn.Linear(args.kda_decay_rank, inner, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(inner))
+        self.b_proj = nn.Linear(d, H, bias=False)
+        self.g_proj = nn.Linear(d, inner, bias=False)
+        self.o_norm = nn.RMSNorm(K, eps=args.norm_eps)
+        self.o_proj = nn.Linear(inner, d, bias=False)
+
+    def reset_decay_(self, generator: torch.Generator | None = None) -> None:
+        """A_log = 0; dt_bias so that per-token retention exp(g) starts log-uniform in [0.9, 0.999] (long memory
+        at init; f starts near 0)."""
+        with torch.no_grad():
+            self.A_log.zero_()
+            keep = torch.exp(torch.empty(self.dt_bias.shape).uniform_(math.log(0.9), math.log(0.999), generator=generator))
+            frac = torch.log(keep) / self.g_min  # sigmoid(dt_bias) = g / g_min
+            self.dt_bias.copy_(torch.log(frac) - torch.log1p(-frac))
+
+    def qkvgb(self, x: torch.Tensor, ctx: BatchContext):
+        """Projected, convolved and normalised q, k, v [B,T,H,K], log-decay g [B,T,H,K] fp32, beta [B,T,H]."""
+        B, T, _ = x.shape
+        H, K = self.n_heads, self.head_dim
+        pos = None if ctx.cu_seqlens is None else ctx.doc_layout(B, T, x.device)[0]
+        if ctx.cp is not None:
+            pos = ctx.cp.positions(B, T, x.device)
+
+        def branch(proj, w):
+            y = proj(x)
+            h = ctx.cp.conv_halo(y, w.shape[1]) if ctx.cp is not None else None
+            return F.silu(causal_conv1d(y, w, pos, h)).view(B, T, H, K)
+
+        q = l2norm(branch(self.q_proj, self.q_conv))
+        k = l2norm(branch(self.k_proj, self.k_conv))
+        v = branch(self.v_proj, self.v_conv)
+        g = kda_gate(self.f_b(self.f_a(x)).view(B, T, H, K), self.A_log, self.dt_bias, self.g_min)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        return q, k, v, g, beta
+
+    def forward(self, x: torch.Tensor, ctx: BatchContext | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        ctx = ctx or BatchContext()
+        q, k, v, g, beta = self.qkvgb(x, ctx)
+        if ctx.cp is not None:
+            o = ctx.cp.kda(q, k, v, g, beta, self.chunk)
+        elif ctx.cu_seqlens is None:
+            o, _ = chunk_kda(q, k, v, g, beta, chunk_size=self.chunk)
+        else:
+            flat = lambda t: t.reshape(1, B * T, *t.shape[2:])
+            o, _ = chunk_kda(flat(q), flat(k), flat(v), flat(g), flat(beta), cu_seqlens=ctx.cu_seqlens,
+                             chunk_size=self.chunk)
+            o = o.view(B, T, self.n_heads, self.head_dim)
+        o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.g_proj(x)).view(B, T, self.n_heads, self.head_dim)
+        return self.o_proj(o.reshape(B, T, -1))
+
+    def muon_structure(self) -> dict[str, MatrixStructure]:
+        H = self.n_heads
+        rows = MatrixStructure("rows", H)
+        return {"q_proj.weight": rows, "k_proj.weight": rows, "v_proj.weight": rows, "g_proj.weight": rows,
+                "f_b.weight": rows, "f_a.weight": MatrixStructure(), "b_proj.weight": MatrixStructure(),
+                "o_proj.weight": MatrixStructure("cols", H)}

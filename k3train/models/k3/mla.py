@@ -1,0 +1,71 @@
+"""Gated Multi-head Latent Attention without positional encoding (NoPE).
+
+Keys/values come from a 512-wide latent plus a 64-wide key slice shared by all heads (576 numbers cached per token).
+Training form: materialise per-head keys [latent part (128) || shared slice (64)] and values (128); causal softmax
+attention within each document with scale (128+64)^-1/2; the output is gated per channel by sigmoid(W_g x) before Wo.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3train.models.k3.args import K3ModelArgs
+from k3train.models.k3.context import BatchContext
+from k3train.models.structure import MatrixStructure
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, args: K3ModelArgs):
+        super().__init__()
+        d, H = args.dim, args.mla_heads
+        self.n_heads, self.k_dim, self.s_dim, self.v_dim = H, args.mla_k_head_dim, args.mla_shared_k_dim, args.mla_v_head_dim
+        self.kv_rank = args.mla_kv_rank
+        self.wq_a = nn.Linear(d, args.mla_q_rank, bias=False)
+        self.q_norm = nn.RMSNorm(args.mla_q_rank, eps=args.norm_eps)
+        self.wq_b = nn.Linear(args.mla_q_rank, H * (self.k_dim + self.s_dim), bias=False)
+        self.wkv_a = nn.Linear(d, self.kv_rank + self.s_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(self.kv_rank, eps=args.norm_eps)
+        self.wkv_b = nn.Linear(self.kv_rank, H * (self.k_dim + self.v_dim), bias=False)
+        self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
+        self.scale = (self.k_dim + self.s_dim) ** -0.5
+
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """The cached 576-wide latent [B, T, kv_rank + shared]: what context parallelism all-gathers."""
+        return self.wkv_a(x)
+
+    def keys_values(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head keys [B, H, Tk, k+s] and values [B, H, Tk, v] from the latent."""
+        B, Tk, _ = c_kv.shape
+        lat, k_shared = c_kv.split([self.kv_rank, self.s_dim], dim=-1)
+        kv = self.wkv_b(self.kv_norm(lat)).view(B, Tk, self.n_heads, self.k_dim + self.v_dim)
+        k_lat, v = kv.split([self.k_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_lat, k_shared[:, :, None, :].expand(B, Tk, self.n_heads, self.s_dim)], dim=-1)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, ctx: BatchContext | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        ctx = ctx or BatchContext()
+        q = self.wq_b(self.q_norm(self.wq_a(x))).view(B, T, self.n_heads, -1).transpose(1, 2)
+        c_kv = self.latent(x)
+        if ctx.cp is not None:
+            o = ctx.cp.mla_attention(self, q, c_kv, ctx)
+        else:
+            k, v = self.keys_values(c_kv)
+            if ctx.cu_seqlens is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            else:
+                _, doc = ctx.doc_layout(B, T, x.device)
+                causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+                mask = (doc[:, :, None] == doc[:, None, :]) & causal
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.scale)
+        o = o.transpose(1, 2) * torch.sigmoid(self.g_proj(x)).view(B, T, self.n_heads, self.v_dim)
+        return self.o_proj(o.reshape(B, T, -1))
+
+    def muon_structure(self) -> dict[str, MatrixStructure]:
+        H = self.n_heads
+        return {"wq_a.weight": MatrixStructure(), "wq_b.weight": MatrixStructure("rows", H),
+                "wkv_a.weight": MatrixStructure(), "wkv_b.weight": MatrixStructure("rows", H),
+                "g_proj.weight": MatrixStructure("rows", H), "o_proj.weight": MatrixStructure("cols", H)}

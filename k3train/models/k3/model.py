@@ -1,0 +1,185 @@
+"""The Kimi K3 decoder: 3 KDA : 1 Gated MLA layers, Block Attention Residuals, dense FFN then Stable LatentMoE.
+
+What flows between layers is the AttnRes state: a list of sources [embedding, completed block sums..., partial sum].
+Each sublayer reads a softmax mix of the sources and adds its output to the current block's partial sum; when a block
+of `attnres_block_layers` layers completes, its sum stays in the list as a completed source.
+
+Pipeline stages keep their layers' names (layers is a ModuleDict keyed by the 1-based layer number); a stage without
+the embedding takes the stacked sources [S, B, T, D] as input, and a stage without the head returns them stacked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torch import nn
+
+from k3train.models.k3.args import K3ModelArgs
+from k3train.models.k3.attn_res import AttnResMixer
+from k3train.models.k3.context import BatchContext
+from k3train.models.k3.ffn import SiTUGLU
+from k3train.models.k3.kda import KDA
+from k3train.models.k3.mla import GatedMLA
+from k3train.models.k3.moe import LatentMoE, Router
+from k3train.models.structure import MatrixStructure
+
+
+class K3Layer(nn.Module):
+    def __init__(self, args: K3ModelArgs, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.kind, self.ffn_kind = args.layer_kind(layer_id), args.ffn_kind(layer_id)
+        self.starts_block = (layer_id - 1) % args.attnres_block_layers == 0
+        d = args.dim
+        self.attn_res = AttnResMixer(d, args.norm_eps)
+        self.attn_norm = nn.RMSNorm(d, eps=args.norm_eps)
+        self.attn = KDA(args) if self.kind == "kda" else GatedMLA(args)
+        self.ffn_res = AttnResMixer(d, args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(d, eps=args.norm_eps)
+        self.ffn = (SiTUGLU(d, args.dense_hidden, args.situ_beta1, args.situ_beta2) if self.ffn_kind == "dense"
+                    else LatentMoE(args))
+
+    def forward(self, sources: list[torch.Tensor], ctx: BatchContext) -> list[torch.Tensor]:
+        a = self.attn(self.attn_norm(self.attn_res(sources)), ctx)
+        # The first layer of a block opens a new partial sum; later layers add to it.
+        sources = sources + [a] if self.starts_block else sources[:-1] + [sources[-1] + a]
+        f = self.ffn(self.ffn_norm(self.ffn_res(sources)))
+        return sources[:-1] + [sources[-1] + f]
+
+
+class K3Model(nn.Module):
+    def __init__(self, args: K3ModelArgs):
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.vision = None
+        if args.vision is not None:
+            from k3train.models.k3.vision import MoonViT
+            self.vision = MoonViT(args.vision, args.dim)
+        self.layers = nn.ModuleDict({str(i): K3Layer(args, i) for i in range(1, args.n_layers + 1)})
+        self.final_res = AttnResMixer(args.dim, args.norm_eps, learned=args.attnres_final_query)
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    # ---- forward --------------------------------------------------------------------------------
+    def embed(self, tokens: torch.Tensor, vision_embeds: torch.Tensor | None = None,
+              vision_mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        if vision_embeds is not None:
+            # Visual tokens replace their placeholder positions on the one causal timeline.
+            if vision_mask is None or int(vision_mask.sum()) != vision_embeds.shape[0]:
+                raise ValueError("vision_mask must mark exactly one position per visual token")
+            h = h.masked_scatter(vision_mask.unsqueeze(-1), vision_embeds.to(h.dtype))
+        return h
+
+    def forward(self, tokens: torch.Tensor, ctx: BatchContext | None = None, *,
+                vision_embeds: torch.Tensor | None = None, vision_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] int64 (or stacked sources [S, B, T, D] on a later pipeline stage) -> logits [B, T, V]
+        (or stacked sources on a stage without the head)."""
+        ctx = ctx or BatchContext()
+        if self.tok_embeddings is not None:
+            if tokens.dim() != 2:
+                raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
+            sources = [self.embed(tokens, vision_embeds, vision_mask)]
+        else:
+            sources = list(tokens.unbind(0))
+        for layer in self.layers.values():
+            sources = layer(sources, ctx)
+        if self.output is None:
+            return torch.stack(sources)
+        return self.output(self.norm(self.final_res(sources)))
+
+    # ---- init -----------------------------------------------------------------------------------
+    @staticmethod
+    def _generator(seed: int, name: str) -> torch.Generator:
+        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise every parameter from a generator seeded by (seed, its fully-qualified name), so a parameter
+        gets the same values whichever pipeline stage or process holds it. Values are drawn on the CPU."""
+        std = self.args.init_std
+        out_std = std / math.sqrt(2 * self.args.n_layers)  # residual-writing projections
+        residual_out = ("o_proj.weight", "ffn.w2.weight", "w_up.weight", "shared.w2.weight", "experts.w2")
+        for name, p in self.named_parameters():
+            gen = self._generator(seed, name)
+            leaf = name.rsplit(".", 1)[-1]
+            with torch.no_grad():
+                if name.endswith(("attn_res.query", "ffn_res.query", "final_res.query")):
+                    val = torch.zeros(p.shape)
+                elif name.endswith(("norm.weight", "key_norm")) or leaf == "key_norm":
+                    val = torch.ones(p.shape)
+                elif leaf in ("A_log", "dt_bias"):
+                    continue  # set below by reset_decay_
+                elif leaf.endswith("_conv"):
+                    bound = 1.0 / math.sqrt(p.shape[-1])
+                    val = torch.empty(p.shape).uniform_(-bound, bound, generator=gen)
+                elif name == "tok_embeddings.weight":
+                    val = torch.empty(p.shape).normal_(0.0, 1.0, generator=gen)
+                else:
+                    s = out_std if name.endswith(residual_out) else std
+                    val = torch.empty(p.shape).normal_(0.0, s, generator=gen)
+                p.copy_(val.to(p.dtype))
+        for name, m in self.named_modules():
+            if isinstance(m, KDA):
+                m.reset_decay_(self._generator(seed, name + ".decay"))
+            elif isinstance(m, Router):
+                m.bias.zero_()
+                m.load.zero_()
+        if self.vision is not None and hasattr(self.vision, "init_weights"):
+            self.vision.init_weights(seed)
+
+    # ---- facts for optimizers, balancing and metrics --------------------------------------------
+    def muon_structure(self) -> dict[str, MatrixStructure]:
+        """FQN -> how the weight splits into matrices for Per-Head Muon; parameters not listed go to AdamW."""
+        out: dict[str, MatrixStructure] = {}
+        for prefix, m in self.named_modules():
+            if m is self or not hasattr(m, "muon_structure"):
+                continue
+            for k, v in m.muon_structure().items():
+                out[f"{prefix}.{k}"] = v
+        names = dict(self.named_parameters())
+        return {k: v for k, v in out.items() if k in names}
+
+    def routers(self) -> dict[str, Router]:
+        return {n: m for n, m in self.named_modules() if isinstance(m, Router)}
+
+    def moe_load(self) -> dict[str, torch.Tensor]:
+        """Tokens per expert routed since the last call, per MoE layer; resets the counters."""
+        out = {}
+        for name, r in self.routers().items():
+            out[name] = r.load.clone()
+            r.load.zero_()
+        return out
+
+    def required_seq_multiple(self) -> int:
+        return required_seq_multiple(self.args)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return flops_per_token(self.args, seq_len)
+
+
+def required_seq_multiple(args: K3ModelArgs) -> int:
+    """Packed rows must hold whole KDA chunks (chunks align with context-parallel shards and kernels' tiles)."""
+    return args.kda_chunk
+
+
+def active_params(args: K3ModelArgs) -> int:
+    """Parameters touched per token: everything but the input embedding, vision and the unselected experts."""
+    from k3train.models.k3.counts import count_params
+    c = count_params(args)
+    return c["active"]
+
+
+def flops_per_token(args: K3ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x active weights + attention (causal MLA; KDA's chunked state work)."""
+    n_mla = sum(args.layer_kind(i) == "mla" for i in range(1, args.n_layers + 1))
+    n_kda = args.n_layers - n_mla
+    H, dqk, dv = args.mla_heads, args.mla_qk_head_dim, args.mla_v_head_dim
+    mla = n_mla * 2 * (seq_len / 2) * H * (dqk + dv)  # scores + values over the causal half, forward
+    K, C = args.kda_head_dim, args.kda_chunk
+    kda = n_kda * args.kda_heads * (6 * K * K + 3 * C * K + C * C)  # ALGORITHMS.md §1, forward
+    return 6.0 * active_params(args) + 3.0 * (mla + kda)

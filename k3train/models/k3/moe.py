@@ -1,0 +1,135 @@
+"""Stable LatentMoE: router -> dispatcher -> routed experts at latent width -> combiner, plus full-width shared experts.
+
+    s = sigmoid(W_r x);  T = top-k(s + b);  p = s_T / sum(s_T)
+    z = W_down x;  u = sum_{j in T} p_j E_j(z);  y = sum_shared E_s(x) + W_up RMSNorm(u)
+
+The selection bias b (Quantile Balancing) changes which experts are chosen only: the weights p and every gradient
+use the unbiased scores. The dispatcher is a seam: local (here), all-to-all expert parallel, or MoonEP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3train.models.k3.args import K3ModelArgs
+from k3train.models.k3.ffn import SiTUGLU
+from k3train.models.structure import MatrixStructure
+from k3train.ops.grouped_mm import grouped_mm
+from k3train.ops.situ import situ
+
+
+class Router(nn.Module):
+    """Sigmoid router with a selection-only bias. `balancer` (if set) observes detached scores in training."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, score_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.n_experts, self.top_k, self.score_dtype = n_experts, top_k, score_dtype
+        self.weight = nn.Parameter(torch.empty(n_experts, dim))
+        self.register_buffer("bias", torch.zeros(n_experts, dtype=torch.float32))  # persistent: in checkpoints
+        self.register_buffer("load", torch.zeros(n_experts, dtype=torch.int64), persistent=False)
+        self.balancer = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (expert ids [N, K] int64, mixture weights [N, K] fp32)."""
+        scores = torch.sigmoid(F.linear(x.to(self.score_dtype), self.weight.to(self.score_dtype)))
+        with torch.no_grad():
+            idx = torch.topk(scores + self.bias.to(scores.dtype), self.top_k, dim=-1, sorted=False).indices
+            if self.training:
+                self.load += torch.bincount(idx.flatten(), minlength=self.n_experts)
+                if self.balancer is not None:
+                    self.balancer.observe(scores.detach().float(), self.bias)
+        chosen = scores.gather(-1, idx)
+        return idx, (chosen / chosen.sum(-1, keepdim=True)).float()
+
+
+class GroupedExperts(nn.Module):
+    """`n_experts` SiTU-GLU experts of width dim -> hidden -> dim, run as grouped matmuls over expert-sorted rows."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int, beta1: float, beta2: float):
+        super().__init__()
+        self.beta1, self.beta2 = beta1, beta2
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # gate
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # linear
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # down
+
+    @property
+    def n_experts(self) -> int:
+        return self.w1.shape[0]
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [M, dim] sorted by expert; counts [n_experts] rows per expert."""
+        h = situ(grouped_mm(x, self.w1, counts), grouped_mm(x, self.w3, counts), self.beta1, self.beta2)
+        return grouped_mm(h, self.w2, counts)
+
+
+class LocalDispatcher:
+    """Sort token-expert rows by expert on this process; combine un-sorts and mixes with the weights."""
+
+    def dispatch(self, z: torch.Tensor, idx: torch.Tensor, n_experts: int):
+        """z [N, L], idx [N, K] -> (rows [N*K, L] grouped by expert, counts [n_experts], state for combine)."""
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=n_experts)
+        return z[order // idx.shape[1]], counts, order
+
+    def combine(self, y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        """y [N*K, L] in dispatch order, weights [N, K] -> u [N, L] = sum_k weights * expert output."""
+        N, K = weights.shape
+        unsorted = y[torch.argsort(order)].view(N, K, -1)
+        return torch.einsum("nk,nkl->nl", weights.to(y.dtype), unsorted)
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, args: K3ModelArgs):
+        super().__init__()
+        d, L = args.dim, args.moe_latent_dim
+        self.router = Router(d, args.n_experts, args.top_k, getattr(torch, args.router_score_dtype))
+        self.w_down = nn.Linear(d, L, bias=False)
+        self.experts = GroupedExperts(args.n_experts, L, args.expert_hidden, args.situ_beta1, args.situ_beta2)
+        self.latent_norm = nn.RMSNorm(L, eps=args.norm_eps)
+        self.w_up = nn.Linear(L, d, bias=False)
+        self.shared = (SiTUGLU(d, args.shared_hidden, args.situ_beta1, args.situ_beta2, args.n_shared_experts)
+                       if args.n_shared_experts > 0 else None)
+        self.dispatcher = LocalDispatcher()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        idx, weights = self.router(xf)
+        z = self.w_down(xf)
+        rows, counts, state = self.dispatcher.dispatch(z, idx, self.router.n_experts)
+        u = self.dispatcher.combine(self.experts(rows, counts), weights, state)
+        y = self.w_up(self.latent_norm(u))
+        if self.shared is not None:
+            y = y + self.shared(xf)
+        return y.view(shape)
+
+    def muon_structure(self) -> dict[str, MatrixStructure]:
+        s = {"router.weight": MatrixStructure(), "w_down.weight": MatrixStructure(), "w_up.weight": MatrixStructure(),
+             "experts.w1": MatrixStructure("batch"), "experts.w3": MatrixStructure("batch"),
+             "experts.w2": MatrixStructure("batch")}
+        if self.shared is not None:
+            s.update({f"shared.{k}": v for k, v in self.shared.muon_structure().items()})
+        return s
+
+
+def moe_reference(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
+    """Token-by-token, expert-by-expert reference of LatentMoE.forward (slow; for tests)."""
+    xf = x.reshape(-1, x.shape[-1])
+    idx, weights = moe.router(xf)
+    z = moe.w_down(xf)
+    ex = moe.experts
+    u = []
+    for n in range(xf.shape[0]):
+        acc = 0
+        for k in range(idx.shape[1]):
+            e = int(idx[n, k])
+            h = situ(z[n] @ ex.w1[e], z[n] @ ex.w3[e], ex.beta1, ex.beta2)
+            acc = acc + weights[n, k] * (h @ ex.w2[e])
+        u.append(acc)
+    y = moe.w_up(moe.latent_norm(torch.stack(u)))
+    if moe.shared is not None:
+        y = y + moe.shared(xf)
+    return y.view(x.shape)
