@@ -218,3 +218,21 @@ def test_bad_cu_seqlens():
     for cu, msg in [([0, 10, 32], "row boundary"), ([0, 16, 30], "end"), ([0, 16, 16, 32], "increasing")]:
         with pytest.raises(ValueError, match=msg):
             m(tokens, BatchContext(cu_seqlens=torch.tensor(cu, dtype=torch.int32)))
+
+
+def test_count_params_tool_contract():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(root / "tools" / "count_params.py"), "model=k3_full"],
+                         capture_output=True, text=True, check=True, cwd=root).stdout
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last == {"total": 2_779_931_738_208, "text": 2_779_484_379_232, "vision": 447_358_976,
+                    "routed": 2_722_740_830_208, "active": 104_189_515_872}
+    assert "kda" in out and "moe_routed" in out
+    bad = subprocess.run([sys.executable, str(root / "tools" / "count_params.py"), "model=nope"],
+                         capture_output=True, text=True, cwd=root)
+    assert bad.returncode == 2 and "unknown model preset 'nope'" in bad.stderr

@@ -30,12 +30,12 @@ class VisionArgs:
     """Attention heads."""
     head_dim: int = 64
     """Per-head width of the attention projections."""
-    mlp_hidden: int = 4096
-    """Hidden width of each layer's MLP."""
+    mlp_hidden: int = 2730
+    """Hidden width of each layer's SwiGLU MLP (2730 = floor(2/3 * 4096): the budget of a 4096-wide GELU MLP)."""
     pos_grid: int = 64
     """Learned 2-D position table is pos_grid × pos_grid, interpolated to the image's patch grid."""
-    max_frames: int = 64
-    """Learned temporal position rows for video."""
+    max_frames: int = 16
+    """Learned temporal position rows; a clip has at most this many frames."""
     merge: int = 2
     """Pixel-shuffle factor: merge × merge neighbouring patches become one token."""
     projector_hidden: int = 4096
@@ -43,7 +43,7 @@ class VisionArgs:
     max_image_side: int = 3584
     """Largest accepted image side in pixels."""
     norm_eps: float = 1e-6
-    """LayerNorm epsilon."""
+    """RMSNorm epsilon in the tower, LayerNorm epsilon in the projector."""
 
 
 @dataclass(kw_only=True)
