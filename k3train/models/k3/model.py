@@ -181,5 +181,5 @@ def flops_per_token(args: K3ModelArgs, seq_len: int) -> float:
     H, dqk, dv = args.mla_heads, args.mla_qk_head_dim, args.mla_v_head_dim
     mla = n_mla * 2 * (seq_len / 2) * H * (dqk + dv)  # scores + values over the causal half, forward
     K, C = args.kda_head_dim, args.kda_chunk
-    kda = n_kda * args.kda_heads * (6 * K * K + 3 * C * K + C * C)  # ALGORITHMS.md §1, forward
+    kda = n_kda * args.kda_heads * (6 * K * K + 3 * C * K + C * C)  # chunked KDA, forward (Kimi Linear)
     return 6.0 * active_params(args) + 3.0 * (mla + kda)

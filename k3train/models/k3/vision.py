@@ -11,7 +11,7 @@ Data path, for each item (an image is a clip of one frame):
   -> 2x2 pixel shuffle: merge x merge neighbouring patches of a frame -> one token of width * merge^2 = 4096
   -> projector LayerNorm(4096) + Linear(4096, 4096) + GELU + Linear(4096, out_dim), with biases.
 
-Parameter count of the released shape (K3_SPEC: tower 401,202,176; tower + projector 447,358,976):
+Parameter count of the released shape (K3 report: tower 401,202,176; tower + projector 447,358,976):
   patch embedding   588 x 1024                                      =     602,112
   position table    64 x 64 x 1024                                  =   4,194,304
   temporal rows     16 x 1024                                       =      16,384
