@@ -1,0 +1,499 @@
+"""Per-Head Muon, its ZeRO-1 sharded step, and QK-Clip.
+
+Muon per matrix (Moonlight convention):
+    M <- mu M + G;  U = G + mu M (Nesterov);  O = NS5(U);  W <- W (1 - lr wd) - lr * 0.2 sqrt(max(A, B)) * O
+
+Per-head: a weight declares how it decomposes (`k3train.models.structure.MatrixStructure`): heads stacked on the rows
+("rows") or on the columns ("cols"), a leading batch of independent matrices ("batch", e.g. routed experts), or one
+matrix ("matrix"). The update is viewed as those matrices, every matrix of the same shape across ALL parameters is
+orthogonalised in one batched Newton-Schulz call, and the result is repacked into the parameter's layout. Each matrix
+is scaled by 0.2 sqrt(max(rows_h, cols_h)) of its own shape, which gives an update RMS close to AdamW's (about 0.18).
+
+Scaling conventions versus torch.optim.Muon (a reference for one plain matrix):
+- torch keeps an EMA momentum B <- mu B + (1 - mu) G and a Nesterov update (1 - mu) G + mu B. That is exactly
+  (1 - mu) times ours at every step; NS5 normalises by the Frobenius norm, so the orthogonalised updates agree
+  (up to the 1e-7 epsilon).
+- with adjust_lr_fn="match_rms_adamw" torch scales by 0.2 sqrt(max(A, B)) and decays by W <- W (1 - lr wd): the same.
+- torch runs NS5 in bfloat16; here it runs in float32 (float64 inputs stay float64) unless `ns_bf16=True`.
+
+The same optimizer also steps plain AdamW groups (`algorithm="adamw"` in a param group), so embeddings, the LM head,
+norms, biases and 1-D vectors live in one optimizer object with one state dict and one set of `lr` entries for an LR
+scheduler; see `k3train.optim.param_groups.build_optimizer`.
+
+ZeRO-1 (`process_group=`): every independent matrix (a head, an expert, a whole matrix) has one owner rank, chosen by
+`assign_owners` to balance Newton-Schulz cost. The owner keeps that matrix's momentum (optimizer state is sharded),
+orthogonalises it, and the orthogonalised updates are all-gathered in one collective so every rank applies the same
+update to its full replica of the parameters. Gradients must already be reduced over the data-parallel group.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.optim.adamw import adamw as _adamw_functional
+
+from k3train.models.structure import MatrixStructure
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+MUON_RMS_SCALE = 0.2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Newton-Schulz
+# ---------------------------------------------------------------------------------------------------------------------
+def newton_schulz5(G: Tensor, steps: int = 5, eps: float = 1e-7, *, bf16: bool = False) -> Tensor:
+    """Approximate orthogonalisation U V^T of every matrix in G [..., A, B] (batched over leading dims).
+
+    X = G / (||G||_F + eps) per matrix; tall matrices are transposed so the Gram matrix is the small side;
+    `steps` times: A = X X^T; X <- a X + (b A + c A^2) X with (a, b, c) = (3.4445, -4.7750, 2.0315).
+    Computes in float32 (float64 inputs stay float64; `bf16=True` computes in bfloat16, for accelerators) and
+    returns G's dtype. Singular values of the normalised input in [0.01, 1] land in about [0.68, 1.13].
+    """
+    if G.ndim < 2:
+        raise ValueError(f"newton_schulz5 needs a tensor [..., A, B], got shape {tuple(G.shape)}")
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    a, b, c = NS_COEFFICIENTS
+    dtype = torch.bfloat16 if bf16 else (torch.float64 if G.dtype == torch.float64 else torch.float32)
+    X = G.to(dtype)
+    tall = X.shape[-2] > X.shape[-1]
+    if tall:
+        X = X.mT
+    # Normalise in at least fp32 so the Frobenius norm of a large matrix does not lose precision.
+    norm = torch.linalg.matrix_norm(X.to(torch.promote_types(dtype, torch.float32)), keepdim=True)
+    X = X / (norm + eps).to(dtype)
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * (A @ A)) @ X
+    if tall:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+def newton_schulz5_reference(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
+    """One 2-D matrix, float64, straight from the formula (slow; for tests)."""
+    a, b, c = NS_COEFFICIENTS
+    X = G.double()
+    tall = X.shape[0] > X.shape[1]
+    if tall:
+        X = X.T
+    X = X / (torch.linalg.matrix_norm(X) + eps)
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if tall else X
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Matrix views of structured parameters
+# ---------------------------------------------------------------------------------------------------------------------
+def check_structure(name: str, shape: Sequence[int], s: MatrixStructure) -> None:
+    """Raise ValueError if `s` cannot describe a tensor of `shape` (name is used in the message)."""
+    shape = tuple(shape)
+    if s.kind not in ("matrix", "rows", "cols", "batch"):
+        raise ValueError(f"{name}: unknown MatrixStructure kind {s.kind!r}")
+    if len(shape) < 2:
+        raise ValueError(f"{name}: Muon needs a tensor with >= 2 dims, got shape {shape}")
+    if s.kind == "matrix" and len(shape) != 2:
+        raise ValueError(f"{name}: kind 'matrix' needs a 2-D weight, got shape {shape} (use 'batch' for stacks)")
+    if not isinstance(s.groups, int) or s.groups < 1:
+        raise ValueError(f"{name}: groups must be a positive integer, got {s.groups!r}")
+    if s.kind == "rows" and shape[-2] % s.groups:
+        raise ValueError(f"{name}: {shape[-2]} rows do not split into {s.groups} heads")
+    if s.kind == "cols" and shape[-1] % s.groups:
+        raise ValueError(f"{name}: {shape[-1]} columns do not split into {s.groups} heads")
+
+
+def matrix_shape(shape: Sequence[int], s: MatrixStructure, per_head: bool = True) -> tuple[int, int, int]:
+    """(number of matrices, rows, cols) of the matrices a tensor of `shape` decomposes into."""
+    *lead, R, C = shape
+    L = math.prod(lead)
+    if per_head and s.kind == "rows":
+        return L * s.groups, R // s.groups, C
+    if per_head and s.kind == "cols":
+        return L * s.groups, R, C // s.groups
+    return L, R, C
+
+
+def to_matrices(t: Tensor, s: MatrixStructure, per_head: bool = True) -> Tensor:
+    """View/copy t [..., R, C] as its independent matrices [N, r, c] (heads in order, leading dims outermost)."""
+    *lead, R, C = t.shape
+    L = math.prod(lead)
+    if per_head and s.kind == "rows":  # heads are contiguous row blocks: a pure reshape
+        return t.reshape(L * s.groups, R // s.groups, C)
+    if per_head and s.kind == "cols":  # heads are column blocks: bring the head index in front
+        g = s.groups
+        return t.reshape(L, R, g, C // g).permute(0, 2, 1, 3).reshape(L * g, R, C // g)
+    return t.reshape(L, R, C)
+
+
+def from_matrices(m: Tensor, shape: Sequence[int], s: MatrixStructure, per_head: bool = True) -> Tensor:
+    """Inverse of `to_matrices`: repack matrices [N, r, c] into a tensor of `shape`."""
+    *lead, R, C = shape
+    L = math.prod(lead)
+    if per_head and s.kind == "cols":
+        g = s.groups
+        return m.reshape(L, g, R, C // g).permute(0, 2, 1, 3).reshape(shape)
+    return m.reshape(shape)
+
+
+def muon_scale(rows: int, cols: int) -> float:
+    """Update scale of one matrix: 0.2 sqrt(max(rows, cols)) matches AdamW's update RMS (Moonlight)."""
+    return MUON_RMS_SCALE * math.sqrt(max(rows, cols))
+
+
+def orthogonalise_bucketed(mats: Sequence[Tensor], steps: int = 5, eps: float = 1e-7,
+                           bf16: bool = False) -> list[Tensor]:
+    """NS5 of a list of matrix stacks [N_i, r_i, c_i] with ONE batched call per distinct shape.
+
+    Tall stacks are transposed first so [r, c] and [c, r] matrices share a bucket (NS5 is transpose-equivariant).
+    """
+    buckets: dict[tuple[int, int], list[int]] = {}
+    for i, m in enumerate(mats):
+        r, c = m.shape[-2:]
+        buckets.setdefault((min(r, c), max(r, c)), []).append(i)
+    out: list[Tensor | None] = [None] * len(mats)
+    for idx in buckets.values():
+        wide = [mats[i] if mats[i].shape[-2] <= mats[i].shape[-1] else mats[i].mT for i in idx]
+        O = newton_schulz5(torch.cat(wide) if len(wide) > 1 else wide[0], steps, eps, bf16=bf16)
+        for i, o in zip(idx, O.split([w.shape[0] for w in wide])):
+            out[i] = o if mats[i].shape[-2] <= mats[i].shape[-1] else o.mT
+    return out  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# ZeRO-1 ownership
+# ---------------------------------------------------------------------------------------------------------------------
+def ns_cost(rows: int, cols: int) -> int:
+    """Newton-Schulz work of one matrix, up to a constant: A*B*min(A, B)."""
+    return rows * cols * min(rows, cols)
+
+
+def assign_owners(shapes: Sequence[Sequence[int]], world: int) -> list[int]:
+    """Owner rank of each matrix (shape (A, B)): greedy largest-cost-first onto the least-loaded rank.
+
+    Deterministic (ties go to the lower index / lower rank), so every rank computes the same assignment.
+    """
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    costs = [ns_cost(int(s[-2]), int(s[-1])) for s in shapes]
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    heap = [(0, r) for r in range(world)]
+    owners = [0] * len(costs)
+    for i in order:
+        load, r = heapq.heappop(heap)
+        owners[i] = r
+        heapq.heappush(heap, (load + costs[i], r))
+    return owners
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The optimizer
+# ---------------------------------------------------------------------------------------------------------------------
+def _state_dtype(p: Tensor) -> torch.dtype:
+    # Low-precision weights keep fp32 optimizer state; fp32/fp64 weights keep their own dtype.
+    return torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype
+
+
+class PerHeadMuon(Optimizer):
+    """Per-Head Muon on structured matrices, plus plain AdamW on groups marked ``algorithm="adamw"``.
+
+    params: tensors (each a whole 2-D matrix) or param-group dicts. A Muon group may carry ``"structures"``: a list of
+    MatrixStructure aligned with its ``"params"`` (absent: every param is a whole matrix, 2-D only). Structures are
+    kept by the optimizer, not in the saved state dict. Group keys: lr, weight_decay, momentum, nesterov, ns_steps,
+    per_head (False: "rows"/"cols" params are orthogonalised as whole matrices; "batch" is always per matrix),
+    algorithm ("muon" or "adamw"), betas and eps (AdamW groups).
+    process_group: shard the Muon state and Newton-Schulz work across this group (ZeRO-1); every rank must hold the
+    same parameters and the same reduced gradients, and ends with the same parameters.
+    """
+
+    def __init__(self, params: Iterable, *, lr: float = 3e-3, momentum: float = 0.95, weight_decay: float = 0.1,
+                 nesterov: bool = True, ns_steps: int = 5, per_head: bool = True, ns_eps: float = 1e-7,
+                 ns_bf16: bool = False, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 process_group: dist.ProcessGroup | None = None):
+        if not lr >= 0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must lie in [0, 1), got {momentum}")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if ns_steps < 1:
+            raise ValueError(f"ns_steps must be >= 1, got {ns_steps}")
+        self._structure: dict[int, MatrixStructure] = {}
+        self.process_group = process_group
+        self._plan = None  # ZeRO-1 ownership plan, built at the first sharded step
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, ns_steps=ns_steps,
+                        per_head=per_head, ns_eps=ns_eps, ns_bf16=ns_bf16, betas=betas, eps=eps, algorithm="muon")
+        super().__init__(params, defaults)
+
+    # -- groups ---------------------------------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        param_group = dict(param_group)
+        structures = param_group.pop("structures", None)
+        algorithm = param_group.get("algorithm", self.defaults["algorithm"])
+        if algorithm not in ("muon", "adamw"):
+            raise ValueError(f"param group algorithm must be 'muon' or 'adamw', got {algorithm!r}")
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if algorithm == "adamw":
+            if structures is not None:
+                raise ValueError("an 'adamw' param group takes no 'structures'")
+            return
+        params = group["params"]
+        if structures is None:
+            structures = [MatrixStructure()] * len(params)
+        if len(structures) != len(params):
+            raise ValueError(f"'structures' has {len(structures)} entries for {len(params)} params")
+        for i, (p, s) in enumerate(zip(params, structures)):
+            if not isinstance(s, MatrixStructure):
+                raise ValueError(f"structures[{i}] must be a MatrixStructure, got {type(s).__name__}")
+            check_structure(f"param {i} of group {len(self.param_groups) - 1}", p.shape, s)
+            self._structure[id(p)] = s
+        self._plan = None
+
+    def structure_of(self, p: Tensor) -> MatrixStructure:
+        return self._structure[id(p)]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # torch casts loaded state to the param's dtype; Muon momentum of a bf16 weight must stay fp32.
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, st in saved.items():
+            if not isinstance(i, int):
+                continue
+            p = params[i]
+            for key in ("momentum_buffer", "momentum_owned"):
+                if key in st:
+                    self.state[p][key] = st[key].to(device=p.device, dtype=_state_dtype(p)).clone()
+
+    # -- step ---------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["algorithm"] == "adamw":
+                self._adamw_step(group)
+        if self._sharded():
+            self._muon_step_sharded()
+        else:
+            self._muon_step()
+        return loss
+
+    def _sharded(self) -> bool:
+        g = self.process_group
+        return g is not None and dist.is_initialized() and dist.get_world_size(g) > 1
+
+    def _nesterov_update(self, group: dict, g: Tensor, buf: Tensor) -> Tensor:
+        """Advance the momentum buffer in place and return the (Nesterov) update, in buf's dtype."""
+        mu = group["momentum"]
+        buf.mul_(mu).add_(g.to(buf.dtype))
+        return g.to(buf.dtype).add(buf, alpha=mu) if group["nesterov"] else buf.clone()
+
+    def _ns_settings(self) -> tuple[int, float, bool]:
+        # Newton-Schulz settings must be the same across Muon groups, since buckets mix groups.
+        ms = [g for g in self.param_groups if g["algorithm"] == "muon"]
+        keys = {(g["ns_steps"], g["ns_eps"], g["ns_bf16"]) for g in ms}
+        if len(keys) > 1:
+            raise ValueError(f"Muon groups disagree on (ns_steps, ns_eps, ns_bf16): {sorted(keys)}")
+        return keys.pop() if keys else (5, 1e-7, False)
+
+    def _apply(self, group: dict, p: Tensor, upd: Tensor, scale: float) -> None:
+        lr, wd = group["lr"], group["weight_decay"]
+        if wd:
+            p.mul_(1 - lr * wd)
+        p.add_(upd.to(p.dtype), alpha=-lr * scale)
+
+    def _muon_step(self) -> None:
+        steps, eps, bf16 = self._ns_settings()
+        items, mats = [], []
+        for group in self.param_groups:
+            if group["algorithm"] != "muon":
+                continue
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p, dtype=_state_dtype(p))
+                u = self._nesterov_update(group, p.grad, state["momentum_buffer"])
+                s = self._structure[id(p)]
+                items.append((group, p, s))
+                mats.append(to_matrices(u, s, group["per_head"]))
+        for (group, p, s), O in zip(items, orthogonalise_bucketed(mats, steps, eps, bf16)):
+            upd = from_matrices(O, p.shape, s, group["per_head"])
+            self._apply(group, p, upd, muon_scale(*O.shape[-2:]))
+
+    # -- ZeRO-1 ------------------------------------------------------------------------------------------------
+    def _build_plan(self) -> dict:
+        """Owners of every matrix of every Muon param (in group/param order, identical on all ranks)."""
+        g = self.process_group
+        world, rank = dist.get_world_size(g), dist.get_rank(g)
+        params, shapes, spans = [], [], []
+        for gi, group in enumerate(self.param_groups):
+            if group["algorithm"] != "muon":
+                continue
+            for p in group["params"]:
+                n, r, c = matrix_shape(p.shape, self._structure[id(p)], group["per_head"])
+                spans.append((len(shapes), n))
+                shapes.extend([(r, c)] * n)
+                params.append((gi, p, r, c))
+        owners = torch.tensor(assign_owners(shapes, world), dtype=torch.long)
+        per_param = []
+        offsets = [0] * world  # running offset of each rank's packed update buffer
+        for (gi, p, r, c), (start, n) in zip(params, spans):
+            own = owners[start:start + n]
+            by_rank = []
+            for q in range(world):
+                idx = torch.nonzero(own == q).flatten()
+                by_rank.append((idx.to(p.device), offsets[q], idx.numel() * r * c))
+                offsets[q] += idx.numel() * r * c
+            per_param.append(dict(group=gi, param=p, rows=r, cols=c, n=n, by_rank=by_rank))
+        return dict(world=world, rank=rank, params=per_param, sizes=offsets)
+
+    def _muon_step_sharded(self) -> None:
+        if self._plan is None:
+            self._plan = self._build_plan()
+        plan = self._plan
+        rank, world = plan["rank"], plan["world"]
+        steps, eps, bf16 = self._ns_settings()
+        for e in plan["params"]:  # every rank needs every grad, or none, to keep the packed layout in step
+            if e["param"].grad is None:
+                raise RuntimeError("sharded PerHeadMuon needs a gradient for every Muon parameter on every step")
+        mine, mats = [], []
+        for e in plan["params"]:
+            group, p = self.param_groups[e["group"]], e["param"]
+            idx = e["by_rank"][rank][0]
+            if idx.numel() == 0:
+                continue
+            state = self.state[p]
+            s = self._structure[id(p)]
+            g_own = to_matrices(p.grad, s, group["per_head"]).index_select(0, idx)
+            if "momentum_owned" not in state:
+                state["momentum_owned"] = torch.zeros_like(g_own, dtype=_state_dtype(p))
+            mine.append(e)
+            mats.append(self._nesterov_update(group, g_own, state["momentum_owned"]))
+        O_mine = orthogonalise_bucketed(mats, steps, eps, bf16)
+        device = plan["params"][0]["param"].device if plan["params"] else torch.device("cpu")
+        # One all-gather of every rank's packed updates (padded to the longest), fp32 for exact replicas.
+        width = max(plan["sizes"]) if plan["sizes"] else 0
+        send = torch.zeros(width, dtype=torch.float32, device=device)
+        for e, O in zip(mine, O_mine):
+            _, off, n = e["by_rank"][rank]
+            send[off:off + n] = O.reshape(-1).float()
+        recv = [torch.empty_like(send) for _ in range(world)]
+        dist.all_gather(recv, send, group=self.process_group)
+        for e in plan["params"]:
+            group, p = self.param_groups[e["group"]], e["param"]
+            r, c = e["rows"], e["cols"]
+            O = torch.empty(e["n"], r, c, dtype=torch.float32, device=p.device)
+            for q, (idx, off, n) in enumerate(e["by_rank"]):
+                if n:
+                    O.index_copy_(0, idx, recv[q][off:off + n].view(-1, r, c))
+            upd = from_matrices(O, p.shape, self._structure[id(p)], group["per_head"])
+            self._apply(group, p, upd, muon_scale(r, c))
+
+    # -- AdamW groups ------------------------------------------------------------------------------------------
+    def _adamw_step(self, group: dict) -> None:
+        """torch's functional AdamW, with torch.optim.AdamW's state layout (step, exp_avg, exp_avg_sq)."""
+        params, grads, m1, m2, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            m1.append(state["exp_avg"])
+            m2.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        _adamw_functional(params, grads, m1, m2, [], steps, foreach=None, capturable=False, differentiable=False,
+                          fused=None, grad_scale=None, found_inf=None, has_complex=False, amsgrad=False,
+                          beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                          eps=group["eps"], maximize=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# QK-Clip (Kimi K2's MuonClip)
+# ---------------------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def qk_clip_(q_weight: Tensor, k_weight: Tensor, max_logits: Tensor, threshold: float, *, n_heads: int,
+             qk_dim: int | None = None, shared_dim: int = 0) -> Tensor:
+    """Rescale per-head query/key rows in place so no head's max attention logit exceeds `threshold`.
+
+    For head h with max logit S_h > threshold, gamma_h = threshold / S_h; the head's own query rows and key rows are
+    multiplied by sqrt(gamma_h), so q.k scales by gamma_h. Query rows that pair with a key slice SHARED by all heads
+    (MLA's shared key) get the full gamma_h and the shared key is left alone, so other heads are unaffected.
+
+    q_weight [H * q_rows, in]: per head, rows [0, qk_dim) pair with the head's own key rows, rows
+      [qk_dim, qk_dim + shared_dim) pair with the shared key slice; q_rows = qk_dim + shared_dim.
+    k_weight [H * k_rows, in]: per head, rows [0, qk_dim) are the key; further rows (e.g. the values of a fused
+      key/value up-projection) are untouched.
+    max_logits [H]: the largest pre-softmax logit (scale included) of each head seen since the last clip.
+    Returns gamma [H] (1 where no clipping happened).
+    """
+    if threshold <= 0:
+        raise ValueError(f"QK-Clip threshold must be > 0, got {threshold}")
+    H = n_heads
+    if max_logits.shape != (H,):
+        raise ValueError(f"max_logits must have shape [{H}], got {tuple(max_logits.shape)}")
+    if q_weight.shape[0] % H or k_weight.shape[0] % H:
+        raise ValueError(f"q_weight rows {q_weight.shape[0]} and k_weight rows {k_weight.shape[0]} "
+                         f"must split into {H} heads")
+    q_rows, k_rows = q_weight.shape[0] // H, k_weight.shape[0] // H
+    qk_dim = q_rows - shared_dim if qk_dim is None else qk_dim
+    if qk_dim + shared_dim != q_rows or qk_dim > k_rows or qk_dim < 1 or shared_dim < 0:
+        raise ValueError(f"qk_dim={qk_dim}, shared_dim={shared_dim} do not fit q rows/head {q_rows}, "
+                         f"k rows/head {k_rows}")
+    gamma = (threshold / max_logits.float().clamp(min=1e-30)).clamp(max=1.0)
+    root = gamma.sqrt()
+    q = q_weight.view(H, q_rows, -1)
+    k = k_weight.view(H, k_rows, -1)
+    q[:, :qk_dim].mul_(root.to(q.dtype)[:, None, None])
+    k[:, :qk_dim].mul_(root.to(k.dtype)[:, None, None])
+    if shared_dim:
+        q[:, qk_dim:].mul_(gamma.to(q.dtype)[:, None, None])
+    return gamma
+
+
+@torch.no_grad()
+def apply_qk_clip(model: torch.nn.Module, threshold: float,
+                  group: dist.ProcessGroup | None = None) -> dict[str, Tensor]:
+    """QK-Clip every attention module that reports max logits; call right after the optimizer step.
+
+    Protocol for an attention module: in training forward it keeps ``self.max_logits`` (fp32 [H], detached), the
+    running max over the step's forwards of each head's largest pre-softmax logit (scale included), None when nothing
+    was seen; and it implements ``qk_clip_targets() -> dict`` with the keyword arguments of `qk_clip_` other than
+    max_logits and threshold (q_weight, k_weight, n_heads, qk_dim, shared_dim). Max logits are MAX-all-reduced in
+    one collective over `group` (the ranks holding distinct tokens; None: the default group when torch.distributed
+    is initialised), then reset to None. Returns gamma per module name.
+    """
+    mods = [(n, m) for n, m in model.named_modules()
+            if hasattr(m, "qk_clip_targets") and getattr(m, "max_logits", None) is not None]
+    if not mods:
+        return {}
+    logits = torch.cat([m.max_logits.detach().float().reshape(-1) for _, m in mods])
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(logits, op=dist.ReduceOp.MAX, group=group)
+    out, off = {}, 0
+    for name, m in mods:
+        H = m.max_logits.numel()
+        out[name] = qk_clip_(max_logits=logits[off:off + H], threshold=threshold, **m.qk_clip_targets())
+        off += H
+        m.max_logits = None
+    return out

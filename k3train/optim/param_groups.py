@@ -1,0 +1,141 @@
+"""Which parameters get Muon (per head / per expert / whole matrix) and which get AdamW, and with what decay.
+
+Rules:
+- Muon (cfg.name == "muon"): exactly the parameters the model lists in `model.muon_structure()`
+  (FQN -> MatrixStructure), with decoupled weight decay cfg.weight_decay.
+- AdamW: everything else (and everything when cfg.name == "adamw"). Weight decay cfg.weight_decay on tensors with
+  >= 2 dims that are not embedding tables (LM head, short-conv kernels, any matrix not given to Muon); no decay on
+  1-D tensors (norm weights, biases, A_log, dt_bias, AttnRes pseudo-queries) and on nn.Embedding weights (a row only
+  gets gradient when its token occurs, so decay would shrink rare tokens' rows toward zero between their visits).
+- One learning rate cfg.lr for all groups: Muon's 0.2 sqrt(max(A, B)) scale matches AdamW's update RMS.
+Frozen parameters (requires_grad False) are left out.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from k3train.models.structure import MatrixStructure
+from k3train.optim.config import OptimConfig
+from k3train.optim.muon import PerHeadMuon, apply_qk_clip, check_structure, matrix_shape
+
+
+def _embedding_params(model: nn.Module) -> set[int]:
+    return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+
+
+def split_params(model: nn.Module, cfg: OptimConfig
+                 ) -> dict[str, list[tuple[str, nn.Parameter, MatrixStructure | None]]]:
+    """{"muon": [(name, param, structure)], "adamw": [...], "adamw_no_decay": [...]} in model order."""
+    if cfg.name not in ("adamw", "muon"):
+        raise ValueError(f"optim.name must be 'adamw' or 'muon', got {cfg.name!r}")
+    named = OrderedDict((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    structure: dict[str, MatrixStructure] = {}
+    if cfg.name == "muon":
+        if not hasattr(model, "muon_structure"):
+            raise ValueError(f"optim.name='muon' needs {type(model).__name__}.muon_structure() "
+                             "(FQN -> MatrixStructure)")
+        structure = dict(model.muon_structure())
+        all_names = {n for n, _ in model.named_parameters()}
+        unknown = sorted(set(structure) - all_names)
+        if unknown:
+            raise ValueError(f"muon_structure() names parameters the model does not have: {unknown[:5]}")
+        for n, s in structure.items():
+            if n in named:
+                check_structure(n, named[n].shape, s)
+    emb = _embedding_params(model)
+    out: dict[str, list] = {"muon": [], "adamw": [], "adamw_no_decay": []}
+    for n, p in named.items():
+        if n in structure:
+            out["muon"].append((n, p, structure[n]))
+        elif p.ndim >= 2 and id(p) not in emb:
+            out["adamw"].append((n, p, None))
+        else:
+            out["adamw_no_decay"].append((n, p, None))
+    return out
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, *, process_group: dist.ProcessGroup | None = None
+                    ) -> torch.optim.Optimizer:
+    """One optimizer for the trainer (step, zero_grad, state_dict, load_state_dict, param_groups[i]['lr']).
+
+    'adamw': torch.optim.AdamW with a decay and a no-decay group. 'muon': PerHeadMuon holding a Muon group and two
+    AdamW groups, so one LambdaLR scales all of them. process_group shards the Muon state (ZeRO-1). Group names are
+    in param_groups[i]['name']. With cfg.qk_clip > 0 a step post-hook applies QK-Clip to every attention module that
+    reports `max_logits` (see `k3train.optim.muon.apply_qk_clip`); set `optimizer.qk_clip_group` to the ranks holding
+    distinct tokens when the default group is not that (e.g. under pipeline parallelism).
+    """
+    parts = split_params(model, cfg)
+    decay = [p for _, p, _ in parts["adamw"]]
+    no_decay = [p for _, p, _ in parts["adamw_no_decay"]]
+    if cfg.name == "adamw":
+        groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay, "name": "adamw"},
+                              {"params": no_decay, "weight_decay": 0.0, "name": "adamw_no_decay"}) if g["params"]]
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    else:
+        groups = [{"params": [p for _, p, _ in parts["muon"]], "structures": [s for _, _, s in parts["muon"]],
+                   "algorithm": "muon", "weight_decay": cfg.weight_decay, "name": "muon"},
+                  {"params": decay, "algorithm": "adamw", "weight_decay": cfg.weight_decay, "name": "adamw"},
+                  {"params": no_decay, "algorithm": "adamw", "weight_decay": 0.0, "name": "adamw_no_decay"}]
+        opt = PerHeadMuon([g for g in groups if g["params"]], lr=cfg.lr, momentum=cfg.momentum,
+                          weight_decay=cfg.weight_decay, ns_steps=cfg.ns_steps, per_head=cfg.per_head,
+                          betas=tuple(cfg.betas), eps=cfg.eps, process_group=process_group)
+    if cfg.qk_clip > 0:
+        threshold = cfg.qk_clip
+        opt.qk_clip_group = None
+        opt.register_step_post_hook(lambda o, args, kwargs: apply_qk_clip(model, threshold, o.qk_clip_group))
+    return opt
+
+
+def _category(s: MatrixStructure | None, group: str, per_head: bool) -> str:
+    if group != "muon":
+        return group
+    if s.kind == "batch":
+        return "muon per-expert"
+    if s.kind in ("rows", "cols") and per_head and s.groups > 1:
+        return "muon per-head"
+    return "muon whole"
+
+
+def describe_groups(model: nn.Module, cfg: OptimConfig) -> str:
+    """A table of which parameters get which update, aggregated over layers (layer indices shown as *)."""
+    parts = split_params(model, cfg)
+    rows: OrderedDict[tuple, list[int]] = OrderedDict()
+    for group, items in parts.items():
+        for name, p, s in items:
+            cat = _category(s, group, cfg.per_head)
+            if group == "muon":
+                n, r, c = matrix_shape(p.shape, s, cfg.per_head)
+                mat = f"{r}x{c}"
+            else:
+                n, mat = 0, "-"
+            pattern = re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name)
+            acc = rows.setdefault((cat, pattern, mat), [0, 0, 0])
+            acc[0] += 1
+            acc[1] += n
+            acc[2] += p.numel()
+    order = ["muon per-head", "muon per-expert", "muon whole", "adamw", "adamw_no_decay"]
+    lines = [f"optimizer {cfg.name}: lr {cfg.lr:g}, weight decay {cfg.weight_decay:g}"
+             + (f", momentum {cfg.momentum:g}, {cfg.ns_steps} Newton-Schulz steps, per_head={cfg.per_head}"
+                if cfg.name == "muon" else "")]
+    header = f"{'update':<16} {'parameter':<44} {'tensors':>7} {'matrices':>9} {'matrix':>11} {'elements':>15}"
+    lines += [header, "-" * len(header)]
+    totals: OrderedDict[str, list[int]] = OrderedDict()
+    for cat in order:
+        for (c, pattern, mat), (t, n, e) in rows.items():
+            if c != cat:
+                continue
+            lines.append(f"{cat:<16} {pattern:<44} {t:>7} {n if n else '-':>9} {mat:>11} {e:>15,}")
+            tot = totals.setdefault(cat, [0, 0, 0])
+            tot[0] += t
+            tot[1] += n
+            tot[2] += e
+    lines.append("-" * len(header))
+    for cat, (t, n, e) in totals.items():
+        lines.append(f"{cat + ' total':<61} {t:>7} {n if n else '-':>9} {'':>11} {e:>15,}")
+    return "\n".join(lines)
