@@ -88,6 +88,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, *, process_group: dist.P
     if cfg.qk_clip > 0:
         threshold = cfg.qk_clip
         opt.qk_clip_group = None
+        for m in model.modules():  # attention modules record per-head max logits only when QK-Clip is on
+            if hasattr(m, "qk_clip_targets"):
+                m.track_max_logits = True
         opt.register_step_post_hook(lambda o, args, kwargs: apply_qk_clip(model, threshold, o.qk_clip_group))
     return opt
 

@@ -236,3 +236,22 @@ def test_count_params_tool_contract():
     bad = subprocess.run([sys.executable, str(root / "tools" / "count_params.py"), "model=nope"],
                          capture_output=True, text=True, cwd=root)
     assert bad.returncode == 2 and "unknown model preset 'nope'" in bad.stderr
+
+
+def test_mla_qk_clip_caps_max_logits():
+    from k3train.optim.muon import apply_qk_clip
+
+    m = tiny_model(5)
+    attn = m.layers["4"].attn
+    with torch.no_grad():
+        attn.wq_b.weight.mul_(40.0)  # large logits
+    attn.track_max_logits = True
+    x = torch.randn(2, 24, m.args.dim)
+    attn.train()
+    attn(x)
+    before = attn.max_logits.clone()
+    threshold = float(before.min()) * 0.5
+    gamma = apply_qk_clip(m, threshold)["layers.4.attn"]
+    assert torch.allclose(gamma, threshold / before)
+    attn(x)
+    assert torch.allclose(attn.max_logits, torch.full_like(before, threshold), rtol=1e-4)

@@ -31,6 +31,8 @@ class GatedMLA(nn.Module):
         self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
         self.scale = (self.k_dim + self.s_dim) ** -0.5
+        self.track_max_logits = False  # set by QK-Clip (k3train.optim); costs one extra score pass
+        self.max_logits: torch.Tensor | None = None
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """The cached 576-wide latent [B, T, kv_rank + shared]: what context parallelism all-gathers."""
@@ -61,8 +63,23 @@ class GatedMLA(nn.Module):
                 causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
                 mask = (doc[:, :, None] == doc[:, None, :]) & causal
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.scale)
+            if self.training and self.track_max_logits:
+                self._record_max_logits(q, k, None if ctx.cu_seqlens is None else mask)
         o = o.transpose(1, 2) * torch.sigmoid(self.g_proj(x)).view(B, T, self.n_heads, self.v_dim)
         return self.o_proj(o.reshape(B, T, -1))
+
+    @torch.no_grad()
+    def _record_max_logits(self, q, k, mask):
+        T = q.shape[2]
+        if mask is None:
+            mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None]
+        s = (q @ k.transpose(-2, -1)).float() * self.scale
+        m = s.masked_fill(~mask[:, None], float("-inf")).amax(dim=(0, 2, 3))
+        self.max_logits = m if self.max_logits is None else torch.maximum(self.max_logits, m)
+
+    def qk_clip_targets(self) -> dict:
+        return dict(q_weight=self.wq_b.weight, k_weight=self.wkv_b.weight, n_heads=self.n_heads,
+                    qk_dim=self.k_dim, shared_dim=self.s_dim)
 
     def muon_structure(self) -> dict[str, MatrixStructure]:
         H = self.n_heads
