@@ -94,13 +94,17 @@ class LatentMoE(nn.Module):
                        if args.n_shared_experts > 0 else None)
         self.dispatcher = LocalDispatcher()
 
+    def routed(self, z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed-expert block: dispatch the latent rows, run the experts, combine. Activation-storage policies
+        replace this per instance (e.g. to recompute it in backward from the saved routing)."""
+        rows, counts, state = self.dispatcher.dispatch(z, idx, self.router.n_experts)
+        return self.dispatcher.combine(self.experts(rows, counts), weights, state)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         idx, weights = self.router(xf)
-        z = self.w_down(xf)
-        rows, counts, state = self.dispatcher.dispatch(z, idx, self.router.n_experts)
-        u = self.dispatcher.combine(self.experts(rows, counts), weights, state)
+        u = self.routed(self.w_down(xf), idx, weights)
         y = self.w_up(self.latent_norm(u))
         if self.shared is not None:
             y = y + self.shared(xf)
