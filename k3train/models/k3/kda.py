@@ -72,7 +72,7 @@ class KDA(nn.Module):
         k = l2norm(branch(self.k_proj, self.k_conv))
         v = branch(self.v_proj, self.v_conv)
         g = kda_gate(self.f_b(self.f_a(x)).view(B, T, H, K), self.A_log, self.dt_bias, self.g_min)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        beta = torch.sigmoid(self.b_proj(x).to(torch.promote_types(x.dtype, torch.float32)))
         return q, k, v, g, beta
 
     def forward(self, x: torch.Tensor, ctx: BatchContext | None = None) -> torch.Tensor:

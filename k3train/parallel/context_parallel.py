@@ -1,0 +1,560 @@
+"""Context parallelism (CP): one packed sequence split over `world` ranks.
+
+Layout. Each row of T tokens is cut into n equal pieces: n = 2*world for the load-balanced "zigzag" layout (rank r
+holds pieces r and 2*world-1-r, so every rank has the same causal-attention work), n = world for "contiguous"
+(rank r holds piece r). The model runs on the local pieces AS ROWS: a batch [B, T] becomes [B*P, T/n] on each rank
+(P pieces per rank, row b*P + p = piece p of row b). Everything per-token (norms, AttnRes, MoE, the loss) is then
+unchanged, and the three sequence-mixing seams of the model are answered here:
+
+KDA (all-gather + prefix scan). Every piece is an affine map of the recurrent state, S_out = M S_in + B. Each rank
+computes (M, B) of its pieces in fp32 from a zero state, all-gathers them (H*K*(K+V) numbers per piece, independent
+of the sequence length), composes the exclusive prefix S_in of each of its pieces in sequence order with
+(M2, B2) o (M1, B1) = (M2 M1, M2 B1 + B2), then runs chunk_kda on its pieces from S_in. Documents cut the chain:
+a piece is split into segments at document starts; only its first segment takes S_in (and only if the piece does not
+itself begin a document), later segments start from zero; its summary is that of its last segment, with M = 0 when
+that segment begins a document. Backward is autograd: the all-gather's backward reduce-scatters (sums) the gradients
+of the summaries back to the ranks that made them.
+
+Short conv. The width-W causal conv of q, k, v reads W-1 tokens before each piece: the last W-1 projected tokens of
+every piece are all-gathered (differentiable) and each piece takes those of its predecessor in sequence order; the
+global position-in-document masks the taps that would cross a document start.
+
+MLA. The 576-wide latent (not per-head keys/values) is all-gathered, differentiably; every rank builds the keys and
+values of the whole row from it with module.keys_values and attends its local queries with causal and per-document
+masks over GLOBAL positions.
+
+The trainer builds one `ContextParallel` per (micro-)batch (it holds that batch's document layout) and puts it in
+`BatchContext.cp`; `apply_context_parallel` validates a model once and returns a `ContextParallelPlan` that shards
+batches. Gradients of parameters are partial sums per CP rank: sum them over the CP group (with the data-parallel
+group: dp x cp ranks hold distinct tokens), and divide each rank's loss by the token count of the whole group.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from k3train.models.k3.args import ConfigError, K3ModelArgs
+from k3train.models.k3.context import BatchContext
+from k3train.ops.kda import chunk_kda, chunk_kda_summary
+from k3train.parallel import comm
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sequence layout: which pieces a rank holds, sharding and un-sharding (pure tensor code, no process group)
+# ---------------------------------------------------------------------------------------------------------------------
+def layout_pieces(layout: str, world: int) -> int:
+    """Pieces per row: 2*world (zigzag) or world (contiguous)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"context-parallel layout must be one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"context-parallel world size must be an integer >= 1, got {world!r}")
+    return 2 * world if layout == "zigzag" else world
+
+
+def rank_pieces(layout: str, rank: int, world: int) -> list[int]:
+    """Sequence-order indices of the pieces rank `rank` holds, in the order they sit in its local rows."""
+    layout_pieces(layout, world)
+    if not 0 <= rank < world:
+        raise ValueError(f"context-parallel rank {rank} is outside 0..{world - 1}")
+    return [rank, 2 * world - 1 - rank] if layout == "zigzag" else [rank]
+
+
+class SequenceLayout:
+    """How a row of `seq_len` tokens is split over `world` ranks. No process group: used by the handle and tests."""
+
+    def __init__(self, world: int, seq_len: int, layout: str = "zigzag"):
+        self.world, self.seq_len, self.layout = world, int(seq_len), layout
+        self.n_pieces = layout_pieces(layout, world)
+        if self.seq_len < 1 or self.seq_len % self.n_pieces:
+            raise ValueError(f"sequence length {seq_len} is not divisible by the {self.n_pieces} pieces of the "
+                             f"{layout} layout over {world} context-parallel ranks")
+        self.piece_len = self.seq_len // self.n_pieces
+        self.per_rank = len(rank_pieces(layout, 0, world))
+        # gathered slot (rank * per_rank + p) of every piece, in sequence order
+        slot = [0] * self.n_pieces
+        for r in range(world):
+            for p, c in enumerate(rank_pieces(layout, r, world)):
+                slot[c] = r * self.per_rank + p
+        self.slot_of_piece = slot
+
+    def pieces(self, rank: int) -> list[int]:
+        return rank_pieces(self.layout, rank, self.world)
+
+    def _check_len(self, x: torch.Tensor, dim: int, want: int, what: str) -> None:
+        if x.shape[dim] != want:
+            raise ValueError(f"{what}: dimension {dim} has size {x.shape[dim]}, expected {want}")
+
+    def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
+        """The rank's pieces of x (length seq_len along dim), concatenated along dim: length per_rank * piece_len."""
+        self._check_len(x, dim, self.seq_len, "shard_sequence")
+        L = self.piece_len
+        return torch.cat([x.narrow(dim, c * L, L) for c in self.pieces(rank)], dim=dim)
+
+    def unshard(self, shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+        """Inverse of shard: the full tensor from every rank's shard (list in rank order)."""
+        if len(shards) != self.world:
+            raise ValueError(f"unshard needs {self.world} shards (one per rank), got {len(shards)}")
+        L = self.piece_len
+        parts: list[torch.Tensor | None] = [None] * self.n_pieces
+        for r, s in enumerate(shards):
+            self._check_len(s, dim, self.per_rank * L, f"unshard (rank {r})")
+            for p, c in enumerate(self.pieces(r)):
+                parts[c] = s.narrow(dim, p * L, L)
+        return torch.cat(parts, dim=dim)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Local shard [B, per_rank*piece_len, ...] -> the model's layout [B*per_rank, piece_len, ...]."""
+        self._check_len(x, 1, self.per_rank * self.piece_len, "rows")
+        return x.reshape(x.shape[0] * self.per_rank, self.piece_len, *x.shape[2:])
+
+    def unrows(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's layout [B*per_rank, piece_len, ...] -> local shard [B, per_rank*piece_len, ...]."""
+        if x.shape[0] % self.per_rank or x.shape[1] != self.piece_len:
+            raise ValueError(f"unrows: expected [B*{self.per_rank}, {self.piece_len}, ...], got {tuple(x.shape)}")
+        return x.reshape(x.shape[0] // self.per_rank, self.per_rank * self.piece_len, *x.shape[2:])
+
+    def to_sequence_order(self, gathered: torch.Tensor, batch: int) -> torch.Tensor:
+        """Rows gathered from every rank [world * batch*per_rank, ...] (rank-major, then the rank's local rows)
+        -> [batch, n_pieces, ...] in sequence order."""
+        P, W = self.per_rank, self.world
+        if gathered.shape[0] != W * batch * P:
+            raise ValueError(f"gathered rows: expected {W * batch * P}, got {gathered.shape[0]}")
+        rest = gathered.shape[1:]
+        g = gathered.reshape(W, batch, P, *rest).transpose(0, 1).reshape(batch, W * P, *rest)
+        idx = torch.tensor(self.slot_of_piece, device=gathered.device)
+        return g.index_select(1, idx)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Documents: global layout and the per-piece segment plan of KDA
+# ---------------------------------------------------------------------------------------------------------------------
+def global_doc_layout(cu_seqlens: torch.Tensor | None, batch: int, seq_len: int,
+                      device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(doc_start bool, pos_in_doc int64, doc_id int64), each [batch, seq_len], from global cu_seqlens over the
+    flattened [batch*seq_len] stream (None: one document per row). Every row start must be a document start."""
+    n = batch * seq_len
+    if cu_seqlens is None:
+        starts = torch.arange(0, n, seq_len, device=device)
+    else:
+        cu = torch.as_tensor(cu_seqlens, device=device).to(torch.int64)
+        if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != n:
+            raise ValueError(f"cu_seqlens_global must be 1-D, from 0 to batch*seq_len = {batch}*{seq_len} = {n}, "
+                             f"got {cu.tolist() if cu.numel() <= 16 else tuple(cu.shape)}")
+        if bool((cu[1:] <= cu[:-1]).any()):
+            raise ValueError("cu_seqlens_global must be strictly increasing")
+        starts = cu[:-1]
+    flag = torch.zeros(n, dtype=torch.bool, device=device)
+    flag[starts] = True
+    if not bool(flag[::seq_len].all()):
+        raise ValueError(f"cu_seqlens_global must contain every row boundary (multiples of seq_len={seq_len})")
+    doc = torch.cumsum(flag.to(torch.int64), 0) - 1
+    pos = torch.arange(n, device=device) - starts[doc]
+    return flag.view(batch, seq_len), pos.view(batch, seq_len), doc.view(batch, seq_len)
+
+
+@dataclass
+class PiecePlan:
+    """How KDA runs a rank's R local pieces (rows of length L) given their document starts.
+
+    The local stream [R*L] is cut into segments at every piece start and every document start."""
+
+    cu_seqlens: list[int]
+    """Segment offsets over the flattened [R*L] local stream (chunk_kda's cu_seqlens)."""
+    first_seg: torch.Tensor
+    """[R] int64: index of each piece's first segment (the one that may take the incoming state)."""
+    carry: torch.Tensor
+    """[R] bool: the piece continues a document from the previous piece (its first token is no document start)."""
+    keep_m: torch.Tensor
+    """[R] bool: the piece contains no document start, so its summary's M passes the incoming state on."""
+    tail_index: torch.Tensor
+    """Flat local indices of the tokens of each piece's LAST segment (the part its summary describes)."""
+    tail_cu: list[int]
+    """Offsets of the pieces' last segments inside tail_index."""
+
+
+def piece_plan(doc_start: torch.Tensor) -> PiecePlan:
+    """doc_start [R, L] bool: which local tokens begin a document (in the GLOBAL sense)."""
+    R, L = doc_start.shape
+    seg_start = doc_start.clone()
+    seg_start[:, 0] = True
+    flat = seg_start.reshape(-1)
+    seg_id = torch.cumsum(flat.to(torch.int64), 0) - 1
+    starts = torch.nonzero(flat).squeeze(1)
+    cu = starts.tolist() + [R * L]
+    sid = seg_id.view(R, L)
+    last = sid[:, -1]
+    tail = sid == last[:, None]
+    tail_len = tail.sum(1)
+    return PiecePlan(cu_seqlens=cu, first_seg=sid[:, 0].clone(), carry=~doc_start[:, 0],
+                     keep_m=~doc_start.any(1), tail_index=torch.nonzero(tail.reshape(-1)).squeeze(1),
+                     tail_cu=[0] + torch.cumsum(tail_len, 0).tolist())
+
+
+def kda_piece_summaries(k, v, g, beta, plan: PiecePlan, chunk: int) -> torch.Tensor:
+    """Affine summaries of the R local pieces [R, L, H, *]: [R, H, K, K+V] = [M | B] in fp32 (fp64 for fp64 input),
+    from each piece's last segment; M is zeroed where that segment begins a document."""
+    R, L, H, K = k.shape
+    idx = plan.tail_index
+    pick = lambda t: t.reshape(1, R * L, *t.shape[2:])[:, idx]
+    with torch.autocast(k.device.type, enabled=False):  # M and B are folded over the piece's chunks: keep fp32
+        M, Bm = chunk_kda_summary(pick(k), pick(v), pick(g), pick(beta), cu_seqlens=plan.tail_cu, chunk_size=chunk)
+    M = M * plan.keep_m.to(M.device, M.dtype).view(R, 1, 1, 1)
+    return torch.cat([M, Bm], dim=-1)
+
+
+def exclusive_prefix_states(summaries: torch.Tensor, K: int) -> torch.Tensor:
+    """summaries [B, n, H, K, K+V] in sequence order -> the state entering each piece [B, n, H, K, V]
+    (S_in(0) = 0, S_in(j+1) = M_j S_in(j) + B_j). A loop over the n pieces (2*world), batched over rows and heads."""
+    M, Bm = summaries[..., :K], summaries[..., K:]
+    S = torch.zeros_like(Bm[:, 0])
+    prefix = []
+    with torch.autocast(summaries.device.type, enabled=False):  # the fold stays in the summaries' fp32
+        for j in range(summaries.shape[1]):
+            prefix.append(S)
+            S = torch.matmul(M[:, j], S) + Bm[:, j]
+    return torch.stack(prefix, dim=1)
+
+
+def kda_pieces(q, k, v, g, beta, incoming: torch.Tensor, plan: PiecePlan, chunk: int) -> torch.Tensor:
+    """Run chunk_kda on the R local pieces [R, L, H, *] with the incoming states [R, H, K, V]: the first segment of a
+    piece that continues a document starts from its incoming state, every other segment from zero. -> o [R, L, H, V]."""
+    R, L, H, K = k.shape
+    V = v.shape[-1]
+    S0 = incoming * plan.carry.to(incoming.device, incoming.dtype).view(R, 1, 1, 1)
+    n_seg = len(plan.cu_seqlens) - 1
+    init = S0.new_zeros(n_seg, H, K, V).index_copy(0, plan.first_seg.to(S0.device), S0)
+    flat = lambda t: t.reshape(1, R * L, *t.shape[2:])
+    o, _ = chunk_kda(flat(q), flat(k), flat(v), flat(g), flat(beta), initial_state=init,
+                     cu_seqlens=plan.cu_seqlens, chunk_size=chunk)
+    return o.view(R, L, H, V)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Differentiable all-gather over the CP group
+# ---------------------------------------------------------------------------------------------------------------------
+class _AllGather(torch.autograd.Function):
+    """Forward: concatenate every rank's x along dim 0 (rank order). Backward: each rank gets the SUM over ranks of
+    the gradient of its own slice (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, cp: "ContextParallel", tag: str):
+        ctx.cp, ctx.tag = cp, tag
+        x = x.contiguous()
+        out = x.new_empty(cp.world * x.shape[0], *x.shape[1:])
+        comm.all_gather(out, x, cp.group, "cp")
+        cp._count(tag, "all_gather", out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp = ctx.cp
+        grad = grad.contiguous()
+        out = grad.new_empty(grad.shape[0] // cp.world, *grad.shape[1:])
+        comm.reduce_scatter(out, grad, cp.group, "cp")
+        cp._count(ctx.tag, "reduce_scatter", grad)
+        return out, None, None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The handle
+# ---------------------------------------------------------------------------------------------------------------------
+class ContextParallel:
+    """One batch's context-parallel handle: put it in BatchContext.cp (with cu_seqlens=None there).
+
+    group/rank/world: the CP process group and this rank in it (world == 1 needs no group: the pieces of a
+    zigzag row all live here, which exercises every seam in one process).
+    seq_len: tokens per GLOBAL row (T). cu_seqlens_global: int offsets of document starts over the flattened global
+    [batch * T] stream (None: one document per row). batch: global rows B (inferred from cu_seqlens_global, or from
+    the first call otherwise).
+    """
+
+    def __init__(self, group=None, rank: int | None = None, world: int | None = None, *, seq_len: int,
+                 layout: str = "zigzag", cu_seqlens_global=None, batch: int | None = None):
+        if world is None:
+            world = dist.get_world_size(group) if group is not None else 1
+        if rank is None:
+            rank = dist.get_rank(group) if group is not None else 0
+        if world > 1 and group is None and not dist.is_initialized():
+            raise ValueError(f"context parallelism over {world} ranks needs a process group")
+        self.group, self.rank, self.world = group, rank, world
+        self.seq = SequenceLayout(world, seq_len, layout)
+        rank_pieces(layout, rank, world)  # validates rank
+        self.layout = layout
+        self.cu_seqlens_global = None
+        if cu_seqlens_global is not None:
+            self.cu_seqlens_global = torch.as_tensor(cu_seqlens_global).to(torch.int64).cpu()
+            total = int(self.cu_seqlens_global[-1])
+            if total % seq_len:
+                raise ValueError(f"cu_seqlens_global ends at {total}, not a multiple of seq_len={seq_len}")
+            if batch is not None and batch * seq_len != total:
+                raise ValueError(f"batch={batch} rows of seq_len={seq_len} do not match cu_seqlens_global "
+                                 f"(ends at {total})")
+            batch = total // seq_len
+        self.batch = batch
+        self._plans: dict = {}
+        self.stats: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+        """(what, op) -> [calls, bytes]: bytes of the gathered output (all_gather) or the reduce-scatter input;
+        what is kda_summary, conv_halo or mla_latent."""
+
+    # ---- sizes ------------------------------------------------------------------------------------------------------
+    @property
+    def piece_len(self) -> int:
+        return self.seq.piece_len
+
+    @property
+    def pieces_per_rank(self) -> int:
+        return self.seq.per_rank
+
+    def local_pieces(self) -> list[int]:
+        return self.seq.pieces(self.rank)
+
+    # ---- sharding helpers --------------------------------------------------------------------------------------------
+    def shard_sequence(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's pieces of a global tensor, concatenated along dim."""
+        return self.seq.shard(x, self.rank, dim)
+
+    def unshard(self, shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+        """The global tensor from every rank's shard_sequence output (in rank order)."""
+        return self.seq.unshard(shards, dim)
+
+    def shard_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Global [B, T, ...] -> what the model runs on here: [B*pieces_per_rank, piece_len, ...]."""
+        return self.seq.rows(self.seq.shard(x, self.rank, 1))
+
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of shard_rows over the group (a plain all-gather, not differentiable; for tests and eval)."""
+        local = self.seq.unrows(x).contiguous()
+        if self.world == 1:
+            return self.seq.unshard([local], 1)
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(parts, local, group=self.group)
+        return self.seq.unshard(parts, 1)
+
+    # ---- bookkeeping -------------------------------------------------------------------------------------------------
+    def _count(self, what: str, op: str, t: torch.Tensor) -> None:
+        s = self.stats[(what, op)]
+        s[0] += 1
+        s[1] += t.numel() * t.element_size()
+
+    def reset_stats(self) -> None:
+        self.stats.clear()
+
+    def _gather(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        if self.world == 1:
+            return x
+        return _AllGather.apply(x, self, what)
+
+    def _rows_check(self, R: int, L: int, where: str) -> int:
+        P = self.pieces_per_rank
+        if L != self.piece_len or R % P:
+            raise ValueError(f"context parallel ({where}): the model must run on the local pieces as rows, "
+                             f"[B*{P}, {self.piece_len}] (ContextParallel.shard_rows), got [{R}, {L}]")
+        B = R // P
+        if self.batch is None:
+            self.batch = B
+        elif B != self.batch:
+            raise ValueError(f"context parallel ({where}): {R} local rows imply {B} global rows, but this handle "
+                             f"was built for {self.batch}")
+        return B
+
+    def _plan(self, what: str, device):
+        """Per-batch tables, built on first use and cached per device: 'pos' (global position-in-document of the
+        local tokens), 'kda' (the PiecePlan) or 'mla' ((key start, key end, mask) per local piece)."""
+        key = (what, str(device))
+        if key in self._plans:
+            return self._plans[key]
+        if "layout" not in self._plans:
+            self._plans["layout"] = global_doc_layout(self.cu_seqlens_global, self.batch, self.seq.seq_len, "cpu")
+        start, pos, doc = self._plans["layout"]
+        loc = lambda t: self.seq.rows(self.seq.shard(t, self.rank, 1))
+        if what == "pos":
+            out = loc(pos).to(device)
+        elif what == "kda":
+            out = piece_plan(loc(start))
+            out.first_seg, out.carry, out.keep_m, out.tail_index = (
+                t.to(device) for t in (out.first_seg, out.carry, out.keep_m, out.tail_index))
+        else:
+            # Each local piece attends keys from the earliest start of the documents it continues up to its own end
+            # (everything outside is masked), so zigzag's two pieces cost the same on every rank.
+            L, out = self.piece_len, []
+            for c in self.local_pieces():
+                lo = int((c * L - pos[:, c * L]).min())
+                q_index, k_index = torch.arange(c * L, (c + 1) * L), torch.arange(lo, (c + 1) * L)
+                mask = (k_index[None, :] <= q_index[:, None])[None] & (doc[:, q_index, None] == doc[:, None, k_index])
+                out.append((lo, (c + 1) * L, mask[:, None].to(device)))
+        self._plans[key] = out
+        return out
+
+    # ---- model seams ------------------------------------------------------------------------------------------------
+    def positions(self, B: int, T: int, device) -> torch.Tensor:
+        """Global position-in-document of the local tokens [B*P, piece_len] (for the conv's document mask)."""
+        self._rows_check(B, T, "positions")
+        return self._plan("pos", device)
+
+    def conv_halo(self, y: torch.Tensor, W: int) -> torch.Tensor:
+        """y [B*P, L, C] projected tokens of the local pieces -> [B*P, W-1, C]: the W-1 tokens before each piece in
+        sequence order (zeros before a row's first piece). Differentiable."""
+        R, L, C = y.shape
+        B = self._rows_check(R, L, "conv_halo")
+        h = W - 1
+        if h <= 0:
+            return y.new_zeros(R, 0, C)
+        if h > L:
+            raise ValueError(f"context parallel: conv width {W} needs pieces of at least {h} tokens, got {L}")
+        tails = self.seq.to_sequence_order(self._gather(y[:, L - h:], "conv_halo"), B)   # [B, n, h, C]
+        # slot c of the padded list holds the tail of piece c-1
+        padded = torch.cat([tails.new_zeros(B, 1, h, C), tails], dim=1)
+        idx = torch.tensor(self.local_pieces(), device=y.device)
+        return padded.index_select(1, idx).reshape(R, h, C)
+
+    def kda(self, q, k, v, g, beta, chunk: int) -> torch.Tensor:
+        """KDA over the local pieces [B*P, L, H, *], continuing the state of the pieces before them
+        -> o [B*P, L, H, V]."""
+        R, L, H, K = k.shape
+        B = self._rows_check(R, L, "kda")
+        if L % chunk:
+            raise ValueError(f"context parallel: KDA chunk {chunk} does not divide the piece length {L}")
+        plan = self._plan("kda", k.device)
+        mine = kda_piece_summaries(k, v, g, beta, plan, chunk)                          # [R, H, K, K+V]
+        every = self.seq.to_sequence_order(self._gather(mine, "kda_summary"), B)         # [B, n, H, K, K+V]
+        S_in = exclusive_prefix_states(every, K)                                          # [B, n, H, K, V]
+        idx = torch.tensor(self.local_pieces(), device=k.device)
+        incoming = S_in.index_select(1, idx).reshape(R, H, K, v.shape[-1])
+        return kda_pieces(q, k, v, g, beta, incoming, plan, chunk)
+
+    def mla_attention(self, module: nn.Module, q: torch.Tensor, c_kv: torch.Tensor, ctx=None) -> torch.Tensor:
+        """q [B*P, H, L, dqk], local latent c_kv [B*P, L, 576] -> o [B*P, H, L, dv]: the local queries attend the
+        all-gathered latent's keys/values, causal and per document over global positions."""
+        R, H, L, dqk = q.shape
+        B = self._rows_check(R, L, "mla_attention")
+        P = self.pieces_per_rank
+        full = self.seq.to_sequence_order(self._gather(c_kv, "mla_latent"), B)        # [B, n, L, 576]
+        full = full.reshape(B, -1, c_kv.shape[-1])
+        qp = q.view(B, P, H, L, dqk)
+        outs = []
+        for p, (lo, hi, mask) in enumerate(self._plan("mla", q.device)):   # P <= 2 pieces, not a loop over tokens
+            k, v = module.keys_values(full[:, lo:hi])                                  # [B, H, hi-lo, *]
+            outs.append(F.scaled_dot_product_attention(qp[:, p], k, v, attn_mask=mask, scale=module.scale))
+        return torch.stack(outs, dim=1).reshape(R, H, L, -1)
+
+    # ---- construction from local information -------------------------------------------------------------------------
+    @classmethod
+    def from_local_doc_start(cls, doc_start_rows: torch.Tensor, group=None, *, layout: str = "zigzag",
+                             world: int | None = None, rank: int | None = None) -> "ContextParallel":
+        """Build the handle on every CP rank from the local document-start marks [B*P, L] (bool; what a pipeline
+        stage receives), by all-gathering them over the group (1 byte per token, once per batch)."""
+        if world is None:
+            world = dist.get_world_size(group) if group is not None else 1
+        if rank is None:
+            rank = dist.get_rank(group) if group is not None else 0
+        P = layout_pieces(layout, world) // world
+        R, L = doc_start_rows.shape
+        if R % P:
+            raise ValueError(f"doc_start_rows has {R} rows, not a multiple of the {P} pieces per rank")
+        marks = doc_start_rows.to(torch.uint8).contiguous()
+        if world > 1:
+            parts = torch.empty(world * R, L, dtype=torch.uint8, device=marks.device)
+            comm.all_gather(parts, marks, group, "cp")
+        else:
+            parts = marks
+        seq = SequenceLayout(world, L * layout_pieces(layout, world), layout)
+        full = seq.to_sequence_order(parts, R // P).reshape(R // P, -1).bool().cpu()    # [B, T]
+        full[:, 0] = True
+        cu = torch.cat([torch.nonzero(full.reshape(-1)).squeeze(1), torch.tensor([full.numel()])])
+        return cls(group, rank, world, seq_len=seq.seq_len, layout=layout, cu_seqlens_global=cu)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Validation and the trainer's entry point
+# ---------------------------------------------------------------------------------------------------------------------
+def cp_seq_multiple(args: K3ModelArgs, cp: int, layout: str = "zigzag") -> int:
+    """What the sequence length must be a multiple of under CP: pieces per row x the KDA chunk (every piece holds
+    whole chunks)."""
+    return layout_pieces(layout, cp) * args.kda_chunk
+
+
+def check_context_parallel(model_or_args, *, cp: int, seq_len: int, layout: str = "zigzag") -> None:
+    """ConfigError naming what does not fit, before anything runs: the layout, the sequence length against the
+    layout's granularity, and (for a built model) every sequence-mixing layer's own requirement on the pieces."""
+    try:
+        n = layout_pieces(layout, cp)
+    except ValueError as e:
+        raise ConfigError(f"parallel.cp: {e}") from None
+    args = getattr(model_or_args, "args", model_or_args)
+    if isinstance(args, K3ModelArgs):
+        mult = cp_seq_multiple(args, cp, layout)
+        if seq_len % mult:
+            raise ConfigError(f"data.seq_len: {seq_len} is not a multiple of {mult} = {n} {layout} pieces x KDA chunk "
+                              f"{args.kda_chunk} (cp={cp})")
+    if seq_len % n:
+        raise ConfigError(f"data.seq_len: {seq_len} is not divisible into the {n} pieces of the {layout} layout "
+                          f"(cp={cp})")
+    L = seq_len // n
+    if isinstance(model_or_args, nn.Module):
+        from k3train.models.k3.kda import KDA
+        from k3train.models.k3.mla import GatedMLA
+        for name, m in model_or_args.named_modules():
+            if isinstance(m, KDA):
+                if L % m.chunk:
+                    raise ConfigError(f"{name}: KDA chunk {m.chunk} does not divide the context-parallel piece "
+                                      f"length {L} (seq_len {seq_len} / {n} pieces)")
+                W = m.q_conv.shape[1]
+                if W - 1 > L:
+                    raise ConfigError(f"{name}: conv width {W} needs pieces of at least {W - 1} tokens, got {L}")
+            elif isinstance(m, GatedMLA):
+                if not hasattr(m, "keys_values"):
+                    raise ConfigError(f"{name}: an MLA layer must expose keys_values(latent) for context parallelism")
+
+
+class ContextParallelPlan:
+    """What apply_context_parallel returns: the group and layout, and per-batch sharding for the trainer."""
+
+    def __init__(self, model: nn.Module, group, layout: str):
+        self.model, self.group, self.layout = model, group, layout
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self._checked: set[int] = set()
+
+    def handle(self, seq_len: int, cu_seqlens=None, batch: int | None = None) -> ContextParallel:
+        if seq_len not in self._checked:
+            check_context_parallel(self.model, cp=self.world, seq_len=seq_len, layout=self.layout)
+            self._checked.add(seq_len)
+        return ContextParallel(self.group, self.rank, self.world, seq_len=seq_len, layout=self.layout,
+                               cu_seqlens_global=cu_seqlens, batch=batch)
+
+    def shard_batch(self, batch: dict) -> dict:
+        """{'input_ids' [B, T], 'labels' [B, T], optional 'cu_seqlens'} (the SAME global batch on every CP rank)
+        -> {'input_ids', 'labels' in the model's local layout [B*P, T/n], 'ctx': BatchContext(cp=handle)}."""
+        for key in batch:
+            if key.startswith("vision"):
+                raise ValueError(f"context parallelism does not shard vision inputs ({key!r})")
+        ids = batch["input_ids"]
+        if ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(ids.shape)}")
+        B, T = ids.shape
+        h = self.handle(T, batch.get("cu_seqlens"), B)
+        out = {"input_ids": h.shard_rows(ids), "ctx": BatchContext(cu_seqlens=None, cp=h)}
+        if "labels" in batch:
+            out["labels"] = h.shard_rows(batch["labels"])
+        return out
+
+
+def apply_context_parallel(model: nn.Module, group=None, *, layout: str = "zigzag",
+                           seq_len: int | None = None) -> ContextParallelPlan:
+    """Check that the model can run under CP over `group` (and, given seq_len, that the length fits) and return the
+    plan that shards each batch. The model itself is not changed: its KDA and MLA layers reach the handle through
+    BatchContext.cp."""
+    world = dist.get_world_size(group) if group is not None else 1
+    if layout not in LAYOUTS:
+        raise ConfigError(f"parallel.cp_layout: must be one of {LAYOUTS}, got {layout!r}")
+    if seq_len is not None:
+        check_context_parallel(model, cp=world, seq_len=seq_len, layout=layout)
+    return ContextParallelPlan(model, group, layout)

@@ -1,0 +1,297 @@
+"""Context parallelism on gloo: cp = 2 and cp = 4 give the outputs, loss and gradients of one process for a KDA
+layer, a Gated MLA layer and the tiny K3 model (fp64), with documents crossing rank boundaries, ending inside ranks and
+starting exactly on a piece boundary; plus cp = 2 x ep = 2 on the same two ranks, and the KDA bytes' independence of
+the sequence length."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from k3train.models.k3.args import get_preset
+from k3train.models.k3.context import BatchContext
+from k3train.models.k3.kda import KDA
+from k3train.models.k3.mla import GatedMLA
+from k3train.models.k3.model import K3Model
+from k3train.parallel.context_parallel import ContextParallel, apply_context_parallel
+
+B, T = 2, 128
+CU = [0, 37, 40, 128, 192, 256]   # 37, 40: starts inside a piece; 128: row start; 192: exactly on a piece start
+DIM = get_preset("tiny").dim
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _layer(cls, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    m = cls(get_preset("tiny")).double()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * (0.4 if name.endswith("_conv") else 0.1))
+    if isinstance(m, KDA):
+        m.reset_decay_(torch.Generator().manual_seed(seed))
+    return m
+
+
+def _model(seed=0):
+    m = K3Model(get_preset("tiny"))  # on the CPU: a first meta-device build costs seconds of one-time setup
+    m.init_weights(seed)
+    return m.double()
+
+
+def _layer_data():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(B, T, DIM, generator=g, dtype=torch.float64)
+    w = torch.randn(B, T, DIM, generator=g, dtype=torch.float64)
+    return x, w
+
+
+def _model_data():
+    g = torch.Generator().manual_seed(12)
+    ids = torch.randint(0, 512, (B, T), generator=g)
+    labels = torch.randint(0, 512, (B, T), generator=g)
+    labels[0, 36] = labels[1, 63] = labels[1, 127] = -100  # some ignored targets (document ends)
+    return ids, labels
+
+
+def _grads(module):
+    return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+# ---- references (one process) ----------------------------------------------------------------------------------------
+def _reference(kind: str) -> dict:
+    ctx = BatchContext(cu_seqlens=torch.tensor(CU))
+    if kind in ("kda", "mla"):
+        m = _layer(KDA if kind == "kda" else GatedMLA)
+        x, w = _layer_data()
+        x.requires_grad_()
+        out = m(x, ctx)
+        (out * w).sum().backward()
+        return {"out": out.detach(), "dx": x.grad, "grads": _grads(m)}
+    m = _model()
+    ids, labels = _model_data()
+    logits = m(ids, ctx)
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    loss.backward()
+    return {"out": logits.detach(), "loss": loss.detach(), "grads": _grads(m)}
+
+
+_REFS: dict = {}
+
+
+def reference(kind: str) -> dict:
+    if kind not in _REFS:
+        _REFS[kind] = _reference(kind)
+    return _REFS[kind]
+
+
+# ---- CP runs (one per process) ---------------------------------------------------------------------------------------
+def _sum_grads(module, group, skip=()):
+    out = {}
+    for n, p in module.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.detach().clone()
+        if n not in skip:
+            dist.all_reduce(g, group=group)
+        out[n] = g
+    return out
+
+
+def _cp_layer(kind, layout, group):
+    m = _layer(KDA if kind == "kda" else GatedMLA)
+    cp = ContextParallel(group, seq_len=T, layout=layout, cu_seqlens_global=torch.tensor(CU))
+    x, w = _layer_data()
+    xl = cp.shard_rows(x).requires_grad_()
+    out = m(xl, BatchContext(cp=cp))
+    (out * cp.shard_rows(w)).sum().backward()
+    return {"out": cp.gather_rows(out.detach()), "dx": cp.gather_rows(xl.grad), "grads": _sum_grads(m, group),
+            "stats": {f"{a}/{b}": v for (a, b), v in cp.stats.items()}}
+
+
+def _cp_model(layout, group, ep=False):
+    from k3train.parallel.expert_parallel import apply_expert_parallel, expert_parameters
+    m = _model()
+    skip = ()
+    if ep:
+        apply_expert_parallel(m, group)
+        skip = set(expert_parameters(m))
+    plan = apply_context_parallel(m, group, layout=layout, seq_len=T)
+    ids, labels = _model_data()
+    b = plan.shard_batch({"input_ids": ids, "labels": labels, "cu_seqlens": torch.tensor(CU)})
+    logits = m(b["input_ids"], b["ctx"])
+    count = torch.tensor(float((labels != -100).sum()), dtype=torch.float64)  # the whole group's targets
+    ce = F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100, reduction="sum")
+    (ce / count).backward()
+    loss = ce.detach() / count
+    dist.all_reduce(loss, group=group)
+    res = {"out": b["ctx"].cp.gather_rows(logits.detach()), "loss": loss, "grads": _sum_grads(m, group, skip)}
+    if ep:
+        res["expert_grads"] = {n: res["grads"].pop(n) for n in skip}
+    return res
+
+
+def _kda_bytes(group, seq_len):
+    """Bytes of the KDA summaries' all-gather and reduce-scatter for one layer at seq_len tokens per row."""
+    m = _layer(KDA)
+    cp = ContextParallel(group, seq_len=seq_len)
+    x = torch.randn(1, seq_len, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    m(cp.shard_rows(x), BatchContext(cp=cp)).sum().backward()
+    return {f"{a}/{b}": v for (a, b), v in cp.stats.items()}
+
+
+def _worker(rank: int, world: int, port: int, out: str, jobs: list[str]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        group = dist.group.WORLD
+        res = {}
+        for job in jobs:
+            if job in ("kda", "mla"):
+                res[job] = _cp_layer(job, "zigzag", group)
+            elif job == "kda_contiguous":
+                res[job] = _cp_layer("kda", "contiguous", group)
+            elif job == "model":
+                res[job] = _cp_model("zigzag", group)
+            elif job == "model_ep":
+                res[job] = _cp_model("zigzag", group, ep=True)
+            elif job == "doc_start":
+                # a pipeline stage knows only its local document-start marks: the handle rebuilds the global layout
+                cp = ContextParallel(group, seq_len=T, cu_seqlens_global=torch.tensor(CU))
+                start = torch.zeros(B * T, dtype=torch.bool)
+                start[torch.tensor(CU[:-1])] = True
+                rebuilt = ContextParallel.from_local_doc_start(cp.shard_rows(start.view(B, T)), group)
+                res[job] = {"cu": rebuilt.cu_seqlens_global, "batch": rebuilt.batch, "seq_len": rebuilt.seq.seq_len}
+            elif job == "bytes":
+                res[job] = [_kda_bytes(group, n) for n in (64 * world, 256 * world)]
+        torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, jobs: list[str], tmp) -> list[dict]:
+    mp.spawn(_worker, args=(world, _free_port(), str(tmp), jobs), nprocs=world, join=True)
+    return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+
+
+JOBS = {2: ["kda", "mla", "kda_contiguous", "model", "model_ep", "bytes", "doc_start"],
+        4: ["kda", "mla", "model", "doc_start"]}
+
+
+_RUNS: dict = {}
+
+
+def _run(world: int, tmp_path_factory) -> tuple[int, list[dict]]:
+    """One spawn per world size, shared by every test that needs it."""
+    if world not in _RUNS:
+        _RUNS[world] = (world, _spawn(world, JOBS[world], tmp_path_factory.mktemp(f"cp{world}")))
+    return _RUNS[world]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"cp{w}")
+def cp_run(request, tmp_path_factory):
+    return _run(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def cp2_run(tmp_path_factory):
+    return _run(2, tmp_path_factory)
+
+
+# ---- checks ----------------------------------------------------------------------------------------------------------
+def _close_rel(a: torch.Tensor, b: torch.Tensor, tol: float, what: str) -> None:
+    err = float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+    assert err < tol, f"{what}: relative error {err:.2e} >= {tol:.0e}"
+
+
+# Relative to each tensor's largest entry. KDA's beta (and the model's router) are computed in fp32 even in an fp64
+# model, so gradients through them carry fp32 rounding: ~1e-8 for a layer, up to ~1e-6 for the small AttnRes query
+# gradients of the model (absolute errors there are ~1e-11). A missing or doubled contribution would be O(1).
+GRAD_TOL = {"kda": 1e-7, "kda_contiguous": 1e-7, "mla": 1e-11, "model": 3e-6, "model_ep": 3e-6}
+
+
+def _check(kind: str, results: list[dict]) -> None:
+    ref = reference("kda" if kind == "kda_contiguous" else kind.replace("_ep", ""))
+    got = results[0][kind]
+    torch.testing.assert_close(got["out"], ref["out"], rtol=0, atol=1e-10)
+    for r in results[1:]:  # every rank holds the same reduced gradients
+        for n, g in r[kind]["grads"].items():
+            assert torch.equal(g, got["grads"][n]), n
+    if "loss" in ref:
+        torch.testing.assert_close(got["loss"], ref["loss"], rtol=0, atol=1e-12)
+    if "dx" in ref:
+        _close_rel(got["dx"], ref["dx"], GRAD_TOL[kind], "dx")
+    grads = dict(got["grads"])
+    if "expert_grads" in got:  # home experts: rank r holds rows [r E/R, (r+1) E/R) of the full gradient
+        for n in got["expert_grads"]:
+            grads[n] = torch.cat([r[kind]["expert_grads"][n] for r in results])
+    assert set(grads) == set(ref["grads"])
+    for n, g in ref["grads"].items():
+        _close_rel(grads[n], g, GRAD_TOL[kind], n)
+
+
+@pytest.mark.slow
+def test_kda_layer(cp_run):
+    _check("kda", cp_run[1])
+
+
+@pytest.mark.slow
+def test_mla_layer(cp_run):
+    _check("mla", cp_run[1])
+
+
+@pytest.mark.slow
+def test_tiny_model(cp_run):
+    _check("model", cp_run[1])
+
+
+@pytest.mark.slow
+def test_contiguous_layout(cp2_run):
+    _check("kda_contiguous", cp2_run[1])
+
+
+@pytest.mark.slow
+def test_cp_with_expert_parallel(cp2_run):
+    """cp=2 x ep=2 on the same two ranks: experts sharded over the CP group, tokens split by CP."""
+    _check("model_ep", cp2_run[1])
+
+
+@pytest.mark.slow
+def test_handle_from_local_doc_starts(cp_run):
+    for r in cp_run[1]:
+        assert r["doc_start"]["cu"].tolist() == CU and r["doc_start"]["batch"] == B and r["doc_start"]["seq_len"] == T
+
+
+@pytest.mark.slow
+def test_collective_bytes(cp_run):
+    world, results = cp_run
+    args = get_preset("tiny")
+    H, K = args.kda_heads, args.kda_head_dim
+    P, n = 2, 2 * world   # zigzag: two pieces per rank
+    stats = results[0]["kda"]["stats"]
+    # KDA summaries: every piece's [M | B] (H*K*(K+V) fp64 numbers) gathered once; the same bytes reduce-scattered back
+    per_piece = H * K * (K + K) * 8
+    assert stats["kda_summary/all_gather"] == [1, n * B * per_piece]
+    assert stats["kda_summary/reduce_scatter"] == [1, n * B * per_piece]
+    # conv halos: the last 3 projected tokens of every piece, for q, k and v
+    assert stats["conv_halo/all_gather"] == [3, 3 * n * B * 3 * H * K * 8]
+    # MLA: the latent (kv_rank + shared key) of every token
+    mla = results[0]["mla"]["stats"]
+    assert mla == {"mla_latent/all_gather": [1, B * T * (args.mla_kv_rank + args.mla_shared_k_dim) * 8],
+                   "mla_latent/reduce_scatter": [1, B * T * (args.mla_kv_rank + args.mla_shared_k_dim) * 8]}
+    if world == 2:
+        short, long = results[0]["bytes"]   # 128 and 512 tokens per row
+        assert short == long and short["kda_summary/all_gather"][1] == 2 * world * per_piece

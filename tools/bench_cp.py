@@ -1,0 +1,208 @@
+"""Context parallelism: bytes per layer of KDA CP and MLA CP, and the tiny model's step time at cp = 1, 2, 4.
+
+    python tools/bench_cp.py                                  # bytes at 8k, 32k, 128k tokens; step time at 4096 tokens
+    python tools/bench_cp.py --lengths 8192 --step-tokens 2048 --cps 1 2
+
+Bytes are counted from the collectives the CP handle really issues (its all-gathers and their backward
+reduce-scatters, through k3train.parallel.comm), on gloo with 2 processes, tiny-model widths, fp32 activations,
+one row of T tokens split zigzag over the 2 ranks:
+- KDA: one KDA layer forward + backward; the summaries' all-gather (and its reduce-scatter in backward) and the
+  conv halos' all-gathers. The summary bytes must not depend on T.
+- MLA: at the smallest length, one Gated MLA layer forward + backward; at every length, the latent all-gather
+  itself (forward + backward through the same differentiable gather the layer uses; the dense CPU attention at 128k
+  tokens would need tens of GB per rank). The analytic figure T * (kv_rank + shared) * bytes is printed beside it.
+Step time: forward + backward of the tiny model (fp32, one thread per process) at the same global tokens,
+processes = cp on gloo: wall seconds, and the busiest rank's CPU seconds (the wall time with a free core per rank
+and no contention); each figure is the median of --steps steps after one warm-up. Workers flush subnormal floats
+to zero (torch.set_flush_denormal): fp32 gradients through long products of decays otherwise go subnormal and slow
+the CPU arithmetic several-fold. With fewer cores than processes, wall time measures oversubscription.
+The last line is JSON with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from k3train.models.k3.args import get_preset  # noqa: E402
+from k3train.models.k3.context import BatchContext  # noqa: E402
+from k3train.models.k3.kda import KDA  # noqa: E402
+from k3train.models.k3.mla import GatedMLA  # noqa: E402
+from k3train.models.k3.model import K3Model  # noqa: E402
+from k3train.parallel.context_parallel import ContextParallel, apply_context_parallel  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_layer(m: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(torch.ones(p.shape) if name.endswith("norm.weight") else torch.randn(p.shape, generator=gen) * 0.05)
+    if isinstance(m, KDA):
+        m.reset_decay_(torch.Generator().manual_seed(seed))
+    return m
+
+
+def _stats(cp: ContextParallel) -> dict:
+    return {f"{a}/{b}": v[1] for (a, b), v in cp.stats.items()}
+
+
+def _setup_cpu() -> None:
+    torch.set_num_threads(1)
+    # fp32 gradients through long products of decays go subnormal; x86 arithmetic on them is many times slower
+    torch.set_flush_denormal(True)
+
+
+def _bytes_worker(rank, world, port, out, lengths, mla_layer_max):
+    _setup_cpu()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        args = get_preset("tiny")
+        res = {}
+        for T in lengths:
+            row = {}
+            # KDA layer
+            m = _init_layer(KDA(args))
+            cp = ContextParallel(dist.group.WORLD, seq_len=T)
+            x = torch.randn(1, T, args.dim, generator=torch.Generator().manual_seed(T))
+            t0 = time.perf_counter()
+            m(cp.shard_rows(x), BatchContext(cp=cp)).square().mean().backward()
+            row["kda_s"] = time.perf_counter() - t0
+            row["kda"] = _stats(cp)
+            # MLA: the layer at small T, the latent gather alone at every T
+            if T <= mla_layer_max:
+                m = _init_layer(GatedMLA(args))
+                cp = ContextParallel(dist.group.WORLD, seq_len=T)
+                m(cp.shard_rows(x), BatchContext(cp=cp)).square().mean().backward()
+                row["mla_layer"] = _stats(cp)
+            cp = ContextParallel(dist.group.WORLD, seq_len=T)
+            lat = torch.randn(cp.pieces_per_rank, cp.piece_len, args.mla_kv_rank + args.mla_shared_k_dim,
+                              requires_grad=True)
+            cp._gather(lat, "mla_latent").sum().backward()
+            row["mla"] = _stats(cp)
+            res[T] = row
+        if rank == 0:
+            torch.save(res, os.path.join(out, "bytes.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _step_worker(rank, world, port, out, tokens, steps, seed):
+    _setup_cpu()
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        args = get_preset("tiny", max_seq_len=max(tokens, 4096))
+        torch.manual_seed(seed)
+        m = K3Model(args)
+        m.init_weights(seed)
+        group = dist.group.WORLD if world > 1 else None
+        plan = apply_context_parallel(m, group, seq_len=tokens)
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, args.vocab_size, (1, tokens), generator=g)
+        cu = torch.tensor([0, tokens // 3, tokens // 3 + 100, tokens])
+        times, cpu = [], []
+        for s in range(steps + 1):
+            for p in m.parameters():
+                p.grad = None
+            if group is not None:
+                dist.barrier(group)
+            t0, c0 = time.perf_counter(), time.process_time()
+            if world > 1:
+                b = plan.shard_batch({"input_ids": ids, "labels": ids, "cu_seqlens": cu})
+                logits = m(b["input_ids"], b["ctx"])
+            else:
+                logits = m(ids, BatchContext(cu_seqlens=cu))
+            (logits.float().logsumexp(-1).sum() / tokens).backward()
+            if group is not None:
+                flat = torch.cat([p.grad.reshape(-1) for p in m.parameters() if p.grad is not None])
+                dist.all_reduce(flat, group=group)  # the CP gradient sum a trainer does
+            if s > 0:
+                times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
+        # the busiest rank's CPU seconds: what the step would take with a core per rank and no contention
+        cpu_max = torch.tensor(statistics.median(cpu), dtype=torch.float64)
+        if group is not None:
+            dist.all_reduce(cpu_max, op=dist.ReduceOp.MAX, group=group)
+        if rank == 0:
+            torch.save({"median_s": statistics.median(times), "times": times, "cpu_s": float(cpu_max)},
+                       os.path.join(out, f"step{world}.pt"))
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--mla-layer-max", type=int, default=8192, help="run the whole MLA layer up to this length")
+    ap.add_argument("--step-tokens", type=int, default=4096)
+    ap.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--skip-steps", action="store_true")
+    ap.add_argument("--skip-bytes", action="store_true")
+    a = ap.parse_args()
+
+    args = get_preset("tiny")
+    H, K, L = args.kda_heads, args.kda_head_dim, args.mla_kv_rank + args.mla_shared_k_dim
+    out: dict = {"bytes": {}, "step_s": {}}
+    res = {}
+    if not a.skip_bytes:
+        with tempfile.TemporaryDirectory() as d:
+            mp.spawn(_bytes_worker, args=(2, _free_port(), d, a.lengths, a.mla_layer_max), nprocs=2, join=True)
+            res = torch.load(os.path.join(d, "bytes.pt"))
+    print(f"tiny widths: KDA H={H} K=V={K}; MLA latent {L}; fp32; cp=2 zigzag (4 pieces); bytes on rank 0 per layer")
+    print(f"{'T':>8} {'KDA summ. AG':>13} {'KDA summ. RS':>13} {'KDA halo AG':>12} {'MLA lat. AG':>12} "
+          f"{'MLA lat. RS':>12} {'MLA analytic':>13} {'KDA fwd+bwd s':>14}")
+    for T, row in res.items():
+        k, m = row["kda"], row["mla"]
+        analytic = T * L * 4
+        print(f"{T:>8} {k['kda_summary/all_gather']:>13,} {k['kda_summary/reduce_scatter']:>13,} "
+              f"{k['conv_halo/all_gather']:>12,} {m['mla_latent/all_gather']:>12,} "
+              f"{m['mla_latent/reduce_scatter']:>12,} "
+              f"{analytic:>13,} {row['kda_s']:>14.2f}")
+        if "mla_layer" in row and row["mla_layer"] != m:
+            print(f"  WARNING: the MLA layer's collectives {row['mla_layer']} differ from the latent gather {m}")
+        out["bytes"][T] = {"kda": k, "mla": m, "mla_layer": row.get("mla_layer"), "mla_analytic": analytic}
+    summ = {T: r["kda"]["kda_summary/all_gather"] for T, r in res.items()}
+    print("KDA summary bytes independent of T:", len(set(summ.values())) <= 1,
+          f"(= 4 pieces x H*K*(K+V) x 4 B = {4 * H * K * 2 * K * 4:,})")
+    full = get_preset("k3_full", vision=None)
+    kda_piece = full.kda_heads * full.kda_head_dim * 2 * full.kda_head_dim * 4
+    mla_tok = (full.mla_kv_rank + full.mla_shared_k_dim) * 2
+    print(f"K3 widths (analytic): KDA {kda_piece:,} B per piece per layer (fp32); MLA {mla_tok} B per token per layer "
+          f"(bf16) = {mla_tok * 2 ** 20 / 2 ** 30:.2f} GiB gathered at 1M tokens")
+    out["k3_full"] = {"kda_bytes_per_piece": kda_piece, "mla_bytes_per_token": mla_tok}
+
+    if not a.skip_steps:
+        print(f"\ntiny model forward + backward, {a.step_tokens} global tokens, 1 thread per process "
+              f"({os.cpu_count()} CPUs here)")
+        for cp in a.cps:
+            with tempfile.TemporaryDirectory() as d:
+                mp.spawn(_step_worker, args=(cp, _free_port(), d, a.step_tokens, a.steps, 0), nprocs=cp, join=True)
+                r = torch.load(os.path.join(d, f"step{cp}.pt"))
+            print(f"  cp={cp}: {r['median_s']:.3f} s wall per step (median of {len(r['times'])}); "
+                  f"busiest rank {r['cpu_s']:.3f} CPU s")
+            out["step_s"][cp] = {"wall": r["median_s"], "cpu_busiest_rank": r["cpu_s"]}
+    print(json.dumps(out, default=str))
+
+
+if __name__ == "__main__":
+    main()
