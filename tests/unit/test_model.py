@@ -255,3 +255,15 @@ def test_mla_qk_clip_caps_max_logits():
     assert torch.allclose(gamma, threshold / before)
     attn(x)
     assert torch.allclose(attn.max_logits, torch.full_like(before, threshold), rtol=1e-4)
+
+
+def test_expert_init_is_per_expert():
+    full = tiny_model(7)
+    part = tiny_model(7)
+    w = part.layers["3"].ffn.experts.w1
+    # An expert-parallel rank holding experts 4..7 draws exactly those rows.
+    local = torch.nn.Parameter(torch.empty(4, *w.shape[1:]))
+    local._k3_ep_shard = (4, w.shape[0])
+    part.layers["3"].ffn.experts.w1 = local
+    part.init_weights(7)
+    assert torch.equal(local.data, full.layers["3"].ffn.experts.w1.data[4:])

@@ -119,6 +119,13 @@ class K3Model(nn.Module):
                     val = torch.empty(p.shape).uniform_(-bound, bound, generator=gen)
                 elif name == "tok_embeddings.weight":
                     val = torch.empty(p.shape).normal_(0.0, 1.0, generator=gen)
+                elif ".experts." in name:
+                    # One generator per expert row, so an expert-parallel rank draws only its own experts
+                    # (`_k3_ep_shard` = (first expert, total experts)) and gets the values one process would.
+                    first, _ = getattr(p, "_k3_ep_shard", (0, p.shape[0]))
+                    s = out_std if name.endswith(residual_out) else std
+                    val = torch.stack([torch.empty(p.shape[1:]).normal_(
+                        0.0, s, generator=self._generator(seed, f"{name}[{first + e}]")) for e in range(p.shape[0])])
                 else:
                     s = out_std if name.endswith(residual_out) else std
                     val = torch.empty(p.shape).normal_(0.0, s, generator=gen)

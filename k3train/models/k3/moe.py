@@ -77,7 +77,7 @@ class LocalDispatcher:
     def combine(self, y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         """y [N*K, L] in dispatch order, weights [N, K] -> u [N, L] = sum_k weights * expert output."""
         N, K = weights.shape
-        unsorted = y[torch.argsort(order)].view(N, K, -1)
+        unsorted = y[torch.argsort(order)].view(N, K, y.shape[-1])  # explicit width: N may be 0
         return torch.einsum("nk,nkl->nl", weights.to(y.dtype), unsorted)
 
 
