@@ -171,7 +171,8 @@ class K3ModelArgs:
              f"n_dense_layers={self.n_dense_layers} must lie in [0, n_layers={self.n_layers}]")
         need(self.top_k <= self.n_experts, f"top_k={self.top_k} exceeds n_experts={self.n_experts}")
         need(self.n_shared_experts >= 0, "n_shared_experts must be >= 0")
-        need(self.kda_g_min < 0, f"kda_g_min must be negative, got {self.kda_g_min}")
+        need(-16 * 5.0 / 15 <= self.kda_g_min < 0,  # a 16-token tile's decay factor must stay below e^80
+             f"kda_g_min must lie in [-5.33, 0), got {self.kda_g_min}")
         need(self.situ_beta1 > 0 and self.situ_beta2 > 0, "SiTU-GLU caps beta1, beta2 must be positive")
         need(self.n_blocks >= 1, "at least one AttnRes block")
         need(self.router_score_dtype in ("float32", "float64"), "router_score_dtype must be float32 or float64")

@@ -1,0 +1,162 @@
+"""Kimi Delta Attention in chunked form: dense matmuls inside chunks, a short recurrence across them.
+
+Inside a chunk of C tokens (rows are tokens, G the inclusive cumsum of g within the chunk, Gamma = e^G):
+    Akk[i,j] = beta_i sum_d K[i,d] K[j,d] e^{G[i,d]-G[j,d]}  (i > j)
+    Aqk[i,j] =        sum_d Q[i,d] K[j,d] e^{G[i,d]-G[j,d]}  (i >= j)
+    (I + Akk) [W | U] = [beta Gamma K | beta V]              (unit lower-triangular solve)
+With S the state at the chunk start, the chunk's pre-write residuals are Vn = U - W S, and
+    O  = (Q Gamma) S + Aqk Vn = Aqk U + (Q Gamma - Aqk W) S
+    S' = Diag(gamma) S + (K e^{G_last - G})^T Vn = M S + B,
+    M  = Diag(gamma) - (K e^{G_last - G})^T W,    B = (K e^{G_last - G})^T U.
+Everything but S' = M S + B is computed for all chunks of all sequences at once; that one line is a Python loop
+over chunk index (batched over sequences and heads). The same (M, B) give the affine summary used by context
+parallelism. Backward is autograd through these torch ops.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .utils import ChunkLayout, check_inputs, compute_dtype
+
+TILE = 16
+"""Sub-tile length for the decay factorisation: with g >= -5 a tile's largest factor is e^{75} < e^{80},
+inside fp32 and bf16 range."""
+
+FP32_DECAY_FLOOR = math.exp(-60.0)
+"""In fp32, decay factors below this are set to exactly 0 (relative size < 1e-26, invisible in fp32). Without it
+the chunk math fills with subnormal numbers, which slow CPU arithmetic several-fold."""
+
+
+def _decay(x: torch.Tensor) -> torch.Tensor:
+    """e^x, with fp32 values below FP32_DECAY_FLOOR flushed to 0."""
+    y = x.exp()
+    return y if y.dtype == torch.float64 else F.threshold(y, FP32_DECAY_FLOOR, 0.0)
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if not isinstance(chunk_size, int) or chunk_size < TILE or chunk_size % TILE:
+        raise ValueError(f"chunk_size must be a positive multiple of {TILE}, got {chunk_size!r}")
+
+
+def _decayed_scores(rows: list[torch.Tensor], k: torch.Tensor, G: torch.Tensor) -> list[torch.Tensor]:
+    """For each R in rows: A[i,j] = sum_d R[i,d] k[j,d] e^{G[i,d] - G[j,d]} for j up to the end of i's 16-token tile.
+
+    Never divides by e^G (which underflows within a chunk): e^{G_i - G_j} = e^{G_i - G_r} e^{G_r - G_j} with r the
+    first row of i's tile. For j in earlier tiles both exponents are <= 0; inside i's own tile the first is
+    >= -15 |g|_max and the second <= 15 |g|_max (e^75 for g >= -5). Entries after i's tile are 0; entries j > i inside
+    the diagonal tile are finite but not zero, and the caller masks them.
+    """
+    C = k.shape[-2]
+    nt, P = C // TILE, len(rows)
+    Gt = G.unflatten(-2, (nt, TILE))                       # [..., nt, TILE, K]
+    Gr = Gt[..., :1, :]                                    # [..., nt, 1, K]: reference row of each tile
+    rel = Gt - Gr
+    row = rel.exp()                                        # exponents in [-15 |g|, 0]
+    stacked = torch.cat([r.unflatten(-2, (nt, TILE)) * row for r in rows], dim=-2)  # [..., nt, P*TILE, K]
+    kt = k.unflatten(-2, (nt, TILE))
+    A = stacked.new_zeros(*stacked.shape[:-1], C)          # [..., nt, P*TILE, C]
+    # Diagonal tiles: the column factor is e^{-(G_j - G_r)}, at most e^{15 |g|}; no floor, it multiplies a small row.
+    A.view(*A.shape[:-1], nt, TILE).diagonal(dim1=-4, dim2=-2).copy_(
+        torch.matmul(stacked, (kt * (-rel).exp()).transpose(-1, -2)).movedim(-3, -1))
+    # Earlier tiles (a loop over the nt - 1 tile rows): both factors are decays, so the floor is safe.
+    rows_by_tile, G_ref = stacked.unbind(-3), Gr.unbind(-3)
+    for I in range(1, nt):
+        cols = k[..., : I * TILE, :] * _decay(G_ref[I] - G[..., : I * TILE, :])
+        A[..., I, :, : I * TILE] = torch.matmul(rows_by_tile[I], cols.transpose(-1, -2))
+    # One copy to [..., P, nt, TILE, C]; unbind (not indexing) so backward stacks once instead of zero-filling per part.
+    A = A.unflatten(-2, (P, TILE)).movedim(-3, -4).contiguous()
+    return list(A.flatten(-3, -2).unbind(-3))
+
+
+def _chunk_terms(q, k, v, g, beta):
+    """Per-chunk terms, inputs [N, H, n_chunks, C, *] in the compute dtype (q may be None).
+
+    Returns (M [.., K, K], B [.., K, V], Qe [.., C, K], AU [.., C, V]); Qe and AU are None without q.
+    """
+    C, Kd = k.shape[-2], k.shape[-1]
+    G = g.cumsum(-2)
+    scores = _decayed_scores([k] if q is None else [q, k], k, G)
+    i = torch.arange(C, device=k.device)
+    strict = i.view(C, 1) > i.view(1, C)
+    b = beta.unsqueeze(-1)
+    Akk = torch.where(strict, scores[-1] * b, 0.0)
+    gam = _decay(G)
+    G_last = G[..., -1:, :]
+    rhs = torch.cat([(b * gam) * k, b * v], dim=-1)
+    # unitriangular=True reads only the strict lower part: solves (I + Akk) X = rhs.
+    WU = torch.linalg.solve_triangular(Akk, rhs, upper=False, unitriangular=True)   # [.., C, K+V] = [W | U]
+    kdec = k * _decay(G_last - G)
+    KWU = torch.matmul(kdec.transpose(-1, -2), WU)         # [.., K, K+V]
+    KW, Bm = KWU.split([Kd, KWU.shape[-1] - Kd], dim=-1)   # split, not slicing: one concatenation in backward
+    M = torch.diag_embed(_decay(G_last.squeeze(-2))) - KW
+    if q is None:
+        return M, Bm, None, None
+    Aqk = torch.where(strict | (i.view(C, 1) == i.view(1, C)), scores[0], 0.0)
+    AW, AU = torch.matmul(Aqk, WU).split([Kd, WU.shape[-1] - Kd], dim=-1)     # [Aqk W | Aqk U]
+    return M, Bm, q * gam - AW, AU
+
+
+def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              scale: float | None = None, initial_state: torch.Tensor | None = None,
+              output_final_state: bool = False, cu_seqlens=None, chunk_size: int = 64):
+    """Chunked KDA, same arguments and results as naive_recurrent_kda (plus chunk_size, a multiple of 16).
+
+    q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [B or N, H, K, V]; g is the log-decay and
+    must lie in [-5, 0] for fp32 safety (the model's gate gives (g_min, 0) with g_min = -5); q and k are used as given.
+    Returns (o [B, T, H, V] in v's dtype, final state [B or N, H, K, V] in fp32 (fp64 for fp64 inputs) or None).
+    """
+    _check_chunk_size(chunk_size)
+    s = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    dt = compute_dtype(q, k, v, g, beta, initial_state)
+    scale = s.K ** -0.5 if scale is None else scale
+    lay = ChunkLayout(s, chunk_size, k.device)
+    qc = lay.to_chunks(q, dt) * scale
+    kc, vc, gc = lay.to_chunks(k, dt), lay.to_chunks(v, dt), lay.to_chunks(g, dt)
+    bc = lay.to_chunks(beta.unsqueeze(-1), dt).squeeze(-1)
+    M, Bm, Qe, AU = _chunk_terms(qc, kc, vc, gc, bc)
+
+    S = initial_state.to(dt) if initial_state is not None else kc.new_zeros(s.N, s.H, s.K, s.V)
+    starts = []
+    # unbind once: indexing M[:, :, n] in the loop would make backward build a full-size zero gradient per chunk.
+    for M_n, B_n in zip(M.unbind(2), Bm.unbind(2)):
+        starts.append(S)
+        S = torch.baddbmm(B_n.flatten(0, 1), M_n.flatten(0, 1), S.flatten(0, 1)).view_as(B_n)
+    o = AU + torch.matmul(Qe, torch.stack(starts, dim=2))   # [N, H, n_chunks, C, V]
+    return lay.from_chunks(o, v.dtype), (S if output_final_state else None)
+
+
+def fold_summaries(M: torch.Tensor, B: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compose affine maps S -> M_n S + B_n along `dim` (earliest first) into one, by pairwise tree reduction.
+
+    (M2, B2) o (M1, B1) = (M2 M1, M2 B1 + B2). M [..., K, K] and B [..., K, V] with the sequence axis at `dim`.
+    """
+    M, B = M.movedim(dim, 0), B.movedim(dim, 0)
+    while M.shape[0] > 1:
+        if M.shape[0] % 2:
+            # An identity map appended last changes nothing.
+            eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device).expand_as(M[:1])
+            M, B = torch.cat([M, eye]), torch.cat([B, torch.zeros_like(B[:1])])
+        M_early, M_late, B_early, B_late = M[0::2], M[1::2], B[0::2], B[1::2]
+        M, B = torch.matmul(M_late, M_early), torch.matmul(M_late, B_early) + B_late
+    return M[0], B[0]
+
+
+def chunk_kda_summary(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens=None,
+                      chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Affine summary of a whole sequence: its final state from S_0 is M S_0 + B.
+
+    Returns M [B or N, H, K, K] and B [B or N, H, K, V] in fp32 (fp64 for fp64 inputs), one per batch row, or per
+    document with cu_seqlens. B is the final state from a zero start. Differentiable.
+    """
+    _check_chunk_size(chunk_size)
+    s = check_inputs(None, k, v, g, beta, None, cu_seqlens)
+    dt = compute_dtype(k, v, g, beta)
+    lay = ChunkLayout(s, chunk_size, k.device)
+    kc, vc, gc = lay.to_chunks(k, dt), lay.to_chunks(v, dt), lay.to_chunks(g, dt)
+    bc = lay.to_chunks(beta.unsqueeze(-1), dt).squeeze(-1)
+    M, Bm, _, _ = _chunk_terms(None, kc, vc, gc, bc)
+    return fold_summaries(M, Bm, dim=2)
