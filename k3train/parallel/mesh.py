@@ -1,0 +1,251 @@
+"""Parallel layout: the dimensions, their validation (before any process group exists) and the device mesh.
+
+Ranks are laid out pp-major, then dp, then cp (cp innermost, so context-parallel peers are neighbours on a node):
+
+    rank = (pp_index * dp + dp_index) * cp + cp_index,        world = pp * dp * cp
+
+Non-expert parameters are replicated over the dp x cp ranks of a pipeline stage ("dp_cp"): their gradients are
+summed there and ZeRO shards their optimizer state there. Expert parallelism is folded over the same dp x cp ranks:
+the flattened dp_cp index splits into (edp, ep) with ep innermost, so an EP group is `ep` consecutive dp_cp ranks
+and expert parameters are replicated (and reduced, and ZeRO-sharded) over the `edp = dp * cp / ep` ranks that hold
+the same experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from k3train.models.k3.args import ConfigError, K3ModelArgs
+
+# Schedule name -> (torch class name, stage placement, allowed virtual stages per rank).
+#   "single": one stage per rank; "loop": stage s on rank s % pp; "v": V shape (rank r holds r and 2*pp-1-r).
+SCHEDULES: dict[str, tuple[str, str, str]] = {
+    "gpipe": ("ScheduleGPipe", "single", "vpp == 1"),
+    "1f1b": ("Schedule1F1B", "single", "vpp == 1"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop", "vpp >= 1"),
+    "looped_bfs": ("ScheduleLoopedBFS", "loop", "vpp >= 1"),
+    "interleaved_zb": ("ScheduleInterleavedZeroBubble", "loop", "vpp >= 1"),
+    "zbv": ("ScheduleZBVZeroBubble", "v", "vpp == 2"),
+    "dualpipev": ("ScheduleDualPipeV", "v", "vpp == 2"),
+}
+DEFAULT_SCHEDULE = "interleaved_1f1b"
+
+
+@dataclass(kw_only=True)
+class ParallelDims:
+    """A parallel layout. Build it with `from_config` or directly; call `validate` before touching distributed."""
+
+    pp: int = 1
+    """Pipeline-parallel ranks."""
+    vpp: int = 1
+    """Virtual stages per pipeline rank (pp * vpp stages in all)."""
+    ep: int = 1
+    """Expert-parallel degree, folded over dp x cp (must divide dp * cp and the number of experts)."""
+    cp: int = 1
+    """Context-parallel degree."""
+    dp: int = 1
+    """Data-parallel degree."""
+    zero: int = 0
+    """0: replicated optimizer state, gradients all-reduced; 1: ZeRO-1 (optimizer state sharded over dp x cp);
+    2: Pipeline ZeRO-2 (gradients reduce-scattered once per stage per step, only the shard kept)."""
+    microbatches: int = 1
+    """Micro-batches per optimizer step on each data-parallel rank."""
+    schedule: str = DEFAULT_SCHEDULE
+    """Pipeline schedule (see SCHEDULES); ignored when pp == 1."""
+    ep_dispatcher: str = "alltoall"
+    """Token dispatcher under expert parallelism: alltoall (experts run at home) or moonep (balanced redundant
+    experts)."""
+
+    # ---- derived ------------------------------------------------------------------------------------------------
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.cp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding replicas of a stage's non-expert parameters."""
+        return self.dp * self.cp
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding replicas of the same experts."""
+        return self.dp * self.cp // self.ep
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.vpp
+
+    @property
+    def placement(self) -> str:
+        return SCHEDULES[self.schedule][1] if self.pp > 1 else "single"
+
+    @classmethod
+    def from_config(cls, cfg, world_size: int | None = None) -> "ParallelDims":
+        """From a ParallelConfig-like object (pp, vpp, ep, cp, dp (-1: fill from world), zero, microbatches,
+        schedule). world_size is needed only when dp == -1."""
+        dp = int(cfg.dp)
+        if dp == -1:
+            if world_size is None:
+                raise ConfigError("parallel.dp: -1 (fill from WORLD_SIZE) needs the world size")
+            pp_cp = int(cfg.pp) * int(cfg.cp)
+            if pp_cp < 1 or world_size % pp_cp:
+                raise ConfigError(f"parallel.dp: cannot fill dp: WORLD_SIZE={world_size} is not divisible by "
+                                  f"pp*cp={pp_cp}")
+            dp = world_size // pp_cp
+        schedule = getattr(cfg, "schedule", DEFAULT_SCHEDULE)
+        disp = getattr(cfg, "ep_dispatcher", "alltoall")
+        if disp == "local":  # the config's name for "no expert parallelism"
+            disp = "alltoall"
+        return cls(pp=int(cfg.pp), vpp=int(cfg.vpp), ep=int(cfg.ep), cp=int(cfg.cp), dp=dp, zero=int(cfg.zero),
+                   microbatches=int(cfg.microbatches), schedule=str(schedule), ep_dispatcher=str(disp))
+
+    # ---- validation ---------------------------------------------------------------------------------------------
+    def validate(self, world_size: int | None = None, model_args: K3ModelArgs | None = None) -> "ParallelDims":
+        """Raise ConfigError naming the first key that does not fit. Touches no process group."""
+        def need(ok: bool, key: str, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"parallel.{key}: {msg}")
+
+        for f in ("pp", "vpp", "ep", "cp", "dp", "microbatches"):
+            v = getattr(self, f)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f, f"must be an integer >= 1, got {v!r}")
+        need(self.zero in (0, 1, 2), "zero", f"must be 0, 1 or 2, got {self.zero!r}")
+        need(self.schedule in SCHEDULES, "schedule",
+             f"unknown schedule {self.schedule!r}; choose one of {sorted(SCHEDULES)}")
+        need(self.ep_dispatcher in ("alltoall", "moonep"), "ep_dispatcher",
+             f"unknown dispatcher {self.ep_dispatcher!r}; choose alltoall or moonep")
+        if world_size is not None:
+            need(self.world == world_size, "dp",
+                 f"layout pp={self.pp} x dp={self.dp} x cp={self.cp} = {self.world} ranks, "
+                 f"but the world has {world_size}")
+        need(self.dp_cp % self.ep == 0, "ep", f"ep={self.ep} must divide dp*cp={self.dp}*{self.cp}={self.dp_cp}")
+        need(self.vpp == 1 or self.pp > 1, "vpp", f"virtual stages (vpp={self.vpp}) need pp > 1")
+        if model_args is not None:
+            need(model_args.n_experts % self.ep == 0, "ep",
+                 f"ep={self.ep} must divide the model's n_experts={model_args.n_experts}")
+            need(self.n_stages <= model_args.n_layers, "pp",
+                 f"pp*vpp={self.pp}*{self.vpp}={self.n_stages} stages exceed the model's {model_args.n_layers} "
+                 "layers (every stage needs at least one layer)")
+        if self.pp > 1:
+            self._validate_schedule(need)
+        return self
+
+    def _validate_schedule(self, need) -> None:
+        """The micro-batch and virtual-stage rules of torch.distributed.pipelining's schedules (torch 2.13)."""
+        name, placement, _ = SCHEDULES[self.schedule]
+        m, pp, vpp = self.microbatches, self.pp, self.vpp
+        if placement == "single":
+            need(vpp == 1, "vpp", f"schedule {self.schedule!r} runs one stage per rank; got vpp={vpp} "
+                 "(use interleaved_1f1b, looped_bfs, interleaved_zb, zbv or dualpipev for virtual stages)")
+        if placement == "v":
+            need(vpp == 2, "vpp",
+                 f"schedule {self.schedule!r} needs exactly 2 stages per rank (V shape), got vpp={vpp}")
+        if self.schedule == "1f1b":
+            need(m >= pp, "microbatches", f"schedule '1f1b' needs microbatches >= pp={pp} stages, got {m}")
+        if self.schedule in ("interleaved_1f1b", "interleaved_zb"):
+            # torch's flexible interleaving: rounds = max(1, m // pp) must divide m.
+            rounds = max(1, m // pp)
+            need(m % rounds == 0, "microbatches",
+                 f"schedule {self.schedule!r} with pp={pp} needs microbatches divisible by max(1, microbatches // pp)"
+                 f"={rounds} (e.g. {pp} or a multiple of {pp}), got {m}")
+        if self.schedule == "dualpipev":
+            need(m >= 2 * pp, "microbatches",
+                 f"schedule 'dualpipev' needs microbatches >= pp*vpp={2 * pp} stages, got {m}")
+
+    def describe(self) -> str:
+        s = f"pp={self.pp} vpp={self.vpp} dp={self.dp} cp={self.cp} ep={self.ep} zero={self.zero} " \
+            f"microbatches={self.microbatches}"
+        return s + (f" schedule={self.schedule}" if self.pp > 1 else "")
+
+
+def stage_to_rank(dims: ParallelDims) -> dict[int, int]:
+    """Pipeline rank of every stage: loop placement (s % pp) or the V shape."""
+    n, pp = dims.n_stages, dims.pp
+    if dims.placement != "v":
+        return {s: s % pp for s in range(n)}
+    return {s: (s if s < pp else 2 * pp - 1 - s) for s in range(n)}
+
+
+def stages_of_rank(dims: ParallelDims, pp_rank: int) -> list[int]:
+    """Stage indices held by a pipeline rank, in pipeline order."""
+    return [s for s, r in stage_to_rank(dims).items() if r == pp_rank]
+
+
+def rank_coords(dims: ParallelDims, rank: int) -> dict[str, int]:
+    """(pp, dp, cp, dp_cp, ep, edp) coordinates of a global rank."""
+    cp_i = rank % dims.cp
+    dp_i = (rank // dims.cp) % dims.dp
+    pp_i = rank // (dims.cp * dims.dp)
+    dpcp_i = dp_i * dims.cp + cp_i
+    return dict(pp=pp_i, dp=dp_i, cp=cp_i, dp_cp=dpcp_i, ep=dpcp_i % dims.ep, edp=dpcp_i // dims.ep)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Process groups
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class ParallelMesh:
+    """The device mesh and the groups the engine uses. `mesh` has dims ("pp", "dp", "cp"); `ep_mesh` has dims
+    ("pp", "edp", "ep") over the same ranks, and `expert_mesh` the same ranks as ("pp", "ep", "edp"): its ("ep",
+    "edp") submesh lays an expert tensor's rows out as EP home blocks, each chunked over the expert-data ranks.
+    ep_mesh and expert_mesh exist only when ep > 1."""
+
+    dims: ParallelDims
+    mesh: object  # torch.distributed.device_mesh.DeviceMesh
+    ep_mesh: object
+    expert_mesh: object
+    dp_cp_mesh: object  # the flattened dp x cp mesh (kept: slicing a flattened dim from the root is deprecated)
+    rank: int
+    coords: dict
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        """'pp', 'dp', 'cp', 'dp_cp', 'ep', 'edp' or 'world'."""
+        if name == "world":
+            return dist.group.WORLD
+        if name == "dp_cp":
+            return self.dp_cp_mesh.get_group()
+        if name in ("pp", "dp", "cp"):
+            return self.mesh.get_group(name)
+        if name in ("ep", "edp"):
+            if self.ep_mesh is None:
+                raise ValueError(f"no {name!r} group: the layout has ep=1")
+            return self.ep_mesh.get_group(name)
+        raise ValueError(f"unknown mesh dimension {name!r}")
+
+    def submesh(self, name: str):
+        """A 1-D DeviceMesh of one dimension (for DTensor state)."""
+        if name == "dp_cp":
+            return self.dp_cp_mesh
+        if name in ("pp", "dp", "cp"):
+            return self.mesh[name]
+        if name in ("ep", "edp"):
+            return self.ep_mesh[name]
+        if name == "ep_edp":
+            return self.expert_mesh["ep", "edp"]
+        raise ValueError(f"unknown mesh dimension {name!r}")
+
+    def size(self, name: str) -> int:
+        return dist.get_world_size(self.group(name))
+
+
+def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> ParallelMesh:
+    """DeviceMeshes for a validated layout. torch.distributed must be initialised with world == dims.world."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    import torch
+
+    if not dist.is_initialized():
+        raise RuntimeError("build_mesh needs an initialised torch.distributed process group")
+    dims.validate(world_size=dist.get_world_size())
+    mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.cp), mesh_dim_names=("pp", "dp", "cp"))
+    dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+    ep_mesh = expert_mesh = None
+    if dims.ep > 1:
+        ranks = torch.arange(dims.world).view(dims.pp, dims.edp, dims.ep)
+        ep_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "ep"))
+        expert_mesh = DeviceMesh(device_type, ranks.transpose(1, 2).contiguous(), mesh_dim_names=("pp", "ep", "edp"))
+    rank = dist.get_rank()
+    return ParallelMesh(dims=dims, mesh=mesh, ep_mesh=ep_mesh, expert_mesh=expert_mesh, dp_cp_mesh=dp_cp_mesh,
+                        rank=rank,
+                        coords=rank_coords(dims, rank))

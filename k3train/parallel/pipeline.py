@@ -1,0 +1,400 @@
+"""Pipeline parallelism for K3: cost-balanced stage split, stage modules, and torch.distributed.pipelining schedules.
+
+Split. The layer stack is cut into pp * vpp contiguous stages. Every layer weighs its training FLOPs per token
+(6 x parameters touched per token, so a MoE layer counts its shared experts, router, W_down/W_up and top_k / E of
+its routed bank, plus 3 x its attention-core forward FLOPs at the training sequence length: KDA's chunked state
+work, or causal MLA scores and values). The input embedding is charged to the first stage and the LM head to the
+last, each as a matmul of its table (6 V D), the usual convention that an embedding or a head costs about a layer.
+The split minimises the most expensive stage (a linear-partition dynamic programme); `split_reference` enumerates
+every cut for tests.
+
+Stages. A stage is the K3Model with the other layers deleted and the modules it does not own set to None, built on
+the meta device and initialised with `init_weights(seed)`, which seeds every parameter from its fully-qualified name:
+a stage's parameters equal the same names of a whole model. What crosses a stage boundary is the AttnRes state,
+stacked [S, B, T, D] (S = 1 + the blocks begun so far, so it changes from boundary to boundary).
+
+Documents. cu_seqlens cannot cross a boundary as a keyword (its length varies by micro-batch and the schedule chunks
+keywords along dim 0), so every stage receives a bool `doc_start` [B, T] marking the first token of each document,
+chunked along the batch like the tokens, and rebuilds cu_seqlens from it. Row starts are always document starts.
+
+Schedules (torch 2.13, checked on gloo by tests/distributed/test_parallel_parity.py): gpipe, 1f1b (one stage per
+rank), interleaved_1f1b, looped_bfs, interleaved_zb (loop placement: stage s on rank s % pp), zbv and dualpipev
+(V placement: rank r holds stages r and 2 pp - 1 - r). Stage shapes are given statically, so no metadata-inference
+forward runs (it would run the routers on uninitialised inputs and count them).
+
+Data-parallel gradient reduction hooks into `perform_reduce_grad`, which the schedules call right after a stage's
+last backward of the step: Pipeline ZeRO-2 reduce-scatters there, once per stage per step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3train.models.k3.args import K3ModelArgs
+from k3train.models.k3.context import BatchContext
+from k3train.parallel import comm
+from k3train.parallel.mesh import SCHEDULES, ParallelDims
+
+IGNORE_INDEX = -100
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Cost model and split
+# ---------------------------------------------------------------------------------------------------------------------
+def _layer_param_counts(args: K3ModelArgs, layer_id: int) -> tuple[int, int]:
+    """(parameters touched per token, all parameters) of one layer, from shapes on the meta device."""
+    from k3train.models.k3.model import K3Layer
+
+    with torch.device("meta"):
+        layer = K3Layer(args, layer_id)
+    total = active = 0
+    for name, p in layer.named_parameters():
+        total += p.numel()
+        # Routed experts: a token touches top_k of the n_experts.
+        active += p.numel() * args.top_k // args.n_experts if ".experts." in f".{name}" else p.numel()
+    return active, total
+
+
+def layer_costs(args: K3ModelArgs, seq_len: int = 4096) -> dict:
+    """{"embed": c, "head": c, "layers": [c_1, ..., c_n]}: training FLOPs per token of each piece (see module doc)."""
+    by_kind: dict[tuple[str, str], int] = {}  # parameter counts depend only on the layer's two kinds
+    costs = []
+    for i in range(1, args.n_layers + 1):
+        kind, ffn_kind = args.layer_kind(i), args.ffn_kind(i)
+        if (kind, ffn_kind) not in by_kind:
+            by_kind[(kind, ffn_kind)] = _layer_param_counts(args, i)[0]
+        active = by_kind[(kind, ffn_kind)]
+        if kind == "mla":
+            attn = 2 * (seq_len / 2) * args.mla_heads * (args.mla_qk_head_dim + args.mla_v_head_dim)
+        else:
+            K, C = args.kda_head_dim, args.kda_chunk
+            attn = args.kda_heads * (6 * K * K + 3 * C * K + C * C)
+        costs.append(6.0 * active + 3.0 * attn)
+    table = 6.0 * args.vocab_size * args.dim
+    return {"embed": table, "head": table + 6.0 * args.dim, "layers": costs}
+
+
+def _stage_costs(costs: dict, cuts: list[int]) -> list[float]:
+    """Cost of each stage for cut points (layer counts per stage)."""
+    out, start = [], 0
+    for k, n in enumerate(cuts):
+        c = sum(costs["layers"][start:start + n])
+        if k == 0:
+            c += costs["embed"]
+        if k == len(cuts) - 1:
+            c += costs["head"]
+        out.append(c)
+        start += n
+    return out
+
+
+def split_layers(args: K3ModelArgs, n_stages: int, *, seq_len: int = 4096,
+                 costs: dict | None = None) -> list[list[int]]:
+    """Contiguous 1-based layer ids of each of n_stages stages, every stage non-empty, minimising the most expensive
+    stage (embedding on the first, head on the last). Ties go to the split that puts more layers early."""
+    n = args.n_layers
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"cannot split {n} layers into {n_stages} non-empty stages")
+    costs = costs or layer_costs(args, seq_len)
+    c = costs["layers"]
+    prefix = [0.0]
+    for x in c:
+        prefix.append(prefix[-1] + x)
+
+    def seg(i: int, j: int, k: int) -> float:  # layers [i, j) as stage k
+        v = prefix[j] - prefix[i]
+        if k == 0:
+            v += costs["embed"]
+        if k == n_stages - 1:
+            v += costs["head"]
+        return v
+
+    INF = float("inf")
+    # best[k][j]: minimal max cost of stages 0..k covering layers [0, j); choice[k][j]: start of stage k.
+    best = [[INF] * (n + 1) for _ in range(n_stages)]
+    choice = [[0] * (n + 1) for _ in range(n_stages)]
+    for j in range(1, n + 1):
+        best[0][j] = seg(0, j, 0)
+    for k in range(1, n_stages):
+        for j in range(k + 1, n + 1):
+            for i in range(j - 1, k - 1, -1):  # larger i first: ties keep more layers in earlier stages
+                v = max(best[k - 1][i], seg(i, j, k))
+                if v < best[k][j] * (1 - 1e-12):
+                    best[k][j], choice[k][j] = v, i
+    bounds, j = [], n
+    for k in range(n_stages - 1, -1, -1):
+        i = choice[k][j] if k > 0 else 0
+        bounds.append((i, j))
+        j = i
+    bounds.reverse()
+    return [list(range(i + 1, j + 1)) for i, j in bounds]
+
+
+def split_reference(args: K3ModelArgs, n_stages: int, *, costs: dict) -> float:
+    """The optimal max stage cost by enumerating every split (exponential; for tests)."""
+    import itertools
+
+    n = args.n_layers
+    best = float("inf")
+    for cut in itertools.combinations(range(1, n), n_stages - 1):
+        edges = (0, *cut, n)
+        sizes = [edges[k + 1] - edges[k] for k in range(n_stages)]
+        best = min(best, max(_stage_costs(costs, sizes)))
+    return best
+
+
+def stage_cost_of(costs: dict, stage_layers: list[list[int]]) -> list[float]:
+    return _stage_costs(costs, [len(s) for s in stage_layers])
+
+
+def sources_after(args: K3ModelArgs, layer_id: int) -> int:
+    """Number of AttnRes sources after layer `layer_id` (0: the embedding only)."""
+    if layer_id == 0:
+        return 1
+    return 2 + (layer_id - 1) // args.attnres_block_layers
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Stage modules
+# ---------------------------------------------------------------------------------------------------------------------
+def build_stage_part(args: K3ModelArgs, layer_ids: list[int], *, first: bool, last: bool,
+                     device: torch.device | str, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The K3Model holding only `layer_ids` (plus the embedding/vision when first, final mix/norm/head when last),
+    built on the meta device, materialised on `device` and initialised by name."""
+    from k3train.models.k3.model import K3Model
+
+    with torch.device("meta"):
+        model = K3Model(args)
+    keep = {str(i) for i in layer_ids}
+    for name in list(model.layers.keys()):
+        if name not in keep:
+            del model.layers[name]
+    if not first:
+        model.tok_embeddings = None
+        model.vision = None
+    if not last:
+        model.final_res = None
+        model.norm = None
+        model.output = None
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    if dtype != torch.float32:
+        model.to(dtype)
+    return model
+
+
+def doc_start_from_cu_seqlens(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> torch.Tensor | None:
+    """bool [B, T], True at the first token of every document (None stays None: one document per row)."""
+    if cu_seqlens is None:
+        return None
+    mask = torch.zeros(B * T, dtype=torch.bool, device=device)
+    mask[cu_seqlens[:-1].to(device=device, dtype=torch.long)] = True
+    return mask.view(B, T)
+
+
+def cu_seqlens_from_doc_start(doc_start: torch.Tensor) -> torch.Tensor:
+    """Inverse of doc_start_from_cu_seqlens: int32 offsets [n_docs + 1]."""
+    flat = doc_start.reshape(-1)
+    starts = torch.nonzero(flat).flatten()
+    end = torch.tensor([flat.numel()], device=flat.device, dtype=starts.dtype)
+    return torch.cat([starts, end]).to(torch.int32)
+
+
+class StageModule(nn.Module):
+    """What a PipelineStage runs: one K3Model part, fed (tokens or stacked sources, doc_start). The part is a child
+    named `part`; parameters keep their full-model names inside it (engine.model_parts hands out the parts)."""
+
+    def __init__(self, part: nn.Module, *, first: bool, last: bool, autocast_dtype: torch.dtype | None = None,
+                 boundary_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.part = part
+        self.first, self.last = first, last
+        self.autocast_dtype = autocast_dtype
+        self.boundary_dtype = boundary_dtype
+
+    def forward(self, x: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
+        ctx = BatchContext(cu_seqlens_from_doc_start(doc_start)) if doc_start is not None else BatchContext()
+        dev = x.device.type
+        with torch.autocast(dev, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            out = self.part(x, ctx)
+        # Fixed dtypes across boundaries so stage shapes can be declared statically.
+        return out.float() if self.last else out.to(self.boundary_dtype)
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross entropy over target tokens (labels already shifted; -100 ignored), fp32."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class GlobalTokenLoss:
+    """loss_fn for the last stage: summed token loss of a micro-batch / the step's global target-token count, so
+    summing micro-batches and data-parallel ranks gives the one-process mean exactly."""
+
+    def __init__(self):
+        self.denominator = 1.0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(logits, labels) / self.denominator
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The pipeline stage: reduce hook, p2p accounting, busy time
+# ---------------------------------------------------------------------------------------------------------------------
+def _pipeline_stage_cls():
+    from torch.distributed.pipelining import PipelineStage
+
+    class K3PipelineStage(PipelineStage):
+        """PipelineStage that (1) runs `on_grads_ready(self)` once per step right after its last backward (the
+        schedule's REDUCE_GRAD point), (2) counts its point-to-point bytes, (3) measures its busy time."""
+
+        on_grads_ready: Callable | None = None
+
+        def _init_k3(self, on_grads_ready):
+            self.on_grads_ready = on_grads_ready
+            self.reduced = False
+            self.busy_s = 0.0
+
+        def new_step(self):
+            self.reduced = False
+            self.busy_s = 0.0
+
+        def reduce_once(self):
+            if not self.reduced:
+                self.reduced = True
+                if self.on_grads_ready is not None:
+                    self.on_grads_ready(self)
+
+        def perform_reduce_grad(self, grad_scale_factor: int):
+            self.reduce_once()
+            super().perform_reduce_grad(grad_scale_factor)
+
+        def forward_one_chunk(self, *a, **k):
+            t = time.perf_counter()
+            try:
+                return super().forward_one_chunk(*a, **k)
+            finally:
+                self.busy_s += time.perf_counter() - t
+
+        def backward_one_chunk(self, *a, **k):
+            t = time.perf_counter()
+            try:
+                return super().backward_one_chunk(*a, **k)
+            finally:
+                self.busy_s += time.perf_counter() - t
+
+        def backward_weight_one_chunk(self, *a, **k):
+            t = time.perf_counter()
+            try:
+                return super().backward_weight_one_chunk(*a, **k)
+            finally:
+                self.busy_s += time.perf_counter() - t
+
+        def get_fwd_send_ops(self, fwd_chunk_id):
+            ops = super().get_fwd_send_ops(fwd_chunk_id)
+            for op in ops:
+                comm.record("pp", "send_fwd", op.tensor.numel() * op.tensor.element_size())
+            return ops
+
+        def get_bwd_send_ops(self, bwd_chunk_id):
+            ops = super().get_bwd_send_ops(bwd_chunk_id)
+            for op in ops:
+                comm.record("pp", "send_bwd", op.tensor.numel() * op.tensor.element_size())
+            return ops
+
+    return K3PipelineStage
+
+
+class Pipeline:
+    """The stages of this pipeline rank and a schedule, built for one micro-batch shape (rebuilt when it changes)."""
+
+    def __init__(self, *, args: K3ModelArgs, dims: ParallelDims, stage_layers: list[list[int]],
+                 modules: dict[int, StageModule], pp_group, device: torch.device,
+                 on_grads_ready: Callable | None, boundary_dtype: torch.dtype = torch.float32):
+        self.args, self.dims, self.stage_layers = args, dims, stage_layers
+        self.modules = modules  # stage index -> StageModule held by this rank
+        self.pp_group, self.device = pp_group, device
+        self.on_grads_ready = on_grads_ready
+        self.boundary_dtype = boundary_dtype
+        self.loss_fn = GlobalTokenLoss()
+        self._key = None
+        self.stages: list = []
+        self.schedule = None
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.dims.n_stages - 1 in self.modules
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.modules
+
+    def _example(self, stage: int, mb: int, T: int, *, output: bool):
+        D, n = self.args.dim, self.dims.n_stages
+        meta = torch.device("meta")
+        if not output and stage == 0:
+            return torch.empty(mb, T, dtype=torch.long, device=meta)
+        if output and stage == n - 1:
+            return torch.empty(mb, T, self.args.vocab_size, dtype=torch.float32, device=meta, requires_grad=True)
+        last_layer = self.stage_layers[stage][-1] if output else self.stage_layers[stage][0] - 1
+        S = sources_after(self.args, last_layer)
+        return torch.empty(S, mb, T, D, dtype=self.boundary_dtype, device=meta, requires_grad=True)
+
+    def ensure(self, mb: int, T: int) -> None:
+        """(Re)build stages and the schedule for micro-batches of shape [mb, T]."""
+        key = (mb, T)
+        if key == self._key:
+            return
+        Stage = _pipeline_stage_cls()
+        self.stages = []
+        for s in sorted(self.modules):
+            st = Stage(self.modules[s], s, self.dims.n_stages, self.device,
+                       input_args=self._example(s, mb, T, output=False),
+                       output_args=self._example(s, mb, T, output=True), group=self.pp_group)
+            st._init_k3(self.on_grads_ready)
+            self.stages.append(st)
+        self.schedule = build_schedule(self.dims, self.stages, self.loss_fn)
+        self._key = key
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, doc_start: torch.Tensor | None,
+             denominator: float) -> torch.Tensor:
+        """Run the schedule over the whole local batch [microbatches * mb, T]; returns the summed normalised loss
+        of this rank's micro-batches on the last stage (0 elsewhere)."""
+        m = self.dims.microbatches
+        if input_ids.shape[0] % m:
+            raise ValueError(f"local batch of {input_ids.shape[0]} rows does not split into {m} micro-batches")
+        self.ensure(input_ids.shape[0] // m, input_ids.shape[1])
+        self.loss_fn.denominator = float(denominator)
+        for st in self.stages:
+            st.new_step()
+        kwargs = {} if doc_start is None else {"doc_start": doc_start}
+        losses: list[torch.Tensor] = []
+        args = (input_ids,) if self.has_first_stage else ()
+        target = labels if self.has_last_stage else None
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        for st in self.stages:  # schedules that never issue REDUCE_GRAD still get their reduction
+            st.reduce_once()
+        if self.has_last_stage:
+            return torch.stack([l.detach() for l in losses]).sum()
+        return torch.zeros((), device=self.device)
+
+    @property
+    def busy_s(self) -> float:
+        return sum(st.busy_s for st in self.stages)
+
+
+def build_schedule(dims: ParallelDims, stages: list, loss_fn: Callable):
+    """The torch schedule named by dims.schedule (one stage object for single-stage schedules)."""
+    import torch.distributed.pipelining as pipelining
+
+    cls_name, placement, _ = SCHEDULES[dims.schedule]
+    cls = getattr(pipelining, cls_name)
+    # The loss is already divided by the global token count: no further scaling by the micro-batch count.
+    if placement == "single":
+        return cls(stages[0], n_microbatches=dims.microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, n_microbatches=dims.microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -1,0 +1,396 @@
+"""Parallel-equals-one-process harness.
+
+One process trains the tiny K3 (fp32, CPU) for a few steps on a fixed global batch per step: the reference. The same
+steps run under parallel layouts on gloo processes spawned on 127.0.0.1 (one spawn runs several layouts one after
+another, sharing the process start-up); every rank writes its losses, gradient norms, communication counts and
+final parameters to a folder, and the test compares them with the reference.
+
+Data: step s has GLOBAL_ROWS rows of SEQ tokens, packed with several documents per row (cu_seqlens). A layout
+with dp ranks and m micro-batches gives rank r the r-th slice of each of the m global micro-batches (the data
+loader's sharding), so the union over ranks of a step's micro-batches is exactly the reference batch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from k3train.models.k3.args import get_preset
+from k3train.optim.config import OptimConfig
+
+GLOBAL_ROWS = 8
+SEQ = 32
+STEPS = 3
+SEED = 1234
+
+
+class one_thread:
+    """Run the in-process (one-process) computations on one intra-op thread: with two OpenMP threads on a busy
+    2-core machine the tiny model's steps slow down by more than an order of magnitude (threads spin-wait)."""
+
+    def __enter__(self):
+        self.n = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.n)
+
+
+def tiny_args(**overrides):
+    return get_preset("tiny", **overrides)
+
+
+def optim_config(name: str = "adamw") -> OptimConfig:
+    # Clipping on (the global norm is part of what must agree); the warm-up lives in the trainer's scheduler.
+    return OptimConfig(name=name, lr=3e-3, weight_decay=0.1, grad_clip=1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------------------------------
+def step_data(step: int, *, rows: int = GLOBAL_ROWS, seq: int = SEQ, vocab: int = 512, seed: int = SEED) -> dict:
+    """The global batch of one step: input_ids, labels [rows, seq] and per-row document starts."""
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    ids = torch.randint(0, vocab, (rows, seq), generator=g)
+    labels = torch.randint(0, vocab, (rows, seq), generator=g)
+    starts = []
+    for r in range(rows):
+        k = int(torch.randint(0, 3, (1,), generator=g))  # 1 to 3 documents in the row
+        cuts = sorted(set(torch.randint(1, seq, (k,), generator=g).tolist())) if k else []
+        starts.append([0] + cuts)
+        for c in cuts:  # a document's last token has no target
+            labels[r, c - 1] = -100
+        labels[r, -1] = -100
+    return {"input_ids": ids, "labels": labels, "starts": starts}
+
+
+def rows_batch(data: dict, r0: int, r1: int) -> dict:
+    """Rows [r0, r1) as a micro-batch with its cu_seqlens."""
+    T = data["input_ids"].shape[1]
+    cu = [(r - r0) * T + s for r in range(r0, r1) for s in data["starts"][r]] + [(r1 - r0) * T]
+    return {"input_ids": data["input_ids"][r0:r1].clone(), "labels": data["labels"][r0:r1].clone(),
+            "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+
+
+def local_microbatches(data: dict, *, dp: int, dp_rank: int, microbatches: int) -> list[dict]:
+    G = data["input_ids"].shape[0]
+    if G % (dp * microbatches):
+        raise ValueError(f"{G} rows do not split into dp={dp} x microbatches={microbatches}")
+    mb = G // (dp * microbatches)
+    out = []
+    for k in range(microbatches):
+        r0 = k * dp * mb + dp_rank * mb
+        out.append(rows_batch(data, r0, r0 + mb))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The one-process reference (plain model, project optimizer, torch's clipping)
+# ---------------------------------------------------------------------------------------------------------------------
+def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, optim: str = "adamw", args=None) -> dict:
+    """Train one process on the same rows. Floating-point sums depend on their bracketing, and AdamW turns the
+    rounding of near-zero gradient elements into parameter differences of order lr x 1e-2, so the reference sums
+    gradients in the order a layout does: each data-parallel rank's micro-batches in sequence, then the ranks'
+    sums in rank order (what a 2-rank all-reduce computes). The mathematics is the one-process step."""
+    from k3train.models.k3.context import BatchContext
+    from k3train.models.k3.model import K3Model
+    from k3train.optim.param_groups import build_optimizer
+    from k3train.parallel.pipeline import token_loss_sum
+
+    args = args or tiny_args()
+    cfg = optim_config(optim)
+    model = K3Model(args)
+    model.init_weights(SEED)
+    opt = build_optimizer(model, cfg)
+    params = list(model.parameters())
+    losses, norms = [], []
+    for s in range(steps):
+        data = step_data(s)
+        count = int((data["labels"] != -100).sum())
+        total, loss_sum = None, 0.0
+        for r in range(dp):
+            for b in local_microbatches(data, dp=dp, dp_rank=r, microbatches=microbatches):
+                loss = token_loss_sum(model(b["input_ids"], BatchContext(b["cu_seqlens"])), b["labels"]) / count
+                loss.backward()
+                loss_sum += float(loss.detach())
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            total = grads if total is None else [a + b for a, b in zip(total, grads)]
+            for p in params:
+                p.grad = None
+        for p, g in zip(params, total):
+            p.grad = g
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss_sum)
+    return {"losses": losses, "grad_norms": norms,
+            "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Layouts run in spawned processes
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class Layout:
+    name: str
+    pp: int = 1
+    vpp: int = 1
+    dp: int = 1
+    ep: int = 1
+    zero: int = 0
+    microbatches: int = 1
+    schedule: str = "interleaved_1f1b"
+    optim: str = "adamw"
+    steps: int = STEPS
+    checkpoint: dict = field(default_factory=dict)
+    """{"save": dir} saves after the steps, then runs one more step; {"load": dir} loads before one step."""
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp
+
+    def dims(self):
+        from k3train.parallel.mesh import ParallelDims
+        return ParallelDims(pp=self.pp, vpp=self.vpp, dp=self.dp, ep=self.ep, zero=self.zero,
+                            microbatches=self.microbatches, schedule=self.schedule)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
+    """Train `layout` in this process (a process group of layout.world ranks is up, or world 1 without one)."""
+    import torch.distributed.checkpoint as dcp
+
+    from k3train.parallel.engine import build_engine
+    from k3train.parallel.mesh import rank_coords
+
+    dims = layout.dims()
+    engine = build_engine(tiny_args(), dims, optim_config(layout.optim), seed=SEED, device="cpu", seq_len_hint=SEQ)
+    dp_rank = rank_coords(dims, rank)["dp_cp"] if dims.world > 1 else 0
+    rec = {"losses": [], "grad_norms": [], "comm": [], "times": [], "memory": [], "stage_layers": engine.stage_layers,
+           "stage_ids": engine.stage_ids}
+
+    def one_step(s: int):
+        mbs = local_microbatches(step_data(s), dp=dims.dp, dp_rank=dp_rank, microbatches=dims.microbatches)
+        out = engine.train_step(mbs)
+        rec["losses"].append(out["loss"])
+        rec["grad_norms"].append(out["grad_norm"])
+        rec["comm"].append(engine.comm.snapshot())
+        rec["times"].append((engine.times.step_s, engine.times.busy_s, engine.times.schedule_s))
+        rec["memory_after_reduce"] = dict(engine.last_memory)
+
+    ck = layout.checkpoint
+    if "load" in ck:
+        sd = engine.state_dict()
+        dcp.load(sd, checkpoint_id=ck["load"])
+        engine.load_state_dict(sd)
+        one_step(layout.steps)
+    else:
+        for s in range(layout.steps):
+            one_step(s)
+        if "save" in ck:
+            dcp.save(engine.state_dict(), checkpoint_id=ck["save"])
+            one_step(layout.steps)
+    rec["params"] = {k: v.detach().clone() for k, v in engine.named_parameters()}
+    # Expert-parallel parameters hold a block of rows of the logical tensor: (first row, rows in all).
+    rec["ep_shards"] = {k: tuple(v._k3_ep_shard) for k, v in engine.named_parameters() if hasattr(v, "_k3_ep_shard")}
+    rec["memory"] = engine.memory_report()
+    return rec
+
+
+def single_process_run(layout: Layout) -> dict:
+    """run_layout in this process without a process group (the one-process engine)."""
+    with one_thread():
+        return run_layout(layout, "", 0)
+
+
+def _worker(rank: int, world: int, port: int, layouts: list[dict], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for spec in layouts:
+            layout = Layout(**spec)
+            t = time.perf_counter()
+            try:
+                rec = run_layout(layout, out_dir, rank)
+                rec["wall_s"] = time.perf_counter() - t
+            except Exception as e:  # the spawn stops the other ranks and re-raises this, naming the layout
+                raise RuntimeError(f"layout {layout.name} failed on rank {rank}:\n{traceback.format_exc()}") from e
+            torch.save(rec, os.path.join(out_dir, f"{layout.name}.rank{rank}.pt"))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_layouts(layouts: list[Layout], out_dir: str, world: int, timeout_s: float = 600.0) -> dict[str, list[dict]]:
+    """Run layouts (all of `world` ranks) in one spawn; returns {name: [record of rank 0..world-1]}. A spawn that
+    outlives timeout_s (a hang) is killed and reported."""
+    for lay in layouts:
+        if lay.world != world:
+            raise ValueError(f"layout {lay.name} needs {lay.world} ranks, the spawn has {world}")
+    ctx = mp.start_processes(_worker, args=(world, free_port(), [asdict(l) for l in layouts], out_dir), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"{world}-process run of {[l.name for l in layouts]} exceeded {timeout_s:.0f} s")
+    return {lay.name: [torch.load(os.path.join(out_dir, f"{lay.name}.rank{r}.pt"), weights_only=False)
+                       for r in range(world)] for lay in layouts}
+
+
+def merged_params(records: list[dict]) -> dict[str, torch.Tensor]:
+    """Every rank's parameters by name, expert-parallel blocks placed into their full tensors; replicas must agree
+    exactly (checked here)."""
+    out: dict[str, torch.Tensor] = {}
+    filled: dict[str, torch.Tensor] = {}
+    for rec in records:
+        for k, v in rec["params"].items():
+            if k in rec.get("ep_shards", {}):
+                lo, total = rec["ep_shards"][k]
+                if k not in out:
+                    out[k] = torch.zeros((total,) + tuple(v.shape[1:]), dtype=v.dtype)
+                    filled[k] = torch.zeros(total, dtype=torch.bool)
+                block = out[k][lo:lo + v.shape[0]]
+                if bool(filled[k][lo:lo + v.shape[0]].any()) and not torch.equal(block, v):
+                    raise AssertionError(f"replicas of {k} rows [{lo}, {lo + v.shape[0]}) differ across ranks")
+                block.copy_(v)
+                filled[k][lo:lo + v.shape[0]] = True
+            elif k in out:
+                if not torch.equal(out[k], v):
+                    raise AssertionError(f"replicas of {k} differ across ranks")
+            else:
+                out[k] = v
+    for k, f in filled.items():
+        if not bool(f.all()):
+            raise AssertionError(f"expert rows of {k} held by no rank")
+    return out
+
+
+def compare(reference: dict, records: list[dict], *, loss_rtol: float = 1e-6, param_atol: float = 1e-5) -> dict:
+    """Raise AssertionError naming the first mismatch; return the worst deviations."""
+    for r, rec in enumerate(records):
+        if "error" in rec:
+            raise AssertionError(f"rank {r} failed:\n{rec['error']}")
+    n = len(records[0]["losses"])
+    ref_losses = reference["losses"][:n]
+    worst = {"loss_rel": 0.0, "grad_norm_rel": 0.0, "param_abs": 0.0}
+    for r, rec in enumerate(records):
+        for s, (a, b) in enumerate(zip(rec["losses"], ref_losses)):
+            rel = abs(a - b) / abs(b)
+            worst["loss_rel"] = max(worst["loss_rel"], rel)
+            if rel > loss_rtol:
+                raise AssertionError(f"rank {r} step {s}: loss {a!r} vs one process {b!r} (rel {rel:.2e})")
+        for s, (a, b) in enumerate(zip(rec["grad_norms"], reference["grad_norms"][:n])):
+            rel = abs(a - b) / abs(b)
+            worst["grad_norm_rel"] = max(worst["grad_norm_rel"], rel)
+            if rel > 1e-5:
+                raise AssertionError(f"rank {r} step {s}: grad norm {a!r} vs one process {b!r} (rel {rel:.2e})")
+    params = merged_params(records)
+    ref = reference["params"]
+    missing = sorted(set(ref) - set(params))
+    if missing:
+        raise AssertionError(f"parameters held by no rank: {missing[:5]}")
+    for k, v in params.items():
+        d = float((v - ref[k]).abs().max()) if v.numel() else 0.0
+        worst["param_abs"] = max(worst["param_abs"], d)
+        if d > param_atol:
+            raise AssertionError(f"parameter {k} differs from one process by {d:.2e}")
+    return worst
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The suite's sessions: one spawn per world size for the whole pytest process (several test files share them)
+# ---------------------------------------------------------------------------------------------------------------------
+def _lay(name, **kw) -> Layout:
+    return Layout(name=name, **kw)
+
+
+TWO = [
+    _lay("dp2_zero0", dp=2, zero=0, microbatches=2),
+    _lay("dp2_zero1", dp=2, zero=1, microbatches=2),
+    _lay("dp2_zero2", dp=2, zero=2, microbatches=2),
+    _lay("pp2_gpipe", pp=2, microbatches=2, schedule="gpipe"),
+    _lay("pp2_1f1b", pp=2, microbatches=2, schedule="1f1b"),
+    _lay("pp2_vpp2_interleaved_1f1b", pp=2, vpp=2, microbatches=4, schedule="interleaved_1f1b"),
+    _lay("pp2_vpp2_looped_bfs", pp=2, vpp=2, microbatches=2, schedule="looped_bfs"),
+    _lay("pp2_vpp2_interleaved_zb", pp=2, vpp=2, microbatches=2, schedule="interleaved_zb"),
+    _lay("pp2_zbv", pp=2, vpp=2, microbatches=2, schedule="zbv"),
+    _lay("pp2_dualpipev", pp=2, vpp=2, microbatches=4, schedule="dualpipev"),
+    _lay("ep2_dp2", dp=2, ep=2, zero=0, microbatches=2),
+    _lay("ep2_dp2_zero2", dp=2, ep=2, zero=2, microbatches=2),
+    _lay("muon_dp2_zero1", dp=2, zero=1, microbatches=2, optim="muon"),
+    _lay("muon_pp2_1f1b", pp=2, microbatches=2, schedule="1f1b", optim="muon"),
+]
+FOUR = [
+    _lay("pp2_dp2_zero2_vpp2", pp=2, vpp=2, dp=2, zero=2, microbatches=2),
+    _lay("pp2_ep2_zero1", pp=2, dp=2, ep=2, zero=1, microbatches=2, schedule="1f1b"),
+]
+EIGHT = [
+    # Everything at once: 2 pipeline ranks x 2 virtual stages, 4-way data parallel with experts over 2 of them
+    # (so expert replicas are reduced and ZeRO-sharded over the other 2), Pipeline ZeRO-2.
+    _lay("pp2_vpp2_dp4_ep2_zero2", pp=2, vpp=2, dp=4, ep=2, zero=2, microbatches=2, steps=2),
+]
+ONE = _lay("one", microbatches=2)  # the one-process engine, micro-batched like the pp=2 layouts
+
+
+def checkpoint_layouts(world: int, workdir: str) -> list[Layout]:
+    """Save after STEPS steps then take one more; or load the one-process checkpoint P and take that step."""
+    P = os.path.join(workdir, "P")
+    if world == 2:
+        return [_lay("ckpt_pp2_save", pp=2, vpp=2, microbatches=2, checkpoint={"save": os.path.join(workdir, "S2")}),
+                _lay("ckpt_pp2_load", pp=2, microbatches=2, schedule="1f1b", checkpoint={"load": P})]
+    if world == 4:
+        return [_lay("ckpt_pp2_ep2_save", pp=2, dp=2, ep=2, zero=2, microbatches=2, schedule="gpipe",
+                     checkpoint={"save": os.path.join(workdir, "S4")}),
+                _lay("ckpt_pp2_ep2_load", pp=2, dp=2, ep=2, zero=1, microbatches=2, schedule="gpipe",
+                     checkpoint={"load": P})]
+    return []
+
+
+_SESSIONS: dict = {}
+
+
+def one_process_session(workdir: str) -> dict:
+    """The one-process engine: STEPS steps, checkpoint P, one more step (cached per pytest process)."""
+    if "one" not in _SESSIONS:
+        _SESSIONS["one"] = single_process_run(Layout(**{**asdict(ONE), "checkpoint": {
+            "save": os.path.join(workdir, "P")}}))
+        _SESSIONS["workdir"] = workdir
+    return _SESSIONS["one"]
+
+
+def session(world: int, workdir: str) -> dict[str, list[dict]]:
+    """The canonical layouts of a world size (plus its checkpoint layouts), run once per pytest process."""
+    if world not in _SESSIONS:
+        one_process_session(workdir)
+        workdir = _SESSIONS["workdir"]  # checkpoints live where the one-process run put P
+        lays = {2: TWO, 4: FOUR, 8: EIGHT}[world] + checkpoint_layouts(world, workdir)
+        _SESSIONS[world] = spawn_layouts(lays, workdir, world)
+    return _SESSIONS[world]
+
+
+_REFS: dict = {}
+
+
+def reference_for(layout: Layout, steps: int | None = None) -> dict:
+    steps = layout.steps if steps is None else steps
+    key = (layout.dp, layout.microbatches, layout.optim, steps)
+    if key not in _REFS:
+        with one_thread():
+            _REFS[key] = reference_run(steps, dp=layout.dp, microbatches=layout.microbatches, optim=layout.optim)
+    return _REFS[key]

@@ -1,0 +1,105 @@
+"""The launchers print the exact commands they would run (dry runs), and the Hydra submitit config composes."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN = ROOT / "launch" / "torchrun.py"
+SBATCH = ROOT / "launch" / "slurm.sbatch"
+
+
+def _clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "K3_")) and k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env.update(extra)
+    return env
+
+
+def _torchrun(*args, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TORCHRUN), *args], capture_output=True, text=True,
+                          env=_clean_env(**env), timeout=60)
+
+
+def test_single_node_dry_run():
+    r = _torchrun("--dry-run", "--nproc-per-node", "2", "--", "--config-name", "tiny_cpu", "train.steps=5")
+    assert r.returncode == 0, r.stderr
+    cmd = shlex.split(r.stdout.strip())
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[3:] == ["--standalone", "--nnodes", "1", "--nproc-per-node", "2", "-m", "k3train.train",
+                       "--config-name", "tiny_cpu", "train.steps=5"]
+
+
+def test_multi_node_dry_run_uses_c10d():
+    r = _torchrun("--dry-run", "--nnodes", "4", "--nproc-per-node", "8", "--rdzv-endpoint", "node01",
+                  "--rdzv-id", "run42", "--", "--config-name", "k3_full")
+    assert r.returncode == 0, r.stderr
+    cmd = shlex.split(r.stdout.strip())[3:]
+    assert cmd == ["--nnodes", "4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node01:29500", "--rdzv-id",
+                   "run42", "--nproc-per-node", "8", "-m", "k3train.train", "--config-name", "k3_full"]
+
+
+def test_endpoint_from_environment():
+    r = _torchrun("--dry-run", "--nnodes", "2", "--nproc-per-node", "1", MASTER_ADDR="10.1.2.3", MASTER_PORT="1234",
+                  SLURM_JOB_ID="777")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "--rdzv-endpoint 10.1.2.3:1234" in out and "--rdzv-id 777" in out
+
+
+def test_multi_node_without_endpoint_is_an_error():
+    r = _torchrun("--dry-run", "--nnodes", "2")
+    assert r.returncode != 0
+    assert "--rdzv-endpoint" in r.stderr
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_sbatch_dry_run():
+    env = _clean_env(SLURM_JOB_NODELIST="gpu[07-08,11]", SLURM_JOB_NUM_NODES="3", SLURM_JOB_ID="4242",
+                     PATH="/usr/bin:/bin")  # no scontrol: the script's own node-list parsing
+    r = subprocess.run(["bash", str(SBATCH), "--dry-run", "--config-name", "k3_full", "parallel=k3_cluster"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    cmd = shlex.split(r.stdout.strip())
+    assert cmd[:4] == ["srun", "--nodes=3", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    assert cmd[4:7] == ["python", "-m", "torch.distributed.run"]
+    assert cmd[7:] == ["--nnodes=3", "--nproc-per-node=8", "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07:29500",
+                       "--rdzv-id=4242", "-m", "k3train.train", "--config-name", "k3_full", "parallel=k3_cluster"]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_sbatch_needs_a_node_list():
+    r = subprocess.run(["bash", str(SBATCH), "--dry-run"], capture_output=True, text=True,
+                       env=_clean_env(PATH="/usr/bin:/bin"), timeout=60)
+    assert r.returncode == 2 and "node list" in r.stderr
+
+
+def test_sbatch_header():
+    text = SBATCH.read_text()
+    assert "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --gpus-per-node=8" in text
+    assert subprocess.run(["bash", "-n", str(SBATCH)]).returncode == 0
+
+
+def test_submitit_launcher_config_composes():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from k3train.config.store import recipes_dir, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
+        cfg = compose("tiny_cpu", overrides=["hydra/launcher=k3_slurm", "hydra.launcher.nodes=4"],
+                      return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (4, 8, 8)
+    setup = OmegaConf.to_container(launcher.setup, resolve=True)
+    assert any(s.startswith("export MASTER_ADDR=") for s in setup) and "export MASTER_PORT=29500" in setup
