@@ -1,0 +1,136 @@
+"""The training configuration: one keyword-only dataclass per section, composed by Hydra from recipes and groups.
+
+Every field carries a docstring; these classes are registered in Hydra's ConfigStore (see `k3train.config.store`),
+so a recipe or command-line override naming a key that does not exist, or giving a value of the wrong type, fails
+at composition time with the full key in the message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from k3train.data.config import DataConfig
+from k3train.optim.config import OptimConfig
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    preset: str = "tiny"
+    """Model preset from k3train.models.k3.args.PRESETS: tiny, small or k3_full."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """K3ModelArgs fields replaced on top of the preset, e.g. `+model.overrides.n_layers=4` (`+` adds a key)."""
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    pp: int = 1
+    """Pipeline-parallel stages."""
+    vpp: int = 1
+    """Virtual pipeline stages per pipeline rank (interleaved schedules); 1 without pipelining."""
+    ep: int = 1
+    """Expert-parallel degree; experts are sharded over ranks borrowed from dp x cp, so ep must divide dp * cp."""
+    cp: int = 1
+    """Context-parallel degree (the sequence is split over cp ranks)."""
+    dp: int = -1
+    """Data-parallel degree; -1 fills in WORLD_SIZE // (pp * cp). The layout must satisfy pp * cp * dp == WORLD_SIZE."""
+    zero: int = 0
+    """0: replicated optimizer state; 1: ZeRO-1 (optimizer state sharded over dp); 2: Pipeline ZeRO-2."""
+    microbatches: int = 1
+    """Micro-batches per optimizer step on each data-parallel rank (gradient accumulation; the pipeline's
+    micro-batches when pp > 1)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zbv."""
+    ep_dispatcher: str = "alltoall"
+    """Token dispatcher for expert parallelism: local, alltoall or moonep."""
+
+
+@dataclass(kw_only=True)
+class ActivationRule:
+    match: str = "*"
+    """fnmatch pattern over module names (e.g. 'layers.*.attn'), first matching rule wins."""
+    policy: str = "keep"
+    """Storage policy for the matched modules' saved activations (same names as ActivationConfig.policy)."""
+
+
+@dataclass(kw_only=True)
+class ActivationConfig:
+    policy: str = "keep"
+    """Default storage of saved activations: keep, recompute, fp8, offload (host memory) or remote_offload."""
+    rules: list[ActivationRule] = field(default_factory=list)
+    """Per-module exceptions to the default policy, tried in order."""
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    console: bool = True
+    """Print a metrics line every console_interval steps (rank 0)."""
+    console_interval: int = 10
+    """Steps between console lines."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar with loss and tokens/s (rank 0)."""
+    log_interval: int = 1
+    """Steps between records in metrics.jsonl, TensorBoard and W&B."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under <run_dir>/tb."""
+    wandb: bool = False
+    """Log to Weights & Biases."""
+    wandb_project: str = ""
+    """W&B project; when empty the run is logged offline under <run_dir>/wandb (no network needed)."""
+    wandb_mode: str = "auto"
+    """auto (offline unless wandb_project is set, then online), offline or online."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device for MFU; 0 measures it at start-up with a dense matmul in the training dtype."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = 300
+    """Optimizer steps of the whole run (the learning-rate schedule spans them)."""
+    seed: int = 0
+    """Seed of weights, data order and every random number generator."""
+    eval_interval: int = 100
+    """Steps between eval-loss measurements; 0 disables eval."""
+    eval_steps: int = 8
+    """Eval micro-batches per measurement (fewer when the eval split runs out)."""
+    checkpoint_interval: int = 100
+    """Steps between checkpoints; 0 saves only at the end of the run."""
+    checkpoint_at_end: bool = True
+    """Save a checkpoint after the last step."""
+    keep_last_k: int = 3
+    """Checkpoints kept in <run_dir>/checkpoints; older ones are deleted."""
+    run_dir: str = ""
+    """Run directory; empty means runs/<recipe>/<timestamp> under the current directory."""
+    resume: str = "auto"
+    """auto: continue from the newest valid checkpoint in run_dir if there is one; never: start fresh;
+    or a path to a checkpoint (step-N) or to a run directory."""
+    device: str = "auto"
+    """auto (cuda when present, else cpu), cpu or cuda."""
+    dtype: str = "auto"
+    """Compute dtype under autocast: auto (bfloat16 on cuda, float32 on cpu), float32 or bfloat16.
+    Parameters and optimizer state stay fp32."""
+    balancing: str = "quantile"
+    """MoE router balancing when the model has routers: quantile (Quantile Balancing), sign (DeepSeek-V3's
+    sign-step bias) or none. The bias is updated after every optimizer step."""
+    threads: int = 0
+    """CPU threads per process; 0 divides the machine's cores among the local processes."""
+
+
+@dataclass(kw_only=True)
+class K3TrainConfig:
+    """A whole run: what every recipe composes to."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Which model to train."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus, tokenizer, sequence length and micro-batch size (k3train.data.config)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and warmup-stable-decay schedule (k3train.optim.config)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout and gradient accumulation."""
+    activation: ActivationConfig = field(default_factory=ActivationConfig)
+    """Activation storage policies."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Console, metrics.jsonl, TensorBoard and W&B."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Steps, seed, eval, checkpoints, device."""

@@ -1,0 +1,65 @@
+"""Where recipes and config groups live, and their registration with Hydra.
+
+Recipes (top-level configs) are in `recipes/` and config groups in `configs/` at the repository root. Both are found
+from this package's location, so `python -m k3train.train` works from any working directory of a source checkout or
+an editable install. A wheel build may ship copies as package data under `k3train/_recipes` and `k3train/_configs`;
+those are used when the repository folders are absent. `K3TRAIN_RECIPES` / `K3TRAIN_CONFIGS` override both.
+
+Recipes add the group folder to Hydra's search path with `file://${k3train_configs:}`: the resolver below returns
+the absolute folder, so a relative path (which Hydra would resolve against the working directory) is never needed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from .schema import K3TrainConfig
+
+SCHEMA_NAME = "k3train_schema"
+"""Name of the structured schema node every recipe lists first in its defaults."""
+
+_PKG = Path(__file__).resolve().parents[1]  # k3train/
+_REPO = _PKG.parent
+
+
+def _find(env: str, repo_sub: str, pkg_sub: str) -> Path:
+    if os.environ.get(env):
+        return Path(os.environ[env]).resolve()
+    for cand in (_REPO / repo_sub, _PKG / pkg_sub):
+        if cand.is_dir():
+            return cand
+    return _REPO / repo_sub  # reported as missing by available_recipes()
+
+
+def recipes_dir() -> Path:
+    """Absolute folder of the top-level recipes."""
+    return _find("K3TRAIN_RECIPES", "recipes", "_recipes")
+
+
+def configs_dir() -> Path:
+    """Absolute folder of the config groups (model/, parallel/, optim/, data/, activation/, logging/)."""
+    return _find("K3TRAIN_CONFIGS", "configs", "_configs")
+
+
+def available_recipes() -> list[str]:
+    """Recipe names (yaml files in the recipes folder), sorted."""
+    d = recipes_dir()
+    return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else []
+
+
+_registered = False
+
+
+def register_configs() -> None:
+    """Register the schema in Hydra's ConfigStore and the `k3train_configs` resolver (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=K3TrainConfig)
+    if not OmegaConf.has_resolver("k3train_configs"):
+        OmegaConf.register_new_resolver("k3train_configs", lambda: configs_dir().as_posix())
+    _registered = True

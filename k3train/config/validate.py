@@ -1,0 +1,171 @@
+"""Checks a composed configuration before anything is built: every error names its key.
+
+Hydra's structured schema already rejects unknown keys and values of the wrong type while composing; this module
+checks values and how they fit together (sequence length against the model, the parallel layout against
+WORLD_SIZE, ...). Nothing here builds a model, touches a device or starts a process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from k3train.models.k3.args import ConfigError, K3ModelArgs, get_preset
+
+from .schema import K3TrainConfig, ParallelConfig
+
+ACTIVATION_POLICIES = ("keep", "recompute", "fp8", "offload", "remote_offload")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
+EP_DISPATCHERS = ("local", "alltoall", "moonep")
+BALANCING = ("quantile", "sign", "none")
+DATA_SOURCES = ("builtin", "files", "recall")
+TOKENIZERS = ("byte", "hf", "tiktoken")
+
+
+def _need(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def model_args(cfg: K3TrainConfig) -> K3ModelArgs:
+    """The validated K3ModelArgs of cfg.model (preset + overrides)."""
+    try:
+        return get_preset(cfg.model.preset, **dict(cfg.model.overrides))
+    except ConfigError as e:
+        key = "model.preset" if "preset" in str(e) and "unknown model field" not in str(e) else "model.overrides"
+        raise ConfigError(f"{key}: {e}") from None
+    except TypeError as e:  # e.g. a nested override of the wrong shape
+        raise ConfigError(f"model.overrides: {e}") from None
+
+
+def required_seq_multiple(args: K3ModelArgs, cp: int = 1) -> int:
+    """What data.seq_len must be a multiple of: the model's own requirement (the KDA chunk), per context-parallel
+    shard. Computed from the args; the model is not built."""
+    try:
+        from k3train.models.k3.model import required_seq_multiple as model_multiple
+        m = int(model_multiple(args))
+    except ImportError:  # the model module is optional for config checks; its rule is the KDA chunk
+        m = args.kda_chunk
+    return m * cp
+
+
+def resolve_dp(p: ParallelConfig, world_size: int) -> int:
+    """dp with -1 filled in from the world size."""
+    return world_size // (p.pp * p.cp) if p.dp == -1 else p.dp
+
+
+def world_size_from_env() -> int:
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        w = int(raw)
+    except ValueError:
+        raise ConfigError(f"environment WORLD_SIZE={raw!r} is not an integer") from None
+    if w < 1:
+        raise ConfigError(f"environment WORLD_SIZE={w} must be >= 1")
+    return w
+
+
+def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3ModelArgs:
+    """Raise ConfigError naming the first bad key; return the model args. world_size defaults to $WORLD_SIZE."""
+    world = world_size_from_env() if world_size is None else world_size
+    args = model_args(cfg)
+
+    # ---- parallel --------------------------------------------------------------------------------
+    p = cfg.parallel
+    for f in ("pp", "vpp", "ep", "cp", "microbatches"):
+        _need(isinstance(getattr(p, f), int) and getattr(p, f) >= 1, f"parallel.{f}",
+              f"must be an integer >= 1, got {getattr(p, f)!r}")
+    _need(p.dp == -1 or p.dp >= 1, "parallel.dp", f"must be >= 1 or -1 (fill from WORLD_SIZE), got {p.dp}")
+    _need(p.zero in (0, 1, 2), "parallel.zero", f"must be 0, 1 or 2, got {p.zero}")
+    _need(p.schedule in PIPELINE_SCHEDULES, "parallel.schedule",
+          f"unknown schedule {p.schedule!r}; choose one of {list(PIPELINE_SCHEDULES)}")
+    _need(p.ep_dispatcher in EP_DISPATCHERS, "parallel.ep_dispatcher",
+          f"unknown dispatcher {p.ep_dispatcher!r}; choose one of {list(EP_DISPATCHERS)}")
+    if p.dp == -1:
+        _need(world % (p.pp * p.cp) == 0, "parallel.dp",
+              f"cannot fill dp: WORLD_SIZE={world} is not divisible by pp*cp={p.pp * p.cp}")
+    dp = resolve_dp(p, world)
+    _need(p.pp * p.cp * dp == world, "parallel",
+          f"layout pp={p.pp} x cp={p.cp} x dp={dp} = {p.pp * p.cp * dp} ranks, but WORLD_SIZE={world}")
+    _need((dp * p.cp) % p.ep == 0, "parallel.ep", f"ep={p.ep} must divide dp*cp={dp * p.cp}")
+    _need(args.n_experts % p.ep == 0, "parallel.ep", f"ep={p.ep} must divide model n_experts={args.n_experts}")
+    _need(p.vpp == 1 or p.pp > 1, "parallel.vpp", f"virtual stages (vpp={p.vpp}) need pp > 1")
+    _need(p.pp * p.vpp <= args.n_layers, "parallel.pp",
+          f"pp*vpp={p.pp * p.vpp} stages exceed the model's {args.n_layers} layers")
+    _need(p.pp == 1 or p.microbatches >= p.pp, "parallel.microbatches",
+          f"a {p.pp}-stage pipeline needs at least {p.pp} micro-batches, got {p.microbatches}")
+
+    # ---- data ------------------------------------------------------------------------------------
+    d = cfg.data
+    _need(d.source in DATA_SOURCES, "data.source", f"unknown source {d.source!r}; choose one of {list(DATA_SOURCES)}")
+    _need(d.tokenizer in TOKENIZERS, "data.tokenizer",
+          f"unknown tokenizer {d.tokenizer!r}; choose one of {list(TOKENIZERS)}")
+    _need(d.seq_len >= 1, "data.seq_len", f"must be >= 1, got {d.seq_len}")
+    _need(d.micro_batch >= 1, "data.micro_batch", f"must be >= 1, got {d.micro_batch}")
+    mult = required_seq_multiple(args, p.cp)
+    _need(d.seq_len % mult == 0, "data.seq_len",
+          f"{d.seq_len} is not a multiple of {mult} (model {args.name}: KDA chunk {args.kda_chunk}"
+          + (f" x cp {p.cp}" if p.cp > 1 else "") + ")")
+    _need(d.seq_len <= args.max_seq_len, "data.seq_len",
+          f"{d.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
+    _need(0.0 <= d.eval_fraction < 1.0, "data.eval_fraction", f"must lie in [0, 1), got {d.eval_fraction}")
+    if d.source == "files":
+        _need(len(d.paths) > 0, "data.paths", "source 'files' needs at least one path or glob")
+    if d.tokenizer in ("hf", "tiktoken"):
+        _need(bool(d.tokenizer_path), "data.tokenizer_path", f"tokenizer {d.tokenizer!r} needs a local file path")
+
+    # ---- optim -----------------------------------------------------------------------------------
+    o = cfg.optim
+    _need(o.name in ("adamw", "muon"), "optim.name", f"unknown optimizer {o.name!r}; choose adamw or muon")
+    _need(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
+    _need(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
+    _need(len(o.betas) == 2 and all(0.0 <= b < 1.0 for b in o.betas), "optim.betas",
+          f"must be two numbers in [0, 1), got {list(o.betas)}")
+    _need(o.eps > 0, "optim.eps", f"must be > 0, got {o.eps}")
+    _need(o.grad_clip >= 0, "optim.grad_clip", f"must be >= 0 (0 disables clipping), got {o.grad_clip}")
+    _need(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    _need(0.0 <= o.decay_ratio <= 1.0, "optim.decay_ratio", f"must lie in [0, 1], got {o.decay_ratio}")
+    _need(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"must lie in [0, 1], got {o.min_lr_ratio}")
+    _need(o.ns_steps >= 1, "optim.ns_steps", f"must be >= 1, got {o.ns_steps}")
+
+    # ---- activation ------------------------------------------------------------------------------
+    a = cfg.activation
+    _need(a.policy in ACTIVATION_POLICIES, "activation.policy",
+          f"unknown policy {a.policy!r}; choose one of {list(ACTIVATION_POLICIES)}")
+    for i, r in enumerate(a.rules):
+        _need(r.policy in ACTIVATION_POLICIES, f"activation.rules[{i}].policy",
+              f"unknown policy {r.policy!r}; choose one of {list(ACTIVATION_POLICIES)}")
+        _need(bool(r.match), f"activation.rules[{i}].match", "must be a non-empty pattern")
+
+    # ---- logging ---------------------------------------------------------------------------------
+    lg = cfg.logging
+    _need(lg.log_interval >= 1, "logging.log_interval", f"must be >= 1, got {lg.log_interval}")
+    _need(lg.console_interval >= 1, "logging.console_interval", f"must be >= 1, got {lg.console_interval}")
+    _need(lg.wandb_mode in ("auto", "offline", "online"), "logging.wandb_mode",
+          f"must be auto, offline or online, got {lg.wandb_mode!r}")
+    _need(lg.peak_flops >= 0, "logging.peak_flops", f"must be >= 0 (0 measures it), got {lg.peak_flops}")
+
+    # ---- train -----------------------------------------------------------------------------------
+    t = cfg.train
+    _need(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")
+    _need(t.eval_interval >= 0, "train.eval_interval", f"must be >= 0 (0 disables eval), got {t.eval_interval}")
+    _need(t.eval_steps >= 1, "train.eval_steps", f"must be >= 1, got {t.eval_steps}")
+    _need(t.checkpoint_interval >= 0, "train.checkpoint_interval",
+          f"must be >= 0 (0 saves only at the end), got {t.checkpoint_interval}")
+    _need(t.keep_last_k >= 1, "train.keep_last_k", f"must be >= 1, got {t.keep_last_k}")
+    _need(t.device in ("auto", "cpu", "cuda"), "train.device", f"must be auto, cpu or cuda, got {t.device!r}")
+    _need(t.dtype in ("auto", "float32", "bfloat16"), "train.dtype",
+          f"must be auto, float32 or bfloat16, got {t.dtype!r}")
+    _need(t.balancing in BALANCING, "train.balancing",
+          f"unknown balancing {t.balancing!r}; choose one of {list(BALANCING)}")
+    _need(t.threads >= 0, "train.threads", f"must be >= 0 (0 = automatic), got {t.threads}")
+    if t.resume not in ("auto", "never"):
+        _need(Path(t.resume).exists(), "train.resume",
+              f"must be auto, never or an existing checkpoint/run directory; {t.resume!r} does not exist")
+    return args
+
+
+def to_dict(cfg: K3TrainConfig) -> dict:
+    """Plain nested dict of the config (for logging and the saved config.yaml)."""
+    return dataclasses.asdict(cfg)

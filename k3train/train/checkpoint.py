@@ -1,0 +1,331 @@
+"""Atomic, verified checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout of <run_dir>/checkpoints/:
+
+    step-000100/            one finished checkpoint: DCP files (.metadata, __<rank>_<i>.distcp) + manifest.json
+    step-000200/
+    latest                  the name of the newest finished checkpoint (replaced atomically)
+
+A save writes into `step-N.tmp/` (DCP fsyncs its files), every rank checksums the files it wrote, rank 0 writes
+`manifest.json` (size and SHA-256 of every file), fsyncs, renames the folder to `step-N/`, then replaces `latest`.
+A crash at any point leaves either the previous checkpoints untouched or a `.tmp` folder that is ignored and
+cleared. Loading verifies the manifest first (ranks split the files between them); a checkpoint whose files are
+missing, truncated or altered is reported with a warning naming it, and the previous one is tried.
+
+What is saved: the model state dict (parameters and persistent buffers, so the routers' balancing biases), the
+optimizer state (FQN-keyed, via torch.distributed.checkpoint.state_dict), the LR scheduler's position, the step,
+and for every rank its data-loader position and RNG states (a pickled blob under the key `rank<r>`; only that
+rank reads it back).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used (corrupt, incomplete or incompatible); the message names it."""
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist_on() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _dist_on() else 1
+
+
+def _barrier() -> None:
+    if _dist_on():
+        dist.barrier()
+
+
+def _all_gather_object(obj: Any) -> list[Any]:
+    if not _dist_on():
+        return [obj]
+    out: list[Any] = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
+    """Finished checkpoints (step, folder) in ckpt_root, oldest first; `.tmp` folders are not listed."""
+    if not ckpt_root.is_dir():
+        return []
+    out = []
+    for p in ckpt_root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def rng_state() -> dict:
+    st = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    torch.set_rng_state(st["torch"])
+    np.random.set_state(st["numpy"])
+    random.setstate(st["python"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Manifest
+# ---------------------------------------------------------------------------------------------------------------------
+def _own_files(folder: Path, rank: int, world: int) -> list[Path]:
+    """Files this rank checksums: DCP's per-rank data files `__<rank>_*`; rank 0 also takes everything else."""
+    mine = []
+    for p in sorted(folder.iterdir()):
+        if not p.is_file() or p.name == MANIFEST:
+            continue
+        m = re.match(r"^__(\d+)_", p.name)
+        owner = int(m.group(1)) % world if m else 0
+        if owner == rank:
+            mine.append(p)
+    return mine
+
+
+def verify_checkpoint(folder: Path) -> str | None:
+    """None when every file in the manifest is present with its size and checksum; else what is wrong.
+    Collective when a process group is up (the files are split between the ranks)."""
+    problem = None
+    manifest_path = folder / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        problem = f"{MANIFEST} is missing"
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        problem = f"{MANIFEST} is unreadable ({type(e).__name__})"
+    if problem is None:
+        rank, world = _rank(), _world()
+        names = sorted(files)
+        for name in names[rank::world]:
+            p = folder / name
+            want = files[name]
+            if not p.is_file():
+                problem = f"file {name} is missing"
+            elif p.stat().st_size != want["size"]:
+                problem = f"file {name} has {p.stat().st_size} bytes, the manifest says {want['size']}"
+            elif _sha256(p) != want["sha256"]:
+                problem = f"file {name} does not match its checksum"
+            if problem:
+                break
+    problems = [x for x in _all_gather_object(problem) if x]
+    return problems[0] if problems else None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Save / load
+# ---------------------------------------------------------------------------------------------------------------------
+def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    return list(optimizer)
+
+
+def _state(model: torch.nn.Module, optimizer, scheduler, step: int, rank_blob: bytes) -> dict[str, Any]:
+    opts = _optimizers(optimizer)
+    state: dict[str, Any] = {
+        "model": get_model_state_dict(model, options=StateDictOptions()),
+        "scheduler": scheduler.state_dict(),
+        "step": step,
+        f"rank{_rank()}": rank_blob,
+    }
+    for i, opt in enumerate(opts):
+        state[f"optim{i}"] = get_optimizer_state_dict(model, opt)
+    return state
+
+
+def _drop_unsaved_optimizer_state(osd: dict, saved: set[str], prefix: str) -> None:
+    """DCP's template comes from an optimizer whose state was initialised for every parameter; the saved optimizer
+    has none for parameters that never had a gradient. Leave those out so they stay stateless, as in the saved run."""
+    for fqn in list(osd.get("state", {})):
+        if not all(f"{prefix}{fqn}.{k}" in saved for k in osd["state"][fqn]):
+            del osd["state"][fqn]
+
+
+@dataclass
+class LoadedState:
+    step: int
+    data_state: dict | None
+    path: Path
+
+
+class Checkpointer:
+    """Saves to and resumes from <run_dir>/checkpoints (see the module docstring)."""
+
+    def __init__(self, run_dir: Path, *, keep_last_k: int, warn=None):
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep_last_k = keep_last_k
+        self.warn = warn or (lambda msg: warnings.warn(msg, stacklevel=2))
+
+    # ---- save --------------------------------------------------------------------------------------------------
+    def save(self, step: int, model, optimizer, scheduler, data_state: dict) -> Path:
+        rank, world = _rank(), _world()
+        final = self.root / step_dir_name(step)
+        tmp = self.root / (final.name + ".tmp")
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)  # left by a save that crashed
+            tmp.mkdir()
+        _barrier()
+        blob = pickle.dumps({"data": data_state, "rng": rng_state()})
+        dcp.save(_state(model, optimizer, scheduler, step, blob), checkpoint_id=str(tmp))
+        # Every rank checksums its own files; rank 0 writes the manifest and publishes the folder.
+        entries = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in _own_files(tmp, rank, world)}
+        gathered = _all_gather_object(entries)
+        if rank == 0:
+            files: dict[str, dict] = {}
+            for e in gathered:
+                files.update(e)
+            manifest = {"step": step, "world_size": world, "files": files}
+            with open(tmp / MANIFEST, "w") as f:
+                json.dump(manifest, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            if final.exists():  # a corrupt checkpoint of the same step that a resume fell back from
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            _write_atomic(self.root / LATEST, final.name + "\n")
+            self._prune()
+        _barrier()
+        return final
+
+    def _prune(self) -> None:
+        ckpts = list_checkpoints(self.root)
+        for _, p in ckpts[:-self.keep_last_k]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    # ---- load --------------------------------------------------------------------------------------------------
+    def candidates(self, resume: str) -> list[Path]:
+        """Checkpoint folders to try, newest first. resume: 'auto' (this run's checkpoints), a run directory, a
+        checkpoints folder, or one step-N folder (then older ones beside it are the fallbacks)."""
+        if resume == "never":
+            return []
+        if resume == "auto":
+            root = self.root
+        else:
+            p = Path(resume)
+            if _STEP_RE.match(p.name):
+                return [c for s, c in reversed(list_checkpoints(p.parent)) if s <= int(p.name.split("-")[1])] or [p]
+            root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+        found = [c for _, c in reversed(list_checkpoints(root))]
+        # `latest` names the newest published checkpoint; a step folder beyond it was never published.
+        pointer = root / LATEST
+        if pointer.is_file():
+            m = _STEP_RE.match(pointer.read_text().strip())
+            if m:
+                found = [c for c in found if int(c.name.split("-")[1]) <= int(m.group(1))] + \
+                        [c for c in found if int(c.name.split("-")[1]) > int(m.group(1))]
+        return found
+
+    def load(self, resume: str, model, optimizer, scheduler) -> LoadedState | None:
+        """Restore the newest valid checkpoint; None when there is none (a fresh start)."""
+        cands = self.candidates(resume)
+        for i, folder in enumerate(cands):
+            problem = verify_checkpoint(folder)
+            if problem is not None:
+                nxt = f"trying {cands[i + 1].name}" if i + 1 < len(cands) else "no older checkpoint is left"
+                self.warn(f"checkpoint {folder} is corrupt ({problem}); {nxt}")
+                continue
+            return self._load_one(folder, model, optimizer, scheduler)
+        if cands:
+            if resume not in ("auto", "never"):
+                raise CheckpointError(f"no valid checkpoint under train.resume={resume!r}")
+            self.warn(f"no valid checkpoint in {self.root}; starting from scratch")
+        return None
+
+    def _load_one(self, folder: Path, model, optimizer, scheduler) -> LoadedState:
+        rank = _rank()
+        state = _state(model, optimizer, scheduler, -1, b"")
+        saved = set(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+        missing = sorted(k for k in (f"model.{n}" for n in state["model"]) if k not in saved)
+        if missing:
+            raise CheckpointError(f"checkpoint {folder} lacks model entries {missing[:5]} (a different model?)")
+        for i in range(len(_optimizers(optimizer))):
+            _drop_unsaved_optimizer_state(state[f"optim{i}"], saved, f"optim{i}.state.")
+        if f"rank{rank}" not in saved:
+            state.pop(f"rank{rank}")
+        try:
+            dcp.load(state, checkpoint_id=str(folder))
+        except Exception as e:  # DCP raises several types for a checkpoint of another shape
+            raise CheckpointError(f"checkpoint {folder} passed its checksums but does not fit this run "
+                                  f"(model, optimizer or world size changed?): {type(e).__name__}: {e}") from e
+        set_model_state_dict(model, state["model"])
+        for i, opt in enumerate(_optimizers(optimizer)):
+            # strict=False: parameters that never had a gradient have no saved state (see above).
+            set_optimizer_state_dict(model, opt, state[f"optim{i}"], options=StateDictOptions(strict=False))
+        scheduler.load_state_dict(state["scheduler"])
+        blob = state.get(f"rank{rank}")
+        data_state = None
+        if blob:
+            extra = pickle.loads(blob)
+            set_rng_state(extra["rng"])
+            data_state = extra["data"]
+        return LoadedState(step=int(state["step"]), data_state=data_state, path=folder)

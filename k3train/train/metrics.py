@@ -1,0 +1,155 @@
+"""Training metrics: console lines and a progress bar, metrics.jsonl, TensorBoard and W&B (all from rank 0).
+
+metrics.jsonl holds one JSON object per logged step with at least `step`, `loss`, `grad_norm`, `lr`,
+`tokens_per_s`, plus `tokens` (seen so far), `flops_per_token`, `mfu`, `step_time_s`, per MoE layer
+`moe/<layer>/max_over_mean` (expert load max/mean over the steps since the last record, all ranks' tokens) and
+`eval_loss` on steps where it was measured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k3train.config.schema import LoggingConfig
+
+REQUIRED_FIELDS = ("step", "loss", "grad_norm", "lr", "tokens_per_s")
+
+
+def measure_peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
+                       n: int | None = None, seconds: float = 0.5) -> float:
+    """Dense matmul FLOP/s this device reaches in `dtype` (square n x n products, best of repeated timings).
+
+    The denominator of MFU when no peak is configured: an achievable peak, so MFU reads as a fraction of what the
+    device's matmul can do rather than of a datasheet number."""
+    device = torch.device(device)
+    n = n or (4096 if device.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    a @ b  # warm-up (thread pools, kernels)
+    sync()
+    best, spent, reps = math.inf, 0.0, 1
+    while spent < seconds:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        sync()
+        dt = (time.perf_counter() - t0) / reps
+        best = min(best, dt)
+        spent += dt * reps
+        reps = min(reps * 2, 64)
+    return 2.0 * n ** 3 / best
+
+
+class MetricsLogger:
+    """Writes metrics of rank 0; on other ranks every method is a no-op."""
+
+    def __init__(self, run_dir: Path, cfg: LoggingConfig, *, rank: int, total_steps: int, start_step: int,
+                 config: dict[str, Any], run_name: str):
+        self.cfg, self.rank, self.active = cfg, rank, rank == 0
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.tb = self.wandb_run = self.bar = None
+        if not self.active:
+            return
+        self._truncate_after(start_step)
+        self._file = open(self.path, "a")
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(log_dir=str(Path(run_dir) / "tb"), purge_step=start_step + 1)
+        if cfg.wandb:
+            self.wandb_run = self._init_wandb(run_dir, config, run_name)
+        if cfg.progress_bar:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                            file=sys.stderr, mininterval=0.5)
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume, drop records of steps after the checkpoint: they are about to be recomputed."""
+        if not self.path.exists():
+            return
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    keep.append(line)
+            except json.JSONDecodeError:  # a line cut by a kill
+                continue
+        self.path.write_text("".join(ln + "\n" for ln in keep))
+
+    def _init_wandb(self, run_dir: Path, config: dict, run_name: str):
+        import wandb
+        mode = self.cfg.wandb_mode
+        if mode == "auto":
+            mode = "online" if self.cfg.wandb_project else "offline"
+        return wandb.init(project=self.cfg.wandb_project or "k3train", name=run_name, mode=mode, dir=str(run_dir),
+                          config=config, settings=wandb.Settings(silent=True, console="off"))
+
+    # ---- per step ---------------------------------------------------------------------------------------------
+    def log(self, record: dict[str, Any]) -> None:
+        """Append one record (must contain REQUIRED_FIELDS) to metrics.jsonl, TensorBoard and W&B."""
+        if not self.active:
+            return
+        missing = [k for k in REQUIRED_FIELDS if k not in record]
+        if missing:
+            raise ValueError(f"metrics record lacks {missing}")
+        step = int(record["step"])
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
+        scalars = {k: float(v) for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(scalars, step=step)
+
+    def progress(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            self.bar.refresh()
+
+    def console(self, record: dict[str, Any]) -> None:
+        if not (self.active and self.cfg.console):
+            return
+        parts = [f"step {record['step']:>6}", f"loss {record['loss']:.4f}"]
+        if "eval_loss" in record:
+            parts.append(f"eval_loss {record['eval_loss']:.4f}")
+        if "eval_accuracy" in record:
+            parts.append(f"eval_acc {record['eval_accuracy']:.3f}")
+        parts += [f"grad_norm {record['grad_norm']:.3f}", f"lr {record['lr']:.2e}",
+                  f"tok/s {record['tokens_per_s']:,.0f}"]
+        if "mfu" in record:
+            parts.append(f"mfu {100 * record['mfu']:.2f}%")
+        self.write(" | ".join(parts))
+
+    def write(self, text: str) -> None:
+        """A console line that does not break the progress bar."""
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stdout)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        self._file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()

@@ -1,0 +1,410 @@
+"""The training loop: one process, or data parallel under torchrun.
+
+Per optimizer step each data-parallel rank reads `parallel.microbatches` micro-batches. The loss is next-token
+cross entropy summed over every target token of the step on all ranks and divided by their total count, so gradient
+accumulation and data parallelism give exactly the gradient of one process holding the global batch:
+
+    loss = sum_{ranks, micro-batches, tokens} CE / (target tokens of the global step)
+
+Each micro-batch backpropagates its CE sum over that global count; gradients are then summed over the ranks.
+After the optimizer step the routers' balancing biases are recomputed (they take effect from the next step).
+On CPU everything runs in fp32 and is deterministic: the same seed gives the same losses bit for bit, and a run
+resumed from a checkpoint continues with the losses of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import math
+import os
+import random
+import re
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from k3train.config import ConfigError, K3TrainConfig, resolve_dp, validate_config
+from k3train.data import IGNORE_INDEX, DataError, build_dataloader, build_tokenizer
+from k3train.models.k3.context import BatchContext
+from k3train.models.k3.model import K3Model
+from k3train.optim.param_groups import build_optimizer
+from k3train.optim.quantile_balancing import attach_balancers, update_biases
+
+from .checkpoint import Checkpointer
+from .metrics import MetricsLogger, measure_peak_flops
+from .parallelize import check_layout_supported, parallelize
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Process, device and run directory
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+
+
+def dist_env() -> DistEnv:
+    """RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE as torchrun sets them (a single process without them)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return DistEnv(rank=int(os.environ.get("RANK", "0")), world=world,
+                   local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                   local_world=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    if name == "cpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if name == "cuda":
+        raise ConfigError("train.device: 'cuda' was requested but torch.cuda.is_available() is False")
+    return torch.device("cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def _cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def default_run_dir(recipe: str) -> Path:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    d = Path("runs") / recipe / stamp
+    n = 1
+    while d.exists():  # two runs started in the same second
+        d = Path("runs") / recipe / f"{stamp}-{n}"
+        n += 1
+    return d
+
+
+def run_dir_of_resume(resume: str) -> Path | None:
+    """The run directory a train.resume path belongs to (a step-N folder, a checkpoints folder or a run folder)."""
+    if resume in ("auto", "never"):
+        return None
+    p = Path(resume)
+    if re.match(r"^step-\d+$", p.name):
+        return p.parent.parent
+    if p.name == "checkpoints":
+        return p.parent
+    return p
+
+
+def _broadcast_str(value: str, env: DistEnv) -> str:
+    if env.world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------------------------------
+class Trainer:
+    """Builds everything from a validated config; `train()` runs to cfg.train.steps and returns a summary."""
+
+    def __init__(self, cfg: K3TrainConfig, *, recipe: str = "custom"):
+        self.cfg, self.recipe = cfg, recipe
+        env = self.env = dist_env()
+        args = self.args = validate_config(cfg, world_size=env.world)
+        check_layout_supported(cfg.parallel)
+        self.dp = resolve_dp(cfg.parallel, env.world)
+        t = cfg.train
+
+        self.device = resolve_device(t.device, env.local_rank)
+        self.dtype = resolve_dtype(t.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(t.threads or max(1, _cpu_cores() // env.local_world))
+        self.mesh = None
+        if env.world > 1:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            if not dist.is_initialized():
+                dist.init_process_group(backend=backend)
+            from torch.distributed.device_mesh import init_device_mesh
+            self.mesh = init_device_mesh(self.device.type, (self.dp,), mesh_dim_names=("dp",))
+        torch.manual_seed(t.seed)
+        random.seed(t.seed)
+        np.random.seed(t.seed % (1 << 32))
+
+        # ---- data first: bad input fails before a run directory or a model exists. Rank 0 builds the token
+        # cache, then the others read it.
+        self.tok = build_tokenizer(cfg.data)
+        if self.tok.vocab_size > args.vocab_size:
+            raise DataError(f"tokenizer {cfg.data.tokenizer!r} has {self.tok.vocab_size} ids but the model's "
+                            f"vocab_size is {args.vocab_size}: token ids would fall outside the embedding "
+                            f"(raise model vocab_size or use a smaller tokenizer)")
+        self.train_loader, self.eval_loader = self._build_loaders()
+
+        # ---- run directory: rank 0 decides, everyone uses the same ------------------------------------------
+        if t.run_dir:
+            rd = Path(t.run_dir)
+        else:
+            rd = run_dir_of_resume(t.resume) or default_run_dir(recipe)
+        self.run_dir = Path(_broadcast_str(str(rd.resolve()) if env.rank == 0 else "", env))
+        if env.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            from omegaconf import OmegaConf
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+            print(f"k3train: run directory {self.run_dir}", flush=True)
+        self._barrier()
+
+        # ---- model: built on meta, materialised on the device, initialised from the seed ----------------------
+        with torch.device("meta"):
+            model = K3Model(args)
+        model.to_empty(device=self.device)
+        model.init_weights(t.seed)
+        mult = model.required_seq_multiple()
+        if cfg.data.seq_len % mult:
+            raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not a multiple of {mult} (model requirement)")
+        self.model = model
+        self.balancers = {}
+        if t.balancing != "none" and hasattr(model, "routers") and model.routers():
+            self.balancers = attach_balancers(model, t.balancing)
+        self.pm = parallelize(model, cfg, self.mesh)
+        self.optimizer = build_optimizer(model, cfg.optim)
+        self.scheduler = self._build_scheduler()
+
+        # ---- resume --------------------------------------------------------------------------------------------
+        self.ckpt = Checkpointer(self.run_dir, keep_last_k=t.keep_last_k, warn=self._warn)
+        self.step = 0
+        loaded = None
+        if t.resume != "never":
+            with _quiet_checkpoint_warnings():
+                loaded = self.ckpt.load(t.resume, model, self.optimizer, self.scheduler)
+        if loaded is not None:
+            self.step = loaded.step
+            if loaded.data_state is not None:
+                self.train_loader.load_state_dict(loaded.data_state)
+            self._print(f"k3train: resumed from {loaded.path} at step {self.step}")
+
+        # ---- metrics -------------------------------------------------------------------------------------------
+        self.tokens_per_step = self.dp * cfg.parallel.microbatches * cfg.data.micro_batch * cfg.data.seq_len
+        self.flops_per_token = float(model.flops_per_token(cfg.data.seq_len))
+        self.peak_flops = cfg.logging.peak_flops
+        if self.peak_flops <= 0 and env.rank == 0:
+            self.peak_flops = measure_peak_flops(self.device, self.dtype)
+        n_params = sum(p.numel() for p in model.parameters())
+        self._print(f"k3train: model {args.name} ({n_params:,} parameters), {self.device.type} {self.dtype}, "
+                    f"world {env.world} (dp {self.dp}), {self.tokens_per_step:,} tokens/step, "
+                    f"peak {self.peak_flops / 1e9:,.1f} GFLOP/s per device for MFU")
+        self.metrics = MetricsLogger(self.run_dir, cfg.logging, rank=env.rank, total_steps=t.steps,
+                                     start_step=self.step, config=asdict(cfg), run_name=self.run_dir.name)
+
+    # ---- helpers -----------------------------------------------------------------------------------------------
+    def _barrier(self) -> None:
+        if self.env.world > 1:
+            dist.barrier()
+
+    def _print(self, msg: str) -> None:
+        if self.env.rank == 0:
+            if getattr(self, "metrics", None) is not None:
+                self.metrics.write(msg)
+            else:
+                print(msg, flush=True)
+
+    def _warn(self, msg: str) -> None:
+        if self.env.rank == 0:
+            print(f"k3train: WARNING: {msg}", file=sys.stderr, flush=True)
+
+    def _build_loaders(self):
+        """(train, eval or None) loaders. Rank 0 builds first (it fills the token cache) and shares the outcome, so
+        a data error stops every rank instead of leaving the others waiting."""
+        cfg, env = self.cfg, self.env
+
+        def build():
+            kw = dict(dp_rank=env.rank, dp_world=self.dp, vocab_size=self.args.vocab_size)
+            train = build_dataloader(cfg.data, self.tok, split="train", **kw)
+            evl = build_dataloader(cfg.data, self.tok, split="eval", **kw) if cfg.train.eval_interval > 0 else None
+            return train, evl
+
+        if env.world == 1:
+            return build()
+        out, err = None, ""
+        if env.rank == 0:
+            try:
+                out = build()
+            except DataError as e:
+                err = str(e)
+        err = _broadcast_str(err, env)
+        if err:
+            raise DataError(err)
+        if env.rank != 0:
+            out = build()
+        self._barrier()
+        return out
+
+    def _build_scheduler(self):
+        # torchtitan 0.3.0's warmup-stable-decay builder runs on CPU as is; it wraps torch's LambdaLR.
+        from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+        o = self.cfg.optim
+        conf = LRSchedulersContainer.Config(warmup_steps=o.warmup_steps, decay_ratio=o.decay_ratio,
+                                            decay_type="linear", min_lr_factor=o.min_lr_ratio)
+        return conf.build(optimizers=[self.optimizer], training_steps=self.cfg.train.steps)
+
+    def _autocast(self):
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.pm.dp_group is not None:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.pm.dp_group)
+        return t
+
+    def _forward_ce(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of next-token CE over the batch's target tokens, logits)."""
+        ids = batch["input_ids"].to(self.device, non_blocking=True)
+        labels = batch["labels"].to(self.device, non_blocking=True)
+        cu = batch.get("cu_seqlens")
+        ctx = BatchContext(cu_seqlens=cu.to(self.device) if cu is not None else None)
+        with self._autocast():
+            logits = self.pm.module(ids, ctx=ctx)
+        ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                             reduction="sum")
+        return ce, logits
+
+    # ---- one optimizer step ------------------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        batches = [next(self.train_loader) for _ in range(cfg.parallel.microbatches)]
+        count = torch.tensor(sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches), dtype=torch.int64,
+                             device=self.device)
+        n_targets = int(self._all_reduce(count).item())
+        denom = max(n_targets, 1)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for b in batches:
+            ce, _ = self._forward_ce(b)
+            (ce / denom).backward()
+            loss_sum += ce.detach().double()
+        self.pm.sync_grads()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.balancers:
+            update_biases(self.balancers, self.pm.dp_group)
+        loss = float(self._all_reduce(loss_sum).item()) / denom
+        return {"loss": loss, "grad_norm": float(grad_norm), "lr": float(lr), "targets": n_targets}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Mean next-token CE over up to eval_steps micro-batches of the eval split (and answer accuracy for the
+        recall task)."""
+        self.model.eval()
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # CE sum, targets, correct
+        for k, b in enumerate(self.eval_loader):
+            if k >= self.cfg.train.eval_steps:
+                break
+            ce, logits = self._forward_ce(b)
+            labels = b["labels"].to(self.device)
+            mask = labels != IGNORE_INDEX
+            sums[0] += ce.double()
+            sums[1] += mask.sum()
+            sums[2] += (logits.argmax(-1)[mask] == labels[mask]).sum()
+        self.model.train()
+        s = self._all_reduce(sums)
+        out = {"eval_loss": float(s[0] / s[1].clamp(min=1))}
+        if self.cfg.data.source == "recall":
+            out["eval_accuracy"] = float(s[2] / s[1].clamp(min=1))
+        return out
+
+    def _expert_load(self) -> dict:
+        if not hasattr(self.model, "moe_load"):
+            return {}
+        loads = self.model.moe_load()
+        if not loads:
+            return {}
+        names = list(loads)
+        stacked = self._all_reduce(torch.stack([loads[n].to(torch.float64) for n in names]))
+        ratio = stacked.max(1).values / stacked.mean(1).clamp(min=1e-12)
+        out = {}
+        for n, r in zip(names, ratio.tolist()):
+            m = re.search(r"layers\.(\d+)\.", n)
+            out[f"moe/L{m.group(1) if m else n}/load_max_over_mean"] = r
+        out["moe/load_max_over_mean"] = float(ratio.max())
+        return out
+
+    # ---- the loop ----------------------------------------------------------------------------------------------
+    def train(self) -> dict:
+        cfg, t, lg = self.cfg, self.cfg.train, self.cfg.logging
+        self.model.train()
+        first_loss = last = None
+        while self.step < t.steps:
+            t0 = time.perf_counter()
+            rec = self.train_step()
+            self.step += 1
+            step, dt = self.step, time.perf_counter() - t0
+            first_loss = rec["loss"] if first_loss is None else first_loss
+            tps = self.tokens_per_step / dt
+            record = {"step": step, "loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": rec["lr"],
+                      "tokens_per_s": tps, "tokens": step * self.tokens_per_step, "step_time_s": dt,
+                      "flops_per_token": self.flops_per_token}
+            if self.peak_flops > 0:
+                record["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.env.world)
+            last_step = step == t.steps
+            if self.eval_loader is not None and (step % t.eval_interval == 0 or last_step):
+                record.update(self.evaluate())
+            logged = step % lg.log_interval == 0 or last_step or "eval_loss" in record
+            if logged:
+                record.update(self._expert_load())
+                self.metrics.log(record)
+            self.metrics.progress(step, rec["loss"], tps)
+            if step == 1 or step % lg.console_interval == 0 or last_step or "eval_loss" in record:
+                self.metrics.console(record)
+            if (t.checkpoint_interval > 0 and step % t.checkpoint_interval == 0) or (last_step and
+                                                                                   t.checkpoint_at_end):
+                with _quiet_checkpoint_warnings():
+                    path = self.ckpt.save(step, self.model, self.optimizer, self.scheduler,
+                                          self.train_loader.state_dict())
+                self._print(f"k3train: saved checkpoint {path}")
+            last = record
+        self.metrics.close()
+        if self.env.rank == 0:
+            print(f"k3train: done, {self.step} steps; run directory {self.run_dir}", flush=True)
+        return {"run_dir": str(self.run_dir), "steps": self.step, "first_loss": first_loss,
+                "last": last}
+
+    def close(self) -> None:
+        if self.env.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _quiet_checkpoint_warnings():
+    """DCP warns that it runs without a process group (intended for one process); torch warns when the scheduler's
+    lr is recomputed on load. Neither is actionable."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        warnings.filterwarnings("ignore", message=".*get_lr.*")
+        yield
+
+
+def run(cfg: K3TrainConfig, *, recipe: str = "custom") -> dict:
+    """Train to cfg.train.steps; returns {'run_dir', 'steps', 'first_loss', 'last'} (last: the final record)."""
+    trainer = Trainer(cfg, recipe=recipe)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
