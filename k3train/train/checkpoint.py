@@ -186,7 +186,15 @@ def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
     return list(optimizer)
 
 
+def _is_engine(model) -> bool:
+    """A k3train.parallel engine: it owns its (sharded) model and optimizer state, keyed by full-model names."""
+    return hasattr(model, "model_parts") and hasattr(model, "load_state_dict")
+
+
 def _state(model: torch.nn.Module, optimizer, scheduler, step: int, rank_blob: bytes) -> dict[str, Any]:
+    if _is_engine(model):
+        return {"engine": model.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+                f"rank{_rank()}": rank_blob}
     opts = _optimizers(optimizer)
     state: dict[str, Any] = {
         "model": get_model_state_dict(model, options=StateDictOptions()),
@@ -305,6 +313,8 @@ class Checkpointer:
         rank = _rank()
         state = _state(model, optimizer, scheduler, -1, b"")
         saved = set(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+        if _is_engine(model):
+            return self._load_engine(folder, model, scheduler, state, saved)
         missing = sorted(k for k in (f"model.{n}" for n in state["model"]) if k not in saved)
         if missing:
             raise CheckpointError(f"checkpoint {folder} lacks model entries {missing[:5]} (a different model?)")
@@ -321,6 +331,25 @@ class Checkpointer:
         for i, opt in enumerate(_optimizers(optimizer)):
             # strict=False: parameters that never had a gradient have no saved state (see above).
             set_optimizer_state_dict(model, opt, state[f"optim{i}"], options=StateDictOptions(strict=False))
+        scheduler.load_state_dict(state["scheduler"])
+        blob = state.get(f"rank{rank}")
+        data_state = None
+        if blob:
+            extra = pickle.loads(blob)
+            set_rng_state(extra["rng"])
+            data_state = extra["data"]
+        return LoadedState(step=int(state["step"]), data_state=data_state, path=folder)
+
+    def _load_engine(self, folder: Path, engine, scheduler, state: dict, saved: set[str]) -> LoadedState:
+        rank = _rank()
+        if f"rank{rank}" not in saved:
+            state.pop(f"rank{rank}")
+        try:
+            dcp.load(state, checkpoint_id=str(folder))
+            engine.load_state_dict(state["engine"])
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {folder} passed its checksums but does not fit this run "
+                                  f"(model or layout changed?): {type(e).__name__}: {e}") from e
         scheduler.load_state_dict(state["scheduler"])
         blob = state.get(f"rank{rank}")
         data_state = None

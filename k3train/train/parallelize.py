@@ -1,8 +1,7 @@
 """The seam between the trainer and parallelism: `check_layout_supported` and `parallelize`.
 
-Today this applies data parallelism only (every rank holds the whole model; gradients are summed over the
-data-parallel ranks). Pipeline, expert and context parallelism and ZeRO replace these two functions: the trainer calls
-nothing else that depends on the layout.
+Plain data parallelism is applied here (every rank holds the whole model; gradients are summed over the
+data-parallel ranks). Pipeline, expert parallel and ZeRO layouts go through k3train.parallel.engine (`needs_engine`).
 """
 
 from __future__ import annotations
@@ -18,13 +17,15 @@ from k3train.models.k3.args import ConfigError
 
 
 def check_layout_supported(p: ParallelConfig) -> None:
-    """ConfigError for layouts this trainer cannot run yet (called before anything is built)."""
-    todo = [f"{k}={getattr(p, k)}" for k in ("pp", "vpp", "ep", "cp") if getattr(p, k) > 1]
-    if p.zero > 0:
-        todo.append(f"zero={p.zero}")
-    if todo:
-        raise ConfigError(f"parallel: {', '.join(todo)} is not supported yet by k3train.train (data parallel only: "
-                          f"set parallel.pp=1 parallel.vpp=1 parallel.ep=1 parallel.cp=1 parallel.zero=0)")
+    """ConfigError for layouts the trainer cannot run (called before anything is built)."""
+    if p.cp > 1:
+        raise ConfigError(f"parallel.cp={p.cp}: context parallelism exists as a library "
+                          f"(k3train.parallel.context_parallel) but the trainer does not drive it yet; set parallel.cp=1")
+
+
+def needs_engine(p: ParallelConfig) -> bool:
+    """Pipeline, expert parallel and ZeRO layouts run through k3train.parallel.engine; plain DP runs here."""
+    return p.pp > 1 or p.vpp > 1 or p.ep > 1 or p.zero > 0
 
 
 @dataclass

@@ -34,13 +34,14 @@ import torch.nn.functional as F
 from k3train.config import ConfigError, K3TrainConfig, resolve_dp, validate_config
 from k3train.data import IGNORE_INDEX, DataError, build_dataloader, build_tokenizer
 from k3train.models.k3.context import BatchContext
-from k3train.models.k3.model import K3Model
+from k3train.models.k3.counts import count_params
+from k3train.models.k3.model import K3Model, flops_per_token, required_seq_multiple
 from k3train.optim.param_groups import build_optimizer
 from k3train.optim.quantile_balancing import attach_balancers, update_biases
 
 from .checkpoint import Checkpointer
 from .metrics import MetricsLogger, measure_peak_flops
-from .parallelize import check_layout_supported, parallelize
+from .parallelize import ParallelModel, check_layout_supported, needs_engine, parallelize
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -127,7 +128,13 @@ class Trainer:
         env = self.env = dist_env()
         args = self.args = validate_config(cfg, world_size=env.world)
         check_layout_supported(cfg.parallel)
+        from k3train.parallel.mesh import ParallelDims, rank_coords
+        self.dims = ParallelDims.from_config(cfg.parallel, env.world)
+        self.dims.validate(world_size=env.world, model_args=args)  # before any process group
+        self.use_engine = needs_engine(cfg.parallel)
         self.dp = resolve_dp(cfg.parallel, env.world)
+        # Ranks of one pipeline read the same rows; data-parallel (and expert-parallel) ranks read distinct rows.
+        self.dp_rank = rank_coords(self.dims, env.rank)["dp"] if env.world > 1 else 0
         t = cfg.train
 
         self.device = resolve_device(t.device, env.local_rank)
@@ -139,8 +146,9 @@ class Trainer:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             if not dist.is_initialized():
                 dist.init_process_group(backend=backend)
-            from torch.distributed.device_mesh import init_device_mesh
-            self.mesh = init_device_mesh(self.device.type, (self.dp,), mesh_dim_names=("dp",))
+            if not self.use_engine:  # the engine builds its own mesh
+                from torch.distributed.device_mesh import init_device_mesh
+                self.mesh = init_device_mesh(self.device.type, (self.dp,), mesh_dim_names=("dp",))
         torch.manual_seed(t.seed)
         random.seed(t.seed)
         np.random.seed(t.seed % (1 << 32))
@@ -168,19 +176,37 @@ class Trainer:
         self._barrier()
 
         # ---- model: built on meta, materialised on the device, initialised from the seed ----------------------
-        with torch.device("meta"):
-            model = K3Model(args)
-        model.to_empty(device=self.device)
-        model.init_weights(t.seed)
-        mult = model.required_seq_multiple()
+        mult = required_seq_multiple(args)
         if cfg.data.seq_len % mult:
             raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not a multiple of {mult} (model requirement)")
-        self.model = model
         self.balancers = {}
-        if t.balancing != "none" and hasattr(model, "routers") and model.routers():
-            self.balancers = attach_balancers(model, t.balancing)
-        self.pm = parallelize(model, cfg, self.mesh)
-        self.optimizer = build_optimizer(model, cfg.optim)
+        self.engine = None
+        if self.use_engine:
+            from k3train.parallel.engine import build_engine
+
+            def part_fn(part):
+                if t.balancing != "none" and part.routers():
+                    self.balancers.update(attach_balancers(part, t.balancing))
+
+            self.engine = build_engine(args, cfg.parallel, cfg.optim, seed=t.seed, device=self.device,
+                                       autocast_dtype=None if self.dtype == torch.float32 else self.dtype,
+                                       seq_len_hint=cfg.data.seq_len, part_fn=part_fn)
+            dp_group = self.engine.mesh.group("dp_cp") if self.engine.mesh is not None else None
+            self.parts = self.engine.model_parts
+            self.model = self.parts[0]
+            self.pm = ParallelModel(module=self.model, dp_group=dp_group)
+            self.optimizer = self.engine.optimizer
+        else:
+            with torch.device("meta"):
+                model = K3Model(args)
+            model.to_empty(device=self.device)
+            model.init_weights(t.seed)
+            self.model = model
+            self.parts = [model]
+            if t.balancing != "none" and model.routers():
+                self.balancers = attach_balancers(model, t.balancing)
+            self.pm = parallelize(model, cfg, self.mesh)
+            self.optimizer = build_optimizer(model, cfg.optim)
         self.scheduler = self._build_scheduler()
 
         # ---- resume --------------------------------------------------------------------------------------------
@@ -189,7 +215,7 @@ class Trainer:
         loaded = None
         if t.resume != "never":
             with _quiet_checkpoint_warnings():
-                loaded = self.ckpt.load(t.resume, model, self.optimizer, self.scheduler)
+                loaded = self.ckpt.load(t.resume, self.engine or self.model, self.optimizer, self.scheduler)
         if loaded is not None:
             self.step = loaded.step
             if loaded.data_state is not None:
@@ -198,13 +224,14 @@ class Trainer:
 
         # ---- metrics -------------------------------------------------------------------------------------------
         self.tokens_per_step = self.dp * cfg.parallel.microbatches * cfg.data.micro_batch * cfg.data.seq_len
-        self.flops_per_token = float(model.flops_per_token(cfg.data.seq_len))
+        self.flops_per_token = float(flops_per_token(args, cfg.data.seq_len))
         self.peak_flops = cfg.logging.peak_flops
         if self.peak_flops <= 0 and env.rank == 0:
             self.peak_flops = measure_peak_flops(self.device, self.dtype)
-        n_params = sum(p.numel() for p in model.parameters())
+        n_params = count_params(args)["total"]
         self._print(f"k3train: model {args.name} ({n_params:,} parameters), {self.device.type} {self.dtype}, "
-                    f"world {env.world} (dp {self.dp}), {self.tokens_per_step:,} tokens/step, "
+                    f"world {env.world} (pp {self.dims.pp} x dp {self.dp}, ep {self.dims.ep}, zero {self.dims.zero}), "
+                    f"{self.tokens_per_step:,} tokens/step, "
                     f"peak {self.peak_flops / 1e9:,.1f} GFLOP/s per device for MFU")
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, rank=env.rank, total_steps=t.steps,
                                      start_step=self.step, config=asdict(cfg), run_name=self.run_dir.name)
@@ -231,7 +258,7 @@ class Trainer:
         cfg, env = self.cfg, self.env
 
         def build():
-            kw = dict(dp_rank=env.rank, dp_world=self.dp, vocab_size=self.args.vocab_size)
+            kw = dict(dp_rank=self.dp_rank, dp_world=self.dp, vocab_size=self.args.vocab_size)
             train = build_dataloader(cfg.data, self.tok, split="train", **kw)
             evl = build_dataloader(cfg.data, self.tok, split="eval", **kw) if cfg.train.eval_interval > 0 else None
             return train, evl
@@ -286,6 +313,14 @@ class Trainer:
     def train_step(self) -> dict:
         cfg = self.cfg
         batches = [next(self.train_loader) for _ in range(cfg.parallel.microbatches)]
+        if self.engine is not None:
+            lr = self.optimizer.param_groups[0]["lr"]
+            rec = self.engine.train_step(batches)
+            self.scheduler.step()
+            if self.balancers:
+                update_biases(self.balancers, self.pm.dp_group)
+            return {"loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": float(lr),
+                    "targets": rec["target_tokens"]}
         count = torch.tensor(sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches), dtype=torch.int64,
                              device=self.device)
         n_targets = int(self._all_reduce(count).item())
@@ -312,6 +347,9 @@ class Trainer:
     def evaluate(self) -> dict:
         """Mean next-token CE over up to eval_steps micro-batches of the eval split (and answer accuracy for the
         recall task)."""
+        if self.engine is not None and self.dims.pp > 1:  # stage by stage through the pipeline
+            loss = self.engine.eval_loss([b for k, b in zip(range(self.cfg.train.eval_steps), self.eval_loader)])
+            return {"eval_loss": loss}
         self.model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # CE sum, targets, correct
         for k, b in enumerate(self.eval_loader):
@@ -331,10 +369,10 @@ class Trainer:
         return out
 
     def _expert_load(self) -> dict:
-        if not hasattr(self.model, "moe_load"):
-            return {}
-        loads = self.model.moe_load()
-        if not loads:
+        loads = {}
+        for part in self.parts:  # this rank's stages; ranks of other stages report their own layers
+            loads.update(part.moe_load())
+        if not loads or self.dims.pp > 1:
             return {}
         names = list(loads)
         stacked = self._all_reduce(torch.stack([loads[n].to(torch.float64) for n in names]))
@@ -376,7 +414,7 @@ class Trainer:
             if (t.checkpoint_interval > 0 and step % t.checkpoint_interval == 0) or (last_step and
                                                                                    t.checkpoint_at_end):
                 with _quiet_checkpoint_warnings():
-                    path = self.ckpt.save(step, self.model, self.optimizer, self.scheduler,
+                    path = self.ckpt.save(step, self.engine or self.model, self.optimizer, self.scheduler,
                                           self.train_loader.state_dict())
                 self._print(f"k3train: saved checkpoint {path}")
             last = record

@@ -1,0 +1,51 @@
+"""The trainer drives the parallel engine: pipeline and expert-parallel ZeRO layouts launched with torchrun give the
+losses of one process reading the same global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["-m", "k3train.train", "--config-name", "tiny_cpu", "train.steps=3", "train.eval_interval=0",
+          "logging.progress_bar=false", "logging.tensorboard=false", "data.seq_len=64", "train.threads=1"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _run(tmp_path: Path, name: str, nproc: int, *overrides: str) -> list[float]:
+    run = tmp_path / name
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    if nproc == 1:
+        cmd = [sys.executable, *COMMON]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(_port()), *COMMON]
+    out = subprocess.run([*cmd, f"train.run_dir={run}", *overrides], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return _losses(run)
+
+
+def test_trainer_parallel_layouts_equal_one_process(tmp_path):
+    one = _run(tmp_path, "one", 1, "data.micro_batch=2")
+    pp = _run(tmp_path, "pp2", 2, "data.micro_batch=1", "parallel.pp=2", "parallel.microbatches=2")
+    ep = _run(tmp_path, "ep2", 2, "data.micro_batch=1", "parallel.dp=2", "parallel.ep=2", "parallel.zero=1")
+    assert len(one) == 3 and one[-1] < one[0]
+    for other in (pp, ep):
+        assert other == pytest.approx(one, rel=1e-6)
