@@ -56,7 +56,9 @@ class ActivationRule:
 @dataclass(kw_only=True)
 class ActivationConfig:
     policy: str = "keep"
-    """Default storage of saved activations: keep, recompute, fp8, offload (host memory) or remote_offload."""
+    """Default storage of saved activations: keep, recompute, fp8, offload (host memory) or remote_offload.
+    Any policy other than keep (or any rule) also applies the K3 defaults: AttnRes mixers checkpointed, MoE
+    dispatch recomputed in backward from the saved routing."""
     rules: list[ActivationRule] = field(default_factory=list)
     """Per-module exceptions to the default policy, tried in order."""
 

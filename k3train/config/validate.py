@@ -15,8 +15,8 @@ from k3train.models.k3.args import ConfigError, K3ModelArgs, get_preset
 
 from .schema import K3TrainConfig, ParallelConfig
 
-ACTIVATION_POLICIES = ("keep", "recompute", "fp8", "offload", "remote_offload")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
+ACTIVATION_POLICIES = ("keep", "recompute", "fp8", "offload", "remote_offload", "offload_local", "offload_remote")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
 EP_DISPATCHERS = ("local", "alltoall", "moonep")
 BALANCING = ("quantile", "sign", "none")
 DATA_SOURCES = ("builtin", "files", "recall")

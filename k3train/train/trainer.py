@@ -187,6 +187,7 @@ class Trainer:
             def part_fn(part):
                 if t.balancing != "none" and part.routers():
                     self.balancers.update(attach_balancers(part, t.balancing))
+                self._apply_activation(part, None)
 
             self.engine = build_engine(args, cfg.parallel, cfg.optim, seed=t.seed, device=self.device,
                                        autocast_dtype=None if self.dtype == torch.float32 else self.dtype,
@@ -206,6 +207,7 @@ class Trainer:
             if t.balancing != "none" and model.routers():
                 self.balancers = attach_balancers(model, t.balancing)
             self.pm = parallelize(model, cfg, self.mesh)
+            self._apply_activation(model, self.pm.dp_group)
             self.optimizer = build_optimizer(model, cfg.optim)
         self.scheduler = self._build_scheduler()
 
@@ -235,6 +237,16 @@ class Trainer:
                     f"peak {self.peak_flops / 1e9:,.1f} GFLOP/s per device for MFU")
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, rank=env.rank, total_steps=t.steps,
                                      start_step=self.step, config=asdict(cfg), run_name=self.run_dir.name)
+
+    def _apply_activation(self, module, group) -> None:
+        """Activation-storage policies from cfg.activation ('keep' with no rules: nothing is wrapped)."""
+        a = self.cfg.activation
+        if a.policy == "keep" and not a.rules:
+            return
+        from k3train.activation import apply_activation_policies, rules_from_config
+        handle = apply_activation_policies(module, rules_from_config(a), group=group,
+                                           dtype=None if self.dtype == torch.float32 else self.dtype)
+        self.activation_handles = getattr(self, "activation_handles", []) + [handle]
 
     # ---- helpers -----------------------------------------------------------------------------------------------
     def _barrier(self) -> None:
