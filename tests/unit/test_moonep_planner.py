@@ -307,7 +307,7 @@ def test_bad_inputs_raise_clear_errors():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Baselines and the §7 fact
+# Baselines and the skewed-batch fact from the Kimi K3 report
 
 
 def test_no_replication_loads_by_hand():
@@ -343,7 +343,7 @@ def test_section7_skewed_batch_no_replication_vs_moonep(capsys):
     p = make_plan(counts, S * K, debug=True)
     moon = max_over_mean(p.alloc.sum(0))
     with capsys.disabled():
-        print(f"\n§7 batch (R=8, E/R=4, S=512, K=8, Zipf 1.2): no replication {no_rep:.3f}, "
+        print(f"\nK3 report batch (R=8, E/R=4, S=512, K=8, Zipf 1.2): no replication {no_rep:.3f}, "
               f"EPLB from previous batch {eplb:.3f}, MoonEP {moon:.3f} "
               f"({p.fills} fills, remote experts per rank {p.remote_experts.tolist()})")
     assert no_rep > 1.5
