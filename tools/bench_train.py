@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+# As in `python -m k3train.train`: sleeping (not spinning) OpenMP threads, set before torch loads OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # A CPU-sized K3 about 10x the tiny one in compute per token: same 3:1 rhythm and AttnRes blocks, wider.
@@ -77,10 +80,13 @@ def main() -> None:
     from k3train.train.metrics import measure_peak_flops
     if a.threads:
         torch.set_num_threads(a.threads)
+    load_before = os.getloadavg()[0]
     peak = measure_peak_flops("cpu", torch.float32, seconds=1.0)
     print(f"measured fp32 matmul peak: {peak / 1e9:,.1f} GFLOP/s ({torch.get_num_threads()} threads, 1024^3 "
-          f"products)")
+          f"products); load average {load_before:.2f} on {os.cpu_count()} cores")
     rows = [bench_model(m, MODELS[m], a, peak) for m in a.models]
+    # Other processes on the machine slow every figure; the load average says how much to trust them.
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
 
     head = (f"{'model':<11} {'params':>11} {'GFLOP/token':>12} {'tokens/step':>11} {'step s':>8} "
             f"{'tokens/s':>10} {'GFLOP/s':>9} {'MFU':>7}")
@@ -90,7 +96,8 @@ def main() -> None:
         print(f"{r['model']:<11} {r['params']:>11,} {r['flops_per_token'] / 1e9:>12.4f} {r['tokens_per_step']:>11,} "
               f"{r['step_s']:>8.3f} {r['tokens_per_s']:>10,.0f} {r['achieved_flops'] / 1e9:>9.2f} "
               f"{100 * r['mfu']:>6.2f}%")
-    print(json.dumps({"peak_flops": peak, "seq_len": a.seq_len, "micro_batch": a.micro_batch, "results": rows}))
+    print(json.dumps({"peak_flops": peak, "load_average": [load_before, os.getloadavg()[0]], "seq_len": a.seq_len,
+                      "micro_batch": a.micro_batch, "results": rows}))
 
 
 if __name__ == "__main__":

@@ -283,15 +283,10 @@ class Checkpointer:
             if _STEP_RE.match(p.name):
                 return [c for s, c in reversed(list_checkpoints(p.parent)) if s <= int(p.name.split("-")[1])] or [p]
             root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-        found = [c for _, c in reversed(list_checkpoints(root))]
-        # `latest` names the newest published checkpoint; a step folder beyond it was never published.
-        pointer = root / LATEST
-        if pointer.is_file():
-            m = _STEP_RE.match(pointer.read_text().strip())
-            if m:
-                found = [c for c in found if int(c.name.split("-")[1]) <= int(m.group(1))] + \
-                        [c for c in found if int(c.name.split("-")[1]) > int(m.group(1))]
-        return found
+        # Newest first. A folder is renamed to step-N only after its manifest is written, and the manifest is
+        # verified before use, so a step-N newer than `latest` (a kill between the rename and the pointer update)
+        # is complete and is tried first too; `latest` is for people and tools.
+        return [c for _, c in reversed(list_checkpoints(root))]
 
     def load(self, resume: str, model, optimizer, scheduler) -> LoadedState | None:
         """Restore the newest valid checkpoint; None when there is none (a fresh start)."""

@@ -29,7 +29,7 @@ def test_tiny_model_learns_associative_recall(tmp_path):
            "optim.warmup_steps=20", f"train.steps={STEPS}", f"train.eval_interval={STEPS // 5}", "train.eval_steps=8",
            "train.checkpoint_at_end=false", "train.resume=never", "logging.progress_bar=false",
            "logging.tensorboard=false", "logging.console_interval=50", f"train.run_dir={run_dir}"]
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [x for x in recs if "eval_accuracy" in x]

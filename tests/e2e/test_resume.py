@@ -19,7 +19,7 @@ N, TOTAL = 3, 7  # checkpoint after step N (and every N steps), run to TOTAL
 COMMON = ["--config-name", "tiny_cpu", "data.seq_len=32", "data.micro_batch=4", "optim.warmup_steps=2",
           "optim.lr=1e-2", "train.eval_interval=0", f"train.steps={TOTAL}", f"train.checkpoint_interval={N}",
           "train.keep_last_k=5", "logging.progress_bar=false", "logging.tensorboard=false",
-          "logging.peak_flops=1e9"]
+          "logging.peak_flops=1e9", "train.threads=1"]
 
 
 def _env() -> dict:

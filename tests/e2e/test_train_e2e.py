@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # A short, small run of the default recipe: 4 rows of 32 tokens per micro-batch.
 SMALL = ["data.seq_len=32", "data.micro_batch=4", "optim.warmup_steps=2", "optim.lr=1e-2", "train.eval_steps=2",
-         "logging.progress_bar=false", "train.resume=never"]
+         "logging.progress_bar=false", "train.resume=never", "train.threads=1"]
 
 
 def _env(**extra) -> dict:
