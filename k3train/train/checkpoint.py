@@ -222,6 +222,17 @@ class LoadedState:
     path: Path
 
 
+def _finish_load(state: dict, rank: int, folder: Path) -> LoadedState:
+    """Restore this rank's RNG from the loaded state and hand back its data-loader position."""
+    blob = state.get(f"rank{rank}")
+    data_state = None
+    if blob:
+        extra = pickle.loads(blob)
+        set_rng_state(extra["rng"])
+        data_state = extra["data"]
+    return LoadedState(step=int(state["step"]), data_state=data_state, path=folder)
+
+
 class Checkpointer:
     """Saves to and resumes from <run_dir>/checkpoints (see the module docstring)."""
 
@@ -327,13 +338,7 @@ class Checkpointer:
             # strict=False: parameters that never had a gradient have no saved state (see above).
             set_optimizer_state_dict(model, opt, state[f"optim{i}"], options=StateDictOptions(strict=False))
         scheduler.load_state_dict(state["scheduler"])
-        blob = state.get(f"rank{rank}")
-        data_state = None
-        if blob:
-            extra = pickle.loads(blob)
-            set_rng_state(extra["rng"])
-            data_state = extra["data"]
-        return LoadedState(step=int(state["step"]), data_state=data_state, path=folder)
+        return _finish_load(state, rank, folder)
 
     def _load_engine(self, folder: Path, engine, scheduler, state: dict, saved: set[str]) -> LoadedState:
         rank = _rank()
@@ -346,10 +351,4 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {folder} passed its checksums but does not fit this run "
                                   f"(model or layout changed?): {type(e).__name__}: {e}") from e
         scheduler.load_state_dict(state["scheduler"])
-        blob = state.get(f"rank{rank}")
-        data_state = None
-        if blob:
-            extra = pickle.loads(blob)
-            set_rng_state(extra["rng"])
-            data_state = extra["data"]
-        return LoadedState(step=int(state["step"]), data_state=data_state, path=folder)
+        return _finish_load(state, rank, folder)
