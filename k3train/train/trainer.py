@@ -1,4 +1,5 @@
-"""The training loop: one process, or data parallel under torchrun.
+"""The training loop: one process, or several under torchrun (data parallel here; pipeline, expert-parallel and ZeRO
+layouts through k3train.parallel.engine).
 
 Per optimizer step each data-parallel rank reads `parallel.microbatches` micro-batches. The loss is next-token
 cross entropy summed over every target token of the step on all ranks and divided by their total count, so gradient

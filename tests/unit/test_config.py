@@ -60,7 +60,7 @@ def test_overrides_apply():
     assert load_config("tiny_cpu", ["model=small"]).model.preset == "small"
     # choosing a group option takes that option's values (the recipe does not pin them)
     recall = load_config("tiny_cpu", ["data=recall"]).data
-    assert (recall.source, recall.seq_len, recall.micro_batch, recall.recall_pairs) == ("recall", 32, 32, 6)
+    assert (recall.source, recall.seq_len, recall.micro_batch, recall.recall_pairs) == ("recall", 32, 64, 6)
 
 
 def test_world_size_fills_dp(monkeypatch):
