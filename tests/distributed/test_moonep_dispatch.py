@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
+from ep_common import token_batch, train_sgd
 from k3train.models.k3.args import get_preset
 from k3train.models.k3.model import K3Model
 from k3train.models.k3.moe import LatentMoE
@@ -43,22 +43,11 @@ def _model() -> K3Model:
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    data = torch.randint(0, 512, (WORLD * ROWS, SEQ + 1), generator=torch.Generator().manual_seed(5))
-    return data[:, :-1], data[:, 1:]
+    return token_batch(WORLD * ROWS, SEQ, seed=5)
 
 
 def _train(model, tokens, targets, n_global: int, sync=lambda m: None, reduce_loss=lambda x: x):
-    """SGD with momentum; the loss is each rank's token sum over the global token count (a global mean)."""
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        logits = model(tokens)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / n_global
-        loss.backward()
-        sync(model)
-        opt.step()
-        losses.append(float(reduce_loss(loss.detach().clone())))
+    losses, opt = train_sgd(model, tokens, targets, n_global, steps=STEPS, lr=LR, sync=sync, reduce_loss=reduce_loss)
     return losses
 
 
