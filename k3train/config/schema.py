@@ -43,6 +43,9 @@ class ParallelConfig:
     """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zbv."""
     ep_dispatcher: str = "alltoall"
     """Token dispatcher for expert parallelism: local, alltoall or moonep."""
+    cp_layout: str = "zigzag"
+    """How each row is split over the cp ranks: zigzag (2*cp pieces, rank r holds pieces r and 2*cp-1-r, so causal
+    attention work is even) or contiguous (cp pieces). seq_len must be a multiple of pieces x KDA chunk."""
 
 
 @dataclass(kw_only=True)

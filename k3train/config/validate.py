@@ -18,6 +18,7 @@ from .schema import K3TrainConfig, ParallelConfig
 ACTIVATION_POLICIES = ("keep", "recompute", "fp8", "offload", "remote_offload", "offload_local", "offload_remote")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
 EP_DISPATCHERS = ("local", "alltoall", "moonep")
+CP_LAYOUTS = ("zigzag", "contiguous")
 BALANCING = ("quantile", "sign", "none")
 DATA_SOURCES = ("builtin", "files", "recall")
 TOKENIZERS = ("byte", "hf", "tiktoken")
@@ -39,15 +40,18 @@ def model_args(cfg: K3TrainConfig) -> K3ModelArgs:
         raise ConfigError(f"model.overrides: {e}") from None
 
 
-def required_seq_multiple(args: K3ModelArgs, cp: int = 1) -> int:
-    """What data.seq_len must be a multiple of: the model's own requirement (the KDA chunk), per context-parallel
-    shard. Computed from the args; the model is not built."""
+def required_seq_multiple(args: K3ModelArgs, cp: int = 1, cp_layout: str = "zigzag") -> int:
+    """What data.seq_len must be a multiple of: the model's own requirement (the KDA chunk) times the pieces a row is
+    cut into under context parallelism (2*cp for zigzag, cp for contiguous). Computed from the args; the model is
+    not built."""
     try:
         from k3train.models.k3.model import required_seq_multiple as model_multiple
         m = int(model_multiple(args))
     except ImportError:  # the model module is optional for config checks; its rule is the KDA chunk
         m = args.kda_chunk
-    return m * cp
+    if cp == 1:
+        return m
+    return m * (2 * cp if cp_layout == "zigzag" else cp)
 
 
 def resolve_dp(p: ParallelConfig, world_size: int) -> int:
@@ -82,6 +86,8 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
           f"unknown schedule {p.schedule!r}; choose one of {list(PIPELINE_SCHEDULES)}")
     _need(p.ep_dispatcher in EP_DISPATCHERS, "parallel.ep_dispatcher",
           f"unknown dispatcher {p.ep_dispatcher!r}; choose one of {list(EP_DISPATCHERS)}")
+    _need(p.cp_layout in CP_LAYOUTS, "parallel.cp_layout",
+          f"unknown context-parallel layout {p.cp_layout!r}; choose one of {list(CP_LAYOUTS)}")
     if p.dp == -1:
         _need(world % (p.pp * p.cp) == 0, "parallel.dp",
               f"cannot fill dp: WORLD_SIZE={world} is not divisible by pp*cp={p.pp * p.cp}")
@@ -103,10 +109,11 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
           f"unknown tokenizer {d.tokenizer!r}; choose one of {list(TOKENIZERS)}")
     _need(d.seq_len >= 1, "data.seq_len", f"must be >= 1, got {d.seq_len}")
     _need(d.micro_batch >= 1, "data.micro_batch", f"must be >= 1, got {d.micro_batch}")
-    mult = required_seq_multiple(args, p.cp)
+    mult = required_seq_multiple(args, p.cp, p.cp_layout)
+    pieces = mult // max(1, required_seq_multiple(args))
     _need(d.seq_len % mult == 0, "data.seq_len",
           f"{d.seq_len} is not a multiple of {mult} (model {args.name}: KDA chunk {args.kda_chunk}"
-          + (f" x cp {p.cp}" if p.cp > 1 else "") + ")")
+          + (f" x {pieces} {p.cp_layout} pieces for cp={p.cp}" if p.cp > 1 else "") + ")")
     _need(d.seq_len <= args.max_seq_len, "data.seq_len",
           f"{d.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
     _need(0.0 <= d.eval_fraction < 1.0, "data.eval_fraction", f"must lie in [0, 1), got {d.eval_fraction}")

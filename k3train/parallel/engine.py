@@ -91,6 +91,11 @@ class Engine:
             self.pipeline = Pipeline(args=args, dims=dims, stage_layers=self.stage_layers, modules=modules,
                                      pp_group=mesh.group("pp"), device=device,
                                      on_grads_ready=lambda st: self.zero.reduce_part(parts_by_module[id(st.submod)]))
+        self.cp_group = mesh.group("cp") if dims.cp > 1 else None
+        self._cp_checked: set[int] = set()
+        if self.cp_group is not None:
+            for st in (self.pipeline.modules.values() if self.pipeline is not None else ()):
+                st.cp = (self.cp_group, dims.cp_layout)
         self.comm = comm.CommCounter()
         self.times = StepTimes()
         self.last_memory: dict = {}
@@ -133,7 +138,7 @@ class Engine:
         with comm.counting(self.comm):
             self.comm.reset()
             dev = self.device
-            mbs = [{k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in b.items()} for b in microbatches]
+            mbs = [self._local_batch(b) for b in microbatches]
             local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in mbs)
             counts = torch.tensor([local_targets, sum(b["input_ids"].numel() for b in mbs)], dtype=torch.float64,
                                   device=dev)
@@ -171,9 +176,8 @@ class Engine:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         t = time.perf_counter()
         for b in mbs:
-            ctx = BatchContext(b.get("cu_seqlens"))
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-                logits = part(b["input_ids"], ctx)
+                logits = part(b["input_ids"], b["ctx"])
             loss = token_loss_sum(logits, b["labels"]) / denom
             loss.backward()
             total += loss.detach().double()
@@ -182,15 +186,39 @@ class Engine:
     def _forward_backward_pipeline(self, mbs: list[dict], denom: float) -> tuple[torch.Tensor, float]:
         ids = torch.cat([b["input_ids"] for b in mbs])
         labels = torch.cat([b["labels"] for b in mbs])
-        if all(b.get("cu_seqlens") is None for b in mbs):
-            doc_start = None
-        else:
-            B, T = mbs[0]["input_ids"].shape
-            rows = torch.arange(0, B * T + 1, T, dtype=torch.int32)  # a micro-batch without cu_seqlens: row docs
-            doc_start = torch.cat([doc_start_from_cu_seqlens(b["cu_seqlens"] if b.get("cu_seqlens") is not None
-                                                             else rows, B, T, self.device) for b in mbs])
+        doc_start = None if all(b["doc_start"] is None for b in mbs) else torch.cat([b["doc_start"] for b in mbs])
         loss = self.pipeline.step(ids, labels, doc_start, denom)
         return loss.double(), self.pipeline.busy_s
+
+    def _local_batch(self, b: dict) -> dict:
+        """A micro-batch as this rank runs it: input_ids and labels (the rank's pieces as rows under CP), the
+        BatchContext for the local path, and doc_start [rows, T] for pipeline stages (None: one document per row)."""
+        dev = self.device
+        ids, labels, cu = b["input_ids"].to(dev), b["labels"].to(dev), b.get("cu_seqlens")
+        B, T = ids.shape
+        if self.cp_group is None:
+            doc_start = None
+            if cu is not None and self.pipeline is not None:
+                doc_start = doc_start_from_cu_seqlens(cu, B, T, dev)
+            return {"input_ids": ids, "labels": labels, "ctx": BatchContext(cu), "doc_start": doc_start}
+        from k3train.parallel.context_parallel import ContextParallel, check_context_parallel
+
+        for key in b:
+            if key.startswith("vision"):
+                raise ValueError(f"context parallelism does not shard vision inputs ({key!r})")
+        if T not in self._cp_checked:  # every sequence-mixing layer of this rank's stages fits the pieces
+            for part in self.model_parts:
+                check_context_parallel(part, cp=self.dims.cp, seq_len=T, layout=self.dims.cp_layout)
+            self._cp_checked.add(T)
+        # Every CP rank holds the same global batch: the handle needs no communication to learn the documents.
+        h = ContextParallel(self.cp_group, dist.get_rank(self.cp_group), self.dims.cp, seq_len=T,
+                            layout=self.dims.cp_layout, cu_seqlens_global=cu, batch=B)
+        out = {"input_ids": h.shard_rows(ids), "labels": h.shard_rows(labels), "ctx": BatchContext(cp=h),
+               "doc_start": None}
+        if self.pipeline is not None:
+            rows = torch.arange(0, B * T + 1, T, dtype=torch.int32)
+            out["doc_start"] = h.shard_rows(doc_start_from_cu_seqlens(cu if cu is not None else rows, B, T, dev))
+        return out
 
     def _record_ep_bytes(self) -> None:
         """Expert-parallel all-to-all bytes of this step (counted by the dispatchers themselves)."""
@@ -215,7 +243,7 @@ class Engine:
         stages one after another over the pipeline group, micro-batch by micro-batch."""
         with comm.counting(self.comm):
             dev = self.device
-            mbs = [{k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in b.items()} for b in microbatches]
+            mbs = [self._local_batch(b) for b in microbatches]
             local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in mbs)
             total = torch.zeros((), dtype=torch.float64, device=dev)
             for b in mbs:
@@ -230,7 +258,7 @@ class Engine:
         return float(red[0]) / max(float(red[1]), 1.0)
 
     def _eval_forward(self, b: dict) -> torch.Tensor:
-        ctx = BatchContext(b.get("cu_seqlens"))
+        ctx = b["ctx"]
         if self.pipeline is None:
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
                 logits = self.model_parts[0](b["input_ids"], ctx)
@@ -331,8 +359,6 @@ def build_engine(model_args: K3ModelArgs, parallel, optim_cfg, seed: int = 0, de
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     dims = parallel if isinstance(parallel, ParallelDims) else ParallelDims.from_config(parallel, world)
     dims.validate(world_size=world, model_args=model_args)
-    if dims.cp > 1:
-        raise ConfigError(f"parallel.cp={dims.cp}: context parallelism is not available in this engine yet")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)

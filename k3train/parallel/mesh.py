@@ -57,6 +57,9 @@ class ParallelDims:
     ep_dispatcher: str = "alltoall"
     """Token dispatcher under expert parallelism: alltoall (experts run at home) or moonep (balanced redundant
     experts)."""
+    cp_layout: str = "zigzag"
+    """How a row is split over the cp ranks: zigzag (2*cp pieces, rank r holds r and 2*cp-1-r: even causal work)
+    or contiguous (cp pieces)."""
 
     # ---- derived ------------------------------------------------------------------------------------------------
     @property
@@ -99,7 +102,8 @@ class ParallelDims:
         if disp == "local":  # the config's name for "no expert parallelism"
             disp = "alltoall"
         return cls(pp=int(cfg.pp), vpp=int(cfg.vpp), ep=int(cfg.ep), cp=int(cfg.cp), dp=dp, zero=int(cfg.zero),
-                   microbatches=int(cfg.microbatches), schedule=str(schedule), ep_dispatcher=str(disp))
+                   microbatches=int(cfg.microbatches), schedule=str(schedule), ep_dispatcher=str(disp),
+                   cp_layout=str(getattr(cfg, "cp_layout", "zigzag")))
 
     # ---- validation ---------------------------------------------------------------------------------------------
     def validate(self, world_size: int | None = None, model_args: K3ModelArgs | None = None) -> "ParallelDims":
@@ -114,6 +118,8 @@ class ParallelDims:
         need(self.zero in (0, 1, 2), "zero", f"must be 0, 1 or 2, got {self.zero!r}")
         need(self.schedule in SCHEDULES, "schedule",
              f"unknown schedule {self.schedule!r}; choose one of {sorted(SCHEDULES)}")
+        need(self.cp_layout in ("zigzag", "contiguous"), "cp_layout",
+             f"unknown context-parallel layout {self.cp_layout!r}; choose zigzag or contiguous")
         need(self.ep_dispatcher in ("alltoall", "moonep"), "ep_dispatcher",
              f"unknown dispatcher {self.ep_dispatcher!r}; choose alltoall or moonep")
         if world_size is not None:

@@ -216,9 +216,19 @@ class StageModule(nn.Module):
         self.first, self.last = first, last
         self.autocast_dtype = autocast_dtype
         self.boundary_dtype = boundary_dtype
+        self.cp: tuple | None = None
+        """(group, layout) under context parallelism: rows are this rank's sequence pieces and doc_start (always
+        given then) marks the documents that begin inside them."""
 
     def forward(self, x: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
-        ctx = BatchContext(cu_seqlens_from_doc_start(doc_start)) if doc_start is not None else BatchContext()
+        if self.cp is not None:
+            from k3train.parallel.context_parallel import ContextParallel
+            group, layout = self.cp
+            ctx = BatchContext(cp=ContextParallel.from_local_doc_start(doc_start, group, layout=layout))
+        elif doc_start is not None:
+            ctx = BatchContext(cu_seqlens_from_doc_start(doc_start))
+        else:
+            ctx = BatchContext()
         dev = x.device.type
         with torch.autocast(dev, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             out = self.part(x, ctx)

@@ -1,7 +1,8 @@
 """The seam between the trainer and parallelism: `check_layout_supported` and `parallelize`.
 
 Plain data parallelism is applied here (every rank holds the whole model; gradients are summed over the
-data-parallel ranks). Pipeline, expert parallel and ZeRO layouts go through k3train.parallel.engine (`needs_engine`).
+data-parallel ranks). Pipeline, expert parallel, context parallel and ZeRO layouts go through
+k3train.parallel.engine (`needs_engine`).
 """
 
 from __future__ import annotations
@@ -17,15 +18,14 @@ from k3train.models.k3.args import ConfigError
 
 
 def check_layout_supported(p: ParallelConfig) -> None:
-    """ConfigError for layouts the trainer cannot run (called before anything is built)."""
-    if p.cp > 1:
-        raise ConfigError(f"parallel.cp={p.cp}: context parallelism exists as a library "
-                          f"(k3train.parallel.context_parallel) but the trainer does not drive it yet; set parallel.cp=1")
+    """ConfigError for layouts the trainer cannot run (called before anything is built). Every layout that
+    validates runs: plain DP here, the rest through the engine."""
 
 
 def needs_engine(p: ParallelConfig) -> bool:
-    """Pipeline, expert parallel and ZeRO layouts run through k3train.parallel.engine; plain DP runs here."""
-    return p.pp > 1 or p.vpp > 1 or p.ep > 1 or p.zero > 0
+    """Pipeline, expert parallel, context parallel and ZeRO layouts run through k3train.parallel.engine; plain DP
+    runs here."""
+    return p.pp > 1 or p.vpp > 1 or p.ep > 1 or p.cp > 1 or p.zero > 0
 
 
 @dataclass

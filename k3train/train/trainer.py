@@ -233,7 +233,8 @@ class Trainer:
             self.peak_flops = measure_peak_flops(self.device, self.dtype)
         n_params = count_params(args)["total"]
         self._print(f"k3train: model {args.name} ({n_params:,} parameters), {self.device.type} {self.dtype}, "
-                    f"world {env.world} (pp {self.dims.pp} x dp {self.dp}, ep {self.dims.ep}, zero {self.dims.zero}), "
+                    f"world {env.world} (pp {self.dims.pp} x dp {self.dp} x cp {self.dims.cp}, ep {self.dims.ep}, "
+                    f"zero {self.dims.zero}), "
                     f"{self.tokens_per_step:,} tokens/step, "
                     f"peak {self.peak_flops / 1e9:,.1f} GFLOP/s per device for MFU")
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, rank=env.rank, total_steps=t.steps,
@@ -360,7 +361,7 @@ class Trainer:
     def evaluate(self) -> dict:
         """Mean next-token CE over up to eval_steps micro-batches of the eval split (and answer accuracy for the
         recall task)."""
-        if self.engine is not None and self.dims.pp > 1:  # stage by stage through the pipeline
+        if self.engine is not None and (self.dims.pp > 1 or self.dims.cp > 1):  # pipeline relay / sequence pieces
             loss = self.engine.eval_loss([b for k, b in zip(range(self.cfg.train.eval_steps), self.eval_loader)])
             return {"eval_loss": loss}
         self.model.eval()
@@ -437,8 +438,10 @@ class Trainer:
         return {"run_dir": str(self.run_dir), "steps": self.step, "first_loss": first_loss,
                 "last": last}
 
-    def close(self) -> None:
+    def close(self, *, clean: bool = True) -> None:
         if self.env.world > 1 and dist.is_initialized():
+            if clean:  # no rank tears its transport down while a peer still talks to it
+                dist.barrier()
             dist.destroy_process_group()
 
 
@@ -456,6 +459,9 @@ def run(cfg: K3TrainConfig, *, recipe: str = "custom") -> dict:
     """Train to cfg.train.steps; returns {'run_dir', 'steps', 'first_loss', 'last'} (last: the final record)."""
     trainer = Trainer(cfg, recipe=recipe)
     try:
-        return trainer.train()
-    finally:
-        trainer.close()
+        out = trainer.train()
+    except BaseException:
+        trainer.close(clean=False)  # a failed rank must not wait in a barrier its peers may never reach
+        raise
+    trainer.close()
+    return out

@@ -94,7 +94,8 @@ def local_microbatches(data: dict, *, dp: int, dp_rank: int, microbatches: int) 
 # ---------------------------------------------------------------------------------------------------------------------
 # The one-process reference (plain model, project optimizer, torch's clipping)
 # ---------------------------------------------------------------------------------------------------------------------
-def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, optim: str = "adamw", args=None) -> dict:
+def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, optim: str = "adamw", args=None,
+                  seq: int = SEQ) -> dict:
     """Train one process on the same rows. Floating-point sums depend on their bracketing, and AdamW turns the
     rounding of near-zero gradient elements into parameter differences of order lr x 1e-2, so the reference sums
     gradients in the order a layout does: each data-parallel rank's micro-batches in sequence, then the ranks'
@@ -112,7 +113,7 @@ def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, opt
     params = list(model.parameters())
     losses, norms = [], []
     for s in range(steps):
-        data = step_data(s)
+        data = step_data(s, seq=seq)
         count = int((data["labels"] != -100).sum())
         total, loss_sum = None, 0.0
         for r in range(dp):
@@ -144,22 +145,25 @@ class Layout:
     vpp: int = 1
     dp: int = 1
     ep: int = 1
+    cp: int = 1
+    cp_layout: str = "zigzag"
     zero: int = 0
     microbatches: int = 1
     schedule: str = "interleaved_1f1b"
     optim: str = "adamw"
     steps: int = STEPS
+    seq: int = SEQ
     checkpoint: dict = field(default_factory=dict)
     """{"save": dir} saves after the steps, then runs one more step; {"load": dir} loads before one step."""
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.dp * self.cp
 
     def dims(self):
         from k3train.parallel.mesh import ParallelDims
-        return ParallelDims(pp=self.pp, vpp=self.vpp, dp=self.dp, ep=self.ep, zero=self.zero,
-                            microbatches=self.microbatches, schedule=self.schedule)
+        return ParallelDims(pp=self.pp, vpp=self.vpp, dp=self.dp, ep=self.ep, cp=self.cp, cp_layout=self.cp_layout,
+                            zero=self.zero, microbatches=self.microbatches, schedule=self.schedule)
 
 
 def free_port() -> int:
@@ -176,13 +180,15 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
     from k3train.parallel.mesh import rank_coords
 
     dims = layout.dims()
-    engine = build_engine(tiny_args(), dims, optim_config(layout.optim), seed=SEED, device="cpu", seq_len_hint=SEQ)
-    dp_rank = rank_coords(dims, rank)["dp_cp"] if dims.world > 1 else 0
+    engine = build_engine(tiny_args(), dims, optim_config(layout.optim), seed=SEED, device="cpu",
+                          seq_len_hint=layout.seq)
+    # The ranks of a CP group read the same rows (each runs its own pieces of them).
+    dp_rank = rank_coords(dims, rank)["dp"] if dims.world > 1 else 0
     rec = {"losses": [], "grad_norms": [], "comm": [], "times": [], "memory": [], "stage_layers": engine.stage_layers,
            "stage_ids": engine.stage_ids}
 
     def one_step(s: int):
-        mbs = local_microbatches(step_data(s), dp=dims.dp, dp_rank=dp_rank, microbatches=dims.microbatches)
+        mbs = local_microbatches(step_data(s, seq=layout.seq), dp=dims.dp, dp_rank=dp_rank, microbatches=dims.microbatches)
         out = engine.train_step(mbs)
         rec["losses"].append(out["loss"])
         rec["grad_norms"].append(out["grad_norm"])
@@ -389,8 +395,9 @@ _REFS: dict = {}
 
 def reference_for(layout: Layout, steps: int | None = None) -> dict:
     steps = layout.steps if steps is None else steps
-    key = (layout.dp, layout.microbatches, layout.optim, steps)
+    key = (layout.dp, layout.microbatches, layout.optim, steps, layout.seq)
     if key not in _REFS:
         with one_thread():
-            _REFS[key] = reference_run(steps, dp=layout.dp, microbatches=layout.microbatches, optim=layout.optim)
+            _REFS[key] = reference_run(steps, dp=layout.dp, microbatches=layout.microbatches, optim=layout.optim,
+                                       seq=layout.seq)
     return _REFS[key]

@@ -1,5 +1,5 @@
-"""The trainer drives the parallel engine: pipeline and expert-parallel ZeRO layouts launched with torchrun give the
-losses of one process reading the same global batch."""
+"""The trainer drives the parallel engine: pipeline, expert-parallel ZeRO and context-parallel layouts launched with
+torchrun give the training and eval losses of one process reading the same global batch."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["-m", "k3train.train", "--config-name", "tiny_cpu", "train.steps=3", "train.eval_interval=0",
+COMMON = ["-m", "k3train.train", "--config-name", "tiny_cpu", "train.steps=3", "train.eval_interval=3", "train.eval_steps=2",
           "logging.progress_bar=false", "logging.tensorboard=false", "data.seq_len=64", "train.threads=1"]
 
 
@@ -25,7 +25,13 @@ def _port() -> int:
 
 
 def _losses(run_dir: Path) -> list[float]:
-    return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    """Training losses of every step, then the eval loss of the last step."""
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [r["loss"] for r in recs] + [recs[-1]["eval_loss"]]
+
+
+def _train(losses: list[float]) -> list[float]:
+    return losses[:-1]
 
 
 def _run(tmp_path: Path, name: str, nproc: int, *overrides: str) -> list[float]:
@@ -46,6 +52,11 @@ def test_trainer_parallel_layouts_equal_one_process(tmp_path):
     one = _run(tmp_path, "one", 1, "data.micro_batch=2")
     pp = _run(tmp_path, "pp2", 2, "data.micro_batch=1", "parallel.pp=2", "parallel.microbatches=2")
     ep = _run(tmp_path, "ep2", 2, "data.micro_batch=1", "parallel.dp=2", "parallel.ep=2", "parallel.zero=1")
-    assert len(one) == 3 and one[-1] < one[0]
-    for other in (pp, ep):
-        assert other == pytest.approx(one, rel=1e-6)
+    # Both ranks read the same two rows; each runs its two zigzag pieces of every row (4 pieces of 16 tokens).
+    cp = _run(tmp_path, "cp2", 2, "data.micro_batch=2", "parallel.cp=2")
+    assert len(one) == 4 and one[2] < one[0]
+    for other in (pp, ep, cp):
+        assert _train(other) == pytest.approx(_train(one), rel=1e-6)
+    # Eval reads data.micro_batch rows per eval step on each data-parallel rank: the cp run reads the rows of the
+    # one-process run (pp and ep read fewer rows per step, so their eval sets differ).
+    assert cp[-1] == pytest.approx(one[-1], rel=1e-6)

@@ -116,8 +116,14 @@ def test_parallel_layout_against_world_size():
     cfg = load_config("tiny_cpu", ["parallel.pp=2", "parallel.microbatches=2"], world_size=2)
     assert resolve_dp(cfg.parallel, 2) == 1
     assert "parallel.ep" in _error(["parallel.ep=3"], world_size=3)  # 3 does not divide 8 experts
-    # seq_len must hold whole KDA chunks on every context-parallel shard: 16 * cp
-    assert "multiple of 32" in _error(["parallel.cp=2", "data.seq_len=48"], world_size=2)
+    # seq_len must hold whole KDA chunks in every context-parallel piece: zigzag cuts a row into 2*cp pieces,
+    # contiguous into cp, each a multiple of the tiny model's 16-token chunk.
+    msg = _error(["parallel.cp=2", "data.seq_len=96"], world_size=2)
+    assert msg.startswith("data.seq_len:") and "multiple of 64" in msg and "4 zigzag pieces" in msg, msg
+    assert "multiple of 32" in _error(["parallel.cp=2", "parallel.cp_layout=contiguous", "data.seq_len=48"],
+                                      world_size=2)
+    load_config("tiny_cpu", ["parallel.cp=2", "parallel.cp_layout=contiguous", "data.seq_len=96"], world_size=2)
+    assert "parallel.cp_layout" in _error(["parallel.cp=2", "parallel.cp_layout=ring"], world_size=2)
 
 
 def test_unknown_recipe_lists_the_available_ones():
