@@ -93,6 +93,8 @@ class Engine:
                                      on_grads_ready=lambda st: self.zero.reduce_part(parts_by_module[id(st.submod)]))
         self.cp_group = mesh.group("cp") if dims.cp > 1 else None
         self._cp_checked: set[int] = set()
+        if self.cp_group is not None:  # every sequence-mixing layer fits the pieces: refuse now, not at step one
+            self._check_cp(seq_len_hint)
         if self.cp_group is not None:
             for st in (self.pipeline.modules.values() if self.pipeline is not None else ()):
                 st.cp = (self.cp_group, dims.cp_layout)
@@ -190,6 +192,15 @@ class Engine:
         loss = self.pipeline.step(ids, labels, doc_start, denom)
         return loss.double(), self.pipeline.busy_s
 
+    def _check_cp(self, seq_len: int) -> None:
+        """ConfigError unless every KDA and MLA layer of this rank's stages can run on the CP pieces of seq_len."""
+        if seq_len in self._cp_checked:
+            return
+        from k3train.parallel.context_parallel import check_context_parallel
+        for part in self.model_parts:
+            check_context_parallel(part, cp=self.dims.cp, seq_len=seq_len, layout=self.dims.cp_layout)
+        self._cp_checked.add(seq_len)
+
     def _local_batch(self, b: dict) -> dict:
         """A micro-batch as this rank runs it: input_ids and labels (the rank's pieces as rows under CP), the
         BatchContext for the local path, and doc_start [rows, T] for pipeline stages (None: one document per row)."""
@@ -201,15 +212,12 @@ class Engine:
             if cu is not None and self.pipeline is not None:
                 doc_start = doc_start_from_cu_seqlens(cu, B, T, dev)
             return {"input_ids": ids, "labels": labels, "ctx": BatchContext(cu), "doc_start": doc_start}
-        from k3train.parallel.context_parallel import ContextParallel, check_context_parallel
+        from k3train.parallel.context_parallel import ContextParallel
 
         for key in b:
             if key.startswith("vision"):
                 raise ValueError(f"context parallelism does not shard vision inputs ({key!r})")
-        if T not in self._cp_checked:  # every sequence-mixing layer of this rank's stages fits the pieces
-            for part in self.model_parts:
-                check_context_parallel(part, cp=self.dims.cp, seq_len=T, layout=self.dims.cp_layout)
-            self._cp_checked.add(T)
+        self._check_cp(T)
         # Every CP rank holds the same global batch: the handle needs no communication to learn the documents.
         h = ContextParallel(self.cp_group, dist.get_rank(self.cp_group), self.dims.cp, seq_len=T,
                             layout=self.dims.cp_layout, cu_seqlens_global=cu, batch=B)

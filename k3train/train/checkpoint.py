@@ -12,10 +12,12 @@ A crash at any point leaves either the previous checkpoints untouched or a `.tmp
 cleared. Loading verifies the manifest first (ranks split the files between them); a checkpoint whose files are
 missing, truncated or altered is reported with a warning naming it, and the previous one is tried.
 
-What is saved: the model state dict (parameters and persistent buffers, so the routers' balancing biases), the
-optimizer state (FQN-keyed, via torch.distributed.checkpoint.state_dict), the LR scheduler's position, the step,
-and for every rank its data-loader position and RNG states (a pickled blob under the key `rank<r>`; only that
-rank reads it back).
+What is saved, in one format for every layout (so a checkpoint written by one process loads under pipeline, expert
+or context parallelism and back): under `engine`, the model state dict by full-model names (parameters and
+persistent buffers, so the routers' balancing biases), the optimizer state by the same names ({"step", "exp_avg",
+"exp_avg_sq"} or {"momentum_buffer"}; sharded moments are DTensors) and the step; beside it the LR scheduler's
+position, the step, and for every rank its data-loader position and RNG states (a pickled blob under the key
+`rank<r>`; only that rank reads it back).
 """
 
 from __future__ import annotations
@@ -191,28 +193,36 @@ def _is_engine(model) -> bool:
     return hasattr(model, "model_parts") and hasattr(model, "load_state_dict")
 
 
+def _plain_state(model: torch.nn.Module, optimizer, step: int) -> dict:
+    """A whole model and its torch optimizers in the engine's format: {"model": {fqn}, "optim": {fqn: state},
+    "meta": {"step"}} (every optimizer's state keyed by full-model names, as Engine.state_dict gives it)."""
+    optim: dict[str, dict] = {}
+    for opt in _optimizers(optimizer):
+        optim.update(get_optimizer_state_dict(model, opt)["state"])
+    return {"model": get_model_state_dict(model, options=StateDictOptions()), "optim": optim,
+            "meta": {"step": torch.tensor(step)}}
+
+
 def _state(model: torch.nn.Module, optimizer, scheduler, step: int, rank_blob: bytes) -> dict[str, Any]:
-    if _is_engine(model):
-        return {"engine": model.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-                f"rank{_rank()}": rank_blob}
-    opts = _optimizers(optimizer)
-    state: dict[str, Any] = {
-        "model": get_model_state_dict(model, options=StateDictOptions()),
-        "scheduler": scheduler.state_dict(),
-        "step": step,
-        f"rank{_rank()}": rank_blob,
-    }
-    for i, opt in enumerate(opts):
-        state[f"optim{i}"] = get_optimizer_state_dict(model, opt)
-    return state
+    sd = model.state_dict() if _is_engine(model) else _plain_state(model, optimizer, step)
+    return {"engine": sd, "scheduler": scheduler.state_dict(), "step": step, f"rank{_rank()}": rank_blob}
 
 
-def _drop_unsaved_optimizer_state(osd: dict, saved: set[str], prefix: str) -> None:
+def _drop_unsaved_optimizer_state(optim: dict, saved: set[str], prefix: str) -> None:
     """DCP's template comes from an optimizer whose state was initialised for every parameter; the saved optimizer
     has none for parameters that never had a gradient. Leave those out so they stay stateless, as in the saved run."""
-    for fqn in list(osd.get("state", {})):
-        if not all(f"{prefix}{fqn}.{k}" in saved for k in osd["state"][fqn]):
-            del osd["state"][fqn]
+    for fqn in list(optim):
+        if not all(f"{prefix}{fqn}.{k}" in saved for k in optim[fqn]):
+            del optim[fqn]
+
+
+def _load_scheduler(scheduler, sd: dict) -> None:
+    """Restore the schedule's position and put its current learning rates into the optimizers' param groups (the
+    saved state holds no param groups: they come from the config, and their lr is the schedule's)."""
+    scheduler.load_state_dict(sd)
+    for sched in getattr(scheduler, "schedulers", [scheduler]):
+        for group, lr in zip(sched.optimizer.param_groups, sched.get_last_lr()):
+            group["lr"] = lr
 
 
 @dataclass
@@ -319,13 +329,13 @@ class Checkpointer:
         rank = _rank()
         state = _state(model, optimizer, scheduler, -1, b"")
         saved = set(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+        missing = sorted(k for k in (f"engine.model.{n}" for n in state["engine"]["model"]) if k not in saved)
+        if missing:
+            names = [k[len("engine."):] for k in missing[:5]]
+            raise CheckpointError(f"checkpoint {folder} lacks model entries {names} (a different model?)")
+        _drop_unsaved_optimizer_state(state["engine"]["optim"], saved, "engine.optim.")
         if _is_engine(model):
             return self._load_engine(folder, model, scheduler, state, saved)
-        missing = sorted(k for k in (f"model.{n}" for n in state["model"]) if k not in saved)
-        if missing:
-            raise CheckpointError(f"checkpoint {folder} lacks model entries {missing[:5]} (a different model?)")
-        for i in range(len(_optimizers(optimizer))):
-            _drop_unsaved_optimizer_state(state[f"optim{i}"], saved, f"optim{i}.state.")
         if f"rank{rank}" not in saved:
             state.pop(f"rank{rank}")
         try:
@@ -333,11 +343,15 @@ class Checkpointer:
         except Exception as e:  # DCP raises several types for a checkpoint of another shape
             raise CheckpointError(f"checkpoint {folder} passed its checksums but does not fit this run "
                                   f"(model, optimizer or world size changed?): {type(e).__name__}: {e}") from e
-        set_model_state_dict(model, state["model"])
-        for i, opt in enumerate(_optimizers(optimizer)):
+        loaded = state["engine"]
+        set_model_state_dict(model, loaded["model"])
+        for opt in _optimizers(optimizer):
+            osd = get_optimizer_state_dict(model, opt)  # this optimizer's param groups, by name
+            mine = {fqn for g in osd["param_groups"] for fqn in g["params"]}
+            osd["state"] = {k: v for k, v in loaded["optim"].items() if k in mine}
             # strict=False: parameters that never had a gradient have no saved state (see above).
-            set_optimizer_state_dict(model, opt, state[f"optim{i}"], options=StateDictOptions(strict=False))
-        scheduler.load_state_dict(state["scheduler"])
+            set_optimizer_state_dict(model, opt, osd, options=StateDictOptions(strict=False))
+        _load_scheduler(scheduler, state["scheduler"])
         return _finish_load(state, rank, folder)
 
     def _load_engine(self, folder: Path, engine, scheduler, state: dict, saved: set[str]) -> LoadedState:
@@ -350,5 +364,5 @@ class Checkpointer:
         except Exception as e:
             raise CheckpointError(f"checkpoint {folder} passed its checksums but does not fit this run "
                                   f"(model or layout changed?): {type(e).__name__}: {e}") from e
-        scheduler.load_state_dict(state["scheduler"])
+        _load_scheduler(scheduler, state["scheduler"])
         return _finish_load(state, rank, folder)
