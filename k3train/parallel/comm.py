@@ -226,18 +226,44 @@ def analytic_step_bytes(args, dims, stage_layers: list[list[int]], *, pp_rank: i
             add(dim, "all_gather", B, (g - 1) / g * B)
     if dims.world > 1:
         add("world", "all_reduce", 16, 2 * (dims.world - 1) / dims.world * 16)  # loss and squared norm
+    # Under CP a rank runs its pieces of each row: seq / cp tokens per row (the pieces as rows, same count).
+    tok = mb * seq // dims.cp
+    if dims.cp > 1:
+        _add_cp_bytes(add, args, dims, [i for s in mine for i in stage_layers[s]], mb=mb, seq=seq, elem=elem)
+        if dims.pp > 1:  # every stage rebuilds its handle from the pieces' document starts (1 byte per token)
+            b = len(mine) * dims.microbatches * mb * seq
+            add("cp", "all_gather", b, (dims.cp - 1) / dims.cp * b)
     if dims.ep > 1:
         n_moe = sum(args.ffn_kind(i) == "moe" for s in mine for i in stage_layers[s])
-        NK = mb * seq * args.top_k
+        NK = tok * args.top_k
         b = n_moe * dims.microbatches * (4 * NK * args.moe_latent_dim * elem + 8 * args.n_experts)
         add("ep", "all_to_all", b, b * (dims.ep - 1) / dims.ep)
     if dims.pp > 1:
         D, last = args.dim, dims.n_stages - 1
         for s in mine:
             if s < last and owner[s + 1] != pp_rank:
-                b = sources_after(args, stage_layers[s][-1]) * mb * seq * D * elem * dims.microbatches
+                b = sources_after(args, stage_layers[s][-1]) * tok * D * elem * dims.microbatches
                 add("pp", "send_fwd", b, b)
             if s > 0 and owner[s - 1] != pp_rank:
-                b = sources_after(args, stage_layers[s][0] - 1) * mb * seq * D * elem * dims.microbatches
+                b = sources_after(args, stage_layers[s][0] - 1) * tok * D * elem * dims.microbatches
                 add("pp", "send_bwd", b, b)
     return out
+
+
+def _add_cp_bytes(add, args, dims, layers: list[int], *, mb: int, seq: int, elem: int) -> None:
+    """Context-parallel collectives of one step (forward all-gathers, their backward reduce-scatters of the same
+    size) for these layers: per KDA layer the pieces' fp32 summaries [H, K, K+V] (independent of seq) and the
+    conv halos (W-1 tokens of q, k and v per piece); per MLA layer the latent of every token."""
+    m, g = dims.microbatches, dims.cp
+    n_pieces = 2 * g if dims.cp_layout == "zigzag" else g
+    rows = mb * n_pieces  # pieces gathered over the group per micro-batch
+    H, K = args.kda_heads, args.kda_head_dim
+    n_kda = sum(args.layer_kind(i) == "kda" for i in layers)
+    n_mla = sum(args.layer_kind(i) == "mla" for i in layers)
+    summary = n_kda * m * rows * H * K * 2 * K * 4
+    halo = n_kda * m * rows * (args.kda_conv_size - 1) * 3 * H * K * elem
+    latent = n_mla * m * mb * seq * (args.mla_kv_rank + args.mla_shared_k_dim) * elem
+    total = summary + halo + latent
+    if total:
+        add("cp", "all_gather", total, (g - 1) / g * total)
+        add("cp", "reduce_scatter", total, (g - 1) / g * total)

@@ -55,8 +55,10 @@ def test_trainer_parallel_layouts_equal_one_process(tmp_path):
     ep = _run(tmp_path, "ep2", 2, "data.micro_batch=1", "parallel.dp=2", "parallel.ep=2", "parallel.zero=1")
     # Both ranks read the same two rows; each runs its two zigzag pieces of every row (4 pieces of 16 tokens).
     cp = _run(tmp_path, "cp2", 2, "data.micro_batch=2", "parallel.cp=2")
+    # Recomputation re-runs the CP collectives in backward, in the same order on every CP rank.
+    cp_re = _run(tmp_path, "cp2_recompute", 2, "data.micro_batch=2", "parallel.cp=2", "activation.policy=recompute")
     assert len(one) == 4 and one[2] < one[0]
-    for other in (pp, ep, cp):
+    for other in (pp, ep, cp, cp_re):
         assert _train(other) == pytest.approx(_train(one), rel=1e-6)
     # Eval reads data.micro_batch rows per eval step on each data-parallel rank: the cp run reads the rows of the
     # one-process run (pp and ep read fewer rows per step, so their eval sets differ).
