@@ -11,6 +11,8 @@ one row of T tokens split zigzag over the 2 ranks:
 - MLA: at the smallest length, one Gated MLA layer forward + backward; at every length, the latent all-gather
   itself (forward + backward through the same differentiable gather the layer uses; the dense CPU attention at 128k
   tokens would need tens of GB per rank). The analytic figure T * (kv_rank + shared) * bytes is printed beside it.
+KDA overhead: CPU seconds of one KDA op forward + backward at --overhead-tokens (tiny widths, chunk 16), chunk_kda
+alone against the CP path at world 1 (what CP adds besides communication).
 Step time: forward + backward of the tiny model (fp32, one thread per process) at the same global tokens,
 processes = cp on gloo: wall seconds, and the busiest rank's CPU seconds (the wall time with a free core per rank
 and no contention); each figure is the median of --steps steps after one warm-up. Workers flush subnormal floats
@@ -149,6 +151,39 @@ def _step_worker(rank, world, port, out, tokens, steps, seed):
             dist.destroy_process_group()
 
 
+def kda_overhead(T: int, repeats: int = 3) -> dict:
+    """CPU seconds of one KDA op forward + backward at T tokens (tiny widths, two documents): chunk_kda alone, and the
+    CP path at world 1 (chunk terms, piece summaries, prefix scan, state pass): what CP adds to the computation."""
+    from k3train.ops.kda import chunk_kda
+
+    args = get_preset("tiny")
+    H, K = args.kda_heads, args.kda_head_dim
+    g = torch.Generator().manual_seed(0)
+    unit = lambda: torch.nn.functional.normalize(torch.randn(1, T, H, K, generator=g), dim=-1)
+    ins = [unit(), unit(), torch.randn(1, T, H, K, generator=g),
+           -5 * torch.sigmoid(torch.randn(1, T, H, K, generator=g) - 3), torch.sigmoid(torch.randn(1, T, H, generator=g))]
+    ins = [t.requires_grad_() for t in ins]
+    cu = torch.tensor([0, T // 3, T])
+    cp = ContextParallel(None, 0, 1, seq_len=T, cu_seqlens_global=cu)
+
+    def plain():
+        chunk_kda(*ins, cu_seqlens=cu, chunk_size=args.kda_chunk)[0].sum().backward()
+
+    def with_cp():
+        cp.kda(*(cp.shard_rows(t) for t in ins), chunk=args.kda_chunk).sum().backward()
+
+    out = {}
+    for name, fn in (("chunk_kda", plain), ("cp_world1", with_cp)):
+        fn()
+        times = []
+        for _ in range(repeats):
+            t = time.process_time()
+            fn()
+            times.append(time.process_time() - t)
+        out[name] = min(times)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072])
@@ -158,7 +193,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--skip-steps", action="store_true")
     ap.add_argument("--skip-bytes", action="store_true")
+    ap.add_argument("--overhead-tokens", type=int, default=16384, help="T of the KDA CP-overhead measurement")
     a = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
 
     args = get_preset("tiny")
     H, K, L = args.kda_heads, args.kda_head_dim, args.mla_kv_rank + args.mla_shared_k_dim
@@ -190,6 +228,12 @@ def main() -> None:
     print(f"K3 widths (analytic): KDA {kda_piece:,} B per piece per layer (fp32); MLA {mla_tok} B per token per layer "
           f"(bf16) = {mla_tok * 2 ** 20 / 2 ** 30:.2f} GiB gathered at 1M tokens")
     out["k3_full"] = {"kda_bytes_per_piece": kda_piece, "mla_bytes_per_token": mla_tok}
+
+    ov = kda_overhead(a.overhead_tokens)
+    print(f"\nKDA op forward + backward at T={a.overhead_tokens} (one thread, CPU s, best of 3): chunk_kda "
+          f"{ov['chunk_kda']:.3f}, CP path at world 1 {ov['cp_world1']:.3f} "
+          f"(+{100 * (ov['cp_world1'] / ov['chunk_kda'] - 1):.0f}%)")
+    out["kda_cp_overhead"] = ov
 
     if not a.skip_steps:
         print(f"\ntiny model forward + backward, {a.step_tokens} global tokens, 1 thread per process "

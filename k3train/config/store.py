@@ -2,8 +2,8 @@
 
 Recipes (top-level configs) are in `recipes/` and config groups in `configs/` at the repository root. Both are found
 from this package's location, so `python -m k3train.train` works from any working directory of a source checkout or
-an editable install. A wheel build may ship copies as package data under `k3train/_recipes` and `k3train/_configs`;
-those are used when the repository folders are absent. `K3TRAIN_RECIPES` / `K3TRAIN_CONFIGS` override both.
+an editable install. A wheel installs copies under `<prefix>/share/k3train/` (pyproject's data-files); those are used
+when the repository folders are absent. `K3TRAIN_RECIPES` / `K3TRAIN_CONFIGS` override both.
 
 Recipes add the group folder to Hydra's search path with `file://${k3train_configs:}`: the resolver below returns
 the absolute folder, so a relative path (which Hydra would resolve against the working directory) is never needed.
@@ -12,6 +12,7 @@ the absolute folder, so a relative path (which Hydra would resolve against the w
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
@@ -26,10 +27,10 @@ _PKG = Path(__file__).resolve().parents[1]  # k3train/
 _REPO = _PKG.parent
 
 
-def _find(env: str, repo_sub: str, pkg_sub: str) -> Path:
+def _find(env: str, repo_sub: str) -> Path:
     if os.environ.get(env):
         return Path(os.environ[env]).resolve()
-    for cand in (_REPO / repo_sub, _PKG / pkg_sub):
+    for cand in (_REPO / repo_sub, Path(sys.prefix) / "share" / "k3train" / repo_sub):
         if cand.is_dir():
             return cand
     return _REPO / repo_sub  # reported as missing by available_recipes()
@@ -37,12 +38,12 @@ def _find(env: str, repo_sub: str, pkg_sub: str) -> Path:
 
 def recipes_dir() -> Path:
     """Absolute folder of the top-level recipes."""
-    return _find("K3TRAIN_RECIPES", "recipes", "_recipes")
+    return _find("K3TRAIN_RECIPES", "recipes")
 
 
 def configs_dir() -> Path:
     """Absolute folder of the config groups (model/, parallel/, optim/, data/, activation/, logging/)."""
-    return _find("K3TRAIN_CONFIGS", "configs", "_configs")
+    return _find("K3TRAIN_CONFIGS", "configs")
 
 
 def available_recipes() -> list[str]:

@@ -9,7 +9,8 @@ unchanged, and the three sequence-mixing seams of the model are answered here:
 KDA (all-gather + prefix scan). Every piece is an affine map of the recurrent state, S_out = M S_in + B. Each rank
 computes (M, B) of its pieces in fp32 from a zero state, all-gathers them (H*K*(K+V) numbers per piece, independent
 of the sequence length), composes the exclusive prefix S_in of each of its pieces in sequence order with
-(M2, B2) o (M1, B1) = (M2 M1, M2 B1 + B2), then runs chunk_kda on its pieces from S_in. Documents cut the chain:
+(M2, B2) o (M1, B1) = (M2 M1, M2 B1 + B2), then runs the state pass of its pieces from S_in (the intra-chunk terms
+are computed once, for the summaries and the outputs: ops.kda.chunk.KDAChunks). Documents cut the chain:
 a piece is split into segments at document starts; only its first segment takes S_in (and only if the piece does not
 itself begin a document), later segments start from zero; its summary is that of its last segment, with M = 0 when
 that segment begins a document. Backward is autograd: the all-gather's backward reduce-scatters (sums) the gradients
@@ -41,7 +42,7 @@ from torch import nn
 
 from k3train.models.k3.args import ConfigError, K3ModelArgs
 from k3train.models.k3.context import BatchContext
-from k3train.ops.kda import chunk_kda, chunk_kda_summary
+from k3train.ops.kda.chunk import KDAChunks
 from k3train.parallel import comm
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -174,10 +175,8 @@ class PiecePlan:
     """[R] bool: the piece continues a document from the previous piece (its first token is no document start)."""
     keep_m: torch.Tensor
     """[R] bool: the piece contains no document start, so its summary's M passes the incoming state on."""
-    tail_index: torch.Tensor
-    """Flat local indices of the tokens of each piece's LAST segment (the part its summary describes)."""
-    tail_cu: list[int]
-    """Offsets of the pieces' last segments inside tail_index."""
+    last_seg: torch.Tensor
+    """[R] int64: index of each piece's LAST segment (the part its summary describes)."""
 
 
 def piece_plan(doc_start: torch.Tensor) -> PiecePlan:
@@ -190,23 +189,25 @@ def piece_plan(doc_start: torch.Tensor) -> PiecePlan:
     starts = torch.nonzero(flat).squeeze(1)
     cu = starts.tolist() + [R * L]
     sid = seg_id.view(R, L)
-    last = sid[:, -1]
-    tail = sid == last[:, None]
-    tail_len = tail.sum(1)
     return PiecePlan(cu_seqlens=cu, first_seg=sid[:, 0].clone(), carry=~doc_start[:, 0],
-                     keep_m=~doc_start.any(1), tail_index=torch.nonzero(tail.reshape(-1)).squeeze(1),
-                     tail_cu=[0] + torch.cumsum(tail_len, 0).tolist())
+                     keep_m=~doc_start.any(1), last_seg=sid[:, -1].clone())
 
 
-def kda_piece_summaries(k, v, g, beta, plan: PiecePlan, chunk: int) -> torch.Tensor:
-    """Affine summaries of the R local pieces [R, L, H, *]: [R, H, K, K+V] = [M | B] in fp32 (fp64 for fp64 input),
-    from each piece's last segment; M is zeroed where that segment begins a document."""
-    R, L, H, K = k.shape
-    idx = plan.tail_index
-    pick = lambda t: t.reshape(1, R * L, *t.shape[2:])[:, idx]
-    with torch.autocast(k.device.type, enabled=False):  # M and B are folded over the piece's chunks: keep fp32
-        M, Bm = chunk_kda_summary(pick(k), pick(v), pick(g), pick(beta), cu_seqlens=plan.tail_cu, chunk_size=chunk)
-    M = M * plan.keep_m.to(M.device, M.dtype).view(R, 1, 1, 1)
+def kda_piece_chunks(q, k, v, g, beta, plan: PiecePlan, chunk: int) -> KDAChunks:
+    """The chunk terms of the R local pieces [R, L, H, *], every segment laid out from its own start. Computed once:
+    the pieces' summaries and, after the all-gather, their outputs both come from them."""
+    R, L = k.shape[:2]
+    flat = lambda t: t.reshape(1, R * L, *t.shape[2:])
+    return KDAChunks(flat(q), flat(k), flat(v), flat(g), flat(beta), cu_seqlens=plan.cu_seqlens, chunk_size=chunk)
+
+
+def kda_piece_summaries(chunks: KDAChunks, plan: PiecePlan) -> torch.Tensor:
+    """Affine summaries of the R local pieces: [R, H, K, K+V] = [M | B] in fp32 (fp64 for fp64 input), from each
+    piece's last segment; M is zeroed where that segment begins a document."""
+    with torch.autocast(plan.last_seg.device.type, enabled=False):  # fold the pieces' chunks in fp32
+        M, Bm = chunks.summaries(plan.last_seg)
+        M, Bm = M.to(chunks.dtype), Bm.to(chunks.dtype)
+    M = M * plan.keep_m.to(M.device, M.dtype).view(-1, 1, 1, 1)
     return torch.cat([M, Bm], dim=-1)
 
 
@@ -223,18 +224,15 @@ def exclusive_prefix_states(summaries: torch.Tensor, K: int) -> torch.Tensor:
     return torch.stack(prefix, dim=1)
 
 
-def kda_pieces(q, k, v, g, beta, incoming: torch.Tensor, plan: PiecePlan, chunk: int) -> torch.Tensor:
-    """Run chunk_kda on the R local pieces [R, L, H, *] with the incoming states [R, H, K, V]: the first segment of a
-    piece that continues a document starts from its incoming state, every other segment from zero. -> o [R, L, H, V]."""
-    R, L, H, K = k.shape
-    V = v.shape[-1]
+def kda_pieces(chunks: KDAChunks, incoming: torch.Tensor, plan: PiecePlan) -> torch.Tensor:
+    """Outputs of the R local pieces from their incoming states [R, H, K, V]: the first segment of a piece that
+    continues a document starts from its incoming state, every other segment from zero. -> o [R, L, H, V]."""
+    R, H, K, V = incoming.shape
     S0 = incoming * plan.carry.to(incoming.device, incoming.dtype).view(R, 1, 1, 1)
     n_seg = len(plan.cu_seqlens) - 1
     init = S0.new_zeros(n_seg, H, K, V).index_copy(0, plan.first_seg.to(S0.device), S0)
-    flat = lambda t: t.reshape(1, R * L, *t.shape[2:])
-    o, _ = chunk_kda(flat(q), flat(k), flat(v), flat(g), flat(beta), initial_state=init,
-                     cu_seqlens=plan.cu_seqlens, chunk_size=chunk)
-    return o.view(R, L, H, V)
+    o, _ = chunks.run(init)
+    return o.view(R, -1, H, V)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -379,8 +377,8 @@ class ContextParallel:
             out = loc(pos).to(device)
         elif what == "kda":
             out = piece_plan(loc(start))
-            out.first_seg, out.carry, out.keep_m, out.tail_index = (
-                t.to(device) for t in (out.first_seg, out.carry, out.keep_m, out.tail_index))
+            out.first_seg, out.carry, out.keep_m, out.last_seg = (
+                t.to(device) for t in (out.first_seg, out.carry, out.keep_m, out.last_seg))
         else:
             # Each local piece attends keys from the earliest start of the documents it continues up to its own end
             # (everything outside is masked), so zigzag's two pieces cost the same on every rank.
@@ -423,12 +421,13 @@ class ContextParallel:
         if L % chunk:
             raise ValueError(f"context parallel: KDA chunk {chunk} does not divide the piece length {L}")
         plan = self._plan("kda", k.device)
-        mine = kda_piece_summaries(k, v, g, beta, plan, chunk)                          # [R, H, K, K+V]
+        chunks = kda_piece_chunks(q, k, v, g, beta, plan, chunk)
+        mine = kda_piece_summaries(chunks, plan)                                         # [R, H, K, K+V]
         every = self.seq.to_sequence_order(self._gather(mine, "kda_summary"), B)         # [B, n, H, K, K+V]
         S_in = exclusive_prefix_states(every, K)                                          # [B, n, H, K, V]
         idx = torch.tensor(self.local_pieces(), device=k.device)
         incoming = S_in.index_select(1, idx).reshape(R, H, K, v.shape[-1])
-        return kda_pieces(q, k, v, g, beta, incoming, plan, chunk)
+        return kda_pieces(chunks, incoming, plan)
 
     def mla_attention(self, module: nn.Module, q: torch.Tensor, c_kv: torch.Tensor, ctx=None) -> torch.Tensor:
         """q [B*P, H, L, dqk], local latent c_kv [B*P, L, 576] -> o [B*P, H, L, dv]: the local queries attend the

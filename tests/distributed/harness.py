@@ -401,3 +401,23 @@ def reference_for(layout: Layout, steps: int | None = None) -> dict:
             _REFS[key] = reference_run(steps, dp=layout.dp, microbatches=layout.microbatches, optim=layout.optim,
                                        seq=layout.seq)
     return _REFS[key]
+
+
+def check_analytic_bytes(layout: Layout, records: list[dict]) -> None:
+    """Every collective of the last step, per mesh dimension, equals comm.analytic_step_bytes on every rank (the
+    expert all-to-all depends on routing per rank: its EP-group mean is compared)."""
+    from k3train.parallel.comm import analytic_step_bytes
+    from k3train.parallel.mesh import rank_coords
+
+    dims = layout.dims()
+    mb = GLOBAL_ROWS // (layout.dp * layout.microbatches)
+    for r, rec in enumerate(records):
+        an = analytic_step_bytes(tiny_args(), dims, rec["stage_layers"], pp_rank=rank_coords(dims, r)["pp"],
+                                 mb=mb, seq=layout.seq)
+        meas = rec["comm"][-1]
+        assert {tuple(k.split("/")) for k in meas} == set(an), (r, sorted(meas), sorted(an))
+        for (dim, op), a in an.items():
+            got = meas[f"{dim}/{op}"]["payload"]
+            if (dim, op) == ("ep", "all_to_all"):
+                got = sum(x["comm"][-1]["ep/all_to_all"]["payload"] for x in records) / len(records)
+            assert got == a["payload"], (r, dim, op, got, a["payload"])

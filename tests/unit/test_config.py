@@ -183,3 +183,22 @@ def test_cli_config_errors_are_clean(tmp_path):
         assert needle in r.stderr, (argv, r.stderr)
         assert "Traceback" not in r.stderr, (argv, r.stderr)
     assert not run_dir.exists()
+
+
+def test_installed_recipes_found_under_the_prefix(tmp_path, monkeypatch):
+    # Without the repository folders (a wheel install), recipes and config groups come from
+    # <prefix>/share/k3train, where pyproject's data-files put them.
+    import sys
+
+    from k3train.config import store
+
+    for sub in ("recipes", "configs"):
+        (tmp_path / "share" / "k3train" / sub).mkdir(parents=True)
+    (tmp_path / "share" / "k3train" / "recipes" / "mine.yaml").write_text("{}\n")
+    monkeypatch.setattr(store, "_REPO", tmp_path / "no_checkout")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    monkeypatch.delenv("K3TRAIN_RECIPES", raising=False)
+    monkeypatch.delenv("K3TRAIN_CONFIGS", raising=False)
+    assert store.recipes_dir() == tmp_path / "share" / "k3train" / "recipes"
+    assert store.configs_dir() == tmp_path / "share" / "k3train" / "configs"
+    assert store.available_recipes() == ["mine"]

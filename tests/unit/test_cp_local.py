@@ -14,7 +14,7 @@ from k3train.models.k3.model import K3Model
 from k3train.ops.kda import chunk_kda
 from k3train.parallel.context_parallel import (
     ContextParallel, SequenceLayout, apply_context_parallel, check_context_parallel, cp_seq_multiple,
-    exclusive_prefix_states, global_doc_layout, kda_piece_summaries, kda_pieces, piece_plan, rank_pieces)
+    exclusive_prefix_states, global_doc_layout, kda_piece_chunks, kda_piece_summaries, kda_pieces, piece_plan, rank_pieces)
 
 
 # ---- layout ----------------------------------------------------------------------------------------------------------
@@ -76,8 +76,7 @@ def test_piece_plan():
     assert p.first_seg.tolist() == [0, 3]
     assert p.carry.tolist() == [True, True]
     assert p.keep_m.tolist() == [False, True]
-    assert p.tail_index.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
-    assert p.tail_cu == [0, 2, 8]
+    assert p.last_seg.tolist() == [2, 3]
     # a piece that begins a document neither takes the incoming state nor passes it on
     ds2 = torch.zeros(1, 4, dtype=torch.bool)
     ds2[0, 0] = True
@@ -105,13 +104,13 @@ def _simulate_cp(inputs, cu, world, layout, chunk):
     start, _, _ = global_doc_layout(cu, B, T, "cpu")
     loc = lambda t, r: lay.rows(lay.shard(t, r, 1))
     plans = [piece_plan(loc(start, r)) for r in range(world)]
-    summaries = torch.cat([kda_piece_summaries(*(loc(t, r) for t in (k, v, g, beta)), plans[r], chunk)
-                           for r in range(world)])
+    chunks = [kda_piece_chunks(*(loc(t, r) for t in (q, k, v, g, beta)), plans[r], chunk) for r in range(world)]
+    summaries = torch.cat([kda_piece_summaries(chunks[r], plans[r]) for r in range(world)])
     S_in = exclusive_prefix_states(lay.to_sequence_order(summaries, B), K)          # [B, n, H, K, V]
     outs = []
     for r in range(world):
         inc = S_in[:, lay.pieces(r)].reshape(B * lay.per_rank, H, K, -1)
-        outs.append(lay.unrows(kda_pieces(*(loc(t, r) for t in (q, k, v, g, beta)), inc, plans[r], chunk)))
+        outs.append(lay.unrows(kda_pieces(chunks[r], inc, plans[r])))
     o = lay.unshard(outs, 1)
     seq = lay.to_sequence_order(summaries, B)
     last = seq[:, -1]

@@ -100,6 +100,43 @@ def _chunk_terms(q, k, v, g, beta):
     return M, Bm, q * gam - AW, AU
 
 
+class KDAChunks:
+    """The per-chunk terms of one packed batch (everything of chunk_kda except the state pass): built once, they give
+    both the sequences' affine summaries and, from any initial states, the outputs. Context parallelism uses both
+    (summaries before its all-gather, outputs after), so the intra-chunk work runs once."""
+
+    def __init__(self, q, k, v, g, beta, scale: float | None = None, initial_state=None, cu_seqlens=None,
+                 chunk_size: int = 64):
+        _check_chunk_size(chunk_size)
+        s = self.shapes = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+        dt = self.dtype = compute_dtype(q, k, v, g, beta, initial_state)
+        self.out_dtype = v.dtype
+        self.layout = lay = ChunkLayout(s, chunk_size, k.device)
+        kc, vc, gc = lay.to_chunks(k, dt), lay.to_chunks(v, dt), lay.to_chunks(g, dt)
+        bc = lay.to_chunks(beta.unsqueeze(-1), dt).squeeze(-1)
+        qc = None if q is None else lay.to_chunks(q, dt) * (s.K ** -0.5 if scale is None else scale)
+        self.M, self.B, self.Qe, self.AU = _chunk_terms(qc, kc, vc, gc, bc)
+
+    def summaries(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(M [n, H, K, K], B [n, H, K, V]) of every sequence (or of those in `index`): final state = M S_0 + B.
+        Padded chunks past a sequence's end are identity maps, so folding all n_chunks is exact."""
+        M, B = (self.M, self.B) if index is None else (self.M[index], self.B[index])
+        return fold_summaries(M, B, dim=2)
+
+    def run(self, initial_state: torch.Tensor | None = None, output_final_state: bool = False):
+        """(o [B, T, H, V], final state or None) from initial states [N, H, K, V] (zeros when None)."""
+        s = self.shapes
+        S = initial_state.to(self.dtype) if initial_state is not None else \
+            self.B.new_zeros(s.N, s.H, s.K, s.V)
+        starts = []
+        # unbind once: indexing M[:, :, n] in the loop would make backward build a full-size zero gradient per chunk.
+        for M_n, B_n in zip(self.M.unbind(2), self.B.unbind(2)):
+            starts.append(S)
+            S = torch.baddbmm(B_n.flatten(0, 1), M_n.flatten(0, 1), S.flatten(0, 1)).view_as(B_n)
+        o = self.AU + torch.matmul(self.Qe, torch.stack(starts, dim=2))   # [N, H, n_chunks, C, V]
+        return self.layout.from_chunks(o, self.out_dtype), (S if output_final_state else None)
+
+
 def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               scale: float | None = None, initial_state: torch.Tensor | None = None,
               output_final_state: bool = False, cu_seqlens=None, chunk_size: int = 64):
@@ -109,24 +146,8 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     must lie in [-5, 0] for fp32 safety (the model's gate gives (g_min, 0) with g_min = -5); q and k are used as given.
     Returns (o [B, T, H, V] in v's dtype, final state [B or N, H, K, V] in fp32 (fp64 for fp64 inputs) or None).
     """
-    _check_chunk_size(chunk_size)
-    s = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    dt = compute_dtype(q, k, v, g, beta, initial_state)
-    scale = s.K ** -0.5 if scale is None else scale
-    lay = ChunkLayout(s, chunk_size, k.device)
-    qc = lay.to_chunks(q, dt) * scale
-    kc, vc, gc = lay.to_chunks(k, dt), lay.to_chunks(v, dt), lay.to_chunks(g, dt)
-    bc = lay.to_chunks(beta.unsqueeze(-1), dt).squeeze(-1)
-    M, Bm, Qe, AU = _chunk_terms(qc, kc, vc, gc, bc)
-
-    S = initial_state.to(dt) if initial_state is not None else kc.new_zeros(s.N, s.H, s.K, s.V)
-    starts = []
-    # unbind once: indexing M[:, :, n] in the loop would make backward build a full-size zero gradient per chunk.
-    for M_n, B_n in zip(M.unbind(2), Bm.unbind(2)):
-        starts.append(S)
-        S = torch.baddbmm(B_n.flatten(0, 1), M_n.flatten(0, 1), S.flatten(0, 1)).view_as(B_n)
-    o = AU + torch.matmul(Qe, torch.stack(starts, dim=2))   # [N, H, n_chunks, C, V]
-    return lay.from_chunks(o, v.dtype), (S if output_final_state else None)
+    chunks = KDAChunks(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
+    return chunks.run(initial_state, output_final_state)
 
 
 def fold_summaries(M: torch.Tensor, B: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,11 +173,4 @@ def chunk_kda_summary(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     Returns M [B or N, H, K, K] and B [B or N, H, K, V] in fp32 (fp64 for fp64 inputs), one per batch row, or per
     document with cu_seqlens. B is the final state from a zero start. Differentiable.
     """
-    _check_chunk_size(chunk_size)
-    s = check_inputs(None, k, v, g, beta, None, cu_seqlens)
-    dt = compute_dtype(k, v, g, beta)
-    lay = ChunkLayout(s, chunk_size, k.device)
-    kc, vc, gc = lay.to_chunks(k, dt), lay.to_chunks(v, dt), lay.to_chunks(g, dt)
-    bc = lay.to_chunks(beta.unsqueeze(-1), dt).squeeze(-1)
-    M, Bm, _, _ = _chunk_terms(None, kc, vc, gc, bc)
-    return fold_summaries(M, Bm, dim=2)
+    return KDAChunks(None, k, v, g, beta, cu_seqlens=cu_seqlens, chunk_size=chunk_size).summaries()
