@@ -93,9 +93,8 @@ class Engine:
                                      on_grads_ready=lambda st: self.zero.reduce_part(parts_by_module[id(st.submod)]))
         self.cp_group = mesh.group("cp") if dims.cp > 1 else None
         self._cp_checked: set[int] = set()
-        if self.cp_group is not None:  # every sequence-mixing layer fits the pieces: refuse now, not at step one
-            self._check_cp(seq_len_hint)
         if self.cp_group is not None:
+            self._check_cp(seq_len_hint)  # every sequence-mixing layer fits the pieces: refuse now, not at step one
             for st in (self.pipeline.modules.values() if self.pipeline is not None else ()):
                 st.cp = (self.cp_group, dims.cp_layout)
         self.comm = comm.CommCounter()
@@ -188,7 +187,11 @@ class Engine:
     def _forward_backward_pipeline(self, mbs: list[dict], denom: float) -> tuple[torch.Tensor, float]:
         ids = torch.cat([b["input_ids"] for b in mbs])
         labels = torch.cat([b["labels"] for b in mbs])
-        doc_start = None if all(b["doc_start"] is None for b in mbs) else torch.cat([b["doc_start"] for b in mbs])
+        doc_start = None
+        if any(b["doc_start"] is not None for b in mbs):  # a micro-batch without documents: one per row
+            row_starts = torch.zeros_like(ids[: mbs[0]["input_ids"].shape[0]], dtype=torch.bool)
+            row_starts[:, 0] = True
+            doc_start = torch.cat([row_starts if b["doc_start"] is None else b["doc_start"] for b in mbs])
         loss = self.pipeline.step(ids, labels, doc_start, denom)
         return loss.double(), self.pipeline.busy_s
 
