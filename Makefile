@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	else \
 	  $(BIN)/pip install -q torch==2.13.0; \
 	fi
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,slurm]"
 	touch $@
 
 setup: $(VENV)/.installed
