@@ -50,6 +50,14 @@ def test_recipes_are_listed_and_load():
     args = model_args(full)
     assert args.n_experts % p.ep == 0 and args.n_layers >= p.pp * p.vpp
 
+    paths = ["data.paths=[corpus/*.jsonl]", "data.tokenizer_path=tok.tiktoken"]
+    long = load_config("k3_long_context", paths, world_size=2048)
+    p = long.parallel
+    assert (p.pp, p.cp, p.dp, p.ep, p.cp_layout) == (16, 32, 4, 64, "zigzag") and long.data.seq_len == 1 << 20
+    # 64 zigzag pieces x the 64-token KDA chunk: 1M - 1024 is refused, naming the multiple.
+    msg = _error(paths + [f"data.seq_len={(1 << 20) - 1024}"], world_size=2048, recipe="k3_long_context")
+    assert msg.startswith("data.seq_len:") and "multiple of 4096" in msg, msg
+
 
 def test_overrides_apply():
     cfg = load_config("tiny_cpu", ["train.steps=7", "optim=muon", "optim.lr=1e-3", "data.seq_len=64",
