@@ -2,8 +2,9 @@
 
 metrics.jsonl holds one JSON object per logged step with at least `step`, `loss`, `grad_norm`, `lr`,
 `tokens_per_s`, plus `tokens` (seen so far), `flops_per_token`, `mfu`, `step_time_s`, per MoE layer
-`moe/<layer>/max_over_mean` (expert load max/mean over the steps since the last record, all ranks' tokens) and
-`eval_loss` on steps where it was measured.
+`moe/L<i>/load_max_over_mean`, `maxvio`, `min_over_mean`, `bias_min` and `bias_max` (expert load over the steps
+since the last record, all ranks' tokens; the router's selection bias) and `eval_loss` on steps where it was
+measured.
 """
 
 from __future__ import annotations

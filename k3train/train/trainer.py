@@ -383,19 +383,28 @@ class Trainer:
         return out
 
     def _expert_load(self) -> dict:
-        loads = {}
-        for part in self.parts:  # this rank's stages; ranks of other stages report their own layers
+        """Per MoE layer of this rank's stages, over the steps since the last record and all data-parallel ranks'
+        tokens: load max/mean, MaxVio (= max/mean - 1), min load / mean, and the router's selection-bias range.
+        Under pipelining rank 0 reports the layers of its own stages."""
+        loads, routers = {}, {}
+        for part in self.parts:
             loads.update(part.moe_load())
-        if not loads or self.dims.pp > 1:
+            routers.update(part.routers())
+        if not loads:
             return {}
         names = list(loads)
-        stacked = self._all_reduce(torch.stack([loads[n].to(torch.float64) for n in names]))
-        ratio = stacked.max(1).values / stacked.mean(1).clamp(min=1e-12)
+        stacked = self._all_reduce(torch.stack([loads[n].to(torch.float64) for n in names]))   # [layers, E]
+        mean = stacked.mean(1).clamp(min=1e-12)
+        ratio, low = stacked.max(1).values / mean, stacked.min(1).values / mean
         out = {}
-        for n, r in zip(names, ratio.tolist()):
+        for n, r, lo in zip(names, ratio.tolist(), low.tolist()):
             m = re.search(r"layers\.(\d+)\.", n)
-            out[f"moe/L{m.group(1) if m else n}/load_max_over_mean"] = r
+            key = f"moe/L{m.group(1) if m else n}"
+            bias = routers[n].bias.detach()
+            out.update({f"{key}/load_max_over_mean": r, f"{key}/maxvio": r - 1.0, f"{key}/min_over_mean": lo,
+                        f"{key}/bias_min": float(bias.min()), f"{key}/bias_max": float(bias.max())})
         out["moe/load_max_over_mean"] = float(ratio.max())
+        out["moe/maxvio"] = float(ratio.max()) - 1.0
         return out
 
     # ---- the loop ----------------------------------------------------------------------------------------------

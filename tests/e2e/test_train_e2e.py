@@ -53,9 +53,18 @@ def test_tiny_run_writes_metrics_events_and_checkpoints(tmp_path):
             assert key in x, (key, x)
         assert x["tokens_per_s"] > 0 and 0 < x["mfu"] < 1 and x["flops_per_token"] > 0
         assert x["moe/load_max_over_mean"] >= 1.0
-    # the tiny model has MoE in layers 2..8 (layer 1 is dense): one load figure per MoE layer
-    assert sorted(k for k in recs[0] if k.startswith("moe/L")) == sorted(f"moe/L{i}/load_max_over_mean"
-                                                                        for i in range(2, 9))
+    # the tiny model has MoE in layers 2..8 (layer 1 is dense): load, MaxVio, min load and bias range per layer
+    figures = ("load_max_over_mean", "maxvio", "min_over_mean", "bias_min", "bias_max")
+    assert sorted(k for k in recs[0] if k.startswith("moe/L")) == sorted(f"moe/L{i}/{f}" for i in range(2, 9)
+                                                                        for f in figures)
+    for x in recs:
+        for i in range(2, 9):
+            L = f"moe/L{i}/"
+            assert x[L + "maxvio"] == pytest.approx(x[L + "load_max_over_mean"] - 1.0)
+            assert 0.0 <= x[L + "min_over_mean"] <= 1.0 <= x[L + "load_max_over_mean"]
+            assert x[L + "bias_min"] <= x[L + "bias_max"]
+    # A record shows the biases after its step's Quantile Balancing update (the default): they have moved.
+    assert all(x["moe/L2/bias_max"] > x["moe/L2/bias_min"] for x in recs)
     assert [x["step"] for x in recs if "eval_loss" in x] == [5, 10]
     # warmup over 2 steps, then the peak
     assert recs[0]["lr"] == pytest.approx(5e-3) and recs[2]["lr"] == pytest.approx(1e-2)
