@@ -1,7 +1,7 @@
 """Measured vs analytic communication of one training step, and the measured pipeline bubble.
 
     python tools/comm_report.py                 # 2-process layouts on gloo/CPU (a minute or two on 2 cores)
-    python tools/comm_report.py --four          # adds a 4-process pp x dp x ep layout
+    python tools/comm_report.py --four          # adds 4-process pp x dp x ep and pp x cp x ep layouts
     python tools/comm_report.py --json out.json
 
 Part 1 trains the tiny K3 for a few steps under several layouts and prints, per rank and mesh dimension, the bytes
@@ -41,6 +41,7 @@ class Case:
     vpp: int = 1
     dp: int = 1
     ep: int = 1
+    cp: int = 1
     zero: int = 0
     microbatches: int = 1
     schedule: str = "interleaved_1f1b"
@@ -50,11 +51,11 @@ class Case:
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.dp * self.cp
 
     def dims(self):
         from k3train.parallel.mesh import ParallelDims
-        return ParallelDims(pp=self.pp, vpp=self.vpp, dp=self.dp, ep=self.ep, zero=self.zero,
+        return ParallelDims(pp=self.pp, vpp=self.vpp, dp=self.dp, ep=self.ep, cp=self.cp, zero=self.zero,
                             microbatches=self.microbatches, schedule=self.schedule)
 
     @property
@@ -165,12 +166,14 @@ def main(argv=None) -> int:
            Case(name="dp2_zero2", dp=2, zero=2, microbatches=2),
            Case(name="ep2_dp2_zero1", dp=2, ep=2, zero=1, microbatches=2),
            Case(name="pp2_1f1b", pp=2, microbatches=4, schedule="1f1b"),
-           Case(name="pp2_vpp2", pp=2, vpp=2, microbatches=4)]
+           Case(name="pp2_vpp2", pp=2, vpp=2, microbatches=4),
+           Case(name="cp2_zigzag", cp=2, microbatches=2, seq=64)]
     t = time.perf_counter()
     results = run_cases(two, 2)
     cases = list(two)
     if a.four:
-        four = [Case(name="pp2_dp2_ep2_zero2_vpp2", pp=2, vpp=2, dp=2, ep=2, zero=2, microbatches=2)]
+        four = [Case(name="pp2_dp2_ep2_zero2_vpp2", pp=2, vpp=2, dp=2, ep=2, zero=2, microbatches=2),
+                Case(name="pp2_cp2_ep2_zero1", pp=2, cp=2, ep=2, zero=1, microbatches=2, seq=64)]
         results.update(run_cases(four, 4))
         cases += four
     table = comm_table(cases, results)
