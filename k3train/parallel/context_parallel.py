@@ -514,24 +514,32 @@ def check_context_parallel(model_or_args, *, cp: int, seq_len: int, layout: str 
 
 
 class ContextParallelPlan:
-    """What apply_context_parallel returns: the group and layout, and per-batch sharding for the trainer."""
+    """What apply_context_parallel returns: the group and layout, and per-batch sharding for the trainer. `models`
+    is the module (or the list of model parts of a pipeline rank) whose layers must fit the pieces."""
 
-    def __init__(self, model: nn.Module, group, layout: str):
-        self.model, self.group, self.layout = model, group, layout
+    def __init__(self, models: nn.Module | list[nn.Module], group, layout: str):
+        self.models = list(models) if isinstance(models, (list, tuple)) else [models]
+        self.group, self.layout = group, layout
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self._checked: set[int] = set()
 
-    def handle(self, seq_len: int, cu_seqlens=None, batch: int | None = None) -> ContextParallel:
+    def check(self, seq_len: int) -> None:
+        """ConfigError unless every model's sequence-mixing layers run on the pieces of seq_len (cached)."""
         if seq_len not in self._checked:
-            check_context_parallel(self.model, cp=self.world, seq_len=seq_len, layout=self.layout)
+            for m in self.models:
+                check_context_parallel(m, cp=self.world, seq_len=seq_len, layout=self.layout)
             self._checked.add(seq_len)
+
+    def handle(self, seq_len: int, cu_seqlens=None, batch: int | None = None) -> ContextParallel:
+        self.check(seq_len)
         return ContextParallel(self.group, self.rank, self.world, seq_len=seq_len, layout=self.layout,
                                cu_seqlens_global=cu_seqlens, batch=batch)
 
     def shard_batch(self, batch: dict) -> dict:
         """{'input_ids' [B, T], 'labels' [B, T], optional 'cu_seqlens'} (the SAME global batch on every CP rank)
-        -> {'input_ids', 'labels' in the model's local layout [B*P, T/n], 'ctx': BatchContext(cp=handle)}."""
+        -> {'input_ids', 'labels' in the model's local layout [B*P, T/n], 'ctx': BatchContext(cp=handle)}. Every
+        CP rank holds the whole batch, so the handle learns the documents without communication."""
         for key in batch:
             if key.startswith("vision"):
                 raise ValueError(f"context parallelism does not shard vision inputs ({key!r})")
@@ -546,14 +554,14 @@ class ContextParallelPlan:
         return out
 
 
-def apply_context_parallel(model: nn.Module, group=None, *, layout: str = "zigzag",
+def apply_context_parallel(model: nn.Module | list[nn.Module], group=None, *, layout: str = "zigzag",
                            seq_len: int | None = None) -> ContextParallelPlan:
-    """Check that the model can run under CP over `group` (and, given seq_len, that the length fits) and return the
-    plan that shards each batch. The model itself is not changed: its KDA and MLA layers reach the handle through
-    BatchContext.cp."""
-    world = dist.get_world_size(group) if group is not None else 1
+    """Check that the model (or a pipeline rank's list of model parts) can run under CP over `group` (and, given
+    seq_len, that the length fits) and return the plan that shards each batch. The model itself is not changed: its
+    KDA and MLA layers reach the handle through BatchContext.cp."""
     if layout not in LAYOUTS:
         raise ConfigError(f"parallel.cp_layout: must be one of {LAYOUTS}, got {layout!r}")
+    plan = ContextParallelPlan(model, group, layout)
     if seq_len is not None:
-        check_context_parallel(model, cp=world, seq_len=seq_len, layout=layout)
-    return ContextParallelPlan(model, group, layout)
+        plan.check(seq_len)
+    return plan

@@ -91,12 +91,14 @@ class Engine:
             self.pipeline = Pipeline(args=args, dims=dims, stage_layers=self.stage_layers, modules=modules,
                                      pp_group=mesh.group("pp"), device=device,
                                      on_grads_ready=lambda st: self.zero.reduce_part(parts_by_module[id(st.submod)]))
-        self.cp_group = mesh.group("cp") if dims.cp > 1 else None
-        self._cp_checked: set[int] = set()
-        if self.cp_group is not None:
-            self._check_cp(seq_len_hint)  # every sequence-mixing layer fits the pieces: refuse now, not at step one
+        self.cp_plan = None
+        if dims.cp > 1:
+            from k3train.parallel.context_parallel import apply_context_parallel
+            # Every sequence-mixing layer of this rank's stages must fit the pieces: refused now, not at step one.
+            self.cp_plan = apply_context_parallel(self.model_parts, mesh.group("cp"), layout=dims.cp_layout,
+                                                  seq_len=seq_len_hint)
             for st in (self.pipeline.modules.values() if self.pipeline is not None else ()):
-                st.cp = (self.cp_group, dims.cp_layout)
+                st.cp = (self.cp_plan.group, dims.cp_layout)
         self.comm = comm.CommCounter()
         self.times = StepTimes()
         self.last_memory: dict = {}
@@ -195,40 +197,23 @@ class Engine:
         loss = self.pipeline.step(ids, labels, doc_start, denom)
         return loss.double(), self.pipeline.busy_s
 
-    def _check_cp(self, seq_len: int) -> None:
-        """ConfigError unless every KDA and MLA layer of this rank's stages can run on the CP pieces of seq_len."""
-        if seq_len in self._cp_checked:
-            return
-        from k3train.parallel.context_parallel import check_context_parallel
-        for part in self.model_parts:
-            check_context_parallel(part, cp=self.dims.cp, seq_len=seq_len, layout=self.dims.cp_layout)
-        self._cp_checked.add(seq_len)
-
     def _local_batch(self, b: dict) -> dict:
         """A micro-batch as this rank runs it: input_ids and labels (the rank's pieces as rows under CP), the
         BatchContext for the local path, and doc_start [rows, T] for pipeline stages (None: one document per row)."""
         dev = self.device
         ids, labels, cu = b["input_ids"].to(dev), b["labels"].to(dev), b.get("cu_seqlens")
         B, T = ids.shape
-        if self.cp_group is None:
+        if self.cp_plan is None:
             doc_start = None
             if cu is not None and self.pipeline is not None:
                 doc_start = doc_start_from_cu_seqlens(cu, B, T, dev)
             return {"input_ids": ids, "labels": labels, "ctx": BatchContext(cu), "doc_start": doc_start}
-        from k3train.parallel.context_parallel import ContextParallel
-
-        for key in b:
-            if key.startswith("vision"):
-                raise ValueError(f"context parallelism does not shard vision inputs ({key!r})")
-        self._check_cp(T)
-        # Every CP rank holds the same global batch: the handle needs no communication to learn the documents.
-        h = ContextParallel(self.cp_group, dist.get_rank(self.cp_group), self.dims.cp, seq_len=T,
-                            layout=self.dims.cp_layout, cu_seqlens_global=cu, batch=B)
-        out = {"input_ids": h.shard_rows(ids), "labels": h.shard_rows(labels), "ctx": BatchContext(cp=h),
-               "doc_start": None}
-        if self.pipeline is not None:
+        out = self.cp_plan.shard_batch({**b, "input_ids": ids, "labels": labels})
+        out["doc_start"] = None
+        if self.pipeline is not None:  # stages rebuild their handle from the pieces' document starts
             rows = torch.arange(0, B * T + 1, T, dtype=torch.int32)
-            out["doc_start"] = h.shard_rows(doc_start_from_cu_seqlens(cu if cu is not None else rows, B, T, dev))
+            out["doc_start"] = out["ctx"].cp.shard_rows(doc_start_from_cu_seqlens(cu if cu is not None else rows,
+                                                                                   B, T, dev))
         return out
 
     def _record_ep_bytes(self) -> None:
