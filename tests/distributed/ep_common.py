@@ -1,8 +1,10 @@
-"""Shared pieces of the expert-parallel parity tests: a seeded token batch and a plain SGD loop."""
+"""Shared pieces of the expert-parallel parity tests: a seeded token batch, a plain SGD loop and the gradient
+synchronisation of an expert-parallel model."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 
@@ -26,3 +28,25 @@ def train_sgd(model, tokens, targets, n_global: int, *, steps: int, lr: float, s
         opt.step()
         losses.append(float(reduce_loss(loss.detach().clone())))
     return losses, opt
+
+
+def ep_grad_sync(experts: list[str], dp_group):
+    """sync(model) for train_sgd: non-expert gradients are summed over every rank (one flat all-reduce), home
+    experts' only over their data-parallel replicas (dp_group; None: no replicas). `experts` is a list so that every
+    rank reduces in the same order."""
+    def sync(m):
+        dense = [p.grad for n, p in m.named_parameters() if n not in experts and p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in dense])
+        dist.all_reduce(flat)
+        for g, v in zip(dense, flat.split([g.numel() for g in dense])):
+            g.copy_(v.view_as(g))
+        if dp_group is not None:
+            for n in experts:
+                dist.all_reduce(m.get_parameter(n).grad, group=dp_group)
+    return sync
+
+
+def sum_over_ranks(x: torch.Tensor) -> torch.Tensor:
+    """reduce_loss for train_sgd: the global loss from each rank's share."""
+    dist.all_reduce(x)
+    return x

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ep_common import token_batch, train_sgd
+from ep_common import ep_grad_sync, sum_over_ranks, token_batch, train_sgd
 from k3train.models.k3.args import get_preset
 from k3train.models.k3.model import K3Model
 from k3train.models.k3.moe import LatentMoE
@@ -62,22 +62,8 @@ def _ep_run(rank, ep_group, dp_group, dispatcher, recompute=False):
         apply_activation_policies(model, default_rules())
     experts = list(expert_parameters(model))  # a list: every rank must reduce in the same order
 
-    def sync(m):
-        # Non-expert parameters are data-parallel over every rank; home experts only over the DP replicas.
-        dense = [p.grad for n, p in m.named_parameters() if n not in experts and p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in dense])
-        dist.all_reduce(flat)
-        for g, v in zip(dense, flat.split([g.numel() for g in dense])):
-            g.copy_(v.view_as(g))
-        if dp_group is not None:
-            for n in experts:
-                dist.all_reduce(m.get_parameter(n).grad, group=dp_group)
-
-    def reduce_loss(x):
-        dist.all_reduce(x)
-        return x
-
-    losses = _train(model, tokens[mine], targets[mine], targets.numel(), sync, reduce_loss)
+    losses = _train(model, tokens[mine], targets[mine], targets.numel(),
+                    ep_grad_sync(experts, dp_group), sum_over_ranks)
     out = {"losses": losses, "full": gather_full_experts(model), "stats": ep_comm_stats(model)}
     if dispatcher == "moonep":
         moes = [m for m in model.modules() if isinstance(m, LatentMoE)]
