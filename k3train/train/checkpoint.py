@@ -208,12 +208,17 @@ def _state(model: torch.nn.Module, optimizer, scheduler, step: int, rank_blob: b
     return {"engine": sd, "scheduler": scheduler.state_dict(), "step": step, f"rank{_rank()}": rank_blob}
 
 
-def _drop_unsaved_optimizer_state(optim: dict, saved: set[str], prefix: str) -> None:
+def _drop_unsaved_optimizer_state(optim: dict, saved: set[str], prefix: str) -> list[str]:
     """DCP's template comes from an optimizer whose state was initialised for every parameter; the saved optimizer
-    has none for parameters that never had a gradient. Leave those out so they stay stateless, as in the saved run."""
+    has none for parameters that never had a gradient. Leave those out so they stay stateless, as in the saved run.
+    Returns the parameters whose saved state exists but has other entries (another optimizer saved it)."""
+    other = []
     for fqn in list(optim):
         if not all(f"{prefix}{fqn}.{k}" in saved for k in optim[fqn]):
+            if any(key.startswith(f"{prefix}{fqn}.") for key in saved):
+                other.append(fqn)
             del optim[fqn]
+    return other
 
 
 def _load_scheduler(scheduler, sd: dict) -> None:
@@ -333,7 +338,10 @@ class Checkpointer:
         if missing:
             names = [k[len("engine."):] for k in missing[:5]]
             raise CheckpointError(f"checkpoint {folder} lacks model entries {names} (a different model?)")
-        _drop_unsaved_optimizer_state(state["engine"]["optim"], saved, "engine.optim.")
+        other = _drop_unsaved_optimizer_state(state["engine"]["optim"], saved, "engine.optim.")
+        if other:
+            self.warn(f"checkpoint {folder}: the optimizer state of {len(other)} parameters (e.g. {other[0]}) was "
+                      f"saved by another optimizer; they start with fresh state")
         if _is_engine(model):
             return self._load_engine(folder, model, scheduler, state, saved)
         if f"rank{rank}" not in saved:
