@@ -208,9 +208,11 @@ class PerHeadMuon(Optimizer):
     MatrixStructure aligned with its ``"params"`` (absent: every param is a whole matrix, 2-D only). Structures are
     kept by the optimizer, not in the saved state dict. Group keys: lr, weight_decay, momentum, nesterov, ns_steps,
     per_head (False: "rows"/"cols" params are orthogonalised as whole matrices; "batch" is always per matrix),
-    algorithm ("muon" or "adamw"), betas and eps (AdamW groups).
+    algorithm ("muon" or "adamw"), betas and eps (AdamW groups), sharded (Muon groups, default True: take part in
+    the process_group's ZeRO-1 sharding; False: every rank orthogonalises the group's matrices itself, e.g. expert
+    weights that differ from rank to rank under expert parallelism).
     process_group: shard the Muon state and Newton-Schulz work across this group (ZeRO-1); every rank must hold the
-    same parameters and the same reduced gradients, and ends with the same parameters.
+    same parameters of the sharded groups and the same reduced gradients, and ends with the same parameters.
     """
 
     def __init__(self, params: Iterable, *, lr: float = 3e-3, momentum: float = 0.95, weight_decay: float = 0.1,
@@ -229,7 +231,8 @@ class PerHeadMuon(Optimizer):
         self.process_group = process_group
         self._plan = None  # ZeRO-1 ownership plan, built at the first sharded step
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, ns_steps=ns_steps,
-                        per_head=per_head, ns_eps=ns_eps, ns_bf16=ns_bf16, betas=betas, eps=eps, algorithm="muon")
+                        per_head=per_head, ns_eps=ns_eps, ns_bf16=ns_bf16, betas=betas, eps=eps, algorithm="muon",
+                        sharded=True)
         super().__init__(params, defaults)
 
     # -- groups ---------------------------------------------------------------------------------------------------
@@ -285,6 +288,7 @@ class PerHeadMuon(Optimizer):
                 self._adamw_step(group)
         if self._sharded():
             self._muon_step_sharded()
+            self._muon_step(local_only=True)
         else:
             self._muon_step()
         return loss
@@ -313,11 +317,17 @@ class PerHeadMuon(Optimizer):
             p.mul_(1 - lr * wd)
         p.add_(upd.to(p.dtype), alpha=-lr * scale)
 
-    def _muon_step(self) -> None:
+    def is_sharded(self, p: Tensor) -> bool:
+        """Whether p's Muon state is split over process_group's owners (else it is kept whole on every rank)."""
+        return self._sharded() and any(g["algorithm"] == "muon" and g["sharded"] and any(q is p for q in g["params"])
+                                       for g in self.param_groups)
+
+    def _muon_step(self, local_only: bool = False) -> None:
+        """Every Muon group on this rank (local_only: only the groups that are not sharded)."""
         steps, eps, bf16 = self._ns_settings()
         items, mats = [], []
         for group in self.param_groups:
-            if group["algorithm"] != "muon":
+            if group["algorithm"] != "muon" or (local_only and group["sharded"]):
                 continue
             for p in group["params"]:
                 if p.grad is None:
@@ -340,7 +350,7 @@ class PerHeadMuon(Optimizer):
         world, rank = dist.get_world_size(g), dist.get_rank(g)
         params, shapes, spans = [], [], []
         for gi, group in enumerate(self.param_groups):
-            if group["algorithm"] != "muon":
+            if group["algorithm"] != "muon" or not group["sharded"]:
                 continue
             for p in group["params"]:
                 n, r, c = matrix_shape(p.shape, self._structure[id(p)], group["per_head"])

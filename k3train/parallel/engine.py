@@ -298,16 +298,17 @@ class Engine:
         return {"model": model, "optim": self.zero.state_dict(self._present_state),
                 "meta": {"step": torch.tensor(self.step_count)}}
 
-    def _present_state(self, key: str, it, local: torch.Tensor):
+    def _present_state(self, key: str, it, local: torch.Tensor, whole: bool = False):
         """A rank's owned optimizer-moment rows as a DTensor of the logical full shape (sharded state), or the
-        tensor itself when it is the full replicated state."""
+        tensor itself when it is the full replicated state. whole: `local` covers the rank's whole parameter (Muon
+        momentum), not its ZeRO chunk."""
         from torch.distributed.tensor import DTensor, Shard
 
         if self.mesh is None:
             return local
         shape = (it.global_d0,) + tuple(it.param.shape[1:])
         stride = torch.empty(shape, device="meta").stride()
-        sharded = self.dims.zero >= 1 and self.zero.shard_groups[key].n > 1
+        sharded = self.dims.zero >= 1 and self.zero.shard_groups[key].n > 1 and not whole
         if key == "expert":  # home blocks over ep, then ZeRO chunks over edp
             if sharded:
                 return DTensor.from_local(local, self.mesh.submesh("ep_edp"), [Shard(0), Shard(0)], run_check=False,

@@ -315,14 +315,18 @@ class ShardedOptimizer:
         from k3train.optim.muon import PerHeadMuon
 
         muon = [n for n in order if kinds[n][0] == "muon"]
-        expert = self.shard_groups.get("expert")
-        if expert is not None and expert.n > 1 and any(it.muon for it in expert.items) and self.zero >= 1:
-            raise NotImplementedError("optim.name='muon' with zero >= 1 and sharded experts needs one Muon owner "
-                                      "group per expert group; use zero=0 or AdamW")
-        self._order = muon + self._order
+        # Expert-parallel experts differ from rank to rank, so they cannot join the dense group's ZeRO-1 owners:
+        # each rank orthogonalises its home experts itself (their state is already split ep ways).
+        expert_group = self.shard_groups.get("expert")
+        expert_set = {it.name for it in expert_group.items} if expert_group is not None else set()
+        experts = [n for n in muon if n in expert_set]
+        dense = [n for n in muon if n not in experts]
+        self._order = dense + experts + self._order
         pg = groups["dense"][0] if self.zero >= 1 else None
-        gs = [{"params": [self.named[n] for n in muon], "structures": [kinds[n][1] for n in muon],
+        gs = [{"params": [self.named[n] for n in dense], "structures": [kinds[n][1] for n in dense],
                "algorithm": "muon", "weight_decay": cfg.weight_decay, "name": "muon"},
+              {"params": [self.named[n] for n in experts], "structures": [kinds[n][1] for n in experts],
+               "algorithm": "muon", "weight_decay": cfg.weight_decay, "name": "muon_experts", "sharded": False},
               {"params": decay, "algorithm": "adamw", "weight_decay": cfg.weight_decay, "name": "adamw"},
               {"params": no_decay, "algorithm": "adamw", "weight_decay": 0.0, "name": "adamw_no_decay"}]
         return PerHeadMuon([g for g in gs if g["params"]], lr=cfg.lr, momentum=cfg.momentum,
@@ -406,7 +410,10 @@ class ShardedOptimizer:
         for key, g in self.shard_groups.items():
             for it in g.items:
                 if it.muon:
-                    out[it.name] = {"momentum_buffer": self._muon_full_momentum(it)}
+                    mom = self._muon_full_momentum(it)
+                    if key == "expert" and present is not None:  # home experts: a block of the logical tensor
+                        mom = present(key, it, mom, whole=True)
+                    out[it.name] = {"momentum_buffer": mom}
                     continue
                 st = self.optimizer.state[self._tensor_for(it.name)]
                 entry = {"step": st["step"]}
@@ -427,7 +434,11 @@ class ShardedOptimizer:
             if it.muon:
                 if "momentum_buffer" in entry:
                     v = entry["momentum_buffer"]
-                    self._set_muon_momentum(it, v.full_tensor() if isinstance(v, DTensor) else v)
+                    if isinstance(v, DTensor):  # an expert-parallel block (or, replicated, the whole tensor)
+                        v = v.to_local() if v.to_local().shape == it.param.shape else v.full_tensor()
+                    if v.shape[0] == it.global_d0 and it.global_d0 != it.d0:  # the logical tensor: our block
+                        v = v[it.global_offset:it.global_offset + it.d0]
+                    self._set_muon_momentum(it, v)
                 continue
             st = self.optimizer.state[self._tensor_for(name)]
             st["step"].copy_(torch.as_tensor(entry["step"]))
@@ -453,14 +464,14 @@ class ShardedOptimizer:
     # Muon momentum: full per parameter in checkpoints, whoever owns its matrices.
     def _muon_full_momentum(self, it: ShardedParam) -> torch.Tensor:
         opt = self.optimizer
-        if opt._sharded():  # a collective over the owners' group: every rank walks the parameters in one order
+        if opt.is_sharded(it.param):  # a collective over the owners' group: every rank walks them in one order
             return _gather_owned_momentum(opt, it.param)
         st = opt.state.get(it.param, {})
         return st["momentum_buffer"] if "momentum_buffer" in st else torch.zeros_like(it.param)
 
     def _set_muon_momentum(self, it: ShardedParam, full: torch.Tensor) -> None:
         opt = self.optimizer
-        if opt._sharded():
+        if opt.is_sharded(it.param):
             _scatter_owned_momentum(opt, it.param, full)
         else:
             opt.state[it.param]["momentum_buffer"] = full.detach().clone().to(it.param.dtype)

@@ -341,6 +341,8 @@ TWO = [
     _lay("ep2_dp2_zero2", dp=2, ep=2, zero=2, microbatches=2),
     _lay("muon_dp2_zero1", dp=2, zero=1, microbatches=2, optim="muon"),
     _lay("muon_pp2_1f1b", pp=2, microbatches=2, schedule="1f1b", optim="muon"),
+    # Muon's ZeRO-1 owners over dp_cp for dense matrices; home experts orthogonalised on their own EP rank.
+    _lay("muon_ep2_dp2_zero1", dp=2, ep=2, zero=1, microbatches=2, optim="muon"),
 ]
 FOUR = [
     _lay("pp2_dp2_zero2_vpp2", pp=2, vpp=2, dp=2, zero=2, microbatches=2),
@@ -364,7 +366,9 @@ def checkpoint_layouts(world: int, workdir: str) -> list[Layout]:
         return [_lay("ckpt_pp2_ep2_save", pp=2, dp=2, ep=2, zero=2, microbatches=2, schedule="gpipe",
                      checkpoint={"save": os.path.join(workdir, "S4")}),
                 _lay("ckpt_pp2_ep2_load", pp=2, dp=2, ep=2, zero=1, microbatches=2, schedule="gpipe",
-                     checkpoint={"load": P})]
+                     checkpoint={"load": P}),
+                _lay("ckpt_muon_pp2_ep2_save", pp=2, dp=2, ep=2, zero=2, microbatches=2, schedule="1f1b",
+                     optim="muon", checkpoint={"save": os.path.join(workdir, "S4M")})]
     return []
 
 

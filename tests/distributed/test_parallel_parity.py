@@ -112,3 +112,15 @@ def test_checkpoint_pp2_ep2_to_one_process_and_back(workdir, one_process, four):
                                          checkpoint={"load": os.path.join(workdir, "S4")}))
     assert _close(back["losses"][0], loss4)
     assert _close(four["ckpt_pp2_ep2_load"][-1]["losses"][0], loss4)
+
+
+def test_checkpoint_muon_pp2_ep2_to_one_process(workdir, four):
+    # Muon with experts sharded over EP and ZeRO-2: the home experts' momentum is saved as blocks of the logical
+    # tensor, so one process resumes it and takes the same next step.
+    layout = next(l for l in H.checkpoint_layouts(4, workdir) if l.name == "ckpt_muon_pp2_ep2_save")
+    ref = H.reference_for(layout, STEPS + 1)
+    saved = four["ckpt_muon_pp2_ep2_save"]
+    assert _close(saved[-1]["losses"][STEPS], ref["losses"][STEPS])
+    back = H.single_process_run(H.Layout(name="back_muon", microbatches=2, optim="muon",
+                                         checkpoint={"load": os.path.join(workdir, "S4M")}))
+    assert _close(back["losses"][0], ref["losses"][STEPS])
