@@ -67,13 +67,12 @@ class Engine:
         self.stage_ids = stages_of_rank(dims, pp_rank)
         n = dims.n_stages
         self.model_parts: list[nn.Module] = []
+        self.expert_names: set[str] = set()
         for s in self.stage_ids:
-            part = build_stage_part(args, self.stage_layers[s], first=s == 0, last=s == n - 1, device=device, seed=seed)
+            part = build_stage_part(args, self.stage_layers[s], first=s == 0, last=s == n - 1, device=device,
+                                    seed=seed, on_meta=self._apply_expert_parallel if dims.ep > 1 else None)
             part.train()
             self.model_parts.append(part)
-        self.expert_names: set[str] = set()
-        if dims.ep > 1:
-            self._apply_expert_parallel()
         if part_fn is not None:
             for part in self.model_parts:
                 part_fn(part)
@@ -105,16 +104,14 @@ class Engine:
         self.step_count = 0
 
     # ---- expert parallel --------------------------------------------------------------------------------------------
-    def _apply_expert_parallel(self) -> None:
-        try:
-            from k3train.parallel.expert_parallel import apply_expert_parallel, expert_parameters
-        except ImportError as e:
-            raise ConfigError(f"parallel.ep={self.dims.ep}: expert parallelism is not available ({e})") from None
-        ep_group = self.mesh.group("ep")
-        for part in self.model_parts:
-            apply_expert_parallel(part, ep_group, self.dims.ep_dispatcher)
-            # Home-expert parameters: complete on their EP rank, replicated (and reduced) over the edp ranks only.
-            self.expert_names |= set(expert_parameters(part))
+    def _apply_expert_parallel(self, part: nn.Module) -> None:
+        """On a stage part still on the meta device: keep this rank's home experts only (initialised afterwards
+        with the values one process would give them)."""
+        from k3train.parallel.expert_parallel import apply_expert_parallel, expert_parameters
+
+        apply_expert_parallel(part, self.mesh.group("ep"), self.dims.ep_dispatcher)
+        # Home-expert parameters: complete on their EP rank, replicated (and reduced) over the edp ranks only.
+        self.expert_names |= set(expert_parameters(part))
 
     # ---- helpers ----------------------------------------------------------------------------------------------------
     def _group(self, name: str):

@@ -235,6 +235,13 @@ class EPGroupedExperts(GroupedExperts):
             setattr(self, name, local)
         self._mesh = None
 
+    def _apply(self, fn, recurse=True):
+        # Moving off the meta device (to_empty) makes new Parameter objects: keep their place in the full tensor.
+        out = super()._apply(fn, recurse)
+        for name in ("w1", "w3", "w2"):
+            getattr(self, name)._k3_ep_shard = (self.lo, self.n_total)
+        return out
+
     def extra_repr(self) -> str:
         return f"home experts [{self.lo}, {self.lo + self.w1.shape[0]}) of {self.n_total}"
 
@@ -334,7 +341,9 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, dispatcher: str = "al
         computes exactly S·K rows; needs the same token count S on every EP rank).
     tokens_per_rank: MoonEP only: the static S every micro-batch must have (checked each call); None takes S from
         the batch.
-    Apply it to a model that holds its full initial (or loaded) weights: the home rows are copied out of them.
+    Apply it to a model that holds its full initial (or loaded) weights: the home rows are copied out of them. On a
+    model still on the meta device only the home rows are created; initialise it afterwards (K3Model.init_weights
+    draws each expert from its own seed, so a rank's home experts get the values of the full model).
     Returns the model.
     """
     if dispatcher not in DISPATCHERS:
@@ -345,9 +354,6 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, dispatcher: str = "al
     for name, moe in moes:
         if isinstance(moe.experts, EPGroupedExperts):
             raise ValueError(f"{name}: expert parallelism is already applied")
-        if moe.experts.w1.is_meta:
-            raise ValueError(f"{name}.experts is on the meta device: initialise (init_weights) or load the full model "
-                             f"before apply_expert_parallel, which copies the home experts out of the full weights")
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("apply_expert_parallel needs an initialised torch.distributed process group")
     if hasattr(ep_group, "get_group"):  # a DeviceMesh

@@ -163,9 +163,11 @@ def sources_after(args: K3ModelArgs, layer_id: int) -> int:
 # Stage modules
 # ---------------------------------------------------------------------------------------------------------------------
 def build_stage_part(args: K3ModelArgs, layer_ids: list[int], *, first: bool, last: bool,
-                     device: torch.device | str, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+                     device: torch.device | str, seed: int, dtype: torch.dtype = torch.float32,
+                     on_meta: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """The K3Model holding only `layer_ids` (plus the embedding/vision when first, final mix/norm/head when last),
-    built on the meta device, materialised on `device` and initialised by name."""
+    built on the meta device, materialised on `device` and initialised by name. on_meta(model) runs before
+    materialisation (expert parallelism keeps only the home experts there, so the full bank is never allocated)."""
     from k3train.models.k3.model import K3Model
 
     with torch.device("meta"):
@@ -181,6 +183,8 @@ def build_stage_part(args: K3ModelArgs, layer_ids: list[int], *, first: bool, la
         model.final_res = None
         model.norm = None
         model.output = None
+    if on_meta is not None:
+        on_meta(model)
     model.to_empty(device=device)
     model.init_weights(seed)
     if dtype != torch.float32:

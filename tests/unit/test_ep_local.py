@@ -224,10 +224,6 @@ def test_apply_refusals_without_a_process_group():
         apply_expert_parallel(model, None, "ring")
     with pytest.raises(ValueError, match="moonep"):
         apply_expert_parallel(model, None, "alltoall", tokens_per_rank=4)
-    with torch.device("meta"):
-        meta_moe = LatentMoE(get_preset("tiny"))
-    with pytest.raises(ValueError, match="experts is on the meta device"):
-        apply_expert_parallel(meta_moe, None, "alltoall")
     if not torch.distributed.is_initialized():
         with pytest.raises(ValueError, match="process group"):
             apply_expert_parallel(model, None, "alltoall")
@@ -241,3 +237,29 @@ def test_comm_stats_bytes_per_route():
     assert a.weight_bytes == 5 and a.routes == 16
     a.reset()
     assert a.routes == 0 and a.bytes_per_route == 0
+
+
+def test_home_experts_built_on_meta_equal_the_full_models_rows():
+    # The engine applies EP before materialising a stage: only the home rows exist, and init_weights (one seed per
+    # expert) gives them the full model's values; every other parameter is unchanged.
+    from k3train.models.k3.model import K3Model
+
+    args = get_preset("tiny")
+    full = K3Model(args)
+    full.init_weights(3)
+    with torch.device("meta"):
+        m = K3Model(args)
+    for moe in [x for x in m.modules() if isinstance(x, LatentMoE)]:
+        moe.experts = EPGroupedExperts(moe.experts, None, 1, 4)   # rank 1 of 4: experts [2, 4) of 8
+    m.to_empty(device="cpu")
+    m.init_weights(3)
+    n_expert = 0
+    for name, p in m.named_parameters():
+        ref = full.get_parameter(name)
+        if ".experts." in name:
+            n_expert += 1
+            assert p._k3_ep_shard == (2, 8) and p.shape[0] == 2
+            assert torch.equal(p, ref[2:4]), name
+        else:
+            assert torch.equal(p, ref), name
+    assert n_expert == 3 * sum(isinstance(x, LatentMoE) for x in m.modules())
