@@ -1,11 +1,22 @@
-"""Shared pieces of the expert-parallel parity tests: a seeded token batch, a plain SGD loop and the gradient
-synchronisation of an expert-parallel model."""
+"""Shared pieces of the expert-parallel parity tests: worker start-up, a seeded token batch, a plain SGD loop and the
+gradient synchronisation of an expert-parallel model."""
 
 from __future__ import annotations
+
+import datetime
+import os
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+
+def init_gloo(rank: int, world: int, port: int) -> None:
+    """Join the spawned workers' gloo group on 127.0.0.1, one intra-op thread each. The wait is bounded: a rank
+    missing from a collective fails the test instead of hanging it."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
 
 
 def token_batch(rows: int, seq: int, seed: int, vocab: int = 512) -> tuple[torch.Tensor, torch.Tensor]:

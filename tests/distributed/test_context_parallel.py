@@ -14,6 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from layer_init import random_layer
+
 from k3train.models.k3.args import get_preset
 from k3train.models.k3.context import BatchContext
 from k3train.models.k3.kda import KDA
@@ -30,20 +32,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _layer(cls, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    m = cls(get_preset("tiny")).double()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * (0.4 if name.endswith("_conv") else 0.1))
-    if isinstance(m, KDA):
-        m.reset_decay_(torch.Generator().manual_seed(seed))
-    return m
 
 
 def _model(seed=0):
@@ -75,7 +63,7 @@ def _grads(module):
 def _reference(kind: str) -> dict:
     ctx = BatchContext(cu_seqlens=torch.tensor(CU))
     if kind in ("kda", "mla"):
-        m = _layer(KDA if kind == "kda" else GatedMLA)
+        m = random_layer(KDA if kind == "kda" else GatedMLA)
         x, w = _layer_data()
         x.requires_grad_()
         out = m(x, ctx)
@@ -112,7 +100,7 @@ def _sum_grads(module, group, skip=()):
 
 
 def _cp_layer(kind, layout, group):
-    m = _layer(KDA if kind == "kda" else GatedMLA)
+    m = random_layer(KDA if kind == "kda" else GatedMLA)
     cp = ContextParallel(group, seq_len=T, layout=layout, cu_seqlens_global=torch.tensor(CU))
     x, w = _layer_data()
     xl = cp.shard_rows(x).requires_grad_()
@@ -146,7 +134,7 @@ def _cp_model(layout, group, ep=False):
 
 def _kda_bytes(group, seq_len):
     """Bytes of the KDA summaries' all-gather and reduce-scatter for one layer at seq_len tokens per row."""
-    m = _layer(KDA)
+    m = random_layer(KDA)
     cp = ContextParallel(group, seq_len=seq_len)
     x = torch.randn(1, seq_len, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     m(cp.shard_rows(x), BatchContext(cp=cp)).sum().backward()

@@ -7,7 +7,6 @@ the experts is refused."""
 
 from __future__ import annotations
 
-import datetime
 import os
 import socket
 
@@ -19,7 +18,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict)
 
-from ep_common import ep_grad_sync, sum_over_ranks, token_batch, train_sgd
+from ep_common import ep_grad_sync, init_gloo, sum_over_ranks, token_batch, train_sgd
 from k3train.models.k3.args import get_preset
 from k3train.models.k3.model import K3Model
 
@@ -84,10 +83,7 @@ def _ep_run(rank, ep_group, dp_group, ckpt=None):
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    # A bounded wait: a rank missing from a collective fails the test instead of hanging it.
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    init_gloo(rank, world, port)
     try:
         from k3train.parallel.expert_parallel import apply_expert_parallel, gather_full_experts
         ckpt = os.path.join(out_dir, "ckpt")

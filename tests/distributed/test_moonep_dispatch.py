@@ -7,7 +7,6 @@ micro-batch with different token counts per rank is refused on every rank."""
 
 from __future__ import annotations
 
-import datetime
 import os
 import socket
 
@@ -16,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ep_common import ep_grad_sync, sum_over_ranks, token_batch, train_sgd
+from ep_common import ep_grad_sync, init_gloo, sum_over_ranks, token_batch, train_sgd
 from k3train.models.k3.args import get_preset
 from k3train.models.k3.model import K3Model
 from k3train.models.k3.moe import LatentMoE
@@ -79,10 +78,7 @@ def _ep_run(rank, ep_group, dp_group, dispatcher, recompute=False):
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    # A bounded wait: a rank missing from a collective fails the test instead of hanging it.
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    init_gloo(rank, world, port)
     try:
         from k3train.parallel.expert_parallel import apply_expert_parallel
         res = {"moonep4": _ep_run(rank, None, None, "moonep"), "alltoall4": _ep_run(rank, None, None, "alltoall")}

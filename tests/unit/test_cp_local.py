@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from layer_init import random_layer
+
 from k3train.models.k3.args import ConfigError, get_preset
 from k3train.models.k3.context import BatchContext
 from k3train.models.k3.kda import KDA
@@ -160,25 +162,12 @@ def test_state_does_not_leak_across_documents():
 
 
 # ---- the handle at world 1 (all pieces local) against the plain layers -----------------------------------------------
-def _layer(cls, seed=0):
-    args = get_preset("tiny")
-    gen = torch.Generator().manual_seed(seed)
-    m = cls(args).double()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * (0.4 if name.endswith("_conv") else 0.1))
-    if isinstance(m, KDA):
-        m.reset_decay_(torch.Generator().manual_seed(seed))
-    return m
 
 
 @pytest.mark.parametrize("cls", [KDA, GatedMLA])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_handle_world1_equals_layer(cls, layout):
-    m = _layer(cls)
+    m = random_layer(cls)
     B, T = 2, 64
     x = torch.randn(B, T, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(5), requires_grad=True)
     cu = torch.tensor([0, 21, 40, 64, 66, 128])
@@ -200,7 +189,7 @@ def test_handle_world1_equals_layer(cls, layout):
 def test_conv_halo_matches_unsharded_conv():
     """q, k, v after the short conv (before any recurrence) equal the unsharded ones at every piece start, with a
     document crossing the piece boundary (the halo is read) and one starting exactly there (it is masked)."""
-    m = _layer(KDA, seed=1)
+    m = random_layer(KDA, seed=1)
     T = 64
     x = torch.randn(1, T, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     for cu in (torch.tensor([0, 20, 64]), torch.tensor([0, 32, 64])):
@@ -251,7 +240,7 @@ def test_errors():
 
 
 def test_handle_rejects_wrong_local_layout():
-    m = _layer(KDA)
+    m = random_layer(KDA)
     cp = ContextParallel(None, 0, 1, seq_len=64)
     x = torch.randn(1, 64, 64, dtype=torch.float64)
     with pytest.raises(ValueError, match="shard_rows"):
