@@ -13,6 +13,12 @@ pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get
                                 reason="needs a GPU or TRITON_INTERPRET=1")
 
 
+# (rtol, atol) of the gradients. fp32: the kernel's exp-based tanh loses ~1e-7 absolute near 0, which is large
+# relative to small gradients (measured <= 9% of (5e-5, 1e-4)). fp16: kernel and reference each round one fp32 value,
+# so they differ by a rounding flip (one ulp, < 1e-3 relative) at most: two ulps relative plus 2e-4 absolute.
+GRAD_TOL = {torch.float32: (5e-5, 1e-4), torch.float16: (2e-3, 2e-4)}
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("betas", [(4.0, 25.0), (4.0, 4.0)])
 def test_situ_kernel_matches_reference(dtype, tol, betas):
@@ -28,6 +34,7 @@ def test_situ_kernel_matches_reference(dtype, tol, betas):
     dh = torch.randn_like(ref)
     dg, du = torch.autograd.grad(h.float(), (g, u), dh.to(dtype).float())
     rg, ru = torch.autograd.grad(ref, (g, u), dh.to(dtype).float())
-    assert torch.allclose(dg.float(), rg.float(), rtol=tol * 5, atol=tol * 10)
-    assert torch.allclose(du.float(), ru.float(), rtol=tol * 5, atol=tol * 10)
+    rtol, atol = GRAD_TOL[dtype]
+    assert torch.allclose(dg.float(), rg.float(), rtol=rtol, atol=atol)
+    assert torch.allclose(du.float(), ru.float(), rtol=rtol, atol=atol)
     assert h.float().abs().max() <= betas[0] * betas[1]

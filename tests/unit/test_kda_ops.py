@@ -91,7 +91,8 @@ def test_reference_matches_transition_form():
             ref_s[b, h] = S
     for fn in (naive_recurrent_kda, chunk_kda):
         o, s, _ = run(fn, x, with_grads=False)
-        assert max_err(o, ref_o) < 1e-12 and max_err(s, ref_s) < 1e-12, fn.__name__
+        # fp64 rounding: measured 5e-16.
+        assert max_err(o, ref_o) < 1e-14 and max_err(s, ref_s) < 1e-14, fn.__name__
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -100,23 +101,33 @@ def test_chunk_matches_naive_fp64(name):
     o1, s1, g1 = run(naive_recurrent_kda, x, **naive_kw)
     o2, s2, g2 = run(chunk_kda, x, **kw)
     assert o2.dtype == torch.float64 and s2.dtype == torch.float64
-    assert max_err(o2, o1) < 1e-10
-    assert max_err(s2, s1) < 1e-10
+    # fp64 rounding: measured <= 2e-15 over all cases, outputs and gradients.
+    assert max_err(o2, o1) < 1e-13
+    assert max_err(s2, s1) < 1e-13
     for n in NAMES:
         assert g2[n].abs().max() > 0, n
-        assert max_err(g2[n], g1[n]) < 1e-10, n
+        assert max_err(g2[n], g1[n]) < 1e-13, n
 
 
 @pytest.mark.parametrize("name", ["B2_T100", "docs", "K128", "chunk16_KneV"])
 def test_chunk_matches_naive_fp32(name):
+    """fp32 chunked KDA agrees with the fp32 recurrence to fp32 rounding (measured <= 5e-7 relative RMS), and is
+    far closer to the fp64 recurrence than the same op on bf16-rounded inputs (~3e-3): it computes in fp32."""
     x, kw, naive_kw = _case(name, torch.float32)
     o1, s1, g1 = run(naive_recurrent_kda, x, **naive_kw)
     o2, s2, g2 = run(chunk_kda, x, **kw)
     assert o2.dtype == torch.float32 and s2.dtype == torch.float32
-    assert rel_rms(o2, o1) < 5e-3
-    assert rel_rms(s2, s1) < 5e-3
+    assert rel_rms(o2, o1) < 1e-5
+    assert rel_rms(s2, s1) < 1e-5
     for n in NAMES:
-        assert rel_rms(g2[n], g1[n]) < 8e-3, n
+        assert rel_rms(g2[n], g1[n]) < 1e-5, n
+    o0, s0, g0 = run(naive_recurrent_kda, {n: t.double() for n, t in x.items()}, **naive_kw)
+    ob, sb, gb = run(chunk_kda, {n: t.bfloat16().float() for n, t in x.items()}, **kw)
+    # Measured ratio <= 4e-4; 1e-2 still fails if any fp32 stage of the op rounds to bf16.
+    assert rel_rms(o2, o0) < 1e-2 * rel_rms(ob, o0)
+    assert rel_rms(s2, s0) < 1e-2 * rel_rms(sb, s0)
+    for n in NAMES:
+        assert rel_rms(g2[n], g0[n]) < 1e-2 * rel_rms(gb[n], g0[n]), n
 
 
 def test_bf16_inputs():
@@ -127,8 +138,8 @@ def test_bf16_inputs():
     o2, s2, _ = run(chunk_kda, x, with_grads=False)
     assert o2.dtype == torch.bfloat16 and s2.dtype == torch.float32
     o1, s1, _ = run(naive_recurrent_kda, {n: t.float() for n, t in x.items()}, with_grads=False)
-    assert rel_rms(o2, o1) < 1e-2
-    assert rel_rms(s2, s1) < 1e-4
+    assert rel_rms(o2, o1) < 1e-2  # the bf16 output's own rounding: measured 1.7e-3
+    assert rel_rms(s2, s1) < 1e-5  # fp32 state: measured 2.4e-7
 
 
 def test_all_gates_at_gmin_stay_finite():
@@ -137,16 +148,18 @@ def test_all_gates_at_gmin_stay_finite():
     o1, s1, g1 = run(naive_recurrent_kda, x)
     o2, s2, g2 = run(chunk_kda, x)
     assert torch.isfinite(o2).all() and torch.isfinite(s2).all()
-    assert rel_rms(o2, o1) < 5e-3 and rel_rms(s2, s1) < 5e-3
+    assert rel_rms(o2, o1) < 1e-5 and rel_rms(s2, s1) < 1e-5  # measured 1.5e-7
     for n in NAMES:
         assert torch.isfinite(g2[n]).all(), n
-        if n != "h0":  # e^{-5 * 256}: no gradient reaches the initial state in either op
-            assert rel_rms(g2[n], g1[n]) < 8e-3, n
-    # In fp64 the same inputs agree to rounding.
+        # The initial state reaches only the first few outputs (e^{-5} per token); its gradient still matches.
+        # dg here is a sum of nearly cancelling terms, ~1e-3 of the other gradients' size, so its relative error is
+        # ~200x theirs in fp32 and in fp64 alike: measured 2.9e-5 (others <= 2.3e-7).
+        assert rel_rms(g2[n], g1[n]) < (1e-3 if n == "g" else 1e-5), n
+    # In fp64 the same inputs agree to rounding (measured 2e-16).
     xd = {n: t.double() for n, t in x.items()}
     o1, s1, _ = run(naive_recurrent_kda, xd, with_grads=False)
     o2, s2, _ = run(chunk_kda, xd, with_grads=False)
-    assert max_err(o2, o1) < 1e-10 and max_err(s2, s1) < 1e-10
+    assert max_err(o2, o1) < 1e-13 and max_err(s2, s1) < 1e-13
 
 
 def test_documents_are_independent():
@@ -183,7 +196,8 @@ def test_packed_documents_equal_separate_calls():
     for n, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
         part = {m: (t[n : n + 1] if m == "h0" else t[:, a:b]) for m, t in x.items()}
         o_n, s_n, _ = run(chunk_kda, part, with_grads=False)
-        assert max_err(o[:, a:b], o_n) < 1e-12 and max_err(s[n : n + 1], s_n) < 1e-12
+        # Equal on CPU (measured 0); a few fp64 ulps allow for batched and single matmuls rounding differently.
+        assert max_err(o[:, a:b], o_n) < 1e-14 and max_err(s[n : n + 1], s_n) < 1e-14
 
 
 def test_zero_initial_state_is_the_default():
@@ -209,14 +223,15 @@ def test_summary_composes_with_the_initial_state(cu):
     carried = M @ x["h0"]
     # The initial state must matter for this comparison to mean something.
     assert carried.detach().square().mean().sqrt() > 1e-2 * Bsum.detach().square().mean().sqrt()
-    assert max_err((carried + Bsum).detach(), s.detach()) < 1e-10
-    assert max_err(Bsum.detach(), s_zero.detach()) < 1e-10
+    # fp64 rounding: measured <= 6e-16 here and in the gradients below.
+    assert max_err((carried + Bsum).detach(), s.detach()) < 1e-13
+    assert max_err(Bsum.detach(), s_zero.detach()) < 1e-13
     # Gradients through the summary equal those through the recurrence.
     w = torch.randn(s.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     grads_sum = torch.autograd.grad(((carried + Bsum) * w).sum(), [x[m] for m in ("k", "v", "g", "beta", "h0")])
     grads_rec = torch.autograd.grad((s * w).sum(), [x[m] for m in ("k", "v", "g", "beta", "h0")])
     for a, b in zip(grads_sum, grads_rec):
-        assert max_err(a, b) < 1e-10
+        assert max_err(a, b) < 1e-13
 
 
 def test_summary_fp32_matches_reference():
@@ -225,7 +240,7 @@ def test_summary_fp32_matches_reference():
     assert M.dtype == torch.float32
     _, s = naive_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
                                output_final_state=True)
-    assert rel_rms(M @ x["h0"] + Bsum, s) < 5e-3
+    assert rel_rms(M @ x["h0"] + Bsum, s) < 1e-5  # fp32 rounding: measured 2.5e-7
 
 
 def test_gate():

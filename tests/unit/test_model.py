@@ -124,7 +124,8 @@ def test_grouped_mm_matches_loop():
     rx, rw = torch.autograd.grad(ref, (x, w), gy)
     assert torch.allclose(gx, rx, atol=1e-5) and torch.allclose(gw, rw, atol=1e-5)
     y64 = grouped_mm(x.double(), w.double(), counts)  # padded-bmm fallback
-    assert torch.allclose(y64, grouped_mm_reference(x.double(), w.double(), counts), atol=1e-12)
+    # fp64: rtol=0, or allclose's default rtol (1e-5) would hide any fp64-level error.
+    assert torch.allclose(y64, grouped_mm_reference(x.double(), w.double(), counts), rtol=0, atol=1e-13)
     xo, wo = torch.randn(9, 6), torch.randn(4, 6, 7)  # unaligned fp32: fallback too
     assert torch.allclose(grouped_mm(xo, wo, counts), grouped_mm_reference(xo, wo, counts), atol=1e-5)
 
@@ -135,7 +136,9 @@ def test_latent_moe_matches_reference():
     assert isinstance(moe, LatentMoE)
     x = torch.randn(2, 7, m.args.dim, dtype=torch.float64)
     moe.double()
-    assert torch.allclose(moe(x), moe_reference(moe, x), atol=1e-10)
+    ref = moe_reference(moe, x).detach()
+    # fp64 rounding: measured <= 1.6e-16 of the largest output; outputs are ~2e-3, so the bound scales with them.
+    assert torch.allclose(moe(x), ref, rtol=0, atol=1e-14 * float(ref.abs().max()))
 
 
 def test_conv_does_not_cross_documents():
@@ -149,7 +152,7 @@ def test_conv_does_not_cross_documents():
     y2 = causal_conv1d(x2, w, pos)
     assert torch.equal(y[:, 4:], y2[:, 4:])
     ref = torch.nn.functional.conv1d(x[:, 4:7].transpose(1, 2), w[:, None], padding=3, groups=3)[..., :3]
-    assert torch.allclose(y[:, 4:7], ref.transpose(1, 2), atol=1e-6)
+    assert torch.allclose(y[:, 4:7], ref.transpose(1, 2), rtol=0, atol=1e-6)  # measured 6e-8
 
 
 @pytest.mark.parametrize("layer", ["1", "4"])  # KDA, MLA
@@ -164,13 +167,14 @@ def test_attention_respects_documents(layer):
     x2[0, :20] = torch.randn(20, m.args.dim)  # another document changes
     x2[1, 12:] = torch.randn(36, m.args.dim)
     y2 = attn(x2, ctx)
-    assert torch.allclose(y[0, 20:], y2[0, 20:], atol=1e-6)
-    assert torch.allclose(y[1, :12], y2[1, :12], atol=1e-6)
+    # Other documents' (and future tokens') values only ever meet exact zeros: equal, not just close.
+    assert torch.equal(y[0, 20:], y2[0, 20:])
+    assert torch.equal(y[1, :12], y2[1, :12])
     assert not torch.allclose(y[0, :20], y2[0, :20])
     # Causal: the future does not leak.
     x3 = x.clone()
     x3[:, 40:] += 1.0
-    assert torch.allclose(attn(x3, ctx)[:, :40], y[:, :40], atol=1e-6)
+    assert torch.equal(attn(x3, ctx)[:, :40], y[:, :40])
 
 
 def test_model_trains_a_step_and_reports_load():
@@ -254,7 +258,8 @@ def test_mla_qk_clip_caps_max_logits():
     gamma = apply_qk_clip(m, threshold)["layers.4.attn"]
     assert torch.allclose(gamma, threshold / before)
     attn(x)
-    assert torch.allclose(attn.max_logits, torch.full_like(before, threshold), rtol=1e-4)
+    # fp32 rounding of the rescaled weights: measured <= 2e-7 relative over seeds 0-11.
+    assert torch.allclose(attn.max_logits, torch.full_like(before, threshold), rtol=1e-5)
 
 
 def test_expert_init_is_per_expert():

@@ -41,7 +41,7 @@ def test_batched_ns_equals_per_matrix_and_torch():
     G = torch.randn(5, 24, 40, generator=g, dtype=torch.float64)
     out = newton_schulz5(G)
     for i in range(5):
-        torch.testing.assert_close(out[i], newton_schulz5_reference(G[i]), rtol=0, atol=1e-12)
+        torch.testing.assert_close(out[i], newton_schulz5_reference(G[i]), rtol=0, atol=1e-13)  # measured 1.8e-15
     tall = torch.randn(3, 40, 24, generator=g)
     out32 = newton_schulz5(tall)
     assert out32.dtype == torch.float32
@@ -68,7 +68,8 @@ def test_ns_maps_singular_values():
     sig = torch.logspace(-2, 0, 20, dtype=torch.float64)
     G = U @ torch.diag(sig) @ V.T
     out = newton_schulz5(G)
-    torch.testing.assert_close(out, U @ torch.diag(f(sig / (sig.norm() + 1e-7))) @ V.T, rtol=0, atol=1e-10)
+    # fp64 rounding: measured 2.6e-15.
+    torch.testing.assert_close(out, U @ torch.diag(f(sig / (sig.norm() + 1e-7))) @ V.T, rtol=0, atol=1e-13)
     # and on [0.01, 1] that map stays in about [0.68, 1.13]
     y = f(torch.linspace(0.01, 1, 10001, dtype=torch.float64))
     assert 0.67 < float(y.min()) < 0.69 and 1.12 < float(y.max()) < 1.14
@@ -156,7 +157,7 @@ def test_per_head_step_equals_muon_on_each_head():
         rows = slice(i * dh, (i + 1) * dh)
         upd = newton_schulz5_reference((1 + mu) * G[rows].double())  # Nesterov at step 1: G + mu * (mu*0 + G)
         expect = W0[rows].double() * (1 - 0.01 * 0.05) - 0.01 * 0.2 * math.sqrt(32) * upd
-        torch.testing.assert_close(fused64.detach()[rows], expect, rtol=0, atol=1e-12)
+        torch.testing.assert_close(fused64.detach()[rows], expect, rtol=0, atol=1e-14)  # measured 2.2e-16
 
 
 def test_cols_and_batch_and_bucketing_float64():
@@ -186,7 +187,7 @@ def test_cols_and_batch_and_bucketing_float64():
             O = torch.stack([newton_schulz5_reference(m_) for m_ in mats])
             scale = 0.2 * math.sqrt(max(O.shape[-2:]))
             W = W * (1 - 0.03 * 0.1) - 0.03 * scale * from_matrices(O, shape, s)
-        torch.testing.assert_close(params[k].detach(), W, rtol=0, atol=1e-12)
+        torch.testing.assert_close(params[k].detach(), W, rtol=0, atol=2e-14)  # measured 4.4e-16
 
 
 def test_rank_limited_fused_matrix():
@@ -218,8 +219,9 @@ def test_rank_limited_fused_matrix():
         p.grad = G.clone()
         opt.step()
         scale = 0.2 * math.sqrt(64) if per_head else 0.2 * math.sqrt(192)
+        # One fp32 ulp apart at most (measured 4.8e-7 on norms ~3.6).
         torch.testing.assert_close((-p.detach() / scale).view(12, 16, 64).norm(dim=(1, 2)), out[per_head],
-                                   rtol=1e-5, atol=1e-5)
+                                   rtol=1e-6, atol=1e-6)
 
 
 def test_bf16_params_keep_fp32_momentum_and_state_dict_round_trip():
@@ -441,7 +443,7 @@ def test_k3_tiny_grouping():
     new = update_biases(model)
     assert len(new) == len(bals)
     for b in new.values():
-        assert abs(float(b.sum())) < 1e-4 and float(b.abs().max()) > 0
+        assert abs(float(b.sum())) < 5e-8 and float(b.abs().max()) > 0  # fp32 centring: measured <= 9.3e-10
     moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
     assert len(moved) > 0.9 * len(before)
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -494,7 +496,7 @@ def test_qk_clip():
     after = att.logits(x).amax(dim=(1, 2))
     over = before > tau
     assert over.tolist() == [True, False, True]
-    torch.testing.assert_close(after[over], torch.full_like(after[over], tau), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after[over], torch.full_like(after[over], tau), rtol=1e-6, atol=0)  # measured 9.5e-8
     torch.testing.assert_close(after[~over], before[~over], rtol=0, atol=0)
     torch.testing.assert_close(gamma, torch.where(over, tau / before, torch.ones(3)))
     assert torch.equal(att.wks.weight, wks) and torch.equal(att.wk.weight.view(3, 10, 10)[:, 6:], wv)  # untouched
