@@ -1,0 +1,950 @@
+"""Mutation suite: break one piece of K3's mathematics or machinery at a time and check that the tests notice.
+
+    python tools/mutants.py                     # every mutation, 2 pytest runs at a time
+    python tools/mutants.py --only NAME ...     # some of them
+    python tools/mutants.py --list              # the table, without running anything
+    python tools/mutants.py --jobs 1 -v         # one run at a time; -v: how each mutation was killed
+
+Each entry of MUTATIONS changes ONE thing (a gate, a scale, a sign, a reduction, a schedule phase...) by
+monkeypatching, never by editing a file, and names the fast tests that must fail because of it. Every mutation gets
+its own pytest run (`-x -q` on its tests) with K3_MUTANT=<name>; this file is that run's pytest plugin:
+`pytest_configure` imports the target module and patches it before any test module is imported. The runs are forked
+from this process after it has imported torch and the other heavy libraries (never the project's modules), so each
+starts in a fraction of a second; by hand the same run is
+
+    K3_MUTANT=NAME PYTHONPATH=tools python -m pytest -x -q -p mutants <tests>
+
+Verdicts:
+- killed: pytest exits with failures (code 1);
+- SURVIVED: the tests pass with the mutation in place (the table notes when the patched code was never called);
+- error: anything else: the target no longer exists (a mechanism moved or was renamed: fix the entry, do not drop
+  it), pytest could not run, the run timed out, or the tests fail without any mutation (the control).
+
+The control runs the union of every entry's tests once without a mutation; they must pass, otherwise a kill would
+prove nothing (entries whose tests fail in the control are reported as errors). The last line printed is JSON:
+{"total": N, "killed": K, "survivors": [names that survived or errored]}. tests/e2e/test_mutants.py runs the whole
+suite and requires K == N.
+
+Patching rules (why the helpers below exist):
+- `from x import f` binds f in the importing module, so replacing x.f alone would miss those copies. A replaced
+  function or class is therefore also swapped in every loaded module that holds the very same object; modules
+  imported later (the tests) import the patched one. `sweep=False` patches only the named binding (e.g. the trainer's
+  own `attach_balancers`, not the function everyone else calls).
+- Data attributes (constants) are patched at the named binding only.
+- `with_globals(fn, name=value)` copies a function with some global names rebound, and `Proxy(module, attr=...)`
+  stands in for a module with a few attributes replaced: together they change one call inside one function
+  (e.g. `torch.sigmoid` inside KDA.forward only) without copying the function's code.
+- Mutations in code that runs in worker processes are caught by tests whose workers are forked from the pytest
+  process (tests/unit/test_parallel_pieces.py), so they inherit the patched modules.
+
+Adding a mutation when a change adds a mechanism: write a small `_name(original) -> replacement` function, add a
+`Mutation(name, "package.module:Attr.path", "what it changes", _name, (fast tests...))` entry to MUTATIONS, and run
+`python tools/mutants.py --only name`. If it survives, the mechanism is untested: add the test that kills it (the
+smallest one: a pytest node id, not a whole file, keeps the suite within its time budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import dataclasses
+import functools
+import importlib
+import json
+import math
+import os
+import signal
+import sys
+import tempfile
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+ENV = "K3_MUTANT"
+REPORT_ENV = "K3_MUTANT_REPORT"
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 240
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    target: str
+    """'package.module:Attr.path': what is replaced (a module attribute, or an attribute of a class in it)."""
+    what: str
+    patch: Callable[[Any], Any]
+    """original -> replacement."""
+    tests: tuple[str, ...]
+    """pytest node ids (or files) that must fail under the mutation, relative to the repository root."""
+    sweep: bool = True
+    """Also replace the original in every loaded module that imported it by name (functions and classes only)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Helpers for one-line changes inside a function
+# ---------------------------------------------------------------------------------------------------------------------
+def with_globals(fn: Callable, **names: Any) -> Callable:
+    """A copy of fn whose global names `names` are rebound (its module is untouched)."""
+    glb = dict(fn.__globals__)
+    glb.update(names)
+    new = types.FunctionType(fn.__code__, glb, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__ = fn.__qualname__
+    return new
+
+
+class Proxy:
+    """A stand-in for a module or object with some attributes replaced; dotted names reach into sub-objects
+    (Proxy(torch, **{"nn.utils.clip_grad_norm_": f})). Everything else is the real attribute."""
+
+    def __init__(self, base: Any, **overrides: Any):
+        nested: dict[str, dict[str, Any]] = {}
+        for key, value in overrides.items():
+            head, _, rest = key.partition(".")
+            if rest:
+                nested.setdefault(head, {})[rest] = value
+            else:
+                object.__setattr__(self, head, value)
+        for head, sub in nested.items():
+            object.__setattr__(self, head, Proxy(getattr(base, head), **sub))
+        object.__setattr__(self, "_base", base)
+
+    def __getattr__(self, name: str) -> Any:  # only reached for attributes not overridden
+        return getattr(object.__getattribute__(self, "_base"), name)
+
+
+def _torch():
+    import torch
+    return torch
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# K3 layers
+# ---------------------------------------------------------------------------------------------------------------------
+def _gate_floor_doubled(orig):
+    def kda_gate(f, A_log, dt_bias, g_min=-5.0):
+        return orig(f, A_log, dt_bias, 2 * g_min)
+    return kda_gate
+
+
+def _kda_output_gate_tanh(orig):
+    torch = _torch()
+    return with_globals(orig, torch=Proxy(torch, sigmoid=torch.tanh))
+
+
+def _kda_q_not_normalised(orig):
+    l2norm = orig.__globals__["l2norm"]
+
+    def qkvgb(self, x, ctx):
+        calls = []
+
+        def skip_first(t, eps=1e-6):  # qkvgb normalises q first, then k
+            calls.append(t)
+            return t if len(calls) == 1 else l2norm(t, eps)
+        return with_globals(orig, l2norm=skip_first)(self, x, ctx)
+    return qkvgb
+
+
+def _conv_ignores_documents(orig):
+    def causal_conv1d(x, weight, pos_in_doc=None, halo=None):
+        return orig(x, weight, None, halo)
+    return causal_conv1d
+
+
+def _conv_taps_reversed(orig):
+    def causal_conv1d(x, weight, pos_in_doc=None, halo=None):
+        return orig(x, weight.flip(-1), pos_in_doc, halo)
+    return causal_conv1d
+
+
+def _mla_not_causal(orig):
+    import torch.nn.functional as F
+
+    def sdpa(q, k, v, attn_mask=None, is_causal=False, **kw):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kw)
+    return with_globals(orig, F=Proxy(F, scaled_dot_product_attention=sdpa))
+
+
+def _mla_scale_without_shared(orig):
+    def __init__(self, args):
+        orig(self, args)
+        self.scale = self.k_dim ** -0.5
+    return __init__
+
+
+def _mla_output_gate_dropped(orig):
+    torch = _torch()
+    return with_globals(orig, torch=Proxy(torch, sigmoid=torch.ones_like))
+
+
+def _attn_res_temperature(orig):
+    def attn_res(query, sources, key_norm_weight=None, eps=1e-6):
+        if query is not None:
+            query = query / math.sqrt(query.shape[-1])
+        return orig(query, sources, key_norm_weight, eps)
+    return attn_res
+
+
+def _router_weights_biased(orig):
+    torch = _torch()
+    import torch.nn.functional as F
+
+    def forward(self, x):
+        idx, _ = orig(self, x)
+        s = torch.sigmoid(F.linear(x.to(self.score_dtype), self.weight.to(self.score_dtype)))
+        chosen = (s + self.bias.to(s.dtype)).gather(-1, idx)
+        return idx, (chosen / chosen.sum(-1, keepdim=True)).float()
+    return forward
+
+
+def _router_top_k_minus_one(orig):
+    torch = _torch()
+    return with_globals(orig, torch=Proxy(torch, topk=lambda x, k, **kw: torch.topk(x, k - 1, **kw)))
+
+
+def _router_selection_unbiased(orig):
+    def forward(self, x):
+        bias = self.bias.clone()
+        self.bias.zero_()
+        try:
+            return orig(self, x)
+        finally:
+            self.bias.copy_(bias)
+    return forward
+
+
+def _situ_betas_swapped(orig):
+    def situ(g, u, beta1=4.0, beta2=25.0):
+        return orig(g, u, beta2, beta1)
+    return situ
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# KDA ops
+# ---------------------------------------------------------------------------------------------------------------------
+def _chunk_terms_bf16(orig):
+    torch = _torch()
+
+    def _chunk_terms(q, k, v, g, beta):
+        out = orig(q, k, v, g, beta)
+        if k.dtype != torch.float32:
+            return out
+        return tuple(None if t is None else t.bfloat16().float() for t in out)
+    return _chunk_terms
+
+
+def _scores_drop_tile_row(orig):
+    tile = orig.__globals__["TILE"]
+
+    def _decayed_scores(rows, k, G):
+        A = orig(rows, k, G)
+        if k.shape[-2] < 2 * tile:
+            return A
+        out = []
+        for a in A:  # the second tile row no longer sees the first tile (the earlier-tile loop starting at 2)
+            a = a.clone()
+            a[..., tile:2 * tile, :tile] = 0
+            out.append(a)
+        return out
+    return _decayed_scores
+
+
+def _naive_decay_late(orig):
+    torch = _torch()
+
+    def _recurrence(q, k, v, g, beta, S):
+        late = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)
+        return orig(q, k, v, late, beta, S)
+    return _recurrence
+
+
+def _fold_reversed(orig):
+    def fold_summaries(M, B, dim):
+        return orig(M.flip(dim), B.flip(dim), dim)
+    return fold_summaries
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Context parallelism
+# ---------------------------------------------------------------------------------------------------------------------
+def _prefix_scan_transposed(orig):
+    torch = _torch()
+
+    def exclusive_prefix_states(summaries, K):
+        return orig(torch.cat([summaries[..., :K].transpose(-1, -2), summaries[..., K:]], dim=-1), K)
+    return exclusive_prefix_states
+
+
+def _summary_keeps_m(orig):
+    torch = _torch()
+
+    def kda_piece_summaries(chunks, plan):
+        return orig(chunks, dataclasses.replace(plan, keep_m=torch.ones_like(plan.keep_m)))
+    return kda_piece_summaries
+
+
+def _pieces_always_carry(orig):
+    torch = _torch()
+
+    def kda_pieces(chunks, incoming, plan):
+        return orig(chunks, incoming, dataclasses.replace(plan, carry=torch.ones_like(plan.carry)))
+    return kda_pieces
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Optimizers
+# ---------------------------------------------------------------------------------------------------------------------
+def _ns_coefficients_typo(orig):
+    a, b, c = orig
+    return (a, b, c + 0.3)
+
+
+def _muon_plain_momentum(orig):
+    def _nesterov_update(self, group, g, buf):
+        return orig(self, {**group, "nesterov": False}, g, buf)
+    return _nesterov_update
+
+
+def _muon_scale_min(orig):
+    def muon_scale(rows, cols):
+        return orig(min(rows, cols), min(rows, cols))
+    return muon_scale
+
+
+def _muon_decay_without_lr(orig):
+    def _apply(self, group, p, upd, scale):
+        # W <- W (1 - wd) - lr * scale * O: the decay no longer follows the learning rate
+        lr, wd = group["lr"], group["weight_decay"]
+        p.mul_(1 - wd)
+        p.add_(upd.to(p.dtype), alpha=-lr * scale)
+    return _apply
+
+
+def _adamw_default_betas(orig):
+    def _adamw_step(self, group):
+        return orig(self, {**group, "betas": (0.9, 0.999)})
+    return _adamw_step
+
+
+def _no_embedding_exemption(orig):
+    return lambda model: set()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Balancing
+# ---------------------------------------------------------------------------------------------------------------------
+def _histogram_midpoint(orig):
+    torch = _torch()
+
+    def bias_from_histogram(hist, lo, hi, k, *, centre=True):
+        b = orig(hist, lo, hi, k, centre=False).double()
+        width = (hi.double() - lo.double()) / hist.shape[1]
+        bin_ = torch.floor((b - lo.double()) / width - 1e-9).clamp(0, hist.shape[1] - 1)
+        mid = lo.double() + (bin_ + 0.5) * width  # the bin's middle instead of the interpolated point
+        return (mid - mid.mean() if centre else mid).float()
+    return bias_from_histogram
+
+
+def _histogram_k_plus_one(orig):
+    def bias_from_histogram(hist, lo, hi, k, *, centre=True):
+        return orig(hist, lo, hi, k + 1, centre=centre)
+    return bias_from_histogram
+
+
+def _quantile_not_centred(orig):
+    def quantile_bias(scores, bias, k, *, centre=True):
+        return orig(scores, bias, k, centre=False)
+    return quantile_bias
+
+
+def _sign_rule_flipped(orig):
+    def _finish(self, buf):
+        before = self.bias.clone()
+        new = orig(self, buf)
+        return 2 * before - new  # b - u sign(mean - load)
+    return _finish
+
+
+def _trainer_sign_for_quantile(orig):
+    def attach_balancers(model, kind, **kw):
+        return orig(model, "sign" if kind == "quantile" else kind, **kw)
+    return attach_balancers
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Learning-rate schedule (warmup-stable-decay, built by the trainer)
+# ---------------------------------------------------------------------------------------------------------------------
+def _scheduler_with(**optim_changes):
+    def patch(orig):
+        def _build_scheduler(self):
+            cfg = self.cfg
+            self.cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, **optim_changes))
+            try:
+                return orig(self)
+            finally:
+                self.cfg = cfg
+        return _build_scheduler
+    return patch
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parallel code
+# ---------------------------------------------------------------------------------------------------------------------
+def _zero_reduce_scatter_mean(orig):
+    def _reduce_scatter(self, b):
+        orig(self, b)
+        for it in b.items:
+            self.shard_grads[id(it.param)].div_(self.n)
+    return _reduce_scatter
+
+
+def _zero_all_reduce_mean(orig):
+    def _all_reduce(self, b):
+        orig(self, b)
+        if self.n > 1:
+            for it in b.items:
+                it.param.grad.div_(self.n)
+    return _all_reduce
+
+
+def _zero_gather_skipped(orig):
+    def _all_gather_params(self, b):
+        return None  # the other ranks' updated rows never arrive
+    return _all_gather_params
+
+
+def _pp_stage_with(name, make):
+    """Patch one method of the pipeline stage class that _pipeline_stage_cls builds (a new class per call).
+    make(k3_method, torch_method) -> replacement: the stage's own override and PipelineStage's method."""
+    def patch(orig):
+        def _pipeline_stage_cls():
+            cls = orig()
+            setattr(cls, name, make(vars(cls)[name], getattr(cls.__mro__[1], name)))
+            return cls
+        return _pipeline_stage_cls
+    return patch
+
+
+def _send_zeros(k3_method, torch_method):
+    torch = _torch()
+    import torch.distributed as dist
+
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        ops = k3_method(self, fwd_chunk_id)  # counted as before, but the buffer sent is never filled
+        return [dist.P2POp(op.op, torch.zeros_like(op.tensor), op.peer, op.group, op.tag) for op in ops]
+    return get_fwd_send_ops
+
+
+def _bwd_bytes_as_elements(k3_method, torch_method):
+    from k3train.parallel import comm
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        ops = torch_method(self, bwd_chunk_id)
+        for op in ops:
+            comm.record("pp", "send_bwd", op.tensor.numel())  # elements, not bytes
+        return ops
+    return get_bwd_send_ops
+
+
+def _mix_with_sort_order(orig):
+    torch = _torch()
+
+    def mix_rows(y, weights, order):
+        return orig(y, weights, torch.argsort(order))  # un-sorts with the order itself, not its inverse
+    return mix_rows
+
+
+def _quota_transposed(orig):
+    def _group_quotas(balance):
+        return orig(balance).T.contiguous()
+    return _group_quotas
+
+
+def _split_smallest_first(orig):
+    torch = _torch()
+
+    def sort(x, dim=-1, descending=False, stable=False):
+        return torch.sort(x, dim=dim, descending=not descending, stable=stable)
+    return with_globals(orig, torch=Proxy(torch, sort=sort))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------------------------------
+def _count_ignored_targets(orig):
+    return with_globals(orig, IGNORE_INDEX=-1)  # no label is -1: every position counts as a target
+
+
+def _ce_scores_ignored(orig):
+    import torch.nn.functional as F
+
+    def cross_entropy(logits, labels, **kw):
+        return F.cross_entropy(logits, labels.clamp(min=0), **kw)  # ignored positions become token 0
+    return with_globals(orig, F=Proxy(F, cross_entropy=cross_entropy))
+
+
+def _per_microbatch_mean(orig):
+    def train_step(self):
+        m = self.cfg.parallel.microbatches
+        # each micro-batch divided by its share of the step's targets: the accumulated gradient is m times too big
+        return with_globals(orig, max=lambda *a: builtins.max(*a) / m)(self)
+    return train_step
+
+
+def _clip_dropped(orig):
+    torch = _torch()
+
+    def clip_grad_norm_(params, max_norm, *a, **kw):
+        return torch.nn.utils.clip_grad_norm_(params, math.inf)  # the norm is measured, nothing is scaled
+    return with_globals(orig, torch=Proxy(torch, **{"nn.utils.clip_grad_norm_": clip_grad_norm_}))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The table
+# ---------------------------------------------------------------------------------------------------------------------
+KDA_OPS = "tests/unit/test_kda_ops.py"
+LAYERS = "tests/unit/test_layer_references.py"
+MODEL = "tests/unit/test_model.py"
+MUON = "tests/unit/test_muon.py"
+QB = "tests/unit/test_quantile_balancing.py"
+TRAIN = "tests/unit/test_trainer_math.py"
+CP = "tests/unit/test_cp_local.py"
+EP = "tests/unit/test_ep_local.py"
+MOONEP = "tests/unit/test_moonep_planner.py"
+PIECES = "tests/unit/test_parallel_pieces.py"
+GAPS = "tests/unit/test_mutant_gaps.py"
+
+M = Mutation
+MUTATIONS: list[Mutation] = [
+    # ---- KDA layer
+    M("kda_gate_floor_doubled", "k3train.ops.kda.gate:kda_gate",
+      "log-decay bounded below by 2 g_min (-10) instead of g_min", _gate_floor_doubled,
+      (f"{KDA_OPS}::test_gate", f"{LAYERS}::test_kda_matches_reference")),
+    M("kda_output_gate_tanh", "k3train.models.k3.kda:KDA.forward",
+      "output gate tanh(W_g x) instead of sigmoid(W_g x)", _kda_output_gate_tanh,
+      (f"{LAYERS}::test_kda_matches_reference",)),
+    M("kda_q_not_normalised", "k3train.models.k3.kda:KDA.qkvgb",
+      "q is not L2-normalised (k still is)", _kda_q_not_normalised,
+      (f"{LAYERS}::test_kda_matches_reference",)),
+    M("conv_crosses_documents", "k3train.ops.short_conv:causal_conv1d",
+      "short conv ignores document starts (reads the previous document)", _conv_ignores_documents,
+      (f"{MODEL}::test_conv_does_not_cross_documents",)),
+    M("conv_taps_reversed", "k3train.ops.short_conv:causal_conv1d",
+      "short conv applies its taps in reverse order", _conv_taps_reversed,
+      (f"{LAYERS}::test_kda_matches_reference",)),
+    # ---- Gated MLA
+    M("mla_not_causal", "k3train.models.k3.mla:GatedMLA.forward",
+      "no-document path attends without the causal mask", _mla_not_causal,
+      (f"{LAYERS}::test_mla_matches_reference", f"{LAYERS}::test_model_is_causal_without_documents")),
+    M("mla_scale_without_shared", "k3train.models.k3.mla:GatedMLA.__init__",
+      "softmax scale 128^-1/2 (the shared 64-wide key slice left out)", _mla_scale_without_shared,
+      (f"{LAYERS}::test_mla_matches_reference",)),
+    M("mla_output_gate_dropped", "k3train.models.k3.mla:GatedMLA.forward",
+      "attention output not gated by sigmoid(W_g x)", _mla_output_gate_dropped,
+      (f"{LAYERS}::test_mla_matches_reference",)),
+    # ---- Block AttnRes
+    M("attn_res_temperature", "k3train.ops.attn_res:attn_res",
+      "depth softmax logits divided by sqrt(D)", _attn_res_temperature,
+      (f"{MODEL}::test_attn_res_zero_query_is_mean_and_scale_invariant",)),
+    # ---- Stable LatentMoE
+    M("router_weights_biased", "k3train.models.k3.moe:Router.forward",
+      "mixture weights from the biased scores s + b", _router_weights_biased,
+      (f"{MODEL}::test_router_bias_changes_choice_not_weights_or_grads",)),
+    M("router_top_k_minus_one", "k3train.models.k3.moe:Router.forward",
+      "router selects top_k - 1 experts", _router_top_k_minus_one,
+      (f"{LAYERS}::test_latent_moe_matches_reference",)),
+    M("router_selection_unbiased", "k3train.models.k3.moe:Router.forward",
+      "top-k selection ignores the balancing bias", _router_selection_unbiased,
+      (f"{MODEL}::test_router_bias_changes_choice_not_weights_or_grads",)),
+    M("situ_betas_swapped", "k3train.ops.situ:situ",
+      "SiTU-GLU caps swapped (beta1 = 25 on the gate, beta2 = 4 on the linear branch)", _situ_betas_swapped,
+      (f"{LAYERS}::test_latent_moe_matches_reference",)),
+    # ---- KDA ops
+    M("chunk_kda_bf16_internals", "k3train.ops.kda.chunk:_chunk_terms",
+      "fp32 chunk terms (M, B, Q Gamma - Aqk W, Aqk U) rounded to bf16", _chunk_terms_bf16,
+      (f"{KDA_OPS}::test_chunk_matches_naive_fp32",)),
+    M("chunk_kda_drops_tile_row", "k3train.ops.kda.chunk:_decayed_scores",
+      "intra-chunk scores: tokens 16-31 of a chunk do not see tokens 0-15", _scores_drop_tile_row,
+      (f"{KDA_OPS}::test_chunk_matches_naive_fp64",)),
+    M("naive_kda_decay_late", "k3train.ops.kda.naive:_recurrence",
+      "reference recurrence applies each token's decay one token late", _naive_decay_late,
+      (f"{KDA_OPS}::test_reference_matches_transition_form",)),
+    M("kda_summary_fold_reversed", "k3train.ops.kda.chunk:fold_summaries",
+      "affine summaries composed latest-first", _fold_reversed,
+      (f"{KDA_OPS}::test_summary_composes_with_the_initial_state",)),
+    # ---- context parallelism
+    M("cp_prefix_scan_transposed", "k3train.parallel.context_parallel:exclusive_prefix_states",
+      "prefix scan applies M^T instead of M", _prefix_scan_transposed,
+      (f"{CP}::test_kda_pieces_equal_whole_sequence",)),
+    M("cp_summary_crosses_documents", "k3train.parallel.context_parallel:kda_piece_summaries",
+      "a piece that starts a document still passes the incoming state on (M kept)", _summary_keeps_m,
+      (f"{CP}::test_kda_pieces_equal_whole_sequence",)),
+    M("cp_piece_always_carries", "k3train.parallel.context_parallel:kda_pieces",
+      "a piece that starts with a document still takes the incoming state", _pieces_always_carry,
+      (f"{CP}::test_kda_pieces_equal_whole_sequence",)),
+    # ---- optimizers
+    M("muon_ns_coefficients", "k3train.optim.muon:NS_COEFFICIENTS",
+      "Newton-Schulz c = 2.3315 instead of 2.0315", _ns_coefficients_typo,
+      (f"{MUON}::test_ns_maps_singular_values",)),
+    M("muon_not_nesterov", "k3train.optim.muon:PerHeadMuon._nesterov_update",
+      "plain momentum instead of Nesterov", _muon_plain_momentum,
+      (f"{MUON}::test_whole_matrix_step_matches_torch_muon",)),
+    M("muon_scale_min_side", "k3train.optim.muon:muon_scale",
+      "update scale 0.2 sqrt(min(A, B)) instead of 0.2 sqrt(max(A, B))", _muon_scale_min,
+      (f"{MUON}::test_whole_matrix_step_matches_torch_muon",)),
+    M("muon_decay_without_lr", "k3train.optim.muon:PerHeadMuon._apply",
+      "weight decay W (1 - wd) instead of W (1 - lr wd)", _muon_decay_without_lr,
+      (f"{MUON}::test_whole_matrix_step_matches_torch_muon",)),
+    M("adamw_default_betas", "k3train.optim.muon:PerHeadMuon._adamw_step",
+      "AdamW groups step with (0.9, 0.999) instead of optim.betas", _adamw_default_betas,
+      (f"{MUON}::test_build_optimizer_muon_and_adamw_groups",)),
+    M("adamw_decays_embeddings", "k3train.optim.param_groups:_embedding_params",
+      "embedding tables join the weight-decay group", _no_embedding_exemption,
+      (f"{MUON}::test_split_params_groups",)),
+    # ---- balancing
+    M("qb_histogram_midpoint", "k3train.optim.quantile_balancing:bias_from_histogram",
+      "histogram quantile read at the bin midpoint, not interpolated", _histogram_midpoint,
+      (f"{TRAIN}::test_bias_from_histogram_interpolates_inside_the_bin",)),
+    M("qb_histogram_k_plus_one", "k3train.optim.quantile_balancing:bias_from_histogram",
+      "histogram quantile position q = m (k+1) / E", _histogram_k_plus_one,
+      (f"{QB}::test_histogram_within_one_bin_of_exact",)),
+    M("qb_exact_not_centred", "k3train.optim.quantile_balancing:quantile_bias",
+      "exact Quantile Balancing bias left uncentred", _quantile_not_centred,
+      (f"{QB}::test_exact_matches_reference_and_gives_exact_loads",)),
+    M("sign_rule_flipped", "k3train.optim.quantile_balancing:SignBalancer._finish",
+      "sign rule steps b - u sign(mean - load)", _sign_rule_flipped,
+      (f"{QB}::test_sign_balancer_rule",)),
+    M("trainer_quantile_runs_sign", "k3train.train.trainer:attach_balancers",
+      "train.balancing=quantile attaches the sign rule", _trainer_sign_for_quantile,
+      (f"{TRAIN}::test_balancing_quantile_replaces_the_bias_in_one_step",), sweep=False),
+    # ---- warmup-stable-decay
+    M("wsd_no_stable_phase", "k3train.train.trainer:Trainer._build_scheduler",
+      "decay starts right after warmup (no stable phase)", _scheduler_with(decay_ratio=1.0),
+      (f"{TRAIN}::test_lr_of_every_step_follows_warmup_stable_decay",)),
+    M("wsd_no_floor", "k3train.train.trainer:Trainer._build_scheduler",
+      "decay heads to 0 instead of min_lr_ratio x peak", _scheduler_with(min_lr_ratio=0.0),
+      (f"{TRAIN}::test_lr_of_every_step_follows_warmup_stable_decay",)),
+    # ---- ZeRO, pipeline, expert parallelism, MoonEP
+    M("zero_reduce_scatter_mean", "k3train.parallel.zero:ShardGroup._reduce_scatter",
+      "ZeRO-2 reduce-scatter averages instead of summing", _zero_reduce_scatter_mean,
+      (f"{PIECES}::test_zero_reduce_and_gather",)),
+    M("zero_all_reduce_mean", "k3train.parallel.zero:ShardGroup._all_reduce",
+      "ZeRO-0/1 gradient all-reduce averages instead of summing", _zero_all_reduce_mean,
+      (f"{PIECES}::test_zero_reduce_and_gather",)),
+    M("zero_gather_skipped", "k3train.parallel.zero:ShardGroup._all_gather_params",
+      "ZeRO parameter all-gather skipped: replicas keep stale rows", _zero_gather_skipped,
+      (f"{PIECES}::test_zero_reduce_and_gather",)),
+    M("pp_sends_zeros", "k3train.parallel.pipeline:_pipeline_stage_cls",
+      "forward sends carry a zero buffer instead of the activations", _pp_stage_with("get_fwd_send_ops", _send_zeros),
+      (f"{PIECES}::test_pipeline_step_equals_one_process",)),
+    M("pp_bwd_bytes_as_elements", "k3train.parallel.pipeline:_pipeline_stage_cls",
+      "backward sends counted in elements, not bytes", _pp_stage_with("get_bwd_send_ops", _bwd_bytes_as_elements),
+      (f"{PIECES}::test_pipeline_step_equals_one_process",)),
+    M("ep_combine_sort_order", "k3train.parallel.expert_parallel:mix_rows",
+      "combine un-sorts expert outputs with the sort order instead of its inverse", _mix_with_sort_order,
+      (f"{EP}::test_alltoall_layout_end_to_end_in_one_process",)),
+    M("moonep_quota_transposed", "k3train.parallel.moonep:_group_quotas",
+      "group fills recorded as quota[receiver, giver]", _quota_transposed,
+      (f"{MOONEP}::test_hand_example_one_fill",)),
+    M("moonep_split_smallest_first", "k3train.parallel.moonep:_split_quotas",
+      "receivers take a group's smallest experts first", _split_smallest_first,
+      (f"{MOONEP}::test_vectorised_plan_matches_loop_reference",)),
+    # ---- trainer
+    M("trainer_counts_ignored", "k3train.train.trainer:Trainer.train_step",
+      "loss denominator counts ignored (-100) positions", _count_ignored_targets,
+      (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),
+    M("trainer_scores_ignored", "k3train.train.trainer:Trainer._forward_ce",
+      "cross entropy scores ignored positions as token 0", _ce_scores_ignored,
+      (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),
+    M("trainer_microbatch_mean", "k3train.train.trainer:Trainer.train_step",
+      "gradient accumulation: each micro-batch normalised by its share of the targets", _per_microbatch_mean,
+      (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),
+    M("trainer_clip_dropped", "k3train.train.trainer:Trainer.train_step",
+      "global gradient-norm clip measured but not applied", _clip_dropped,
+      (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),
+]
+BY_NAME = {m.name: m for m in MUTATIONS}
+assert len(BY_NAME) == len(MUTATIONS), "mutation names must be unique"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Applying a mutation (inside the pytest process)
+# ---------------------------------------------------------------------------------------------------------------------
+class MutantError(RuntimeError):
+    """The mutation could not be applied: its target moved or no longer exists."""
+
+
+_HITS = [0]
+
+
+def _counted(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def hit(*a, **kw):
+        _HITS[0] += 1
+        return fn(*a, **kw)
+    return hit
+
+
+def apply(mutation: Mutation) -> None:
+    module_name, _, path = mutation.target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise MutantError(f"{mutation.name}: cannot import {module_name}: {e}") from None
+    owner, parts = module, path.split(".")
+    for part in parts[:-1]:
+        if not hasattr(owner, part):
+            raise MutantError(f"{mutation.name}: {module_name} has no {path} (missing {part!r})")
+        owner = getattr(owner, part)
+    attr = parts[-1]
+    if attr not in vars(owner):  # the object's own attribute, not an inherited one
+        raise MutantError(f"{mutation.name}: {mutation.target} does not exist")
+    original = vars(owner)[attr]
+    replacement = mutation.patch(original)
+    is_code = isinstance(original, (types.FunctionType, type))
+    if callable(replacement) and not isinstance(replacement, type):
+        replacement = _counted(replacement)
+    setattr(owner, attr, replacement)
+    if mutation.sweep and is_code and owner is module:
+        # `from module import name` copies: swap every binding of the very same object
+        for mod in list(sys.modules.values()):
+            d = getattr(mod, "__dict__", None)
+            if not isinstance(d, dict) or mod is module or d.get("__name__") == __name__:
+                continue
+            for key, value in list(d.items()):
+                if value is original:
+                    d[key] = replacement
+
+
+_FAILED: list[str] = []
+
+
+def pytest_configure(config):
+    name = os.environ.get(ENV, "")
+    if not name:
+        return
+    if name not in BY_NAME:
+        raise MutantError(f"unknown mutation {name!r}")
+    apply(BY_NAME[name])
+    config._k3_mutant = name
+
+
+def pytest_runtest_logreport(report):
+    if report.failed:
+        _FAILED.append(report.nodeid)
+
+
+def pytest_unconfigure(config):
+    path = os.environ.get(REPORT_ENV)
+    if path:
+        Path(path).write_text(json.dumps({"applied": getattr(config, "_k3_mutant", None), "hits": _HITS[0],
+                                          "failed": _FAILED}))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Running the suite
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    result: str  # killed | SURVIVED | error | passed | failed
+    seconds: float
+    detail: str = ""
+    failed: tuple[str, ...] = ()
+
+
+@dataclass
+class Job:
+    key: str
+    tests: tuple[str, ...]
+    mutation: str | None
+    stop_first: bool
+    workdir: Path
+    pid: int = 0
+    started: float = 0.0
+
+
+def _preload() -> None:
+    """Import the heavy third-party libraries once; every pytest run is a fork of this process, so each run starts
+    in a fraction of a second. Project modules are NOT preloaded: each run imports them after its patch."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Two pytest runs share the machine: one intra-op thread each (more only makes them spin-wait).
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    for name in ("numpy", "pytest", "torch", "torch.nn.functional", "torch.distributed.checkpoint",
+                 "torch.distributed.pipelining", "torch.distributed.tensor", "hydra", "omegaconf", "triton",
+                 "torchtitan.components.optimizer.lr_scheduler"):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an optional library: the runs import what they need themselves
+            pass
+    importlib.import_module("torch").set_num_threads(1)
+
+
+def _run_in_child(job: Job) -> None:
+    """In the forked child: pytest on job.tests with this module as the plugin; never returns."""
+    code = 3
+    try:
+        os.setpgid(0, 0)  # its own process group: a timeout ends the run and any workers it forked
+        log = os.open(job.workdir / "log.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.environ.pop(ENV, None)
+        if job.mutation:
+            os.environ[ENV] = job.mutation
+        os.environ[REPORT_ENV] = str(job.workdir / "report.json")
+        os.chdir(REPO)
+        sys.path.insert(0, str(REPO))  # what `python -m pytest` run from the repository puts first
+        import pytest
+        args = ["-q", "-p", "no:cacheprovider", "--basetemp", str(job.workdir / "tmp"),
+                *(["-x"] if job.stop_first else []), *job.tests]
+        code = int(pytest.main(args, plugins=[sys.modules[__name__]]))
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _outcome(job: Job, rc: int | None, seconds: float) -> Outcome:
+    log = job.workdir / "log.txt"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    report = job.workdir / "report.json"
+    info = json.loads(report.read_text()) if report.exists() else {}
+    lines = text.strip().splitlines()
+    # the most telling line of a failed run: the last exception raised, else the last line
+    tail = next((line.split("> ", 1)[-1].strip() for line in reversed(lines) if "Error" in line),
+                lines[-1] if lines else "")
+    if rc is None:
+        return Outcome("error", seconds, f"timed out after {TIMEOUT_S} s")
+    if job.mutation and info.get("applied") != job.mutation:
+        return Outcome("error", seconds, f"mutation not applied: {tail}")
+    if rc not in (0, 1):
+        return Outcome("error", seconds, f"pytest exit code {rc}: {tail}")
+    failed = tuple(info.get("failed", ()))
+    if job.mutation is None:
+        return Outcome("passed" if rc == 0 else "failed", seconds, tail, failed)
+    if rc == 1:
+        first_error = next((line[1:].strip() for line in text.splitlines() if line.startswith("E ")), "")
+        return Outcome("killed", seconds, f"{failed[0] if failed else ''}: {first_error}"[:240])
+    unreached = "(the patched code was not called in the pytest process)"
+    return Outcome("SURVIVED", seconds, "" if info.get("hits") else unreached)
+
+
+def run_jobs(jobs: list[Job], parallel: int) -> dict[str, Outcome]:
+    """Run the jobs as forked pytest runs, `parallel` at a time (one thread, no pool: forking stays safe)."""
+    _preload()
+    pending, running, out = list(jobs), [], {}
+    while pending or running:
+        while pending and len(running) < parallel:
+            job = pending.pop(0)
+            job.started = time.perf_counter()
+            sys.stdout.flush()  # nothing buffered here may be written again by the child
+            sys.stderr.flush()
+            job.pid = os.fork()
+            if job.pid == 0:
+                _run_in_child(job)
+            running.append(job)
+        time.sleep(0.05)
+        for job in list(running):
+            pid, status = os.waitpid(job.pid, os.WNOHANG)
+            elapsed = time.perf_counter() - job.started
+            if pid == 0 and elapsed < TIMEOUT_S:
+                continue
+            if pid == 0:  # timed out: end the run's whole process group
+                try:
+                    os.killpg(job.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    os.kill(job.pid, signal.SIGKILL)
+                os.waitpid(job.pid, 0)
+                rc = None
+            else:
+                rc = os.waitstatus_to_exitcode(status)
+            running.remove(job)
+            out[job.key] = _outcome(job, rc, elapsed)
+    return out
+
+
+def _union(tests: list[str]) -> tuple[str, ...]:
+    """Every test once: a file given whole absorbs its node ids."""
+    files = {t for t in tests if "::" not in t}
+    out = []
+    for t in tests:
+        if t not in out and (t in files or t.split("::")[0] not in files):
+            out.append(t)
+    return tuple(out)
+
+
+def _short(test: str) -> str:
+    path, _, node = test.partition("::")
+    return f"{Path(path).stem}::{node}" if node else Path(path).name
+
+
+def print_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> None:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+    print(line(header))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print(line(r))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Mutation suite: every mutation must be killed by its tests.")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
+    ap.add_argument("--list", action="store_true", help="print the mutations and their tests, run nothing")
+    ap.add_argument("--jobs", type=int, default=2, help="pytest processes at a time (default 2)")
+    ap.add_argument("--no-control", action="store_true", help="skip the control run without mutation")
+    ap.add_argument("-v", "--verbose", action="store_true", help="after the table, how each mutation was killed")
+    a = ap.parse_args(argv)
+    unknown = [n for n in a.only or () if n not in BY_NAME]
+    if unknown:
+        ap.error(f"unknown mutation(s) {unknown}; --list shows them")
+    chosen = [BY_NAME[n] for n in dict.fromkeys(a.only)] if a.only else list(MUTATIONS)
+    header = ("name", "target", "what it changes", "tests")
+    if a.list:
+        print_table([(m.name, m.target, m.what, " ".join(_short(t) for t in m.tests)) for m in chosen], header)
+        return 0
+
+    t0 = time.perf_counter()
+    control_tests = _union([t for m in chosen for t in m.tests])
+    with tempfile.TemporaryDirectory(prefix="k3mutants-") as tmp:
+        jobs = [] if a.no_control else [Job("", control_tests, None, False, Path(tmp) / "control")]
+        jobs += [Job(m.name, m.tests, m.name, True, Path(tmp) / m.name) for m in chosen]
+        for job in jobs:
+            job.workdir.mkdir()
+        outcomes = run_jobs(jobs, max(1, a.jobs))
+    control_out = outcomes.pop("", None)
+
+    if control_out is not None:
+        print(f"control (no mutation, {len(control_tests)} test ids): {control_out.result} in "
+              f"{control_out.seconds:.1f} s" + (f": {control_out.detail}" if control_out.result != "passed" else ""))
+        if control_out.result != "passed":
+            bad = set(control_out.failed)
+            for m in chosen:
+                # a kill proves nothing where the tests fail anyway
+                if not bad or any(f == t or f.startswith(t + "::") or f.startswith(t + "[") for f in bad
+                                  for t in m.tests):
+                    outcomes[m.name] = Outcome("error", outcomes[m.name].seconds,
+                                               "its tests fail without the mutation (control)")
+    rows = []
+    for m in chosen:
+        o = outcomes[m.name]
+        result = o.result + (f" {o.detail}"[:121] if o.result != "killed" and o.detail else "")
+        rows.append((m.name, m.target, m.what, " ".join(_short(t) for t in m.tests), result, f"{o.seconds:.1f}"))
+    print_table(rows, header + ("result", "seconds"))
+    if a.verbose:
+        print()
+        for m in chosen:
+            print(f"{m.name}: {outcomes[m.name].result} {outcomes[m.name].detail}")
+    killed = [m.name for m in chosen if outcomes[m.name].result == "killed"]
+    survivors = [m.name for m in chosen if outcomes[m.name].result != "killed"]
+    print(f"{len(killed)} of {len(chosen)} mutations killed in {time.perf_counter() - t0:.0f} s")
+    print(json.dumps({"total": len(chosen), "killed": len(killed), "survivors": survivors}))
+    return 0 if not survivors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
