@@ -74,7 +74,7 @@ def test_sharded_muon_matches_single_process(tmp_path):
     init, _ = make_params()
     for r in res:
         for a, b in zip(r["sharded"], r["single"]):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)  # measured 0: owners run the same arithmetic
         for a, b in zip(r["sharded"], res[0]["sharded"]):
             assert torch.equal(a, b)  # replicas stay identical
     # and the step really moved the Muon parameters

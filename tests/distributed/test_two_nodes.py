@@ -67,5 +67,6 @@ def test_two_nodes_train_like_one_process(tmp_path):
     assert [m["step"] for m in two] == [1, 2]
     for a, b in zip(two, one):
         assert a["tokens"] == b["tokens"]  # the two nodes together read the one-process batch
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["loss"], b["loss"])
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(b["grad_norm"]), (a["grad_norm"], b["grad_norm"])
+        # Measured equal; the bounds leave room for fp32 sums bracketed by the all-reduce.
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(b["loss"]), (a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-6 * abs(b["grad_norm"]), (a["grad_norm"], b["grad_norm"])

@@ -136,6 +136,6 @@ def test_grad_accumulation_and_two_process_dp_match_one_process(tmp_path):
     for a, b, c in zip(one, accum, dp2):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
         assert c["loss"] == pytest.approx(a["loss"], rel=1e-6)
-        assert c["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert c["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)  # measured equal
     # the same tokens per step, so tokens counted agree too
     assert one[-1]["tokens"] == dp2[-1]["tokens"] == accum[-1]["tokens"]
