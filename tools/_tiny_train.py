@@ -1,9 +1,11 @@
-"""A small, self-contained training loop for benchmark tools (not the project trainer).
+"""A small training loop for benchmark tools, on the project's one training path (k3train.parallel.engine).
 
-One process, one device, no parallelism: build a preset on the meta device, initialise it from a seed, read the
-built-in corpus, and take `steps` optimizer steps of next-token cross entropy (mean over target tokens), with global
+One process, one device, no parallelism: the engine builds and initialises a preset from a seed; the loop reads the
+built-in corpus and takes `steps` engine steps of next-token cross entropy (mean over target tokens), with global
 gradient clipping and a linear LambdaLR warmup (constant afterwards). After each step the routers' biases are
-updated (`update_biases`), so a bias computed at step s is used from step s + 1, as in the trainer.
+updated (`engine.update_biases`), so a bias computed at step s is used from step s + 1, as in the trainer. What
+differs from the trainer is only what a benchmark needs: its own schedule, an optional Muon learning rate, a skewed
+initial router bias and per-step routing records.
 
 Everything is a function of the config: same seed, data, optimizer and thread count give the same numbers, so two
 runs that differ in one setting (the balancer, the optimizer) see exactly the same batches.
@@ -16,20 +18,18 @@ micro-batch's rows split evenly over them).
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from k3train.data import IGNORE_INDEX, DataConfig, build_dataloader, build_tokenizer
+from k3train.data import DataConfig, build_dataloader, build_tokenizer
 from k3train.models.k3.args import get_preset
-from k3train.models.k3.context import BatchContext
-from k3train.models.k3.model import K3Model
 from k3train.optim.config import OptimConfig
-from k3train.optim.param_groups import build_optimizer
-from k3train.optim.quantile_balancing import attach_balancers, update_biases
+from k3train.optim.quantile_balancing import attach_balancers
+from k3train.parallel.engine import Engine, build_engine
+from k3train.parallel.mesh import ParallelDims
 
 
 @dataclass(kw_only=True)
@@ -122,31 +122,36 @@ def rank_counts_reference(idx: torch.Tensor, rows: int, ranks: int, n_experts: i
     return out
 
 
-def build_model(cfg: TinyRunConfig, device: torch.device) -> K3Model:
+def build_engine_for(cfg: TinyRunConfig, device: torch.device) -> Engine:
+    """The one-process engine of the run: model initialised from the seed, balancers attached, optimizer built."""
     args = get_preset(cfg.preset, **cfg.model_overrides)
-    with torch.device("meta"):
-        model = K3Model(args)
-    model.to_empty(device="cpu")
-    model.init_weights(cfg.seed)
+    if cfg.seq_len % args.kda_chunk:
+        raise ValueError(f"seq_len={cfg.seq_len} must be a multiple of {args.kda_chunk} "
+                         f"(the KDA chunk of preset {cfg.preset!r})")
+    optim = OptimConfig(name=cfg.optim, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
+                        warmup_steps=cfg.warmup_steps)
+    engine = build_engine(args, ParallelDims(), optim, seed=cfg.seed, device=device, seq_len_hint=cfg.seq_len,
+                          balancing=cfg.balancer)
+    model = engine.model_parts[0]
+    if cfg.balancer == "sign":  # the run's own sign step
+        attach_balancers(model, "sign", u=cfg.sign_u)
     if cfg.router_skew:
         for router in model.routers().values():
             E = router.n_experts
             ramp = 0.5 - torch.arange(E, dtype=torch.float32) / (E - 1)
-            router.bias.copy_(cfg.router_skew * ramp)
-    return model.to(device).train()
+            router.bias.copy_((cfg.router_skew * ramp).to(router.bias.device))
+    return engine
 
 
-def build_optim(model: K3Model, cfg: TinyRunConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    opt = build_optimizer(model, OptimConfig(name=cfg.optim, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                             grad_clip=cfg.grad_clip, warmup_steps=cfg.warmup_steps))
+def build_schedule(engine: Engine, cfg: TinyRunConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    opt = engine.optimizer
     if cfg.optim == "muon" and cfg.muon_lr is not None:
         for g in opt.param_groups:
             if g.get("name") == "muon":
                 g["lr"] = cfg.muon_lr
     warm = max(1, cfg.warmup_steps)
     # LambdaLR scales each group's own initial lr, so the Muon and AdamW groups keep their ratio.
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
-    return opt, sched
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
 
 
 def train(cfg: TinyRunConfig) -> dict:
@@ -168,13 +173,10 @@ def train(cfg: TinyRunConfig) -> dict:
     data_cfg = DataConfig(source="builtin", seq_len=cfg.seq_len, micro_batch=cfg.micro_batch, seed=cfg.seed,
                           builtin_max_bytes=cfg.builtin_max_bytes)
     tok = build_tokenizer(data_cfg)
-    model = build_model(cfg, device)
-    if cfg.seq_len % model.required_seq_multiple():
-        raise ValueError(f"seq_len={cfg.seq_len} must be a multiple of {model.required_seq_multiple()} "
-                         f"(the KDA chunk of preset {cfg.preset!r})")
+    engine = build_engine_for(cfg, device)
+    model = engine.model_parts[0]
     loader = build_dataloader(data_cfg, tok, split="train", vocab_size=model.args.vocab_size, progress=False)
-    attach_balancers(model, cfg.balancer, **({"u": cfg.sign_u} if cfg.balancer == "sign" else {}))
-    opt, sched = build_optim(model, cfg)
+    opt, sched = engine.optimizer, build_schedule(engine, cfg)
     routers = list(model.routers())
     model.moe_load()  # start the counters from zero
 
@@ -194,25 +196,14 @@ def train(cfg: TinyRunConfig) -> dict:
     router_mods = list(model.routers().values())
     hooks = [r.register_forward_hook(hook) for r in router_mods]
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     out = {"loss": [], "grad_norm": [], "lr": [], "maxvio_mean": [], "maxvio_max": [], "maxvio_layers": [],
            "maxvio_own_batch_mean": [], "maxvio_own_batch_max": [], "loads": []}
     traces = []
     for step in range(1, cfg.steps + 1):
-        batch = next(loader)
-        tokens = batch["input_ids"].to(device)
-        labels = batch["labels"].to(device)
-        ctx = BatchContext(cu_seqlens=batch["cu_seqlens"].to(device))
-        logits = model(tokens, ctx)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
         lr = opt.param_groups[0]["lr"]
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        rec = engine.train_step([next(loader)])
         sched.step()
-        update_biases(model)  # the new bias applies from the next step
+        engine.update_biases()  # the new bias applies from the next step
 
         loads = torch.stack([v.cpu() for v in model.moe_load().values()])  # [layers, E], this step's routing
         if len(seen) != len(router_mods):
@@ -223,8 +214,8 @@ def train(cfg: TinyRunConfig) -> dict:
                            minlength=r.n_experts).cpu()
             for (sc, _), r in zip(seen, router_mods)])
         v, v_own = maxvio(loads), maxvio(own)
-        out["loss"].append(loss.item())
-        out["grad_norm"].append(float(grad_norm))
+        out["loss"].append(rec["loss"])
+        out["grad_norm"].append(rec["grad_norm"])
         out["lr"].append(float(lr))
         out["maxvio_mean"].append(float(v.mean()))
         out["maxvio_max"].append(float(v.max()))

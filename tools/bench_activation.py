@@ -3,6 +3,13 @@ gradient error against keeping everything.
 
     python tools/bench_activation.py                          # tiny and a wider CPU model, B=2, T=64
     python tools/bench_activation.py --models wide --seq 128 --no-remote --json out.json
+    python tools/bench_activation.py activation=cluster       # a shipped config group (configs/activation/)
+
+Besides the built-in plans, every shipped activation config group runs as the trainer applies it (its rules, the K3
+defaults, its default policy on every layer), as the plan `activation=<name>`; `activation=<name>[,<name>]` runs only
+those groups (and keep, the reference). A group is followed by one row per rule (`  + rule N: <policy>`): the group
+with only its default policy and that one rule, so each policy's own gradient error shows; `  (no rules)` is the
+default policy alone.
 
 Saved bytes come from the policies' own accounting (handle.stats()): on-device = kept in full + FP8 + inputs kept
 by checkpointed modules. Peak memory is the peak of allocated bytes during one forward + backward: from the CUDA
@@ -14,6 +21,7 @@ offload_remote runs in 2 gloo processes (each rank's activations held by the oth
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -24,7 +32,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from k3train.activation import Rule, apply_activation_policies, default_rules
+from k3train.activation import (Rule, activation_groups, apply_activation_policies, default_rules,
+                                load_activation_group, rules_from_config)
 from k3train.models.k3.args import get_preset
 from k3train.models.k3.model import K3Model
 
@@ -82,13 +91,27 @@ def peak_bytes(model, tok) -> int:
     return peak
 
 
-def grad_error(g, ref) -> tuple[float, float]:
-    """(max |g - ref| / max |ref| over all parameters, min cosine over parameters with a nonzero gradient)."""
+def grad_error(g, ref) -> tuple[float, float, str]:
+    """(max |g - ref| / max |ref| over all parameters, min cosine over parameters with a nonzero gradient, the
+    parameter with that cosine)."""
     num = max(float((g[k] - ref[k]).abs().max()) for k in ref)
     den = max(float(ref[k].abs().max()) for k in ref)
-    cos = [float(F.cosine_similarity(g[k].double().flatten(), ref[k].double().flatten(), dim=0))
-           for k in ref if float(ref[k].abs().max()) > 0]
-    return num / den, min(cos)
+    cos = {k: float(F.cosine_similarity(g[k].double().flatten(), ref[k].double().flatten(), dim=0))
+           for k in ref if float(ref[k].abs().max()) > 0}
+    worst = min(cos, key=cos.get)
+    return num / den, cos[worst], worst
+
+
+def group_plans(name: str) -> dict[str, list]:
+    """The config group as the trainer applies it, then its default policy alone and with each one of its rules."""
+    cfg = load_activation_group(name)
+    # The trainer wraps nothing for keep without rules.
+    plans = {f"activation={name}": rules_from_config(cfg) if cfg.policy != "keep" or cfg.rules else []}
+    if cfg.rules:
+        plans["  (no rules)"] = rules_from_config(dataclasses.replace(cfg, rules=[]))
+        for i, r in enumerate(cfg.rules):
+            plans[f"  + rule {i}: {r.policy}"] = rules_from_config(dataclasses.replace(cfg, rules=[r]))
+    return plans
 
 
 def measure(model, tok, rules, ref, steps: int, group=None) -> dict:
@@ -98,7 +121,7 @@ def measure(model, tok, rules, ref, steps: int, group=None) -> dict:
         handle.reset_stats()
         step(model, tok)
         st = handle.stats()["total"]
-        err, cos = grad_error(grads(model), ref)
+        err, cos, worst = grad_error(grads(model), ref)
         times = []
         for _ in range(steps):
             if tok.is_cuda:
@@ -113,7 +136,8 @@ def measure(model, tok, rules, ref, steps: int, group=None) -> dict:
         handle.remove()
     return {"on_device": st["on_device"], "device": st["device"], "fp8": st["fp8"], "fp8_source": st["fp8_source"],
             "recompute": st["recompute"], "offloaded": st["offloaded"], "saved": st["saved"], "peak": peak,
-            "step_ms": 1e3 * statistics.median(times), "grad_rel_err": err, "grad_min_cos": cos}
+            "step_ms": 1e3 * statistics.median(times), "grad_rel_err": err, "grad_min_cos": cos,
+            "grad_min_cos_param": worst}
 
 
 def _remote_worker(rank: int, world: int, port: int, args, out: str) -> None:
@@ -150,6 +174,8 @@ def run_remote(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("groups", nargs="*", metavar="activation=NAME",
+                   help=f"run only these activation config groups (from {activation_groups()}), and keep")
     p.add_argument("--models", default="tiny,wide", help=f"comma-separated, from {list(MODELS)}")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=64, help="a multiple of the model's KDA chunk (16)")
@@ -161,6 +187,20 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    groups = []
+    for a in args.groups:
+        key, _, val = a.partition("=")
+        if key != "activation" or not val:
+            p.error(f"expected activation=NAME, got {a!r}")
+        groups += val.split(",")
+    plans = dict(PLANS) if not groups else {"keep": PLANS["keep"]}
+    try:
+        for g in groups or activation_groups():
+            plans.update(group_plans(g))
+    except ValueError as e:
+        p.error(str(e))
+    if groups:
+        args.no_remote = True
 
     results: dict[str, dict[str, dict]] = {}
     for name in args.models.split(","):
@@ -172,7 +212,7 @@ def main() -> None:
         step(model, tok)
         ref = grads(model)
         results[name] = {}
-        for plan, rules in PLANS.items():
+        for plan, rules in plans.items():
             if plan == "offload_remote":
                 continue
             results[name][plan] = measure(model, tok, rules, ref, args.steps)
@@ -181,16 +221,16 @@ def main() -> None:
             results[name]["offload_remote"] = r
 
     mib = lambda b: f"{b / 2**20:8.2f}"
-    head = (f"{'model':6} {'plan':15} {'on-dev MiB':>10} {'fp8 MiB':>8} {'offl MiB':>8} {'recomp MiB':>10} "
-            f"{'peak MiB':>8} {'step ms':>8} {'grad err':>9} {'min cos':>8}")
+    head = (f"{'model':6} {'plan':25} {'on-dev MiB':>10} {'fp8 MiB':>8} {'offl MiB':>8} {'recomp MiB':>10} "
+            f"{'peak MiB':>8} {'step ms':>8} {'grad err':>9} {'min cos':>8}  worst parameter")
     print(f"B={args.batch} T={args.seq} device={args.device} threads={torch.get_num_threads()}")
     print(head)
     print("-" * len(head))
-    for name, plans in results.items():
-        for plan, r in plans.items():
-            print(f"{name:6} {plan:15} {mib(r['on_device']):>10} {mib(r['fp8']):>8} {mib(r['offloaded']):>8} "
+    for name, rows in results.items():
+        for plan, r in rows.items():
+            print(f"{name:6} {plan:25} {mib(r['on_device']):>10} {mib(r['fp8']):>8} {mib(r['offloaded']):>8} "
                   f"{mib(r['recompute']):>10} {mib(r['peak']):>8} {r['step_ms']:8.1f} {r['grad_rel_err']:9.2e} "
-                  f"{r['grad_min_cos']:8.5f}")
+                  f"{r['grad_min_cos']:8.5f}  {r['grad_min_cos_param'] if r['grad_rel_err'] > 0 else ''}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"batch": args.batch, "seq": args.seq, "device": args.device, "results": results}, f, indent=1)

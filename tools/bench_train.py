@@ -4,9 +4,10 @@ dense fp32 matmul FLOP/s measured in the same run.
     python tools/bench_train.py                      # both models, a few steps each
     python tools/bench_train.py --models tiny --steps 10 --seq-len 256 --micro-batch 8
 
-Each model runs the real trainer step (k3train.train.trainer.Trainer.train_step: forward, cross entropy, backward,
-clipping, optimizer, balancing update) on the built-in corpus. MFU = flops_per_token x tokens/s / peak, where
-flops_per_token is the model's own count (6 x active parameters + attention) and peak the measured matmul rate.
+Each model runs the real trainer step (k3train.train.trainer.Trainer.train_step, the engine's step: forward, cross
+entropy, backward, clipping, optimizer, balancing update) on the built-in corpus. MFU = flops_per_token x tokens/s / peak, where
+flops_per_token is the model's count (k3train.models.k3.counts: 6 x active parameters + attention) and peak the
+measured matmul rate.
 The last line is JSON with every figure.
 """
 
@@ -37,6 +38,7 @@ def bench_model(name: str, overrides: dict, a, peak: float) -> dict:
     import torch
 
     from k3train.config import load_config
+    from k3train.models.k3.counts import count_params
     from k3train.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -47,7 +49,6 @@ def bench_model(name: str, overrides: dict, a, peak: float) -> dict:
             f"train.run_dir={tmp}/run", "logging.progress_bar=false", "logging.tensorboard=false",
             "logging.console=false", f"logging.peak_flops={peak}", f"train.threads={a.threads}"])
         tr = Trainer(cfg, recipe="bench")
-        tr.model.train()
         times = []
         for i in range(a.warmup + a.steps):
             t0 = time.perf_counter()
@@ -59,7 +60,7 @@ def bench_model(name: str, overrides: dict, a, peak: float) -> dict:
         step_s = statistics.median(times)
         tps = tr.tokens_per_step / step_s
         fpt = tr.flops_per_token
-        n_params = sum(p.numel() for p in tr.model.parameters())
+        n_params = count_params(tr.args)["total"]
         return {"model": name, "params": n_params, "flops_per_token": fpt, "tokens_per_step": tr.tokens_per_step,
                 "step_s": step_s, "tokens_per_s": tps, "achieved_flops": fpt * tps, "mfu": fpt * tps / peak,
                 "threads": torch.get_num_threads()}

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import sys
 
-from k3train.models.k3.args import ConfigError, PRESETS, get_preset
+from k3train.config import ConfigError
+from k3train.models.k3.args import PRESETS, get_preset
 from k3train.models.k3.counts import count_params
 
 

@@ -368,9 +368,11 @@ def _sign_rule_flipped(orig):
 
 
 def _trainer_sign_for_quantile(orig):
-    def attach_balancers(model, kind, **kw):
-        return orig(model, "sign" if kind == "quantile" else kind, **kw)
-    return attach_balancers
+    def parallelize_part(part, setup):
+        if setup.balancing == "quantile":
+            setup = dataclasses.replace(setup, balancing="sign")
+        return orig(part, setup)
+    return parallelize_part
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -486,19 +488,71 @@ def _ce_scores_ignored(orig):
 
 
 def _per_microbatch_mean(orig):
-    def train_step(self):
-        m = self.cfg.parallel.microbatches
+    def train_step(self, microbatches):
+        m = self.dims.microbatches
         # each micro-batch divided by its share of the step's targets: the accumulated gradient is m times too big
-        return with_globals(orig, max=lambda *a: builtins.max(*a) / m)(self)
+        return with_globals(orig, max=lambda *a: builtins.max(*a) / m)(self, microbatches)
     return train_step
 
 
 def _clip_dropped(orig):
+    def scale_grads(self, coef):
+        return None  # the norm is measured and the coefficient computed, nothing is scaled
+    return scale_grads
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The one training path: QK-Clip, Per-Head Muon's split, documents, the layout's defaults, evaluation, activation
+# ---------------------------------------------------------------------------------------------------------------------
+def _qk_clip_shared_gets_root(orig):
+    def qk_clip_scales(max_logits, threshold, *, n_heads, q_rows, k_rows, qk_dim, shared_dim=0):
+        q, k, gamma = orig(max_logits, threshold, n_heads=n_heads, q_rows=q_rows, k_rows=k_rows, qk_dim=qk_dim,
+                           shared_dim=shared_dim)
+        q = q.view(n_heads, q_rows).clone()
+        q[:, qk_dim:] = gamma.sqrt()[:, None]  # the shared-key query rows scaled like the head's own rows
+        return q.reshape(-1), k, gamma
+    return qk_clip_scales
+
+
+def _wkv_b_one_matrix_per_head(orig):
+    def muon_structure(self):
+        s = orig(self)
+        s["wkv_b.weight"] = type(s["wkv_b.weight"])("rows", self.n_heads)  # [K_h; V_h] as one matrix
+        return s
+    return muon_structure
+
+
+def _documents_rows_only(orig):
     torch = _torch()
 
-    def clip_grad_norm_(params, max_norm, *a, **kw):
-        return torch.nn.utils.clip_grad_norm_(params, math.inf)  # the norm is measured, nothing is scaled
-    return with_globals(orig, torch=Proxy(torch, **{"nn.utils.clip_grad_norm_": clip_grad_norm_}))
+    def __init__(self, start):
+        orig(self, start)
+        rows = torch.zeros_like(self.start)
+        rows[:, 0] = True
+        self.start = rows  # starts inside rows forgotten: positions and document ids span whole rows
+    return __init__
+
+
+def _schedule_auto_always_1f1b(orig):
+    def resolve_schedule(name, vpp):
+        return "1f1b" if name == "auto" else orig(name, vpp)
+    return resolve_schedule
+
+
+def _evaluate_in_training_mode(orig):
+    def evaluate(self, microbatches):
+        for part in self.model_parts:
+            part.eval = lambda part=part: part  # eval() keeps training mode: routers count and observe
+        try:
+            return orig(self, microbatches)
+        finally:
+            for part in self.model_parts:
+                del part.eval
+    return evaluate
+
+
+def _lifted_modules_rerun(orig):
+    return property(lambda self: False)  # recomputation runs the lifted modules again instead of replaying
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -515,6 +569,8 @@ EP = "tests/unit/test_ep_local.py"
 MOONEP = "tests/unit/test_moonep_planner.py"
 PIECES = "tests/unit/test_parallel_pieces.py"
 GAPS = "tests/unit/test_mutant_gaps.py"
+ENGINE = "tests/unit/test_engine.py"
+ACT = "tests/unit/test_activation.py"
 
 M = Mutation
 MUTATIONS: list[Mutation] = [
@@ -535,7 +591,7 @@ MUTATIONS: list[Mutation] = [
       "short conv applies its taps in reverse order", _conv_taps_reversed,
       (f"{LAYERS}::test_kda_matches_reference",)),
     # ---- Gated MLA
-    M("mla_not_causal", "k3train.models.k3.mla:GatedMLA.forward",
+    M("mla_not_causal", "k3train.models.k3.mla:GatedMLA.attend",
       "no-document path attends without the causal mask", _mla_not_causal,
       (f"{LAYERS}::test_mla_matches_reference", f"{LAYERS}::test_model_is_causal_without_documents")),
     M("mla_scale_without_shared", "k3train.models.k3.mla:GatedMLA.__init__",
@@ -616,9 +672,9 @@ MUTATIONS: list[Mutation] = [
     M("sign_rule_flipped", "k3train.optim.quantile_balancing:SignBalancer._finish",
       "sign rule steps b - u sign(mean - load)", _sign_rule_flipped,
       (f"{QB}::test_sign_balancer_rule",)),
-    M("trainer_quantile_runs_sign", "k3train.train.trainer:attach_balancers",
+    M("trainer_quantile_runs_sign", "k3train.parallel.parallelize:parallelize_part",
       "train.balancing=quantile attaches the sign rule", _trainer_sign_for_quantile,
-      (f"{TRAIN}::test_balancing_quantile_replaces_the_bias_in_one_step",), sweep=False),
+      (f"{TRAIN}::test_balancing_quantile_replaces_the_bias_in_one_step",)),
     # ---- warmup-stable-decay
     M("wsd_no_stable_phase", "k3train.train.trainer:Trainer._build_scheduler",
       "decay starts right after warmup (no stable phase)", _scheduler_with(decay_ratio=1.0),
@@ -642,7 +698,7 @@ MUTATIONS: list[Mutation] = [
     M("pp_bwd_bytes_as_elements", "k3train.parallel.pipeline:_pipeline_stage_cls",
       "backward sends counted in elements, not bytes", _pp_stage_with("get_bwd_send_ops", _bwd_bytes_as_elements),
       (f"{PIECES}::test_pipeline_step_equals_one_process",)),
-    M("ep_combine_sort_order", "k3train.parallel.expert_parallel:mix_rows",
+    M("ep_combine_sort_order", "k3train.parallel.ep_dispatch:mix_rows",
       "combine un-sorts expert outputs with the sort order instead of its inverse", _mix_with_sort_order,
       (f"{EP}::test_alltoall_layout_end_to_end_in_one_process",)),
     M("moonep_quota_transposed", "k3train.parallel.moonep:_group_quotas",
@@ -651,17 +707,36 @@ MUTATIONS: list[Mutation] = [
     M("moonep_split_smallest_first", "k3train.parallel.moonep:_split_quotas",
       "receivers take a group's smallest experts first", _split_smallest_first,
       (f"{MOONEP}::test_vectorised_plan_matches_loop_reference",)),
+    # ---- one training path
+    M("qk_clip_shared_gets_root", "k3train.optim.qk_clip:qk_clip_scales",
+      "query rows of the shared key scaled by sqrt(gamma) instead of gamma", _qk_clip_shared_gets_root,
+      (f"{MUON}::test_qk_clip", f"{MODEL}::test_mla_qk_clip_caps_max_logits")),
+    M("muon_wkv_b_one_matrix", "k3train.models.k3.mla:GatedMLA.muon_structure",
+      "MLA wkv_b orthogonalised as one [K_h; V_h] matrix per head", _wkv_b_one_matrix_per_head,
+      (f"{MUON}::test_mla_wkv_b_orthogonalises_each_key_and_value",)),
+    M("documents_rows_only", "k3train.models.k3.documents:Documents.__init__",
+      "document starts inside rows dropped from positions and document ids", _documents_rows_only,
+      (f"{LAYERS}::test_kda_matches_reference", f"{LAYERS}::test_mla_matches_reference")),
+    M("schedule_auto_always_1f1b", "k3train.parallel.mesh:resolve_schedule",
+      "parallel.schedule=auto picks 1f1b even with virtual stages", _schedule_auto_always_1f1b,
+      (f"{ENGINE}::test_schedule_auto_follows_virtual_stages",)),
+    M("eval_in_training_mode", "k3train.parallel.engine:Engine.evaluate",
+      "evaluation runs in training mode (routers count eval tokens, balancers observe them)",
+      _evaluate_in_training_mode, (f"{ENGINE}::test_evaluation_leaves_routers_and_balancers_alone",)),
+    M("selective_recompute_reruns", "k3train.activation.policy:_Region.replaying",
+      "modules taken out of a recomputed layer run again in backward", _lifted_modules_rerun,
+      (f"{ACT}::test_selective_recompute_stores_the_inner_module_under_its_policy",)),
     # ---- trainer
-    M("trainer_counts_ignored", "k3train.train.trainer:Trainer.train_step",
+    M("trainer_counts_ignored", "k3train.parallel.engine:Engine.train_step",
       "loss denominator counts ignored (-100) positions", _count_ignored_targets,
       (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),
-    M("trainer_scores_ignored", "k3train.train.trainer:Trainer._forward_ce",
+    M("trainer_scores_ignored", "k3train.parallel.pipeline:token_loss_sum",
       "cross entropy scores ignored positions as token 0", _ce_scores_ignored,
       (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),
-    M("trainer_microbatch_mean", "k3train.train.trainer:Trainer.train_step",
+    M("trainer_microbatch_mean", "k3train.parallel.engine:Engine.train_step",
       "gradient accumulation: each micro-batch normalised by its share of the targets", _per_microbatch_mean,
       (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),
-    M("trainer_clip_dropped", "k3train.train.trainer:Trainer.train_step",
+    M("trainer_clip_dropped", "k3train.parallel.zero:ShardedOptimizer.scale_grads",
       "global gradient-norm clip measured but not applied", _clip_dropped,
       (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),
 ]

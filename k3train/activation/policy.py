@@ -9,7 +9,8 @@ and gives a policy:
 
 - keep            the saved tensor stays as autograd saved it (device memory).
 - recompute       the module's forward runs under torch.utils.checkpoint (non-reentrant): only its inputs are kept,
-                  everything inside is recomputed in backward. A whole-module policy (no role).
+                  everything inside is recomputed in backward, except the modules inside it that a rule gives another
+                  policy (selective recompute, below). A whole-module policy (no role).
 - fp8             saved floating tensors are stored block-wise in e4m3fn with one fp32 scale per 128 elements
                   (k3train.activation.fp8) and dequantised to their dtype and shape when backward needs them.
 - offload_local   saved tensors are copied to host memory (pinned, on a side stream, prefetched when the module's
@@ -17,7 +18,10 @@ and gives a policy:
 - offload_remote  saved tensors are held by a peer rank of `group` (k3train.activation.storage.RemoteExchange).
 
 Policies other than recompute work through torch.autograd.graph.saved_tensors_hooks around the module's forward; the
-innermost managed module decides. Whatever the policy, a saved tensor whose storage is a parameter's or buffer's
+innermost managed module decides. That holds inside a recomputed module too (selective recompute): a module there that
+a rule gives another policy is taken out of the recomputation. It runs once, in the forward, and stores its saved
+tensors and its outputs under its own policy; when backward recomputes the enclosing module, its outputs are handed
+back instead of running it again. Whatever the policy, a saved tensor whose storage is a parameter's or buffer's
 storage (a weight, or a view of one such as its transpose) is never quantised, copied or moved: it is referenced.
 A tensor saved several times inside one module call is packed once.
 
@@ -39,7 +43,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from k3train.activation.fp8 import fp8_supported
@@ -48,8 +52,7 @@ from k3train.activation.storage import FP8Saved, HostSaved, LocalOffloader, Remo
 log = logging.getLogger("k3train.activation")
 
 POLICIES = ("keep", "recompute", "fp8", "offload_local", "offload_remote")
-POLICY_ALIASES = {"offload": "offload_local", "remote_offload": "offload_remote"}
-"""Names the training config (ActivationConfig) uses for the same policies."""
+"""The policy names, in rules and in the training config (ActivationConfig) alike."""
 ROLES = ("input", "activation")
 """'input': a saved tensor that is one of the managed module's forward inputs; 'activation': anything else saved."""
 KINDS = {
@@ -83,7 +86,7 @@ class Rule:
     """Which saved activations a policy applies to. Rules are tried in order; the first that matches wins."""
 
     policy: str
-    """keep, recompute, fp8, offload_local or offload_remote (the aliases offload and remote_offload work too)."""
+    """keep, recompute, fp8, offload_local or offload_remote."""
     match: str | None = None
     """fnmatch glob over fully-qualified module names, e.g. 'layers.*.attn'; None: any name."""
     kind: str | None = None
@@ -94,10 +97,8 @@ class Rule:
     """May match no module (the built-in defaults). Otherwise a rule that matches nothing is an error."""
 
     def __post_init__(self):
-        policy = POLICY_ALIASES.get(self.policy, self.policy)
-        if policy not in POLICIES:
-            raise ValueError(f"unknown activation policy {self.policy!r}; choose one of {list(POLICIES)}")
-        object.__setattr__(self, "policy", policy)
+        check_policy(self.policy)
+        policy = self.policy
         if self.kind is not None and self.kind not in KINDS:
             raise ValueError(f"unknown module kind {self.kind!r} in activation rule; choose one of {list(KINDS)}")
         if self.role is not None and self.role not in ROLES:
@@ -115,6 +116,12 @@ class Rule:
         parts = [f"match={self.match!r}" if self.match is not None else "", f"kind={self.kind!r}" if self.kind else "",
                  f"role={self.role!r}" if self.role else "", f"policy={self.policy!r}"]
         return "(" + ", ".join(p for p in parts if p) + ")"
+
+
+def check_policy(policy: Any) -> None:
+    """ValueError unless `policy` is one of POLICIES (the message lists them)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown activation policy {policy!r}; choose one of {', '.join(POLICIES)}")
 
 
 def default_rules() -> list[Rule]:
@@ -144,12 +151,32 @@ def rules_from_config(cfg: Any) -> list[Rule]:
     then its default policy for every decoder layer."""
     rules = [as_rule(r) for r in (getattr(cfg, "rules", None) or [])]
     rules += default_rules()
-    policy = POLICY_ALIASES.get(cfg.policy, cfg.policy)
-    if policy != "keep":
-        rules.append(Rule(kind="layer", policy=policy, optional=True))
-    elif policy not in POLICIES:
-        raise ValueError(f"unknown activation policy {cfg.policy!r}")
+    check_policy(cfg.policy)
+    if cfg.policy != "keep":
+        rules.append(Rule(kind="layer", policy=cfg.policy, optional=True))
     return rules
+
+
+def activation_groups() -> list[str]:
+    """Names of the shipped activation config groups (configs/activation/*.yaml), sorted."""
+    from k3train.config.store import configs_dir
+    return sorted(p.stem for p in (configs_dir() / "activation").glob("*.yaml"))
+
+
+def load_activation_group(name: str):
+    """The ActivationConfig of the config group configs/activation/<name>.yaml, checked against the schema (what a
+    recipe's `activation: <name>` selects). Turn it into rules with rules_from_config."""
+    from omegaconf import OmegaConf
+
+    from k3train.config.schema import ActivationConfig
+    from k3train.config.store import configs_dir
+
+    path = configs_dir() / "activation" / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"unknown activation config {name!r}; choose one of {', '.join(activation_groups())}")
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ActivationConfig), OmegaConf.load(path)))
+    rules_from_config(cfg)      # the policy names
+    return cfg
 
 
 # ---- module kinds ------------------------------------------------------------------------------------------------
@@ -188,10 +215,63 @@ def module_kinds(module: nn.Module, parent: nn.Module | None) -> set[str]:
 
 
 # ---- the machinery -----------------------------------------------------------------------------------------------
-_RECOMPUTE_DEPTH = [0]
-"""> 0 while a checkpointed region runs (its forward, or its recomputation in backward): managed modules inside it
-run plainly, since the checkpoint's own saved-tensor hooks must see every tensor. A process-wide counter rather than
-a thread-local: CUDA backward (and so recomputation) runs on autograd's device threads."""
+class _Region:
+    """One call of a recomputed module, and the outputs of the modules taken out of it (selective recompute).
+
+    The first run of the region is the forward: a managed module called in it runs under its own policy and the
+    region records its outputs, packed under that policy. Every later run is a recomputation in backward: those
+    modules are not run again, they hand back the recorded outputs in call order. The checkpoint matches the tensors
+    the region saves by their order, so the outputs come back with their original requires_grad: the ops after
+    them then save exactly what they saved in the forward."""
+
+    def __init__(self):
+        self.runs = 0
+        self.records: list[tuple[Any, list, Any]] = []   # per call: (pytree spec, packed leaves, remote stash)
+        self.next = 0
+
+    @property
+    def replaying(self) -> bool:
+        return self.runs > 1
+
+    def enter(self) -> None:
+        self.runs += 1
+        self.next = 0
+
+    def record(self, call: "_Call", out) -> None:
+        leaves, spec = tree_flatten(out)
+        packed = []
+        for t in leaves:
+            if isinstance(t, torch.Tensor):
+                p = call.pack(t)
+                # A kept output is an alias: an in-place change after this point would change what is handed back.
+                packed.append((p, t.requires_grad, t._version if isinstance(p, torch.Tensor) else None))
+            else:
+                packed.append((t, None, None))
+        self.records.append((spec, packed, call.remote))
+
+    def replay(self, name: str):
+        if self.next >= len(self.records):
+            raise RuntimeError(f"recomputation called {name!r} more often than the forward did")
+        spec, packed, remote = self.records[self.next]
+        self.next += 1
+        if remote is not None:
+            remote.fetch()          # needed before backward reaches the module: fetch its stash now (idempotent)
+        leaves = []
+        for p, requires_grad, version in packed:
+            if requires_grad is None:
+                leaves.append(p)
+                continue
+            if version is not None and p._version != version:
+                raise RuntimeError(f"an output of {name!r}, which is taken out of a recomputed module, was modified "
+                                   "in place after it returned; recomputation would see the changed values")
+            leaves.append(_unpack(p).detach().requires_grad_(requires_grad))
+        return tree_unflatten(leaves, spec)
+
+
+_REGIONS: list[_Region | None] = []
+"""The recomputed regions running now, innermost last; None while a module taken out of a region runs (inside it no
+region is active). Process-wide rather than thread-local: CUDA backward, and so recomputation, runs on autograd's
+device threads."""
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:
@@ -351,24 +431,39 @@ class _Site:
 
     def run(self, fn: Callable, *args, **kwargs):
         """Call fn(*args, **kwargs) under this site's policy."""
-        if not torch.is_grad_enabled() or _RECOMPUTE_DEPTH[0] > 0:
+        if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
+        region = _REGIONS[-1] if _REGIONS else None
         if self.recompute:
+            if region is not None:      # a recompute nested in a recomputed region: the outer one covers it
+                return fn(*args, **kwargs)
             self._account_inputs((args, kwargs))
+            region = _Region()
 
             def inner(*a, **k):
-                _RECOMPUTE_DEPTH[0] += 1
+                region.enter()
+                _REGIONS.append(region)
                 try:
                     return fn(*a, **k)
                 finally:
-                    _RECOMPUTE_DEPTH[0] -= 1
+                    _REGIONS.pop()
 
             module = self.module
             return checkpoint(inner, *args, use_reentrant=False,
                               context_fn=lambda: (contextlib.nullcontext(), _quiet_routers(module)), **kwargs)
+        if region is not None and region.replaying:
+            return region.replay(self.name)
         call = _Call(self, (args, kwargs))
-        with torch.autograd.graph.saved_tensors_hooks(call.pack, _unpack):
-            out = fn(*args, **kwargs)
+        # Our hooks are the innermost: inside a recomputed region they, not the checkpoint's, store what this call
+        # saves. The region is suspended meanwhile, so the managed modules inside this one follow their own rules.
+        _REGIONS.append(None)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(call.pack, _unpack):
+                out = fn(*args, **kwargs)
+        finally:
+            _REGIONS.pop()
+        if region is not None:
+            region.record(call, out)
         call.finish(out)
         return out
 
@@ -382,6 +477,9 @@ class ActivationHandle:
         """Module FQN -> the policy it runs under ('recompute', or 'input=..., activation=...')."""
         self.covered: dict[str, str] = {}
         """Matched modules that need no wrapper of their own -> the managed ancestor that covers them."""
+        self.lifted: dict[str, str] = {}
+        """Modules taken out of a recomputed ancestor (selective recompute) -> that ancestor. They run once and store
+        what they save, and their outputs, under their own policy."""
         self.current_layer: str | None = None
         self.offloader = LocalOffloader()
         self.offload_queue: list[list[weakref.ref]] = []
@@ -472,7 +570,9 @@ class ActivationHandle:
             self.exchange.clear()
 
     def describe(self) -> str:
-        lines = [f"{name or '<root>'}: {p}" for name, p in self.plan.items()]
+        lines = [f"{name or '<root>'}: {p}" + (f" (taken out of {self.lifted[name]}'s recompute)"
+                                                if name in self.lifted else "")
+                 for name, p in self.plan.items()]
         return "\n".join(lines)
 
 
@@ -552,7 +652,9 @@ def apply_activation_policies(model: nn.Module, rules: Iterable[Any], group=None
         handle.exchange = RemoteExchange(group)
 
     # Effective policy per managed module: roles without a rule inherit from the nearest managed ancestor; a module
-    # inside a recomputed one, or with exactly its ancestor's policy, needs no wrapper (one scope packs once).
+    # with exactly its ancestor's policy, or recomputed inside a recomputed one, needs no wrapper (one scope packs
+    # once). Any other policy inside a recomputed module takes the module out of the recomputation: roles without a
+    # rule are kept then, since a module that is not run again cannot have its tensors recomputed.
     if account_all and "" not in resolved:
         resolved[""] = {"input": "keep", "activation": "keep"}
     name_of = {id(m): n for n, m in named}
@@ -567,11 +669,17 @@ def apply_activation_policies(model: nn.Module, rules: Iterable[Any], group=None
             p = parent_of.get(id(p))
         gov = governor[name_of[id(p)]] if p is not None else None
         base = effective[gov] if gov is not None else keep_all
-        pol = {r: (resolved[name][r] or base["activation"]) for r in ROLES}
-        if gov is not None and (base["activation"] == "recompute" or pol == base):
+        own = resolved[name]
+        if base["activation"] == "recompute":
+            pol = base if own["activation"] == "recompute" else {r: own[r] or "keep" for r in ROLES}
+        else:
+            pol = {r: own[r] or base["activation"] for r in ROLES}
+        if gov is not None and pol == base:
             governor[name] = gov
             handle.covered[name] = gov
             continue
+        if base["activation"] == "recompute":
+            handle.lifted[name] = gov
         governor[name] = name
         effective[name] = pol
 
@@ -598,8 +706,9 @@ def apply_activation_policies(model: nn.Module, rules: Iterable[Any], group=None
     counts: dict[str, int] = defaultdict(int)
     for text in handle.plan.values():
         counts[text] += 1
-    log.info("activation policies: %d managed modules (%s)", len(handle.sites),
-             ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+    log.info("activation policies: %d managed modules (%s)%s", len(handle.sites),
+             ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())),
+             f", {len(handle.lifted)} taken out of a recomputed module" if handle.lifted else "")
     log.debug("activation plan:\n%s", handle.describe())
     return handle
 

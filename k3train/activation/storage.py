@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from k3train.activation.fp8 import dequantize, fp8_nbytes, quantize
+from k3train.parallel import comm
 
 
 class Layout:
@@ -227,7 +228,7 @@ class RemoteExchange:
         if n < 2 or n % 2:
             raise ValueError(f"offload_remote pairs rank r with (r + n/2) % n: the group needs an even size >= 2, got {n}")
         r = dist.get_rank(self.group)
-        self.peer = dist.get_global_rank(self.group, (r + n // 2) % n)
+        self.peer = (r + n // 2) % n              # the peer's rank in the group
         self.hosted: dict = {}                    # key -> the peer's payload I hold
         self.on_cpu = dist.get_backend(self.group) == "gloo"
 
@@ -247,13 +248,8 @@ class RemoteExchange:
         return inp if device is None else inp.to(device)
 
     def _p2p(self, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
-        works = []
-        if send is not None:
-            works.append(dist.isend(send, self.peer, group=self.group))
-        if recv is not None:
-            works.append(dist.irecv(recv, self.peer, group=self.group))
-        for w in works:
-            w.wait()
+        # Through the one communication ledger, on the dp x cp replicas this exchange pairs.
+        comm.send_recv(send, recv, self.peer, self.group, "dp_cp", what="activation_offload")
 
     def store(self, key, payload: torch.Tensor) -> None:
         self.hosted[key] = self._swap(payload, None)

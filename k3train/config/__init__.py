@@ -4,98 +4,29 @@
     cfg = load_config("tiny_cpu", ["train.steps=50", "optim.lr=1e-3"])   # composed, typed and validated
 
 `python -m k3train.train --config-name RECIPE [overrides]` goes through the same schema and checks.
+
+Names are re-exported lazily: the model and parallel packages import `k3train.config.errors` (ConfigError) without
+running the validation module, which itself reads the model presets and the parallel layout rules.
 """
 
 from __future__ import annotations
 
-from k3train.models.k3.args import ConfigError
+_LAZY = {
+    "ConfigError": "k3train.config.errors",
+    **{n: "k3train.config.schema" for n in ("ActivationConfig", "ActivationRule", "DataConfig", "K3TrainConfig",
+                                             "LoggingConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
+                                             "TrainConfig")},
+    **{n: "k3train.config.store" for n in ("SCHEMA_NAME", "available_recipes", "configs_dir", "recipes_dir",
+                                            "register_configs")},
+    **{n: "k3train.config.validate" for n in ("model_args", "required_seq_multiple", "validate_config")},
+    **{n: "k3train.config.compose" for n in ("check_recipe", "compose_config", "from_omegaconf", "load_config")},
+}
 
-from .schema import (ActivationConfig, ActivationRule, DataConfig, K3TrainConfig, LoggingConfig, ModelConfig,
-                     OptimConfig, ParallelConfig, TrainConfig)
-from .store import SCHEMA_NAME, available_recipes, configs_dir, recipes_dir, register_configs
-from .validate import model_args, required_seq_multiple, resolve_dp, validate_config
-
-__all__ = [
-    "ActivationConfig", "ActivationRule", "ConfigError", "DataConfig", "K3TrainConfig", "LoggingConfig",
-    "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "SCHEMA_NAME", "available_recipes",
-    "check_recipe", "compose_config", "configs_dir", "from_omegaconf", "load_config", "model_args", "recipes_dir",
-    "register_configs", "required_seq_multiple", "resolve_dp", "validate_config",
-]
-
-
-def check_recipe(name: str) -> None:
-    """ConfigError listing the available recipes when `name` is not one of them."""
-    names = available_recipes()
-    if name not in names:
-        where = recipes_dir()
-        raise ConfigError(f"unknown recipe {name!r}; available recipes: {', '.join(names) or '(none)'} (in {where})")
+__all__ = sorted(_LAZY)
 
 
-def from_omegaconf(dcfg) -> K3TrainConfig:
-    """Typed dataclass tree from a composed DictConfig (lists become tuples where the schema says tuple)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-    _reject_unknown_keys(dcfg, K3TrainConfig, "")
-    try:
-        cfg = OmegaConf.to_object(dcfg)
-    except OmegaConfBaseException as e:
-        raise ConfigError(_clean(e)) from None
-    if not isinstance(cfg, K3TrainConfig):
-        raise ConfigError("the composed config is not a k3train config: list k3train_schema first in the recipe's "
-                          "defaults")
-    cfg.optim.betas = tuple(cfg.optim.betas)
-    cfg.model.overrides = dict(cfg.model.overrides)
-    return cfg
-
-
-def _reject_unknown_keys(node, schema, prefix: str) -> None:
-    """Hydra lets `+key=value` add keys even to a structured config; a key the schema lacks is a typo."""
-    import dataclasses
-    import typing
-
-    from omegaconf import DictConfig
-    if not isinstance(node, DictConfig) or not dataclasses.is_dataclass(schema):
-        return
-    hints = typing.get_type_hints(schema)
-    names = {f.name for f in dataclasses.fields(schema)}
-    for key in node.keys():
-        full = f"{prefix}{key}"
-        if key not in names:
-            raise ConfigError(f"{full}: unknown key; {prefix.rstrip('.') or 'the config'} has "
-                              f"{', '.join(sorted(names))}")
-        sub = hints.get(key)
-        if dataclasses.is_dataclass(sub):
-            _reject_unknown_keys(node._get_node(key), sub, full + ".")
-
-
-def _clean(e: BaseException) -> str:
-    """Hydra/OmegaConf messages carry the full key already; drop their noise lines."""
-    lines = [ln for ln in str(e).splitlines()
-             if ln.strip() and not ln.strip().startswith(("reference_type", "object_type", "Set the environment"))]
-    if e.__cause__ is not None and str(e.__cause__) not in str(e):
-        lines += [ln for ln in str(e.__cause__).splitlines()
-                  if ln.strip() and not ln.strip().startswith(("reference_type", "object_type"))]
-    return "\n".join(lines)
-
-
-def compose_config(recipe: str, overrides: list[str] | tuple[str, ...] = ()):
-    """Compose a recipe with Hydra overrides into a DictConfig (schema-checked: unknown keys and wrong types fail)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    register_configs()
-    check_recipe(recipe)
-    try:
-        with initialize_config_dir(config_dir=str(recipes_dir()), version_base="1.3"):
-            return compose(config_name=recipe, overrides=list(overrides))
-    except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(_clean(e)) from None
-
-
-def load_config(recipe: str, overrides: list[str] | tuple[str, ...] = (), *,
-                world_size: int | None = None) -> K3TrainConfig:
-    """Compose, convert and validate a recipe; raises ConfigError naming the bad key. Builds no model."""
-    cfg = from_omegaconf(compose_config(recipe, overrides))
-    validate_config(cfg, world_size=world_size)
-    return cfg
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'k3train.config' has no attribute {name!r}")

@@ -39,10 +39,12 @@ class ParallelConfig:
     microbatches: int = 1
     """Micro-batches per optimizer step on each data-parallel rank (gradient accumulation; the pipeline's
     micro-batches when pp > 1)."""
-    schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zbv."""
+    schedule: str = "auto"
+    """Pipeline schedule: auto (interleaved_1f1b when vpp > 1, else 1f1b), gpipe, 1f1b, interleaved_1f1b,
+    looped_bfs, interleaved_zb, zbv or dualpipev (k3train.parallel.mesh.SCHEDULES)."""
     ep_dispatcher: str = "alltoall"
-    """Token dispatcher for expert parallelism: local, alltoall or moonep."""
+    """Token dispatcher under expert parallelism (ep > 1): alltoall (experts run at home) or moonep (per-step
+    balanced redundant experts)."""
     cp_layout: str = "zigzag"
     """How each row is split over the cp ranks: zigzag (2*cp pieces, rank r holds pieces r and 2*cp-1-r, so causal
     attention work is even) or contiguous (cp pieces). seq_len must be a multiple of pieces x KDA chunk."""
@@ -53,17 +55,19 @@ class ActivationRule:
     match: str = "*"
     """fnmatch pattern over module names (e.g. 'layers.*.attn'), first matching rule wins."""
     policy: str = "keep"
-    """Storage policy for the matched modules' saved activations (same names as ActivationConfig.policy)."""
+    """Storage policy for the matched modules' saved activations (the names of ActivationConfig.policy). Inside a
+    recomputed module (e.g. under policy: recompute) a rule with another policy takes the module out of the
+    recomputation: it runs once, and what it saves and its outputs are stored under this policy."""
 
 
 @dataclass(kw_only=True)
 class ActivationConfig:
     policy: str = "keep"
-    """Default storage of saved activations: keep, recompute, fp8, offload (host memory) or remote_offload.
-    Any policy other than keep (or any rule) also applies the K3 defaults: AttnRes mixers checkpointed, MoE
-    dispatch recomputed in backward from the saved routing."""
+    """Default storage of saved activations, per decoder layer: keep, recompute, fp8, offload_local (host memory)
+    or offload_remote (a peer rank's memory). Any policy other than keep (or any rule) also applies the K3
+    defaults: AttnRes mixers checkpointed, MoE dispatch recomputed in backward from the saved routing."""
     rules: list[ActivationRule] = field(default_factory=list)
-    """Per-module exceptions to the default policy, tried in order."""
+    """Per-module exceptions to the default policy, tried in order (see docs/activation.md)."""
 
 
 @dataclass(kw_only=True)

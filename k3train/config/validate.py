@@ -11,14 +11,12 @@ import dataclasses
 import os
 from pathlib import Path
 
-from k3train.models.k3.args import ConfigError, K3ModelArgs, get_preset
+from k3train.models.k3.args import K3ModelArgs, get_preset
 
-from .schema import K3TrainConfig, ParallelConfig
+from .errors import ConfigError
 
-ACTIVATION_POLICIES = ("keep", "recompute", "fp8", "offload", "remote_offload", "offload_local", "offload_remote")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
-EP_DISPATCHERS = ("local", "alltoall", "moonep")
-CP_LAYOUTS = ("zigzag", "contiguous")
+from .schema import K3TrainConfig
+
 BALANCING = ("quantile", "sign", "none")
 DATA_SOURCES = ("builtin", "files", "recall")
 TOKENIZERS = ("byte", "hf", "tiktoken")
@@ -54,11 +52,6 @@ def required_seq_multiple(args: K3ModelArgs, cp: int = 1, cp_layout: str = "zigz
     return m * (2 * cp if cp_layout == "zigzag" else cp)
 
 
-def resolve_dp(p: ParallelConfig, world_size: int) -> int:
-    """dp with -1 filled in from the world size."""
-    return world_size // (p.pp * p.cp) if p.dp == -1 else p.dp
-
-
 def world_size_from_env() -> int:
     raw = os.environ.get("WORLD_SIZE", "1")
     try:
@@ -75,32 +68,10 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
     world = world_size_from_env() if world_size is None else world_size
     args = model_args(cfg)
 
-    # ---- parallel --------------------------------------------------------------------------------
+    # ---- parallel: one parser and one set of rules for every layout (k3train.parallel.mesh) ----------------
     p = cfg.parallel
-    for f in ("pp", "vpp", "ep", "cp", "microbatches"):
-        _need(isinstance(getattr(p, f), int) and getattr(p, f) >= 1, f"parallel.{f}",
-              f"must be an integer >= 1, got {getattr(p, f)!r}")
-    _need(p.dp == -1 or p.dp >= 1, "parallel.dp", f"must be >= 1 or -1 (fill from WORLD_SIZE), got {p.dp}")
-    _need(p.zero in (0, 1, 2), "parallel.zero", f"must be 0, 1 or 2, got {p.zero}")
-    _need(p.schedule in PIPELINE_SCHEDULES, "parallel.schedule",
-          f"unknown schedule {p.schedule!r}; choose one of {list(PIPELINE_SCHEDULES)}")
-    _need(p.ep_dispatcher in EP_DISPATCHERS, "parallel.ep_dispatcher",
-          f"unknown dispatcher {p.ep_dispatcher!r}; choose one of {list(EP_DISPATCHERS)}")
-    _need(p.cp_layout in CP_LAYOUTS, "parallel.cp_layout",
-          f"unknown context-parallel layout {p.cp_layout!r}; choose one of {list(CP_LAYOUTS)}")
-    if p.dp == -1:
-        _need(world % (p.pp * p.cp) == 0, "parallel.dp",
-              f"cannot fill dp: WORLD_SIZE={world} is not divisible by pp*cp={p.pp * p.cp}")
-    dp = resolve_dp(p, world)
-    _need(p.pp * p.cp * dp == world, "parallel",
-          f"layout pp={p.pp} x cp={p.cp} x dp={dp} = {p.pp * p.cp * dp} ranks, but WORLD_SIZE={world}")
-    _need((dp * p.cp) % p.ep == 0, "parallel.ep", f"ep={p.ep} must divide dp*cp={dp * p.cp}")
-    _need(args.n_experts % p.ep == 0, "parallel.ep", f"ep={p.ep} must divide model n_experts={args.n_experts}")
-    _need(p.vpp == 1 or p.pp > 1, "parallel.vpp", f"virtual stages (vpp={p.vpp}) need pp > 1")
-    _need(p.pp * p.vpp <= args.n_layers, "parallel.pp",
-          f"pp*vpp={p.pp * p.vpp} stages exceed the model's {args.n_layers} layers")
-    _need(p.pp == 1 or p.microbatches >= p.pp, "parallel.microbatches",
-          f"a {p.pp}-stage pipeline needs at least {p.pp} micro-batches, got {p.microbatches}")
+    from k3train.parallel.mesh import ParallelDims
+    ParallelDims.from_config(p, world).validate(world_size=world, model_args=args)
 
     # ---- data ------------------------------------------------------------------------------------
     d = cfg.data
@@ -137,12 +108,13 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
     _need(o.ns_steps >= 1, "optim.ns_steps", f"must be >= 1, got {o.ns_steps}")
 
     # ---- activation ------------------------------------------------------------------------------
+    from k3train.activation.policy import POLICIES as activation_policies   # one list of names, the policies' own
     a = cfg.activation
-    _need(a.policy in ACTIVATION_POLICIES, "activation.policy",
-          f"unknown policy {a.policy!r}; choose one of {list(ACTIVATION_POLICIES)}")
+    _need(a.policy in activation_policies, "activation.policy",
+          f"unknown policy {a.policy!r}; choose one of {', '.join(activation_policies)}")
     for i, r in enumerate(a.rules):
-        _need(r.policy in ACTIVATION_POLICIES, f"activation.rules[{i}].policy",
-              f"unknown policy {r.policy!r}; choose one of {list(ACTIVATION_POLICIES)}")
+        _need(r.policy in activation_policies, f"activation.rules[{i}].policy",
+              f"unknown policy {r.policy!r}; choose one of {', '.join(activation_policies)}")
         _need(bool(r.match), f"activation.rules[{i}].match", "must be a non-empty pattern")
 
     # ---- logging ---------------------------------------------------------------------------------
@@ -166,6 +138,9 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
           f"must be auto, float32 or bfloat16, got {t.dtype!r}")
     _need(t.balancing in BALANCING, "train.balancing",
           f"unknown balancing {t.balancing!r}; choose one of {list(BALANCING)}")
+    _need(t.balancing == "none" or args.top_k < args.n_experts, "train.balancing",
+          f"{t.balancing} balancing needs top_k < n_experts (a token must be able to leave some expert out), got "
+          f"top_k={args.top_k}, n_experts={args.n_experts}; use train.balancing=none or a smaller top_k")
     _need(t.threads >= 0, "train.threads", f"must be >= 0 (0 = automatic), got {t.threads}")
     if t.resume not in ("auto", "never"):
         _need(Path(t.resume).exists(), "train.resume",

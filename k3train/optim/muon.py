@@ -1,11 +1,13 @@
-"""Per-Head Muon, its ZeRO-1 sharded step, and QK-Clip.
+"""Per-Head Muon and its ZeRO-1 sharded step (QK-Clip lives in k3train.optim.qk_clip).
 
 Muon per matrix (Moonlight convention):
     M <- mu M + G;  U = G + mu M (Nesterov);  O = NS5(U);  W <- W (1 - lr wd) - lr * 0.2 sqrt(max(A, B)) * O
 
 Per-head: a weight declares how it decomposes (`k3train.models.structure.MatrixStructure`): heads stacked on the rows
 ("rows") or on the columns ("cols"), a leading batch of independent matrices ("batch", e.g. routed experts), or one
-matrix ("matrix"). The update is viewed as those matrices, every matrix of the same shape across ALL parameters is
+matrix ("matrix"). A fused projection can cut each head further into independent matrices of different sizes
+(`splits`, e.g. MLA's [K_h; V_h]), so a weight decomposes into one or a few "pieces", each a uniform stack of
+matrices. The update is viewed as those matrices, every matrix of the same shape across ALL parameters is
 orthogonalised in one batched Newton-Schulz call, and the result is repacked into the parameter's layout. Each matrix
 is scaled by 0.2 sqrt(max(rows_h, cols_h)) of its own shape, which gives an update RMS close to AdamW's (about 0.18).
 
@@ -18,12 +20,13 @@ Scaling conventions versus torch.optim.Muon (a reference for one plain matrix):
 
 The same optimizer also steps plain AdamW groups (`algorithm="adamw"` in a param group), so embeddings, the LM head,
 norms, biases and 1-D vectors live in one optimizer object with one state dict and one set of `lr` entries for an LR
-scheduler; see `k3train.optim.param_groups.build_optimizer`.
+scheduler; the project builds it through `k3train.parallel.zero.ShardedOptimizer`.
 
-ZeRO-1 (`process_group=`): every independent matrix (a head, an expert, a whole matrix) has one owner rank, chosen by
-`assign_owners` to balance Newton-Schulz cost. The owner keeps that matrix's momentum (optimizer state is sharded),
-orthogonalises it, and the orthogonalised updates are all-gathered in one collective so every rank applies the same
-update to its full replica of the parameters. Gradients must already be reduced over the data-parallel group.
+ZeRO-1 (`process_group=`): every independent matrix (a head or a split of one, an expert, a whole matrix) has one
+owner rank, chosen by `assign_owners` to balance Newton-Schulz cost. The owner keeps that matrix's momentum
+(optimizer state is sharded), orthogonalises it, and the orthogonalised updates are all-gathered in one collective so
+every rank applies the same update to its full replica of the parameters. Gradients must already be reduced over the
+data-parallel group.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _adamw_functional
 
 from k3train.models.structure import MatrixStructure
+from k3train.parallel import comm
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 MUON_RMS_SCALE = 0.2
@@ -108,10 +112,29 @@ def check_structure(name: str, shape: Sequence[int], s: MatrixStructure) -> None
         raise ValueError(f"{name}: {shape[-2]} rows do not split into {s.groups} heads")
     if s.kind == "cols" and shape[-1] % s.groups:
         raise ValueError(f"{name}: {shape[-1]} columns do not split into {s.groups} heads")
+    if s.splits:
+        if s.kind not in ("rows", "cols"):
+            raise ValueError(f"{name}: splits cut heads, so they need kind 'rows' or 'cols', not {s.kind!r}")
+        if not all(isinstance(k, int) and k >= 1 for k in s.splits):
+            raise ValueError(f"{name}: splits must be positive integers, got {s.splits!r}")
+        axis = "rows" if s.kind == "rows" else "columns"
+        head = shape[-2 if s.kind == "rows" else -1] // s.groups
+        if sum(s.splits) != head:
+            raise ValueError(f"{name}: splits {s.splits} sum to {sum(s.splits)}, but a head has {head} {axis}")
 
 
-def matrix_shape(shape: Sequence[int], s: MatrixStructure, per_head: bool = True) -> tuple[int, int, int]:
-    """(number of matrices, rows, cols) of the matrices a tensor of `shape` decomposes into."""
+# A structure decomposes a tensor into "pieces": uniform stacks [N_j, r_j, c_j] of independent matrices. Without
+# splits there is one piece (every head, expert or the whole matrix has one shape); with splits piece j holds split j
+# of every head, e.g. [H, k_dim, C] keys then [H, v_dim, C] values. Within a piece the order is heads in order,
+# leading dims outermost.
+def _split_dim(s: MatrixStructure, per_head: bool) -> int | None:
+    """The dim of a head stack [N, r, c] that `s.splits` cut (None: each head is one matrix)."""
+    if not (per_head and s.splits):
+        return None
+    return -2 if s.kind == "rows" else -1
+
+
+def _heads(shape: Sequence[int], s: MatrixStructure, per_head: bool) -> tuple[int, int, int]:
     *lead, R, C = shape
     L = math.prod(lead)
     if per_head and s.kind == "rows":
@@ -121,8 +144,7 @@ def matrix_shape(shape: Sequence[int], s: MatrixStructure, per_head: bool = True
     return L, R, C
 
 
-def to_matrices(t: Tensor, s: MatrixStructure, per_head: bool = True) -> Tensor:
-    """View/copy t [..., R, C] as its independent matrices [N, r, c] (heads in order, leading dims outermost)."""
+def _to_heads(t: Tensor, s: MatrixStructure, per_head: bool) -> Tensor:
     *lead, R, C = t.shape
     L = math.prod(lead)
     if per_head and s.kind == "rows":  # heads are contiguous row blocks: a pure reshape
@@ -133,8 +155,7 @@ def to_matrices(t: Tensor, s: MatrixStructure, per_head: bool = True) -> Tensor:
     return t.reshape(L, R, C)
 
 
-def from_matrices(m: Tensor, shape: Sequence[int], s: MatrixStructure, per_head: bool = True) -> Tensor:
-    """Inverse of `to_matrices`: repack matrices [N, r, c] into a tensor of `shape`."""
+def _from_heads(m: Tensor, shape: Sequence[int], s: MatrixStructure, per_head: bool) -> Tensor:
     *lead, R, C = shape
     L = math.prod(lead)
     if per_head and s.kind == "cols":
@@ -143,9 +164,68 @@ def from_matrices(m: Tensor, shape: Sequence[int], s: MatrixStructure, per_head:
     return m.reshape(shape)
 
 
+def piece_shapes(shape: Sequence[int], s: MatrixStructure, per_head: bool = True) -> list[tuple[int, int, int]]:
+    """(number of matrices, rows, cols) of each piece a tensor of `shape` decomposes into."""
+    n, r, c = _heads(shape, s, per_head)
+    dim = _split_dim(s, per_head)
+    if dim is None:
+        return [(n, r, c)]
+    return [(n, k, c) for k in s.splits] if dim == -2 else [(n, r, k) for k in s.splits]
+
+
+def to_pieces(t: Tensor, s: MatrixStructure, per_head: bool = True) -> list[Tensor]:
+    """View/copy t [..., R, C] as its pieces, each a stack of independent matrices [N_j, r_j, c_j]."""
+    m = _to_heads(t, s, per_head)
+    dim = _split_dim(s, per_head)
+    return [m] if dim is None else list(m.split(s.splits, dim=dim))
+
+
+def from_pieces(pieces: Sequence[Tensor], shape: Sequence[int], s: MatrixStructure, per_head: bool = True) -> Tensor:
+    """Inverse of `to_pieces`: repack the pieces into a tensor of `shape`."""
+    dim = _split_dim(s, per_head)
+    m = pieces[0] if dim is None else torch.cat(list(pieces), dim=dim)
+    return _from_heads(m, shape, s, per_head)
+
+
+def _one_piece(s: MatrixStructure, per_head: bool) -> None:
+    if _split_dim(s, per_head) is not None and len(s.splits) > 1:
+        raise ValueError(f"{s} decomposes into {len(s.splits)} matrix shapes: use piece_shapes/to_pieces/from_pieces")
+
+
+def matrix_shape(shape: Sequence[int], s: MatrixStructure, per_head: bool = True) -> tuple[int, int, int]:
+    """(number of matrices, rows, cols) of the matrices a tensor of `shape` decomposes into (one piece only)."""
+    _one_piece(s, per_head)
+    return piece_shapes(shape, s, per_head)[0]
+
+
+def to_matrices(t: Tensor, s: MatrixStructure, per_head: bool = True) -> Tensor:
+    """View/copy t [..., R, C] as its independent matrices [N, r, c] (one piece only)."""
+    _one_piece(s, per_head)
+    return to_pieces(t, s, per_head)[0]
+
+
+def from_matrices(m: Tensor, shape: Sequence[int], s: MatrixStructure, per_head: bool = True) -> Tensor:
+    """Inverse of `to_matrices`: repack matrices [N, r, c] into a tensor of `shape`."""
+    _one_piece(s, per_head)
+    return from_pieces([m], shape, s, per_head)
+
+
 def muon_scale(rows: int, cols: int) -> float:
     """Update scale of one matrix: 0.2 sqrt(max(rows, cols)) matches AdamW's update RMS (Moonlight)."""
     return MUON_RMS_SCALE * math.sqrt(max(rows, cols))
+
+
+def repack_scaled(O: Sequence[Tensor], shape: Sequence[int], s: MatrixStructure,
+                  per_head: bool = True) -> tuple[Tensor, float]:
+    """Orthogonalised pieces -> (update of `shape`, scale still to apply): each matrix gets its own shape's scale.
+
+    When all pieces share one scale (always without splits) it is returned for the caller to fold into the learning
+    rate, as for a single matrix; otherwise each piece is scaled here and 1.0 is returned.
+    """
+    scales = [muon_scale(*o.shape[-2:]) for o in O]
+    if all(sc == scales[0] for sc in scales):
+        return from_pieces(O, shape, s, per_head), scales[0]
+    return from_pieces([o * sc for o, sc in zip(O, scales)], shape, s, per_head), 1.0
 
 
 def orthogonalise_bucketed(mats: Sequence[Tensor], steps: int = 5, eps: float = 1e-7,
@@ -199,6 +279,31 @@ def assign_owners(shapes: Sequence[Sequence[int]], world: int) -> list[int]:
 def _state_dtype(p: Tensor) -> torch.dtype:
     # Low-precision weights keep fp32 optimizer state; fp32/fp64 weights keep their own dtype.
     return torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype
+
+
+def owns_any(entry: dict, rank: int) -> bool:
+    """Whether `rank` owns any matrix of a ZeRO-1 plan entry (see PerHeadMuon._build_plan)."""
+    return any(pc["by_rank"][rank][2] for pc in entry["pieces"])
+
+
+def new_owned_momentum(entry: dict, rank: int, p: Tensor) -> Tensor:
+    """Zero "momentum_owned" for the matrices of param p that `rank` owns: [n_owned, r, c] for one piece, else flat."""
+    pieces = entry["pieces"]
+    if len(pieces) == 1:
+        pc = pieces[0]
+        return torch.zeros(pc["by_rank"][rank][0].numel(), pc["rows"], pc["cols"], dtype=_state_dtype(p),
+                           device=p.device)
+    return torch.zeros(sum(pc["by_rank"][rank][2] for pc in pieces), dtype=_state_dtype(p), device=p.device)
+
+
+def owned_piece_views(entry: dict, rank: int, buf: Tensor) -> list[Tensor]:
+    """Views of a "momentum_owned" tensor as the owned matrices of each piece, [n_owned_j, r_j, c_j] (in place)."""
+    flat, off, out = buf.view(-1), 0, []
+    for pc in entry["pieces"]:
+        idx, _, numel = pc["by_rank"][rank]
+        out.append(flat[off:off + numel].view(idx.numel(), pc["rows"], pc["cols"]))
+        off += numel
+    return out
 
 
 class PerHeadMuon(Optimizer):
@@ -337,37 +442,49 @@ class PerHeadMuon(Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(p, dtype=_state_dtype(p))
                 u = self._nesterov_update(group, p.grad, state["momentum_buffer"])
                 s = self._structure[id(p)]
-                items.append((group, p, s))
-                mats.append(to_matrices(u, s, group["per_head"]))
-        for (group, p, s), O in zip(items, orthogonalise_bucketed(mats, steps, eps, bf16)):
-            upd = from_matrices(O, p.shape, s, group["per_head"])
-            self._apply(group, p, upd, muon_scale(*O.shape[-2:]))
+                pieces = to_pieces(u, s, group["per_head"])
+                items.append((group, p, s, len(pieces)))
+                mats.extend(pieces)
+        O_all, k = orthogonalise_bucketed(mats, steps, eps, bf16), 0
+        for group, p, s, n in items:
+            upd, scale = repack_scaled(O_all[k:k + n], p.shape, s, group["per_head"])
+            k += n
+            self._apply(group, p, upd, scale)
 
     # -- ZeRO-1 ------------------------------------------------------------------------------------------------
+    # Plan entry of a param: {"group", "param", "pieces": [{"n", "rows", "cols", "by_rank"}, ...]}, one dict per piece
+    # (see `to_pieces`); by_rank[q] = (indices of the piece's matrices that rank q owns, offset of those matrices in
+    # q's packed update buffer, their element count). Owners are chosen per matrix over all pieces of all params.
+    # State "momentum_owned" of a param holds the matrices this rank owns, piece after piece: [n_owned, r, c] for a
+    # param of one piece (as before splits existed), flat 1-D for several pieces; `owned_piece_views` reads both.
     def _build_plan(self) -> dict:
         """Owners of every matrix of every Muon param (in group/param order, identical on all ranks)."""
         g = self.process_group
         world, rank = dist.get_world_size(g), dist.get_rank(g)
-        params, shapes, spans = [], [], []
+        params, shapes = [], []
         for gi, group in enumerate(self.param_groups):
             if group["algorithm"] != "muon" or not group["sharded"]:
                 continue
             for p in group["params"]:
-                n, r, c = matrix_shape(p.shape, self._structure[id(p)], group["per_head"])
-                spans.append((len(shapes), n))
-                shapes.extend([(r, c)] * n)
-                params.append((gi, p, r, c))
+                pieces = piece_shapes(p.shape, self._structure[id(p)], group["per_head"])
+                params.append((gi, p, pieces, len(shapes)))
+                for n, r, c in pieces:
+                    shapes.extend([(r, c)] * n)
         owners = torch.tensor(assign_owners(shapes, world), dtype=torch.long)
         per_param = []
         offsets = [0] * world  # running offset of each rank's packed update buffer
-        for (gi, p, r, c), (start, n) in zip(params, spans):
-            own = owners[start:start + n]
-            by_rank = []
-            for q in range(world):
-                idx = torch.nonzero(own == q).flatten()
-                by_rank.append((idx.to(p.device), offsets[q], idx.numel() * r * c))
-                offsets[q] += idx.numel() * r * c
-            per_param.append(dict(group=gi, param=p, rows=r, cols=c, n=n, by_rank=by_rank))
+        for gi, p, pieces, start in params:
+            entry = []
+            for n, r, c in pieces:
+                own = owners[start:start + n]
+                start += n
+                by_rank = []
+                for q in range(world):
+                    idx = torch.nonzero(own == q).flatten()
+                    by_rank.append((idx.to(p.device), offsets[q], idx.numel() * r * c))
+                    offsets[q] += idx.numel() * r * c
+                entry.append(dict(n=n, rows=r, cols=c, by_rank=by_rank))
+            per_param.append(dict(group=gi, param=p, pieces=entry))
         return dict(world=world, rank=rank, params=per_param, sizes=offsets)
 
     def _muon_step_sharded(self) -> None:
@@ -381,36 +498,41 @@ class PerHeadMuon(Optimizer):
                 raise RuntimeError("sharded PerHeadMuon needs a gradient for every Muon parameter on every step")
         mine, mats = [], []
         for e in plan["params"]:
-            group, p = self.param_groups[e["group"]], e["param"]
-            idx = e["by_rank"][rank][0]
-            if idx.numel() == 0:
+            if not owns_any(e, rank):
                 continue
+            group, p = self.param_groups[e["group"]], e["param"]
             state = self.state[p]
-            s = self._structure[id(p)]
-            g_own = to_matrices(p.grad, s, group["per_head"]).index_select(0, idx)
             if "momentum_owned" not in state:
-                state["momentum_owned"] = torch.zeros_like(g_own, dtype=_state_dtype(p))
-            mine.append(e)
-            mats.append(self._nesterov_update(group, g_own, state["momentum_owned"]))
+                state["momentum_owned"] = new_owned_momentum(e, rank, p)
+            grads = to_pieces(p.grad, self._structure[id(p)], group["per_head"])
+            for pc, g, buf in zip(e["pieces"], grads, owned_piece_views(e, rank, state["momentum_owned"])):
+                idx = pc["by_rank"][rank][0]
+                if idx.numel():
+                    mine.append(pc)
+                    mats.append(self._nesterov_update(group, g.index_select(0, idx), buf))
         O_mine = orthogonalise_bucketed(mats, steps, eps, bf16)
         device = plan["params"][0]["param"].device if plan["params"] else torch.device("cpu")
         # One all-gather of every rank's packed updates (padded to the longest), fp32 for exact replicas.
         width = max(plan["sizes"]) if plan["sizes"] else 0
         send = torch.zeros(width, dtype=torch.float32, device=device)
-        for e, O in zip(mine, O_mine):
-            _, off, n = e["by_rank"][rank]
+        for pc, O in zip(mine, O_mine):
+            _, off, n = pc["by_rank"][rank]
             send[off:off + n] = O.reshape(-1).float()
-        recv = [torch.empty_like(send) for _ in range(world)]
-        dist.all_gather(recv, send, group=self.process_group)
+        flat = torch.empty(world * width, dtype=send.dtype, device=send.device)
+        comm.all_gather(flat, send, self.process_group, "dp_cp", what="muon_updates")
+        recv = flat.chunk(world)
         for e in plan["params"]:
             group, p = self.param_groups[e["group"]], e["param"]
-            r, c = e["rows"], e["cols"]
-            O = torch.empty(e["n"], r, c, dtype=torch.float32, device=p.device)
-            for q, (idx, off, n) in enumerate(e["by_rank"]):
-                if n:
-                    O.index_copy_(0, idx, recv[q][off:off + n].view(-1, r, c))
-            upd = from_matrices(O, p.shape, self._structure[id(p)], group["per_head"])
-            self._apply(group, p, upd, muon_scale(r, c))
+            Os = []
+            for pc in e["pieces"]:
+                r, c = pc["rows"], pc["cols"]
+                O = torch.empty(pc["n"], r, c, dtype=torch.float32, device=p.device)
+                for q, (idx, off, n) in enumerate(pc["by_rank"]):
+                    if n:
+                        O.index_copy_(0, idx, recv[q][off:off + n].view(-1, r, c))
+                Os.append(O)
+            upd, scale = repack_scaled(Os, p.shape, self._structure[id(p)], group["per_head"])
+            self._apply(group, p, upd, scale)
 
     # -- AdamW groups ------------------------------------------------------------------------------------------
     def _adamw_step(self, group: dict) -> None:
@@ -436,74 +558,3 @@ class PerHeadMuon(Optimizer):
                           fused=None, grad_scale=None, found_inf=None, has_complex=False, amsgrad=False,
                           beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                           eps=group["eps"], maximize=False)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# QK-Clip (Kimi K2's MuonClip)
-# ---------------------------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def qk_clip_(q_weight: Tensor, k_weight: Tensor, max_logits: Tensor, threshold: float, *, n_heads: int,
-             qk_dim: int | None = None, shared_dim: int = 0) -> Tensor:
-    """Rescale per-head query/key rows in place so no head's max attention logit exceeds `threshold`.
-
-    For head h with max logit S_h > threshold, gamma_h = threshold / S_h; the head's own query rows and key rows are
-    multiplied by sqrt(gamma_h), so q.k scales by gamma_h. Query rows that pair with a key slice SHARED by all heads
-    (MLA's shared key) get the full gamma_h and the shared key is left alone, so other heads are unaffected.
-
-    q_weight [H * q_rows, in]: per head, rows [0, qk_dim) pair with the head's own key rows, rows
-      [qk_dim, qk_dim + shared_dim) pair with the shared key slice; q_rows = qk_dim + shared_dim.
-    k_weight [H * k_rows, in]: per head, rows [0, qk_dim) are the key; further rows (e.g. the values of a fused
-      key/value up-projection) are untouched.
-    max_logits [H]: the largest pre-softmax logit (scale included) of each head seen since the last clip.
-    Returns gamma [H] (1 where no clipping happened).
-    """
-    if threshold <= 0:
-        raise ValueError(f"QK-Clip threshold must be > 0, got {threshold}")
-    H = n_heads
-    if max_logits.shape != (H,):
-        raise ValueError(f"max_logits must have shape [{H}], got {tuple(max_logits.shape)}")
-    if q_weight.shape[0] % H or k_weight.shape[0] % H:
-        raise ValueError(f"q_weight rows {q_weight.shape[0]} and k_weight rows {k_weight.shape[0]} "
-                         f"must split into {H} heads")
-    q_rows, k_rows = q_weight.shape[0] // H, k_weight.shape[0] // H
-    qk_dim = q_rows - shared_dim if qk_dim is None else qk_dim
-    if qk_dim + shared_dim != q_rows or qk_dim > k_rows or qk_dim < 1 or shared_dim < 0:
-        raise ValueError(f"qk_dim={qk_dim}, shared_dim={shared_dim} do not fit q rows/head {q_rows}, "
-                         f"k rows/head {k_rows}")
-    gamma = (threshold / max_logits.float().clamp(min=1e-30)).clamp(max=1.0)
-    root = gamma.sqrt()
-    q = q_weight.view(H, q_rows, -1)
-    k = k_weight.view(H, k_rows, -1)
-    q[:, :qk_dim].mul_(root.to(q.dtype)[:, None, None])
-    k[:, :qk_dim].mul_(root.to(k.dtype)[:, None, None])
-    if shared_dim:
-        q[:, qk_dim:].mul_(gamma.to(q.dtype)[:, None, None])
-    return gamma
-
-
-@torch.no_grad()
-def apply_qk_clip(model: torch.nn.Module, threshold: float,
-                  group: dist.ProcessGroup | None = None) -> dict[str, Tensor]:
-    """QK-Clip every attention module that reports max logits; call right after the optimizer step.
-
-    Protocol for an attention module: in training forward it keeps ``self.max_logits`` (fp32 [H], detached), the
-    running max over the step's forwards of each head's largest pre-softmax logit (scale included), None when nothing
-    was seen; and it implements ``qk_clip_targets() -> dict`` with the keyword arguments of `qk_clip_` other than
-    max_logits and threshold (q_weight, k_weight, n_heads, qk_dim, shared_dim). Max logits are MAX-all-reduced in
-    one collective over `group` (the ranks holding distinct tokens; None: the default group when torch.distributed
-    is initialised), then reset to None. Returns gamma per module name.
-    """
-    mods = [(n, m) for n, m in model.named_modules()
-            if hasattr(m, "qk_clip_targets") and getattr(m, "max_logits", None) is not None]
-    if not mods:
-        return {}
-    logits = torch.cat([m.max_logits.detach().float().reshape(-1) for _, m in mods])
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(logits, op=dist.ReduceOp.MAX, group=group)
-    out, off = {}, 0
-    for name, m in mods:
-        H = m.max_logits.numel()
-        out[name] = qk_clip_(max_logits=logits[off:off + H], threshold=threshold, **m.qk_clip_targets())
-        off += H
-        m.max_logits = None
-    return out

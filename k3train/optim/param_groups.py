@@ -16,13 +16,11 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
 from k3train.models.structure import MatrixStructure
 from k3train.optim.config import OptimConfig
-from k3train.optim.muon import PerHeadMuon, apply_qk_clip, check_structure, matrix_shape
+from k3train.optim.muon import check_structure, piece_shapes
 
 
 def _embedding_params(model: nn.Module) -> set[int]:
@@ -60,47 +58,12 @@ def split_params(model: nn.Module, cfg: OptimConfig
     return out
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, *, process_group: dist.ProcessGroup | None = None
-                    ) -> torch.optim.Optimizer:
-    """One optimizer for the trainer (step, zero_grad, state_dict, load_state_dict, param_groups[i]['lr']).
-
-    'adamw': torch.optim.AdamW with a decay and a no-decay group. 'muon': PerHeadMuon holding a Muon group and two
-    AdamW groups, so one LambdaLR scales all of them. process_group shards the Muon state (ZeRO-1). Group names are
-    in param_groups[i]['name']. With cfg.qk_clip > 0 a step post-hook applies QK-Clip to every attention module that
-    reports `max_logits` (see `k3train.optim.muon.apply_qk_clip`); set `optimizer.qk_clip_group` to the ranks holding
-    distinct tokens when the default group is not that (e.g. under pipeline parallelism).
-    """
-    parts = split_params(model, cfg)
-    decay = [p for _, p, _ in parts["adamw"]]
-    no_decay = [p for _, p, _ in parts["adamw_no_decay"]]
-    if cfg.name == "adamw":
-        groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay, "name": "adamw"},
-                              {"params": no_decay, "weight_decay": 0.0, "name": "adamw_no_decay"}) if g["params"]]
-        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-    else:
-        groups = [{"params": [p for _, p, _ in parts["muon"]], "structures": [s for _, _, s in parts["muon"]],
-                   "algorithm": "muon", "weight_decay": cfg.weight_decay, "name": "muon"},
-                  {"params": decay, "algorithm": "adamw", "weight_decay": cfg.weight_decay, "name": "adamw"},
-                  {"params": no_decay, "algorithm": "adamw", "weight_decay": 0.0, "name": "adamw_no_decay"}]
-        opt = PerHeadMuon([g for g in groups if g["params"]], lr=cfg.lr, momentum=cfg.momentum,
-                          weight_decay=cfg.weight_decay, ns_steps=cfg.ns_steps, per_head=cfg.per_head,
-                          betas=tuple(cfg.betas), eps=cfg.eps, process_group=process_group)
-    if cfg.qk_clip > 0:
-        threshold = cfg.qk_clip
-        opt.qk_clip_group = None
-        for m in model.modules():  # attention modules record per-head max logits only when QK-Clip is on
-            if hasattr(m, "qk_clip_targets"):
-                m.track_max_logits = True
-        opt.register_step_post_hook(lambda o, args, kwargs: apply_qk_clip(model, threshold, o.qk_clip_group))
-    return opt
-
-
 def _category(s: MatrixStructure | None, group: str, per_head: bool) -> str:
     if group != "muon":
         return group
     if s.kind == "batch":
         return "muon per-expert"
-    if s.kind in ("rows", "cols") and per_head and s.groups > 1:
+    if s.kind in ("rows", "cols") and per_head and (s.groups > 1 or len(s.splits) > 1):
         return "muon per-head"
     return "muon whole"
 
@@ -113,8 +76,9 @@ def describe_groups(model: nn.Module, cfg: OptimConfig) -> str:
         for name, p, s in items:
             cat = _category(s, group, cfg.per_head)
             if group == "muon":
-                n, r, c = matrix_shape(p.shape, s, cfg.per_head)
-                mat = f"{r}x{c}"
+                pieces = piece_shapes(p.shape, s, cfg.per_head)
+                n = sum(k for k, _, _ in pieces)
+                mat = ",".join(dict.fromkeys(f"{r}x{c}" for _, r, c in pieces))  # distinct shapes, e.g. K_h,V_h
             else:
                 n, mat = 0, "-"
             pattern = re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name)

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from k3train.parallel import comm
+
 
 def _check(scores: Tensor, bias: Tensor, k: int) -> tuple[int, int]:
     if scores.ndim != 2:
@@ -87,8 +89,8 @@ def quantile_bias_reference(scores: Tensor, bias: Tensor, k: int) -> Tensor:
 
 
 def _reduce(buf: Tensor, group) -> Tensor:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+    if dist.is_available() and dist.is_initialized():
+        comm.all_reduce(buf, group, "dp_cp", what="router_balance")
     return buf
 
 

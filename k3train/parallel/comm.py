@@ -1,15 +1,24 @@
-"""Communication accounting: every collective the engine issues goes through these wrappers, which count its bytes
-per mesh dimension.
+"""The communication ledger: every collective k3train issues goes through these wrappers, which count its bytes per
+mesh dimension.
 
 Two numbers per call:
 - payload: the bytes of the tensor handed to the collective (the input of a reduce-scatter, the output of an
   all-gather, the tensor of an all-reduce or a point-to-point send);
 - wire: the bytes one rank sends under the ring/bandwidth-optimal algorithm, the figure that sets the time on a
   bandwidth-bound link: all-reduce 2(n-1)/n S, reduce-scatter (n-1)/n S_in, all-gather (n-1)/n S_out,
-  all-to-all (n-1)/n S, broadcast S on the source, send S.
+  all-to-all the rows addressed to other ranks, broadcast S on the source, send S.
 A collective over a group of one rank is skipped and costs nothing.
 
-Pipeline point-to-point traffic is counted by the pipeline stage (k3train.parallel.pipeline) through `record`.
+Scopes. `counting(c)` opens a scope: while it lasts every collective is also counted in `c`. Scopes nest and a call
+is counted in every open one, so the engine's counter sees all of a step while an EP dispatcher or a
+context-parallel handle keeps its own calls in its own counter (its read-only traffic view). The differentiable
+collectives (`all_to_all_rows`, `all_gather_rows`) count their backward collective in the scopes that were open at
+their forward: autograd may run backward after those scopes closed, or on another thread.
+
+Labels. A call may say what it carries (`what`: EP "dispatch", "combine", "counts", ...; CP "kda_summary", ...).
+A counter keeps calls, payload and wire per (dim, op, what); its snapshot and table sum over the labels.
+
+Traffic that torch's pipeline schedules issue themselves is counted by the pipeline stage through `record`.
 """
 
 from __future__ import annotations
@@ -23,58 +32,90 @@ import torch.distributed as dist
 
 
 class CommCounter:
-    """Bytes per (mesh dimension, operation) since the last reset."""
+    """Calls and bytes per (mesh dimension, operation, label) since the last reset."""
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
-        self.payload: dict[tuple[str, str], int] = defaultdict(int)
-        self.wire: dict[tuple[str, str], float] = defaultdict(float)
-        self.calls: dict[tuple[str, str], int] = defaultdict(int)
+        self._rows: dict[tuple[str, str, str | None], list] = {}  # -> [calls, payload, wire]
 
-    def record(self, dim: str, op: str, payload: int, wire: float) -> None:
-        self.payload[(dim, op)] += int(payload)
-        self.wire[(dim, op)] += float(wire)
-        self.calls[(dim, op)] += 1
+    def record(self, dim: str, op: str, payload: int, wire: float, what: str | None = None) -> None:
+        row = self._rows.setdefault((dim, op, what), [0, 0, 0.0])
+        row[0] += 1
+        row[1] += int(payload)
+        row[2] += float(wire)
+
+    def entry(self, dim: str | None = None, op: str | None = None, what: str | None = None) -> dict:
+        """{calls, payload, wire} summed over the rows that match every argument given (None matches any)."""
+        out = {"calls": 0, "payload": 0, "wire": 0.0}
+        for (d, o, w), (calls, payload, wire) in self._rows.items():
+            if dim in (None, d) and op in (None, o) and what in (None, w):
+                out["calls"] += calls
+                out["payload"] += payload
+                out["wire"] += wire
+        return out
+
+    def labels(self, dim: str) -> dict[tuple[str, str], dict]:
+        """{(what, op): {calls, payload, wire}} of the labelled calls on one dimension."""
+        return {(w, o): self.entry(d, o, w) for d, o, w in sorted(self._rows, key=str) if d == dim and w is not None}
 
     def by_dim(self, kind: str = "wire") -> dict[str, float]:
-        src = self.wire if kind == "wire" else self.payload
         out: dict[str, float] = defaultdict(float)
-        for (dim, _), b in src.items():
-            out[dim] += b
+        for (dim, _, _), row in self._rows.items():
+            out[dim] += row[2] if kind == "wire" else row[1]
         return dict(out)
 
     def table(self) -> list[dict]:
         """Rows {dim, op, calls, payload, wire}, sorted."""
-        return [dict(dim=d, op=o, calls=self.calls[(d, o)], payload=self.payload[(d, o)], wire=self.wire[(d, o)])
-                for d, o in sorted(self.calls)]
+        return [dict(dim=d, op=o, **self.entry(d, o)) for d, o in sorted({(d, o) for d, o, _ in self._rows})]
 
     def snapshot(self) -> dict:
-        return {f"{d}/{o}": {"calls": self.calls[(d, o)], "payload": self.payload[(d, o)], "wire": self.wire[(d, o)]}
-                for d, o in sorted(self.calls)}
+        return {f"{r['dim']}/{r['op']}": {k: r[k] for k in ("calls", "payload", "wire")} for r in self.table()}
 
 
 _local = threading.local()
 
 
+def _scopes() -> list[CommCounter]:
+    """The thread's open scopes, innermost last (the first is the thread's own, for calls outside any scope)."""
+    s = getattr(_local, "scopes", None)
+    if s is None:
+        s = _local.scopes = [CommCounter()]
+    return s
+
+
 def counter() -> CommCounter:
-    """The process's active counter."""
-    c = getattr(_local, "counter", None)
-    if c is None:
-        c = _local.counter = CommCounter()
-    return c
+    """The innermost open counter."""
+    return _scopes()[-1]
 
 
 @contextmanager
 def counting(c: CommCounter):
-    """Route the wrappers' accounting into `c` for the duration."""
-    prev = getattr(_local, "counter", None)
-    _local.counter = c
+    """Count every collective in `c` too, for the duration."""
+    scopes = _scopes()
+    scopes.append(c)
     try:
         yield c
     finally:
-        _local.counter = prev
+        scopes.pop()
+
+
+@contextmanager
+def _in_scopes(scopes: tuple[CommCounter, ...]):
+    """Count in exactly these scopes for the duration (a backward collective, in its forward's scopes)."""
+    prev = getattr(_local, "scopes", None)
+    _local.scopes = list(scopes)
+    try:
+        yield
+    finally:
+        _local.scopes = prev
+
+
+def record(dim: str, op: str, payload: int, wire: float | None = None, *, what: str | None = None) -> None:
+    """Count one call in every open scope (a counter entered twice counts it once)."""
+    for c in {id(c): c for c in _scopes()}.values():
+        c.record(dim, op, payload, payload if wire is None else wire, what)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -85,45 +126,44 @@ def _size(group) -> int:
     return dist.get_world_size(group)
 
 
-def record(dim: str, op: str, payload: int, wire: float | None = None) -> None:
-    counter().record(dim, op, payload, payload if wire is None else wire)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
-# Wrapped collectives. `dim` names the mesh dimension the group belongs to (for the report only).
+# Wrapped collectives. `dim` names the mesh dimension the group belongs to; `what` labels the call (optional).
 # ---------------------------------------------------------------------------------------------------------------------
-def all_reduce(t: torch.Tensor, group, dim: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce(t: torch.Tensor, group, dim: str, op=dist.ReduceOp.SUM, *, what: str | None = None) -> torch.Tensor:
     n = _size(group)
     if n == 1:
         return t
     dist.all_reduce(t, op=op, group=group)
-    record(dim, "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t))
+    record(dim, "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t), what=what)
     return t
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, dim: str) -> torch.Tensor:
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, dim: str, *, what: str | None = None) -> torch.Tensor:
     """out [k] = the rank's k-element slice of the SUM over ranks of inp [n*k]."""
     n = _size(group)
     if n == 1:
         out.copy_(inp)
         return out
     _reduce_scatter_single(out, inp, group)
-    record(dim, "reduce_scatter", _nbytes(inp), (n - 1) / n * _nbytes(inp))
+    record(dim, "reduce_scatter", _nbytes(inp), (n - 1) / n * _nbytes(inp), what=what)
     return out
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group, dim: str) -> torch.Tensor:
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group, dim: str, *, what: str | None = None) -> torch.Tensor:
     """out [n*k] = the ranks' inp [k] concatenated in rank order."""
     n = _size(group)
     if n == 1:
         out.copy_(inp)
         return out
     _all_gather_single(out, inp, group)
-    record(dim, "all_gather", _nbytes(out), (n - 1) / n * _nbytes(out))
+    record(dim, "all_gather", _nbytes(out), (n - 1) / n * _nbytes(out), what=what)
     return out
 
 
-def all_to_all(out: torch.Tensor, inp: torch.Tensor, group, dim: str, out_splits=None, in_splits=None) -> torch.Tensor:
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group, dim: str, out_splits=None, in_splits=None, *,
+               what: str | None = None) -> torch.Tensor:
+    """Rows of inp go to the ranks in order (in_splits[r] rows to rank r; even without splits); out receives
+    out_splits[r] rows from rank r."""
     n = _size(group)
     if n == 1:
         out.copy_(inp)
@@ -132,18 +172,33 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group, dim: str, out_splits
     # Bytes leaving this rank: everything but the rows it keeps.
     row = _nbytes(inp[0]) if inp.dim() > 1 and inp.shape[0] else inp.element_size()
     kept = inp.shape[0] // n if in_splits is None else in_splits[dist.get_rank(group)]
-    record(dim, "all_to_all", _nbytes(inp), _nbytes(inp) - kept * row)
+    record(dim, "all_to_all", _nbytes(inp), _nbytes(inp) - kept * row, what=what)
     return out
 
 
-def broadcast(t: torch.Tensor, src_group_rank: int, group, dim: str) -> torch.Tensor:
+def broadcast(t: torch.Tensor, src_group_rank: int, group, dim: str, *, what: str | None = None) -> torch.Tensor:
     n = _size(group)
     if n == 1:
         return t
     dist.broadcast(t, group_src=src_group_rank, group=group)
     mine = dist.get_rank(group) == src_group_rank
-    record(dim, "broadcast", _nbytes(t), _nbytes(t) if mine else 0)
+    record(dim, "broadcast", _nbytes(t), _nbytes(t) if mine else 0, what=what)
     return t
+
+
+def send_recv(send: torch.Tensor | None, recv: torch.Tensor | None, peer: int, group, dim: str, *, op: str = "send",
+              what: str | None = None) -> None:
+    """Point-to-point with one peer (its rank in the group): send, receive, or both at once (a swap, which cannot
+    deadlock); counts the bytes sent."""
+    works = []
+    if send is not None:
+        works.append(dist.isend(send, group=group, group_dst=peer))
+    if recv is not None:
+        works.append(dist.irecv(recv, group=group, group_src=peer))
+    for w in works:
+        w.wait()
+    if send is not None:
+        record(dim, op, _nbytes(send), what=what)
 
 
 def _reduce_scatter_single(out, inp, group):
@@ -158,112 +213,50 @@ def _all_gather_single(out, inp, group):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Analytic bytes of one training step, from the model shapes and the layout alone
+# Differentiable collectives along dim 0
 # ---------------------------------------------------------------------------------------------------------------------
-def stage_param_counts(args, stage_layers: list[list[int]]) -> list[dict]:
-    """Per stage: {"dense": [(d0, numel), ...], "expert": [(d0, numel), ...]} of its parameters (meta device)."""
-    from k3train.models.k3.model import K3Model
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, dim, what, grad_what):
+        ctx.saved = (out_splits, in_splits, group, dim, grad_what, tuple(_scopes()))
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        return all_to_all(out, x.contiguous(), group, dim, out_splits, in_splits, what=what)
 
-    with torch.device("meta"):
-        model = K3Model(args)
-    n = len(stage_layers)
-    out = []
-    for s, layers in enumerate(stage_layers):
-        keep = {f"layers.{i}." for i in layers}
-        dense, expert = [], []
-        for name, p in model.named_parameters():
-            first = name.startswith(("tok_embeddings.", "vision."))
-            last = name.startswith(("final_res.", "norm.", "output."))
-            if (first and s == 0) or (last and s == n - 1) or any(name.startswith(k) for k in keep):
-                (expert if ".experts." in f".{name}" else dense).append((p.shape[0], p.numel()))
-        out.append({"dense": dense, "expert": expert})
-    return out
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits, group, dim, grad_what, scopes = ctx.saved
+        gin = g.new_empty((sum(in_splits), *g.shape[1:]))
+        with _in_scopes(scopes):
+            all_to_all(gin, g.contiguous(), group, dim, in_splits, out_splits, what=grad_what)
+        return gin, None, None, None, None, None, None
 
 
-def analytic_step_bytes(args, dims, stage_layers: list[list[int]], *, pp_rank: int, mb: int, seq: int,
-                        elem: int = 4) -> dict[tuple[str, str], dict]:
-    """Expected {(dim, op): {"payload", "wire"}} of one step on a rank of pipeline rank `pp_rank` (AdamW; zero
-    padding assumed, i.e. every parameter's first dim divisible by its group).
-
-    Expert all-to-all (payload only): per MoE layer and micro-batch a rank sends its N K token-expert rows of the
-    latent (width L) forward and their gradients backward, plus the M rows its home experts received (outputs
-    forward, gradients backward) and the [E] routing counts. M depends on routing but averages N K over an EP group,
-    so the ("ep", "all_to_all") entry is the EP-group mean: 4 N K L elem + 8 E."""
-    from k3train.parallel.mesh import stage_to_rank, stages_of_rank
-    from k3train.parallel.pipeline import sources_after
-
-    counts = stage_param_counts(args, stage_layers)
-    owner = stage_to_rank(dims)
-    mine = stages_of_rank(dims, pp_rank)
-    out: dict[tuple[str, str], dict] = {}
-
-    def add(dim, op, payload, wire):
-        e = out.setdefault((dim, op), {"payload": 0, "wire": 0.0})
-        e["payload"] += payload
-        e["wire"] += wire
-
-    n = dims.dp_cp
-    if n > 1:
-        add("dp_cp", "all_reduce", 16, 2 * (n - 1) / n * 16)  # target and token counts (2 x float64)
-    groups = [("dp_cp", dims.dp_cp, "dense")]
-    if dims.ep > 1:
-        groups.append(("edp", dims.edp, "expert"))
-    else:
-        groups = [("dp_cp", dims.dp_cp, "both")]
-    for dim, g, key in groups:
-        if g == 1:
-            continue
-        P = 0
-        for s in mine:
-            sel = counts[s]["dense"] + counts[s]["expert"] if key == "both" else counts[s][key]
-            P += sum(k for _, k in sel) // (dims.ep if key == "expert" else 1)
-        B = P * elem
-        if dims.zero == 2:
-            add(dim, "reduce_scatter", B, (g - 1) / g * B)
-        else:
-            add(dim, "all_reduce", B, 2 * (g - 1) / g * B)
-        if dims.zero >= 1:
-            add(dim, "all_gather", B, (g - 1) / g * B)
-    if dims.world > 1:
-        add("world", "all_reduce", 16, 2 * (dims.world - 1) / dims.world * 16)  # loss and squared norm
-    # Under CP a rank runs its pieces of each row: seq / cp tokens per row (the pieces as rows, same count).
-    tok = mb * seq // dims.cp
-    if dims.cp > 1:
-        _add_cp_bytes(add, args, dims, [i for s in mine for i in stage_layers[s]], mb=mb, seq=seq, elem=elem)
-        if dims.pp > 1:  # every stage rebuilds its handle from the pieces' document starts (1 byte per token)
-            b = len(mine) * dims.microbatches * mb * seq
-            add("cp", "all_gather", b, (dims.cp - 1) / dims.cp * b)
-    if dims.ep > 1:
-        n_moe = sum(args.ffn_kind(i) == "moe" for s in mine for i in stage_layers[s])
-        NK = tok * args.top_k
-        b = n_moe * dims.microbatches * (4 * NK * args.moe_latent_dim * elem + 8 * args.n_experts)
-        add("ep", "all_to_all", b, b * (dims.ep - 1) / dims.ep)
-    if dims.pp > 1:
-        D, last = args.dim, dims.n_stages - 1
-        for s in mine:
-            if s < last and owner[s + 1] != pp_rank:
-                b = sources_after(args, stage_layers[s][-1]) * tok * D * elem * dims.microbatches
-                add("pp", "send_fwd", b, b)
-            if s > 0 and owner[s - 1] != pp_rank:
-                b = sources_after(args, stage_layers[s][0] - 1) * tok * D * elem * dims.microbatches
-                add("pp", "send_bwd", b, b)
-    return out
+def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, dim: str, *,
+                    what: str | None = None, grad_what: str | None = None) -> torch.Tensor:
+    """Differentiable uneven all-to-all of the rows of x: in_splits[r] rows go to rank r, out_splits[r] rows arrive
+    from rank r (source-major). Backward is the reverse all-to-all of the gradient, labelled `grad_what`."""
+    if x.shape[0] != sum(in_splits):
+        raise ValueError(f"all_to_all_rows: x has {x.shape[0]} rows but in_splits sum to {sum(in_splits)}")
+    return _AllToAllRows.apply(x, list(out_splits), list(in_splits), group, dim, what, grad_what)
 
 
-def _add_cp_bytes(add, args, dims, layers: list[int], *, mb: int, seq: int, elem: int) -> None:
-    """Context-parallel collectives of one step (forward all-gathers, their backward reduce-scatters of the same
-    size) for these layers: per KDA layer the pieces' fp32 summaries [H, K, K+V] (independent of seq) and the
-    conv halos (W-1 tokens of q, k and v per piece); per MLA layer the latent of every token."""
-    m, g = dims.microbatches, dims.cp
-    n_pieces = 2 * g if dims.cp_layout == "zigzag" else g
-    rows = mb * n_pieces  # pieces gathered over the group per micro-batch
-    H, K = args.kda_heads, args.kda_head_dim
-    n_kda = sum(args.layer_kind(i) == "kda" for i in layers)
-    n_mla = sum(args.layer_kind(i) == "mla" for i in layers)
-    summary = n_kda * m * rows * H * K * 2 * K * 4
-    halo = n_kda * m * rows * (args.kda_conv_size - 1) * 3 * H * K * elem
-    latent = n_mla * m * mb * seq * (args.mla_kv_rank + args.mla_shared_k_dim) * elem
-    total = summary + halo + latent
-    if total:
-        add("cp", "all_gather", total, (g - 1) / g * total)
-        add("cp", "reduce_scatter", total, (g - 1) / g * total)
+class _AllGatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, what):
+        ctx.saved = (group, dim, what, tuple(_scopes()))
+        out = x.new_empty((_size(group) * x.shape[0], *x.shape[1:]))
+        return all_gather(out, x.contiguous(), group, dim, what=what)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, dim, what, scopes = ctx.saved
+        out = grad.new_empty((grad.shape[0] // _size(group), *grad.shape[1:]))
+        with _in_scopes(scopes):
+            reduce_scatter(out, grad.contiguous(), group, dim, what=what)
+        return out, None, None, None
+
+
+def all_gather_rows(x: torch.Tensor, group, dim: str, *, what: str | None = None) -> torch.Tensor:
+    """Differentiable all-gather of the rows of x in rank order. Backward: each rank gets the SUM over ranks of the
+    gradient of its own rows (a reduce-scatter, labelled like the forward)."""
+    return _AllGatherRows.apply(x, group, dim, what)

@@ -20,9 +20,9 @@ Short conv. The width-W causal conv of q, k, v reads W-1 tokens before each piec
 every piece are all-gathered (differentiable) and each piece takes those of its predecessor in sequence order; the
 global position-in-document masks the taps that would cross a document start.
 
-MLA. The 576-wide latent (not per-head keys/values) is all-gathered, differentiably; every rank builds the keys and
-values of the whole row from it with module.keys_values and attends its local queries with causal and per-document
-masks over GLOBAL positions.
+MLA. The 576-wide latent (not per-head keys/values) is all-gathered, differentiably; `mla_keys` hands MLA that latent
+and, per local piece, the key range and the causal and per-document mask over GLOBAL positions; the layer builds its
+keys and values and attends as it does without CP (the handle never calls into the module).
 
 The trainer builds one `ContextParallel` per (micro-)batch (it holds that batch's document layout) and puts it in
 `BatchContext.cp`; `apply_context_parallel` validates a model once and returns a `ContextParallelPlan` that shards
@@ -32,16 +32,16 @@ group: dp x cp ranks hold distinct tokens), and divide each rank's loss by the t
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from k3train.models.k3.args import ConfigError, K3ModelArgs
+from k3train.config.errors import ConfigError
+from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
+from k3train.models.k3.documents import Documents
 from k3train.ops.kda.chunk import KDAChunks
 from k3train.parallel import comm
 
@@ -137,30 +137,6 @@ class SequenceLayout:
 # ---------------------------------------------------------------------------------------------------------------------
 # Documents: global layout and the per-piece segment plan of KDA
 # ---------------------------------------------------------------------------------------------------------------------
-def global_doc_layout(cu_seqlens: torch.Tensor | None, batch: int, seq_len: int,
-                      device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(doc_start bool, pos_in_doc int64, doc_id int64), each [batch, seq_len], from global cu_seqlens over the
-    flattened [batch*seq_len] stream (None: one document per row). Every row start must be a document start."""
-    n = batch * seq_len
-    if cu_seqlens is None:
-        starts = torch.arange(0, n, seq_len, device=device)
-    else:
-        cu = torch.as_tensor(cu_seqlens, device=device).to(torch.int64)
-        if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != n:
-            raise ValueError(f"cu_seqlens_global must be 1-D, from 0 to batch*seq_len = {batch}*{seq_len} = {n}, "
-                             f"got {cu.tolist() if cu.numel() <= 16 else tuple(cu.shape)}")
-        if bool((cu[1:] <= cu[:-1]).any()):
-            raise ValueError("cu_seqlens_global must be strictly increasing")
-        starts = cu[:-1]
-    flag = torch.zeros(n, dtype=torch.bool, device=device)
-    flag[starts] = True
-    if not bool(flag[::seq_len].all()):
-        raise ValueError(f"cu_seqlens_global must contain every row boundary (multiples of seq_len={seq_len})")
-    doc = torch.cumsum(flag.to(torch.int64), 0) - 1
-    pos = torch.arange(n, device=device) - starts[doc]
-    return flag.view(batch, seq_len), pos.view(batch, seq_len), doc.view(batch, seq_len)
-
-
 @dataclass
 class PiecePlan:
     """How KDA runs a rank's R local pieces (rows of length L) given their document starts.
@@ -236,32 +212,6 @@ def kda_pieces(chunks: KDAChunks, incoming: torch.Tensor, plan: PiecePlan) -> to
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Differentiable all-gather over the CP group
-# ---------------------------------------------------------------------------------------------------------------------
-class _AllGather(torch.autograd.Function):
-    """Forward: concatenate every rank's x along dim 0 (rank order). Backward: each rank gets the SUM over ranks of
-    the gradient of its own slice (a reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, x, cp: "ContextParallel", tag: str):
-        ctx.cp, ctx.tag = cp, tag
-        x = x.contiguous()
-        out = x.new_empty(cp.world * x.shape[0], *x.shape[1:])
-        comm.all_gather(out, x, cp.group, "cp")
-        cp._count(tag, "all_gather", out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        cp = ctx.cp
-        grad = grad.contiguous()
-        out = grad.new_empty(grad.shape[0] // cp.world, *grad.shape[1:])
-        comm.reduce_scatter(out, grad, cp.group, "cp")
-        cp._count(ctx.tag, "reduce_scatter", grad)
-        return out, None, None
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # The handle
 # ---------------------------------------------------------------------------------------------------------------------
 class ContextParallel:
@@ -298,9 +248,8 @@ class ContextParallel:
             batch = total // seq_len
         self.batch = batch
         self._plans: dict = {}
-        self.stats: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
-        """(what, op) -> [calls, bytes]: bytes of the gathered output (all_gather) or the reduce-scatter input;
-        what is kda_summary, conv_halo or mla_latent."""
+        self.ledger = comm.CommCounter()
+        """This handle's own collectives (also counted in the enclosing scopes, the engine's among them)."""
 
     # ---- sizes ------------------------------------------------------------------------------------------------------
     @property
@@ -332,23 +281,26 @@ class ContextParallel:
         local = self.seq.unrows(x).contiguous()
         if self.world == 1:
             return self.seq.unshard([local], 1)
-        parts = [torch.empty_like(local) for _ in range(self.world)]
-        dist.all_gather(parts, local, group=self.group)
-        return self.seq.unshard(parts, 1)
+        parts = local.new_empty((self.world * local.shape[0], *local.shape[1:]))
+        comm.all_gather(parts, local, self.group, "cp")
+        return self.seq.unshard(list(parts.chunk(self.world)), 1)
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------------
-    def _count(self, what: str, op: str, t: torch.Tensor) -> None:
-        s = self.stats[(what, op)]
-        s[0] += 1
-        s[1] += t.numel() * t.element_size()
+    @property
+    def stats(self) -> dict[tuple[str, str], list[int]]:
+        """(what, op) -> [calls, bytes] of this handle's collectives: bytes of the gathered output (all_gather) or
+        of the reduce-scatter input (their backward); what is kda_summary, conv_halo or mla_latent."""
+        return {k: [e["calls"], e["payload"]] for k, e in self.ledger.labels("cp").items()}
 
     def reset_stats(self) -> None:
-        self.stats.clear()
+        self.ledger.reset()
 
     def _gather(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        """Differentiable all-gather of x's rows over the group (backward: the reduce-scatter of their gradients)."""
         if self.world == 1:
             return x
-        return _AllGather.apply(x, self, what)
+        with comm.counting(self.ledger):
+            return comm.all_gather_rows(x, self.group, "cp", what=what)
 
     def _rows_check(self, R: int, L: int, where: str) -> int:
         P = self.pieces_per_rank
@@ -370,7 +322,8 @@ class ContextParallel:
         if key in self._plans:
             return self._plans[key]
         if "layout" not in self._plans:
-            self._plans["layout"] = global_doc_layout(self.cu_seqlens_global, self.batch, self.seq.seq_len, "cpu")
+            docs = Documents.from_cu_seqlens(self.cu_seqlens_global, self.batch, self.seq.seq_len, "cpu")
+            self._plans["layout"] = (docs.start, docs.positions, docs.doc_ids)
         start, pos, doc = self._plans["layout"]
         loc = lambda t: self.seq.rows(self.seq.shard(t, self.rank, 1))
         if what == "pos":
@@ -429,20 +382,15 @@ class ContextParallel:
         incoming = S_in.index_select(1, idx).reshape(R, H, K, v.shape[-1])
         return kda_pieces(chunks, incoming, plan)
 
-    def mla_attention(self, module: nn.Module, q: torch.Tensor, c_kv: torch.Tensor, ctx=None) -> torch.Tensor:
-        """q [B*P, H, L, dqk], local latent c_kv [B*P, L, 576] -> o [B*P, H, L, dv]: the local queries attend the
-        all-gathered latent's keys/values, causal and per document over global positions."""
-        R, H, L, dqk = q.shape
-        B = self._rows_check(R, L, "mla_attention")
-        P = self.pieces_per_rank
+    def mla_keys(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, torch.Tensor]]]:
+        """What MLA needs to attend its local queries under CP, as plain data: the latent of the whole row
+        [B, n*L, 576] in sequence order (all-gathered, differentiable), and per local piece p (the rows b*P + p of
+        the local layout) its key range (start, end) in that row and its mask [B, 1, L, end - start] (causal and
+        per document over global positions)."""
+        R, L, W = c_kv.shape
+        B = self._rows_check(R, L, "mla_keys")
         full = self.seq.to_sequence_order(self._gather(c_kv, "mla_latent"), B)        # [B, n, L, 576]
-        full = full.reshape(B, -1, c_kv.shape[-1])
-        qp = q.view(B, P, H, L, dqk)
-        outs = []
-        for p, (lo, hi, mask) in enumerate(self._plan("mla", q.device)):   # P <= 2 pieces, not a loop over tokens
-            k, v = module.keys_values(full[:, lo:hi])                                  # [B, H, hi-lo, *]
-            outs.append(F.scaled_dot_product_attention(qp[:, p], k, v, attn_mask=mask, scale=module.scale))
-        return torch.stack(outs, dim=1).reshape(R, H, L, -1)
+        return full.reshape(B, -1, W), self._plan("mla", c_kv.device)
 
     # ---- construction from local information -------------------------------------------------------------------------
     @classmethod
@@ -467,8 +415,8 @@ class ContextParallel:
         seq = SequenceLayout(world, L * layout_pieces(layout, world), layout)
         full = seq.to_sequence_order(parts, R // P).reshape(R // P, -1).bool().cpu()    # [B, T]
         full[:, 0] = True
-        cu = torch.cat([torch.nonzero(full.reshape(-1)).squeeze(1), torch.tensor([full.numel()])])
-        return cls(group, rank, world, seq_len=seq.seq_len, layout=layout, cu_seqlens_global=cu)
+        return cls(group, rank, world, seq_len=seq.seq_len, layout=layout,
+                   cu_seqlens_global=Documents(full).cu_seqlens)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -30,12 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from k3train.models.k3.args import ConfigError, K3ModelArgs
+from k3train.config.errors import ConfigError
+from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
+from k3train.models.k3.documents import Documents
 from k3train.parallel import comm
-from k3train.parallel.mesh import ParallelDims, ParallelMesh, build_mesh, stages_of_rank
-from k3train.parallel.pipeline import (IGNORE_INDEX, Pipeline, StageModule, build_stage_part,
-                                       doc_start_from_cu_seqlens, split_layers, token_loss_sum)
+from k3train.parallel.mesh import ParallelDims, ParallelMesh, build_mesh, stage_to_rank, stages_of_rank
+from k3train.parallel.pipeline import IGNORE_INDEX, Pipeline, StageModule, sources_after, split_layers, token_loss_sum
 from k3train.parallel.zero import ShardedOptimizer
 
 
@@ -55,63 +56,27 @@ class StepTimes:
 
 
 class Engine:
-    def __init__(self, *, args: K3ModelArgs, dims: ParallelDims, optim_cfg, seed: int, device: torch.device,
-                 mesh: ParallelMesh | None, autocast_dtype: torch.dtype | None, seq_len_hint: int,
-                 part_fn=None, bucket_numel: int = 1 << 25, stage_layers: list[list[int]] | None = None):
-        self.args, self.dims, self.optim_cfg, self.seed = args, dims, optim_cfg, seed
-        self.device, self.mesh, self.autocast_dtype = device, mesh, autocast_dtype
-        self.stage_layers = stage_layers or split_layers(args, dims.n_stages, seq_len=seq_len_hint)
-        if len(self.stage_layers) != dims.n_stages:
-            raise ConfigError(f"parallel: {len(self.stage_layers)} stage layer lists for pp*vpp={dims.n_stages}")
-        pp_rank = mesh.coords["pp"] if mesh is not None else 0
-        self.stage_ids = stages_of_rank(dims, pp_rank)
-        n = dims.n_stages
-        self.model_parts: list[nn.Module] = []
-        self.expert_names: set[str] = set()
-        for s in self.stage_ids:
-            part = build_stage_part(args, self.stage_layers[s], first=s == 0, last=s == n - 1, device=device,
-                                    seed=seed, on_meta=self._apply_expert_parallel if dims.ep > 1 else None)
-            part.train()
-            self.model_parts.append(part)
-        if part_fn is not None:
-            for part in self.model_parts:
-                part_fn(part)
-        groups = {"dense": (mesh.group("dp_cp") if mesh else None, "dp_cp")}
-        if dims.ep > 1:
-            groups["expert"] = (mesh.group("edp"), "edp")
-        self.zero = ShardedOptimizer(self.model_parts, optim_cfg, zero=dims.zero, groups=groups,
-                                     expert_names=self.expert_names, bucket_numel=bucket_numel)
-        self.optimizer = self.zero.optimizer
-        self.pipeline = None
-        if dims.pp > 1:
-            modules = {s: StageModule(p, first=s == 0, last=s == n - 1, autocast_dtype=autocast_dtype)
-                       for s, p in zip(self.stage_ids, self.model_parts)}
-            parts_by_module = {id(m): p for m, p in zip(modules.values(), self.model_parts)}
-            self.pipeline = Pipeline(args=args, dims=dims, stage_layers=self.stage_layers, modules=modules,
-                                     pp_group=mesh.group("pp"), device=device,
-                                     on_grads_ready=lambda st: self.zero.reduce_part(parts_by_module[id(st.submod)]))
-        self.cp_plan = None
-        if dims.cp > 1:
-            from k3train.parallel.context_parallel import apply_context_parallel
-            # Every sequence-mixing layer of this rank's stages must fit the pieces: refused now, not at step one.
-            self.cp_plan = apply_context_parallel(self.model_parts, mesh.group("cp"), layout=dims.cp_layout,
-                                                  seq_len=seq_len_hint)
-            for st in (self.pipeline.modules.values() if self.pipeline is not None else ()):
-                st.cp = (self.cp_plan.group, dims.cp_layout)
+    """Trains one step at a time with collaborators built by `build_engine`: this rank's model parts (already
+    parallelized), the sharded optimizer, the pipeline (pp > 1) and the context-parallel plan (cp > 1)."""
+
+    def __init__(self, *, args: K3ModelArgs, dims: ParallelDims, mesh: ParallelMesh | None, device: torch.device,
+                 autocast_dtype: torch.dtype | None, stage_layers: list[list[int]], stage_ids: list[int],
+                 model_parts: list[nn.Module], optimizer: ShardedOptimizer, pipeline: Pipeline | None,
+                 cp_plan=None, activation_handles: list | None = None):
+        self.args, self.dims, self.mesh = args, dims, mesh
+        self.device, self.autocast_dtype = device, autocast_dtype
+        self.stage_layers, self.stage_ids = stage_layers, stage_ids
+        self.model_parts = model_parts
+        self.zero = optimizer
+        self.optimizer = optimizer.optimizer
+        self.pipeline = pipeline
+        self.cp_plan = cp_plan
+        self.activation_handles = activation_handles or []
+        """One per model part with activation-storage policies (stats(), remove())."""
         self.comm = comm.CommCounter()
         self.times = StepTimes()
         self.last_memory: dict = {}
         self.step_count = 0
-
-    # ---- expert parallel --------------------------------------------------------------------------------------------
-    def _apply_expert_parallel(self, part: nn.Module) -> None:
-        """On a stage part still on the meta device: keep this rank's home experts only (initialised afterwards
-        with the values one process would give them)."""
-        from k3train.parallel.expert_parallel import apply_expert_parallel, expert_parameters
-
-        apply_expert_parallel(part, self.mesh.group("ep"), self.dims.ep_dispatcher)
-        # Home-expert parameters: complete on their EP rank, replicated (and reduced) over the edp ranks only.
-        self.expert_names |= set(expert_parameters(part))
 
     # ---- helpers ----------------------------------------------------------------------------------------------------
     def _group(self, name: str):
@@ -159,13 +124,12 @@ class Engine:
             loss, norm = float(red[0]), math.sqrt(float(red[1]))
             self.last_memory = self.memory_report()  # gradients reduced, optimizer not yet stepped
             coef = 1.0
-            clip = float(getattr(self.optim_cfg, "grad_clip", 0.0) or 0.0)
+            clip = float(self.zero.cfg.grad_clip or 0.0)
             if clip > 0:
                 coef = min(1.0, clip / (norm + 1e-6))
                 if coef < 1.0:
                     self.zero.scale_grads(coef)
             self.zero.step()
-            self._record_ep_bytes()
         self.step_count += 1
         self.times = StepTimes(step_s=time.perf_counter() - t0, busy_s=busy, schedule_s=sched)
         return {"loss": loss, "grad_norm": norm, "tokens": int(counts[1]), "target_tokens": int(counts[0]),
@@ -201,90 +165,96 @@ class Engine:
         ids, labels, cu = b["input_ids"].to(dev), b["labels"].to(dev), b.get("cu_seqlens")
         B, T = ids.shape
         if self.cp_plan is None:
-            doc_start = None
-            if cu is not None and self.pipeline is not None:
-                doc_start = doc_start_from_cu_seqlens(cu, B, T, dev)
-            return {"input_ids": ids, "labels": labels, "ctx": BatchContext(cu), "doc_start": doc_start}
+            ctx = BatchContext(cu)
+            # Pipeline stages receive the document starts (a micro-batch without documents: None).
+            doc_start = ctx.documents(B, T, dev).start if cu is not None and self.pipeline is not None else None
+            return {"input_ids": ids, "labels": labels, "ctx": ctx, "doc_start": doc_start}
         out = self.cp_plan.shard_batch({**b, "input_ids": ids, "labels": labels})
         out["doc_start"] = None
         if self.pipeline is not None:  # stages rebuild their handle from the pieces' document starts
-            rows = torch.arange(0, B * T + 1, T, dtype=torch.int32)
-            out["doc_start"] = out["ctx"].cp.shard_rows(doc_start_from_cu_seqlens(cu if cu is not None else rows,
-                                                                                   B, T, dev))
+            out["doc_start"] = out["ctx"].cp.shard_rows(Documents.from_cu_seqlens(cu, B, T, dev).start)
         return out
-
-    def _record_ep_bytes(self) -> None:
-        """Expert-parallel all-to-all bytes of this step (counted by the dispatchers themselves)."""
-        if self.dims.ep == 1:
-            return
-        from k3train.parallel.expert_parallel import ep_comm_stats
-
-        for part in self.model_parts:
-            st = ep_comm_stats(part)
-            moved = st.dispatch_bytes + st.combine_bytes + st.backward_bytes
-            if moved or st.meta_bytes:
-                comm.record("ep", "all_to_all", moved + st.meta_bytes + st.weight_bytes)
-            for m in part.modules():  # reset for the next step
-                stats = getattr(getattr(m, "dispatcher", None), "stats", None)
-                if stats is not None and hasattr(stats, "reset"):
-                    stats.reset()
 
     # ---- evaluation -------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def eval_loss(self, microbatches: list[dict]) -> float:
-        """Mean token loss of the micro-batches over all data-parallel ranks (forward only). pp > 1 runs the
-        stages one after another over the pipeline group, micro-batch by micro-batch."""
-        with comm.counting(self.comm):
-            dev = self.device
-            mbs = [self._local_batch(b) for b in microbatches]
-            local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in mbs)
-            total = torch.zeros((), dtype=torch.float64, device=dev)
-            for b in mbs:
-                total += self._eval_forward(b)
-            red = torch.stack([total, torch.tensor(float(local_targets), dtype=torch.float64, device=dev)])
-            if self.mesh is not None:
-                # Loss sums live on last-stage ranks; counts on every rank: count them over dp_cp only.
-                cnt = red[1:].clone()
+    def evaluate(self, microbatches: list[dict]) -> dict:
+        """{"eval_loss": mean token loss, "eval_accuracy": share of target tokens whose argmax is the label} over
+        the micro-batches of all data-parallel ranks, forward only, in eval mode (routers neither count load nor
+        feed their balancers). pp > 1 relays the stages one after another over the pipeline group."""
+        for part in self.model_parts:
+            part.eval()
+        try:
+            with comm.counting(self.comm):
+                dev = self.device
+                mbs = [self._local_batch(b) for b in microbatches]
+                local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in mbs)
+                sums = torch.zeros(2, dtype=torch.float64, device=dev)  # CE sum, correct (on last-stage ranks)
+                for b in mbs:
+                    sums += self._eval_forward(b)
+                cnt = torch.tensor([float(local_targets)], dtype=torch.float64, device=dev)
+                # Sums live on last-stage ranks, counts on every rank: count them over dp_cp only.
                 self._all_reduce(cnt, "dp_cp")
-                self._all_reduce(red[:1], "world")
-                red[1] = cnt[0]
-        return float(red[0]) / max(float(red[1]), 1.0)
+                self._all_reduce(sums, "world")
+        finally:
+            for part in self.model_parts:
+                part.train()
+        n = max(float(cnt[0]), 1.0)
+        return {"eval_loss": float(sums[0]) / n, "eval_accuracy": float(sums[1]) / n}
+
+    def _scores(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """[CE sum, correct argmax count] of one micro-batch's target tokens, fp64."""
+        mask = labels != IGNORE_INDEX
+        correct = (logits.argmax(-1)[mask] == labels[mask]).sum()
+        return torch.stack([token_loss_sum(logits, labels).double(), correct.double()])
 
     def _eval_forward(self, b: dict) -> torch.Tensor:
         ctx = b["ctx"]
         if self.pipeline is None:
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
                 logits = self.model_parts[0](b["input_ids"], ctx)
-            return token_loss_sum(logits, b["labels"]).double()
+            return self._scores(logits, b["labels"])
         # Simple stage-by-stage relay for evaluation (no schedule needed): stage s waits for s - 1.
         B, T = b["input_ids"].shape
         n, pp_group = self.dims.n_stages, self._group("pp")
-        from k3train.parallel.mesh import stage_to_rank
         owner = stage_to_rank(self.dims)
         x = b["input_ids"]
-        out = torch.zeros((), dtype=torch.float64, device=self.device)
+        out = torch.zeros(2, dtype=torch.float64, device=self.device)
         local = dict(zip(self.stage_ids, self.model_parts))
-        from k3train.parallel.pipeline import sources_after
         for s in range(n):
             if s not in local:
                 continue
-            if s > 0:
-                if owner[s - 1] == owner[s]:
-                    pass  # x already holds the previous stage's output on this rank
-                else:
-                    S = sources_after(self.args, self.stage_layers[s][0] - 1)
-                    x = torch.empty(S, B, T, self.args.dim, device=self.device)
-                    dist.recv(x, group=pp_group, group_src=owner[s - 1])
+            if s > 0 and owner[s - 1] != owner[s]:  # else x already holds the previous stage's output
+                S = sources_after(self.args, self.stage_layers[s][0] - 1)
+                x = torch.empty(S, B, T, self.args.dim, device=self.device)
+                comm.send_recv(None, x, owner[s - 1], pp_group, "pp")
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
                 y = local[s](x, ctx)
             if s == n - 1:
-                out = token_loss_sum(y, b["labels"]).double()
+                out = self._scores(y, b["labels"])
             else:
                 y = y.float()
                 if owner[s + 1] != owner[s]:
-                    dist.send(y.contiguous(), group=pp_group, group_dst=owner[s + 1])
-                    comm.record("pp", "send_fwd", y.numel() * y.element_size())
+                    comm.send_recv(y.contiguous(), None, owner[s + 1], pp_group, "pp", op="send_fwd")
                 x = y
+        return out
+
+    def update_biases(self) -> None:
+        """The routers' balancing step (after the optimizer step; the new biases apply from the next step): the
+        balancers' histograms or loads are summed over the dp x cp ranks, which hold distinct tokens."""
+        from k3train.optim.quantile_balancing import update_biases
+
+        balancers = {n: r.balancer for part in self.model_parts for n, r in part.routers().items()
+                     if r.balancer is not None}
+        if balancers:  # one all-reduce for every router of every local stage
+            update_biases(balancers, self._group("dp_cp"))
+
+    def moe_load(self) -> dict:
+        """Per MoE layer of this rank's stages: {layer name: (expert load counts [E], router bias [E])}."""
+        out = {}
+        for part in self.model_parts:
+            routers = part.routers()
+            for name, load in part.moe_load().items():
+                out[name] = (load, routers[name].bias)
         return out
 
     # ---- checkpoints ------------------------------------------------------------------------------------------------
@@ -343,13 +313,18 @@ class Engine:
 
 
 def build_engine(model_args: K3ModelArgs, parallel, optim_cfg, seed: int = 0, device: torch.device | str | None = None,
-                 *, autocast_dtype: torch.dtype | None = None, seq_len_hint: int = 4096, part_fn=None,
-                 bucket_numel: int = 1 << 25, stage_layers: list[list[int]] | None = None) -> Engine:
-    """Validate the layout (before touching any process group), build the mesh and the engine.
+                 *, autocast_dtype: torch.dtype | None = None, seq_len_hint: int = 4096, activation_rules=(),
+                 balancing: str = "none", bucket_numel: int = 1 << 25,
+                 stage_layers: list[list[int]] | None = None) -> Engine:
+    """Validate the layout (before touching any process group), build the mesh, this rank's parallelized model
+    parts (k3train.parallel.parallelize), the optimizer, the pipeline and the CP plan, and the engine over them.
 
     parallel: a ParallelDims or any object with pp, vpp, ep, cp, dp (-1 = fill), zero, microbatches, schedule
-    (e.g. the trainer's ParallelConfig). With world size 1 no process group is needed. part_fn(part) is applied to
-    every model part before the optimizer is built (activation policies and the like)."""
+    (e.g. the trainer's ParallelConfig). With world size 1 no process group is needed. activation_rules and
+    balancing are applied to every part (see parallelize_part)."""
+    from k3train.parallel.parallelize import PartSetup, parallelize_part
+    from k3train.parallel.pipeline import stage_part_on_meta
+
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     dims = parallel if isinstance(parallel, ParallelDims) else ParallelDims.from_config(parallel, world)
     dims.validate(world_size=world, model_args=model_args)
@@ -357,6 +332,40 @@ def build_engine(model_args: K3ModelArgs, parallel, optim_cfg, seed: int = 0, de
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     mesh = build_mesh(dims, device.type) if world > 1 else None
-    return Engine(args=model_args, dims=dims, optim_cfg=optim_cfg, seed=seed, device=device, mesh=mesh,
-                  autocast_dtype=autocast_dtype, seq_len_hint=seq_len_hint, part_fn=part_fn,
-                  bucket_numel=bucket_numel, stage_layers=stage_layers)
+    stage_layers = stage_layers or split_layers(model_args, dims.n_stages, seq_len=seq_len_hint)
+    if len(stage_layers) != dims.n_stages:
+        raise ConfigError(f"parallel: {len(stage_layers)} stage layer lists for pp*vpp={dims.n_stages}")
+    stage_ids = stages_of_rank(dims, mesh.coords["pp"] if mesh is not None else 0)
+    n = dims.n_stages
+    setup = PartSetup(dims=dims, mesh=mesh, device=device, seed=seed, seq_len=seq_len_hint,
+                      activation_rules=list(activation_rules), balancing=balancing, compute_dtype=autocast_dtype)
+    parts, handles = [], []
+    for s in stage_ids:
+        part, handle = parallelize_part(stage_part_on_meta(model_args, stage_layers[s], first=s == 0, last=s == n - 1),
+                                        setup)
+        parts.append(part)
+        handles += [handle] if handle is not None else []
+
+    groups = {"dense": (mesh.group("dp_cp") if mesh else None, "dp_cp")}
+    expert_blocks: dict[str, tuple[int, int]] = {}
+    if dims.ep > 1:
+        from k3train.parallel.expert_parallel import expert_parameters
+        groups["expert"] = (mesh.group("edp"), "edp")
+        for part in parts:  # home experts: replicated (and reduced, and ZeRO-sharded) over the edp ranks only
+            expert_blocks.update(expert_parameters(part))
+    optimizer = ShardedOptimizer(parts, optim_cfg, zero=dims.zero, groups=groups, expert_blocks=expert_blocks,
+                                 bucket_numel=bucket_numel)
+    cp_plan = None
+    if dims.cp > 1:
+        from k3train.parallel.context_parallel import apply_context_parallel
+        cp_plan = apply_context_parallel(parts, mesh.group("cp"), layout=dims.cp_layout, seq_len=seq_len_hint)
+    pipeline = None
+    if dims.pp > 1:
+        cp = (mesh.group("cp"), dims.cp_layout) if dims.cp > 1 else None
+        modules = {s: StageModule(p, first=s == 0, last=s == n - 1, autocast_dtype=autocast_dtype, cp=cp)
+                   for s, p in zip(stage_ids, parts)}
+        pipeline = Pipeline(args=model_args, dims=dims, stage_layers=stage_layers, modules=modules,
+                            pp_group=mesh.group("pp"), device=device, grad_reducer=optimizer)
+    return Engine(args=model_args, dims=dims, mesh=mesh, device=device, autocast_dtype=autocast_dtype,
+                  stage_layers=stage_layers, stage_ids=stage_ids, model_parts=parts, optimizer=optimizer,
+                  pipeline=pipeline, cp_plan=cp_plan, activation_handles=handles)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from k3train.models.k3.args import ConfigError, K3ModelArgs
+from k3train.config.errors import ConfigError
+from k3train.models.k3.args import K3ModelArgs
 
 # Schedule name -> (torch class name, stage placement, allowed virtual stages per rank).
 #   "single": one stage per rank; "loop": stage s on rank s % pp; "v": V shape (rank r holds r and 2*pp-1-r).
@@ -30,7 +31,15 @@ SCHEDULES: dict[str, tuple[str, str, str]] = {
     "zbv": ("ScheduleZBVZeroBubble", "v", "vpp == 2"),
     "dualpipev": ("ScheduleDualPipeV", "v", "vpp == 2"),
 }
-DEFAULT_SCHEDULE = "interleaved_1f1b"
+AUTO_SCHEDULE = "auto"
+"""The default: interleaved_1f1b when vpp > 1, 1f1b otherwise."""
+
+
+def resolve_schedule(name: str, vpp: int) -> str:
+    """The schedule a name stands for ('auto' picks by the number of virtual stages)."""
+    if name == AUTO_SCHEDULE:
+        return "interleaved_1f1b" if vpp > 1 else "1f1b"
+    return name
 
 
 @dataclass(kw_only=True)
@@ -52,14 +61,18 @@ class ParallelDims:
     2: Pipeline ZeRO-2 (gradients reduce-scattered once per stage per step, only the shard kept)."""
     microbatches: int = 1
     """Micro-batches per optimizer step on each data-parallel rank."""
-    schedule: str = DEFAULT_SCHEDULE
-    """Pipeline schedule (see SCHEDULES); ignored when pp == 1."""
+    schedule: str = AUTO_SCHEDULE
+    """Pipeline schedule (see SCHEDULES), or auto: interleaved_1f1b when vpp > 1, 1f1b otherwise; ignored when
+    pp == 1. Resolved to a concrete name at construction."""
     ep_dispatcher: str = "alltoall"
     """Token dispatcher under expert parallelism: alltoall (experts run at home) or moonep (balanced redundant
     experts)."""
     cp_layout: str = "zigzag"
     """How a row is split over the cp ranks: zigzag (2*cp pieces, rank r holds r and 2*cp-1-r: even causal work)
     or contiguous (cp pieces)."""
+
+    def __post_init__(self):
+        self.schedule = resolve_schedule(self.schedule, self.vpp)
 
     # ---- derived ------------------------------------------------------------------------------------------------
     @property
@@ -97,10 +110,8 @@ class ParallelDims:
                 raise ConfigError(f"parallel.dp: cannot fill dp: WORLD_SIZE={world_size} is not divisible by "
                                   f"pp*cp={pp_cp}")
             dp = world_size // pp_cp
-        schedule = getattr(cfg, "schedule", DEFAULT_SCHEDULE)
+        schedule = getattr(cfg, "schedule", AUTO_SCHEDULE)
         disp = getattr(cfg, "ep_dispatcher", "alltoall")
-        if disp == "local":  # the config's name for "no expert parallelism"
-            disp = "alltoall"
         return cls(pp=int(cfg.pp), vpp=int(cfg.vpp), ep=int(cfg.ep), cp=int(cfg.cp), dp=dp, zero=int(cfg.zero),
                    microbatches=int(cfg.microbatches), schedule=str(schedule), ep_dispatcher=str(disp),
                    cp_layout=str(getattr(cfg, "cp_layout", "zigzag")))
@@ -117,15 +128,15 @@ class ParallelDims:
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f, f"must be an integer >= 1, got {v!r}")
         need(self.zero in (0, 1, 2), "zero", f"must be 0, 1 or 2, got {self.zero!r}")
         need(self.schedule in SCHEDULES, "schedule",
-             f"unknown schedule {self.schedule!r}; choose one of {sorted(SCHEDULES)}")
+             f"unknown schedule {self.schedule!r}; choose auto or one of {sorted(SCHEDULES)}")
         need(self.cp_layout in ("zigzag", "contiguous"), "cp_layout",
              f"unknown context-parallel layout {self.cp_layout!r}; choose zigzag or contiguous")
         need(self.ep_dispatcher in ("alltoall", "moonep"), "ep_dispatcher",
              f"unknown dispatcher {self.ep_dispatcher!r}; choose alltoall or moonep")
         if world_size is not None:
             need(self.world == world_size, "dp",
-                 f"layout pp={self.pp} x dp={self.dp} x cp={self.cp} = {self.world} ranks, "
-                 f"but the world has {world_size}")
+                 f"layout pp={self.pp} x dp={self.dp} x cp={self.cp} = {self.world} ranks, but the world has {world_size} "
+                 f"(WORLD_SIZE={world_size}; parallel: pp * dp * cp must equal it)")
         need(self.dp_cp % self.ep == 0, "ep", f"ep={self.ep} must divide dp*cp={self.dp}*{self.cp}={self.dp_cp}")
         need(self.vpp == 1 or self.pp > 1, "vpp", f"virtual stages (vpp={self.vpp}) need pp > 1")
         if model_args is not None:

@@ -26,10 +26,10 @@ that breaks this, or a static `tokens_per_rank` that does not match, is refused 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from k3train.parallel.expert_parallel import CommStats, EPGroupedExperts, all_to_all_rows, mix_rows
+from k3train.parallel import comm
+from k3train.parallel.ep_dispatch import EPDispatcher, EPGroupedExperts, mix_rows
 from k3train.parallel.moonep import MoonEPPlan, make_plan
 
 __all__ = ["MoonEPDispatcher", "hosted_weight_routes", "moonep_send_layout"]
@@ -59,7 +59,7 @@ def hosted_weight_routes(plan: MoonEPPlan, rank: int) -> tuple[Tensor, Tensor, T
             torch.bincount(hosted // G, minlength=R))
 
 
-class MoonEPDispatcher:
+class MoonEPDispatcher(EPDispatcher):
     """Dispatch with a fresh MoonEP plan per call.
 
     `dispatch` returns the rows of the home experts (a contiguous range of the expert-grouped buffer) for LatentMoE's
@@ -74,19 +74,18 @@ class MoonEPDispatcher:
             raise ValueError(f"MoonEPDispatcher needs EPGroupedExperts, got {type(experts).__name__}")
         if tokens_per_rank is not None and (not isinstance(tokens_per_rank, int) or tokens_per_rank <= 0):
             raise ValueError(f"tokens_per_rank must be a positive int or None, got {tokens_per_rank!r}")
-        self.group, self.ep_rank, self.ep_size = group, ep_rank, ep_size
+        super().__init__(group, ep_rank, ep_size)
         self.experts = experts
         self.tokens_per_rank = tokens_per_rank
-        self.stats = CommStats()
         self.last_plan: MoonEPPlan | None = None
         self.replicated_calls = 0
         """Calls whose plan placed at least one redundant expert (on any rank)."""
 
     def _gather_counts(self, counts: Tensor) -> Tensor:
-        out = [torch.empty_like(counts) for _ in range(self.ep_size)]
-        dist.all_gather(out, counts, group=self.group)
-        self.stats.meta_bytes += counts.numel() * counts.element_size()
-        return torch.stack(out)
+        out = counts.new_empty(self.ep_size * counts.numel())
+        with comm.counting(self.ledger):
+            comm.all_gather(out, counts, self.group, "ep", what="counts")
+        return out.view(self.ep_size, -1)
 
     def _fetch_hosted(self, plan: MoonEPPlan) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor], Tensor] | None:
         """(hosted expert ids [n] ascending, their (w1, w3, w2) stacks, the raw received rows), or None when the plan
@@ -97,8 +96,7 @@ class MoonEPDispatcher:
         send_local, send_splits, hosted, recv_splits = hosted_weight_routes(plan, self.ep_rank)
         shapes = [ex.w1.shape[1:], ex.w3.shape[1:], ex.w2.shape[1:]]
         packed = torch.cat([ex.w1.flatten(1), ex.w3.flatten(1), ex.w2.flatten(1)], 1)  # [G, 3·L·H]
-        got = all_to_all_rows(packed[send_local], recv_splits.tolist(), send_splits.tolist(), self.group,
-                              self.stats, "weight_bytes", "weight_bytes")
+        got = self._send_rows(packed[send_local], recv_splits.tolist(), send_splits.tolist(), "weights", "weights")
         parts = got.split([sh.numel() for sh in shapes], 1)
         return hosted, tuple(p.reshape(-1, *sh) for p, sh in zip(parts, shapes)), got
 
@@ -124,11 +122,9 @@ class MoonEPDispatcher:
 
         order, dest, send = moonep_send_layout(plan, me, idx)
         send_splits, recv_splits = send.tolist(), plan.recv_splits(me)
-        s = self.stats
-        s.routes += N * K
-        s.calls += 1
-        s.dispatch_remote_bytes += (N * K - send_splits[me]) * z.shape[1] * z.element_size()
-        rows = all_to_all_rows(z[order // K], recv_splits, send_splits, self.group, s, "dispatch_bytes")
+        self.routes += N * K
+        self.calls += 1
+        rows = self._send_rows(z[order // K], recv_splits, send_splits, "dispatch")
         em = plan.expert_major_index(me)
         grouped = rows[em]  # [S·K, L], ascending expert; the home experts are one contiguous range
         alloc = plan.alloc[:, me]
@@ -153,5 +149,5 @@ class MoonEPDispatcher:
                 y = y + got.sum().to(y.dtype) * 0
         inv = torch.empty_like(em)
         inv[em] = torch.arange(em.numel(), device=em.device)
-        back = all_to_all_rows(y[inv], send_splits, recv_splits, self.group, self.stats, "combine_bytes")
+        back = self._send_rows(y[inv], send_splits, recv_splits, "combine")
         return mix_rows(back, weights, order)

@@ -1,12 +1,11 @@
 """Pipeline parallelism for K3: cost-balanced stage split, stage modules, and torch.distributed.pipelining schedules.
 
 Split. The layer stack is cut into pp * vpp contiguous stages. Every layer weighs its training FLOPs per token
-(6 x parameters touched per token, so a MoE layer counts its shared experts, router, W_down/W_up and top_k / E of
-its routed bank, plus 3 x its attention-core forward FLOPs at the training sequence length: KDA's chunked state
-work, or causal MLA scores and values). The input embedding is charged to the first stage and the LM head to the
-last, each as a matmul of its table (6 V D), the usual convention that an embedding or a head costs about a layer.
-The split minimises the most expensive stage (a linear-partition dynamic programme); `split_reference` enumerates
-every cut for tests.
+(k3train.models.k3.counts.layer_costs: 6 x parameters touched per token, so a MoE layer counts its shared experts,
+router, W_down/W_up and top_k / E of its routed bank, plus 3 x its attention-core forward FLOPs at the training
+sequence length). The input embedding is charged to the first stage and the LM head to the last, each as a matmul
+of its table, the usual convention that an embedding or a head costs about a layer. The split minimises the most
+expensive stage (a linear-partition dynamic programme); `split_reference` enumerates every cut for tests.
 
 Stages. A stage is the K3Model with the other layers deleted and the modules it does not own set to None, built on
 the meta device and initialised with `init_weights(seed)`, which seeds every parameter from its fully-qualified name:
@@ -37,6 +36,9 @@ from torch import nn
 
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
+from k3train.models.k3.counts import layer_costs
+from k3train.models.k3.documents import Documents
+from k3train.models.k3.model import K3Model, sources_after
 from k3train.parallel import comm
 from k3train.parallel.mesh import SCHEDULES, ParallelDims
 
@@ -44,41 +46,8 @@ IGNORE_INDEX = -100
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Cost model and split
+# Split
 # ---------------------------------------------------------------------------------------------------------------------
-def _layer_param_counts(args: K3ModelArgs, layer_id: int) -> tuple[int, int]:
-    """(parameters touched per token, all parameters) of one layer, from shapes on the meta device."""
-    from k3train.models.k3.model import K3Layer
-
-    with torch.device("meta"):
-        layer = K3Layer(args, layer_id)
-    total = active = 0
-    for name, p in layer.named_parameters():
-        total += p.numel()
-        # Routed experts: a token touches top_k of the n_experts.
-        active += p.numel() * args.top_k // args.n_experts if ".experts." in f".{name}" else p.numel()
-    return active, total
-
-
-def layer_costs(args: K3ModelArgs, seq_len: int = 4096) -> dict:
-    """{"embed": c, "head": c, "layers": [c_1, ..., c_n]}: training FLOPs per token of each piece (see module doc)."""
-    by_kind: dict[tuple[str, str], int] = {}  # parameter counts depend only on the layer's two kinds
-    costs = []
-    for i in range(1, args.n_layers + 1):
-        kind, ffn_kind = args.layer_kind(i), args.ffn_kind(i)
-        if (kind, ffn_kind) not in by_kind:
-            by_kind[(kind, ffn_kind)] = _layer_param_counts(args, i)[0]
-        active = by_kind[(kind, ffn_kind)]
-        if kind == "mla":
-            attn = 2 * (seq_len / 2) * args.mla_heads * (args.mla_qk_head_dim + args.mla_v_head_dim)
-        else:
-            K, C = args.kda_head_dim, args.kda_chunk
-            attn = args.kda_heads * (6 * K * K + 3 * C * K + C * C)
-        costs.append(6.0 * active + 3.0 * attn)
-    table = 6.0 * args.vocab_size * args.dim
-    return {"embed": table, "head": table + 6.0 * args.dim, "layers": costs}
-
-
 def _stage_costs(costs: dict, cuts: list[int]) -> list[float]:
     """Cost of each stage for cut points (layer counts per stage)."""
     out, start = [], 0
@@ -152,24 +121,12 @@ def stage_cost_of(costs: dict, stage_layers: list[list[int]]) -> list[float]:
     return _stage_costs(costs, [len(s) for s in stage_layers])
 
 
-def sources_after(args: K3ModelArgs, layer_id: int) -> int:
-    """Number of AttnRes sources after layer `layer_id` (0: the embedding only)."""
-    if layer_id == 0:
-        return 1
-    return 2 + (layer_id - 1) // args.attnres_block_layers
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Stage modules
 # ---------------------------------------------------------------------------------------------------------------------
-def build_stage_part(args: K3ModelArgs, layer_ids: list[int], *, first: bool, last: bool,
-                     device: torch.device | str, seed: int, dtype: torch.dtype = torch.float32,
-                     on_meta: Callable[[nn.Module], None] | None = None) -> nn.Module:
-    """The K3Model holding only `layer_ids` (plus the embedding/vision when first, final mix/norm/head when last),
-    built on the meta device, materialised on `device` and initialised by name. on_meta(model) runs before
-    materialisation (expert parallelism keeps only the home experts there, so the full bank is never allocated)."""
-    from k3train.models.k3.model import K3Model
-
+def stage_part_on_meta(args: K3ModelArgs, layer_ids: list[int], *, first: bool, last: bool) -> nn.Module:
+    """The K3Model holding only `layer_ids` (plus the embedding/vision when first, final mix/norm/head when last), on
+    the meta device: nothing is allocated until k3train.parallel.parallelize materialises it."""
     with torch.device("meta"):
         model = K3Model(args)
     keep = {str(i) for i in layer_ids}
@@ -183,30 +140,16 @@ def build_stage_part(args: K3ModelArgs, layer_ids: list[int], *, first: bool, la
         model.final_res = None
         model.norm = None
         model.output = None
-    if on_meta is not None:
-        on_meta(model)
-    model.to_empty(device=device)
-    model.init_weights(seed)
-    if dtype != torch.float32:
-        model.to(dtype)
     return model
 
 
-def doc_start_from_cu_seqlens(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> torch.Tensor | None:
-    """bool [B, T], True at the first token of every document (None stays None: one document per row)."""
-    if cu_seqlens is None:
-        return None
-    mask = torch.zeros(B * T, dtype=torch.bool, device=device)
-    mask[cu_seqlens[:-1].to(device=device, dtype=torch.long)] = True
-    return mask.view(B, T)
-
-
-def cu_seqlens_from_doc_start(doc_start: torch.Tensor) -> torch.Tensor:
-    """Inverse of doc_start_from_cu_seqlens: int32 offsets [n_docs + 1]."""
-    flat = doc_start.reshape(-1)
-    starts = torch.nonzero(flat).flatten()
-    end = torch.tensor([flat.numel()], device=flat.device, dtype=starts.dtype)
-    return torch.cat([starts, end]).to(torch.int32)
+def build_stage_part(args: K3ModelArgs, layer_ids: list[int], *, first: bool, last: bool,
+                     device: torch.device | str, seed: int) -> nn.Module:
+    """A stage part materialised on `device` and initialised by name (the values the full model gives them)."""
+    model = stage_part_on_meta(args, layer_ids, first=first, last=last)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model
 
 
 class StageModule(nn.Module):
@@ -214,15 +157,15 @@ class StageModule(nn.Module):
     named `part`; parameters keep their full-model names inside it (engine.model_parts hands out the parts)."""
 
     def __init__(self, part: nn.Module, *, first: bool, last: bool, autocast_dtype: torch.dtype | None = None,
-                 boundary_dtype: torch.dtype = torch.float32):
+                 boundary_dtype: torch.dtype = torch.float32, cp: tuple | None = None):
+        """cp: (group, layout) under context parallelism: rows are this rank's sequence pieces and doc_start
+        (always given then) marks the documents that begin inside them."""
         super().__init__()
         self.part = part
         self.first, self.last = first, last
         self.autocast_dtype = autocast_dtype
         self.boundary_dtype = boundary_dtype
-        self.cp: tuple | None = None
-        """(group, layout) under context parallelism: rows are this rank's sequence pieces and doc_start (always
-        given then) marks the documents that begin inside them."""
+        self.cp = cp
 
     def forward(self, x: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
         if self.cp is not None:
@@ -230,7 +173,7 @@ class StageModule(nn.Module):
             group, layout = self.cp
             ctx = BatchContext(cp=ContextParallel.from_local_doc_start(doc_start, group, layout=layout))
         elif doc_start is not None:
-            ctx = BatchContext(cu_seqlens_from_doc_start(doc_start))
+            ctx = BatchContext.of(Documents(doc_start))
         else:
             ctx = BatchContext()
         dev = x.device.type
@@ -264,13 +207,14 @@ def _pipeline_stage_cls():
     from torch.distributed.pipelining import PipelineStage
 
     class K3PipelineStage(PipelineStage):
-        """PipelineStage that (1) runs `on_grads_ready(self)` once per step right after its last backward (the
-        schedule's REDUCE_GRAD point), (2) counts its point-to-point bytes, (3) measures its busy time."""
+        """PipelineStage that (1) has `grad_reducer.reduce_part(its model part)` run once per step right after its
+        last backward (the schedule's REDUCE_GRAD point), (2) counts its point-to-point bytes, (3) measures its busy
+        time."""
 
-        on_grads_ready: Callable | None = None
+        grad_reducer = None
 
-        def _init_k3(self, on_grads_ready):
-            self.on_grads_ready = on_grads_ready
+        def _init_k3(self, grad_reducer):
+            self.grad_reducer = grad_reducer
             self.reduced = False
             self.busy_s = 0.0
 
@@ -281,8 +225,8 @@ def _pipeline_stage_cls():
         def reduce_once(self):
             if not self.reduced:
                 self.reduced = True
-                if self.on_grads_ready is not None:
-                    self.on_grads_ready(self)
+                if self.grad_reducer is not None:
+                    self.grad_reducer.reduce_part(self.submod.part)
 
         def perform_reduce_grad(self, grad_scale_factor: int):
             self.reduce_once()
@@ -329,11 +273,13 @@ class Pipeline:
 
     def __init__(self, *, args: K3ModelArgs, dims: ParallelDims, stage_layers: list[list[int]],
                  modules: dict[int, StageModule], pp_group, device: torch.device,
-                 on_grads_ready: Callable | None, boundary_dtype: torch.dtype = torch.float32):
+                 grad_reducer=None, boundary_dtype: torch.dtype = torch.float32):
+        """grad_reducer: an object with reduce_part(part) (k3train.parallel.zero.ShardedOptimizer), called for each
+        stage's model part right after its last backward of the step."""
         self.args, self.dims, self.stage_layers = args, dims, stage_layers
         self.modules = modules  # stage index -> StageModule held by this rank
         self.pp_group, self.device = pp_group, device
-        self.on_grads_ready = on_grads_ready
+        self.grad_reducer = grad_reducer
         self.boundary_dtype = boundary_dtype
         self.loss_fn = GlobalTokenLoss()
         self._key = None
@@ -370,7 +316,7 @@ class Pipeline:
             st = Stage(self.modules[s], s, self.dims.n_stages, self.device,
                        input_args=self._example(s, mb, T, output=False),
                        output_args=self._example(s, mb, T, output=True), group=self.pp_group)
-            st._init_k3(self.on_grads_ready)
+            st._init_k3(self.grad_reducer)
             self.stages.append(st)
         self.schedule = build_schedule(self.dims, self.stages, self.loss_fn)
         self._key = key

@@ -72,15 +72,15 @@ class ShardedParam:
         return t.reshape(self.d0, self.row_numel)[a:b].reshape(-1)
 
 
-def make_sharded(name: str, p: nn.Parameter, n: int, rank: int, muon: bool = False) -> ShardedParam:
+def make_sharded(name: str, p: nn.Parameter, n: int, rank: int, muon: bool = False,
+                 block: tuple[int, int] | None = None) -> ShardedParam:
+    """block: (first row, rows in all) when p holds a block of rows of a larger logical tensor (home experts)."""
     d0 = p.shape[0] if p.dim() > 0 else 1
     row = p.numel() // d0 if d0 else 0
     c = -(-d0 // n)
     sp = ShardedParam(name=name, param=p, n=n, rank=rank, rows_per_chunk=c, row_numel=row, start=0, stop=0, muon=muon)
     sp.start, sp.stop = sp.rows_of(rank)
-    # Expert-parallel parameters carry (first home row, experts in all) from k3train.parallel.expert_parallel.
-    lo, total = getattr(p, "_k3_ep_shard", (0, d0))
-    sp.global_offset, sp.global_d0 = lo, total
+    sp.global_offset, sp.global_d0 = block or (0, d0)
     return sp
 
 
@@ -101,12 +101,13 @@ class ShardGroup:
     """The parameters replicated over one process group, in buckets, with the reduce/gather collectives."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter, bool]], group, dim: str, zero: int,
-                 bucket_numel: int = 1 << 25):
+                 bucket_numel: int = 1 << 25, blocks: dict[str, tuple[int, int]] | None = None):
+        """blocks: FQN -> (first row, rows in all) of parameters that hold a block of a larger tensor."""
         self.group, self.dim, self.zero = group, dim, zero
         distributed = dist.is_available() and dist.is_initialized() and group is not None
         self.n = dist.get_world_size(group) if distributed else 1
         self.rank = dist.get_rank(group) if distributed else 0
-        self.items = [make_sharded(nm, p, self.n, self.rank, muon) for nm, p, muon in named]
+        self.items = [make_sharded(nm, p, self.n, self.rank, muon, (blocks or {}).get(nm)) for nm, p, muon in named]
         for it in self.items:
             it.shard = it.param.detach().reshape(it.d0, it.row_numel)[it.start:it.stop].view(
                 (it.stop - it.start,) + tuple(it.param.shape[1:]))
@@ -265,15 +266,20 @@ class ShardedOptimizer:
     model parts, with the gradient synchronisation of `zero`. Exposes `.optimizer` (param_groups with 'lr' for a
     scheduler) and FQN-keyed, DCP-ready state."""
 
-    def __init__(self, parts: list[nn.Module], optim_cfg, *, zero: int, groups: dict[str, tuple],
-                 expert_names: set[str] | None = None, bucket_numel: int = 1 << 25):
-        """groups: {"dense": (process_group, dim_name), "expert": (process_group, dim_name)}; expert_names: FQNs
-        replicated over the expert group instead of the dense one."""
+    def __init__(self, parts: list[nn.Module], optim_cfg, *, zero: int = 0, groups: dict[str, tuple] | None = None,
+                 expert_blocks: dict[str, tuple[int, int]] | None = None, bucket_numel: int = 1 << 25):
+        """groups: {"dense": (process_group, dim_name), "expert": (process_group, dim_name)} (default: one process);
+        expert_blocks: FQN -> (first expert, experts in all) of the home-expert parameters, which are replicated over
+        the expert group instead of the dense one and hold a block of the full bank. optim_cfg.qk_clip > 0 clips
+        every attention module of the parts after each step (max logits MAX-reduced over the dense group)."""
         from k3train.optim.param_groups import split_params
+        from k3train.optim.qk_clip import QKClip
+
+        groups = groups or {"dense": (None, "dp_cp")}
 
         self.zero = zero
         self.cfg = optim_cfg
-        expert_names = expert_names or set()
+        expert_blocks = expert_blocks or {}
         # Group assignment (Muon / AdamW with decay / AdamW without) by the project's rules, part by part.
         kinds: dict[str, tuple[str, object]] = {}
         named: dict[str, nn.Parameter] = {}
@@ -289,12 +295,14 @@ class ShardedOptimizer:
             if key not in groups:
                 continue
             pg, dim = groups[key]
-            sel = [(n, named[n], kinds[n][0] == "muon") for n in order if (n in expert_names) == (key == "expert")]
+            sel = [(n, named[n], kinds[n][0] == "muon") for n in order if (n in expert_blocks) == (key == "expert")]
             if sel:
-                self.shard_groups[key] = ShardGroup(sel, pg, dim, zero, bucket_numel)
+                self.shard_groups[key] = ShardGroup(sel, pg, dim, zero, bucket_numel, expert_blocks)
         self.items = {it.name: it for g in self.shard_groups.values() for it in g.items}
         self.optimizer = self._build(order, kinds, groups)
         self._init_state()
+        self.qk_clip = QKClip(parts, optim_cfg.qk_clip, groups["dense"][0]) if optim_cfg.qk_clip > 0 else None
+        self._by_param = {id(it.param): it for it in self.items.values()}
 
     def _tensor_for(self, name: str) -> torch.Tensor:
         it = self.items[name]
@@ -378,8 +386,18 @@ class ShardedOptimizer:
         for g in self.shard_groups.values():
             g.attach_optimizer_grads()
         self.optimizer.step()
+        if self.qk_clip is not None:  # on the rows this rank updated, before replicas are refilled from owners
+            self.qk_clip.apply(self._scale_held_rows)
         for g in self.shard_groups.values():
             g.after_step()
+
+    @torch.no_grad()
+    def _scale_held_rows(self, param: nn.Parameter, row_scale: torch.Tensor) -> None:
+        it = self._by_param[id(param)]
+        t, scale = self._tensor_for(it.name), row_scale
+        if t is not it.param:  # ZeRO: the owner's rows; the all-gather that follows spreads them
+            scale = row_scale[it.start:it.stop]
+        t.mul_(scale.to(t.dtype).view(-1, *([1] * (t.dim() - 1))))
 
     def zero_grad(self) -> None:
         for g in self.shard_groups.values():
@@ -505,31 +523,43 @@ def _muon_entry(opt, p):
 
 
 def _gather_owned_momentum(opt, p: torch.Tensor) -> torch.Tensor:
-    from k3train.optim.muon import from_matrices
+    from k3train.optim.muon import _state_dtype, from_pieces, owned_piece_views
 
     e = _muon_entry(opt, p)
-    group = opt.param_groups[e["group"]]
-    r, c, n = e["rows"], e["cols"], e["n"]
-    mats = torch.zeros(n, r, c, dtype=torch.float32, device=p.device)
+    group, rank = opt.param_groups[e["group"]], opt._plan["rank"]
+    # Every piece's matrices in one flat buffer, so one all-reduce assembles the whole parameter; in the state's
+    # dtype (fp32 for low-precision weights), so a full momentum round-trips exactly.
+    flat = torch.zeros(sum(pc["n"] * pc["rows"] * pc["cols"] for pc in e["pieces"]), dtype=_state_dtype(p),
+                       device=p.device)
+    mats, off = [], 0
+    for pc in e["pieces"]:
+        k = pc["n"] * pc["rows"] * pc["cols"]
+        mats.append(flat[off:off + k].view(pc["n"], pc["rows"], pc["cols"]))
+        off += k
     st = opt.state.get(p, {})
-    idx = e["by_rank"][opt._plan["rank"]][0]
-    if "momentum_owned" in st and idx.numel():
-        mats.index_copy_(0, idx, st["momentum_owned"].float())
-    comm.all_reduce(mats, opt.process_group, "dp_cp")  # each matrix lives on one owner: the sum assembles them
-    return from_matrices(mats, p.shape, opt.structure_of(p), group["per_head"]).to(p.dtype)
+    if "momentum_owned" in st:
+        for pc, m, own in zip(e["pieces"], mats, owned_piece_views(e, rank, st["momentum_owned"])):
+            idx = pc["by_rank"][rank][0]
+            if idx.numel():
+                m.index_copy_(0, idx, own.to(m.dtype))
+    comm.all_reduce(flat, opt.process_group, "dp_cp")  # each matrix lives on one owner: the sum assembles them
+    return from_pieces(mats, p.shape, opt.structure_of(p), group["per_head"]).to(p.dtype)
 
 
 def _scatter_owned_momentum(opt, p: torch.Tensor, full: torch.Tensor) -> None:
-    from k3train.optim.muon import to_matrices
+    from k3train.optim.muon import new_owned_momentum, owned_piece_views, owns_any, to_pieces
 
     e = _muon_entry(opt, p)
-    group = opt.param_groups[e["group"]]
-    idx = e["by_rank"][opt._plan["rank"]][0]
-    if idx.numel() == 0:
+    group, rank = opt.param_groups[e["group"]], opt._plan["rank"]
+    if not owns_any(e, rank):
         return
-    mats = to_matrices(full.to(p.device), opt.structure_of(p), group["per_head"]).index_select(0, idx)
-    opt.state[p]["momentum_owned"] = mats.float().clone() if p.dtype in (torch.bfloat16, torch.float16) \
-        else mats.to(p.dtype).clone()
+    buf = new_owned_momentum(e, rank, p)
+    pieces = to_pieces(full.to(p.device), opt.structure_of(p), group["per_head"])
+    for pc, src, dst in zip(e["pieces"], pieces, owned_piece_views(e, rank, buf)):
+        idx = pc["by_rank"][rank][0]
+        if idx.numel():
+            dst.copy_(src.index_select(0, idx))
+    opt.state[p]["momentum_owned"] = buf
 
 
 def owned_numel(d0: int, numel: int, n: int, q: int) -> int:

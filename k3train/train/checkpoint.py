@@ -38,9 +38,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -182,30 +179,9 @@ def verify_checkpoint(folder: Path) -> str | None:
 # ---------------------------------------------------------------------------------------------------------------------
 # Save / load
 # ---------------------------------------------------------------------------------------------------------------------
-def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer]
-    return list(optimizer)
-
-
-def _is_engine(model) -> bool:
-    """A k3train.parallel engine: it owns its (sharded) model and optimizer state, keyed by full-model names."""
-    return hasattr(model, "model_parts") and hasattr(model, "load_state_dict")
-
-
-def _plain_state(model: torch.nn.Module, optimizer, step: int) -> dict:
-    """A whole model and its torch optimizers in the engine's format: {"model": {fqn}, "optim": {fqn: state},
-    "meta": {"step"}} (every optimizer's state keyed by full-model names, as Engine.state_dict gives it)."""
-    optim: dict[str, dict] = {}
-    for opt in _optimizers(optimizer):
-        optim.update(get_optimizer_state_dict(model, opt)["state"])
-    return {"model": get_model_state_dict(model, options=StateDictOptions()), "optim": optim,
-            "meta": {"step": torch.tensor(step)}}
-
-
-def _state(model: torch.nn.Module, optimizer, scheduler, step: int, rank_blob: bytes) -> dict[str, Any]:
-    sd = model.state_dict() if _is_engine(model) else _plain_state(model, optimizer, step)
-    return {"engine": sd, "scheduler": scheduler.state_dict(), "step": step, f"rank{_rank()}": rank_blob}
+def _state(engine, scheduler, step: int, rank_blob: bytes) -> dict[str, Any]:
+    return {"engine": engine.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+            f"rank{_rank()}": rank_blob}
 
 
 def _drop_unsaved_optimizer_state(optim: dict, saved: set[str], prefix: str) -> list[str]:
@@ -257,7 +233,8 @@ class Checkpointer:
         self.warn = warn or (lambda msg: warnings.warn(msg, stacklevel=2))
 
     # ---- save --------------------------------------------------------------------------------------------------
-    def save(self, step: int, model, optimizer, scheduler, data_state: dict) -> Path:
+    def save(self, step: int, engine, scheduler, data_state: dict) -> Path:
+        """Save the engine's model and optimizer state, the schedule, and this rank's data position and RNG."""
         rank, world = _rank(), _world()
         final = self.root / step_dir_name(step)
         tmp = self.root / (final.name + ".tmp")
@@ -268,7 +245,7 @@ class Checkpointer:
             tmp.mkdir()
         _barrier()
         blob = pickle.dumps({"data": data_state, "rng": rng_state()})
-        dcp.save(_state(model, optimizer, scheduler, step, blob), checkpoint_id=str(tmp))
+        dcp.save(_state(engine, scheduler, step, blob), checkpoint_id=str(tmp))
         # Every rank checksums its own files; rank 0 writes the manifest and publishes the folder.
         entries = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in _own_files(tmp, rank, world)}
         gathered = _all_gather_object(entries)
@@ -314,7 +291,7 @@ class Checkpointer:
         # is complete and is tried first too; `latest` is for people and tools.
         return [c for _, c in reversed(list_checkpoints(root))]
 
-    def load(self, resume: str, model, optimizer, scheduler) -> LoadedState | None:
+    def load(self, resume: str, engine, scheduler) -> LoadedState | None:
         """Restore the newest valid checkpoint; None when there is none (a fresh start)."""
         cands = self.candidates(resume)
         for i, folder in enumerate(cands):
@@ -323,16 +300,16 @@ class Checkpointer:
                 nxt = f"trying {cands[i + 1].name}" if i + 1 < len(cands) else "no older checkpoint is left"
                 self.warn(f"checkpoint {folder} is corrupt ({problem}); {nxt}")
                 continue
-            return self._load_one(folder, model, optimizer, scheduler)
+            return self._load_one(folder, engine, scheduler)
         if cands:
             if resume not in ("auto", "never"):
                 raise CheckpointError(f"no valid checkpoint under train.resume={resume!r}")
             self.warn(f"no valid checkpoint in {self.root}; starting from scratch")
         return None
 
-    def _load_one(self, folder: Path, model, optimizer, scheduler) -> LoadedState:
+    def _load_one(self, folder: Path, engine, scheduler) -> LoadedState:
         rank = _rank()
-        state = _state(model, optimizer, scheduler, -1, b"")
+        state = _state(engine, scheduler, -1, b"")
         saved = set(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
         missing = sorted(k for k in (f"engine.model.{n}" for n in state["engine"]["model"]) if k not in saved)
         if missing:
@@ -342,34 +319,12 @@ class Checkpointer:
         if other:
             self.warn(f"checkpoint {folder}: the optimizer state of {len(other)} parameters (e.g. {other[0]}) was "
                       f"saved by another optimizer; they start with fresh state")
-        if _is_engine(model):
-            return self._load_engine(folder, model, scheduler, state, saved)
-        if f"rank{rank}" not in saved:
-            state.pop(f"rank{rank}")
-        try:
-            dcp.load(state, checkpoint_id=str(folder))
-        except Exception as e:  # DCP raises several types for a checkpoint of another shape
-            raise CheckpointError(f"checkpoint {folder} passed its checksums but does not fit this run "
-                                  f"(model, optimizer or world size changed?): {type(e).__name__}: {e}") from e
-        loaded = state["engine"]
-        set_model_state_dict(model, loaded["model"])
-        for opt in _optimizers(optimizer):
-            osd = get_optimizer_state_dict(model, opt)  # this optimizer's param groups, by name
-            mine = {fqn for g in osd["param_groups"] for fqn in g["params"]}
-            osd["state"] = {k: v for k, v in loaded["optim"].items() if k in mine}
-            # strict=False: parameters that never had a gradient have no saved state (see above).
-            set_optimizer_state_dict(model, opt, osd, options=StateDictOptions(strict=False))
-        _load_scheduler(scheduler, state["scheduler"])
-        return _finish_load(state, rank, folder)
-
-    def _load_engine(self, folder: Path, engine, scheduler, state: dict, saved: set[str]) -> LoadedState:
-        rank = _rank()
         if f"rank{rank}" not in saved:
             state.pop(f"rank{rank}")
         try:
             dcp.load(state, checkpoint_id=str(folder))
             engine.load_state_dict(state["engine"])
-        except Exception as e:
+        except Exception as e:  # DCP raises several types for a checkpoint of another shape
             raise CheckpointError(f"checkpoint {folder} passed its checksums but does not fit this run "
                                   f"(model or layout changed?): {type(e).__name__}: {e}") from e
         _load_scheduler(scheduler, state["scheduler"])

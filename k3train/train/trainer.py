@@ -1,5 +1,5 @@
-"""The training loop: one process, or several under torchrun (data parallel here; pipeline, expert-parallel and ZeRO
-layouts through k3train.parallel.engine).
+"""The training loop, one for every layout: data -> engine.train_step -> schedule and balancer step -> metrics, eval,
+checkpoints. The engine (k3train.parallel.engine) runs one process and every parallel layout alike.
 
 Per optimizer step each data-parallel rank reads `parallel.microbatches` micro-batches. The loss is next-token
 cross entropy summed over every target token of the step on all ranks and divided by their total count, so gradient
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import math
 import os
 import random
 import re
@@ -30,19 +29,17 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from k3train.config import ConfigError, K3TrainConfig, resolve_dp, validate_config
-from k3train.data import IGNORE_INDEX, DataError, build_dataloader, build_tokenizer
-from k3train.models.k3.context import BatchContext
-from k3train.models.k3.counts import count_params
-from k3train.models.k3.model import K3Model, flops_per_token, required_seq_multiple
-from k3train.optim.param_groups import build_optimizer
-from k3train.optim.quantile_balancing import attach_balancers, update_biases
+from k3train.config import ConfigError, K3TrainConfig, validate_config
+from k3train.data import DataError, build_dataloader, build_tokenizer
+from k3train.models.k3.counts import count_params, flops_per_token
+from k3train.models.k3.model import required_seq_multiple
+from k3train.parallel import comm
+from k3train.parallel.engine import build_engine
+from k3train.parallel.mesh import ParallelDims, rank_coords
 
 from .checkpoint import Checkpointer
 from .metrics import MetricsLogger, measure_peak_flops
-from .parallelize import ParallelModel, check_layout_supported, needs_engine, parallelize
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -128,28 +125,18 @@ class Trainer:
         self.cfg, self.recipe = cfg, recipe
         env = self.env = dist_env()
         args = self.args = validate_config(cfg, world_size=env.world)
-        check_layout_supported(cfg.parallel)
-        from k3train.parallel.mesh import ParallelDims, rank_coords
-        self.dims = ParallelDims.from_config(cfg.parallel, env.world)
-        self.dims.validate(world_size=env.world, model_args=args)  # before any process group
-        self.use_engine = needs_engine(cfg.parallel)
-        self.dp = resolve_dp(cfg.parallel, env.world)
-        # Ranks of one pipeline read the same rows; data-parallel (and expert-parallel) ranks read distinct rows.
-        self.dp_rank = rank_coords(self.dims, env.rank)["dp"] if env.world > 1 else 0
+        self.dims = ParallelDims.from_config(cfg.parallel, env.world)  # validated with the config, before any group
+        self.dp = self.dims.dp
+        # Ranks of one pipeline (and of one CP group) read the same rows; data-parallel ranks read distinct rows.
+        self.dp_rank = rank_coords(self.dims, env.rank)["dp"]
         t = cfg.train
 
         self.device = resolve_device(t.device, env.local_rank)
         self.dtype = resolve_dtype(t.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(t.threads or max(1, _cpu_cores() // env.local_world))
-        self.mesh = None
-        if env.world > 1:
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            if not dist.is_initialized():
-                dist.init_process_group(backend=backend)
-            if not self.use_engine:  # the engine builds its own mesh
-                from torch.distributed.device_mesh import init_device_mesh
-                self.mesh = init_device_mesh(self.device.type, (self.dp,), mesh_dim_names=("dp",))
+        if env.world > 1 and not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
         torch.manual_seed(t.seed)
         random.seed(t.seed)
         np.random.seed(t.seed % (1 << 32))
@@ -176,40 +163,19 @@ class Trainer:
             print(f"k3train: run directory {self.run_dir}", flush=True)
         self._barrier()
 
-        # ---- model: built on meta, materialised on the device, initialised from the seed ----------------------
+        # ---- model, parallelism and optimizer: one engine for every layout -----------------------------------
         mult = required_seq_multiple(args)
         if cfg.data.seq_len % mult:
             raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not a multiple of {mult} (model requirement)")
-        self.balancers = {}
-        self.engine = None
-        if self.use_engine:
-            from k3train.parallel.engine import build_engine
-
-            def part_fn(part):
-                if t.balancing != "none" and part.routers():
-                    self.balancers.update(attach_balancers(part, t.balancing))
-                self._apply_activation(part, None)
-
-            self.engine = build_engine(args, cfg.parallel, cfg.optim, seed=t.seed, device=self.device,
-                                       autocast_dtype=None if self.dtype == torch.float32 else self.dtype,
-                                       seq_len_hint=cfg.data.seq_len, part_fn=part_fn)
-            dp_group = self.engine.mesh.group("dp_cp") if self.engine.mesh is not None else None
-            self.parts = self.engine.model_parts
-            self.model = self.parts[0]
-            self.pm = ParallelModel(module=self.model, dp_group=dp_group)
-            self.optimizer = self.engine.optimizer
-        else:
-            with torch.device("meta"):
-                model = K3Model(args)
-            model.to_empty(device=self.device)
-            model.init_weights(t.seed)
-            self.model = model
-            self.parts = [model]
-            if t.balancing != "none" and model.routers():
-                self.balancers = attach_balancers(model, t.balancing)
-            self.pm = parallelize(model, cfg, self.mesh)
-            self._apply_activation(model, self.pm.dp_group)
-            self.optimizer = build_optimizer(model, cfg.optim)
+        rules = []
+        if cfg.activation.policy != "keep" or cfg.activation.rules:
+            from k3train.activation import rules_from_config
+            rules = rules_from_config(cfg.activation)
+        self.engine = build_engine(args, self.dims, cfg.optim, seed=t.seed, device=self.device,
+                                   autocast_dtype=None if self.dtype == torch.float32 else self.dtype,
+                                   seq_len_hint=cfg.data.seq_len, activation_rules=rules, balancing=t.balancing)
+        self.parts = self.engine.model_parts
+        self.optimizer = self.engine.optimizer
         self.scheduler = self._build_scheduler()
 
         # ---- resume --------------------------------------------------------------------------------------------
@@ -218,7 +184,7 @@ class Trainer:
         loaded = None
         if t.resume != "never":
             with _quiet_checkpoint_warnings():
-                loaded = self.ckpt.load(t.resume, self.engine or self.model, self.optimizer, self.scheduler)
+                loaded = self.ckpt.load(t.resume, self.engine, self.scheduler)
         if loaded is not None:
             self.step = loaded.step
             if loaded.data_state is not None:
@@ -239,16 +205,6 @@ class Trainer:
                     f"peak {self.peak_flops / 1e9:,.1f} GFLOP/s per device for MFU")
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, rank=env.rank, total_steps=t.steps,
                                      start_step=self.step, config=asdict(cfg), run_name=self.run_dir.name)
-
-    def _apply_activation(self, module, group) -> None:
-        """Activation-storage policies from cfg.activation ('keep' with no rules: nothing is wrapped)."""
-        a = self.cfg.activation
-        if a.policy == "keep" and not a.rules:
-            return
-        from k3train.activation import apply_activation_policies, rules_from_config
-        handle = apply_activation_policies(module, rules_from_config(a), group=group,
-                                           dtype=None if self.dtype == torch.float32 else self.dtype)
-        self.activation_handles = getattr(self, "activation_handles", []) + [handle]
 
     # ---- helpers -----------------------------------------------------------------------------------------------
     def _barrier(self) -> None:
@@ -301,106 +257,41 @@ class Trainer:
                                             decay_type="linear", min_lr_factor=o.min_lr_ratio)
         return conf.build(optimizers=[self.optimizer], training_steps=self.cfg.train.steps)
 
-    def _autocast(self):
-        if self.dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
-
-    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.pm.dp_group is not None:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.pm.dp_group)
-        return t
-
-    def _forward_ce(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of next-token CE over the batch's target tokens, logits)."""
-        ids = batch["input_ids"].to(self.device, non_blocking=True)
-        labels = batch["labels"].to(self.device, non_blocking=True)
-        cu = batch.get("cu_seqlens")
-        ctx = BatchContext(cu_seqlens=cu.to(self.device) if cu is not None else None)
-        with self._autocast():
-            logits = self.pm.module(ids, ctx=ctx)
-        ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                             reduction="sum")
-        return ce, logits
-
     # ---- one optimizer step ------------------------------------------------------------------------------------
     def train_step(self) -> dict:
-        cfg = self.cfg
-        batches = [next(self.train_loader) for _ in range(cfg.parallel.microbatches)]
-        if self.engine is not None:
-            lr = self.optimizer.param_groups[0]["lr"]
-            rec = self.engine.train_step(batches)
-            self.scheduler.step()
-            if self.balancers:
-                update_biases(self.balancers, self.pm.dp_group)
-            return {"loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": float(lr),
-                    "targets": rec["target_tokens"]}
-        count = torch.tensor(sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches), dtype=torch.int64,
-                             device=self.device)
-        n_targets = int(self._all_reduce(count).item())
-        denom = max(n_targets, 1)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for b in batches:
-            ce, _ = self._forward_ce(b)
-            (ce / denom).backward()
-            loss_sum += ce.detach().double()
-        self.pm.sync_grads()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        batches = [next(self.train_loader) for _ in range(self.cfg.parallel.microbatches)]
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
+        rec = self.engine.train_step(batches)
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.balancers:
-            update_biases(self.balancers, self.pm.dp_group)
-        loss = float(self._all_reduce(loss_sum).item()) / denom
-        return {"loss": loss, "grad_norm": float(grad_norm), "lr": float(lr), "targets": n_targets}
+        self.engine.update_biases()
+        return {"loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": float(lr), "targets": rec["target_tokens"]}
 
-    @torch.no_grad()
     def evaluate(self) -> dict:
         """Mean next-token CE over up to eval_steps micro-batches of the eval split (and answer accuracy for the
         recall task)."""
-        if self.engine is not None and (self.dims.pp > 1 or self.dims.cp > 1):  # pipeline relay / sequence pieces
-            loss = self.engine.eval_loss([b for k, b in zip(range(self.cfg.train.eval_steps), self.eval_loader)])
-            return {"eval_loss": loss}
-        self.model.eval()
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # CE sum, targets, correct
-        for k, b in enumerate(self.eval_loader):
-            if k >= self.cfg.train.eval_steps:
-                break
-            ce, logits = self._forward_ce(b)
-            labels = b["labels"].to(self.device)
-            mask = labels != IGNORE_INDEX
-            sums[0] += ce.double()
-            sums[1] += mask.sum()
-            sums[2] += (logits.argmax(-1)[mask] == labels[mask]).sum()
-        self.model.train()
-        s = self._all_reduce(sums)
-        out = {"eval_loss": float(s[0] / s[1].clamp(min=1))}
-        if self.cfg.data.source == "recall":
-            out["eval_accuracy"] = float(s[2] / s[1].clamp(min=1))
+        out = self.engine.evaluate([b for _, b in zip(range(self.cfg.train.eval_steps), self.eval_loader)])
+        if self.cfg.data.source != "recall":
+            out.pop("eval_accuracy")
         return out
 
     def _expert_load(self) -> dict:
         """Per MoE layer of this rank's stages, over the steps since the last record and all data-parallel ranks'
         tokens: load max/mean, MaxVio (= max/mean - 1), min load / mean, and the router's selection-bias range.
         Under pipelining rank 0 reports the layers of its own stages."""
-        loads, routers = {}, {}
-        for part in self.parts:
-            loads.update(part.moe_load())
-            routers.update(part.routers())
-        if not loads:
+        layers = self.engine.moe_load()
+        if not layers:
             return {}
-        names = list(loads)
-        stacked = self._all_reduce(torch.stack([loads[n].to(torch.float64) for n in names]))   # [layers, E]
+        names = list(layers)
+        stacked = torch.stack([layers[n][0].to(torch.float64) for n in names])   # [layers, E]
+        if self.engine.mesh is not None:
+            comm.all_reduce(stacked, self.engine.mesh.group("dp_cp"), "dp_cp", what="moe_load")
         mean = stacked.mean(1).clamp(min=1e-12)
         ratio, low = stacked.max(1).values / mean, stacked.min(1).values / mean
         out = {}
         for n, r, lo in zip(names, ratio.tolist(), low.tolist()):
             m = re.search(r"layers\.(\d+)\.", n)
             key = f"moe/L{m.group(1) if m else n}"
-            bias = routers[n].bias.detach()
+            bias = layers[n][1].detach()
             out.update({f"{key}/load_max_over_mean": r, f"{key}/maxvio": r - 1.0, f"{key}/min_over_mean": lo,
                         f"{key}/bias_min": float(bias.min()), f"{key}/bias_max": float(bias.max())})
         out["moe/load_max_over_mean"] = float(ratio.max())
@@ -409,8 +300,7 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def train(self) -> dict:
-        cfg, t, lg = self.cfg, self.cfg.train, self.cfg.logging
-        self.model.train()
+        t, lg = self.cfg.train, self.cfg.logging
         first_loss = last = None
         while self.step < t.steps:
             t0 = time.perf_counter()
@@ -437,7 +327,7 @@ class Trainer:
             if (t.checkpoint_interval > 0 and step % t.checkpoint_interval == 0) or (last_step and
                                                                                    t.checkpoint_at_end):
                 with _quiet_checkpoint_warnings():
-                    path = self.ckpt.save(step, self.engine or self.model, self.optimizer, self.scheduler,
+                    path = self.ckpt.save(step, self.engine, self.scheduler,
                                           self.train_loader.state_dict())
                 self._print(f"k3train: saved checkpoint {path}")
             last = record

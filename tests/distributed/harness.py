@@ -47,9 +47,9 @@ def tiny_args(**overrides):
     return get_preset("tiny", **overrides)
 
 
-def optim_config(name: str = "adamw") -> OptimConfig:
+def optim_config(name: str = "adamw", qk_clip: float = 0.0) -> OptimConfig:
     # Clipping on (the global norm is part of what must agree); the warm-up lives in the trainer's scheduler.
-    return OptimConfig(name=name, lr=3e-3, weight_decay=0.1, grad_clip=1.0)
+    return OptimConfig(name=name, lr=3e-3, weight_decay=0.1, grad_clip=1.0, qk_clip=qk_clip)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -95,21 +95,21 @@ def local_microbatches(data: dict, *, dp: int, dp_rank: int, microbatches: int) 
 # The one-process reference (plain model, project optimizer, torch's clipping)
 # ---------------------------------------------------------------------------------------------------------------------
 def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, optim: str = "adamw", args=None,
-                  seq: int = SEQ) -> dict:
+                  seq: int = SEQ, qk_clip: float = 0.0) -> dict:
     """Train one process on the same rows. Floating-point sums depend on their bracketing, and AdamW turns the
     rounding of near-zero gradient elements into parameter differences of order lr x 1e-2, so the reference sums
     gradients in the order a layout does: each data-parallel rank's micro-batches in sequence, then the ranks'
     sums in rank order (what a 2-rank all-reduce computes). The mathematics is the one-process step."""
     from k3train.models.k3.context import BatchContext
     from k3train.models.k3.model import K3Model
-    from k3train.optim.param_groups import build_optimizer
     from k3train.parallel.pipeline import token_loss_sum
+    from k3train.parallel.zero import ShardedOptimizer
 
     args = args or tiny_args()
-    cfg = optim_config(optim)
+    cfg = optim_config(optim, qk_clip)
     model = K3Model(args)
     model.init_weights(SEED)
-    opt = build_optimizer(model, cfg)
+    opt = ShardedOptimizer([model], cfg)  # one process: the project's optimizer (and QK-Clip) without a group
     params = list(model.parameters())
     losses, norms = [], []
     for s in range(steps):
@@ -128,8 +128,7 @@ def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, opt
         for p, g in zip(params, total):
             p.grad = g
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.step()  # drops the gradients
         losses.append(loss_sum)
     return {"losses": losses, "grad_norms": norms,
             "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
@@ -151,6 +150,7 @@ class Layout:
     microbatches: int = 1
     schedule: str = "interleaved_1f1b"
     optim: str = "adamw"
+    qk_clip: float = 0.0
     steps: int = STEPS
     seq: int = SEQ
     checkpoint: dict = field(default_factory=dict)
@@ -180,7 +180,7 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
     from k3train.parallel.mesh import rank_coords
 
     dims = layout.dims()
-    engine = build_engine(tiny_args(), dims, optim_config(layout.optim), seed=SEED, device="cpu",
+    engine = build_engine(tiny_args(), dims, optim_config(layout.optim, layout.qk_clip), seed=SEED, device="cpu",
                           seq_len_hint=layout.seq)
     # The ranks of a CP group read the same rows (each runs its own pieces of them).
     dp_rank = rank_coords(dims, rank)["dp"] if dims.world > 1 else 0
@@ -210,7 +210,8 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
             one_step(layout.steps)
     rec["params"] = {k: v.detach().clone() for k, v in engine.named_parameters()}
     # Expert-parallel parameters hold a block of rows of the logical tensor: (first row, rows in all).
-    rec["ep_shards"] = {k: tuple(v._k3_ep_shard) for k, v in engine.named_parameters() if hasattr(v, "_k3_ep_shard")}
+    from k3train.parallel.expert_parallel import expert_parameters
+    rec["ep_shards"] = {k: v for part in engine.model_parts for k, v in expert_parameters(part).items()}
     rec["memory"] = engine.memory_report()
     return rec
 
@@ -399,18 +400,18 @@ _REFS: dict = {}
 
 def reference_for(layout: Layout, steps: int | None = None) -> dict:
     steps = layout.steps if steps is None else steps
-    key = (layout.dp, layout.microbatches, layout.optim, steps, layout.seq)
+    key = (layout.dp, layout.microbatches, layout.optim, steps, layout.seq, layout.qk_clip)
     if key not in _REFS:
         with one_thread():
             _REFS[key] = reference_run(steps, dp=layout.dp, microbatches=layout.microbatches, optim=layout.optim,
-                                       seq=layout.seq)
+                                       seq=layout.seq, qk_clip=layout.qk_clip)
     return _REFS[key]
 
 
 def check_analytic_bytes(layout: Layout, records: list[dict]) -> None:
-    """Every collective of the last step, per mesh dimension, equals comm.analytic_step_bytes on every rank (the
+    """Every collective of the last step, per mesh dimension, equals counts.analytic_step_bytes on every rank (the
     expert all-to-all depends on routing per rank: its EP-group mean is compared)."""
-    from k3train.parallel.comm import analytic_step_bytes
+    from k3train.models.k3.counts import analytic_step_bytes
     from k3train.parallel.mesh import rank_coords
 
     dims = layout.dims()

@@ -1,6 +1,6 @@
 """Activation storage policies inside a composed parallel run: pp=2 x dp=2 (ZeRO-1, 1F1B, 2 micro-batches) on 4 gloo
 processes trains the tiny K3 exactly like the same layout without any policy, with mixed policies applied to every
-pipeline stage part (engine part_fn): KDA attention recomputed, Gated MLA offloaded to host memory, and the K3
+pipeline stage part (build_engine's activation_rules): KDA attention recomputed, Gated MLA offloaded to host memory, and the K3
 defaults (AttnRes mixers and MoE routed-expert blocks recomputed) elsewhere.
 
 One spawn runs both variants one after the other on the same ranks and data (harness.step_data / local_microbatches).
@@ -34,18 +34,13 @@ def mixed_rules():
 
 
 def _train(rank: int, rules) -> dict:
-    from k3train.activation import apply_activation_policies
     from k3train.parallel.engine import build_engine
     from k3train.parallel.mesh import rank_coords
 
-    handles = []
-
-    def part_fn(part):
-        handles.append(apply_activation_policies(part, rules))
-
     dims = LAYOUT.dims()
     engine = build_engine(H.tiny_args(), dims, H.optim_config(LAYOUT.optim), seed=H.SEED, device="cpu",
-                          seq_len_hint=H.SEQ, part_fn=part_fn if rules is not None else None)
+                          seq_len_hint=H.SEQ, activation_rules=rules or ())
+    handles = engine.activation_handles
     dp_rank = rank_coords(dims, rank)["dp_cp"]
     rec = {"losses": [], "grad_norms": [], "stage_layers": engine.stage_layers, "stage_ids": engine.stage_ids}
     t = time.perf_counter()

@@ -1,5 +1,6 @@
 """Remote activation offload on 2 gloo ranks: each rank's saved activations live on its peer between forward and
-backward, and the gradients equal those of the same model without any policy, bit for bit."""
+backward (whole layers, mixed roles, and attention taken out of recomputed layers), and the gradients equal those
+of the same model without any policy, bit for bit."""
 
 from __future__ import annotations
 
@@ -50,7 +51,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         plans = {
             "layers": [Rule(kind="layer", policy="offload_remote")],
             "mixed": [Rule(kind="attn", role="activation", policy="offload_remote"),
-                      Rule(kind="ffn", role="input", policy="remote_offload")] + default_rules(),
+                      Rule(kind="ffn", role="input", policy="offload_remote")] + default_rules(),
+            # Selective recompute: the attention is taken out of its recomputed layer; the layer's recomputation
+            # needs the attention's output before backward reaches it, so that stash comes back early.
+            "selective": [Rule(kind="attn", policy="offload_remote"), Rule(kind="layer", policy="recompute")]
+            + default_rules(),
         }
         for name, rules in plans.items():
             handle = apply_activation_policies(model, rules, group=dist.group.WORLD)
@@ -70,7 +75,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_remote_offload_gradients_equal_no_policy(tmp_path):
+def test_offload_remote_gradients_equal_no_policy(tmp_path):
     world = 2
     mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
     for rank in range(world):

@@ -1,8 +1,10 @@
 """Activation storage policies on the tiny K3: exact gradients for keep / recompute / local offload, FP8 accuracy,
-byte accounting, weights never packed, the MoE expert-block region, and start-up errors."""
+byte accounting, weights never packed, the MoE expert-block region, selective recompute (a module taken out of a
+recomputed one), the accuracy of every shipped activation config, and start-up errors."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from types import SimpleNamespace
 
@@ -12,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import k3train.activation.policy as policy_mod
-from k3train.activation import (Rule, apply_activation_policies, default_rules, dequantize_fp8_blockwise, fp8_nbytes,
-                                quantize_fp8_blockwise, rules_from_config)
+from k3train.activation import (POLICIES, Rule, activation_groups, apply_activation_policies, default_rules,
+                                dequantize_fp8_blockwise, fp8_nbytes, load_activation_group, quantize_fp8_blockwise,
+                                rules_from_config)
 from k3train.activation.storage import FP8Saved, HostSaved, LocalOffloader, RemoteCall, RemoteSaved
 from k3train.models.k3.args import get_preset
 from k3train.models.k3.model import K3Model
@@ -248,6 +251,18 @@ def test_moe_region_forward_equals_latent_moe():
         assert torch.equal(gx, gx_ref) and all(torch.equal(a, b) for a, b in zip(gp, gp_ref)), pol
 
 
+def cosines_under(m, tok, ref, rules):
+    """(per-parameter gradient cosine to `ref`, total storage stats, the removed handle with its plan) of one step
+    under `rules`."""
+    handle = apply_activation_policies(m, rules)
+    try:
+        _, g = grads(m, tok)
+        st = handle.stats()["total"]
+    finally:
+        handle.remove()
+    return _cosines(g, ref), st, handle
+
+
 def _cosines(g, ref):
     out = {}
     for k in ref:
@@ -261,13 +276,7 @@ def _cosines(g, ref):
 
 def test_fp8_gradients_and_bytes(reference):
     m, tok, _, ref = reference
-    handle = apply_activation_policies(m, FP8_PLAN + default_rules())
-    try:
-        _, g = grads(m, tok)
-        st = handle.stats()["total"]
-    finally:
-        handle.remove()
-    cos = _cosines(g, ref)
+    cos, st, _ = cosines_under(m, tok, ref, FP8_PLAN + default_rules())
     worst = min(cos, key=cos.get)
     assert cos[worst] >= 0.999, (worst, cos[worst])
     assert min(cos.values()) < 1.0        # quantisation really happened
@@ -339,6 +348,153 @@ def test_stats_per_policy_and_reset(reference):
     handle.remove()
 
 
+# ---- selective recompute -----------------------------------------------------------------------------------------
+def _count_forwards(modules: dict[str, nn.Module]) -> dict[str, int]:
+    """Count the real runs of each module's forward: an instance attribute set before the policies wrap it."""
+    calls = {n: 0 for n in modules}
+    for n, mod in modules.items():
+        def counting(*a, _n=n, _orig=mod.forward, **k):
+            calls[_n] += 1
+            return _orig(*a, **k)
+        mod.forward = counting
+    return calls
+
+
+def _assert_rel_close(g, ref, rtol):
+    assert sorted(g) == sorted(ref)
+    for k in ref:
+        assert float((g[k] - ref[k]).abs().max()) <= rtol * float(ref[k].abs().max()), k
+
+
+@pytest.mark.parametrize("match, policy", [("layers.*.attn", "offload_local"), ("layers.*.attn", "keep"),
+                                           ("layers.*.ffn.experts", "fp8")])
+def test_selective_recompute_stores_the_inner_module_under_its_policy(reference, match, policy):
+    """Whole layers recomputed, one module inside each taken out: it runs once per step (the layer's recomputation
+    gets its recorded outputs), what it saves is stored under its own policy, and the rest of the layer is really
+    recomputed."""
+    m, tok, ref_loss, ref = reference
+    inner = {n: mod for n, mod in m.named_modules() if fnmatch.fnmatchcase(n, match)}
+    norms = {n: mod for n, mod in m.named_modules() if n.endswith(".attn_norm")}
+    recompute_only = apply_activation_policies(m, [Rule(kind="layer", policy="recompute")] + default_rules())
+    grads(m, tok)
+    base = recompute_only.stats()["total"]
+    recompute_only.remove()
+
+    calls = _count_forwards({**inner, **norms})
+    handle = apply_activation_policies(m, [Rule(match=match, policy=policy), Rule(kind="layer", policy="recompute")]
+                                       + default_rules())
+    try:
+        assert handle.lifted == {n: n.split(".ffn")[0].removesuffix(".attn") for n in inner}
+        assert all(handle.plan[n] == policy for n in inner)
+        assert "taken out of layers.2's recompute" in handle.describe()
+        loss, g = grads(m, tok)
+        st = handle.stats()
+    finally:
+        handle.remove()
+        for mod in {**inner, **norms}.values():
+            del mod.forward
+    assert calls == {**{n: 1 for n in inner}, **{n: 2 for n in norms}}, calls
+    t = st["total"]
+    if policy == "keep":
+        assert t["device"] > 10 * base["device"] and t["offloaded"] == 0 and t["fp8"] == 0
+    else:
+        bucket = "fp8" if policy == "fp8" else "offload_local"
+        assert t[bucket] > 0 and base[bucket] == 0
+        # Every layer holding the module stores under its policy (layer 1 is dense: no routed experts).
+        layers = {n.split(".ffn")[0].removesuffix(".attn") for n in inner}
+        assert {k for k, v in st["layers"].items() if v[bucket] > 0} == layers
+    assert t["recompute"] == base["recompute"]     # the layers' own inputs, as under plain layer recompute
+    if policy == "fp8":
+        cos = _cosines(g, ref)
+        assert min(cos.values()) >= 0.99 and min(cos.values()) < 1.0, min(cos.items(), key=lambda kv: kv[1])
+    else:
+        assert torch.equal(loss, ref_loss)
+        _assert_rel_close(g, ref, 1e-6)
+
+
+def test_selective_recompute_nesting(reference):
+    """Roles no rule sets are kept by a module taken out of a recomputed one; a recompute nested in a recomputed
+    module stays covered; a recompute inside a module that was taken out is a region of its own. Gradients stay
+    exact."""
+    m, tok, ref_loss, ref = reference
+    dispatches = [0]
+    orig_dispatch = LocalDispatcher.dispatch
+
+    def counting_dispatch(self, *a, **k):
+        dispatches[0] += 1
+        return orig_dispatch(self, *a, **k)
+
+    handle = apply_activation_policies(m, [Rule(kind="norm", role="activation", policy="offload_local"),
+                                           Rule(kind="ffn", policy="keep"), Rule(kind="layer", policy="recompute")]
+                                       + default_rules())
+    LocalDispatcher.dispatch = counting_dispatch
+    try:
+        assert handle.plan["layers.1.attn_norm"] == "input=keep, activation=offload_local"
+        assert handle.lifted["layers.1.attn_norm"] == "layers.1" and handle.lifted["layers.2.ffn"] == "layers.2"
+        assert handle.lifted["layers.1.attn.o_norm"] == "layers.1"
+        assert handle.covered["layers.2.attn_res"] == "layers.2"
+        assert handle.plan["layers.2.ffn.experts"] == "recompute" and "layers.2.ffn.experts" not in handle.lifted
+        assert handle.plan["layers.2.ffn.latent_norm"] == "input=keep, activation=offload_local"   # keep: the FFN's
+        assert "layers.2.ffn.latent_norm" not in handle.lifted    # inside the kept FFN, not the recomputed layer
+        loss, g = grads(m, tok)
+    finally:
+        LocalDispatcher.dispatch = orig_dispatch
+        handle.remove()
+    # The expert block's own recomputation dispatches again; the layer's recomputation does not run the FFN.
+    assert dispatches[0] == 2 * len(m.routers())
+    assert torch.equal(loss, ref_loss)
+    _assert_same_grads(g, ref)
+
+
+# ---- shipped activation configs ----------------------------------------------------------------------------------
+def test_recipes_select_shipped_activation_configs():
+    from omegaconf import OmegaConf
+
+    from k3train.config.store import recipes_dir
+
+    selected = set()
+    for recipe in recipes_dir().glob("*.yaml"):
+        for entry in OmegaConf.to_container(OmegaConf.load(recipe)).get("defaults", []):
+            if isinstance(entry, dict) and "activation" in entry:
+                selected.add(entry["activation"])
+    assert selected and selected <= set(activation_groups()), (selected, activation_groups())
+    assert "cluster" in selected
+
+
+@pytest.mark.parametrize("group", activation_groups())
+def test_shipped_activation_configs_keep_gradients(reference, group):
+    """Every shipped plan, as the trainer applies it, on the tiny model (fp32, CPU, one step): the worst
+    per-parameter gradient cosine to keeping everything is >= 0.99 (FP8 on whole layers reaches 0.49)."""
+    m, tok, _, ref = reference
+    cfg = load_activation_group(group)
+    cos, st, handle = cosines_under(m, tok, ref, rules_from_config(cfg))
+    worst = min(cos, key=cos.get)
+    assert cos[worst] >= 0.99, (group, worst, cos[worst])
+    if group == "cluster":
+        # What its comment says: layers recomputed, expert blocks in FP8, attention offloaded.
+        assert st["fp8"] > 0 and st["offload_local"] > 0 and st["recompute"] > 0, st
+        assert handle.plan["layers.2"] == "recompute" and handle.lifted["layers.2.attn"] == "layers.2"
+        assert handle.lifted["layers.2.ffn.experts"] == "layers.2"
+
+
+def test_policy_names_are_one_set():
+    """The config and the rules use the same names; the old aliases are errors that list the valid ones."""
+    from k3train.config import ConfigError, load_config
+
+    assert POLICIES == ("keep", "recompute", "fp8", "offload_local", "offload_remote")
+    valid = "keep, recompute, fp8, offload_local, offload_remote"
+    for old in ("offload", "remote_offload"):
+        with pytest.raises(ValueError, match=f"unknown activation policy '{old}'; choose one of {valid}"):
+            Rule(match="layers.*.attn", policy=old)
+        with pytest.raises(ValueError, match=f"'{old}'; choose one of {valid}"):
+            rules_from_config(SimpleNamespace(policy=old, rules=[]))
+        with pytest.raises(ConfigError, match=f"activation.policy: unknown policy '{old}'; choose one of {valid}"):
+            load_config("tiny_cpu", [f"activation.policy={old}"])
+        with pytest.raises(ConfigError, match=rf"activation.rules\[0\].policy: unknown policy '{old}'"):
+            load_config("tiny_cpu", [f"activation.rules=[{{match:'layers.*.attn',policy:{old}}}]"])
+    assert load_config("tiny_cpu", ["activation=cluster"]).activation.rules[1].policy == "offload_local"
+
+
 # ---- weights are never packed ------------------------------------------------------------------------------------
 class _WeightViews(nn.Module):
     def __init__(self):
@@ -398,7 +554,7 @@ def test_model_parameters_never_packed(reference, monkeypatch):
 
 # ---- rules and errors --------------------------------------------------------------------------------------------
 def test_rules_from_config_and_plan():
-    cfg = SimpleNamespace(policy="fp8", rules=[SimpleNamespace(match="layers.*.attn", policy="offload"),
+    cfg = SimpleNamespace(policy="fp8", rules=[SimpleNamespace(match="layers.*.attn", policy="offload_local"),
                                                {"kind": "router", "policy": "keep"}])
     rules = rules_from_config(cfg)
     assert rules[0].policy == "offload_local" and rules[-1] == Rule(kind="layer", policy="fp8", optional=True)

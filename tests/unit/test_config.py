@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from k3train.config import (ConfigError, K3TrainConfig, available_recipes, load_config, model_args, resolve_dp,
+from k3train.parallel.mesh import ParallelDims
+from k3train.config import (ConfigError, K3TrainConfig, available_recipes, load_config, model_args,
                             validate_config)
 from k3train.config import schema as schema_mod
 from k3train.models.k3 import model as model_mod
@@ -36,7 +37,7 @@ def test_recipes_are_listed_and_load():
     assert isinstance(tiny, K3TrainConfig)
     assert tiny.model.preset == "tiny" and tiny.data.source == "builtin" and tiny.train.device == "auto"
     assert tiny.optim.betas == (0.9, 0.95)
-    assert resolve_dp(tiny.parallel, 1) == 1
+    assert ParallelDims.from_config(tiny.parallel, 1).dp == 1
 
     small = load_config("small_8gpu", world_size=8)
     assert small.model.preset == "small" and small.parallel.ep == 8 and small.parallel.dp == 8
@@ -74,7 +75,7 @@ def test_overrides_apply():
 def test_world_size_fills_dp(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = load_config("tiny_cpu")
-    assert resolve_dp(cfg.parallel, 2) == 2
+    assert ParallelDims.from_config(cfg.parallel, 2).dp == 2
 
 
 def _error(overrides, recipe="tiny_cpu", **kw) -> str:
@@ -122,7 +123,7 @@ def test_parallel_layout_against_world_size():
     msg = _error(["parallel.pp=2", "parallel.dp=2"], world_size=2)
     assert "pp=2" in msg and "WORLD_SIZE=2" in msg
     cfg = load_config("tiny_cpu", ["parallel.pp=2", "parallel.microbatches=2"], world_size=2)
-    assert resolve_dp(cfg.parallel, 2) == 1
+    assert ParallelDims.from_config(cfg.parallel, 2).dp == 1
     assert "parallel.ep" in _error(["parallel.ep=3"], world_size=3)  # 3 does not divide 8 experts
     # seq_len must hold whole KDA chunks in every context-parallel piece: zigzag cuts a row into 2*cp pieces,
     # contiguous into cp, each a multiple of the tiny model's 16-token chunk.
@@ -210,3 +211,11 @@ def test_installed_recipes_found_under_the_prefix(tmp_path, monkeypatch):
     assert store.recipes_dir() == tmp_path / "share" / "k3train" / "recipes"
     assert store.configs_dir() == tmp_path / "share" / "k3train" / "configs"
     assert store.available_recipes() == ["mine"]
+
+
+def test_model_overrides_reach_every_field_and_balancing_needs_a_free_expert():
+    cfg = load_config("tiny_cpu", ["+model.overrides.name=mine"])
+    assert model_args(cfg).name == "mine"  # the label is an override like any other
+    with pytest.raises(ConfigError, match="train.balancing: quantile balancing needs top_k < n_experts"):
+        load_config("tiny_cpu", ["+model.overrides.top_k=8"])
+    assert model_args(load_config("tiny_cpu", ["+model.overrides.top_k=8", "train.balancing=none"])).top_k == 8

@@ -8,15 +8,17 @@ import torch
 
 from layer_init import random_layer
 
-from k3train.models.k3.args import ConfigError, get_preset
+from k3train.config import ConfigError
+from k3train.models.k3.args import get_preset
 from k3train.models.k3.context import BatchContext
+from k3train.models.k3.documents import Documents
 from k3train.models.k3.kda import KDA
 from k3train.models.k3.mla import GatedMLA
 from k3train.models.k3.model import K3Model
 from k3train.ops.kda import chunk_kda
 from k3train.parallel.context_parallel import (
     ContextParallel, SequenceLayout, apply_context_parallel, check_context_parallel, cp_seq_multiple,
-    exclusive_prefix_states, global_doc_layout, kda_piece_chunks, kda_piece_summaries, kda_pieces, piece_plan, rank_pieces)
+    exclusive_prefix_states, kda_piece_chunks, kda_piece_summaries, kda_pieces, piece_plan, rank_pieces)
 
 
 # ---- layout ----------------------------------------------------------------------------------------------------------
@@ -58,6 +60,11 @@ def test_zigzag_shard_values():
     lay = SequenceLayout(2, 8, "zigzag")
     assert lay.shard(x, 0).tolist() == [[0, 1, 6, 7]]
     assert lay.shard(x, 1).tolist() == [[2, 3, 4, 5]]
+
+
+def global_doc_layout(cu, B, T, device):
+    docs = Documents.from_cu_seqlens(cu, B, T, device)
+    return docs.start, docs.positions, docs.doc_ids
 
 
 def test_global_doc_layout():

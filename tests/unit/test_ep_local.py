@@ -8,9 +8,9 @@ import torch
 
 from k3train.models.k3.args import get_preset
 from k3train.models.k3.moe import GroupedExperts, LatentMoE, LocalDispatcher
-from k3train.parallel.expert_parallel import (CommStats, EPGroupedExperts, alltoall_send_layout, apply_expert_parallel,
-                                              home_range, mix_rows, shard_experts, source_to_expert_major,
-                                              source_to_expert_major_reference)
+from k3train.parallel.ep_dispatch import (CommStats, EPGroupedExperts, alltoall_send_layout, home_range, mix_rows,
+                                          shard_experts, source_to_expert_major, source_to_expert_major_reference)
+from k3train.parallel.expert_parallel import apply_expert_parallel, expert_parameters
 from k3train.parallel.moonep import make_plan
 from k3train.parallel.moonep_dispatch import MoonEPDispatcher, hosted_weight_routes, moonep_send_layout
 
@@ -172,7 +172,7 @@ def test_home_shards_load_full_and_local_tensors():
         lo, hi = home_range(r, R, E)
         for name in ("w1", "w3", "w2"):
             assert torch.equal(getattr(ep, name), sd[name][lo:hi])
-            assert getattr(ep, name)._k3_ep_shard == (lo, E)
+            assert expert_parameters(ep)[name] == (lo, E)
     for name in ("w1", "w3", "w2"):  # unsharding: the shards concatenate to the full tensor
         assert torch.equal(torch.cat([getattr(s, name) for s in shards]), sd[name])
     # A local shard loads as is; a tensor of another expert count is refused by load_state_dict.
@@ -235,7 +235,7 @@ def test_comm_stats_bytes_per_route():
     a.add(b)
     assert a.bytes_per_route == 3584 * 2  # bf16 latent: half of a 7168-wide payload
     assert a.weight_bytes == 5 and a.routes == 16
-    a.reset()
+    a = CommStats()  # a dispatcher's view starts empty
     assert a.routes == 0 and a.bytes_per_route == 0
 
 
@@ -253,12 +253,13 @@ def test_home_experts_built_on_meta_equal_the_full_models_rows():
         moe.experts = EPGroupedExperts(moe.experts, None, 1, 4)   # rank 1 of 4: experts [2, 4) of 8
     m.to_empty(device="cpu")
     m.init_weights(3)
+    blocks = expert_parameters(m)
     n_expert = 0
     for name, p in m.named_parameters():
         ref = full.get_parameter(name)
         if ".experts." in name:
             n_expert += 1
-            assert p._k3_ep_shard == (2, 8) and p.shape[0] == 2
+            assert blocks[name] == (2, 8) and p.shape[0] == 2
             assert torch.equal(p, ref[2:4]), name
         else:
             assert torch.equal(p, ref), name

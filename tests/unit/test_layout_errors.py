@@ -9,11 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from k3train.models.k3.args import ConfigError, get_preset
+from k3train.config import ConfigError
+from k3train.models.k3.args import get_preset
+from k3train.models.k3.counts import layer_costs
+from k3train.models.k3.model import sources_after
 from k3train.optim.config import OptimConfig
 from k3train.parallel.mesh import ParallelDims, rank_coords, stage_to_rank, stages_of_rank
-from k3train.parallel.pipeline import (build_stage_part, cu_seqlens_from_doc_start, doc_start_from_cu_seqlens,
-                                       layer_costs, sources_after, split_layers, split_reference, stage_cost_of)
+from k3train.models.k3.documents import Documents
+from k3train.parallel.pipeline import build_stage_part, split_layers, split_reference, stage_cost_of
 
 TINY = get_preset("tiny")
 
@@ -82,7 +85,7 @@ def test_build_engine_rejects_before_any_process_group():
 
 def test_from_config_fills_dp():
     class Cfg:
-        pp, vpp, ep, cp, dp, zero, microbatches, schedule, ep_dispatcher = 2, 1, 1, 1, -1, 1, 4, "1f1b", "local"
+        pp, vpp, ep, cp, dp, zero, microbatches, schedule, ep_dispatcher = 2, 1, 1, 1, -1, 1, 4, "1f1b", "alltoall"
     d = ParallelDims.from_config(Cfg, world_size=8)
     assert (d.dp, d.world, d.ep_dispatcher) == (4, 8, "alltoall")
     with pytest.raises(ConfigError, match="not divisible by pp\\*cp=2"):
@@ -171,6 +174,6 @@ def test_stage_parts_equal_the_whole_model():
 
 def test_doc_start_round_trip():
     cu = torch.tensor([0, 5, 16, 20, 32, 45, 48], dtype=torch.int32)
-    mask = doc_start_from_cu_seqlens(cu, 3, 16, "cpu")
+    mask = Documents.from_cu_seqlens(cu, 3, 16, "cpu").start
     assert mask.shape == (3, 16) and int(mask.sum()) == 6
-    assert torch.equal(cu_seqlens_from_doc_start(mask), cu)
+    assert torch.equal(Documents(mask).cu_seqlens, cu)

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from k3train.models.k3.args import ConfigError, get_preset
+from k3train.config import ConfigError
+from k3train.models.k3.args import get_preset
 from k3train.models.k3.context import BatchContext
 from k3train.models.k3.counts import count_params
 from k3train.models.k3.model import K3Model
@@ -243,7 +244,7 @@ def test_count_params_tool_contract():
 
 
 def test_mla_qk_clip_caps_max_logits():
-    from k3train.optim.muon import apply_qk_clip
+    from k3train.optim.qk_clip import apply_qk_clip
 
     m = tiny_model(5)
     attn = m.layers["4"].attn
@@ -268,7 +269,7 @@ def test_expert_init_is_per_expert():
     w = part.layers["3"].ffn.experts.w1
     # An expert-parallel rank holding experts 4..7 draws exactly those rows.
     local = torch.nn.Parameter(torch.empty(4, *w.shape[1:]))
-    local._k3_ep_shard = (4, w.shape[0])
     part.layers["3"].ffn.experts.w1 = local
+    part.layers["3"].ffn.experts.first_expert = 4
     part.init_weights(7)
     assert torch.equal(local.data, full.layers["3"].ffn.experts.w1.data[4:])

@@ -28,13 +28,7 @@ OVERRIDES = ["+model.overrides.n_layers=3", "+model.overrides.n_experts=7", f"da
              "logging.wandb=false", "logging.peak_flops=1e12"]
 
 
-@pytest.fixture(autouse=True)
-def _one_process(monkeypatch):
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(k, raising=False)
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_process")  # tests/conftest.py
 
 
 def micro_batches(vocab: int, seed: int) -> list[dict]:
@@ -58,11 +52,11 @@ def micro_batches(vocab: int, seed: int) -> list[dict]:
 def check_step(trainer, batches: list[dict], clip: float) -> float:
     """One trainer step on `batches` with optim.grad_clip = clip against the hand-written step; returns the norm."""
     trainer.cfg.optim.grad_clip = clip
-    reference = copy.deepcopy(trainer.model)
+    reference = copy.deepcopy(trainer.parts[0])
     seen = {}
 
     def spy(optimizer, args, kwargs):  # the gradients the optimizer is handed
-        seen.update({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+        seen.update({n: p.grad.detach().clone() for n, p in trainer.parts[0].named_parameters() if p.grad is not None})
 
     trainer.train_loader = iter(batches)
     hook = trainer.optimizer.register_step_pre_hook(spy)
@@ -83,7 +77,10 @@ def check_step(trainer, batches: list[dict], clip: float) -> float:
     assert rec["targets"] == targets < 4 * T  # the -100 positions are not counted
     assert rec["loss"] == pytest.approx(loss, rel=1e-5)
     assert rec["grad_norm"] == pytest.approx(norm, rel=1e-5)
-    assert set(seen) == set(grads)
+    # Every layout's engine hands the optimizer a gradient for every parameter (zeros where none flowed, e.g. the
+    # first layer's AttnRes query over a single source), so ranks issue the same collectives.
+    assert set(grads) <= set(seen)
+    assert all(not seen[n].any() for n in set(seen) - set(grads))
     for n, g in grads.items():
         torch.testing.assert_close(seen[n], g * coef, rtol=1e-4, atol=1e-8, msg=lambda m: f"gradient of {n}: {m}")
     return norm
@@ -92,7 +89,7 @@ def check_step(trainer, batches: list[dict], clip: float) -> float:
 def test_train_step_is_the_clipped_global_token_mean(tmp_path):
     trainer = trainer_mod.Trainer(load_config("tiny_cpu", [*OVERRIDES, f"train.run_dir={tmp_path / 'run'}"]))
     try:
-        trainer.model.train()
+        trainer.parts[0].train()
         vocab = trainer.args.vocab_size
         # without clipping the optimizer sees the plain gradient of the global token mean...
         norm = check_step(trainer, micro_batches(vocab, 0), clip=0.0)

@@ -36,14 +36,7 @@ TINY = ["+model.overrides.n_layers=3", "+model.overrides.n_experts=7", "data.seq
 SIGN_U = 1e-3  # the sign rule's step (docs/balancing.md), stored in an fp32 buffer
 
 
-@pytest.fixture(autouse=True)
-def _one_process(monkeypatch):
-    """A single-process run whatever the environment says; the trainer's thread setting is undone afterwards."""
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(k, raising=False)
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_process")  # tests/conftest.py
 
 
 def _config(tmp_path, *overrides: str):
@@ -102,15 +95,15 @@ def _train_steps(tmp_path, balancing: str, n_steps: int):
     trainer = trainer_mod.Trainer(_config(tmp_path, f"train.balancing={balancing}", f"train.steps={n_steps}",
                                           "optim.warmup_steps=1", "optim.decay_ratio=0.0"))
     try:
-        trainer.model.train()
-        routers = trainer.model.routers()
+        trainer.parts[0].train()
+        routers = trainer.parts[0].routers()
         assert len(routers) == 2
-        trainer.model.moe_load()  # reset the counters
+        trainer.parts[0].moe_load()  # reset the counters
         biases = {n: [r.bias.detach().double().clone()] for n, r in routers.items()}
         loads = {n: [] for n in routers}
         for _ in range(n_steps):
             trainer.train_step()
-            for n, load in trainer.model.moe_load().items():
+            for n, load in trainer.parts[0].moe_load().items():
                 loads[n].append(load.double())
                 biases[n].append(routers[n].bias.detach().double().clone())
     finally:

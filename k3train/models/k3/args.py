@@ -9,9 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-
-class ConfigError(ValueError):
-    """A configuration whose numbers do not fit together."""
+from k3train.config.errors import ConfigError
 
 
 @dataclass(kw_only=True)
@@ -207,15 +205,16 @@ PRESETS: dict[str, K3ModelArgs] = {
 }
 
 
-def get_preset(name: str, **overrides) -> K3ModelArgs:
-    """A validated copy of a preset with field overrides; unknown names and fields raise ConfigError."""
-    if name not in PRESETS:
-        raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
-    base = PRESETS[name]
+def get_preset(preset: str, /, **overrides) -> K3ModelArgs:
+    """A validated copy of a preset with field overrides (`name` among them relabels it); unknown presets and fields
+    raise ConfigError."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    base = PRESETS[preset]
     fields = {f.name for f in dataclasses.fields(K3ModelArgs)}
     bad = sorted(set(overrides) - fields)
     if bad:
-        raise ConfigError(f"unknown model field(s) {bad} for preset {name!r}")
+        raise ConfigError(f"unknown model field(s) {bad} for preset {preset!r}")
     args = dataclasses.replace(base, **overrides)
     if args.vision is not None and not isinstance(args.vision, VisionArgs):
         args.vision = VisionArgs(**args.vision)

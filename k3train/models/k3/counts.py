@@ -1,13 +1,28 @@
-"""Parameter counts of a K3 config, from module shapes on the meta device (no memory)."""
+"""What a K3 config costs, all derived from one parameter count: parameters (the totals, per component, per pipeline
+stage), training FLOPs per token (also the weights of the pipeline split), and the bytes one training step
+communicates under a parallel layout.
+
+The count. The model is built on the meta device (no memory) and each parameter is counted once, under the piece of
+the model that holds it and its component (the rows of tools/count_params.py). The pieces are "embed" (input
+embedding and vision tower: the first pipeline stage), the 1-based layer ids, and "head" (final AttnRes, norm and LM
+head: the last stage). A token touches every parameter of a layer or the head except the routed experts it did not
+select (top_k of n_experts); the embedding is a lookup, and the vision tower runs on images, not text tokens.
+
+FLOPs. A piece's training FLOPs per token are 6 x the parameters it touches (forward and backward matmuls) plus
+3 x its attention core's forward work at the training length: causal MLA's scores and values, or KDA's chunked
+state work (Kimi Linear). The same per-layer figure weighs the layers in the pipeline split.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from k3train.models.k3.args import K3ModelArgs
+from k3train.models.k3.model import K3Model, sources_after
+from k3train.parallel.mesh import stage_to_rank, stages_of_rank
 
 
-def component_of(name: str, model) -> str:
+def component_of(name: str, model: K3Model) -> str:
     if name.startswith("tok_embeddings"):
         return "embedding"
     if name.startswith("output"):
@@ -31,19 +46,174 @@ def component_of(name: str, model) -> str:
     return "other"
 
 
-def count_params(args: K3ModelArgs, *, by_component: bool = False):
-    """Counts {total, text, vision, routed, active} (+ per-component table with by_component=True)."""
-    from k3train.models.k3.model import K3Model
-
+def param_pieces(args: K3ModelArgs) -> dict:
+    """The one parameter count: {piece: {component: parameters}} from module shapes on the meta device."""
     with torch.device("meta"):
         model = K3Model(args)
-    comp: dict[str, int] = {}
+    pieces: dict = {"embed": {}, **{i: {} for i in range(1, args.n_layers + 1)}, "head": {}}
     for name, p in model.named_parameters():
-        c = component_of(name, model)
-        comp[c] = comp.get(c, 0) + p.numel()
+        if name.startswith("layers."):
+            piece = int(name.split(".", 2)[1])
+        else:
+            piece = "embed" if name.startswith(("tok_embeddings.", "vision.")) else "head"
+        comp = component_of(name, model)
+        pieces[piece][comp] = pieces[piece].get(comp, 0) + p.numel()
+    return pieces
+
+
+def _routed(args: K3ModelArgs, comp: dict[str, int]) -> tuple[int, int]:
+    """(routed-expert parameters, of which a token touches) of one piece."""
+    routed = comp.get("moe_routed", 0)
+    return routed, routed * args.top_k // args.n_experts
+
+
+def active_params(args: K3ModelArgs, piece, comp: dict[str, int]) -> int:
+    """Parameters one text token touches in a piece (see the module doc)."""
+    if piece == "embed":
+        return 0
+    routed, touched = _routed(args, comp)
+    return sum(comp.values()) - routed + touched
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parameters
+# ---------------------------------------------------------------------------------------------------------------------
+def count_params(args: K3ModelArgs, *, by_component: bool = False):
+    """Counts {total, text, vision, routed, active} (+ per-component table with by_component=True)."""
+    pieces = param_pieces(args)
+    comp: dict[str, int] = {}
+    for c in pieces.values():
+        for k, v in c.items():
+            comp[k] = comp.get(k, 0) + v
     total = sum(comp.values())
     vision = comp.get("vision", 0)
-    routed = comp.get("moe_routed", 0)
-    active = total - vision - comp.get("embedding", 0) - routed + routed * args.top_k // args.n_experts
-    counts = {"total": total, "text": total - vision, "vision": vision, "routed": routed, "active": active}
+    active = sum(active_params(args, piece, c) for piece, c in pieces.items())
+    counts = {"total": total, "text": total - vision, "vision": vision, "routed": comp.get("moe_routed", 0),
+              "active": active}
     return (counts, comp) if by_component else counts
+
+
+def stage_param_counts(args: K3ModelArgs, stage_layers: list[list[int]], pieces: dict | None = None) -> list[dict]:
+    """Per pipeline stage: {"dense": parameters, "expert": routed-expert parameters} (the embedding and vision on the
+    first stage, the head on the last)."""
+    pieces = pieces or param_pieces(args)
+    out = []
+    for s, layers in enumerate(stage_layers):
+        held = (["embed"] if s == 0 else []) + list(layers) + (["head"] if s == len(stage_layers) - 1 else [])
+        total = sum(sum(pieces[p].values()) for p in held)
+        expert = sum(_routed(args, pieces[p])[0] for p in held)
+        out.append({"dense": total - expert, "expert": expert})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# FLOPs
+# ---------------------------------------------------------------------------------------------------------------------
+def attention_flops(args: K3ModelArgs, layer_id: int, seq_len: int) -> int:
+    """Forward FLOPs per token of a layer's attention core at seq_len tokens."""
+    if args.layer_kind(layer_id) == "mla":
+        # 2 FLOPs per key for the scores and for the values, seq_len / 2 keys on average under the causal mask.
+        return seq_len * args.mla_heads * (args.mla_qk_head_dim + args.mla_v_head_dim)
+    K, C = args.kda_head_dim, args.kda_chunk
+    return args.kda_heads * (6 * K * K + 3 * C * K + C * C)
+
+
+def layer_costs(args: K3ModelArgs, seq_len: int = 4096, pieces: dict | None = None) -> dict:
+    """{"embed": c, "head": c, "layers": [c_1, ..., c_n]}: training FLOPs per token of each piece, the weights of the
+    pipeline split. The embedding is charged as a matmul of its table (6 V D) although a lookup computes nothing:
+    the split weighs stages by time, and an embedding (its gradient, its optimizer step) takes about a layer's."""
+    pieces = pieces or param_pieces(args)
+    layers = [6.0 * active_params(args, i, pieces[i]) + 3.0 * attention_flops(args, i, seq_len)
+              for i in range(1, args.n_layers + 1)]
+    return {"embed": 6.0 * pieces["embed"].get("embedding", 0),
+            "head": 6.0 * active_params(args, "head", pieces["head"]), "layers": layers}
+
+
+def flops_per_token(args: K3ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token: the layers' and the head's (the embedding lookup computes nothing)."""
+    costs = layer_costs(args, seq_len)
+    return sum(costs["layers"]) + costs["head"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Communication of one training step
+# ---------------------------------------------------------------------------------------------------------------------
+def analytic_step_bytes(args: K3ModelArgs, dims, stage_layers: list[list[int]], *, pp_rank: int, mb: int, seq: int,
+                        elem: int = 4) -> dict[tuple[str, str], dict]:
+    """Expected {(dim, op): {"payload", "wire"}} of one step on a rank of pipeline rank `pp_rank`, in the terms of
+    k3train.parallel.comm (AdamW; zero padding assumed, i.e. every parameter's first dim divisible by its group).
+
+    Expert all-to-all (payload only): per MoE layer and micro-batch a rank sends its N K token-expert rows of the
+    latent (width L) forward and their gradients backward, plus the M rows its home experts received (outputs
+    forward, gradients backward) and the [E] routing counts. M depends on routing but averages N K over an EP group,
+    so the ("ep", "all_to_all") entry is the EP-group mean: 4 N K L elem + 8 E."""
+    counts = stage_param_counts(args, stage_layers)
+    owner = stage_to_rank(dims)
+    mine = stages_of_rank(dims, pp_rank)
+    out: dict[tuple[str, str], dict] = {}
+
+    def add(dim, op, payload, wire):
+        e = out.setdefault((dim, op), {"payload": 0, "wire": 0.0})
+        e["payload"] += payload
+        e["wire"] += wire
+
+    n = dims.dp_cp
+    if n > 1:
+        add("dp_cp", "all_reduce", 16, 2 * (n - 1) / n * 16)  # target and token counts (2 x float64)
+    if dims.ep > 1:  # home experts are reduced over their replicas only, each rank holding 1/ep of them
+        groups = [("dp_cp", dims.dp_cp, lambda c: c["dense"]), ("edp", dims.edp, lambda c: c["expert"] // dims.ep)]
+    else:
+        groups = [("dp_cp", dims.dp_cp, lambda c: c["dense"] + c["expert"])]
+    for dim, g, held in groups:
+        if g == 1:
+            continue
+        B = sum(held(counts[s]) for s in mine) * elem
+        if dims.zero == 2:
+            add(dim, "reduce_scatter", B, (g - 1) / g * B)
+        else:
+            add(dim, "all_reduce", B, 2 * (g - 1) / g * B)
+        if dims.zero >= 1:
+            add(dim, "all_gather", B, (g - 1) / g * B)
+    if dims.world > 1:
+        add("world", "all_reduce", 16, 2 * (dims.world - 1) / dims.world * 16)  # loss and squared norm
+    # Under CP a rank runs its pieces of each row: seq / cp tokens per row (the pieces as rows, same count).
+    tok = mb * seq // dims.cp
+    if dims.cp > 1:
+        _add_cp_bytes(add, args, dims, [i for s in mine for i in stage_layers[s]], mb=mb, seq=seq, elem=elem)
+        if dims.pp > 1:  # every stage rebuilds its handle from the pieces' document starts (1 byte per token)
+            b = len(mine) * dims.microbatches * mb * seq
+            add("cp", "all_gather", b, (dims.cp - 1) / dims.cp * b)
+    if dims.ep > 1:
+        n_moe = sum(args.ffn_kind(i) == "moe" for s in mine for i in stage_layers[s])
+        NK = tok * args.top_k
+        b = n_moe * dims.microbatches * (4 * NK * args.moe_latent_dim * elem + 8 * args.n_experts)
+        add("ep", "all_to_all", b, b * (dims.ep - 1) / dims.ep)
+    if dims.pp > 1:
+        D, last = args.dim, dims.n_stages - 1
+        for s in mine:
+            if s < last and owner[s + 1] != pp_rank:
+                b = sources_after(args, stage_layers[s][-1]) * tok * D * elem * dims.microbatches
+                add("pp", "send_fwd", b, b)
+            if s > 0 and owner[s - 1] != pp_rank:
+                b = sources_after(args, stage_layers[s][0] - 1) * tok * D * elem * dims.microbatches
+                add("pp", "send_bwd", b, b)
+    return out
+
+
+def _add_cp_bytes(add, args: K3ModelArgs, dims, layers: list[int], *, mb: int, seq: int, elem: int) -> None:
+    """Context-parallel collectives of one step (forward all-gathers, their backward reduce-scatters of the same
+    size) for these layers: per KDA layer the pieces' fp32 summaries [H, K, K+V] (independent of seq) and the
+    conv halos (W-1 tokens of q, k and v per piece); per MLA layer the latent of every token."""
+    m, g = dims.microbatches, dims.cp
+    n_pieces = 2 * g if dims.cp_layout == "zigzag" else g
+    rows = mb * n_pieces  # pieces gathered over the group per micro-batch
+    H, K = args.kda_heads, args.kda_head_dim
+    n_kda = sum(args.layer_kind(i) == "kda" for i in layers)
+    n_mla = sum(args.layer_kind(i) == "mla" for i in layers)
+    summary = n_kda * m * rows * H * K * 2 * K * 4
+    halo = n_kda * m * rows * (args.kda_conv_size - 1) * 3 * H * K * elem
+    latent = n_mla * m * mb * seq * (args.mla_kv_rank + args.mla_shared_k_dim) * elem
+    total = summary + halo + latent
+    if total:
+        add("cp", "all_gather", total, (g - 1) / g * total)
+        add("cp", "reduce_scatter", total, (g - 1) / g * total)

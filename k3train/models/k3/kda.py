@@ -59,7 +59,7 @@ class KDA(nn.Module):
         """Projected, convolved and normalised q, k, v [B,T,H,K], log-decay g [B,T,H,K] fp32, beta [B,T,H]."""
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
-        pos = None if ctx.cu_seqlens is None else ctx.doc_layout(B, T, x.device)[0]
+        pos = None if ctx.cu_seqlens is None else ctx.documents(B, T, x.device).positions
         if ctx.cp is not None:
             pos = ctx.cp.positions(B, T, x.device)
 

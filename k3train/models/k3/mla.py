@@ -52,29 +52,47 @@ class GatedMLA(nn.Module):
         ctx = ctx or BatchContext()
         q = self.wq_b(self.q_norm(self.wq_a(x))).view(B, T, self.n_heads, -1).transpose(1, 2)
         c_kv = self.latent(x)
-        if ctx.cp is not None:
-            o = ctx.cp.mla_attention(self, q, c_kv, ctx)
+        if ctx.cp is not None:  # local pieces as rows: each attends its key range of the gathered latent
+            full, pieces = ctx.cp.mla_keys(c_kv)
+            P = len(pieces)
+            qp = q.view(full.shape[0], P, *q.shape[1:])
+            outs = [self.attend(qp[:, p], full[:, lo:hi], mask[:, 0]) for p, (lo, hi, mask) in enumerate(pieces)]
+            o = torch.stack(outs, dim=1).view(B, self.n_heads, T, self.v_dim)
+        elif ctx.cu_seqlens is None:
+            o = self.attend(q, c_kv, None)
         else:
-            k, v = self.keys_values(c_kv)
-            if ctx.cu_seqlens is None:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-            else:
-                _, doc = ctx.doc_layout(B, T, x.device)
-                causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-                mask = (doc[:, :, None] == doc[:, None, :]) & causal
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.scale)
-            if self.training and self.track_max_logits:
-                self._record_max_logits(q, k, None if ctx.cu_seqlens is None else mask)
+            doc = ctx.documents(B, T, x.device).doc_ids
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            o = self.attend(q, c_kv, (doc[:, :, None] == doc[:, None, :]) & causal)
         o = o.transpose(1, 2) * torch.sigmoid(self.g_proj(x)).view(B, T, self.n_heads, self.v_dim)
         return self.o_proj(o.reshape(B, T, -1))
 
-    @torch.no_grad()
-    def _record_max_logits(self, q, k, mask):
-        T = q.shape[2]
+    def attend(self, q: torch.Tensor, c_kv: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Softmax attention of q [B, H, Tq, k+s] over the keys and values built from the latent c_kv [B, Tk, 576];
+        mask [B, Tq, Tk] bool (True: attended), None: causal with Tq == Tk. Returns [B, H, Tq, v]."""
+        k, v = self.keys_values(c_kv)
         if mask is None:
-            mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None]
-        s = (q @ k.transpose(-2, -1)).float() * self.scale
-        m = s.masked_fill(~mask[:, None], float("-inf")).amax(dim=(0, 2, 3))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.scale)
+        if self.training and self.track_max_logits:
+            self.record_max_logits(q, k, mask)
+        return o
+
+    @torch.no_grad()
+    def record_max_logits(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
+                          key_block: int = 1024) -> None:
+        """Fold the per-head max pre-softmax logit of q [B, H, Tq, d] against k [B, H, Tk, d] into max_logits.
+        mask [B or 1, Tq, Tk] bool (True: attended), None: causal. Keys go in blocks, so the scores held at once
+        are [B, H, Tq, key_block], never [Tq, Tk]."""
+        Tq, Tk = q.shape[2], k.shape[2]
+        m = torch.full((q.shape[1],), float("-inf"), dtype=torch.float32, device=q.device)
+        qpos = torch.arange(Tq, device=q.device)[:, None]
+        for a in range(0, Tk, key_block):
+            b = min(a + key_block, Tk)
+            s = (q @ k[:, :, a:b].transpose(-2, -1)).float() * self.scale
+            keep = (torch.arange(a, b, device=q.device)[None] <= qpos)[None] if mask is None else mask[:, :, a:b]
+            m = torch.maximum(m, s.masked_fill(~keep[:, None], float("-inf")).amax(dim=(0, 2, 3)))
         self.max_logits = m if self.max_logits is None else torch.maximum(self.max_logits, m)
 
     def qk_clip_targets(self) -> dict:
@@ -82,7 +100,11 @@ class GatedMLA(nn.Module):
                     qk_dim=self.k_dim, shared_dim=self.s_dim)
 
     def muon_structure(self) -> dict[str, MatrixStructure]:
+        # Per-Head Muon orthogonalises Q_h, K_h and V_h separately. wkv_b fuses each head's key and value rows
+        # [K_h (k_dim); V_h (v_dim)], so each head is split into those two matrices. wq_b's head rows
+        # [q_nope (k_dim); q_shared (s_dim)] are one query Q_h (both halves meet the same softmax), so one matrix.
         H = self.n_heads
         return {"wq_a.weight": MatrixStructure(), "wq_b.weight": MatrixStructure("rows", H),
-                "wkv_a.weight": MatrixStructure(), "wkv_b.weight": MatrixStructure("rows", H),
+                "wkv_a.weight": MatrixStructure(),
+                "wkv_b.weight": MatrixStructure("rows", H, splits=(self.k_dim, self.v_dim)),
                 "g_proj.weight": MatrixStructure("rows", H), "o_proj.weight": MatrixStructure("cols", H)}

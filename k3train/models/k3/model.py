@@ -120,9 +120,9 @@ class K3Model(nn.Module):
                 elif name == "tok_embeddings.weight":
                     val = torch.empty(p.shape).normal_(0.0, 1.0, generator=gen)
                 elif ".experts." in name:
-                    # One generator per expert row, so an expert-parallel rank draws only its own experts
-                    # (`_k3_ep_shard` = (first expert, total experts)) and gets the values one process would.
-                    first, _ = getattr(p, "_k3_ep_shard", (0, p.shape[0]))
+                    # One generator per expert row, so an expert-parallel rank draws only its own experts (its
+                    # bank's `first_expert` onwards) and gets the values one process would.
+                    first = self.get_submodule(name.rpartition(".")[0]).first_expert
                     s = out_std if name.endswith(residual_out) else std
                     val = torch.stack([torch.empty(p.shape[1:]).normal_(
                         0.0, s, generator=self._generator(seed, f"{name}[{first + e}]")) for e in range(p.shape[0])])
@@ -165,28 +165,15 @@ class K3Model(nn.Module):
     def required_seq_multiple(self) -> int:
         return required_seq_multiple(self.args)
 
-    def flops_per_token(self, seq_len: int) -> float:
-        return flops_per_token(self.args, seq_len)
-
 
 def required_seq_multiple(args: K3ModelArgs) -> int:
     """Packed rows must hold whole KDA chunks (chunks align with context-parallel shards and kernels' tiles)."""
     return args.kda_chunk
 
 
-def active_params(args: K3ModelArgs) -> int:
-    """Parameters touched per token: everything but the input embedding, vision and the unselected experts."""
-    from k3train.models.k3.counts import count_params
-    c = count_params(args)
-    return c["active"]
-
-
-def flops_per_token(args: K3ModelArgs, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x active weights + attention (causal MLA; KDA's chunked state work)."""
-    n_mla = sum(args.layer_kind(i) == "mla" for i in range(1, args.n_layers + 1))
-    n_kda = args.n_layers - n_mla
-    H, dqk, dv = args.mla_heads, args.mla_qk_head_dim, args.mla_v_head_dim
-    mla = n_mla * 2 * (seq_len / 2) * H * (dqk + dv)  # scores + values over the causal half, forward
-    K, C = args.kda_head_dim, args.kda_chunk
-    kda = n_kda * args.kda_heads * (6 * K * K + 3 * C * K + C * C)  # chunked KDA, forward (Kimi Linear)
-    return 6.0 * active_params(args) + 3.0 * (mla + kda)
+def sources_after(args: K3ModelArgs, layer_id: int) -> int:
+    """Number of AttnRes sources after layer `layer_id` (0: the embedding only): the embedding, then one per block
+    begun (its partial or completed sum)."""
+    if layer_id == 0:
+        return 1
+    return 2 + (layer_id - 1) // args.attnres_block_layers

@@ -50,6 +50,10 @@ class GroupedExperts(nn.Module):
     def __init__(self, n_experts: int, dim: int, hidden: int, beta1: float, beta2: float):
         super().__init__()
         self.beta1, self.beta2 = beta1, beta2
+        self.first_expert = 0
+        """Global index of this bank's first expert (expert parallelism holds a block of the full bank)."""
+        self.total_experts = n_experts
+        """Experts of the full bank this one is a block of."""
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # gate
         self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # linear
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # down

@@ -1,0 +1,141 @@
+"""QK-Clip (Kimi K2's MuonClip) for every layout: per-head max logits in, per-row weight scales out.
+
+An attention module takes part by exposing `qk_clip_targets()` (q_weight, k_weight, n_heads, qk_dim, shared_dim)
+and, while `track_max_logits` is True, keeping `max_logits` [H]: the largest pre-softmax logit (scale included) of
+each head seen in training forwards since the last clip.
+
+After the optimizer step `QKClip.apply` MAX-reduces the max logits over `group` (the dp x cp ranks of the layers'
+own pipeline stage: they saw distinct tokens of the same layers; other stages hold other layers), turns them into
+per-row scales of the query and key weights, and hands each (parameter, row scales) to `scale_rows`, which scales
+the rows this rank holds: the whole parameter, or under ZeRO the owner's rows before parameters are gathered.
+
+For head h with max logit S_h > threshold, gamma_h = threshold / S_h; the head's own query rows and key rows are
+multiplied by sqrt(gamma_h), so q.k scales by gamma_h. Query rows that pair with a key slice shared by all heads
+(MLA's shared key) get the full gamma_h and the shared key is left alone, so other heads are unaffected.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from k3train.parallel import comm
+
+
+def qk_clip_scales(max_logits: Tensor, threshold: float, *, n_heads: int, q_rows: int, k_rows: int, qk_dim: int,
+                   shared_dim: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """(row scales of q_weight [H * q_rows], of k_weight [H * k_rows], gamma [H]; 1 where nothing is clipped).
+
+    Per head, q rows [0, qk_dim) pair with the head's own key rows [0, qk_dim); q rows [qk_dim, qk_dim + shared_dim)
+    pair with the shared key slice; key rows past qk_dim (values of a fused key/value projection) are untouched."""
+    if threshold <= 0:
+        raise ValueError(f"QK-Clip threshold must be > 0, got {threshold}")
+    H = n_heads
+    if max_logits.shape != (H,):
+        raise ValueError(f"max_logits must have shape [{H}], got {tuple(max_logits.shape)}")
+    if qk_dim + shared_dim != q_rows or qk_dim > k_rows or qk_dim < 1 or shared_dim < 0:
+        raise ValueError(f"qk_dim={qk_dim}, shared_dim={shared_dim} do not fit q rows/head {q_rows}, "
+                         f"k rows/head {k_rows}")
+    gamma = (threshold / max_logits.float().clamp(min=1e-30)).clamp(max=1.0)
+    root = gamma.sqrt()
+    q = torch.ones(H, q_rows, dtype=torch.float32, device=gamma.device)
+    k = torch.ones(H, k_rows, dtype=torch.float32, device=gamma.device)
+    q[:, :qk_dim] = root[:, None]
+    q[:, qk_dim:] = gamma[:, None]
+    k[:, :qk_dim] = root[:, None]
+    return q.reshape(-1), k.reshape(-1), gamma
+
+
+def _rows_per_head(weight: Tensor, n_heads: int, what: str) -> int:
+    if weight.shape[0] % n_heads:
+        raise ValueError(f"{what} rows {weight.shape[0]} do not split into {n_heads} heads")
+    return weight.shape[0] // n_heads
+
+
+class QKClip:
+    """QK-Clip of every attention module in `modules` (the model parts of one rank), reduced over `group`."""
+
+    def __init__(self, modules: list[nn.Module], threshold: float, group: dist.ProcessGroup | None = None):
+        if threshold <= 0:
+            raise ValueError(f"optim.qk_clip must be > 0 to clip, got {threshold}")
+        self.threshold, self.group = threshold, group
+        self.attn = [(n, m) for part in modules for n, m in part.named_modules() if hasattr(m, "qk_clip_targets")]
+        for _, m in self.attn:  # attention modules record per-head max logits only while QK-Clip is on
+            m.track_max_logits = True
+
+    @torch.no_grad()
+    def apply(self, scale_rows: Callable[[nn.Parameter, Tensor], None]) -> dict[str, Tensor]:
+        """Clip after the optimizer step; returns gamma [H] per module name. Every rank of `group` issues the same
+        collective (a module that saw no forward contributes zeros, which clip nothing)."""
+        if not self.attn:
+            return {}
+        per = []
+        for _, m in self.attn:
+            H = m.qk_clip_targets()["n_heads"]
+            seen = m.max_logits
+            per.append(seen.detach().float().reshape(H) if seen is not None else torch.zeros(H))
+        dev = next((p.device for _, m in self.attn for p in m.parameters()), torch.device("cpu"))
+        logits = torch.cat([t.to(dev) for t in per])
+        if self.group is not None:
+            comm.all_reduce(logits, self.group, "dp_cp", op=dist.ReduceOp.MAX, what="qk_max_logits")
+        out, off = {}, 0
+        for (name, m), t in zip(self.attn, per):
+            tg = m.qk_clip_targets()
+            H = tg["n_heads"]
+            qw, kw = tg["q_weight"], tg["k_weight"]
+            q_rows, k_rows = _rows_per_head(qw, H, "q_weight"), _rows_per_head(kw, H, "k_weight")
+            qs, ks, gamma = qk_clip_scales(logits[off:off + H], self.threshold, n_heads=H, q_rows=q_rows,
+                                           k_rows=k_rows, qk_dim=tg.get("qk_dim") or q_rows - tg.get("shared_dim", 0),
+                                           shared_dim=tg.get("shared_dim", 0))
+            if bool((gamma < 1).any()):
+                scale_rows(qw, qs)
+                scale_rows(kw, ks)
+            out[name] = gamma
+            off += H
+            m.max_logits = None
+        return out
+
+
+def _scale_rows(weight: Tensor, row_scale: Tensor) -> None:
+    weight.mul_(row_scale.to(weight.dtype).view(-1, *([1] * (weight.dim() - 1))))
+
+
+@torch.no_grad()
+def qk_clip_(q_weight: Tensor, k_weight: Tensor, max_logits: Tensor, threshold: float, *, n_heads: int,
+             qk_dim: int | None = None, shared_dim: int = 0) -> Tensor:
+    """Rescale whole query/key weights in place (see qk_clip_scales for the rows); returns gamma [H].
+
+    q_weight [H * q_rows, in]: per head, rows [0, qk_dim) pair with the head's own key rows, rows
+      [qk_dim, qk_dim + shared_dim) pair with the shared key slice; q_rows = qk_dim + shared_dim.
+    k_weight [H * k_rows, in]: per head, rows [0, qk_dim) are the key; further rows are untouched."""
+    H = n_heads
+    q_rows, k_rows = _rows_per_head(q_weight, H, "q_weight"), _rows_per_head(k_weight, H, "k_weight")
+    qs, ks, gamma = qk_clip_scales(max_logits, threshold, n_heads=H, q_rows=q_rows, k_rows=k_rows,
+                                   qk_dim=q_rows - shared_dim if qk_dim is None else qk_dim, shared_dim=shared_dim)
+    _scale_rows(q_weight, qs)
+    _scale_rows(k_weight, ks)
+    return gamma
+
+
+@torch.no_grad()
+def apply_qk_clip(model: nn.Module, threshold: float, group: dist.ProcessGroup | None = None) -> dict[str, Tensor]:
+    """QK-Clip every attention module of `model` that reported max logits, on whole weights (one process, or
+    replicas that all hold the whole model); MAX-reduces over `group` when it has several ranks. Returns gamma per
+    module name ({} when nothing was reported). Training uses QKClip through the optimizer instead."""
+    mods = [(n, m) for n, m in model.named_modules()
+            if hasattr(m, "qk_clip_targets") and getattr(m, "max_logits", None) is not None]
+    if not mods:
+        return {}
+    logits = torch.cat([m.max_logits.detach().float().reshape(-1) for _, m in mods])
+    if group is not None and dist.is_initialized():
+        comm.all_reduce(logits, group, "dp_cp", op=dist.ReduceOp.MAX, what="qk_max_logits")
+    out, off = {}, 0
+    for name, m in mods:
+        H = m.max_logits.numel()
+        out[name] = qk_clip_(max_logits=logits[off:off + H], threshold=threshold, **m.qk_clip_targets())
+        off += H
+        m.max_logits = None
+    return out

@@ -1,0 +1,70 @@
+"""Parallelism applied to one model part, in one place and one order (as TorchTitan's `parallelize_*` functions).
+
+    part = stage_part_on_meta(args, layers, first=..., last=...)     # k3train.parallel.pipeline
+    part = parallelize_part(part, setup)
+
+The order, and why:
+1. Expert parallelism, on the meta device: each LatentMoE keeps only this rank's home experts and gets the
+   EP dispatcher, so the full expert bank is never allocated.
+2. Materialise on the device and initialise every parameter from (seed, its full-model name): a rank's home experts
+   and every replicated tensor get the values one process would give them.
+3. Context parallelism: every KDA and MLA layer must run on the pieces of the sequence (refused now, not at step one).
+   The model is not changed: the per-batch plan reaches the layers through BatchContext.
+4. Activation storage policies (cfg.activation), after EP so they see the EP dispatcher they wrap.
+5. Balancers on the routers (train.balancing): they observe the routers' scores in training forwards.
+
+The part is changed in place through documented seams (submodule swaps, `router.balancer`) and returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from k3train.parallel.mesh import ParallelDims, ParallelMesh
+
+
+@dataclass(kw_only=True)
+class PartSetup:
+    """What parallelize_part needs besides the part: the layout, the groups, and the training-time policies."""
+
+    dims: ParallelDims
+    mesh: ParallelMesh | None
+    """None in one process."""
+    device: torch.device
+    seed: int
+    seq_len: int
+    """The training sequence length (context parallelism checks that every layer fits its pieces)."""
+    activation_rules: list = field(default_factory=list)
+    """Activation-storage rules (k3train.activation.rules_from_config); empty keeps everything."""
+    balancing: str = "none"
+    """Router balancing: quantile, sign or none."""
+    compute_dtype: torch.dtype | None = None
+    """The autocast dtype (None: fp32), for activation policies that store in a lower precision."""
+
+
+def parallelize_part(part: nn.Module, setup: PartSetup):
+    """Apply the layout to a stage part still on the meta device. Returns (the part, materialised and initialised;
+    its activation-storage handle, with stats(), or None when every activation is kept)."""
+    dims, mesh = setup.dims, setup.mesh
+    if dims.ep > 1:
+        from k3train.parallel.expert_parallel import apply_expert_parallel
+        apply_expert_parallel(part, mesh.group("ep"), dims.ep_dispatcher)
+    part.to_empty(device=setup.device)
+    part.init_weights(setup.seed)
+    part.train()
+    if dims.cp > 1:
+        from k3train.parallel.context_parallel import check_context_parallel
+        check_context_parallel(part, cp=dims.cp, seq_len=setup.seq_len, layout=dims.cp_layout)
+    handle = None
+    if setup.activation_rules:
+        from k3train.activation import apply_activation_policies
+        # Remote offload pairs ranks that run the same layers: the dp x cp replicas of this stage.
+        handle = apply_activation_policies(part, setup.activation_rules, group=mesh.group("dp_cp") if mesh else None,
+                                  dtype=setup.compute_dtype)
+    if setup.balancing != "none" and part.routers():
+        from k3train.optim.quantile_balancing import attach_balancers
+        attach_balancers(part, setup.balancing)
+    return part, handle
