@@ -114,7 +114,7 @@ def _run_ds(stage: int, a, rank: int) -> dict:
     from k3train.models.k3.args import get_preset
     from k3train.models.k3.context import BatchContext
     from k3train.models.k3.model import K3Model
-    from k3train.parallel.pipeline import token_loss_sum
+    from k3train.models.k3.loss import token_loss_sum
 
     args = get_preset("tiny")
     model = K3Model(args)

@@ -730,7 +730,7 @@ MUTATIONS: list[Mutation] = [
     M("trainer_counts_ignored", "k3train.parallel.engine:Engine.train_step",
       "loss denominator counts ignored (-100) positions", _count_ignored_targets,
       (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),
-    M("trainer_scores_ignored", "k3train.parallel.pipeline:token_loss_sum",
+    M("trainer_scores_ignored", "k3train.models.k3.loss:token_loss_sum",
       "cross entropy scores ignored positions as token 0", _ce_scores_ignored,
       (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),
     M("trainer_microbatch_mean", "k3train.parallel.engine:Engine.train_step",

@@ -17,7 +17,6 @@ from .errors import ConfigError
 
 from .schema import K3TrainConfig
 
-BALANCING = ("quantile", "sign", "none")
 DATA_SOURCES = ("builtin", "files", "recall")
 TOKENIZERS = ("byte", "hf", "tiktoken")
 
@@ -136,6 +135,7 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
     _need(t.device in ("auto", "cpu", "cuda"), "train.device", f"must be auto, cpu or cuda, got {t.device!r}")
     _need(t.dtype in ("auto", "float32", "bfloat16"), "train.dtype",
           f"must be auto, float32 or bfloat16, got {t.dtype!r}")
+    from k3train.optim.quantile_balancing import BALANCING
     _need(t.balancing in BALANCING, "train.balancing",
           f"unknown balancing {t.balancing!r}; choose one of {list(BALANCING)}")
     _need(t.balancing == "none" or args.top_k < args.n_experts, "train.balancing",

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from k3train.data.tokenizers import DataError
+from k3train.models.k3.loss import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 """Label of a position that is not a target (cross-entropy's ignore_index)."""
 
 

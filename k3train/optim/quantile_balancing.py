@@ -227,6 +227,10 @@ class SignBalancer(_Balancer):
 # ---------------------------------------------------------------------------------------------------------------------
 # Model-level helpers
 # ---------------------------------------------------------------------------------------------------------------------
+BALANCING = ("quantile", "sign", "none")
+"""The names of train.balancing: Quantile Balancing, DeepSeek-V3's sign rule, or no balancing."""
+
+
 def is_router(m: nn.Module) -> bool:
     return all(hasattr(m, a) for a in ("bias", "n_experts", "top_k", "balancer"))
 
@@ -236,7 +240,7 @@ def attach_balancers(model: nn.Module, kind: str, **kw) -> dict[str, _Balancer]:
 
     kind: "quantile" (kw: bins), "sign" (kw: u) or "none" (removes balancers). Returns {module name: balancer}.
     """
-    makers = {"quantile": QuantileBalancer, "sign": SignBalancer, "none": None}
+    makers = dict(zip(BALANCING, (QuantileBalancer, SignBalancer, None)))
     if kind not in makers:
         raise ValueError(f"balancer kind must be one of {sorted(makers)}, got {kind!r}")
     out = {}

@@ -44,8 +44,9 @@ from k3train.models.k3.context import BatchContext
 from k3train.models.k3.documents import Documents
 from k3train.ops.kda.chunk import KDAChunks
 from k3train.parallel import comm
+from k3train.parallel.mesh import CP_LAYOUTS
 
-LAYOUTS = ("zigzag", "contiguous")
+LAYOUTS = CP_LAYOUTS
 
 
 # ---------------------------------------------------------------------------------------------------------------------

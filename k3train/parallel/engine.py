@@ -34,9 +34,10 @@ from k3train.config.errors import ConfigError
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
 from k3train.models.k3.documents import Documents
+from k3train.models.k3.loss import IGNORE_INDEX, token_loss_sum
 from k3train.parallel import comm
 from k3train.parallel.mesh import ParallelDims, ParallelMesh, build_mesh, stage_to_rank, stages_of_rank
-from k3train.parallel.pipeline import IGNORE_INDEX, Pipeline, StageModule, sources_after, split_layers, token_loss_sum
+from k3train.parallel.pipeline import Pipeline, StageModule, sources_after, split_layers
 from k3train.parallel.zero import ShardedOptimizer
 
 

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from k3train.models.k3.moe import LatentMoE
 from k3train.parallel.ep_dispatch import AllToAllDispatcher, CommStats, EPDispatcher, EPGroupedExperts, shard_experts
+from k3train.parallel.mesh import EP_DISPATCHERS
 from k3train.parallel.moonep_dispatch import MoonEPDispatcher
 
 __all__ = [
@@ -37,7 +38,7 @@ __all__ = [
     "optimizer_state_to_local",
 ]
 
-DISPATCHERS = ("alltoall", "moonep")
+DISPATCHERS = EP_DISPATCHERS
 
 
 def apply_expert_parallel(model: nn.Module, ep_group=None, dispatcher: str = "alltoall", *,

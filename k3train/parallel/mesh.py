@@ -31,6 +31,10 @@ SCHEDULES: dict[str, tuple[str, str, str]] = {
     "zbv": ("ScheduleZBVZeroBubble", "v", "vpp == 2"),
     "dualpipev": ("ScheduleDualPipeV", "v", "vpp == 2"),
 }
+EP_DISPATCHERS = ("alltoall", "moonep")
+"""Token dispatchers under expert parallelism (k3train.parallel.expert_parallel)."""
+CP_LAYOUTS = ("zigzag", "contiguous")
+"""How a row is split over the context-parallel ranks (k3train.parallel.context_parallel)."""
 AUTO_SCHEDULE = "auto"
 """The default: interleaved_1f1b when vpp > 1, 1f1b otherwise."""
 
@@ -129,10 +133,10 @@ class ParallelDims:
         need(self.zero in (0, 1, 2), "zero", f"must be 0, 1 or 2, got {self.zero!r}")
         need(self.schedule in SCHEDULES, "schedule",
              f"unknown schedule {self.schedule!r}; choose auto or one of {sorted(SCHEDULES)}")
-        need(self.cp_layout in ("zigzag", "contiguous"), "cp_layout",
-             f"unknown context-parallel layout {self.cp_layout!r}; choose zigzag or contiguous")
-        need(self.ep_dispatcher in ("alltoall", "moonep"), "ep_dispatcher",
-             f"unknown dispatcher {self.ep_dispatcher!r}; choose alltoall or moonep")
+        need(self.cp_layout in CP_LAYOUTS, "cp_layout",
+             f"unknown context-parallel layout {self.cp_layout!r}; choose one of {list(CP_LAYOUTS)}")
+        need(self.ep_dispatcher in EP_DISPATCHERS, "ep_dispatcher",
+             f"unknown dispatcher {self.ep_dispatcher!r}; choose one of {list(EP_DISPATCHERS)}")
         if world_size is not None:
             need(self.world == world_size, "dp",
                  f"layout pp={self.pp} x dp={self.dp} x cp={self.cp} = {self.world} ranks, but the world has {world_size} "

@@ -31,18 +31,17 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
 from k3train.models.k3.counts import layer_costs
 from k3train.models.k3.documents import Documents
+from k3train.models.k3.loss import token_loss_sum
 from k3train.models.k3.model import K3Model, sources_after
 from k3train.parallel import comm
 from k3train.parallel.mesh import SCHEDULES, ParallelDims
 
-IGNORE_INDEX = -100
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -181,12 +180,6 @@ class StageModule(nn.Module):
             out = self.part(x, ctx)
         # Fixed dtypes across boundaries so stage shapes can be declared statically.
         return out.float() if self.last else out.to(self.boundary_dtype)
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross entropy over target tokens (labels already shifted; -100 ignored), fp32."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 class GlobalTokenLoss:

@@ -102,7 +102,7 @@ def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, opt
     sums in rank order (what a 2-rank all-reduce computes). The mathematics is the one-process step."""
     from k3train.models.k3.context import BatchContext
     from k3train.models.k3.model import K3Model
-    from k3train.parallel.pipeline import token_loss_sum
+    from k3train.models.k3.loss import token_loss_sum
     from k3train.parallel.zero import ShardedOptimizer
 
     args = args or tiny_args()

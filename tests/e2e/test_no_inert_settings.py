@@ -575,7 +575,8 @@ def test_every_field_has_a_case_or_a_reason():
 def test_every_choice_of_a_named_setting_has_a_case():
     """Settings that pick among named choices: each non-default choice is exercised (a new name needs a case)."""
     from k3train.activation.policy import POLICIES
-    from k3train.config.validate import BALANCING, DATA_SOURCES, TOKENIZERS
+    from k3train.config.validate import DATA_SOURCES, TOKENIZERS
+    from k3train.optim.quantile_balancing import BALANCING
 
     def tried(key: str) -> set:
         vals = {c.change[key] for c in ONE_PROCESS if key in c.change and isinstance(c.change[key], str)}
