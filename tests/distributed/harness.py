@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 
 from k3train.models.k3.args import get_preset
 from k3train.optim.config import OptimConfig
+from spawn_worker import end_worker
 
 GLOBAL_ROWS = 8
 SEQ = 32
@@ -238,7 +239,7 @@ def _worker(rank: int, world: int, port: int, layouts: list[dict], out_dir: str)
             torch.save(rec, os.path.join(out_dir, f"{layout.name}.rank{rank}.pt"))
             dist.barrier()
     finally:
-        dist.destroy_process_group()
+        end_worker()  # tests/spawn_worker.py
 
 
 def spawn_layouts(layouts: list[Layout], out_dir: str, world: int, timeout_s: float = 600.0) -> dict[str, list[dict]]:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import harness as H
+from spawn_worker import end_worker
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +72,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             torch.save(rec, os.path.join(out_dir, f"{name}.rank{rank}.pt"))
             dist.barrier()
     finally:
-        dist.destroy_process_group()
+        end_worker()  # tests/spawn_worker.py
 
 
 @pytest.fixture(scope="module")

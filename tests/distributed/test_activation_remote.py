@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from k3train.activation import Rule, apply_activation_policies, default_rules
 from k3train.models.k3.args import get_preset
 from k3train.models.k3.model import K3Model
+from spawn_worker import end_worker
 
 
 def _free_port() -> int:
@@ -71,7 +72,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             }
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        end_worker()  # tests/spawn_worker.py
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from k3train.models.k3.kda import KDA
 from k3train.models.k3.mla import GatedMLA
 from k3train.models.k3.model import K3Model
 from k3train.parallel.context_parallel import ContextParallel, apply_context_parallel
+from spawn_worker import end_worker
 
 B, T = 2, 128
 CU = [0, 37, 40, 128, 192, 256]   # 37, 40: starts inside a piece; 128: row start; 192: exactly on a piece start
@@ -167,7 +168,7 @@ def _worker(rank: int, world: int, port: int, out: str, jobs: list[str]) -> None
                 res[job] = [_kda_bytes(group, n) for n in (64 * world, 256 * world)]
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        end_worker()  # tests/spawn_worker.py
 
 
 def _spawn(world: int, jobs: list[str], tmp) -> list[dict]:

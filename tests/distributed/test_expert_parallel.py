@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from ep_common import ep_grad_sync, init_gloo, sum_over_ranks, token_batch, train_sgd
 from k3train.models.k3.args import get_preset
 from k3train.models.k3.model import K3Model
+from spawn_worker import end_worker
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +114,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         if rank == 0:
             torch.save(res, os.path.join(out_dir, "results.pt"))
     finally:
-        dist.destroy_process_group()
+        end_worker()  # tests/spawn_worker.py
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the one-process checkpoint load, on purpose

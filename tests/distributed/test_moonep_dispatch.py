@@ -19,6 +19,7 @@ from ep_common import ep_grad_sync, init_gloo, sum_over_ranks, token_batch, trai
 from k3train.models.k3.args import get_preset
 from k3train.models.k3.model import K3Model
 from k3train.models.k3.moe import LatentMoE
+from spawn_worker import end_worker
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +100,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         if rank == 0:
             torch.save(res, os.path.join(out_dir, "results.pt"))
     finally:
-        dist.destroy_process_group()
+        end_worker()  # tests/spawn_worker.py
 
 
 def test_moonep_matches_alltoall_and_one_process(tmp_path):

@@ -13,6 +13,7 @@ from torch import nn
 
 from k3train.models.structure import MatrixStructure
 from k3train.optim.muon import PerHeadMuon
+from spawn_worker import end_worker
 
 SPECS = [((3 * 4 * 8, 32), MatrixStructure("rows", 12)),   # fused QKV: 12 matrices 8x32
          ((32, 4 * 8), MatrixStructure("cols", 4)),        # output projection: 4 matrices 32x8
@@ -60,7 +61,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
                                                       if k == "momentum_buffer"]},
                    os.path.join(out, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        end_worker()  # tests/spawn_worker.py
 
 
 @pytest.mark.slow
@@ -128,7 +129,7 @@ def _split_worker(rank: int, world: int, store: str, out: str) -> None:
                               else 0 for p in p_sh]},
                    os.path.join(out, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        end_worker()  # tests/spawn_worker.py
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from k3train.optim.quantile_balancing import QuantileBalancer, attach_balancers, quantile_bias, update_biases
+from spawn_worker import end_worker
 
 E, K, M = 64, 8, 4096
 
@@ -74,7 +75,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
         res["compute"] = qb.compute(dist.group.WORLD)
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        end_worker()  # tests/spawn_worker.py
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from spawn_worker import end_worker
 
 # The tiny preset cut to 3 layers (KDA + dense FFN, KDA + MoE, MLA + MoE), 32-token rows, 2 rows per step, 3 steps.
 # The schedule uses all its settings within the 3 steps: warmup over step 1, then linear decay over the last 2
@@ -206,7 +207,7 @@ def _worker(rank: int, world: int, port: int, runs: list[tuple[str, object]], ou
             torch.save(rec.__dict__, os.path.join(out_dir, f"{name}.rank{rank}.pt"))
             dist.barrier()
     finally:
-        dist.destroy_process_group()
+        end_worker()  # tests/spawn_worker.py
 
 
 def spawn_runs(runs: dict[str, object], out_dir: str, cache: str, world: int = 2,
