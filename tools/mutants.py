@@ -551,6 +551,12 @@ def _evaluate_in_training_mode(orig):
     return evaluate
 
 
+def _vision_trained_without_images(orig):
+    def parallelize_part(part, setup):
+        return orig(part, dataclasses.replace(setup, train_vision=True))  # the idle tower stays in the optimizer
+    return parallelize_part
+
+
 def _lifted_modules_rerun(orig):
     return property(lambda self: False)  # recomputation runs the lifted modules again instead of replaying
 
@@ -723,6 +729,9 @@ MUTATIONS: list[Mutation] = [
     M("eval_in_training_mode", "k3train.parallel.engine:Engine.evaluate",
       "evaluation runs in training mode (routers count eval tokens, balancers observe them)",
       _evaluate_in_training_mode, (f"{ENGINE}::test_evaluation_leaves_routers_and_balancers_alone",)),
+    M("vision_trained_without_images", "k3train.parallel.parallelize:parallelize_part",
+      "a vision tower that gets no images stays trainable (optimizer state, weight decay)",
+      _vision_trained_without_images, (f"{ENGINE}::test_a_vision_tower_without_images_is_frozen",)),
     M("selective_recompute_reruns", "k3train.activation.policy:_Region.replaying",
       "modules taken out of a recomputed layer run again in backward", _lifted_modules_rerun,
       (f"{ACT}::test_selective_recompute_stores_the_inner_module_under_its_policy",)),

@@ -7,7 +7,8 @@ The order, and why:
 1. Expert parallelism, on the meta device: each LatentMoE keeps only this rank's home experts and gets the
    EP dispatcher, so the full expert bank is never allocated.
 2. Materialise on the device and initialise every parameter from (seed, its full-model name): a rank's home experts
-   and every replicated tensor get the values one process would give them.
+   and every replicated tensor get the values one process would give them. A vision tower that gets no images in
+   this run is frozen: no optimizer state, no weight decay shrinking it while it learns nothing.
 3. Context parallelism: every KDA and MLA layer must run on the pieces of the sequence (refused now, not at step one).
    The model is not changed: the per-batch plan reaches the layers through BatchContext.
 4. Activation storage policies (cfg.activation), after EP so they see the EP dispatcher they wrap.
@@ -43,6 +44,9 @@ class PartSetup:
     """Router balancing: quantile, sign or none."""
     compute_dtype: torch.dtype | None = None
     """The autocast dtype (None: fp32), for activation policies that store in a lower precision."""
+    train_vision: bool = False
+    """Whether the vision tower (when the model has one) receives images in this run; no data source provides them
+    yet, so it is frozen by default."""
 
 
 def parallelize_part(part: nn.Module, setup: PartSetup):
@@ -55,6 +59,8 @@ def parallelize_part(part: nn.Module, setup: PartSetup):
     part.to_empty(device=setup.device)
     part.init_weights(setup.seed)
     part.train()
+    if getattr(part, "vision", None) is not None and not setup.train_vision:
+        part.vision.requires_grad_(False)
     if dims.cp > 1:
         from k3train.parallel.context_parallel import check_context_parallel
         check_context_parallel(part, cp=dims.cp, seq_len=setup.seq_len, layout=dims.cp_layout)

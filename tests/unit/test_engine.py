@@ -65,3 +65,26 @@ def test_qk_clip_through_the_optimizer_caps_the_next_logits():
     with torch.no_grad():  # the step's own batch again: its largest logit per head is now the threshold
         part(b["input_ids"], BatchContext(b["cu_seqlens"]))
     assert float(attn.max_logits.max()) == pytest.approx(0.01, rel=1e-4)
+
+
+def test_a_vision_tower_without_images_is_frozen():
+    """No data source provides images yet: the tower gets no optimizer state and no weight decay."""
+    from k3train.models.k3.args import VisionArgs
+    from k3train.parallel.parallelize import PartSetup, parallelize_part
+    from k3train.parallel.pipeline import stage_part_on_meta
+
+    args = get_preset("tiny", n_layers=2, vision=VisionArgs(patch_size=4, width=16, layers=1, heads=2, head_dim=8,
+                                                             mlp_hidden=32, pos_grid=4, max_frames=2,
+                                                             projector_hidden=32, max_image_side=64))
+    for train_vision in (False, True):
+        setup = PartSetup(dims=ParallelDims(), mesh=None, device=torch.device("cpu"), seed=0, seq_len=SEQ,
+                          train_vision=train_vision)
+        part, _ = parallelize_part(stage_part_on_meta(args, [1, 2], first=True, last=True), setup)
+        assert all(p.requires_grad == train_vision for p in part.vision.parameters())
+        assert all(p.requires_grad for n, p in part.named_parameters() if not n.startswith("vision."))
+    engine = build_engine(args, ParallelDims(), OptimConfig(weight_decay=0.1), seed=0, device="cpu", seq_len_hint=SEQ)
+    held = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
+    assert not any(id(p) in held for p in engine.model_parts[0].vision.parameters())
+    before = {n: p.detach().clone() for n, p in engine.model_parts[0].vision.named_parameters()}
+    engine.train_step([_batch(3)])
+    assert all(torch.equal(p, before[n]) for n, p in engine.model_parts[0].vision.named_parameters())
