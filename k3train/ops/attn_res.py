@@ -30,9 +30,12 @@ def attn_res(query: torch.Tensor | None, sources: Sequence[torch.Tensor] | torch
         raise ValueError(f"attn_res: query shape {tuple(query.shape)} does not match source width {D}")
     if key_norm_weight is not None and key_norm_weight.shape != (D,):
         raise ValueError(f"attn_res: key_norm_weight shape {tuple(key_norm_weight.shape)} != ({D},)")
-    keys = F.rms_norm(V.float(), (D,), None if key_norm_weight is None else key_norm_weight.float(), eps)
-    logits = keys @ query.float()                       # [S, ...]
-    weights = torch.softmax(logits, dim=0).to(V.dtype)  # softmax over depth, in fp32
+    # Depth logits and softmax in fp32 with autocast off: autocast would run the matmul in bf16, which shifts the
+    # mixture of fp32 sources by ~5e-3.
+    with torch.autocast(V.device.type, enabled=False):
+        keys = F.rms_norm(V.float(), (D,), None if key_norm_weight is None else key_norm_weight.float(), eps)
+        logits = keys @ query.float()                       # [S, ...]
+        weights = torch.softmax(logits, dim=0).to(V.dtype)
     return torch.einsum("s...,s...d->...d", weights, V)
 
 

@@ -33,15 +33,18 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (expert ids [N, K] int64, mixture weights [N, K] fp32)."""
-        scores = torch.sigmoid(F.linear(x.to(self.score_dtype), self.weight.to(self.score_dtype)))
-        with torch.no_grad():
-            idx = torch.topk(scores + self.bias.to(scores.dtype), self.top_k, dim=-1, sorted=False).indices
-            if self.training:
-                self.load += torch.bincount(idx.flatten(), minlength=self.n_experts)
-                if self.balancer is not None:
-                    self.balancer.observe(scores.detach().float(), self.bias)
-        chosen = scores.gather(-1, idx)
-        return idx, (chosen / chosen.sum(-1, keepdim=True)).float()
+        # Autocast would recast F.linear to bf16, whose spacing near 1 (~0.004) hides small bias steps: keep the
+        # scores, score + bias and the selection in score_dtype.
+        with torch.autocast(x.device.type, enabled=False):
+            scores = torch.sigmoid(F.linear(x.to(self.score_dtype), self.weight.to(self.score_dtype)))
+            with torch.no_grad():
+                idx = torch.topk(scores + self.bias.to(scores.dtype), self.top_k, dim=-1, sorted=False).indices
+                if self.training:
+                    self.load += torch.bincount(idx.flatten(), minlength=self.n_experts)
+                    if self.balancer is not None:
+                        self.balancer.observe(scores.detach().float(), self.bias)
+            chosen = scores.gather(-1, idx)
+            return idx, (chosen / chosen.sum(-1, keepdim=True)).float()
 
 
 class GroupedExperts(nn.Module):

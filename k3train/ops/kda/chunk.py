@@ -11,6 +11,9 @@ With S the state at the chunk start, the chunk's pre-write residuals are Vn = U 
 Everything but S' = M S + B is computed for all chunks of all sequences at once; that one line is a Python loop
 over chunk index (batched over sequences and heads). The same (M, B) give the affine summary used by context
 parallelism. Backward is autograd through these torch ops.
+
+Under autocast only the tile scores (the matmuls inside _decayed_scores) take the autocast dtype's operands;
+everything else, the decay cumsum, M, B and the state carried across chunks included, runs in fp32.
 """
 
 from __future__ import annotations
@@ -72,14 +75,17 @@ def _decayed_scores(rows: list[torch.Tensor], k: torch.Tensor, G: torch.Tensor) 
     return list(A.flatten(-3, -2).unbind(-3))
 
 
-def _chunk_terms(q, k, v, g, beta):
-    """Per-chunk terms, inputs [N, H, n_chunks, C, *] in the compute dtype (q may be None).
+def _chunk_terms(q, k, v, g, beta, tile_dtype: torch.dtype | None = None):
+    """Per-chunk terms, inputs [N, H, n_chunks, C, *] in the compute dtype (q may be None). Runs with autocast off,
+    except the 16-token tile scores, whose matmuls take `tile_dtype` operands (the caller's autocast dtype; None:
+    the compute dtype).
 
     Returns (M [.., K, K], B [.., K, V], Qe [.., C, K], AU [.., C, V]); Qe and AU are None without q.
     """
     C, Kd = k.shape[-2], k.shape[-1]
     G = g.cumsum(-2)
-    scores = _decayed_scores([k] if q is None else [q, k], k, G)
+    with torch.autocast(k.device.type, dtype=tile_dtype or torch.bfloat16, enabled=tile_dtype is not None):
+        scores = _decayed_scores([k] if q is None else [q, k], k, G)
     i = torch.arange(C, device=k.device)
     strict = i.view(C, 1) > i.view(1, C)
     b = beta.unsqueeze(-1)
@@ -112,10 +118,15 @@ class KDAChunks:
         dt = self.dtype = compute_dtype(q, k, v, g, beta, initial_state)
         self.out_dtype = v.dtype
         self.layout = lay = ChunkLayout(s, chunk_size, k.device)
-        kc, vc, gc = lay.to_chunks(k, dt), lay.to_chunks(v, dt), lay.to_chunks(g, dt)
-        bc = lay.to_chunks(beta.unsqueeze(-1), dt).squeeze(-1)
-        qc = None if q is None else lay.to_chunks(q, dt) * (s.K ** -0.5 if scale is None else scale)
-        self.M, self.B, self.Qe, self.AU = _chunk_terms(qc, kc, vc, gc, bc)
+        dev = self.device_type = k.device.type
+        # Under autocast only the tile scores take low-precision operands; the decay cumsum, the per-chunk maps
+        # (M, B) and so the state and the summaries stay in the compute dtype.
+        tile_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        with torch.autocast(dev, enabled=False):
+            kc, vc, gc = lay.to_chunks(k, dt), lay.to_chunks(v, dt), lay.to_chunks(g, dt)
+            bc = lay.to_chunks(beta.unsqueeze(-1), dt).squeeze(-1)
+            qc = None if q is None else lay.to_chunks(q, dt) * (s.K ** -0.5 if scale is None else scale)
+            self.M, self.B, self.Qe, self.AU = _chunk_terms(qc, kc, vc, gc, bc, tile_dtype)
 
     def summaries(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(M [n, H, K, K], B [n, H, K, V]) of every sequence (or of those in `index`): final state = M S_0 + B.
@@ -129,11 +140,13 @@ class KDAChunks:
         S = initial_state.to(self.dtype) if initial_state is not None else \
             self.B.new_zeros(s.N, s.H, s.K, s.V)
         starts = []
-        # unbind once: indexing M[:, :, n] in the loop would make backward build a full-size zero gradient per chunk.
-        for M_n, B_n in zip(self.M.unbind(2), self.B.unbind(2)):
-            starts.append(S)
-            S = torch.baddbmm(B_n.flatten(0, 1), M_n.flatten(0, 1), S.flatten(0, 1)).view_as(B_n)
-        o = self.AU + torch.matmul(self.Qe, torch.stack(starts, dim=2))   # [N, H, n_chunks, C, V]
+        with torch.autocast(self.device_type, enabled=False):  # the state carried across chunks stays fp32
+            # unbind once: indexing M[:, :, n] in the loop would make backward build a full-size zero gradient per
+            # chunk.
+            for M_n, B_n in zip(self.M.unbind(2), self.B.unbind(2)):
+                starts.append(S)
+                S = torch.baddbmm(B_n.flatten(0, 1), M_n.flatten(0, 1), S.flatten(0, 1)).view_as(B_n)
+            o = self.AU + torch.matmul(self.Qe, torch.stack(starts, dim=2))   # [N, H, n_chunks, C, V]
         return self.layout.from_chunks(o, self.out_dtype), (S if output_final_state else None)
 
 
