@@ -221,14 +221,21 @@ def _situ_betas_swapped(orig):
     return situ
 
 
+def _autocast_kept(orig):
+    """The function's own `torch.autocast(..., enabled=False)` does nothing: the caller's autocast stays on."""
+    import contextlib
+    torch = _torch()
+    return with_globals(orig, torch=Proxy(torch, autocast=lambda *a, **kw: contextlib.nullcontext()))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # KDA ops
 # ---------------------------------------------------------------------------------------------------------------------
 def _chunk_terms_bf16(orig):
     torch = _torch()
 
-    def _chunk_terms(q, k, v, g, beta):
-        out = orig(q, k, v, g, beta)
+    def _chunk_terms(q, k, v, g, beta, *rest):
+        out = orig(q, k, v, g, beta, *rest)
         if k.dtype != torch.float32:
             return out
         return tuple(None if t is None else t.bfloat16().float() for t in out)
@@ -551,6 +558,18 @@ def _evaluate_in_training_mode(orig):
     return evaluate
 
 
+def _ns_bucket_uncapped(orig):
+    def orthogonalise_bucketed(mats, steps=5, eps=1e-7, bf16=False, max_numel=None):
+        return orig(mats, steps, eps, bf16, max_numel=1 << 62)  # one call per shape bucket again
+    return orthogonalise_bucketed
+
+
+def _ns_calls_one_over(orig):
+    def ns_calls(counts, numel, max_numel):
+        return orig(counts, numel, max_numel + numel)  # one matrix more a call than the cap allows
+    return ns_calls
+
+
 def _vision_trained_without_images(orig):
     def parallelize_part(part, setup):
         return orig(part, dataclasses.replace(setup, train_vision=True))  # the idle tower stays in the optimizer
@@ -567,6 +586,7 @@ def _lifted_modules_rerun(orig):
 KDA_OPS = "tests/unit/test_kda_ops.py"
 LAYERS = "tests/unit/test_layer_references.py"
 MODEL = "tests/unit/test_model.py"
+ISLANDS = "tests/unit/test_autocast_islands.py"
 MUON = "tests/unit/test_muon.py"
 QB = "tests/unit/test_quantile_balancing.py"
 TRAIN = "tests/unit/test_trainer_math.py"
@@ -610,10 +630,16 @@ MUTATIONS: list[Mutation] = [
     M("attn_res_temperature", "k3train.ops.attn_res:attn_res",
       "depth softmax logits divided by sqrt(D)", _attn_res_temperature,
       (f"{MODEL}::test_attn_res_zero_query_is_mean_and_scale_invariant",)),
+    M("attn_res_logits_under_autocast", "k3train.ops.attn_res:attn_res",
+      "AttnRes depth logits (keys @ query) in the caller's bf16 autocast", _autocast_kept,
+      (f"{ISLANDS}::test_attn_res_depth_softmax_stays_fp32_under_autocast",)),
     # ---- Stable LatentMoE
     M("router_weights_biased", "k3train.models.k3.moe:Router.forward",
       "mixture weights from the biased scores s + b", _router_weights_biased,
       (f"{MODEL}::test_router_bias_changes_choice_not_weights_or_grads",)),
+    M("router_scores_under_autocast", "k3train.models.k3.moe:Router.forward",
+      "router logits, sigmoid, score + bias and top-k run in the caller's bf16 autocast", _autocast_kept,
+      (f"{ISLANDS}::test_router_scores_and_selection_stay_fp32_under_autocast",)),
     M("router_top_k_minus_one", "k3train.models.k3.moe:Router.forward",
       "router selects top_k - 1 experts", _router_top_k_minus_one,
       (f"{LAYERS}::test_latent_moe_matches_reference",)),
@@ -627,6 +653,12 @@ MUTATIONS: list[Mutation] = [
     M("chunk_kda_bf16_internals", "k3train.ops.kda.chunk:_chunk_terms",
       "fp32 chunk terms (M, B, Q Gamma - Aqk W, Aqk U) rounded to bf16", _chunk_terms_bf16,
       (f"{KDA_OPS}::test_chunk_matches_naive_fp32",)),
+    M("kda_state_bf16_between_chunks", "k3train.ops.kda.chunk:KDAChunks.run",
+      "under autocast the state pass runs in bf16: the state is rounded at every chunk", _autocast_kept,
+      (f"{ISLANDS}::test_kda_state_and_output_stay_fp32_under_autocast",)),
+    M("kda_chunk_maps_under_autocast", "k3train.ops.kda.chunk:KDAChunks.__init__",
+      "under autocast the per-chunk maps (M, B) and so the CP summaries come out of bf16 matmuls", _autocast_kept,
+      (f"{ISLANDS}::test_cp_summaries_stay_fp32_under_autocast",)),
     M("chunk_kda_drops_tile_row", "k3train.ops.kda.chunk:_decayed_scores",
       "intra-chunk scores: tokens 16-31 of a chunk do not see tokens 0-15", _scores_drop_tile_row,
       (f"{KDA_OPS}::test_chunk_matches_naive_fp64",)),
@@ -729,6 +761,12 @@ MUTATIONS: list[Mutation] = [
     M("eval_in_training_mode", "k3train.parallel.engine:Engine.evaluate",
       "evaluation runs in training mode (routers count eval tokens, balancers observe them)",
       _evaluate_in_training_mode, (f"{ENGINE}::test_evaluation_leaves_routers_and_balancers_alone",)),
+    M("muon_ns_bucket_uncapped", "k3train.optim.muon:orthogonalise_bucketed",
+      "every same-shape matrix in one Newton-Schulz call (NS_BUCKET_NUMEL ignored)", _ns_bucket_uncapped,
+      (f"{MUON}::test_ns_calls_obey_the_cap", f"{MUON}::test_matrix_over_the_cap_runs_alone")),
+    M("muon_ns_call_over_cap", "k3train.optim.muon:ns_calls",
+      "Newton-Schulz calls take one matrix more than the cap allows", _ns_calls_one_over,
+      (f"{MUON}::test_ns_calls_obey_the_cap",)),
     M("vision_trained_without_images", "k3train.parallel.parallelize:parallelize_part",
       "a vision tower that gets no images stays trainable (optimizer state, weight decay)",
       _vision_trained_without_images, (f"{ENGINE}::test_a_vision_tower_without_images_is_frozen",)),

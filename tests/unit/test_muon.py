@@ -19,10 +19,11 @@ from torch import nn
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 
 from k3train.models.structure import MatrixStructure
+from k3train.optim import muon
 from k3train.optim.config import OptimConfig
 from k3train.optim.muon import (
     NS_COEFFICIENTS, PerHeadMuon, assign_owners, check_structure, from_matrices, from_pieces,
-    newton_schulz5, newton_schulz5_reference, ns_cost, piece_shapes, to_matrices, to_pieces)
+    newton_schulz5, newton_schulz5_reference, ns_cost, orthogonalise_bucketed, piece_shapes, to_matrices, to_pieces)
 from k3train.optim.qk_clip import apply_qk_clip, qk_clip_
 from k3train.optim.param_groups import describe_groups, split_params
 from k3train.parallel.zero import ShardedOptimizer
@@ -85,6 +86,79 @@ def test_ns_maps_singular_values():
 def test_ns_errors():
     with pytest.raises(ValueError, match="shape"):
         newton_schulz5(torch.ones(3))
+
+
+def _count_ns_calls(monkeypatch) -> list[tuple[int, ...]]:
+    """Record the input shape of every newton_schulz5 call orthogonalise_bucketed makes."""
+    calls, ns = [], muon.newton_schulz5
+
+    def counted(G, *args, **kwargs):
+        calls.append(tuple(G.shape))
+        return ns(G, *args, **kwargs)
+    monkeypatch.setattr(muon, "newton_schulz5", counted)
+    return calls
+
+
+def _bucket_stacks(dtype):
+    """Stacks of one bucket (tall and wide, 13 matrices of 12 x 20) and of another (5 matrices of 8 x 8)."""
+    g = torch.Generator().manual_seed(5)
+    shapes = [(3, 12, 20), (1, 20, 12), (5, 12, 20), (0, 12, 20), (4, 20, 12), (2, 8, 8), (3, 8, 8)]
+    return [torch.randn(*s, generator=g, dtype=dtype) for s in shapes]
+
+
+# Splitting a bucket changes only the batch size each matrix product sees. NS5 is per matrix, but a BLAS may pick a
+# different kernel (summation order) for another batch size, so results can differ by rounding: measured on CPU at
+# most 2.1e-15 (float64) and 7.8e-7 (float32) per element over many shapes and caps, against float32 NS5's own 2e-5
+# from the float64 reference. A lost, repeated or misplaced matrix is off by O(0.1).
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-14), (torch.float32, 5e-6)])
+def test_capped_buckets_equal_one_call(monkeypatch, dtype, atol):
+    mats = _bucket_stacks(dtype)
+    whole = orthogonalise_bucketed(mats, max_numel=1 << 40)
+    calls = _count_ns_calls(monkeypatch)
+    capped = orthogonalise_bucketed(mats, max_numel=3 * 12 * 20)  # 3 12x20 matrices a call: stacks span calls
+    assert [s[0] for s in calls] == [3, 3, 3, 3, 1, 5]  # ceil(13 / 3) calls; the five 8x8 ones fit in one
+    for m, w, o in zip(mats, whole, capped):
+        assert o.shape == m.shape and o.dtype == m.dtype
+        torch.testing.assert_close(o, w, rtol=0, atol=atol)
+    for m, o in zip(mats, capped):  # and each matrix is its own NS5
+        for i in range(m.shape[0]):
+            torch.testing.assert_close(o[i].double(), newton_schulz5_reference(m[i]), rtol=0,
+                                       atol=1e-13 if dtype == torch.float64 else 2e-5)
+
+
+def test_ns_calls_obey_the_cap(monkeypatch):
+    mats = _bucket_stacks(torch.float32)
+    calls = _count_ns_calls(monkeypatch)
+    # (cap, calls): ceil(13 / (cap // 240)) for the 12x20 bucket plus ceil(5 / (cap // 64)) for the 8x8 one
+    for cap, expect in [(1 << 40, 1 + 1), (12 * 20, 13 + 2), (4 * 12 * 20 + 7, 4 + 1), (2 * 8 * 8, 13 + 3)]:
+        calls.clear()
+        orthogonalise_bucketed(mats, max_numel=cap)
+        assert len(calls) == expect, cap
+        assert all(math.prod(s) <= cap or s[0] == 1 for s in calls), (cap, calls)  # only a lone matrix may exceed
+        assert max(math.prod(s) for s in calls) <= max(cap, 12 * 20)
+        assert sum(s[0] for s in calls if s[1:] == (12, 20)) == 13 and sum(s[0] for s in calls if s[1:] == (8, 8)) == 5
+    # the optimizer uses the module's cap by default
+    monkeypatch.setattr(muon, "NS_BUCKET_NUMEL", 2 * 12 * 20)
+    p = nn.Parameter(torch.randn(5, 12, 20))
+    p.grad = torch.randn(5, 12, 20)
+    calls.clear()
+    PerHeadMuon([{"params": [p], "structures": [MatrixStructure("batch")]}]).step()
+    assert calls == [(2, 12, 20), (2, 12, 20), (1, 12, 20)]
+
+
+def test_matrix_over_the_cap_runs_alone(monkeypatch):
+    g = torch.Generator().manual_seed(6)
+    big, small = torch.randn(1, 40, 24, generator=g), torch.randn(3, 4, 4, generator=g)
+    whole = orthogonalise_bucketed([big, small], max_numel=1 << 40)
+    calls = _count_ns_calls(monkeypatch)
+    capped = orthogonalise_bucketed([big, small], max_numel=100)
+    assert calls == [(1, 24, 40), (3, 4, 4)]  # the 960-element matrix alone; the small ones still batch together
+    assert all(torch.equal(o, w) for o, w in zip(capped, whole))  # the very same calls as without the cap
+    calls.clear()
+    orthogonalise_bucketed([torch.randn(3, 40, 24, generator=g)], max_numel=100)
+    assert calls == [(1, 24, 40)] * 3
+    with pytest.raises(ValueError, match="max_numel"):
+        orthogonalise_bucketed([big], max_numel=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
