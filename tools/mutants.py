@@ -228,6 +228,11 @@ def _autocast_kept(orig):
     return with_globals(orig, torch=Proxy(torch, autocast=lambda *a, **kw: contextlib.nullcontext()))
 
 
+def _autocast_kept_under_no_grad(orig):
+    """_autocast_kept for a function decorated with torch.no_grad() (patch the function it wraps)."""
+    return _torch().no_grad()(_autocast_kept(orig.__wrapped__))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # KDA ops
 # ---------------------------------------------------------------------------------------------------------------------
@@ -637,6 +642,9 @@ MUTATIONS: list[Mutation] = [
     M("router_weights_biased", "k3train.models.k3.moe:Router.forward",
       "mixture weights from the biased scores s + b", _router_weights_biased,
       (f"{MODEL}::test_router_bias_changes_choice_not_weights_or_grads",)),
+    M("qk_max_logits_under_autocast", "k3train.models.k3.mla:GatedMLA.record_max_logits",
+      "QK-Clip's max logits computed in the caller's bf16 autocast", _autocast_kept_under_no_grad,
+      (f"{ISLANDS}::test_qk_clip_max_logits_are_fp32_statistics_under_autocast",)),
     M("router_scores_under_autocast", "k3train.models.k3.moe:Router.forward",
       "router logits, sigmoid, score + bias and top-k run in the caller's bf16 autocast", _autocast_kept,
       (f"{ISLANDS}::test_router_scores_and_selection_stay_fp32_under_autocast",)),

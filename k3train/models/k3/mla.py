@@ -90,7 +90,8 @@ class GatedMLA(nn.Module):
         qpos = torch.arange(Tq, device=q.device)[:, None]
         for a in range(0, Tk, key_block):
             b = min(a + key_block, Tk)
-            s = (q @ k[:, :, a:b].transpose(-2, -1)).float() * self.scale
+            with torch.autocast(q.device.type, enabled=False):  # the max logit is an fp32 statistic, as the softmax's
+                s = (q.float() @ k[:, :, a:b].float().transpose(-2, -1)) * self.scale
             keep = (torch.arange(a, b, device=q.device)[None] <= qpos)[None] if mask is None else mask[:, :, a:b]
             m = torch.maximum(m, s.masked_fill(~keep[:, None], float("-inf")).amax(dim=(0, 2, 3)))
         self.max_logits = m if self.max_logits is None else torch.maximum(self.max_logits, m)
