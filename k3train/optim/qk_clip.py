@@ -85,18 +85,23 @@ class QKClip:
         for (name, m), t in zip(self.attn, per):
             tg = m.qk_clip_targets()
             H = tg["n_heads"]
-            qw, kw = tg["q_weight"], tg["k_weight"]
-            q_rows, k_rows = _rows_per_head(qw, H, "q_weight"), _rows_per_head(kw, H, "k_weight")
-            qs, ks, gamma = qk_clip_scales(logits[off:off + H], self.threshold, n_heads=H, q_rows=q_rows,
-                                           k_rows=k_rows, qk_dim=tg.get("qk_dim") or q_rows - tg.get("shared_dim", 0),
-                                           shared_dim=tg.get("shared_dim", 0))
+            qs, ks, gamma = _target_scales(logits[off:off + H], self.threshold, **tg)
             if bool((gamma < 1).any()):
-                scale_rows(qw, qs)
-                scale_rows(kw, ks)
+                scale_rows(tg["q_weight"], qs)
+                scale_rows(tg["k_weight"], ks)
             out[name] = gamma
             off += H
             m.max_logits = None
         return out
+
+
+def _target_scales(max_logits: Tensor, threshold: float, *, q_weight: Tensor, k_weight: Tensor, n_heads: int,
+                   qk_dim: int | None = None, shared_dim: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """qk_clip_scales for a module's qk_clip_targets(): the rows per head come from the weights' shapes."""
+    q_rows = _rows_per_head(q_weight, n_heads, "q_weight")
+    k_rows = _rows_per_head(k_weight, n_heads, "k_weight")
+    return qk_clip_scales(max_logits, threshold, n_heads=n_heads, q_rows=q_rows, k_rows=k_rows,
+                          qk_dim=q_rows - shared_dim if qk_dim is None else qk_dim, shared_dim=shared_dim)
 
 
 def _scale_rows(weight: Tensor, row_scale: Tensor) -> None:
@@ -111,10 +116,8 @@ def qk_clip_(q_weight: Tensor, k_weight: Tensor, max_logits: Tensor, threshold: 
     q_weight [H * q_rows, in]: per head, rows [0, qk_dim) pair with the head's own key rows, rows
       [qk_dim, qk_dim + shared_dim) pair with the shared key slice; q_rows = qk_dim + shared_dim.
     k_weight [H * k_rows, in]: per head, rows [0, qk_dim) are the key; further rows are untouched."""
-    H = n_heads
-    q_rows, k_rows = _rows_per_head(q_weight, H, "q_weight"), _rows_per_head(k_weight, H, "k_weight")
-    qs, ks, gamma = qk_clip_scales(max_logits, threshold, n_heads=H, q_rows=q_rows, k_rows=k_rows,
-                                   qk_dim=q_rows - shared_dim if qk_dim is None else qk_dim, shared_dim=shared_dim)
+    qs, ks, gamma = _target_scales(max_logits, threshold, q_weight=q_weight, k_weight=k_weight, n_heads=n_heads,
+                                   qk_dim=qk_dim, shared_dim=shared_dim)
     _scale_rows(q_weight, qs)
     _scale_rows(k_weight, ks)
     return gamma
