@@ -338,7 +338,7 @@ class _Call:
             # A storage counts once per call; a dead earlier reference means the address was freed and reused.
             if ptr is not None:
                 self.counted[ptr] = weakref.ref(kept)
-            self.handle.add(self._layer(), bucket, t.untyped_storage().nbytes() if ptr else _nbytes(t))
+            self.handle.add(self._layer(), bucket, t.untyped_storage().nbytes() if ptr else _nbytes(t), ptr)
         return kept
 
     def pack(self, t: torch.Tensor):
@@ -427,7 +427,7 @@ class _Site:
                 p = _storage_ptr(t)
                 if p is not None and p not in params and p not in seen:
                     seen.add(p)
-                    self.handle.add(self.layer or self.name or "<root>", "recompute", _nbytes(t))
+                    self.handle.add(self.layer or self.name or "<root>", "recompute", _nbytes(t), p)
 
     def run(self, fn: Callable, *args, **kwargs):
         """Call fn(*args, **kwargs) under this site's policy."""
@@ -487,11 +487,16 @@ class ActivationHandle:
         self.dtype: torch.dtype = torch.float32
         """The compute dtype of activations (fp8 keeps wider tensors as they are)."""
         self._installed: list[tuple[nn.Module, bool, Any]] = []
+        self.observers: list[Callable[[int | None, int, str], None]] = []
+        """Called with (storage address or None, bytes, bucket) for everything stored: a meter that deduplicates
+        storages across calls (k3train.plan.measure) listens here."""
         self._stats: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 
     # ---- accounting ----------------------------------------------------------------------------------------------
-    def add(self, layer: str, bucket: str, nbytes: int) -> None:
+    def add(self, layer: str, bucket: str, nbytes: int, ptr: int | None = None) -> None:
         self._stats[layer][bucket] += int(nbytes)
+        for obs in self.observers:
+            obs(ptr, int(nbytes), bucket)
 
     @staticmethod
     def _summarise(d: dict[str, int]) -> dict[str, int]:

@@ -1,0 +1,61 @@
+"""The accelerators the planner sizes for: datasheet memory, dense peak FLOP/s and link bandwidths.
+
+Figures are the vendors' published SXM numbers: dense (not 2:4 sparse) tensor-core peaks, per-GPU NVLink bandwidth
+in one direction (half the quoted bidirectional figure), and one 400 Gb/s (ConnectX-7) or 800 Gb/s (ConnectX-8)
+network port per GPU, in one direction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from k3train.config.errors import ConfigError
+
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int
+    """HBM capacity (datasheet)."""
+    bf16_flops: float
+    """Dense BF16 tensor-core peak, FLOP/s."""
+    fp8_flops: float
+    """Dense FP8 tensor-core peak, FLOP/s."""
+    nvlink_bytes_s: float
+    """NVLink bandwidth per GPU, one direction (the intra-node links)."""
+    network_bytes_s: float
+    """Network bandwidth per GPU, one direction (the inter-node links)."""
+
+    def peak_flops(self, precision: str) -> float:
+        return self.fp8_flops if precision == "fp8" else self.bf16_flops
+
+
+GPUS: dict[str, GPU] = {
+    "h100_80g": GPU("h100_80g", 80 * GB, 989.4e12, 1978.9e12, 450 * GB, 50 * GB),
+    "h200_141g": GPU("h200_141g", 141 * GB, 989.4e12, 1978.9e12, 450 * GB, 50 * GB),
+    "b200_192g": GPU("b200_192g", 192 * GB, 2250e12, 4500e12, 900 * GB, 100 * GB),
+}
+
+
+def gpu_spec(name: str) -> GPU:
+    """The table entry for `name`; ConfigError listing the known names otherwise."""
+    if name not in GPUS:
+        raise ConfigError(f"plan.gpu: unknown GPU {name!r}; choose one of {', '.join(GPUS)}")
+    return GPUS[name]
+
+
+def detect_gpu() -> GPU | None:
+    """The table entry of this machine's first CUDA device (matched by name and memory), or None without CUDA or
+    for a device the table lacks."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    name = props.name.lower()
+    for key, family in (("b200", "b200_192g"), ("h200", "h200_141g"), ("h100", "h100_80g")):
+        if key in name:
+            return GPUS[family]
+    return None

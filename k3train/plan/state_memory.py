@@ -1,0 +1,125 @@
+"""Bytes of a rank's training state, exactly as k3train.parallel.zero.ShardedOptimizer holds them: parameters,
+gradients, master weights and optimizer states.
+
+The stage parts are built on the meta device (no memory) with the same code that builds them for training, and every
+parameter is placed the way the optimizer places it (k3train.parallel.zero's module doc):
+
+- parameters: every tensor of the rank's parts, frozen ones included (a vision tower without images); routed experts
+  hold E / ep experts per layer under expert parallelism.
+- gradients, measured after the reduction and before the optimizer step: the full fp32 gradient of every trainable
+  parameter, except under zero=2, where AdamW parameters keep only their owned dim-0 chunk (ceil(d0 / n) rows of the
+  group of n replicas; Muon matrices are reduced whole).
+- optimizer states: AdamW's two moments over the owned chunk (zero >= 1) or the whole tensor; Muon's momentum over
+  the matrices this rank owns when its group shards them (zero >= 1, k3train.optim.muon.assign_owners balancing
+  Newton-Schulz cost over the dp x cp ranks), the whole parameter otherwise; home experts under expert parallelism
+  keep their whole momentum on each of their replicas.
+- master weights: none (fp32 parameters are their own master).
+
+Groups: non-expert parameters are replicated over the dp x cp ranks, home experts over the edp = dp x cp / ep ranks
+that hold the same experts (k3train.parallel.mesh).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from k3train.models.k3.args import K3ModelArgs
+from k3train.parallel.mesh import ParallelDims, stages_of_rank
+
+ELEM = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+@dataclass
+class StateBytes:
+    params: int = 0
+    grads: int = 0
+    master: int = 0
+    optim: int = 0
+    params_by_dtype: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"params": self.params, "grads": self.grads, "master": self.master, "optim": self.optim}
+
+
+def _owned_rows(d0: int, n: int, q: int) -> int:
+    c = -(-d0 // n)
+    a = min(q * c, d0)
+    return min(a + c, d0) - a
+
+
+def _local_shape(name: str, shape: tuple, ep: int) -> tuple:
+    """Shape of a parameter on an expert-parallel rank: the routed-expert banks hold E / ep experts."""
+    if ep > 1 and ".ffn.experts." in name:
+        return (shape[0] // ep,) + tuple(shape[1:])
+    return tuple(shape)
+
+
+def stage_parameters(args: K3ModelArgs, stage_layers: list[list[int]], stage: int, optim_cfg, *,
+                     train_vision: bool = False) -> list[tuple[str, tuple, str, object, bool]]:
+    """[(name, full shape, optimizer kind, Muon structure, trainable)] of one stage part, in model order."""
+    from k3train.optim.param_groups import split_params
+    from k3train.parallel.pipeline import stage_part_on_meta
+
+    n = len(stage_layers)
+    part = stage_part_on_meta(args, stage_layers[stage], first=stage == 0, last=stage == n - 1)
+    if getattr(part, "vision", None) is not None and not train_vision:
+        part.vision.requires_grad_(False)
+    kinds = {}
+    for kind, items in split_params(part, optim_cfg).items():
+        for name, _, s in items:
+            kinds[name] = (kind, s)
+    out = []
+    for name, p in part.named_parameters():
+        kind, s = kinds.get(name, ("frozen", None))
+        out.append((name, tuple(p.shape), kind, s, name in kinds))
+    return out
+
+
+def rank_state_bytes(args: K3ModelArgs, dims: ParallelDims, stage_layers: list[list[int]], optim_cfg, *,
+                     pp_rank: int, dp_cp_rank: int = 0, train_vision: bool = False,
+                     _params_cache: dict | None = None) -> StateBytes:
+    """Exact bytes of parameters, gradients, master weights and optimizer states on the rank at (pp_rank,
+    dp_cp_rank) of the layout (fp32 training)."""
+    from k3train.optim.muon import assign_owners, piece_shapes
+
+    cache = _params_cache if _params_cache is not None else {}
+    out = StateBytes()
+    elem = 4
+    n_dense, q_dense = dims.dp_cp, dp_cp_rank
+    n_exp, q_exp = dims.edp, dp_cp_rank // dims.ep
+    muon = optim_cfg.name == "muon"
+    sharded_muon = muon and dims.zero >= 1 and n_dense > 1
+    owner_shapes: list[tuple[int, int]] = []  # the dense Muon group's matrices, in optimizer order
+    owner_of: list[int] = []  # per matrix: index into muon_params
+    for s in stages_of_rank(dims, pp_rank):
+        if s not in cache:
+            cache[s] = stage_parameters(args, stage_layers, s, optim_cfg, train_vision=train_vision)
+        for name, shape, kind, structure, trainable in cache[s]:
+            expert = dims.ep > 1 and ".ffn.experts." in name
+            local = _local_shape(name, shape, dims.ep)
+            numel = 1
+            for d in local:
+                numel *= d
+            out.params += numel * elem
+            if not trainable:
+                continue
+            n, q = (n_exp, q_exp) if expert else (n_dense, q_dense)
+            d0 = local[0] if local else 1
+            owned = _owned_rows(d0, n, q) * (numel // d0 if d0 else 0)
+            if kind == "muon":
+                out.grads += numel * elem
+                if sharded_muon and not expert:
+                    for cnt, r, c in piece_shapes(local, structure, optim_cfg.per_head):
+                        owner_shapes.extend([(r, c)] * cnt)
+                else:
+                    out.optim += numel * elem
+            else:
+                out.grads += (owned if dims.zero == 2 else numel) * elem
+                out.optim += 2 * (owned if dims.zero >= 1 else numel) * elem
+    if owner_shapes:
+        owners = assign_owners(owner_shapes, n_dense)
+        out.optim += sum(r * c for (r, c), o in zip(owner_shapes, owners) if o == q_dense) * elem
+    out.params_by_dtype = {"float32": out.params}
+    return out
