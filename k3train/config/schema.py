@@ -89,7 +89,8 @@ class LoggingConfig:
     wandb_mode: str = "auto"
     """auto (offline unless wandb_project is set, then online), offline or online."""
     peak_flops: float = 0.0
-    """Peak FLOP/s of one device for MFU; 0 measures it at start-up with a dense matmul in the training dtype."""
+    """Peak FLOP/s of one device for MFU; 0 takes the GPU table's dense peak for the GPU found
+    (k3train.plan.gpus), or measures it at start-up with a dense matmul where the table has no entry (CPU)."""
 
 
 @dataclass(kw_only=True)
@@ -126,6 +127,29 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True)
+class PlanConfig:
+    gpu: str = "h100_80g"
+    """GPU the planner sizes for (k3train.plan.gpus.GPUS: h100_80g, h200_141g, b200_192g). At training start-up the
+    GPU found on the machine is used instead."""
+    gpus_per_node: int = 8
+    """GPUs per node: groups that fit in a node communicate over NVLink, the others over the network."""
+    world: int = 0
+    """Ranks to plan for when parallel.dp is -1 (fill from the world); 0 takes pp x dp x cp."""
+    headroom: float = 0.10
+    """Share of GPU memory left free (allocator fragmentation, CUDA context, communication libraries)."""
+    efficiency: float = 0.45
+    """Fraction of the dense peak FLOP/s that compute reaches (the step-time model's one assumed constant)."""
+    check: bool = True
+    """Refuse to start training on a GPU when the layout is predicted not to fit (before any process group)."""
+    measure: bool = False
+    """`python -m k3train.plan plan.measure=true`: run the tiny reference layouts on CPU and print predicted vs
+    measured bytes for each kind."""
+    png: str = ""
+    """Where the planner writes its figure (memory bars per stage, schedule timeline); empty: <recipe>_plan.png
+    in the current directory; 'none' writes no figure."""
+
+
+@dataclass(kw_only=True)
 class K3TrainConfig:
     """A whole run: what every recipe composes to."""
 
@@ -143,3 +167,5 @@ class K3TrainConfig:
     """Console, metrics.jsonl, TensorBoard and W&B."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Steps, seed, eval, checkpoints, device."""
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    """The memory and step-time planner (python -m k3train.plan) and the start-up fit check."""

@@ -79,7 +79,7 @@ def stage_parameters(args: K3ModelArgs, stage_layers: list[list[int]], stage: in
 
 def rank_state_bytes(args: K3ModelArgs, dims: ParallelDims, stage_layers: list[list[int]], optim_cfg, *,
                      pp_rank: int, dp_cp_rank: int = 0, train_vision: bool = False,
-                     _params_cache: dict | None = None) -> StateBytes:
+                     precision: str = "fp32", _params_cache: dict | None = None) -> StateBytes:
     """Exact bytes of parameters, gradients, master weights and optimizer states on the rank at (pp_rank,
     dp_cp_rank) of the layout (fp32 training)."""
     from k3train.optim.muon import assign_owners, piece_shapes
@@ -92,7 +92,6 @@ def rank_state_bytes(args: K3ModelArgs, dims: ParallelDims, stage_layers: list[l
     muon = optim_cfg.name == "muon"
     sharded_muon = muon and dims.zero >= 1 and n_dense > 1
     owner_shapes: list[tuple[int, int]] = []  # the dense Muon group's matrices, in optimizer order
-    owner_of: list[int] = []  # per matrix: index into muon_params
     for s in stages_of_rank(dims, pp_rank):
         if s not in cache:
             cache[s] = stage_parameters(args, stage_layers, s, optim_cfg, train_vision=train_vision)
@@ -123,3 +122,24 @@ def rank_state_bytes(args: K3ModelArgs, dims: ParallelDims, stage_layers: list[l
         out.optim += sum(r * c for (r, c), o in zip(owner_shapes, owners) if o == q_dense) * elem
     out.params_by_dtype = {"float32": out.params}
     return out
+
+
+def stage_grad_bytes(args: K3ModelArgs, dims: ParallelDims, stage_layers: list[list[int]], stage: int, optim_cfg,
+                     *, train_vision: bool = False) -> tuple[int, int]:
+    """(the stage's full fp32 gradient on a rank, what remains of it after its reduction) on dp_cp rank 0."""
+    full = kept = 0
+    for name, shape, kind, _, trainable in stage_parameters(args, stage_layers, stage, optim_cfg,
+                                                            train_vision=train_vision):
+        if not trainable:
+            continue
+        expert = dims.ep > 1 and ".ffn.experts." in name
+        local = _local_shape(name, shape, dims.ep)
+        numel = 1
+        for d in local:
+            numel *= d
+        n = dims.edp if expert else dims.dp_cp
+        d0 = local[0] if local else 1
+        owned = _owned_rows(d0, n, 0) * (numel // d0 if d0 else 0)
+        full += numel * 4
+        kept += (owned if dims.zero == 2 and kind != "muon" else numel) * 4
+    return full, kept

@@ -135,6 +135,10 @@ class Trainer:
         self.dtype = resolve_dtype(t.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(t.threads or max(1, _cpu_cores() // env.local_world))
+        from k3train.plan import detect_gpu, startup_check
+        self.gpu = detect_gpu() if self.device.type == "cuda" else None
+        if cfg.plan.check and self.gpu is not None:  # refuse a layout that cannot fit, before any process group
+            startup_check(cfg, self.gpu, world=env.world, gpus_per_node=env.local_world, recipe=recipe)
         if env.world > 1 and not dist.is_initialized():
             dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
         torch.manual_seed(t.seed)
@@ -195,7 +199,9 @@ class Trainer:
         self.tokens_per_step = self.dp * cfg.parallel.microbatches * cfg.data.micro_batch * cfg.data.seq_len
         self.flops_per_token = float(flops_per_token(args, cfg.data.seq_len))
         self.peak_flops = cfg.logging.peak_flops
-        if self.peak_flops <= 0 and env.rank == 0:
+        if self.peak_flops <= 0 and self.gpu is not None:
+            self.peak_flops = self.gpu.bf16_flops if self.dtype != torch.float32 else self.gpu.bf16_flops / 2
+        elif self.peak_flops <= 0 and env.rank == 0:
             self.peak_flops = measure_peak_flops(self.device, self.dtype)
         n_params = count_params(args)["total"]
         self._print(f"k3train: model {args.name} ({n_params:,} parameters), {self.device.type} {self.dtype}, "

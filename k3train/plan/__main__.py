@@ -1,0 +1,57 @@
+"""python -m k3train.plan --config-name RECIPE [overrides] plan.gpu=NAME plan.gpus_per_node=8 [plan.measure=true]
+
+Prints the plan's table, then one line of JSON (ranks, max_rank_bytes, gpu_bytes, fits, step_s, tokens_per_s, mfu,
+by_kind, ...), and writes the figure (plan.png). With plan.measure=true it also runs the tiny reference layouts on
+CPU and prints predicted vs measured bytes per kind. Bad input exits with code 2 and a one-paragraph message.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def _task(dcfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from k3train.config import ConfigError, from_omegaconf
+    from k3train.train.cli import _fail
+
+    try:
+        cfg = from_omegaconf(dcfg)
+        recipe = HydraConfig.get().job.config_name or "tiny_cpu"
+        from k3train.plan.gpus import gpu_spec
+        from k3train.plan.planner import format_plan, plan_json, plan_run, plot_plan
+        gpu = gpu_spec(cfg.plan.gpu)
+        plan = plan_run(cfg, gpu, gpus_per_node=cfg.plan.gpus_per_node, headroom=cfg.plan.headroom,
+                        efficiency=cfg.plan.efficiency, recipe=recipe, world=cfg.plan.world or None)
+        print(format_plan(plan), flush=True)
+        if cfg.plan.png != "none":
+            path = cfg.plan.png or f"{recipe}_plan.png"
+            plot_plan(plan, path)
+            print(f"figure: {path}", flush=True)
+        if cfg.plan.measure:
+            from k3train.plan.measure import format_measurements, measure_layouts
+            print(format_measurements(measure_layouts()), flush=True)
+        print(plan_json(plan), flush=True)
+    except ConfigError as e:
+        _fail("config error", e)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import hydra
+
+    from k3train.config import ConfigError, check_recipe, recipes_dir, register_configs
+    from k3train.train.cli import DEFAULT_RECIPE, _config_name, _fail
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    register_configs()
+    try:
+        check_recipe(_config_name(argv) or DEFAULT_RECIPE)
+    except ConfigError as e:
+        _fail("config error", e)
+    sys.argv = [sys.argv[0]] + argv
+    hydra.main(version_base="1.3", config_path=str(recipes_dir()), config_name=DEFAULT_RECIPE)(_task)()
+
+
+if __name__ == "__main__":
+    main()

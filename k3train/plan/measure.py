@@ -1,0 +1,185 @@
+"""The planner checked against real runs: tiny layouts trained on CPU (gloo), predicted vs measured bytes.
+
+For every layout each rank trains two steps, then reports (a) its training state as the engine holds it after the
+second step's reduction (`Engine.last_memory`: the sum of tensor storage of parameters, gradients, master weights and
+optimizer states) and (b) the saved activations of one micro-batch of each of its stages at two sequence lengths,
+measured with saved-tensor hooks (k3train.plan.meter). The planner predicts the same numbers from the config alone
+(k3train.plan.state_memory, k3train.plan.activations): the state must match exactly, activations within 10%.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+
+SEQS = (64, 128)
+MICRO_BATCH = 2
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    parallel: dict
+    policy: str = "keep"
+    rules: tuple = ()
+    optim: str = "muon"
+    world: int = field(default=1)
+
+
+LAYOUTS = (
+    Layout("one process", {}),
+    Layout("dp2 zero1", {"dp": 2, "zero": 1}, world=2),
+    Layout("dp2 zero2", {"dp": 2, "zero": 2}, world=2),
+    Layout("pp2 vpp2 interleaved", {"pp": 2, "vpp": 2, "microbatches": 2, "schedule": "interleaved_1f1b"}, world=2),
+    Layout("pp2 x ep2 moonep", {"pp": 2, "dp": 2, "ep": 2, "zero": 1, "microbatches": 2, "ep_dispatcher": "moonep"},
+           world=4),
+    Layout("cp2", {"cp": 2}, world=2),
+    Layout("recompute", {}, policy="recompute"),
+    Layout("fp8", {}, policy="fp8"),
+)
+
+
+def _dims(layout: Layout):
+    from k3train.parallel.mesh import ParallelDims
+
+    return ParallelDims(**{"dp": 1, **layout.parallel})
+
+
+def _activation_cfg(layout: Layout):
+    from k3train.config.schema import ActivationConfig, ActivationRule
+
+    return ActivationConfig(policy=layout.policy, rules=[ActivationRule(match=m, policy=p) for m, p in layout.rules])
+
+
+def _optim_cfg(layout: Layout):
+    from k3train.optim.config import OptimConfig
+
+    return OptimConfig(name=layout.optim)
+
+
+def _batch(args, T: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, args.vocab_size, (MICRO_BATCH, T + 1), generator=g)
+    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+
+
+def _worker(rank: int, layout: Layout, out_dir: str, init_file: str) -> None:
+    import torch.distributed as dist
+
+    from k3train.activation import rules_from_config
+    from k3train.models.k3.args import get_preset
+    from k3train.models.k3.context import BatchContext
+    from k3train.models.k3.loss import token_loss_sum
+    from k3train.parallel.engine import build_engine
+    from k3train.parallel.mesh import rank_coords
+    from k3train.plan.meter import SavedBytesMeter
+
+    torch.set_num_threads(1)
+    if layout.world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=layout.world)
+    try:
+        args = get_preset("tiny")
+        dims = _dims(layout)
+        acfg = _activation_cfg(layout)
+        rules = rules_from_config(acfg) if acfg.policy != "keep" or acfg.rules else []
+        result = {"rank": rank, "acts": {}}
+        for T in SEQS:
+            eng = build_engine(args, dims, _optim_cfg(layout), seed=0, device="cpu", seq_len_hint=T,
+                               activation_rules=rules)
+            coords = rank_coords(dims, rank)
+            if T == SEQS[0]:
+                dp_index = coords["dp"]
+                for step in range(2):
+                    mbs = [_batch(args, T, 100 * step + 10 * dp_index + i) for i in range(dims.microbatches)]
+                    eng.train_step(mbs)
+                result["state"] = dict(eng.last_memory)
+                result["pp_rank"], result["dp_cp_rank"] = coords["pp"], coords["dp"] * dims.cp + coords["cp"]
+            b = eng._local_batch(_batch(args, T, 7 + coords["dp"]))
+            for s, part in zip(eng.stage_ids, eng.model_parts):
+                if s == 0:
+                    x = b["input_ids"]
+                else:
+                    from k3train.models.k3.model import sources_after
+                    S = sources_after(args, eng.stage_layers[s][0] - 1)
+                    x = torch.randn(S, *b["input_ids"].shape, args.dim, requires_grad=True)
+                ctx = b["ctx"] if dims.pp == 1 else BatchContext()
+                with SavedBytesMeter(eng.model_parts, eng.activation_handles) as meter:
+                    y = part(x, ctx)
+                    if s == dims.n_stages - 1:
+                        y = token_loss_sum(y, b["labels"])
+                result["acts"][f"{s}:{T}"] = meter.bytes
+                del y
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def measure_layout(layout: Layout) -> list[dict]:
+    """Run one layout on CPU; per rank: the measured state and activations, with the planner's predictions."""
+    import torch.multiprocessing as mp
+
+    from k3train.models.k3.args import get_preset
+    from k3train.parallel.pipeline import split_layers
+    from k3train.plan.activations import policy_plan, stage_activation_bytes
+    from k3train.plan.state_memory import rank_state_bytes
+
+    with tempfile.TemporaryDirectory() as d:
+        init = os.path.join(d, "init")
+        if layout.world == 1:
+            _worker(0, layout, d, init)
+        else:
+            mp.start_processes(_worker, args=(layout, d, init), nprocs=layout.world, start_method="spawn")
+        results = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(layout.world)]
+    args = get_preset("tiny")
+    dims = _dims(layout)
+    optim = _optim_cfg(layout)
+    pplan = policy_plan(_activation_cfg(layout))
+    rows = []
+    for res in results:
+        predicted_acts = {}
+        for key in res["acts"]:
+            s, T = map(int, key.split(":"))
+            layers = split_layers(args, dims.n_stages, seq_len=T)
+            predicted_acts[key] = stage_activation_bytes(args, layers[s], first=s == 0, last=s == dims.n_stages - 1,
+                                                         tokens=MICRO_BATCH * T // dims.cp, seq_len=T, plan=pplan,
+                                                         act_bytes=4)
+        layers = split_layers(args, dims.n_stages, seq_len=SEQS[0])
+        st = rank_state_bytes(args, dims, layers, optim, pp_rank=res["pp_rank"], dp_cp_rank=res["dp_cp_rank"])
+        measured = {"params": res["state"]["param_bytes"], "grads": res["state"]["grad_bytes"],
+                    "master": res["state"].get("master_bytes", 0), "optim": res["state"]["optim_bytes"]}
+        rows.append({"layout": layout.name, "rank": res["rank"], "predicted": st.as_dict(), "measured": measured,
+                     "acts_measured": res["acts"], "acts_predicted": predicted_acts})
+    return rows
+
+
+def measure_layouts(layouts=LAYOUTS) -> list[dict]:
+    from tqdm import tqdm
+
+    rows = []
+    for layout in tqdm(layouts, desc="measuring layouts", leave=False):
+        rows += measure_layout(layout)
+    return rows
+
+
+def format_measurements(rows: list[dict]) -> str:
+    lines = ["predicted vs measured on CPU (tiny model; state in bytes must match exactly, saved activations per "
+             "micro-batch within 10%)",
+             f"{'layout':>22} {'rank':>4} {'kind':>16} {'predicted':>12} {'measured':>12} {'ratio':>7}"]
+    for r in rows:
+        for k in ("params", "grads", "master", "optim"):
+            p, m = r["predicted"][k], r["measured"][k]
+            lines.append(f"{r['layout']:>22} {r['rank']:>4} {k:>16} {p:>12,} {m:>12,} "
+                         f"{(p / m if m else (1.0 if p == 0 else float('inf'))):7.3f}")
+        for key, m in r["acts_measured"].items():
+            p = r["acts_predicted"][key]
+            s, T = key.split(":")
+            lines.append(f"{r['layout']:>22} {r['rank']:>4} {f'acts s{s} T{T}':>16} {int(p):>12,} {m:>12,} "
+                         f"{p / m:7.3f}")
+    return "\n".join(lines)
