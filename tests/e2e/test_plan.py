@@ -1,0 +1,80 @@
+"""The planner: predicted bytes against real CPU runs, its command line, its errors and the start-up refusal."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from k3train.config.errors import ConfigError
+
+
+@pytest.mark.slow
+def test_planner_matches_measured_layouts():
+    from k3train.plan.measure import LAYOUTS, measure_layouts
+
+    rows = measure_layouts()
+    assert {r["layout"] for r in rows} == {l.name for l in LAYOUTS}
+    for r in rows:
+        for kind in ("params", "grads", "master", "optim"):  # the sum of tensor storage, exactly
+            assert r["predicted"][kind] == r["measured"][kind], (r["layout"], r["rank"], kind)
+        assert len(r["acts_measured"]) >= 2  # two sequence lengths
+        for key, m in r["acts_measured"].items():
+            assert abs(r["acts_predicted"][key] / m - 1) <= 0.10, (r["layout"], r["rank"], key,
+                                                                   r["acts_predicted"][key], m)
+
+
+def _plan(*overrides, recipe="small_8gpu"):
+    return subprocess.run([sys.executable, "-m", "k3train.plan", "--config-name", recipe, *overrides],
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_plan_command_prints_table_json_and_figure(tmp_path):
+    png = tmp_path / "plan.png"
+    r = _plan("plan.gpu=h200_141g", f"plan.png={png}")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    for key in ("ranks", "max_rank_bytes", "gpu_bytes", "fits", "step_s", "tokens_per_s", "mfu", "by_kind"):
+        assert key in summary
+    assert summary["ranks"] == 8 and summary["gpu_bytes"] == 141 * 10**9
+    assert summary["max_rank_bytes"] == sum(summary["by_kind"].values())
+    assert "memory per pipeline rank" in r.stdout and png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("plan.gpu=a100_40g",), "unknown GPU 'a100_40g'"),
+    (("parallel.dp=-1", "parallel.pp=2", "plan.world=3"), "not divisible by pp*cp=2"),
+    (("parallel.dp=3",), "ep=8 must divide dp*cp"),
+])
+def test_plan_refuses_bad_input(overrides, message):
+    r = _plan("plan.png=none", *overrides)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_startup_check_refuses_a_layout_that_does_not_fit():
+    from k3train.config.compose import compose_config, from_omegaconf
+    from k3train.plan import gpu_spec, startup_check
+
+    cfg = from_omegaconf(compose_config("small_8gpu", ["activation=keep", "data.micro_batch=8"]))
+    with pytest.raises(ConfigError, match=r"does not fit h100_80g: pipeline rank 0 .* biggest term is activations"):
+        startup_check(cfg, gpu_spec("h100_80g"), world=8, gpus_per_node=8)
+
+
+def test_schedule_simulation_bubbles_and_peaks():
+    from k3train.parallel.mesh import ParallelDims
+    from k3train.plan.schedule_sim import StageCost, simulate
+
+    def run(schedule, vpp, m=8, pp=4):
+        d = ParallelDims(pp=pp, vpp=vpp, dp=1, microbatches=m, schedule=schedule)
+        costs = {s: StageCost(1.0 / vpp, 2.0 / vpp, 1.0 / vpp, 0.0, 0.0) for s in range(d.n_stages)}
+        return simulate(d, costs, zero=1)
+
+    one = run("1f1b", 1)
+    assert one.makespan_s == pytest.approx((8 + 4 - 1) * 3.0)  # (m + p - 1)(f + b)
+    assert [one.peak_parts[r]["activations"] for r in range(4)] == [4.0, 3.0, 2.0, 1.0]  # p - r in flight
+    assert run("gpipe", 1).peak_parts[0]["activations"] == 8.0  # every micro-batch in flight
+    inter, zb = run("interleaved_1f1b", 2), run("interleaved_zb", 2)
+    assert inter.makespan_s < one.makespan_s and zb.makespan_s < inter.makespan_s  # smaller bubbles
