@@ -23,8 +23,10 @@ K3's 163,840-token vocabulary; matmuls of that height still run at full speed)."
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross entropy of logits [..., V] against labels [...] (already shifted; IGNORE_INDEX skipped), fp32."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+    """Summed cross entropy of logits [..., V] against labels [...] (already shifted; IGNORE_INDEX skipped), fp32
+    (fp64 logits stay fp64)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
