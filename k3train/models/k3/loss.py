@@ -39,6 +39,12 @@ def chunk_bounds(n: int, size: int) -> list[tuple[int, int]]:
     return [(s, min(s + size, n)) for s in range(0, n, size)]
 
 
+def targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(label with ignored positions as token 0, so it can index, and the mask of target positions)."""
+    valid = labels != IGNORE_INDEX
+    return torch.where(valid, labels, 0), valid
+
+
 def chunk_logits_grad(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor,
                       ) -> torch.Tensor:
     """d(loss)/d(logits) of one chunk, in place over its fp32 logits: (softmax - onehot(label)) x scale, where scale
@@ -71,8 +77,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         N = hidden.shape[0]
         w = weight.to(hidden.dtype)  # the head's matmul in the compute dtype; log-sum-exp and loss in fp32
         acc = _acc_dtype(hidden)
-        valid = labels != IGNORE_INDEX
-        target = torch.where(valid, labels, 0)
+        target, valid = targets(labels)
         lse = torch.empty(N, dtype=acc, device=hidden.device)
         loss = torch.zeros((), dtype=acc, device=hidden.device)
         correct = torch.zeros((), dtype=torch.int64, device=hidden.device)
