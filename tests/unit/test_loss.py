@@ -156,3 +156,28 @@ def test_bench_loss_tool_reports_both_losses(tmp_path):
     assert row["reference_saved_MB"] * 2**20 >= 64 * 512 * 4
     assert row["chunked_saved_MB"] * 2**20 < 64 * 512 * 4 / 16
     assert row["chunked_time_s"] > 0 and (tmp_path / "loss.json").exists()
+
+
+def test_split_backward_of_zero_bubble_schedules_lands_the_head_gradient():
+    # torch's pipelining splits a last stage's backward into an input pass and a weight pass that walks the graph
+    # from the loss to the stage's parameters; the head weight is one of them and must get its full gradient once.
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    def stage():
+        torch.manual_seed(7)
+        body = torch.nn.Linear(D, D).double()
+        head = torch.nn.Parameter(torch.randn(V, D, dtype=torch.float64))
+        x = torch.randn(N, D, dtype=torch.float64, requires_grad=True)
+        params = [*body.parameters(), head]
+        labels = problem(torch.float64)[2]
+        return params, x, linear_cross_entropy(torch.tanh(body(x)), head, labels, chunk_tokens=6)[0]
+
+    params, x, loss = stage()
+    want = torch.autograd.grad(loss, [x, *params])
+    params, x, loss = stage()
+    (dx,), groups = stage_backward_input([loss], None, [x], iter(params))
+    assert all(p.grad is None for p in params)  # the input pass leaves the weights alone
+    stage_backward_weight(iter(params), groups)
+    torch.testing.assert_close(dx, want[0], rtol=0, atol=1e-12)
+    for p, w in zip(params, want[1:]):
+        torch.testing.assert_close(p.grad, w, rtol=0, atol=1e-12)

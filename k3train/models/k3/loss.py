@@ -56,8 +56,8 @@ def chunk_logits_grad(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Ten
 
 def _will_run(ctx, i: int) -> bool:
     """Whether this backward pass wants the gradient of input i. Zero-bubble pipeline schedules run the node twice,
-    once towards the stage input and once towards the weights; the weights' pass then skips grad_hidden. (The engine
-    cannot answer for a leaf under autograd.grad, e.g. the head weight in the input pass: that gradient is formed.)"""
+    once towards the stage input and once towards the weights: each pass forms only its own gradient. (The engine
+    cannot answer for a leaf that autograd.grad was asked for: that gradient is formed.)"""
     if not ctx.needs_input_grad[i]:
         return False
     try:
@@ -109,7 +109,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if want_h:
                 grad_h[s:e] = g @ w
             if want_w:
-                grad_w += (g.t() @ hidden[s:e]).to(acc)
+                if g.dtype == acc:
+                    grad_w.addmm_(g.t(), hidden[s:e])  # no [V, D] temporary per chunk
+                else:
+                    grad_w += (g.t() @ hidden[s:e]).to(acc)  # bf16 product per chunk, summed in fp32
         return grad_h, grad_w.to(weight.dtype) if want_w else None, None, None
 
 
