@@ -492,11 +492,22 @@ def _count_ignored_targets(orig):
 
 
 def _ce_scores_ignored(orig):
-    import torch.nn.functional as F
+    def targets(labels):
+        target, valid = orig(labels)
+        return target, valid.new_ones(valid.shape)  # ignored positions are scored as token 0
+    return targets
 
-    def cross_entropy(logits, labels, **kw):
-        return F.cross_entropy(logits, labels.clamp(min=0), **kw)  # ignored positions become token 0
-    return with_globals(orig, F=Proxy(F, cross_entropy=cross_entropy))
+
+def _lce_chunk_drops_last_token(orig):
+    def chunk_bounds(n, size):
+        return [(s, e - 1) for s, e in orig(n, size)]  # the last token of every chunk is never scored
+    return chunk_bounds
+
+
+def _lce_backward_lse_not_subtracted(orig):
+    def chunk_logits_grad(logits, lse, labels, scale):
+        return orig(logits, lse.new_zeros(lse.shape), labels, scale)  # exp(logits), not the softmax
+    return chunk_logits_grad
 
 
 def _per_microbatch_mean(orig):
@@ -602,6 +613,7 @@ PIECES = "tests/unit/test_parallel_pieces.py"
 GAPS = "tests/unit/test_mutant_gaps.py"
 ENGINE = "tests/unit/test_engine.py"
 ACT = "tests/unit/test_activation.py"
+LOSS = "tests/unit/test_loss.py"
 
 M = Mutation
 MUTATIONS: list[Mutation] = [
@@ -785,9 +797,15 @@ MUTATIONS: list[Mutation] = [
     M("trainer_counts_ignored", "k3train.parallel.engine:Engine.train_step",
       "loss denominator counts ignored (-100) positions", _count_ignored_targets,
       (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),
-    M("trainer_scores_ignored", "k3train.models.k3.loss:token_loss_sum",
+    M("trainer_scores_ignored", "k3train.models.k3.loss:targets",
       "cross entropy scores ignored positions as token 0", _ce_scores_ignored,
       (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),
+    M("lce_chunk_drops_last_token", "k3train.models.k3.loss:chunk_bounds",
+      "chunked cross entropy: chunk ends off by one, each chunk's last token is left out", _lce_chunk_drops_last_token,
+      (f"{LOSS}::test_fp64_equals_full_logits",)),
+    M("lce_backward_lse_not_subtracted", "k3train.models.k3.loss:chunk_logits_grad",
+      "chunked cross entropy backward: exp(logits) without subtracting the log-sum-exp",
+      _lce_backward_lse_not_subtracted, (f"{LOSS}::test_fp64_equals_full_logits",)),
     M("trainer_microbatch_mean", "k3train.parallel.engine:Engine.train_step",
       "gradient accumulation: each micro-batch normalised by its share of the targets", _per_microbatch_mean,
       (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),

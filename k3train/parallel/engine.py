@@ -34,7 +34,7 @@ from k3train.config.errors import ConfigError
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
 from k3train.models.k3.documents import Documents
-from k3train.models.k3.loss import IGNORE_INDEX, token_loss_sum
+from k3train.models.k3.loss import IGNORE_INDEX, linear_cross_entropy
 from k3train.parallel import comm
 from k3train.parallel.mesh import ParallelDims, ParallelMesh, build_mesh, stage_to_rank, stages_of_rank
 from k3train.parallel.pipeline import Pipeline, StageModule, sources_after, split_layers
@@ -142,8 +142,9 @@ class Engine:
         t = time.perf_counter()
         for b in mbs:
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-                logits = part(b["input_ids"], b["ctx"])
-            loss = token_loss_sum(logits, b["labels"]) / denom
+                hidden = part(b["input_ids"], b["ctx"], return_hidden=True)
+                # The head's matmul runs inside the chunked loss: no [mb, T, V] logits are kept.
+                loss = linear_cross_entropy(hidden, part.output.weight, b["labels"])[0] / denom
             loss.backward()
             total += loss.detach().double()
         return total, time.perf_counter() - t
@@ -202,18 +203,18 @@ class Engine:
         n = max(float(cnt[0]), 1.0)
         return {"eval_loss": float(sums[0]) / n, "eval_accuracy": float(sums[1]) / n}
 
-    def _scores(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """[CE sum, correct argmax count] of one micro-batch's target tokens, fp64."""
-        mask = labels != IGNORE_INDEX
-        correct = (logits.argmax(-1)[mask] == labels[mask]).sum()
-        return torch.stack([token_loss_sum(logits, labels).double(), correct.double()])
+    def _scores(self, part: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """[CE sum, correct argmax count] of one micro-batch's target tokens from the final hidden, fp64; the head
+        runs chunk by chunk (under the caller's autocast)."""
+        loss, correct = linear_cross_entropy(hidden, part.output.weight, labels)
+        return torch.stack([loss.double(), correct.double()])
 
     def _eval_forward(self, b: dict) -> torch.Tensor:
         ctx = b["ctx"]
         if self.pipeline is None:
+            part = self.model_parts[0]
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-                logits = self.model_parts[0](b["input_ids"], ctx)
-            return self._scores(logits, b["labels"])
+                return self._scores(part, part(b["input_ids"], ctx, return_hidden=True), b["labels"])
         # Simple stage-by-stage relay for evaluation (no schedule needed): stage s waits for s - 1.
         B, T = b["input_ids"].shape
         n, pp_group = self.dims.n_stages, self._group("pp")
@@ -229,10 +230,10 @@ class Engine:
                 x = torch.empty(S, B, T, self.args.dim, device=self.device)
                 comm.send_recv(None, x, owner[s - 1], pp_group, "pp")
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-                y = local[s](x, ctx)
-            if s == n - 1:
-                out = self._scores(y, b["labels"])
-            else:
+                y = local[s](x, ctx, return_hidden=s == n - 1)
+                if s == n - 1:
+                    out = self._scores(local[s], y, b["labels"])
+            if s < n - 1:
                 y = y.float()
                 if owner[s + 1] != owner[s]:
                     comm.send_recv(y.contiguous(), None, owner[s + 1], pp_group, "pp", op="send_fwd")

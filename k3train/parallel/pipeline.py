@@ -37,7 +37,7 @@ from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
 from k3train.models.k3.counts import layer_costs
 from k3train.models.k3.documents import Documents
-from k3train.models.k3.loss import token_loss_sum
+from k3train.models.k3.loss import linear_cross_entropy
 from k3train.models.k3.model import K3Model, sources_after
 from k3train.parallel import comm
 from k3train.parallel.mesh import SCHEDULES, ParallelDims
@@ -177,20 +177,32 @@ class StageModule(nn.Module):
             ctx = BatchContext()
         dev = x.device.type
         with torch.autocast(dev, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            out = self.part(x, ctx)
+            out = self.part(x, ctx, return_hidden=self.last)
         # Fixed dtypes across boundaries so stage shapes can be declared statically.
         return out.float() if self.last else out.to(self.boundary_dtype)
+
+    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed token loss of the last stage's final hidden [mb, T, D]: its head weight applied chunk by chunk,
+        under the stage's autocast as in forward."""
+        with torch.autocast(hidden.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            return linear_cross_entropy(hidden, self.part.output.weight, labels)[0]
 
 
 class GlobalTokenLoss:
     """loss_fn for the last stage: summed token loss of a micro-batch / the step's global target-token count, so
-    summing micro-batches and data-parallel ranks gives the one-process mean exactly."""
+    summing micro-batches and data-parallel ranks gives the one-process mean exactly.
 
-    def __init__(self):
+    The last stage outputs the final hidden and this applies the stage's head weight (StageModule.head_loss), so no
+    [mb, T, V] logits cross into the schedule. The head weight stays a parameter of the stage module and the loss
+    is in the stage's autograd graph, so split backward (interleaved_zb, zbv, dualpipev) finds its gradient in the
+    weight pass like any other parameter's."""
+
+    def __init__(self, stage: StageModule | None = None):
+        self.stage = stage
         self.denominator = 1.0
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(logits, labels) / self.denominator
+    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.stage.head_loss(hidden, labels) / self.denominator
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -274,7 +286,7 @@ class Pipeline:
         self.pp_group, self.device = pp_group, device
         self.grad_reducer = grad_reducer
         self.boundary_dtype = boundary_dtype
-        self.loss_fn = GlobalTokenLoss()
+        self.loss_fn = GlobalTokenLoss(modules.get(dims.n_stages - 1))
         self._key = None
         self.stages: list = []
         self.schedule = None
@@ -293,7 +305,7 @@ class Pipeline:
         if not output and stage == 0:
             return torch.empty(mb, T, dtype=torch.long, device=meta)
         if output and stage == n - 1:
-            return torch.empty(mb, T, self.args.vocab_size, dtype=torch.float32, device=meta, requires_grad=True)
+            return torch.empty(mb, T, D, dtype=torch.float32, device=meta, requires_grad=True)  # final hidden
         last_layer = self.stage_layers[stage][-1] if output else self.stage_layers[stage][0] - 1
         S = sources_after(self.args, last_layer)
         return torch.empty(S, mb, T, D, dtype=self.boundary_dtype, device=meta, requires_grad=True)

@@ -100,10 +100,12 @@ def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, opt
     """Train one process on the same rows. Floating-point sums depend on their bracketing, and AdamW turns the
     rounding of near-zero gradient elements into parameter differences of order lr x 1e-2, so the reference sums
     gradients in the order a layout does: each data-parallel rank's micro-batches in sequence, then the ranks'
-    sums in rank order (what a 2-rank all-reduce computes). The mathematics is the one-process step."""
+    sums in rank order (what a 2-rank all-reduce computes). The mathematics is the one-process step, with the loss
+    every layout trains on (the chunked linear_cross_entropy, itself checked against full logits in
+    tests/unit/test_loss.py), so the one-process engine matches this loop bit for bit."""
     from k3train.models.k3.context import BatchContext
     from k3train.models.k3.model import K3Model
-    from k3train.models.k3.loss import token_loss_sum
+    from k3train.models.k3.loss import linear_cross_entropy
     from k3train.parallel.zero import ShardedOptimizer
 
     args = args or tiny_args()
@@ -119,7 +121,8 @@ def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, opt
         total, loss_sum = None, 0.0
         for r in range(dp):
             for b in local_microbatches(data, dp=dp, dp_rank=r, microbatches=microbatches):
-                loss = token_loss_sum(model(b["input_ids"], BatchContext(b["cu_seqlens"])), b["labels"]) / count
+                hidden = model(b["input_ids"], BatchContext(b["cu_seqlens"]), return_hidden=True)
+                loss = linear_cross_entropy(hidden, model.output.weight, b["labels"])[0] / count
                 loss.backward()
                 loss_sum += float(loss.detach())
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

@@ -47,6 +47,32 @@ def test_evaluation_leaves_routers_and_balancers_alone():
     assert any(not torch.equal(r.bias, before[n]) for n, r in routers.items())
 
 
+def test_evaluation_scores_equal_full_logits():
+    # Loss and argmax accuracy from the chunked head equal those of the full logits; several micro-batches, some
+    # positions ignored, and labels made the argmax at some positions so that accuracy is not trivially zero.
+    engine = build_engine(ARGS, ParallelDims(), OptimConfig(), seed=0, device="cpu", seq_len_hint=SEQ)
+    part = engine.model_parts[0]
+    part.eval()
+    batches, total, correct, count = [], 0.0, 0, 0
+    for seed in (2, 3):
+        b = _batch(seed)
+        with torch.no_grad():
+            logits = part(b["input_ids"], BatchContext(b["cu_seqlens"]))
+        top = logits.argmax(-1)
+        b["labels"] = torch.where(torch.arange(SEQ) % 3 == 0, top, b["labels"])
+        b["labels"][:, -2:] = -100
+        keep = b["labels"] != -100
+        total += float(torch.nn.functional.cross_entropy(logits[keep].double(), b["labels"][keep], reduction="sum"))
+        correct += int((top[keep] == b["labels"][keep]).sum())
+        count += int(keep.sum())
+        batches.append(b)
+    part.train()
+    out = engine.evaluate(batches)
+    assert correct > count // 4
+    assert out["eval_loss"] == pytest.approx(total / count, rel=1e-6)
+    assert out["eval_accuracy"] == correct / count
+
+
 def test_qk_clip_through_the_optimizer_caps_the_next_logits():
     """Clipping at 0.01 (far below the tiny model's logits) leaves every head's max logit at the threshold after
     the step (lr 0: the clip is the only change), and only the query/key rows move."""

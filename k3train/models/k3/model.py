@@ -76,9 +76,11 @@ class K3Model(nn.Module):
         return h
 
     def forward(self, tokens: torch.Tensor, ctx: BatchContext | None = None, *,
-                vision_embeds: torch.Tensor | None = None, vision_mask: torch.Tensor | None = None) -> torch.Tensor:
+                vision_embeds: torch.Tensor | None = None, vision_mask: torch.Tensor | None = None,
+                return_hidden: bool = False) -> torch.Tensor:
         """tokens [B, T] int64 (or stacked sources [S, B, T, D] on a later pipeline stage) -> logits [B, T, V]
-        (or stacked sources on a stage without the head)."""
+        (or stacked sources on a stage without the head). return_hidden: the final normed hidden [B, T, D] instead
+        of the logits, for the loss to apply `output.weight` chunk by chunk (loss.linear_cross_entropy)."""
         ctx = ctx or BatchContext()
         if self.tok_embeddings is not None:
             if tokens.dim() != 2:
@@ -90,7 +92,8 @@ class K3Model(nn.Module):
             sources = layer(sources, ctx)
         if self.output is None:
             return torch.stack(sources)
-        return self.output(self.norm(self.final_res(sources)))
+        h = self.norm(self.final_res(sources))
+        return h if return_hidden else self.output(h)
 
     # ---- init -----------------------------------------------------------------------------------
     @staticmethod
