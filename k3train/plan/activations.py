@@ -19,7 +19,7 @@ probabilities per head: H T elements per token):
 - LatentMoE, E experts, top k, latent L, expert hidden h, shared n x F_s: D + E + 2 + 3 L + 8 n F_s (router, latent
   projections, shared experts) + 8 k (int64 routes and positions, as 2 elements each) + 2 k L (dispatched rows and
   combine) + 8 k h (the experts' SiTU-GLU on every routed row).
-- The head: final mixer and norm, the LM head's input D, and the loss's fp32 log-softmax over the vocabulary.
+- The head: final mixer and norm, the LM head's input D, and the chunked loss's fp32 log-sum-exp and label.
 
 Policies (k3train.activation): keep stores all of it; fp8 stores floating tensors of at least FP8_MIN_NUMEL
 elements and no wider than the compute dtype in 1 byte plus a 4-byte scale per 128; offload_* move it off the
@@ -93,10 +93,10 @@ def moe_terms(args: K3ModelArgs) -> tuple[Terms, Terms]:
 
 
 def head_terms(args: K3ModelArgs, n_sources: int, checkpointed_mixer: bool = False) -> Terms:
-    """The final mixer (checkpointed under the K3 defaults: it keeps only the last partial sum), norm, the LM
-    head's input and the loss's fp32 log-softmax."""
+    """The final mixer (checkpointed under the K3 defaults: it keeps only the last partial sum), norm, and the
+    chunked linear cross entropy: its input, one fp32 log-sum-exp and the label per token (no logits are kept)."""
     mixer = Terms(act=args.dim) if checkpointed_mixer else mixer_terms(args, n_sources)
-    return mixer + norm_terms(args.dim) + Terms(act=args.dim, fp32=args.vocab_size)
+    return mixer + norm_terms(args.dim) + Terms(act=args.dim, fp32=1, i64=1)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

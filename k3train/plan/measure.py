@@ -73,7 +73,7 @@ def _worker(rank: int, layout: Layout, out_dir: str, init_file: str) -> None:
     from k3train.activation import rules_from_config
     from k3train.models.k3.args import get_preset
     from k3train.models.k3.context import BatchContext
-    from k3train.models.k3.loss import token_loss_sum
+    from k3train.models.k3.loss import linear_cross_entropy
     from k3train.parallel.engine import build_engine
     from k3train.parallel.mesh import rank_coords
     from k3train.plan.meter import SavedBytesMeter
@@ -107,10 +107,11 @@ def _worker(rank: int, layout: Layout, out_dir: str, init_file: str) -> None:
                     S = sources_after(args, eng.stage_layers[s][0] - 1)
                     x = torch.randn(S, *b["input_ids"].shape, args.dim, requires_grad=True)
                 ctx = b["ctx"] if dims.pp == 1 else BatchContext()
+                last = s == dims.n_stages - 1
                 with SavedBytesMeter(eng.model_parts, eng.activation_handles) as meter:
-                    y = part(x, ctx)
-                    if s == dims.n_stages - 1:
-                        y = token_loss_sum(y, b["labels"])
+                    y = part(x, ctx, return_hidden=last)
+                    if last:  # the training loss: the head fused with the cross entropy
+                        y = linear_cross_entropy(y, part.output.weight, b["labels"])[0]
                 result["acts"][f"{s}:{T}"] = meter.bytes
                 del y
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
