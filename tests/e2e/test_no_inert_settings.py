@@ -99,6 +99,17 @@ REASONS: dict[str, str] = {
     "model.overrides.name": "a label for logs (the preset's name)",
     "model.overrides.max_seq_len": "an upper bound checked against data.seq_len at validation; the model has no "
                                    "position table (NoPE MLA, KDA), so nothing it computes depends on it",
+    "plan.gpu": "the planner's GPU (python -m k3train.plan; tests/e2e/test_plan.py shows its table and errors); "
+                "at training start-up the GPU found is used, and a CPU run has none",
+    "plan.gpus_per_node": "the planner's intra- vs inter-node bandwidth (tests/e2e/test_plan.py): planning only",
+    "plan.world": "the planner's rank count when parallel.dp is -1: planning only",
+    "plan.headroom": "the fit limit of the planner and of the start-up check, which runs on a GPU only "
+                     "(tests/e2e/test_plan.py refuses a layout that does not fit)",
+    "plan.efficiency": "the planner's assumed fraction of peak FLOP/s: step-time predictions only",
+    "plan.check": "whether a GPU run refuses a layout predicted not to fit; this machine has no GPU, so training "
+                  "never runs the check (the check itself: tests/e2e/test_plan.py)",
+    "plan.measure": "python -m k3train.plan runs the measured CPU layouts (tests/e2e/test_plan.py): planning only",
+    "plan.png": OUTPUTS_ONLY + " (the planner's figure)",
     "model.overrides.vision": "no data source yields images (the trainer feeds token rows), so the MoonViT tower is "
                               "built and checkpointed but gets no input: its gradient is zero, and only weight "
                               "decay moves its matrices",
