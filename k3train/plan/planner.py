@@ -128,7 +128,7 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
     """The plan of config `cfg` (a K3TrainConfig) on `gpu`. Raises ConfigError for a layout that does not divide
     the world or the model."""
     from k3train.models.k3.args import get_preset
-    from k3train.models.k3.counts import analytic_step_bytes, flops_per_token, layer_costs
+    from k3train.models.k3.counts import analytic_step_bytes, executed_flops, flops_per_token
     from k3train.models.k3.model import sources_after
     from k3train.parallel.mesh import ParallelDims, stages_of_rank
     from k3train.parallel.pipeline import split_layers
@@ -155,10 +155,10 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
     stage_layers = split_layers(args, dims.n_stages, seq_len=seq)
     pplan = policy_plan(cfg.activation)
     n = dims.n_stages
-    costs_tok = layer_costs(args, seq)
+    costs_tok = executed_flops(args, seq)
     peak = gpu.bf16_flops * efficiency / (1 if precision == "bf16" else 2)
 
-    def stage_flops(s: int) -> float:  # training FLOPs per token of stage s
+    def stage_flops(s: int) -> float:  # executed training FLOPs per token of stage s
         f = sum(costs_tok["layers"][i - 1] for i in stage_layers[s])
         return f + (costs_tok["head"] if s == n - 1 else 0.0)
 

@@ -78,3 +78,27 @@ def test_schedule_simulation_bubbles_and_peaks():
     assert run("gpipe", 1).peak_parts[0]["activations"] == 8.0  # every micro-batch in flight
     inter, zb = run("interleaved_1f1b", 2), run("interleaved_zb", 2)
     assert inter.makespan_s < one.makespan_s and zb.makespan_s < inter.makespan_s  # smaller bubbles
+
+
+@pytest.mark.parametrize("overrides", [{}, {"dim": 128, "kda_heads": 4, "mla_heads": 4, "top_k": 4}])
+def test_executed_flops_match_the_flop_counter(overrides):
+    """The planner's FLOPs of a training step against torch's FlopCounterMode on that step (one process)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from k3train.models.k3.args import get_preset
+    from k3train.models.k3.counts import executed_flops
+    from k3train.optim.config import OptimConfig
+    from k3train.parallel.engine import build_engine
+    from k3train.parallel.mesh import ParallelDims
+
+    args = get_preset("tiny", **overrides)
+    T, B = 64, 2
+    eng = build_engine(args, ParallelDims(), OptimConfig(), seed=0, device="cpu", seq_len_hint=T)
+    ids = torch.randint(0, args.vocab_size, (1, B, T + 1), generator=torch.Generator().manual_seed(0))
+    mbs = [{"input_ids": x[:, :-1].contiguous(), "labels": x[:, 1:].contiguous()} for x in ids]
+    with FlopCounterMode(display=False) as fc:
+        eng.train_step(mbs)
+    per_token = executed_flops(args, T)
+    predicted = (sum(per_token["layers"]) + per_token["head"]) * 2 * B * T
+    assert abs(predicted / fc.get_total_flops() - 1) < 0.02

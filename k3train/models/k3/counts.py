@@ -217,3 +217,48 @@ def _add_cp_bytes(add, args: K3ModelArgs, dims, layers: list[int], *, mb: int, s
     if total:
         add("cp", "all_gather", total, (g - 1) / g * total)
         add("cp", "reduce_scatter", total, (g - 1) / g * total)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Executed FLOPs (what the kernels run, for step time)
+# ---------------------------------------------------------------------------------------------------------------------
+def matmul_params(args: K3ModelArgs) -> dict:
+    """{piece: weights a token multiplies with}: every matrix except embedding tables and short-conv kernels (the
+    routed experts at top_k / n_experts of the bank); the vision tower is left out (it runs on images)."""
+    with torch.device("meta"):
+        model = K3Model(args)
+    out: dict = {i: 0.0 for i in range(1, args.n_layers + 1)}
+    out["head"] = 0.0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or name.startswith(("tok_embeddings", "vision")) or name.endswith("_conv"):
+            continue
+        piece = int(name.split(".", 2)[1]) if name.startswith("layers.") else "head"
+        share = args.top_k / args.n_experts if ".ffn.experts." in name else 1.0
+        out[piece] += p.numel() * share
+    return out
+
+
+def executed_flops(args: K3ModelArgs, seq_len: int) -> dict:
+    """{"layers": [per token of each layer], "head": per token}: the training FLOPs the implementation executes
+    (what torch.utils.flop_counter.FlopCounterMode counts), unlike `layer_costs`, the model's FLOPs:
+
+    - 6 x the matrices a token multiplies with (forward, input and weight gradient);
+    - Gated MLA's scores and values over the full [T, T] square (the causal mask is applied, not skipped);
+    - KDA's chunked form per head: 6 K^3 / C + 18 K^2 + 22 K C + 96 K per token (intra-chunk tiles, the WY
+      factors, the state recurrence and the short convolutions), minus 6 K^3 per row (the first chunk starts from a
+      zero state);
+    - each Block AttnRes mixer: 6 S D (the depth logits over S sources and their weighted sum)."""
+    mats = matmul_params(args)
+    H, K, C, D = args.kda_heads, args.kda_head_dim, args.kda_chunk, args.dim
+    layers, S = [], 1
+    for i in range(1, args.n_layers + 1):
+        f = 6.0 * mats[i]
+        if args.layer_kind(i) == "kda":
+            f += H * (6 * K**3 / C + 18 * K * K + 22 * K * C + 96 * K) - 6 * H * K**3 / seq_len
+        else:
+            f += 6.0 * seq_len * args.mla_heads * (args.mla_qk_head_dim + args.mla_v_head_dim)
+        starts = (i - 1) % args.attnres_block_layers == 0
+        f += (6 * S * D if S > 1 else 0) + 6 * (S + 1 if starts else S) * D
+        S = sources_after(args, i)
+        layers.append(f)
+    return {"layers": layers, "head": 6.0 * mats["head"] + 6 * S * D}
