@@ -172,6 +172,7 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
     G = args.n_experts // dims.ep if dims.ep > 1 else 0
     expert_numel = 3 * args.moe_latent_dim * args.expert_hidden
 
+    cache: dict = {}
     costs: dict[int, StageCost] = {}
     ep_buf: dict[int, float] = {}
     cp_buf: dict[int, float] = {}
@@ -200,12 +201,11 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
             cpt = 2 * n_mla * lat * (dims.cp - 1) / dims.cp / cp_bw
             cp_buf[s] = lat if n_mla else 0.0
         send = (sources_after(args, layers[-1]) * tokens * args.dim * act_bytes / pp_bw) if s < n - 1 else 0.0
-        full, shard = stage_grad_bytes(args, dims, stage_layers, s, cfg.optim)
+        full, shard = stage_grad_bytes(args, dims, stage_layers, s, cfg.optim, _params_cache=cache)
         costs[s] = StageCost(forward_s=fwd + (a2a + cpt) / 2, backward_s=bwd + (a2a + cpt) / 2, act_bytes=act,
                              grad_bytes=full, grad_shard_bytes=shard, send_s=send)
     timeline = simulate(dims, costs, zero=dims.zero)
 
-    cache: dict = {}
     ranks: list[RankPlan] = []
     for r in range(dims.pp):
         st = rank_state_bytes(args, dims, stage_layers, cfg.optim, pp_rank=r, dp_cp_rank=0, _params_cache=cache,
@@ -268,7 +268,8 @@ def _muon_seconds(args, dims, stage_layers, optim_cfg, peak: float, cache: dict)
         shapes, expert_flops = [], 0.0
         for s in stages_of_rank(dims, r):
             if s not in cache:
-                cache[s] = stage_parameters(args, stage_layers, s, optim_cfg)
+                cache[s] = stage_parameters(args, stage_layers, s, optim_cfg,
+                                            _layer_cache=cache.setdefault("layers", {}))
             for name, shape, kind, structure, trainable in cache[s]:
                 if kind != "muon" or not trainable:
                     continue

@@ -56,14 +56,12 @@ def _local_shape(name: str, shape: tuple, ep: int) -> tuple:
     return tuple(shape)
 
 
-def stage_parameters(args: K3ModelArgs, stage_layers: list[list[int]], stage: int, optim_cfg, *,
-                     train_vision: bool = False) -> list[tuple[str, tuple, str, object, bool]]:
-    """[(name, full shape, optimizer kind, Muon structure, trainable)] of one stage part, in model order."""
+def _part_parameters(args: K3ModelArgs, layers: list[int], first: bool, last: bool, optim_cfg,
+                     train_vision: bool) -> list[tuple[str, tuple, str, object, bool]]:
     from k3train.optim.param_groups import split_params
     from k3train.parallel.pipeline import stage_part_on_meta
 
-    n = len(stage_layers)
-    part = stage_part_on_meta(args, stage_layers[stage], first=stage == 0, last=stage == n - 1)
+    part = stage_part_on_meta(args, layers, first=first, last=last)
     if getattr(part, "vision", None) is not None and not train_vision:
         part.vision.requires_grad_(False)
     kinds = {}
@@ -75,6 +73,45 @@ def stage_parameters(args: K3ModelArgs, stage_layers: list[list[int]], stage: in
         kind, s = kinds.get(name, ("frozen", None))
         out.append((name, tuple(p.shape), kind, s, name in kinds))
     return out
+
+
+def _signature(args: K3ModelArgs, layer_id: int) -> tuple:
+    return (args.layer_kind(layer_id), args.ffn_kind(layer_id))
+
+
+def stage_parameters(args: K3ModelArgs, stage_layers: list[list[int]], stage: int, optim_cfg, *,
+                     train_vision: bool = False, _layer_cache: dict | None = None
+                     ) -> list[tuple[str, tuple, str, object, bool]]:
+    """[(name, full shape, optimizer kind, Muon structure, trainable)] of one stage part, in model order.
+
+    Layers of the same kind (attention x feed-forward) hold the same parameters under their own names, so one
+    layer of each kind is built on the meta device and renamed (K3 has 93 layers of 3 kinds, each MoE layer 2,688
+    expert matrices)."""
+    cache = _layer_cache if _layer_cache is not None else {}
+    n = len(stage_layers)
+    first, last = stage == 0, stage == n - 1
+    layers = stage_layers[stage]
+    key = ("ends", first, last, _signature(args, layers[0]))
+    if key not in cache:  # embedding/vision and head parameters, with the order they take around the layers
+        rows = _part_parameters(args, [layers[0]], first, last, optim_cfg, train_vision)
+        pre = f"layers.{layers[0]}."
+        before, after, seen_layer = [], [], False
+        for r in rows:
+            if r[0].startswith(pre):
+                seen_layer = True
+            else:
+                (after if seen_layer else before).append(r)
+        cache[key] = (before, after)
+    before, after = cache[key]
+    out = list(before)
+    for i in layers:
+        sig = ("layer", _signature(args, i))
+        if sig not in cache:
+            rows = _part_parameters(args, [i], False, False, optim_cfg, train_vision)
+            pre = f"layers.{i}."
+            cache[sig] = [(r[0][len(pre):],) + r[1:] for r in rows if r[0].startswith(pre)]
+        out += [(f"layers.{i}.{row[0]}",) + row[1:] for row in cache[sig]]
+    return out + list(after)
 
 
 def rank_state_bytes(args: K3ModelArgs, dims: ParallelDims, stage_layers: list[list[int]], optim_cfg, *,
@@ -94,7 +131,8 @@ def rank_state_bytes(args: K3ModelArgs, dims: ParallelDims, stage_layers: list[l
     owner_shapes: list[tuple[int, int]] = []  # the dense Muon group's matrices, in optimizer order
     for s in stages_of_rank(dims, pp_rank):
         if s not in cache:
-            cache[s] = stage_parameters(args, stage_layers, s, optim_cfg, train_vision=train_vision)
+            cache[s] = stage_parameters(args, stage_layers, s, optim_cfg, train_vision=train_vision,
+                                        _layer_cache=cache.setdefault("layers", {}))
         for name, shape, kind, structure, trainable in cache[s]:
             expert = dims.ep > 1 and ".ffn.experts." in name
             local = _local_shape(name, shape, dims.ep)
@@ -125,11 +163,14 @@ def rank_state_bytes(args: K3ModelArgs, dims: ParallelDims, stage_layers: list[l
 
 
 def stage_grad_bytes(args: K3ModelArgs, dims: ParallelDims, stage_layers: list[list[int]], stage: int, optim_cfg,
-                     *, train_vision: bool = False) -> tuple[int, int]:
+                     *, train_vision: bool = False, _params_cache: dict | None = None) -> tuple[int, int]:
     """(the stage's full fp32 gradient on a rank, what remains of it after its reduction) on dp_cp rank 0."""
+    cache = _params_cache if _params_cache is not None else {}
+    if stage not in cache:
+        cache[stage] = stage_parameters(args, stage_layers, stage, optim_cfg, train_vision=train_vision,
+                                        _layer_cache=cache.setdefault("layers", {}))
     full = kept = 0
-    for name, shape, kind, _, trainable in stage_parameters(args, stage_layers, stage, optim_cfg,
-                                                            train_vision=train_vision):
+    for name, shape, kind, _, trainable in cache[stage]:
         if not trainable:
             continue
         expert = dims.ep > 1 and ".ffn.experts." in name
