@@ -1,4 +1,4 @@
-"""Every training command in README.md and docs/ runs as written, shortened to 2 steps.
+"""Every training and planning command in README.md and docs/ runs as written (training shortened to 2 steps).
 
 The commands are read from the ```bash blocks (continuation lines joined, comments dropped), so a doc that changes
 is tested as it reads. Each runs in a fresh working directory (relative paths such as `runs/mine` or a corpus glob
@@ -44,7 +44,7 @@ def doc_commands() -> list[tuple[str, str]]:
             joined = re.sub(r"\\\n\s*", " ", block)
             for line in joined.splitlines():
                 cmd = line.split(" #", 1)[0].strip()
-                if re.search(r"k3train\.train|launch/|make train", cmd):
+                if re.search(r"k3train\.train|k3train\.plan|launch/|make train", cmd):
                     out.append((doc.name, cmd))
     seen, unique = set(), []
     for where, cmd in out:
@@ -103,6 +103,10 @@ def test_doc_command_runs(where, cmd, tmp_path):
     proc = subprocess.run(argv, cwd=tmp_path if "launch/" not in cmd else REPO, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, f"{where}: {cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    if "k3train.plan" in argv:  # the table, then the summary line
+        import json
+        assert "memory per pipeline rank" in proc.stdout
+        assert "fits" in json.loads(proc.stdout.strip().splitlines()[-1])
     if "k3train.train" in argv and "--cfg" not in argv and "--dry-run" not in argv:
         assert "k3train: done, 2 steps" in proc.stdout, proc.stdout[-2000:]
     if "--dry-run" in argv and "--config-name" in argv:
