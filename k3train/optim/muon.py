@@ -27,7 +27,12 @@ ZeRO-1 (`process_group=`): every independent matrix (a head or a split of one, a
 owner rank, chosen by `assign_owners` to balance Newton-Schulz cost. The owner keeps that matrix's momentum
 (optimizer state is sharded), orthogonalises it, and the orthogonalised updates are all-gathered in one collective so
 every rank applies the same update to its full replica of the parameters. Gradients must already be reduced over the
-data-parallel group.
+data-parallel group: either full on every rank (`p.grad`, or `full_grads[id(p)]` for an fp32 gradient of a bf16
+weight), or only the owned matrices (`owned_grads[id(p)]`, from `reduce_scatter_owned`: Pipeline ZeRO-2).
+
+Master weights (`init_sharded_state(masters=True)`, for bf16 weights): the owner also keeps an fp32 copy of its
+matrices ("master_owned", laid out like "momentum_owned"); it steps the master and the all-gather carries the new
+weights themselves in the weights' dtype, which every rank copies into its replica.
 """
 
 from __future__ import annotations
@@ -393,6 +398,8 @@ class PerHeadMuon(Optimizer):
         self._structure: dict[int, MatrixStructure] = {}
         self.process_group = process_group
         self._plan = None  # ZeRO-1 ownership plan, built at the first sharded step
+        self.full_grads: dict[int, Tensor] = {}  # id(p) -> reduced fp32 gradient standing in for p.grad
+        self.owned_grads: dict[int, Tensor] = {}  # id(p) -> reduced gradient of the owned matrices only (flat)
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, ns_steps=ns_steps,
                         per_head=per_head, ns_eps=ns_eps, ns_bf16=ns_bf16, betas=betas, eps=eps, algorithm="muon",
                         sharded=True)
@@ -545,16 +552,83 @@ class PerHeadMuon(Optimizer):
             per_param.append(dict(group=gi, param=p, pieces=entry))
         return dict(world=world, rank=rank, params=per_param, sizes=offsets)
 
-    def _muon_step_sharded(self) -> None:
+    def plan(self) -> dict:
         if self._plan is None:
             self._plan = self._build_plan()
-        plan = self._plan
+        return self._plan
+
+    def entry_of(self, p: Tensor) -> dict:
+        for e in self.plan()["params"]:
+            if e["param"] is p:
+                return e
+        raise KeyError("parameter is not in the Muon plan")
+
+    def _grad_of(self, p: Tensor) -> Tensor | None:
+        return self.full_grads.get(id(p), p.grad)
+
+    def init_sharded_state(self, masters: bool) -> None:
+        """Create the owned momentum (zeros, what the first step would create) and, with masters, the fp32 master
+        copy of the owned matrices, for every sharded Muon parameter this rank owns matrices of."""
+        if not self._sharded():
+            return
+        plan = self.plan()
+        rank = plan["rank"]
+        for e in plan["params"]:
+            if not owns_any(e, rank):
+                continue
+            p, group = e["param"], self.param_groups[e["group"]]
+            st = self.state[p]
+            st.setdefault("momentum_owned", new_owned_momentum(e, rank, p))
+            if masters and "master_owned" not in st:
+                buf = new_owned_momentum(e, rank, p)
+                pieces = to_pieces(p.detach(), self._structure[id(p)], group["per_head"])
+                for pc, w, dst in zip(e["pieces"], pieces, owned_piece_views(e, rank, buf)):
+                    dst.copy_(w.index_select(0, pc["by_rank"][rank][0]))
+                st["master_owned"] = buf
+
+    @torch.no_grad()
+    def reduce_scatter_owned(self, params: Sequence[Tensor], grad_of, dim: str = "dp_cp") -> None:
+        """Sum the gradients of `params` (grad_of(p): this rank's full fp32 gradient, or None for zeros) over the
+        process group so that each rank receives only the matrices it owns: one reduce-scatter whose shard
+        boundaries are the owners' matrices (each rank's segment padded to the longest). Fills owned_grads."""
+        plan = self.plan()
+        world, rank = plan["world"], plan["rank"]
+        entries = [self.entry_of(p) for p in params]
+        sizes, starts = [0] * world, []
+        for e in entries:
+            starts.append(list(sizes))
+            for pc in e["pieces"]:
+                for q in range(world):
+                    sizes[q] += pc["by_rank"][q][2]
+        width = max(sizes) if sizes else 0
+        device = entries[0]["param"].device if entries else torch.device("cpu")
+        buf = torch.zeros(world, width, dtype=torch.float32, device=device)
+        for e, start in zip(entries, starts):
+            p, group = e["param"], self.param_groups[e["group"]]
+            g = grad_of(p)
+            if g is None:
+                continue
+            off = list(start)
+            for pc, G in zip(e["pieces"], to_pieces(g, self._structure[id(p)], group["per_head"])):
+                for q, (idx, _, n) in enumerate(pc["by_rank"]):
+                    if n:
+                        buf[q, off[q]:off[q] + n] = G.index_select(0, idx).reshape(-1)
+                        off[q] += n
+        out = torch.empty(width, dtype=torch.float32, device=device)
+        comm.reduce_scatter(out, buf.view(-1), self.process_group, dim, what="muon_grads")
+        del buf
+        for e, start in zip(entries, starts):
+            n = sum(pc["by_rank"][rank][2] for pc in e["pieces"])
+            self.owned_grads[id(e["param"])] = out[start[rank]:start[rank] + n]
+
+    def _muon_step_sharded(self) -> None:
+        plan = self.plan()
         rank, world = plan["rank"], plan["world"]
         steps, eps, bf16 = self._ns_settings()
         for e in plan["params"]:  # every rank needs every grad, or none, to keep the packed layout in step
-            if e["param"].grad is None:
+            if id(e["param"]) not in self.owned_grads and self._grad_of(e["param"]) is None:
                 raise RuntimeError("sharded PerHeadMuon needs a gradient for every Muon parameter on every step")
-        mine, mats = [], []
+        mine, mats, masters = [], [], []
         for e in plan["params"]:
             if not owns_any(e, rank):
                 continue
@@ -562,35 +636,72 @@ class PerHeadMuon(Optimizer):
             state = self.state[p]
             if "momentum_owned" not in state:
                 state["momentum_owned"] = new_owned_momentum(e, rank, p)
-            grads = to_pieces(p.grad, self._structure[id(p)], group["per_head"])
-            for pc, g, buf in zip(e["pieces"], grads, owned_piece_views(e, rank, state["momentum_owned"])):
-                idx = pc["by_rank"][rank][0]
-                if idx.numel():
+            if id(p) in self.owned_grads:  # already only the owned matrices
+                grads = owned_piece_views(e, rank, self.owned_grads[id(p)])
+            else:
+                full = to_pieces(self._grad_of(p), self._structure[id(p)], group["per_head"])
+                grads = [g.index_select(0, pc["by_rank"][rank][0]) for pc, g in zip(e["pieces"], full)]
+            master = owned_piece_views(e, rank, state["master_owned"]) if "master_owned" in state else None
+            for j, (pc, g, buf) in enumerate(zip(e["pieces"], grads, owned_piece_views(e, rank,
+                                                                                  state["momentum_owned"]))):
+                if pc["by_rank"][rank][0].numel():
                     mine.append(pc)
-                    mats.append(self._nesterov_update(group, g.index_select(0, idx), buf))
+                    mats.append(self._nesterov_update(group, g, buf))
+                    masters.append((group, master[j]) if master is not None else None)
         O_mine = orthogonalise_bucketed(mats, steps, eps, bf16)
         device = plan["params"][0]["param"].device if plan["params"] else torch.device("cpu")
-        # One all-gather of every rank's packed updates (padded to the longest), fp32 for exact replicas.
+        # With masters the owners step their fp32 matrices and send the new weights in the weights' dtype; without,
+        # one all-gather of every rank's packed updates (padded to the longest), fp32 for exact replicas.
+        send_master = any(m is not None for m in masters)
+        wire = plan["params"][0]["param"].dtype if send_master else torch.float32
         width = max(plan["sizes"]) if plan["sizes"] else 0
-        send = torch.zeros(width, dtype=torch.float32, device=device)
-        for pc, O in zip(mine, O_mine):
+        send = torch.zeros(width, dtype=wire, device=device)
+        for pc, O, m in zip(mine, O_mine, masters):
             _, off, n = pc["by_rank"][rank]
-            send[off:off + n] = O.reshape(-1).float()
+            if m is not None:
+                group, W = m
+                lr, wd = group["lr"], group["weight_decay"]
+                if wd:
+                    W.mul_(1 - lr * wd)
+                W.add_(O.to(W.dtype), alpha=-lr * muon_scale(pc["rows"], pc["cols"]))
+                O = W
+            send[off:off + n] = O.reshape(-1).to(wire)
         flat = torch.empty(world * width, dtype=send.dtype, device=send.device)
-        comm.all_gather(flat, send, self.process_group, "dp_cp", what="muon_updates")
+        comm.all_gather(flat, send, self.process_group, "dp_cp", what="muon_weights" if send_master else "muon_updates")
         recv = flat.chunk(world)
         for e in plan["params"]:
             group, p = self.param_groups[e["group"]], e["param"]
             Os = []
             for pc in e["pieces"]:
                 r, c = pc["rows"], pc["cols"]
-                O = torch.empty(pc["n"], r, c, dtype=torch.float32, device=p.device)
+                O = torch.empty(pc["n"], r, c, dtype=wire, device=p.device)
                 for q, (idx, off, n) in enumerate(pc["by_rank"]):
                     if n:
                         O.index_copy_(0, idx, recv[q][off:off + n].view(-1, r, c))
                 Os.append(O)
+            if send_master:  # every matrix has one owner: the gathered matrices are the whole new weight
+                p.copy_(from_pieces(Os, p.shape, self._structure[id(p)], group["per_head"]))
+                continue
             upd, scale = repack_scaled(Os, p.shape, self._structure[id(p)], group["per_head"])
             self._apply(group, p, upd, scale)
+        self.full_grads.clear()
+        self.owned_grads.clear()
+
+    @torch.no_grad()
+    def scale_owned_masters(self, p: Tensor, row_scale: Tensor) -> None:
+        """Multiply the owned master matrices of p by a scale per row of p's dim 0 (QK-Clip on weights whose fp32
+        copy lives in "master_owned")."""
+        st = self.state.get(p, {})
+        if "master_owned" not in st:
+            return
+        e, rank = self.entry_of(p), self.plan()["rank"]
+        group = self.param_groups[e["group"]]
+        full = row_scale.to(torch.float32).view(-1, *([1] * (p.dim() - 1))).expand(p.shape)
+        for pc, s, W in zip(e["pieces"], to_pieces(full, self._structure[id(p)], group["per_head"]),
+                            owned_piece_views(e, rank, st["master_owned"])):
+            idx = pc["by_rank"][rank][0]
+            if idx.numel():
+                W.mul_(s.index_select(0, idx))
 
     # -- AdamW groups ------------------------------------------------------------------------------------------
     def _adamw_step(self, group: dict) -> None:
