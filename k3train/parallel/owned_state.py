@@ -9,6 +9,7 @@ loads under any layout (another owner assignment, or one process with a plain fu
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from k3train.models.structure import MatrixStructure
 
@@ -46,12 +47,13 @@ def owned_sharded_tensor(opt, p: torch.Tensor, buf: torch.Tensor | None):
     s = opt.structure_of(p)
     views = owned_piece_views(e, rank, buf) if buf is not None else None
     dev = str(p.device) if p.device.type == "cpu" else f"{p.device.type}:{p.device.index or 0}"
+    to_global = [dist.get_global_rank(pg, q) if pg is not None else q for q in range(plan["world"])]
     metas, local = [], []
     for j, pc in enumerate(e["pieces"]):
         for q, (idx, _, _) in enumerate(pc["by_rank"]):
             for k, i in enumerate(idx.tolist()):
                 off, size = matrix_region(p.shape, s, per_head, j, i, pc["rows"], pc["cols"])
-                md = ShardMetadata(shard_offsets=off, shard_sizes=size, placement=f"rank:{q}/{dev}")
+                md = ShardMetadata(shard_offsets=off, shard_sizes=size, placement=f"rank:{to_global[q]}/{dev}")
                 metas.append(md)
                 if q == rank:
                     local.append(Shard(views[j][k].view(size), md))

@@ -22,9 +22,35 @@ The loss is already divided by the global token count, so reductions are plain s
 PREMUL_SUM (gloo has no PREMUL_SUM).
 
 Muon (optim.name == "muon") keeps its matrices whole: every matrix has one owner rank that orthogonalises it
-(`k3train.optim.muon.PerHeadMuon` with the group as process_group; its momentum is sharded by owner). Owners need
-the full reduced gradient, so Muon parameters are all-reduced under zero=2 as well; AdamW parameters (embeddings,
-head, norms, vectors) follow the scheme above.
+(`k3train.optim.muon.PerHeadMuon` with the group as process_group; its momentum is sharded by owner). Under zero=1
+Muon gradients are all-reduced (ZeRO-1 shards state only); under zero=2 they are reduce-scattered at the stage's
+REDUCE_GRAD point with shard boundaries at the owners' matrices (`PerHeadMuon.reduce_scatter_owned`: each rank's
+segment is its owned matrices packed, padded to the longest segment), so only owners keep them. Home experts
+(ep > 1) are Muon matrices every edp replica steps itself (not owner-sharded). AdamW parameters (embeddings, head,
+norms, vectors) follow the dim-0 scheme above.
+
+Precision (train.precision). fp32: parameters, gradients and states in fp32, as described. bf16: parameters are
+stored in bf16 (compute under bf16 autocast); a post-accumulate-grad hook adds each bf16 gradient into an fp32
+buffer and drops it, so gradients accumulate and are reduced in fp32; the optimizer steps fp32 master weights held
+only by their owners (zero=0: every rank holds full masters; zero>=1: the AdamW dim-0 chunk, the owned Muon
+matrices); the owners then refresh their bf16 weights from the masters and the bf16 weights are all-gathered.
+
+Memory facts (`Engine.memory_report`, measured after the gradients are reduced and before the optimizer step).
+Exact storage bytes on rank q of a group of n ranks (dense: n = dp x cp; home experts: n = edp = dp x cp / ep), per
+parameter p it holds, with N = numel(p), d0 = p.shape[0] (1 for a scalar), R = N / d0, c = ceil(d0 / n),
+O = owned_numel(d0, N, n, q) = R x (rows of chunk q) and, for owner-sharded Muon (optim muon, zero >= 1, dense,
+n > 1), M_q = the elements of the matrices k3train.optim.muon.assign_owners gives rank q:
+    param_bytes   = sum N x s, s = 4 (fp32) or 2 (bf16); param_bytes_by_dtype splits it by dtype
+    grad_bytes    = 4 x ( sum over AdamW p of (zero=2: c x R (the padded chunk) | else: N)
+                          + sum over Muon p of (owner-sharded and zero=2: see below | else: N) )
+                    owner-sharded Muon under zero=2: 4 x max over ranks r of sum of M_r, per reduction (one per
+                    pipeline stage of the rank), the padded reduce-scatter output
+    master_bytes  = 0 (fp32); bf16: 4 x ( sum over AdamW p of (zero=0: N | else: O)
+                                          + sum over Muon p of (owner-sharded: M_q | else: N) )
+    optim_bytes   = 4 x ( sum over AdamW p of 2 x (zero=0: N | else: O)     (exp_avg, exp_avg_sq)
+                          + sum over Muon p of (owner-sharded: M_q | else: N) )  (momentum)
+Under fp32 with n = 1 every "else" applies. Gradient all-reduce buffers are the flat concatenation of their
+parameters (no padding), so their bytes are the sums above.
 """
 
 from __future__ import annotations
