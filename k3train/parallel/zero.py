@@ -65,6 +65,8 @@ from k3train.parallel import comm
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """train.precision -> the dtype parameters are stored (and computed) in."""
+MASTER_DTYPE = torch.float32
+"""Master weights (and, through them, optimizer states) under bf16."""
 
 
 @dataclass
@@ -404,7 +406,7 @@ class ShardedOptimizer:
         if self.low:
             for it in self.items.values():
                 if it.name not in self._matrix_owned:
-                    it.master = self._stepped(it).detach().to(torch.float32).clone()
+                    it.master = self._stepped(it).detach().to(MASTER_DTYPE).clone()
         self.optimizer = self._build(order, kinds, groups)
         self._init_state()
         self.qk_clip = QKClip(parts, optim_cfg.qk_clip, groups["dense"][0]) if optim_cfg.qk_clip > 0 else None
@@ -507,15 +509,18 @@ class ShardedOptimizer:
     def step(self) -> None:
         self._attach_grads()
         self.optimizer.step()
-        if self.low:  # bf16 weights (or the owned chunks the all-gather spreads) refreshed from their masters
-            with torch.no_grad():
-                for it in self.items.values():
-                    if it.master is not None:
-                        self._stepped(it).copy_(it.master)
+        self._refresh_weights()
         if self.qk_clip is not None:  # on the rows this rank updated, before replicas are refilled from owners
             self.qk_clip.apply(self._scale_held_rows)
         for g in self.shard_groups.values():
             g.after_step()
+
+    @torch.no_grad()
+    def _refresh_weights(self) -> None:
+        """bf16: the weights (or the owned chunks the all-gather then spreads) rounded from their fp32 masters."""
+        for it in self.items.values():
+            if it.master is not None:
+                self._stepped(it).copy_(it.master)
 
     def _attach_grads(self) -> None:
         """Point the optimizer's tensors at their reduced (fp32 under bf16) gradients."""
