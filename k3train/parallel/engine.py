@@ -264,8 +264,17 @@ class Engine:
         model: dict[str, torch.Tensor] = {}
         for part in self.model_parts:
             model.update(part.state_dict())
-        return {"model": model, "optim": self.zero.state_dict(self._present_state),
+        return {"model": model, "optim": self.zero.state_dict(self._present_state, self._rank_table),
                 "meta": {"step": torch.tensor(self.step_count)}}
+
+    def _rank_table(self, key: str) -> list[list[int]] | None:
+        """Global ranks [EP block][rank in the group] of the ranks sharding a group's state (owner-sharded Muon)."""
+        if self.mesh is None:
+            return None
+        if key == "expert":
+            return self.mesh.submesh("ep_edp").mesh.tolist()
+        pg = self.mesh.group("dp_cp")
+        return [[dist.get_global_rank(pg, q) for q in range(dist.get_world_size(pg))]]
 
     def _present_state(self, key: str, it, local: torch.Tensor, whole: bool = False):
         """A rank's owned optimizer-moment rows as a DTensor of the logical full shape (sharded state), or the

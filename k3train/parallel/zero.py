@@ -398,11 +398,11 @@ class ShardedOptimizer:
                 self.shard_groups[key] = ShardGroup(sel, pg, dim, zero, bucket_numel, expert_blocks, precision)
         self.items = {it.name: it for g in self.shard_groups.values() for it in g.items}
         self._by_param = {id(it.param): it for it in self.items.values()}
-        # Dense Muon matrices under ZeRO >= 1 live with their owners (PerHeadMuon's plan): momentum and, under bf16,
-        # master; everything else is stepped by whoever holds the optimizer tensor of _tensor_for.
-        dense = self.shard_groups.get("dense")
-        sharded_muon = optim_cfg.name == "muon" and zero >= 1 and dense is not None and dense.n > 1
-        self._matrix_owned = {it.name for it in dense.items if it.muon} if sharded_muon else set()
+        # Muon matrices under ZeRO >= 1 live with their owners (PerHeadMuon's plan per group: dense over dp x cp, home
+        # experts over their edp replicas): momentum and, under bf16, master; everything else is stepped by whoever
+        # holds the optimizer tensor of _tensor_for.
+        self._matrix_owned = {it.name for g in self.shard_groups.values() if optim_cfg.name == "muon" and zero >= 1
+                              and g.n > 1 for it in g.items if it.muon}
         if self.low:
             for it in self.items.values():
                 if it.name not in self._matrix_owned:
@@ -410,20 +410,22 @@ class ShardedOptimizer:
         self.optimizer = self._build(order, kinds, groups)
         self._init_state()
         self.qk_clip = QKClip(parts, optim_cfg.qk_clip, groups["dense"][0]) if optim_cfg.qk_clip > 0 else None
-        if self._matrix_owned and zero == 2:  # Pipeline ZeRO-2: Muon gradients go to their matrices' owners
-            dense.muon_owned = self.optimizer.owned_grads
-            dense.muon_reducer = self._reduce_scatter_muon
+        for g in self.shard_groups.values():  # Pipeline ZeRO-2: Muon gradients go to their matrices' owners
+            if zero == 2 and any(it.name in self._matrix_owned for it in g.items):
+                g.muon_owned = self.optimizer.owned_grads
+                g.muon_reducer = self._muon_reducer(g)
 
     def _stepped(self, it: ShardedParam) -> torch.Tensor:
         """The part of the (bf16 or fp32) parameter this rank steps: all of it, or its ZeRO chunk (AdamW)."""
         return it.param if it.muon or self.zero == 0 else it.shard
 
-    def _reduce_scatter_muon(self, items: list[ShardedParam]) -> None:
-        g = self.shard_groups["dense"]
-        self.optimizer.reduce_scatter_owned([it.param for it in items], lambda p: g.full_grad(self._by_param[id(p)]),
-                                            dim=g.dim)
-        for it in items:
-            g.set_full_grad(it, None)
+    def _muon_reducer(self, g: ShardGroup):
+        def reduce_scatter_muon(items: list[ShardedParam]) -> None:
+            self.optimizer.reduce_scatter_owned([it.param for it in items],
+                                                lambda p: g.full_grad(self._by_param[id(p)]), dim=g.dim)
+            for it in items:
+                g.set_full_grad(it, None)
+        return reduce_scatter_muon
 
     def _tensor_for(self, name: str) -> torch.Tensor:
         """The tensor the torch optimizer steps: the fp32 master under bf16, else the parameter or its chunk."""
@@ -444,22 +446,24 @@ class ShardedOptimizer:
 
         muon = [n for n in order if kinds[n][0] == "muon"]
         # Expert-parallel experts differ from rank to rank, so they cannot join the dense group's ZeRO-1 owners:
-        # each rank orthogonalises its home experts itself (their state is already split ep ways).
+        # under zero >= 1 they have owners among their edp replicas (which hold the same home experts).
         expert_group = self.shard_groups.get("expert")
         expert_set = {it.name for it in expert_group.items} if expert_group is not None else set()
         experts = [n for n in muon if n in expert_set]
         dense = [n for n in muon if n not in experts]
         self._order = dense + experts + self._order
         pg = groups["dense"][0] if self.zero >= 1 else None
+        extra = {"edp": groups["expert"][0]} if self.zero >= 1 and "expert" in groups else {}
         gs = [{"params": [self._tensor_for(n) for n in dense], "structures": [kinds[n][1] for n in dense],
                "algorithm": "muon", "weight_decay": cfg.weight_decay, "name": "muon"},
               {"params": [self._tensor_for(n) for n in experts], "structures": [kinds[n][1] for n in experts],
-               "algorithm": "muon", "weight_decay": cfg.weight_decay, "name": "muon_experts", "sharded": False},
+               "algorithm": "muon", "weight_decay": cfg.weight_decay, "name": "muon_experts", "shard_over": "edp",
+               "sharded": bool(extra)},
               {"params": decay, "algorithm": "adamw", "weight_decay": cfg.weight_decay, "name": "adamw"},
               {"params": no_decay, "algorithm": "adamw", "weight_decay": 0.0, "name": "adamw_no_decay"}]
         return PerHeadMuon([g for g in gs if g["params"]], lr=cfg.lr, momentum=cfg.momentum,
                            weight_decay=cfg.weight_decay, ns_steps=cfg.ns_steps, per_head=cfg.per_head,
-                           betas=tuple(cfg.betas), eps=cfg.eps, process_group=pg)
+                           betas=tuple(cfg.betas), eps=cfg.eps, process_group=pg, process_groups=extra)
 
     def _init_state(self) -> None:
         """Create AdamW state eagerly (zeros, step 0: what the first step would create), so state_dict() is a
@@ -563,17 +567,18 @@ class ShardedOptimizer:
         return sum(g.grad_bytes() for g in self.shard_groups.values())
 
     # ---- checkpoint state -------------------------------------------------------------------------------------------
-    def state_dict(self, present=None) -> dict:
+    def state_dict(self, present=None, rank_table=None) -> dict:
         """{fqn: {"step", "exp_avg", "exp_avg_sq"} or {"momentum_buffer"}, plus "master" under bf16}. present(group_key,
         item, local, whole=False) turns a rank's owned rows into what is saved (the engine makes DTensors over the
         sharding mesh); None keeps the local tensors. The momentum (and master) of owner-sharded Muon matrices is a
-        ShardedTensor of the parameter's shape whose local shards are views of the owner's own matrices: saving
-        builds no full tensor and moves nothing between ranks."""
+        ShardedTensor of the parameter's logical shape whose local shards are views of the owner's own matrices:
+        saving builds no full tensor and moves nothing between ranks (k3train.parallel.owned_state). rank_table(key):
+        global ranks [EP block][group rank] of a group's owners (needed for home experts under ep > 1)."""
         out: dict[str, dict] = {}
         for key, g in self.shard_groups.items():
             for it in g.items:
                 if it.name in self._matrix_owned:
-                    out[it.name] = self._owned_matrix_state(it)
+                    out[it.name] = self._owned_matrix_state(it, rank_table(key) if rank_table else None)
                     continue
                 st = self.optimizer.state[self._tensor_for(it.name)]
                 whole = it.muon
@@ -589,14 +594,15 @@ class ShardedOptimizer:
                 out[it.name] = entry
         return out
 
-    def _owned_matrix_state(self, it: ShardedParam) -> dict:
+    def _owned_matrix_state(self, it: ShardedParam, table) -> dict:
         from k3train.parallel.owned_state import owned_sharded_tensor
 
         opt = self.optimizer
         st = opt.state[it.param]
-        out = {"momentum_buffer": owned_sharded_tensor(opt, it.param, st.get("momentum_owned"))}
+        kw = dict(block=it.global_offset // max(it.d0, 1), n_blocks=it.global_d0 // max(it.d0, 1), rank_table=table)
+        out = {"momentum_buffer": owned_sharded_tensor(opt, it.param, st.get("momentum_owned"), **kw)}
         if self.low:
-            out["master"] = owned_sharded_tensor(opt, it.param, st.get("master_owned"))
+            out["master"] = owned_sharded_tensor(opt, it.param, st.get("master_owned"), **kw)
         return out
 
     def load_state_dict(self, sd: dict) -> None:
@@ -643,10 +649,10 @@ class ShardedOptimizer:
         opt = self.optimizer
         st = opt.state[it.param]
         if "momentum_buffer" in entry:
-            load_owned(opt, it.param, entry["momentum_buffer"], st.get("momentum_owned"))
+            load_owned(opt, it.param, entry["momentum_buffer"], st.get("momentum_owned"), row0=it.global_offset)
         if self.low and "master_owned" in st:
             if "master" in entry:
-                load_owned(opt, it.param, entry["master"], st["master_owned"])
+                load_owned(opt, it.param, entry["master"], st["master_owned"], row0=it.global_offset)
             else:
                 load_owned(opt, it.param, it.param.detach(), st["master_owned"])
 

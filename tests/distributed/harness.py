@@ -226,19 +226,36 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
 
 
 def capture_first_grads(engine, rec: dict) -> None:
-    """At the first optimizer step, record {fqn: (first row in the logical tensor, rows in all, fp32 rows)} of the
-    reduced gradients this rank owns (Muon matrices reduce-scattered to their owners are left out)."""
+    """At the first optimizer step, record {fqn: (logical shape, [(offsets, fp32 block)])} of the reduced gradients
+    this rank owns: its dim-0 rows, or the Muon matrices reduce-scattered to it (Pipeline ZeRO-2)."""
+    from k3train.optim.muon import owned_piece_views
+    from k3train.parallel.owned_state import matrix_region
+
     z = engine.zero
     step = z.step
+    opt = z.optimizer
 
     def wrapped():
         if "grads" not in rec:
             out = {}
             for g in z.shard_groups.values():
                 for it in g.items:
-                    if id(it.param) in g.muon_owned or it.stop <= it.start:
-                        continue
-                    out[it.name] = (it.global_offset + it.start, it.global_d0, g.owned_grad(it).detach().float().clone())
+                    shape = (it.global_d0,) + tuple(it.param.shape[1:])
+                    if id(it.param) in g.muon_owned:
+                        e, rank = opt.entry_of(it.param), opt.plan_of(it.param)["rank"]
+                        per_head = opt.param_groups[e["group"]]["per_head"]
+                        blocks = []
+                        for j, (pc, v) in enumerate(zip(e["pieces"], owned_piece_views(e, rank, g.muon_owned[
+                                id(it.param)]))):
+                            for k, i in enumerate(pc["by_rank"][rank][0].tolist()):
+                                off, size = matrix_region(it.param.shape, opt.structure_of(it.param), per_head, j, i,
+                                                          pc["rows"], pc["cols"])
+                                off[0] += it.global_offset
+                                blocks.append((off, v[k].reshape(size).clone()))
+                        out[it.name] = (shape, blocks)
+                    elif it.stop > it.start:
+                        rows = g.owned_grad(it).detach().float().clone()
+                        out[it.name] = (shape, [([it.global_offset + it.start] + [0] * (rows.dim() - 1), rows)])
             rec["grads"] = out
         step()
 
@@ -249,13 +266,14 @@ def merged_grads(records: list[dict]) -> dict[str, torch.Tensor]:
     """The first step's gradients by name, assembled from every rank's owned rows."""
     out: dict[str, torch.Tensor] = {}
     for rec in records:
-        for k, (row0, total, g) in rec["grads"].items():
+        for k, (shape, blocks) in rec["grads"].items():
             if k not in out:
-                out[k] = torch.zeros((total,) + tuple(g.shape[1:]) if g.dim() else (), dtype=torch.float32)
-            if g.dim():
-                out[k][row0:row0 + g.shape[0]] = g
-            else:
-                out[k] = g
+                out[k] = torch.zeros(shape, dtype=torch.float32)
+            for off, t in blocks:
+                if t.dim() == 0:
+                    out[k] = t.clone()
+                    continue
+                out[k][tuple(slice(o, o + n) for o, n in zip(off, t.shape))] = t
     return out
 
 
