@@ -26,8 +26,8 @@ Muon (optim.name == "muon") keeps its matrices whole: every matrix has one owner
 Muon gradients are all-reduced (ZeRO-1 shards state only); under zero=2 they are reduce-scattered at the stage's
 REDUCE_GRAD point with shard boundaries at the owners' matrices (`PerHeadMuon.reduce_scatter_owned`: each rank's
 segment is its owned matrices packed, padded to the longest segment), so only owners keep them. Home experts
-(ep > 1) are Muon matrices every edp replica steps itself (not owner-sharded). AdamW parameters (embeddings, head,
-norms, vectors) follow the dim-0 scheme above.
+(ep > 1) have their owners among their edp replicas (a second ownership plan over the edp group). AdamW parameters
+(embeddings, head, norms, vectors) follow the dim-0 scheme above.
 
 Precision (train.precision). fp32: parameters, gradients and states in fp32, as described. bf16: parameters are
 stored in bf16 (compute under bf16 autocast); a post-accumulate-grad hook adds each bf16 gradient into an fp32
@@ -38,8 +38,9 @@ matrices); the owners then refresh their bf16 weights from the masters and the b
 Memory facts (`Engine.memory_report`, measured after the gradients are reduced and before the optimizer step).
 Exact storage bytes on rank q of a group of n ranks (dense: n = dp x cp; home experts: n = edp = dp x cp / ep), per
 parameter p it holds, with N = numel(p), d0 = p.shape[0] (1 for a scalar), R = N / d0, c = ceil(d0 / n),
-O = owned_numel(d0, N, n, q) = R x (rows of chunk q) and, for owner-sharded Muon (optim muon, zero >= 1, dense,
-n > 1), M_q = the elements of the matrices k3train.optim.muon.assign_owners gives rank q:
+O = owned_numel(d0, N, n, q) = R x (rows of chunk q) and, for owner-sharded Muon (optim muon, zero >= 1, n > 1),
+M_q = the elements of the matrices k3train.optim.muon.assign_owners gives rank q (one assignment over all Muon
+matrices of the group that this rank holds: its stages' dense matrices, or its home experts):
     param_bytes   = sum N x s, s = 4 (fp32) or 2 (bf16); param_bytes_by_dtype splits it by dtype
     grad_bytes    = 4 x ( sum over AdamW p of (zero=2: c x R (the padded chunk) | else: N)
                           + sum over Muon p of (owner-sharded and zero=2: see below | else: N) )
