@@ -348,6 +348,15 @@ def _grads_accumulated_in_bf16(orig):
     return _fold_bf16_grad
 
 
+def _muon_owner_grads_averaged(orig):
+    def reduce_scatter_owned(self, params, grad_of, dim="dp_cp"):
+        orig(self, params, grad_of, dim)
+        n = self.plan_of(params[0])["world"]
+        for p in params:
+            self.owned_grads[id(p)].div_(n)
+    return reduce_scatter_owned
+
+
 def _weights_not_refreshed(orig):
     def _refresh_weights(self):
         return None
@@ -809,6 +818,9 @@ MUTATIONS: list[Mutation] = [
     M("precision_grads_bf16", "k3train.parallel.zero:_fold_bf16_grad",
       "bf16 gradients accumulate (and are then reduced) in bf16", _grads_accumulated_in_bf16,
       (f"{PREC}::test_bf16_gradients_accumulate_in_fp32",)),
+    M("muon_owner_grads_averaged", "k3train.optim.muon:PerHeadMuon.reduce_scatter_owned",
+      "Pipeline ZeRO-2 Muon reduce-scatter to matrix owners averages instead of summing", _muon_owner_grads_averaged,
+      (f"{PIECES}::test_muon_gradients_reduce_scatter_to_matrix_owners",)),
     M("precision_weights_stale", "k3train.parallel.zero:ShardedOptimizer._refresh_weights",
       "the optimizer steps the fp32 masters but the bf16 weights are not refreshed from them",
       _weights_not_refreshed, (f"{PREC}::test_bf16_one_process_memory_and_masters",)),

@@ -645,7 +645,9 @@ class PerHeadMuon(Optimizer):
                     sizes[q] += pc["by_rank"][q][2]
         width = max(sizes) if sizes else 0
         device = entries[0]["param"].device if entries else torch.device("cpu")
-        buf = torch.zeros(world, width, dtype=torch.float32, device=device)
+        # fp32 for bf16 weights (their gradients are fp32), otherwise the weights' own dtype
+        dtype = torch.promote_types(entries[0]["param"].dtype, torch.float32) if entries else torch.float32
+        buf = torch.zeros(world, width, dtype=dtype, device=device)
         for e, start in zip(entries, starts):
             p, group = e["param"], self.param_groups[e["group"]]
             g = grad_of(p)
@@ -657,7 +659,7 @@ class PerHeadMuon(Optimizer):
                     if n:
                         buf[q, off[q]:off[q] + n] = G.index_select(0, idx).reshape(-1)
                         off[q] += n
-        out = torch.empty(width, dtype=torch.float32, device=device)
+        out = torch.empty(width, dtype=dtype, device=device)
         comm.reduce_scatter(out, buf.view(-1), plan["pg"], dim, what="muon_grads")
         del buf
         for e, start in zip(entries, starts):
