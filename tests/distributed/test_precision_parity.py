@@ -27,6 +27,7 @@ LAYOUTS = [
     _lay("bf16_dp2_zero2", dp=2, zero=2, microbatches=2),
     _lay("bf16_pp2_vpp2", pp=2, vpp=2, microbatches=4, schedule="interleaved_1f1b"),
     _lay("bf16_ep2_dp2_zero2_muon", dp=2, ep=2, zero=2, microbatches=2, optim="muon"),
+    _lay("bf16_ep2_dp2_zero2", dp=2, ep=2, zero=2, microbatches=2),
 ]
 
 
@@ -83,9 +84,10 @@ def test_bf16_layout_matches_one_bf16_process(runs, name):
     assert all(v.dtype == torch.bfloat16 for v in params.values())
 
 
-@pytest.mark.parametrize("name", ["bf16_dp2_zero2", "bf16_pp2_vpp2"])
+@pytest.mark.parametrize("name", ["bf16_dp2_zero2", "bf16_pp2_vpp2", "bf16_ep2_dp2_zero2"])
 def test_bf16_measured_bytes_equal_analytic(runs, name):
-    """fp32 gradient reduce-scatter, bf16 parameter all-gather, bf16 activations across pipeline boundaries."""
+    """fp32 gradient reduce-scatter, bf16 parameter all-gather, bf16 activations across pipeline boundaries and in
+    the expert all-to-all."""
     H.check_analytic_bytes(next(lay for lay in LAYOUTS if lay.name == name), runs[name])
 
 
