@@ -334,6 +334,35 @@ def _muon_decay_without_lr(orig):
     return _apply
 
 
+def _master_in_bf16(orig):
+    return _torch().bfloat16
+
+
+def _grads_accumulated_in_bf16(orig):
+    def _fold_bf16_grad(it):
+        g = it.param.grad
+        if g is None:
+            return
+        it.grad32 = g.clone() if it.grad32 is None else it.grad32 + g  # stays bf16
+        it.param.grad = None
+    return _fold_bf16_grad
+
+
+def _muon_owner_grads_averaged(orig):
+    def reduce_scatter_owned(self, params, grad_of, dim="dp_cp"):
+        orig(self, params, grad_of, dim)
+        n = self.plan_of(params[0])["world"]
+        for p in params:
+            self.owned_grads[id(p)].div_(n)
+    return reduce_scatter_owned
+
+
+def _weights_not_refreshed(orig):
+    def _refresh_weights(self):
+        return None
+    return _refresh_weights
+
+
 def _adamw_default_betas(orig):
     def _adamw_step(self, group):
         return orig(self, {**group, "betas": (0.9, 0.999)})
@@ -612,6 +641,7 @@ MOONEP = "tests/unit/test_moonep_planner.py"
 PIECES = "tests/unit/test_parallel_pieces.py"
 GAPS = "tests/unit/test_mutant_gaps.py"
 ENGINE = "tests/unit/test_engine.py"
+PREC = "tests/unit/test_precision.py"
 ACT = "tests/unit/test_activation.py"
 LOSS = "tests/unit/test_loss.py"
 
@@ -793,6 +823,19 @@ MUTATIONS: list[Mutation] = [
     M("selective_recompute_reruns", "k3train.activation.policy:_Region.replaying",
       "modules taken out of a recomputed layer run again in backward", _lifted_modules_rerun,
       (f"{ACT}::test_selective_recompute_stores_the_inner_module_under_its_policy",)),
+    # ---- precision
+    M("precision_master_bf16", "k3train.parallel.zero:MASTER_DTYPE",
+      "bf16 training keeps its master weights (and so its AdamW moments) in bf16", _master_in_bf16,
+      (f"{PREC}::test_bf16_one_process_memory_and_masters",)),
+    M("precision_grads_bf16", "k3train.parallel.zero:_fold_bf16_grad",
+      "bf16 gradients accumulate (and are then reduced) in bf16", _grads_accumulated_in_bf16,
+      (f"{PREC}::test_bf16_gradients_accumulate_in_fp32",)),
+    M("muon_owner_grads_averaged", "k3train.optim.muon:PerHeadMuon.reduce_scatter_owned",
+      "Pipeline ZeRO-2 Muon reduce-scatter to matrix owners averages instead of summing", _muon_owner_grads_averaged,
+      (f"{PIECES}::test_muon_gradients_reduce_scatter_to_matrix_owners",)),
+    M("precision_weights_stale", "k3train.parallel.zero:ShardedOptimizer._refresh_weights",
+      "the optimizer steps the fp32 masters but the bf16 weights are not refreshed from them",
+      _weights_not_refreshed, (f"{PREC}::test_bf16_one_process_memory_and_masters",)),
     # ---- trainer
     M("trainer_counts_ignored", "k3train.parallel.engine:Engine.train_step",
       "loss denominator counts ignored (-100) positions", _count_ignored_targets,

@@ -116,9 +116,10 @@ class TrainConfig:
     or a path to a checkpoint (step-N) or to a run directory."""
     device: str = "auto"
     """auto (cuda when present, else cpu), cpu or cuda."""
-    dtype: str = "auto"
-    """Compute dtype under autocast: auto (bfloat16 on cuda, float32 on cpu), float32 or bfloat16.
-    Parameters and optimizer state stay fp32."""
+    precision: str = "fp32"
+    """fp32: parameters, gradients and compute in float32. bf16 (mixed precision): parameters stored and computed
+    in bfloat16 under autocast (the fp32 islands stay fp32), gradients accumulated and reduced in fp32, and fp32
+    master weights and optimizer states kept only on their ZeRO owners (k3train.parallel.zero)."""
     balancing: str = "quantile"
     """MoE router balancing when the model has routers: quantile (Quantile Balancing), sign (DeepSeek-V3's
     sign-step bias) or none. The bias is updated after every optimizer step."""

@@ -27,7 +27,12 @@ ZeRO-1 (`process_group=`): every independent matrix (a head or a split of one, a
 owner rank, chosen by `assign_owners` to balance Newton-Schulz cost. The owner keeps that matrix's momentum
 (optimizer state is sharded), orthogonalises it, and the orthogonalised updates are all-gathered in one collective so
 every rank applies the same update to its full replica of the parameters. Gradients must already be reduced over the
-data-parallel group.
+data-parallel group: either full on every rank (`p.grad`, or `full_grads[id(p)]` for an fp32 gradient of a bf16
+weight), or only the owned matrices (`owned_grads[id(p)]`, from `reduce_scatter_owned`: Pipeline ZeRO-2).
+
+Master weights (`init_sharded_state(masters=True)`, for bf16 weights): the owner also keeps an fp32 copy of its
+matrices ("master_owned", laid out like "momentum_owned"); it steps the master and the all-gather carries the new
+weights themselves in the weights' dtype, which every rank copies into its replica.
 """
 
 from __future__ import annotations
@@ -372,16 +377,19 @@ class PerHeadMuon(Optimizer):
     kept by the optimizer, not in the saved state dict. Group keys: lr, weight_decay, momentum, nesterov, ns_steps,
     per_head (False: "rows"/"cols" params are orthogonalised as whole matrices; "batch" is always per matrix),
     algorithm ("muon" or "adamw"), betas and eps (AdamW groups), sharded (Muon groups, default True: take part in
-    the process_group's ZeRO-1 sharding; False: every rank orthogonalises the group's matrices itself, e.g. expert
-    weights that differ from rank to rank under expert parallelism).
-    process_group: shard the Muon state and Newton-Schulz work across this group (ZeRO-1); every rank must hold the
-    same parameters of the sharded groups and the same reduced gradients, and ends with the same parameters.
+    the ZeRO-1 sharding over the process group named by ``shard_over``, default "dp_cp"; False: every rank
+    orthogonalises the group's matrices itself).
+    process_group: shard the Muon state and Newton-Schulz work across this group (ZeRO-1; the group named "dp_cp");
+    every rank must hold the same parameters of the sharded groups and the same reduced gradients, and ends with the
+    same parameters. process_groups: more named groups for ``shard_over`` (e.g. "edp": the replicas of expert-parallel
+    home experts). Each named group has its own ownership plan.
     """
 
     def __init__(self, params: Iterable, *, lr: float = 3e-3, momentum: float = 0.95, weight_decay: float = 0.1,
                  nesterov: bool = True, ns_steps: int = 5, per_head: bool = True, ns_eps: float = 1e-7,
                  ns_bf16: bool = False, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 process_group: dist.ProcessGroup | None = None):
+                 process_group: dist.ProcessGroup | None = None,
+                 process_groups: dict[str, dist.ProcessGroup | None] | None = None):
         if not lr >= 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
         if not 0 <= momentum < 1:
@@ -392,10 +400,13 @@ class PerHeadMuon(Optimizer):
             raise ValueError(f"ns_steps must be >= 1, got {ns_steps}")
         self._structure: dict[int, MatrixStructure] = {}
         self.process_group = process_group
-        self._plan = None  # ZeRO-1 ownership plan, built at the first sharded step
+        self.process_groups = {"dp_cp": process_group, **(process_groups or {})}
+        self._plans: dict[str, dict] = {}  # shard_over name -> ZeRO-1 ownership plan, built when first needed
+        self.full_grads: dict[int, Tensor] = {}  # id(p) -> reduced fp32 gradient standing in for p.grad
+        self.owned_grads: dict[int, Tensor] = {}  # id(p) -> reduced gradient of the owned matrices only (flat)
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, ns_steps=ns_steps,
                         per_head=per_head, ns_eps=ns_eps, ns_bf16=ns_bf16, betas=betas, eps=eps, algorithm="muon",
-                        sharded=True)
+                        sharded=True, shard_over="dp_cp")
         super().__init__(params, defaults)
 
     # -- groups ---------------------------------------------------------------------------------------------------
@@ -421,7 +432,7 @@ class PerHeadMuon(Optimizer):
                 raise ValueError(f"structures[{i}] must be a MatrixStructure, got {type(s).__name__}")
             check_structure(f"param {i} of group {len(self.param_groups) - 1}", p.shape, s)
             self._structure[id(p)] = s
-        self._plan = None
+        self._plans = {}
 
     def structure_of(self, p: Tensor) -> MatrixStructure:
         return self._structure[id(p)]
@@ -449,16 +460,45 @@ class PerHeadMuon(Optimizer):
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 self._adamw_step(group)
-        if self._sharded():
-            self._muon_step_sharded()
-            self._muon_step(local_only=True)
-        else:
-            self._muon_step()
+        for name in self.shardings():
+            self._muon_step_sharded(name)
+        self._muon_step(local_only=True)
         return loss
 
-    def _sharded(self) -> bool:
-        g = self.process_group
+    # The dense ("dp_cp") plan under its historical name.
+    @property
+    def _plan(self) -> dict | None:
+        return self._plans.get("dp_cp")
+
+    @_plan.setter
+    def _plan(self, plan: dict | None) -> None:
+        if plan is None:
+            self._plans.pop("dp_cp", None)
+        else:
+            self._plans["dp_cp"] = plan
+
+    def _sharding_live(self, name: str) -> bool:
+        g = self.process_groups.get(name)
         return g is not None and dist.is_initialized() and dist.get_world_size(g) > 1
+
+    def _sharding_of(self, group: dict) -> str | None:
+        """The named process group a Muon param group is sharded over now (None: stepped whole on every rank)."""
+        if group["algorithm"] != "muon" or not group["sharded"]:
+            return None
+        name = group.get("shard_over", "dp_cp")
+        return name if self._sharding_live(name) else None
+
+    def shardings(self) -> list[str]:
+        """Names of the process groups some Muon group is sharded over, in group order."""
+        out = []
+        for group in self.param_groups:
+            name = self._sharding_of(group)
+            if name is not None and name not in out:
+                out.append(name)
+        return out
+
+    def _sharded(self) -> bool:
+        return bool(self.shardings())
 
     def _nesterov_update(self, group: dict, g: Tensor, buf: Tensor) -> Tensor:
         """Advance the momentum buffer in place and return the (Nesterov) update, in buf's dtype."""
@@ -481,16 +521,15 @@ class PerHeadMuon(Optimizer):
         p.add_(upd.to(p.dtype), alpha=-lr * scale)
 
     def is_sharded(self, p: Tensor) -> bool:
-        """Whether p's Muon state is split over process_group's owners (else it is kept whole on every rank)."""
-        return self._sharded() and any(g["algorithm"] == "muon" and g["sharded"] and any(q is p for q in g["params"])
-                                       for g in self.param_groups)
+        """Whether p's Muon state is split over the owners of a process group (else it is kept whole on every rank)."""
+        return any(self._sharding_of(g) is not None and any(q is p for q in g["params"]) for g in self.param_groups)
 
     def _muon_step(self, local_only: bool = False) -> None:
         """Every Muon group on this rank (local_only: only the groups that are not sharded)."""
         steps, eps, bf16 = self._ns_settings()
         items, mats = [], []
         for group in self.param_groups:
-            if group["algorithm"] != "muon" or (local_only and group["sharded"]):
+            if group["algorithm"] != "muon" or (local_only and self._sharding_of(group) is not None):
                 continue
             for p in group["params"]:
                 if p.grad is None:
@@ -515,13 +554,14 @@ class PerHeadMuon(Optimizer):
     # q's packed update buffer, their element count). Owners are chosen per matrix over all pieces of all params.
     # State "momentum_owned" of a param holds the matrices this rank owns, piece after piece: [n_owned, r, c] for a
     # param of one piece (as before splits existed), flat 1-D for several pieces; `owned_piece_views` reads both.
-    def _build_plan(self) -> dict:
-        """Owners of every matrix of every Muon param (in group/param order, identical on all ranks)."""
-        g = self.process_group
+    def _build_plan(self, name: str = "dp_cp") -> dict:
+        """Owners of every matrix of every Muon param sharded over the group `name` (in group/param order, identical
+        on all ranks of the group)."""
+        g = self.process_groups.get(name)
         world, rank = dist.get_world_size(g), dist.get_rank(g)
         params, shapes = [], []
         for gi, group in enumerate(self.param_groups):
-            if group["algorithm"] != "muon" or not group["sharded"]:
+            if group["algorithm"] != "muon" or not group["sharded"] or group.get("shard_over", "dp_cp") != name:
                 continue
             for p in group["params"]:
                 pieces = piece_shapes(p.shape, self._structure[id(p)], group["per_head"])
@@ -543,18 +583,97 @@ class PerHeadMuon(Optimizer):
                     offsets[q] += idx.numel() * r * c
                 entry.append(dict(n=n, rows=r, cols=c, by_rank=by_rank))
             per_param.append(dict(group=gi, param=p, pieces=entry))
-        return dict(world=world, rank=rank, params=per_param, sizes=offsets)
+        return dict(world=world, rank=rank, params=per_param, sizes=offsets, name=name, pg=g)
 
-    def _muon_step_sharded(self) -> None:
-        if self._plan is None:
-            self._plan = self._build_plan()
-        plan = self._plan
+    def plan(self, name: str = "dp_cp") -> dict:
+        if name not in self._plans:
+            self._plans[name] = self._build_plan(name)
+        return self._plans[name]
+
+    def plan_of(self, p: Tensor) -> dict:
+        """The ownership plan of a sharded Muon parameter."""
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                name = self._sharding_of(group)
+                if name is not None:
+                    return self.plan(name)
+        raise KeyError("parameter is not in a sharded Muon group")
+
+    def entry_of(self, p: Tensor) -> dict:
+        for e in self.plan_of(p)["params"]:
+            if e["param"] is p:
+                return e
+        raise KeyError("parameter is not in the Muon plan")
+
+    def _grad_of(self, p: Tensor) -> Tensor | None:
+        return self.full_grads.get(id(p), p.grad)
+
+    def init_sharded_state(self, masters: bool) -> None:
+        """Create the owned momentum (zeros, what the first step would create) and, with masters, the fp32 master
+        copy of the owned matrices, for every sharded Muon parameter this rank owns matrices of."""
+        for name in self.shardings():
+            self._init_owned_state(self.plan(name), masters)
+
+    def _init_owned_state(self, plan: dict, masters: bool) -> None:
+        rank = plan["rank"]
+        for e in plan["params"]:
+            if not owns_any(e, rank):
+                continue
+            p, group = e["param"], self.param_groups[e["group"]]
+            st = self.state[p]
+            st.setdefault("momentum_owned", new_owned_momentum(e, rank, p))
+            if masters and "master_owned" not in st:
+                buf = new_owned_momentum(e, rank, p)
+                pieces = to_pieces(p.detach(), self._structure[id(p)], group["per_head"])
+                for pc, w, dst in zip(e["pieces"], pieces, owned_piece_views(e, rank, buf)):
+                    dst.copy_(w.index_select(0, pc["by_rank"][rank][0]))
+                st["master_owned"] = buf
+
+    @torch.no_grad()
+    def reduce_scatter_owned(self, params: Sequence[Tensor], grad_of, dim: str = "dp_cp") -> None:
+        """Sum the gradients of `params` (grad_of(p): this rank's full fp32 gradient, or None for zeros) over the
+        process group so that each rank receives only the matrices it owns: one reduce-scatter whose shard
+        boundaries are the owners' matrices (each rank's segment padded to the longest). Fills owned_grads."""
+        plan = self.plan_of(params[0])
+        world, rank = plan["world"], plan["rank"]
+        entries = [self.entry_of(p) for p in params]
+        sizes, starts = [0] * world, []
+        for e in entries:
+            starts.append(list(sizes))
+            for pc in e["pieces"]:
+                for q in range(world):
+                    sizes[q] += pc["by_rank"][q][2]
+        width = max(sizes) if sizes else 0
+        device = entries[0]["param"].device if entries else torch.device("cpu")
+        # fp32 for bf16 weights (their gradients are fp32), otherwise the weights' own dtype
+        dtype = torch.promote_types(entries[0]["param"].dtype, torch.float32) if entries else torch.float32
+        buf = torch.zeros(world, width, dtype=dtype, device=device)
+        for e, start in zip(entries, starts):
+            p, group = e["param"], self.param_groups[e["group"]]
+            g = grad_of(p)
+            if g is None:
+                continue
+            off = list(start)
+            for pc, G in zip(e["pieces"], to_pieces(g, self._structure[id(p)], group["per_head"])):
+                for q, (idx, _, n) in enumerate(pc["by_rank"]):
+                    if n:
+                        buf[q, off[q]:off[q] + n] = G.index_select(0, idx).reshape(-1)
+                        off[q] += n
+        out = torch.empty(width, dtype=dtype, device=device)
+        comm.reduce_scatter(out, buf.view(-1), plan["pg"], dim, what="muon_grads")
+        del buf
+        for e, start in zip(entries, starts):
+            n = sum(pc["by_rank"][rank][2] for pc in e["pieces"])
+            self.owned_grads[id(e["param"])] = out[start[rank]:start[rank] + n]
+
+    def _muon_step_sharded(self, name: str = "dp_cp") -> None:
+        plan = self.plan(name)
         rank, world = plan["rank"], plan["world"]
         steps, eps, bf16 = self._ns_settings()
         for e in plan["params"]:  # every rank needs every grad, or none, to keep the packed layout in step
-            if e["param"].grad is None:
+            if id(e["param"]) not in self.owned_grads and self._grad_of(e["param"]) is None:
                 raise RuntimeError("sharded PerHeadMuon needs a gradient for every Muon parameter on every step")
-        mine, mats = [], []
+        mine, mats, masters = [], [], []
         for e in plan["params"]:
             if not owns_any(e, rank):
                 continue
@@ -562,35 +681,73 @@ class PerHeadMuon(Optimizer):
             state = self.state[p]
             if "momentum_owned" not in state:
                 state["momentum_owned"] = new_owned_momentum(e, rank, p)
-            grads = to_pieces(p.grad, self._structure[id(p)], group["per_head"])
-            for pc, g, buf in zip(e["pieces"], grads, owned_piece_views(e, rank, state["momentum_owned"])):
-                idx = pc["by_rank"][rank][0]
-                if idx.numel():
+            if id(p) in self.owned_grads:  # already only the owned matrices
+                grads = owned_piece_views(e, rank, self.owned_grads[id(p)])
+            else:
+                full = to_pieces(self._grad_of(p), self._structure[id(p)], group["per_head"])
+                grads = [g.index_select(0, pc["by_rank"][rank][0]) for pc, g in zip(e["pieces"], full)]
+            master = owned_piece_views(e, rank, state["master_owned"]) if "master_owned" in state else None
+            for j, (pc, g, buf) in enumerate(zip(e["pieces"], grads, owned_piece_views(e, rank,
+                                                                                  state["momentum_owned"]))):
+                if pc["by_rank"][rank][0].numel():
                     mine.append(pc)
-                    mats.append(self._nesterov_update(group, g.index_select(0, idx), buf))
+                    mats.append(self._nesterov_update(group, g, buf))
+                    masters.append((group, master[j]) if master is not None else None)
         O_mine = orthogonalise_bucketed(mats, steps, eps, bf16)
         device = plan["params"][0]["param"].device if plan["params"] else torch.device("cpu")
-        # One all-gather of every rank's packed updates (padded to the longest), fp32 for exact replicas.
+        # With masters the owners step their fp32 matrices and send the new weights in the weights' dtype; without,
+        # one all-gather of every rank's packed updates (padded to the longest), fp32 for exact replicas.
+        send_master = any(m is not None for m in masters)
+        wire = plan["params"][0]["param"].dtype if send_master else torch.float32
         width = max(plan["sizes"]) if plan["sizes"] else 0
-        send = torch.zeros(width, dtype=torch.float32, device=device)
-        for pc, O in zip(mine, O_mine):
+        send = torch.zeros(width, dtype=wire, device=device)
+        for pc, O, m in zip(mine, O_mine, masters):
             _, off, n = pc["by_rank"][rank]
-            send[off:off + n] = O.reshape(-1).float()
+            if m is not None:
+                group, W = m
+                lr, wd = group["lr"], group["weight_decay"]
+                if wd:
+                    W.mul_(1 - lr * wd)
+                W.add_(O.to(W.dtype), alpha=-lr * muon_scale(pc["rows"], pc["cols"]))
+                O = W
+            send[off:off + n] = O.reshape(-1).to(wire)
         flat = torch.empty(world * width, dtype=send.dtype, device=send.device)
-        comm.all_gather(flat, send, self.process_group, "dp_cp", what="muon_updates")
+        comm.all_gather(flat, send, plan["pg"], name, what="muon_weights" if send_master else "muon_updates")
         recv = flat.chunk(world)
         for e in plan["params"]:
             group, p = self.param_groups[e["group"]], e["param"]
             Os = []
             for pc in e["pieces"]:
                 r, c = pc["rows"], pc["cols"]
-                O = torch.empty(pc["n"], r, c, dtype=torch.float32, device=p.device)
+                O = torch.empty(pc["n"], r, c, dtype=wire, device=p.device)
                 for q, (idx, off, n) in enumerate(pc["by_rank"]):
                     if n:
                         O.index_copy_(0, idx, recv[q][off:off + n].view(-1, r, c))
                 Os.append(O)
+            if send_master:  # every matrix has one owner: the gathered matrices are the whole new weight
+                p.copy_(from_pieces(Os, p.shape, self._structure[id(p)], group["per_head"]))
+                continue
             upd, scale = repack_scaled(Os, p.shape, self._structure[id(p)], group["per_head"])
             self._apply(group, p, upd, scale)
+        for e in plan["params"]:
+            self.full_grads.pop(id(e["param"]), None)
+            self.owned_grads.pop(id(e["param"]), None)
+
+    @torch.no_grad()
+    def scale_owned_masters(self, p: Tensor, row_scale: Tensor) -> None:
+        """Multiply the owned master matrices of p by a scale per row of p's dim 0 (QK-Clip on weights whose fp32
+        copy lives in "master_owned")."""
+        st = self.state.get(p, {})
+        if "master_owned" not in st:
+            return
+        e, rank = self.entry_of(p), self.plan_of(p)["rank"]
+        group = self.param_groups[e["group"]]
+        full = row_scale.to(torch.float32).view(-1, *([1] * (p.dim() - 1))).expand(p.shape)
+        for pc, s, W in zip(e["pieces"], to_pieces(full, self._structure[id(p)], group["per_head"]),
+                            owned_piece_views(e, rank, st["master_owned"])):
+            idx = pc["by_rank"][rank][0]
+            if idx.numel():
+                W.mul_(s.index_select(0, idx))
 
     # -- AdamW groups ------------------------------------------------------------------------------------------
     def _adamw_step(self, group: dict) -> None:

@@ -14,7 +14,9 @@ the same gradients as one process. grad_norm is the global L2 norm before clippi
 
 Checkpoints: `state_dict()` returns {"model": {fqn: tensor}, "optim": {fqn: {...}}, "meta": {...}} with
 full-model names. Parameters are full tensors (replicated ones are saved once by DCP); sharded AdamW moments
-are DTensors over their data-parallel group; Muon momentum is a full tensor per parameter. Hand it to
+(and, under bf16, their fp32 masters) are DTensors over their data-parallel group; the momentum (and master) of
+owner-sharded Muon matrices is a ShardedTensor whose shards are the owners' matrices
+(k3train.parallel.owned_state); Muon state stepped whole on every rank is a full tensor per parameter. Hand it to
 torch.distributed.checkpoint: `dcp.save(engine.state_dict(), ...)`; to resume, `sd = engine.state_dict();
 dcp.load(sd, ...); engine.load_state_dict(sd)`. A checkpoint saved under any layout loads under any other
 (including one process without a process group).
@@ -63,8 +65,9 @@ class Engine:
     def __init__(self, *, args: K3ModelArgs, dims: ParallelDims, mesh: ParallelMesh | None, device: torch.device,
                  autocast_dtype: torch.dtype | None, stage_layers: list[list[int]], stage_ids: list[int],
                  model_parts: list[nn.Module], optimizer: ShardedOptimizer, pipeline: Pipeline | None,
-                 cp_plan=None, activation_handles: list | None = None):
+                 cp_plan=None, activation_handles: list | None = None, boundary_dtype: torch.dtype = torch.float32):
         self.args, self.dims, self.mesh = args, dims, mesh
+        self.boundary_dtype = boundary_dtype  # what crosses a pipeline boundary (bf16 under train.precision=bf16)
         self.device, self.autocast_dtype = device, autocast_dtype
         self.stage_layers, self.stage_ids = stage_layers, stage_ids
         self.model_parts = model_parts
@@ -227,14 +230,14 @@ class Engine:
                 continue
             if s > 0 and owner[s - 1] != owner[s]:  # else x already holds the previous stage's output
                 S = sources_after(self.args, self.stage_layers[s][0] - 1)
-                x = torch.empty(S, B, T, self.args.dim, device=self.device)
+                x = torch.empty(S, B, T, self.args.dim, device=self.device, dtype=self.boundary_dtype)
                 comm.send_recv(None, x, owner[s - 1], pp_group, "pp")
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
                 y = local[s](x, ctx, return_hidden=s == n - 1)
                 if s == n - 1:
                     out = self._scores(local[s], y, b["labels"])
             if s < n - 1:
-                y = y.float()
+                y = y.to(self.boundary_dtype)
                 if owner[s + 1] != owner[s]:
                     comm.send_recv(y.contiguous(), None, owner[s + 1], pp_group, "pp", op="send_fwd")
                 x = y
@@ -264,8 +267,17 @@ class Engine:
         model: dict[str, torch.Tensor] = {}
         for part in self.model_parts:
             model.update(part.state_dict())
-        return {"model": model, "optim": self.zero.state_dict(self._present_state),
+        return {"model": model, "optim": self.zero.state_dict(self._present_state, self._rank_table),
                 "meta": {"step": torch.tensor(self.step_count)}}
+
+    def _rank_table(self, key: str) -> list[list[int]] | None:
+        """Global ranks [EP block][rank in the group] of the ranks sharding a group's state (owner-sharded Muon)."""
+        if self.mesh is None:
+            return None
+        if key == "expert":
+            return self.mesh.submesh("ep_edp").mesh.tolist()
+        pg = self.mesh.group("dp_cp")
+        return [[dist.get_global_rank(pg, q) for q in range(dist.get_world_size(pg))]]
 
     def _present_state(self, key: str, it, local: torch.Tensor, whole: bool = False):
         """A rank's owned optimizer-moment rows as a DTensor of the logical full shape (sharded state), or the
@@ -304,9 +316,16 @@ class Engine:
 
     # ---- facts ------------------------------------------------------------------------------------------------------
     def memory_report(self) -> dict:
-        """Bytes this rank holds now: parameters, gradients, optimizer state."""
-        params = sum(p.numel() * p.element_size() for part in self.model_parts for p in part.parameters())
-        return {"param_bytes": params, "grad_bytes": self.zero.grad_bytes(),
+        """Bytes of tensor storage this rank holds now, by kind (formulas in k3train.parallel.zero): parameters
+        (and by dtype), gradients (bf16: the fp32 ones), fp32 master weights (bf16 only), optimizer states
+        (moments and momenta)."""
+        by_dtype: dict[str, int] = {}
+        for part in self.model_parts:
+            for p in part.parameters():
+                k = str(p.dtype).replace("torch.", "")
+                by_dtype[k] = by_dtype.get(k, 0) + p.untyped_storage().nbytes()
+        return {"param_bytes": sum(by_dtype.values()), "param_bytes_by_dtype": by_dtype,
+                "grad_bytes": self.zero.grad_bytes(), "master_bytes": self.zero.master_bytes(),
                 "optim_bytes": self.zero.optimizer_state_bytes()}
 
     def named_parameters(self):
@@ -315,7 +334,8 @@ class Engine:
 
 
 def build_engine(model_args: K3ModelArgs, parallel, optim_cfg, seed: int = 0, device: torch.device | str | None = None,
-                 *, autocast_dtype: torch.dtype | None = None, seq_len_hint: int = 4096, activation_rules=(),
+                 *, precision: str = "fp32", autocast_dtype: torch.dtype | None = None, seq_len_hint: int = 4096,
+                 activation_rules=(),
                  balancing: str = "none", bucket_numel: int = 1 << 25,
                  stage_layers: list[list[int]] | None = None) -> Engine:
     """Validate the layout (before touching any process group), build the mesh, this rank's parallelized model
@@ -323,10 +343,19 @@ def build_engine(model_args: K3ModelArgs, parallel, optim_cfg, seed: int = 0, de
 
     parallel: a ParallelDims or any object with pp, vpp, ep, cp, dp (-1 = fill), zero, microbatches, schedule
     (e.g. the trainer's ParallelConfig). With world size 1 no process group is needed. activation_rules and
-    balancing are applied to every part (see parallelize_part)."""
+    balancing are applied to every part (see parallelize_part). precision "bf16" stores the parameters in bf16,
+    computes under bf16 autocast and sends bf16 activations between pipeline stages (train.precision);
+    autocast_dtype alone (fp32 parameters, autocast compute) is kept for experiments."""
     from k3train.parallel.parallelize import PartSetup, parallelize_part
     from k3train.parallel.pipeline import stage_part_on_meta
 
+    from k3train.parallel.zero import PARAM_DTYPES
+
+    if precision not in PARAM_DTYPES:
+        raise ConfigError(f"train.precision must be one of {list(PARAM_DTYPES)}, got {precision!r}")
+    param_dtype = PARAM_DTYPES[precision]
+    if param_dtype != torch.float32:
+        autocast_dtype = param_dtype
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     dims = parallel if isinstance(parallel, ParallelDims) else ParallelDims.from_config(parallel, world)
     dims.validate(world_size=world, model_args=model_args)
@@ -345,6 +374,9 @@ def build_engine(model_args: K3ModelArgs, parallel, optim_cfg, seed: int = 0, de
     for s in stage_ids:
         part, handle = parallelize_part(stage_part_on_meta(model_args, stage_layers[s], first=s == 0, last=s == n - 1),
                                         setup)
+        if param_dtype != torch.float32:  # initialised in fp32 (same values in every layout), stored in bf16
+            for p in part.parameters():
+                p.data = p.data.to(param_dtype)
         parts.append(part)
         handles += [handle] if handle is not None else []
 
@@ -356,7 +388,7 @@ def build_engine(model_args: K3ModelArgs, parallel, optim_cfg, seed: int = 0, de
         for part in parts:  # home experts: replicated (and reduced, and ZeRO-sharded) over the edp ranks only
             expert_blocks.update(expert_parameters(part))
     optimizer = ShardedOptimizer(parts, optim_cfg, zero=dims.zero, groups=groups, expert_blocks=expert_blocks,
-                                 bucket_numel=bucket_numel)
+                                 bucket_numel=bucket_numel, precision=precision)
     cp_plan = None
     if dims.cp > 1:
         from k3train.parallel.context_parallel import apply_context_parallel
@@ -364,10 +396,12 @@ def build_engine(model_args: K3ModelArgs, parallel, optim_cfg, seed: int = 0, de
     pipeline = None
     if dims.pp > 1:
         cp = (mesh.group("cp"), dims.cp_layout) if dims.cp > 1 else None
-        modules = {s: StageModule(p, first=s == 0, last=s == n - 1, autocast_dtype=autocast_dtype, cp=cp)
-                   for s, p in zip(stage_ids, parts)}
+        modules = {s: StageModule(p, first=s == 0, last=s == n - 1, autocast_dtype=autocast_dtype,
+                                  boundary_dtype=param_dtype, cp=cp) for s, p in zip(stage_ids, parts)}
         pipeline = Pipeline(args=model_args, dims=dims, stage_layers=stage_layers, modules=modules,
-                            pp_group=mesh.group("pp"), device=device, grad_reducer=optimizer)
+                            pp_group=mesh.group("pp"), device=device, grad_reducer=optimizer,
+                            boundary_dtype=param_dtype)
     return Engine(args=model_args, dims=dims, mesh=mesh, device=device, autocast_dtype=autocast_dtype,
+                  boundary_dtype=param_dtype,
                   stage_layers=stage_layers, stage_ids=stage_ids, model_parts=parts, optimizer=optimizer,
                   pipeline=pipeline, cp_plan=cp_plan, activation_handles=handles)

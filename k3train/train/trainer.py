@@ -37,6 +37,7 @@ from k3train.models.k3.model import required_seq_multiple
 from k3train.parallel import comm
 from k3train.parallel.engine import build_engine
 from k3train.parallel.mesh import ParallelDims, rank_coords
+from k3train.parallel.zero import PARAM_DTYPES
 
 from .checkpoint import Checkpointer
 from .metrics import MetricsLogger, measure_peak_flops
@@ -70,12 +71,6 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
     if name == "cuda":
         raise ConfigError("train.device: 'cuda' was requested but torch.cuda.is_available() is False")
     return torch.device("cpu")
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
 def _cpu_cores() -> int:
@@ -132,7 +127,7 @@ class Trainer:
         t = cfg.train
 
         self.device = resolve_device(t.device, env.local_rank)
-        self.dtype = resolve_dtype(t.dtype, self.device)
+        self.dtype = PARAM_DTYPES[t.precision]
         if self.device.type == "cpu":
             torch.set_num_threads(t.threads or max(1, _cpu_cores() // env.local_world))
         from k3train.plan import detect_gpu, startup_check
@@ -176,7 +171,7 @@ class Trainer:
             from k3train.activation import rules_from_config
             rules = rules_from_config(cfg.activation)
         self.engine = build_engine(args, self.dims, cfg.optim, seed=t.seed, device=self.device,
-                                   autocast_dtype=None if self.dtype == torch.float32 else self.dtype,
+                                   precision=t.precision,
                                    seq_len_hint=cfg.data.seq_len, activation_rules=rules, balancing=t.balancing)
         self.parts = self.engine.model_parts
         self.optimizer = self.engine.optimizer

@@ -159,6 +159,9 @@ class Layout:
     seq: int = SEQ
     checkpoint: dict = field(default_factory=dict)
     """{"save": dir} saves after the steps, then runs one more step; {"load": dir} loads before one step."""
+    precision: str = "fp32"
+    capture_grads: bool = False
+    """Record the first step's reduced gradients (owned rows, before the optimizer step) for cosine checks."""
 
     @property
     def world(self) -> int:
@@ -185,11 +188,14 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
 
     dims = layout.dims()
     engine = build_engine(tiny_args(), dims, optim_config(layout.optim, layout.qk_clip), seed=SEED, device="cpu",
-                          seq_len_hint=layout.seq)
+                          seq_len_hint=layout.seq, precision=layout.precision)
     # The ranks of a CP group read the same rows (each runs its own pieces of them).
     dp_rank = rank_coords(dims, rank)["dp"] if dims.world > 1 else 0
     rec = {"losses": [], "grad_norms": [], "comm": [], "times": [], "memory": [], "stage_layers": engine.stage_layers,
            "stage_ids": engine.stage_ids}
+
+    if layout.capture_grads:
+        capture_first_grads(engine, rec)
 
     def one_step(s: int):
         mbs = local_microbatches(step_data(s, seq=layout.seq), dp=dims.dp, dp_rank=dp_rank, microbatches=dims.microbatches)
@@ -210,7 +216,9 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
         for s in range(layout.steps):
             one_step(s)
         if "save" in ck:
-            dcp.save(engine.state_dict(), checkpoint_id=ck["save"])
+            sd = engine.state_dict()
+            rec["saved_optim"] = saved_optim_facts(engine, sd["optim"])
+            dcp.save(sd, checkpoint_id=ck["save"])
             one_step(layout.steps)
     rec["params"] = {k: v.detach().clone() for k, v in engine.named_parameters()}
     # Expert-parallel parameters hold a block of rows of the logical tensor: (first row, rows in all).
@@ -218,6 +226,82 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
     rec["ep_shards"] = {k: v for part in engine.model_parts for k, v in expert_parameters(part).items()}
     rec["memory"] = engine.memory_report()
     return rec
+
+
+def capture_first_grads(engine, rec: dict) -> None:
+    """At the first optimizer step, record {fqn: (logical shape, [(offsets, fp32 block)])} of the reduced gradients
+    this rank owns: its dim-0 rows, or the Muon matrices reduce-scattered to it (Pipeline ZeRO-2)."""
+    from k3train.optim.muon import owned_piece_views
+    from k3train.parallel.owned_state import matrix_region
+
+    z = engine.zero
+    step = z.step
+    opt = z.optimizer
+
+    def wrapped():
+        if "grads" not in rec:
+            out = {}
+            for g in z.shard_groups.values():
+                for it in g.items:
+                    shape = (it.global_d0,) + tuple(it.param.shape[1:])
+                    if id(it.param) in g.muon_owned:
+                        e, rank = opt.entry_of(it.param), opt.plan_of(it.param)["rank"]
+                        per_head = opt.param_groups[e["group"]]["per_head"]
+                        blocks = []
+                        for j, (pc, v) in enumerate(zip(e["pieces"], owned_piece_views(e, rank, g.muon_owned[
+                                id(it.param)]))):
+                            for k, i in enumerate(pc["by_rank"][rank][0].tolist()):
+                                off, size = matrix_region(it.param.shape, opt.structure_of(it.param), per_head, j, i,
+                                                          pc["rows"], pc["cols"])
+                                off[0] += it.global_offset
+                                blocks.append((off, v[k].reshape(size).clone()))
+                        out[it.name] = (shape, blocks)
+                    elif it.stop > it.start:
+                        rows = g.owned_grad(it).detach().float().clone()
+                        out[it.name] = (shape, [([it.global_offset + it.start] + [0] * (rows.dim() - 1), rows)])
+            rec["grads"] = out
+        step()
+
+    z.step = wrapped
+
+
+def merged_grads(records: list[dict]) -> dict[str, torch.Tensor]:
+    """The first step's gradients by name, assembled from every rank's owned rows."""
+    out: dict[str, torch.Tensor] = {}
+    for rec in records:
+        for k, (shape, blocks) in rec["grads"].items():
+            if k not in out:
+                out[k] = torch.zeros(shape, dtype=torch.float32)
+            for off, t in blocks:
+                if t.dim() == 0:
+                    out[k] = t.clone()
+                    continue
+                out[k][tuple(slice(o, o + n) for o, n in zip(off, t.shape))] = t
+    return out
+
+
+def saved_optim_facts(engine, optim_sd: dict) -> dict:
+    """What the optimizer part of a checkpoint state holds on this rank: ShardedTensor entries (owner-sharded Muon
+    state) with their local elements and whether every local shard is a view of the live owned state."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    opt = engine.zero.optimizer
+    facts = {"sharded_numel": 0, "views": True, "plain_full_momentum": 0, "owned_numel": 0}
+    live = set()
+    for st in opt.state.values():
+        for k in ("momentum_owned", "master_owned"):
+            if k in st:
+                live.add(st[k].untyped_storage().data_ptr())
+                facts["owned_numel"] += st[k].numel()
+    for name, entry in optim_sd.items():
+        for k, v in entry.items():
+            if isinstance(v, ShardedTensor):
+                for sh in v.local_shards():
+                    facts["sharded_numel"] += sh.tensor.numel()
+                    facts["views"] &= sh.tensor.untyped_storage().data_ptr() in live
+            elif k == "momentum_buffer" and name in engine.zero._matrix_owned:
+                facts["plain_full_momentum"] += 1
+    return facts
 
 
 def single_process_run(layout: Layout) -> dict:
@@ -404,6 +488,8 @@ _REFS: dict = {}
 
 def reference_for(layout: Layout, steps: int | None = None) -> dict:
     steps = layout.steps if steps is None else steps
+    if layout.precision != "fp32":
+        raise ValueError("reference_run is the fp32 reference; a bf16 layout compares with a bf16 single process")
     key = (layout.dp, layout.microbatches, layout.optim, steps, layout.seq, layout.qk_clip)
     if key not in _REFS:
         with one_thread():
@@ -422,7 +508,7 @@ def check_analytic_bytes(layout: Layout, records: list[dict]) -> None:
     mb = GLOBAL_ROWS // (layout.dp * layout.microbatches)
     for r, rec in enumerate(records):
         an = analytic_step_bytes(tiny_args(), dims, rec["stage_layers"], pp_rank=rank_coords(dims, r)["pp"],
-                                 mb=mb, seq=layout.seq)
+                                 mb=mb, seq=layout.seq, precision=layout.precision)
         meas = rec["comm"][-1]
         assert {tuple(k.split("/")) for k in meas} == set(an), (r, sorted(meas), sorted(an))
         for (dim, op), a in an.items():

@@ -91,8 +91,8 @@ REASONS: dict[str, str] = {
     "train.run_dir": OUTPUTS_ONLY + " (where everything goes)",
     "train.resume": "where a run starts; a resumed run reproduces the uninterrupted run's losses exactly "
                     "(tests/e2e/test_resume.py), so it changes no result",
-    "train.device": "which hardware runs the same math; its numerical consequence, the autocast dtype, is covered "
-                    "by train.dtype (this machine has no CUDA to compare with)",
+    "train.device": "which hardware runs the same math; its numerical consequence, the precision, is covered "
+                    "by train.precision (this machine has no CUDA to compare with)",
     "train.threads": "CPU threads per process: speed only (results agree up to the rounding of parallel reductions)",
     "data.streaming": "how source='files' reads its files (streamed or through an Arrow copy): the same documents "
                       "in the same order",
@@ -293,7 +293,8 @@ ONE_PROCESS: list[Case] = [
     # train
     Case("train.steps", {"train.steps": 6}, schedule_differs),  # the schedule spans the run: no decay yet at step 3
     Case("train.seed", {"train.seed": 1}),
-    Case("train.dtype", {"train.dtype": "bfloat16"}),
+    Case("train.precision", {"train.precision": "bf16"}),
+    Case("train.precision", {"train.precision": "bf16"}, base=MUON),
     Case("train.balancing", {"train.balancing": "none"}),
     Case("train.balancing", {"train.balancing": "sign"}),
     # data

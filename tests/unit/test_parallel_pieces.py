@@ -142,6 +142,46 @@ def test_zero_reduce_and_gather(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Muon under Pipeline ZeRO-2: gradients reduce-scattered to the owners of their matrices
+# ---------------------------------------------------------------------------------------------------------------------
+def _muon_specs():
+    from k3train.models.structure import MatrixStructure
+    return [((2 * 6, 4), MatrixStructure("rows", 2, splits=(2, 4))), ((5, 6), MatrixStructure("cols", 3)),
+            ((3, 4, 5), MatrixStructure("batch")), ((4, 4), MatrixStructure("matrix"))]
+
+
+def _muon_rs_worker(rank: int) -> list:
+    from k3train.optim.muon import PerHeadMuon, owned_piece_views
+
+    specs = _muon_specs()
+    params = [nn.Parameter(torch.zeros(s, dtype=torch.float64)) for s, _ in specs]
+    opt = PerHeadMuon([{"params": params, "structures": [st for _, st in specs]}], process_group=dist.group.WORLD)
+    grads = {id(p): _grad(rank, 10 + i, p.shape) for i, p in enumerate(params)}
+    opt.reduce_scatter_owned(params, lambda p: grads[id(p)])
+    out = []
+    for p in params:
+        e = opt.entry_of(p)
+        views = owned_piece_views(e, rank, opt.owned_grads[id(p)])
+        out.append([(pc["by_rank"][rank][0].tolist(), v.clone()) for pc, v in zip(e["pieces"], views)])
+    return out
+
+
+def test_muon_gradients_reduce_scatter_to_matrix_owners(tmp_path):
+    from k3train.optim.muon import to_pieces
+
+    recs = run_forked(_muon_rs_worker, tmp_path)
+    for i, (shape, st) in enumerate(_muon_specs()):
+        total = to_pieces(sum(_grad(r, 10 + i, shape) for r in range(WORLD)), st)
+        for j, piece in enumerate(total):
+            seen = []
+            for rec in recs:
+                idx, got = rec[i][j]
+                seen += idx
+                torch.testing.assert_close(got, piece[idx], rtol=0, atol=1e-12)  # the sum, on its owner only
+            assert sorted(seen) == list(range(piece.shape[0]))  # every matrix reaches exactly one owner
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Pipeline: two stages, one per process
 # ---------------------------------------------------------------------------------------------------------------------
 PP = dict(name="pp2", pp=2, microbatches=2, schedule="gpipe", steps=2)

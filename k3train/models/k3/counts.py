@@ -139,14 +139,21 @@ def flops_per_token(args: K3ModelArgs, seq_len: int) -> float:
 # Communication of one training step
 # ---------------------------------------------------------------------------------------------------------------------
 def analytic_step_bytes(args: K3ModelArgs, dims, stage_layers: list[list[int]], *, pp_rank: int, mb: int, seq: int,
-                        elem: int = 4) -> dict[tuple[str, str], dict]:
+                        elem: int | None = None, precision: str = "fp32") -> dict[tuple[str, str], dict]:
     """Expected {(dim, op): {"payload", "wire"}} of one step on a rank of pipeline rank `pp_rank`, in the terms of
     k3train.parallel.comm (AdamW; zero padding assumed, i.e. every parameter's first dim divisible by its group).
+
+    precision (train.precision): gradients are reduced in fp32 either way; parameters are all-gathered and
+    activations (pipeline boundaries, expert dispatch, context-parallel halos and latents) travel in the parameter
+    dtype, 4 bytes under fp32 and 2 under bf16 (`elem` overrides the activation element size).
 
     Expert all-to-all (payload only): per MoE layer and micro-batch a rank sends its N K token-expert rows of the
     latent (width L) forward and their gradients backward, plus the M rows its home experts received (outputs
     forward, gradients backward) and the [E] routing counts. M depends on routing but averages N K over an EP group,
     so the ("ep", "all_to_all") entry is the EP-group mean: 4 N K L elem + 8 E."""
+    param_elem = {"fp32": 4, "bf16": 2}[precision]
+    elem = param_elem if elem is None else elem
+    grad_elem = 4
     counts = stage_param_counts(args, stage_layers)
     owner = stage_to_rank(dims)
     mine = stages_of_rank(dims, pp_rank)
@@ -167,13 +174,15 @@ def analytic_step_bytes(args: K3ModelArgs, dims, stage_layers: list[list[int]], 
     for dim, g, held in groups:
         if g == 1:
             continue
-        B = sum(held(counts[s]) for s in mine) * elem
+        numel = sum(held(counts[s]) for s in mine)
+        B = numel * grad_elem
         if dims.zero == 2:
             add(dim, "reduce_scatter", B, (g - 1) / g * B)
         else:
             add(dim, "all_reduce", B, 2 * (g - 1) / g * B)
         if dims.zero >= 1:
-            add(dim, "all_gather", B, (g - 1) / g * B)
+            W = numel * param_elem
+            add(dim, "all_gather", W, (g - 1) / g * W)
     if dims.world > 1:
         add("world", "all_reduce", 16, 2 * (dims.world - 1) / dims.world * 16)  # loss and squared norm
     # Under CP a rank runs its pieces of each row: seq / cp tokens per row (the pieces as rows, same count).
