@@ -28,6 +28,7 @@ class Layout:
     rules: tuple = ()
     optim: str = "muon"
     world: int = field(default=1)
+    precision: str = "fp32"
 
 
 LAYOUTS = (
@@ -40,6 +41,8 @@ LAYOUTS = (
     Layout("cp2", {"cp": 2}, world=2),
     Layout("recompute", {}, policy="recompute"),
     Layout("fp8", {}, policy="fp8"),
+    Layout("dp2 zero2 bf16", {"dp": 2, "zero": 2}, world=2, precision="bf16"),
+    Layout("pp2 x dp2 zero1 bf16", {"pp": 2, "dp": 2, "zero": 1, "microbatches": 2}, world=4, precision="bf16"),
 )
 
 
@@ -87,9 +90,10 @@ def _worker(rank: int, layout: Layout, out_dir: str, init_file: str) -> None:
         acfg = _activation_cfg(layout)
         rules = rules_from_config(acfg) if acfg.policy != "keep" or acfg.rules else []
         result = {"rank": rank, "acts": {}}
+        low = torch.bfloat16 if layout.precision == "bf16" else None
         for T in SEQS:
             eng = build_engine(args, dims, _optim_cfg(layout), seed=0, device="cpu", seq_len_hint=T,
-                               activation_rules=rules)
+                               activation_rules=rules, precision=layout.precision, autocast_dtype=low)
             coords = rank_coords(dims, rank)
             if T == SEQS[0]:
                 dp_index = coords["dp"]
@@ -105,10 +109,12 @@ def _worker(rank: int, layout: Layout, out_dir: str, init_file: str) -> None:
                 else:
                     from k3train.models.k3.model import sources_after
                     S = sources_after(args, eng.stage_layers[s][0] - 1)
-                    x = torch.randn(S, *b["input_ids"].shape, args.dim, requires_grad=True)
+                    x = torch.randn(S, *b["input_ids"].shape, args.dim, dtype=low or torch.float32,
+                                    requires_grad=True)
                 ctx = b["ctx"] if dims.pp == 1 else BatchContext()
                 last = s == dims.n_stages - 1
-                with SavedBytesMeter(eng.model_parts, eng.activation_handles) as meter:
+                with SavedBytesMeter(eng.model_parts, eng.activation_handles) as meter, \
+                        torch.autocast("cpu", dtype=low or torch.float32, enabled=low is not None):
                     y = part(x, ctx, return_hidden=last)
                     if last:  # the training loss: the head fused with the cross entropy
                         y = linear_cross_entropy(y, part.output.weight, b["labels"])[0]
@@ -150,9 +156,10 @@ def measure_layout(layout: Layout) -> list[dict]:
             layers = split_layers(args, dims.n_stages, seq_len=T)
             predicted_acts[key] = stage_activation_bytes(args, layers[s], first=s == 0, last=s == dims.n_stages - 1,
                                                          tokens=MICRO_BATCH * T // dims.cp, seq_len=T, plan=pplan,
-                                                         act_bytes=4)
+                                                         act_bytes=2 if layout.precision == "bf16" else 4)
         layers = split_layers(args, dims.n_stages, seq_len=SEQS[0])
-        st = rank_state_bytes(args, dims, layers, optim, pp_rank=res["pp_rank"], dp_cp_rank=res["dp_cp_rank"])
+        st = rank_state_bytes(args, dims, layers, optim, pp_rank=res["pp_rank"], dp_cp_rank=res["dp_cp_rank"],
+                              precision=layout.precision)
         measured = {"params": res["state"]["param_bytes"], "grads": res["state"]["grad_bytes"],
                     "master": res["state"].get("master_bytes", 0), "optim": res["state"]["optim_bytes"]}
         rows.append({"layout": layout.name, "rank": res["rank"], "predicted": st.as_dict(), "measured": measured,

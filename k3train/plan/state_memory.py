@@ -7,13 +7,16 @@ parameter is placed the way the optimizer places it (k3train.parallel.zero's mod
 - parameters: every tensor of the rank's parts, frozen ones included (a vision tower without images); routed experts
   hold E / ep experts per layer under expert parallelism.
 - gradients, measured after the reduction and before the optimizer step: the full fp32 gradient of every trainable
-  parameter, except under zero=2, where AdamW parameters keep only their owned dim-0 chunk (ceil(d0 / n) rows of the
-  group of n replicas; Muon matrices are reduced whole).
+  parameter, except under zero=2, where AdamW parameters keep only their padded dim-0 chunk (ceil(d0 / n) rows of
+  the group of n replicas) and owner-sharded Muon matrices arrive on their owners by one reduce-scatter per stage
+  (each rank's segment padded to the longest).
 - optimizer states: AdamW's two moments over the owned chunk (zero >= 1) or the whole tensor; Muon's momentum over
   the matrices this rank owns when its group shards them (zero >= 1, k3train.optim.muon.assign_owners balancing
-  Newton-Schulz cost over the dp x cp ranks), the whole parameter otherwise; home experts under expert parallelism
-  keep their whole momentum on each of their replicas.
-- master weights: none (fp32 parameters are their own master).
+  Newton-Schulz cost over the group), the whole parameter otherwise; home experts under expert parallelism have
+  their own owners among their edp replicas.
+- master weights: none under fp32 (the parameters are their own master); under bf16 an fp32 copy of what the
+  rank's optimizer steps (the owned chunk or matrices; everything under zero=0).
+- precision: bf16 parameters take 2 bytes; gradients, masters and states are fp32 either way.
 
 Groups: non-expert parameters are replicated over the dp x cp ranks, home experts over the edp = dp x cp / ep ranks
 that hold the same experts (k3train.parallel.mesh).
@@ -118,47 +121,65 @@ def rank_state_bytes(args: K3ModelArgs, dims: ParallelDims, stage_layers: list[l
                      pp_rank: int, dp_cp_rank: int = 0, train_vision: bool = False,
                      precision: str = "fp32", _params_cache: dict | None = None) -> StateBytes:
     """Exact bytes of parameters, gradients, master weights and optimizer states on the rank at (pp_rank,
-    dp_cp_rank) of the layout (fp32 training)."""
+    dp_cp_rank) of the layout: the formulas of k3train.parallel.zero's module doc."""
     from k3train.optim.muon import assign_owners, piece_shapes
 
     cache = _params_cache if _params_cache is not None else {}
     out = StateBytes()
-    elem = 4
-    n_dense, q_dense = dims.dp_cp, dp_cp_rank
-    n_exp, q_exp = dims.edp, dp_cp_rank // dims.ep
+    p_elem = 2 if precision == "bf16" else 4
+    groups = {"dense": (dims.dp_cp, dp_cp_rank), "expert": (dims.edp, dp_cp_rank // dims.ep)}
     muon = optim_cfg.name == "muon"
-    sharded_muon = muon and dims.zero >= 1 and n_dense > 1
-    owner_shapes: list[tuple[int, int]] = []  # the dense Muon group's matrices, in optimizer order
+    # Muon matrices of each group in optimizer order: (stage, rows, cols)
+    mats: dict[str, list[tuple[int, int, int]]] = {"dense": [], "expert": []}
     for s in stages_of_rank(dims, pp_rank):
         if s not in cache:
             cache[s] = stage_parameters(args, stage_layers, s, optim_cfg, train_vision=train_vision,
                                         _layer_cache=cache.setdefault("layers", {}))
         for name, shape, kind, structure, trainable in cache[s]:
-            expert = dims.ep > 1 and ".ffn.experts." in name
+            key = "expert" if dims.ep > 1 and ".ffn.experts." in name else "dense"
             local = _local_shape(name, shape, dims.ep)
             numel = 1
             for d in local:
                 numel *= d
-            out.params += numel * elem
+            out.params += numel * p_elem
             if not trainable:
                 continue
-            n, q = (n_exp, q_exp) if expert else (n_dense, q_dense)
-            d0 = local[0] if local else 1
-            owned = _owned_rows(d0, n, q) * (numel // d0 if d0 else 0)
+            n, q = groups[key]
             if kind == "muon":
-                out.grads += numel * elem
-                if sharded_muon and not expert:
-                    for cnt, r, c in piece_shapes(local, structure, optim_cfg.per_head):
-                        owner_shapes.extend([(r, c)] * cnt)
-                else:
-                    out.optim += numel * elem
+                for cnt, r, c in piece_shapes(local, structure, optim_cfg.per_head):
+                    mats[key].extend([(s, r, c)] * cnt)
+                continue
+            d0 = local[0] if local else 1
+            row = numel // d0 if d0 else 0
+            owned = _owned_rows(d0, n, q) * row
+            out.grads += ((-(-d0 // n)) * row if dims.zero == 2 else numel) * 4
+            out.optim += 2 * (owned if dims.zero >= 1 else numel) * 4
+            if precision == "bf16":
+                out.master += (owned if dims.zero >= 1 else numel) * 4
+    for key, ms in mats.items():
+        if not ms:
+            continue
+        n, q = groups[key]
+        if dims.zero >= 1 and n > 1:  # owner-sharded: each matrix lives on the rank assign_owners picks
+            owners = assign_owners([(r, c) for _, r, c in ms], n)
+            mine = sum(r * c for (_, r, c), o in zip(ms, owners) if o == q)
+            out.optim += mine * 4
+            out.master += mine * 4 if precision == "bf16" else 0
+            if dims.zero == 2:  # one reduce-scatter per stage, each rank's segment padded to the longest
+                for s in sorted({m[0] for m in ms}):
+                    seg = [0] * n
+                    for (st, r, c), o in zip(ms, owners):
+                        if st == s:
+                            seg[o] += r * c
+                    out.grads += max(seg) * 4
             else:
-                out.grads += (owned if dims.zero == 2 else numel) * elem
-                out.optim += 2 * (owned if dims.zero >= 1 else numel) * elem
-    if owner_shapes:
-        owners = assign_owners(owner_shapes, n_dense)
-        out.optim += sum(r * c for (r, c), o in zip(owner_shapes, owners) if o == q_dense) * elem
-    out.params_by_dtype = {"float32": out.params}
+                out.grads += sum(r * c for _, r, c in ms) * 4
+        else:
+            total = sum(r * c for _, r, c in ms)
+            out.optim += total * 4
+            out.master += total * 4 if precision == "bf16" else 0
+            out.grads += total * 4
+    out.params_by_dtype = {"bfloat16" if precision == "bf16" else "float32": out.params}
     return out
 
 
