@@ -5,7 +5,8 @@ torch.autograd keeps: inputs of matmuls and norms, the intermediate results of e
 the MoE dispatch). Elements are in the compute dtype (`act`) unless marked fp32 (the fp32 islands) or int64. A
 storage saved by several operations is counted once; weights are not activations.
 
-Per token, for D = dim (the sequence length T only enters Gated MLA, whose explicit causal softmax saves its [T, T]
+The bf16 figures (bytes per token) count what autocast adds: RMSNorm and the fp32 islands save fp32, matmul inputs
+are cast copies in bf16. Per token, in fp32 training (elements), for D = dim (the sequence length T only enters Gated MLA, whose explicit causal softmax saves its [T, T]
 probabilities per head: H T elements per token):
 
 - RMSNorm over n channels: 2 n + 1 (input, normalised input, reciprocal RMS).
@@ -41,27 +42,34 @@ FP8_BYTES = 1 + 4 / 128  # e4m3 element plus its share of one fp32 scale per 128
 
 @dataclass(frozen=True)
 class Terms:
-    """Saved elements per token of one module, by storage dtype class."""
+    """Saved elements per token of one module in fp32 training, by storage dtype class, and its bytes per token
+    under bf16 (where autocast's casts add bf16 copies beside fp32 tensors, so the split is not a relabelling)."""
 
     act: float = 0.0
     fp32: float = 0.0
     i64: float = 0.0
+    bf16: float | None = None
 
     def bytes(self, act_bytes: int) -> float:
+        if act_bytes == 2 and self.bf16 is not None:
+            return self.bf16
         return self.act * act_bytes + self.fp32 * 4 + self.i64 * 8
 
     def __add__(self, o: "Terms") -> "Terms":
-        return Terms(self.act + o.act, self.fp32 + o.fp32, self.i64 + o.i64)
+        b16 = self.bytes(2) + o.bytes(2)
+        return Terms(self.act + o.act, self.fp32 + o.fp32, self.i64 + o.i64, b16)
 
 
 def norm_terms(n: int) -> Terms:
-    return Terms(act=2 * n + 1)
+    # RMSNorm runs in fp32 under autocast: its saved input, output and statistic are fp32 either way.
+    return Terms(act=2 * n + 1, bf16=4.0 * (2 * n + 1))
 
 
 def mixer_terms(args: K3ModelArgs, n_sources: int) -> Terms:
-    # The depth logits and softmax are an fp32 island; the stacked sources are the residual stream.
+    # The depth logits and softmax are an fp32 island; under bf16 the stacked sources are bf16 and their normalised
+    # copies, keys and weights fp32.
     S, D = n_sources, args.dim
-    return Terms(act=3 * S * D, fp32=2 * S)
+    return Terms(act=3 * S * D, fp32=2 * S, bf16=14.0 * S * D + 9.0 * S)
 
 
 def kda_terms(args: K3ModelArgs) -> Terms:
@@ -69,34 +77,37 @@ def kda_terms(args: K3ModelArgs) -> Terms:
     # The chunk maps and carried states ([C, K] and [K, K] per chunk) are the fp32 island; the rest is the
     # projection, convolution and normalisation chains of q, k, v, g and beta.
     chains = 39.5625 * K + 3 * K * C / 32 + 4 * C + 14
-    return Terms(act=args.dim + args.kda_decay_rank + H * chains, fp32=H * 3 * K * K / C)
+    bf16 = 2 * (args.dim + args.kda_decay_rank) + H * (11 * K * K / C + 115 * K + 3 * K * C / 8 + 12 * C + 4)
+    return Terms(act=args.dim + args.kda_decay_rank + H * chains, fp32=H * 3 * K * K / C, bf16=bf16)
 
 
 def mla_terms(args: K3ModelArgs, seq_len: int) -> Terms:
     H, q, kv, s = args.mla_heads, args.mla_q_rank, args.mla_kv_rank, args.mla_shared_k_dim
     k, v = args.mla_k_head_dim, args.mla_v_head_dim
     act = args.dim + 3 * q + 3 * kv + s + 2 + 2 * H * (k + s) + H * (k + v) + 3 * H * v
-    return Terms(act=act, fp32=H * seq_len)
+    bf16 = 2 * args.dim + 10 * q + 10 * kv + 8 * H * k + 10 * H * v + 10 * H * s + 4 * H * seq_len + 40
+    return Terms(act=act, fp32=H * seq_len, bf16=bf16)
 
 
 def dense_ffn_terms(args: K3ModelArgs) -> Terms:
-    return Terms(act=args.dim + 8 * args.dense_hidden)
+    return Terms(act=args.dim + 8 * args.dense_hidden, bf16=2.0 * (args.dim + 8 * args.dense_hidden))
 
 
 def moe_terms(args: K3ModelArgs) -> tuple[Terms, Terms]:
     """(everything but the routed-expert block, the routed-expert block)."""
     D, E, k, L = args.dim, args.n_experts, args.top_k, args.moe_latent_dim
-    other = Terms(act=D + 3 * L + 8 * args.n_shared_experts * args.shared_hidden + k * L, fp32=E + 2 + k,
-                  i64=3 * k)
-    experts = Terms(act=k * L + 8 * k * args.expert_hidden, fp32=0.0, i64=0.0)
+    nF = args.n_shared_experts * args.shared_hidden
+    other = Terms(act=D + 3 * L + 8 * nF + k * L, fp32=E + 2 + k, i64=3 * k,
+                  bf16=5 * D + 6 * E + 10 * L + 2 * k * L + 28 * k + 16 * nF + 14)
+    experts = Terms(act=k * L + 8 * k * args.expert_hidden, bf16=2.0 * (k * L + 8 * k * args.expert_hidden))
     return other, experts
 
 
 def head_terms(args: K3ModelArgs, n_sources: int, checkpointed_mixer: bool = False) -> Terms:
     """The final mixer (checkpointed under the K3 defaults: it keeps only the last partial sum), norm, and the
     chunked linear cross entropy: its input, one fp32 log-sum-exp and the label per token (no logits are kept)."""
-    mixer = Terms(act=args.dim) if checkpointed_mixer else mixer_terms(args, n_sources)
-    return mixer + norm_terms(args.dim) + Terms(act=args.dim, fp32=1, i64=1)
+    mixer = Terms(act=args.dim, bf16=2.0 * args.dim) if checkpointed_mixer else mixer_terms(args, n_sources)
+    return mixer + norm_terms(args.dim) + Terms(act=args.dim, fp32=1, i64=1, bf16=2.0 * args.dim + 13)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ LAYOUTS = (
     Layout("fp8", {}, policy="fp8"),
     Layout("dp2 zero2 bf16", {"dp": 2, "zero": 2}, world=2, precision="bf16"),
     Layout("pp2 x dp2 zero1 bf16", {"pp": 2, "dp": 2, "zero": 1, "microbatches": 2}, world=4, precision="bf16"),
+    Layout("recompute bf16", {}, policy="recompute", precision="bf16"),
 )
 
 
