@@ -206,3 +206,24 @@ def stage_activation_bytes(args: K3ModelArgs, layers: list[int], *, first: bool,
     if last:
         total += head_terms(args, S, plan.k3_defaults).bytes(act_bytes) * tokens
     return total
+
+
+def stage_workspace_bytes(args: K3ModelArgs, layers: list[int], *, first: bool, tokens: int, rows: int,
+                          seq_len: int, plan: PolicyPlan, act_bytes: int) -> float:
+    """Transient device bytes of the stage's most expensive layer while it runs backward (one layer at a time):
+
+    - a recomputed layer rebuilds everything it saves under keep for its own backward (one micro-batch);
+    - Gated MLA's explicit causal softmax holds [rows, H, T_local, T] fp32 probabilities and, in backward, their
+      gradient: the second copy is transient whatever the policy (the first is in the saved activations under
+      keep, in the rebuilt layer under recompute). At 8k tokens and 96 heads that is 25.8 GB per copy."""
+    keep = PolicyPlan()
+    S = 1 if first else sources_after(args, layers[0] - 1)
+    worst = 0.0
+    for i in layers:
+        policy = (plan.of(f"layers.{i}") or plan.default) if plan.k3_defaults else "keep"
+        w = layer_bytes_per_token(args, i, seq_len, keep, act_bytes, S) * tokens if policy == "recompute" else 0.0
+        if args.layer_kind(i) == "mla":
+            w += 4.0 * args.mla_heads * tokens * seq_len
+        worst = max(worst, w)
+        S = sources_after(args, i)
+    return worst

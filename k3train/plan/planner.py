@@ -9,6 +9,8 @@ group holds the largest ZeRO chunks):
 - saved activations (k3train.plan.activations) of every micro-batch in flight, at the peak of the schedule's own
   timeline (k3train.plan.schedule_sim), with the stage's full gradient live from its first backward on; the
   received AttnRes sources each in-flight micro-batch holds, and the send buffer of one micro-batch;
+- the workspace of the stage's most expensive layer in backward (k3train.plan.activations.stage_workspace_bytes):
+  a recomputed layer's rebuilt activations, Gated MLA's [T, T] softmax gradient;
 - transient buffers, the largest of one layer at a time: EP dispatch (the S K latent rows out and back; under
   MoonEP also the weights of up to E / ep hosted experts, saved for backward, and their gradients), and CP (the
   all-gathered MLA latent of the whole row).
@@ -45,12 +47,13 @@ class RankPlan:
     boundary: float
     ep_buffers: float
     cp_buffers: float
+    workspace: float = 0.0
     total: float = 0.0
 
     def by_kind(self) -> dict[str, float]:
         return {"params": self.state["params"], "master": self.state["master"], "optim": self.state["optim"],
                 "grads": self.peak_gradients, "activations": self.peak_activations, "pp_buffers": self.boundary,
-                "ep_buffers": self.ep_buffers, "cp_buffers": self.cp_buffers}
+                "ep_buffers": self.ep_buffers, "cp_buffers": self.cp_buffers, "workspace": self.workspace}
 
 
 @dataclass
@@ -132,7 +135,7 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
     from k3train.models.k3.model import sources_after
     from k3train.parallel.mesh import ParallelDims, stages_of_rank
     from k3train.parallel.pipeline import split_layers
-    from k3train.plan.activations import policy_plan, stage_activation_bytes
+    from k3train.plan.activations import policy_plan, stage_activation_bytes, stage_workspace_bytes
     from k3train.plan.schedule_sim import StageCost, simulate
     from k3train.plan.state_memory import rank_state_bytes, stage_grad_bytes
 
@@ -176,12 +179,15 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
     costs: dict[int, StageCost] = {}
     ep_buf: dict[int, float] = {}
     cp_buf: dict[int, float] = {}
+    work: dict[int, float] = {}
     for s in range(n):
         layers = stage_layers[s]
         n_moe = sum(args.ffn_kind(i) == "moe" for i in layers)
         n_mla = sum(args.layer_kind(i) == "mla" for i in layers)
         act = stage_activation_bytes(args, layers, first=s == 0, last=s == n - 1, tokens=tokens, seq_len=seq,
                                      plan=pplan, act_bytes=act_bytes)
+        work[s] = stage_workspace_bytes(args, layers, first=s == 0, tokens=tokens, rows=mb, seq_len=seq,
+                                        plan=pplan, act_bytes=act_bytes)
         if s > 0:  # the received sources a micro-batch holds until its backward
             act += sources_after(args, layers[0] - 1) * tokens * args.dim * act_bytes
         if dims.ep > 1 and dims.ep_dispatcher == "moonep":  # hosted experts' weights are saved for backward
@@ -218,7 +224,8 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
                       peak_activations=timeline.peak_parts[r]["activations"],
                       peak_gradients=max(timeline.peak_parts[r]["gradients"], st.grads),
                       boundary=boundary, ep_buffers=max((ep_buf.get(s, 0.0) for s in mine), default=0.0),
-                      cp_buffers=max((cp_buf.get(s, 0.0) for s in mine), default=0.0))
+                      cp_buffers=max((cp_buf.get(s, 0.0) for s in mine), default=0.0),
+                      workspace=max((work[s] for s in mine), default=0.0))
         rp.total = sum(rp.by_kind().values())
         ranks.append(rp)
 
@@ -303,13 +310,14 @@ def format_plan(plan: Plan) -> str:
              "",
              "memory per pipeline rank (GiB; worst data-parallel rank)",
              f"{'rank':>4} {'stages':>10} {'layers':>7} {'params':>8} {'master':>8} {'optim':>8} {'grads':>8} "
-             f"{'acts':>8} {'pp_buf':>8} {'ep_buf':>8} {'cp_buf':>8} {'total':>8} {'of GPU':>7}"]
+             f"{'acts':>8} {'pp_buf':>8} {'ep_buf':>8} {'cp_buf':>8} {'work':>8} {'total':>8} {'of GPU':>7}"]
     for r in plan.ranks:
         k = r.by_kind()
         lines.append(f"{r.pp_rank:>4} {','.join(map(str, r.stages)):>10} {sum(len(x) for x in r.layers):>7} "
                      f"{_gib(k['params'])} {_gib(k['master'])} {_gib(k['optim'])} {_gib(k['grads'])} "
                      f"{_gib(k['activations'])} {_gib(k['pp_buffers'])} {_gib(k['ep_buffers'])} "
-                     f"{_gib(k['cp_buffers'])} {_gib(r.total)} {100 * r.total / plan.gpu.memory_bytes:6.1f}%")
+                     f"{_gib(k['cp_buffers'])} {_gib(k['workspace'])} {_gib(r.total)} "
+                     f"{100 * r.total / plan.gpu.memory_bytes:6.1f}%")
     m = plan.max_rank
     kind, val = plan.biggest_term(m)
     lines += ["",

@@ -458,7 +458,7 @@ def test_recipes_select_shipped_activation_configs():
             if isinstance(entry, dict) and "activation" in entry:
                 selected.add(entry["activation"])
     assert selected and selected <= set(activation_groups()), (selected, activation_groups())
-    assert "cluster" in selected
+    assert "recompute" in selected
 
 
 @pytest.mark.parametrize("group", activation_groups())
