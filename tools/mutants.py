@@ -621,6 +621,18 @@ def _vision_trained_without_images(orig):
     return parallelize_part
 
 
+def _plan_ignores_k3_defaults(orig):
+    # The planner treats a run with storage policies as if everything were kept.
+    return property(lambda self: False)
+
+
+def _plan_kda_states_as_chains(orig):
+    def kda_terms(args):
+        t = orig(args)
+        return type(t)(act=t.act / 2, fp32=t.fp32, i64=t.i64, bf16=None if t.bf16 is None else t.bf16 / 2)
+    return kda_terms
+
+
 def _lifted_modules_rerun(orig):
     return property(lambda self: False)  # recomputation runs the lifted modules again instead of replaying
 
@@ -629,6 +641,7 @@ def _lifted_modules_rerun(orig):
 # The table
 # ---------------------------------------------------------------------------------------------------------------------
 KDA_OPS = "tests/unit/test_kda_ops.py"
+PLAN = "tests/e2e/test_plan.py"
 LAYERS = "tests/unit/test_layer_references.py"
 MODEL = "tests/unit/test_model.py"
 ISLANDS = "tests/unit/test_autocast_islands.py"
@@ -855,6 +868,13 @@ MUTATIONS: list[Mutation] = [
     M("trainer_clip_dropped", "k3train.parallel.zero:ShardedOptimizer.scale_grads",
       "global gradient-norm clip measured but not applied", _clip_dropped,
       (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),
+    # ---- planner
+    M("plan_ignores_k3_defaults", "k3train.plan.activations:PolicyPlan.k3_defaults",
+      "the planner predicts saved activations as if no storage policy applied", _plan_ignores_k3_defaults,
+      (f"{PLAN}::test_planner_matches_one_process_layouts",)),
+    M("plan_kda_chains_halved", "k3train.plan.activations:kda_terms",
+      "the planner counts half of KDA's projection and convolution chains", _plan_kda_states_as_chains,
+      (f"{PLAN}::test_planner_matches_one_process_layouts",)),
 ]
 BY_NAME = {m.name: m for m in MUTATIONS}
 assert len(BY_NAME) == len(MUTATIONS), "mutation names must be unique"

@@ -17,6 +17,10 @@ def test_planner_matches_measured_layouts():
 
     rows = measure_layouts()
     assert {r["layout"] for r in rows} == {l.name for l in LAYOUTS}
+    _check_rows(rows)
+
+
+def _check_rows(rows):
     for r in rows:
         for kind in ("params", "grads", "master", "optim"):  # the sum of tensor storage, exactly
             assert r["predicted"][kind] == r["measured"][kind], (r["layout"], r["rank"], kind)
@@ -24,6 +28,13 @@ def test_planner_matches_measured_layouts():
         for key, m in r["acts_measured"].items():
             assert abs(r["acts_predicted"][key] / m - 1) <= 0.10, (r["layout"], r["rank"], key,
                                                                    r["acts_predicted"][key], m)
+
+
+def test_planner_matches_one_process_layouts():
+    """The in-process layouts (keep, recompute, FP8): quick, and what the planner mutations must fail."""
+    from k3train.plan.measure import LAYOUTS, measure_layout
+
+    _check_rows([row for layout in LAYOUTS if layout.world == 1 for row in measure_layout(layout)])
 
 
 def _plan(*overrides, recipe="small_8gpu"):
