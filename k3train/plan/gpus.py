@@ -46,14 +46,15 @@ def gpu_spec(name: str) -> GPU:
     return GPUS[name]
 
 
-def detect_gpu() -> GPU | None:
-    """The table entry of this machine's first CUDA device (matched by name and memory), or None without CUDA or
-    for a device the table lacks."""
+def detect_gpu(device=None) -> GPU | None:
+    """The table entry of the CUDA device the run uses (matched by name), or None on another device type, without
+    CUDA, or for a device the table lacks."""
     import torch
 
-    if not torch.cuda.is_available():
+    device = torch.device(device) if device is not None else None
+    if (device is not None and device.type != "cuda") or not torch.cuda.is_available():
         return None
-    props = torch.cuda.get_device_properties(0)
+    props = torch.cuda.get_device_properties(device if device is not None and device.index is not None else 0)
     name = props.name.lower()
     for key, family in (("b200", "b200_192g"), ("h200", "h200_141g"), ("h100", "h100_80g")):
         if key in name:

@@ -4,7 +4,9 @@ For every layout each rank trains two steps, then reports (a) its training state
 second step's reduction (`Engine.last_memory`: the sum of tensor storage of parameters, gradients, master weights and
 optimizer states) and (b) the saved activations of one micro-batch of each of its stages at two sequence lengths,
 measured with saved-tensor hooks (k3train.plan.meter). The planner predicts the same numbers from the config alone
-(k3train.plan.state_memory, k3train.plan.activations): the state must match exactly, activations within 10%.
+(k3train.plan.state_memory, k3train.plan.activations): the state must match exactly, activations within 10%. For
+AdamW layouts the communication ledger's bytes of the second step (k3train.parallel.comm) must equal the analytic
+bytes the step-time model uses (k3train.models.k3.counts.analytic_step_bytes).
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ LAYOUTS = (
     Layout("dp2 zero2 bf16", {"dp": 2, "zero": 2}, world=2, precision="bf16"),
     Layout("pp2 x dp2 zero1 bf16", {"pp": 2, "dp": 2, "zero": 1, "microbatches": 2}, world=4, precision="bf16"),
     Layout("recompute bf16", {}, policy="recompute", precision="bf16"),
+    # AdamW: the analytic communication bytes (k3train.models.k3.counts.analytic_step_bytes) are AdamW's.
+    Layout("pp2 x dp2 ep2 zero2 adamw", {"pp": 2, "dp": 2, "ep": 2, "zero": 2, "microbatches": 2}, optim="adamw",
+           world=4, precision="bf16"),
 )
 
 
@@ -102,6 +107,7 @@ def _worker(rank: int, layout: Layout, out_dir: str, init_file: str) -> None:
                     mbs = [_batch(args, T, 100 * step + 10 * dp_index + i) for i in range(dims.microbatches)]
                     eng.train_step(mbs)
                 result["state"] = dict(eng.last_memory)
+                result["comm"] = {k: v["payload"] for k, v in eng.comm.snapshot().items()}  # the second step
                 result["pp_rank"], result["dp_cp_rank"] = coords["pp"], coords["dp"] * dims.cp + coords["cp"]
             b = eng._local_batch(_batch(args, T, 7 + coords["dp"]))
             for s, part in zip(eng.stage_ids, eng.model_parts):
@@ -134,6 +140,7 @@ def measure_layout(layout: Layout) -> list[dict]:
     import torch.multiprocessing as mp
 
     from k3train.models.k3.args import get_preset
+    from k3train.models.k3.counts import analytic_step_bytes
     from k3train.parallel.pipeline import split_layers
     from k3train.plan.activations import policy_plan, stage_activation_bytes
     from k3train.plan.state_memory import rank_state_bytes
@@ -163,8 +170,16 @@ def measure_layout(layout: Layout) -> list[dict]:
                               precision=layout.precision)
         measured = {"params": res["state"]["param_bytes"], "grads": res["state"]["grad_bytes"],
                     "master": res["state"].get("master_bytes", 0), "optim": res["state"]["optim_bytes"]}
+        comm = analytic_step_bytes(args, dims, layers, pp_rank=res["pp_rank"], mb=MICRO_BATCH, seq=SEQS[0],
+                                   precision=layout.precision)
+        comm_measured = dict(res["comm"])
+        if "ep/all_to_all" in comm_measured:  # routing decides a rank's rows: the EP group's mean is predicted
+            peers = [x for x in results if x["pp_rank"] == res["pp_rank"]]
+            comm_measured["ep/all_to_all"] = sum(x["comm"]["ep/all_to_all"] for x in peers) / len(peers)
         rows.append({"layout": layout.name, "rank": res["rank"], "predicted": st.as_dict(), "measured": measured,
-                     "acts_measured": res["acts"], "acts_predicted": predicted_acts})
+                     "acts_measured": res["acts"], "acts_predicted": predicted_acts, "optim": layout.optim,
+                     "comm_predicted": {f"{d}/{o}": v["payload"] for (d, o), v in comm.items()},
+                     "comm_measured": comm_measured})
     return rows
 
 
@@ -191,4 +206,9 @@ def format_measurements(rows: list[dict]) -> str:
             s, T = key.split(":")
             lines.append(f"{r['layout']:>22} {r['rank']:>4} {f'acts s{s} T{T}':>16} {int(p):>12,} {m:>12,} "
                          f"{p / m:7.3f}")
+        if r["optim"] == "adamw":
+            for key in sorted(set(r["comm_predicted"]) | set(r["comm_measured"])):
+                p, m = r["comm_predicted"].get(key, 0), r["comm_measured"].get(key, 0)
+                lines.append(f"{r['layout']:>22} {r['rank']:>4} {key:>16} {int(p):>12,} {int(m):>12,} "
+                             f"{(p / m if m else float(p == 0)):7.3f}")
     return "\n".join(lines)

@@ -170,7 +170,7 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
     ep_bw = _bandwidth(gpu, _intra(dims.ep, 1, gpus_per_node))
     cp_bw = _bandwidth(gpu, _intra(dims.cp, 1, gpus_per_node))
     pp_bw = _bandwidth(gpu, _intra(2, dims.dp_cp, gpus_per_node))
-    pp_bytes = {r: analytic_step_bytes(args, dims, stage_layers, pp_rank=r, mb=mb, seq=seq, elem=act_bytes)
+    pp_bytes = {r: analytic_step_bytes(args, dims, stage_layers, pp_rank=r, mb=mb, seq=seq, precision=precision)
                 for r in range(dims.pp)}
     G = args.n_experts // dims.ep if dims.ep > 1 else 0
     expert_numel = 3 * args.moe_latent_dim * args.expert_hidden

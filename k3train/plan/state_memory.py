@@ -128,7 +128,6 @@ def rank_state_bytes(args: K3ModelArgs, dims: ParallelDims, stage_layers: list[l
     out = StateBytes()
     p_elem = 2 if precision == "bf16" else 4
     groups = {"dense": (dims.dp_cp, dp_cp_rank), "expert": (dims.edp, dp_cp_rank // dims.ep)}
-    muon = optim_cfg.name == "muon"
     # Muon matrices of each group in optimizer order: (stage, rows, cols)
     mats: dict[str, list[tuple[int, int, int]]] = {"dense": [], "expert": []}
     for s in stages_of_rank(dims, pp_rank):

@@ -131,7 +131,7 @@ class Trainer:
         if self.device.type == "cpu":
             torch.set_num_threads(t.threads or max(1, _cpu_cores() // env.local_world))
         from k3train.plan import detect_gpu, startup_check
-        self.gpu = detect_gpu() if self.device.type == "cuda" else None
+        self.gpu = detect_gpu(self.device)
         if cfg.plan.check and self.gpu is not None:  # refuse a layout that cannot fit, before any process group
             startup_check(cfg, self.gpu, world=env.world, gpus_per_node=env.local_world, recipe=recipe)
         if env.world > 1 and not dist.is_initialized():

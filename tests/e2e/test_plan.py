@@ -18,6 +18,7 @@ def test_planner_matches_measured_layouts():
     rows = measure_layouts()
     assert {r["layout"] for r in rows} == {l.name for l in LAYOUTS}
     _check_rows(rows)
+    assert any(r["optim"] == "adamw" and "ep/all_to_all" in r["comm_measured"] for r in rows)
 
 
 def _check_rows(rows):
@@ -28,6 +29,8 @@ def _check_rows(rows):
         for key, m in r["acts_measured"].items():
             assert abs(r["acts_predicted"][key] / m - 1) <= 0.10, (r["layout"], r["rank"], key,
                                                                    r["acts_predicted"][key], m)
+        if r["optim"] == "adamw":  # the step-time model's bytes are the communication ledger's
+            assert r["comm_predicted"] == r["comm_measured"], (r["layout"], r["rank"])
 
 
 def test_planner_matches_one_process_layouts():
@@ -113,3 +116,23 @@ def test_executed_flops_match_the_flop_counter(overrides):
     per_token = executed_flops(args, T)
     predicted = (sum(per_token["layers"]) + per_token["head"]) * B * T
     assert abs(predicted / fc.get_total_flops() - 1) < 0.02
+
+
+def test_trainer_refuses_before_any_process_group(monkeypatch, tmp_path):
+    """On a GPU the trainer plans for the GPU it finds and refuses a layout that does not fit, before it builds a
+    process group or a model (here: a tiny run on a pretend 1 MB GPU); plan.check=false skips the check."""
+    import torch.distributed as dist
+
+    import k3train.plan as plan
+    from k3train.config import load_config
+    from k3train.train.trainer import Trainer
+
+    tiny_gpu = plan.GPU("tiny_1mb", 10**6, 1e12, 2e12, 1e9, 1e9)
+    monkeypatch.setattr(plan, "detect_gpu", lambda device=None: tiny_gpu)
+    cfg = load_config("tiny_cpu", ["train.steps=1", f"train.run_dir={tmp_path}", "logging.tensorboard=false"])
+    with pytest.raises(ConfigError, match="does not fit tiny_1mb: pipeline rank 0"):
+        Trainer(cfg)
+    assert not dist.is_initialized()
+    cfg.plan.check = False
+    trainer = Trainer(cfg)
+    assert trainer.peak_flops == tiny_gpu.bf16_flops / 2  # fp32 training: the table's peak, halved
