@@ -7,18 +7,16 @@ CPU and prints predicted vs measured bytes per kind. Bad input exits with code 2
 
 from __future__ import annotations
 
-import sys
-
 
 def _task(dcfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from k3train.config import ConfigError, from_omegaconf
-    from k3train.train.cli import _fail
+    from k3train.config.app import DEFAULT_RECIPE, fail
 
     try:
         cfg = from_omegaconf(dcfg)
-        recipe = HydraConfig.get().job.config_name or "tiny_cpu"
+        recipe = HydraConfig.get().job.config_name or DEFAULT_RECIPE
         from k3train.plan.gpus import gpu_spec
         from k3train.plan.planner import format_plan, plan_json, plan_run, plot_plan
         gpu = gpu_spec(cfg.plan.gpu)
@@ -34,23 +32,13 @@ def _task(dcfg) -> None:
             print(format_measurements(measure_layouts()), flush=True)
         print(plan_json(plan), flush=True)
     except ConfigError as e:
-        _fail("config error", e)
+        fail("config error", e)
 
 
 def main(argv: list[str] | None = None) -> None:
-    import hydra
+    from k3train.config.app import run_app
 
-    from k3train.config import ConfigError, check_recipe, recipes_dir, register_configs
-    from k3train.train.cli import DEFAULT_RECIPE, _config_name, _fail
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    register_configs()
-    try:
-        check_recipe(_config_name(argv) or DEFAULT_RECIPE)
-    except ConfigError as e:
-        _fail("config error", e)
-    sys.argv = [sys.argv[0]] + argv
-    hydra.main(version_base="1.3", config_path=str(recipes_dir()), config_name=DEFAULT_RECIPE)(_task)()
+    run_app(_task, argv)
 
 
 if __name__ == "__main__":

@@ -14,25 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-DEFAULT_RECIPE = "tiny_cpu"
-EXIT_BAD_INPUT = 2
-
-
-def _config_name(argv: list[str]) -> str | None:
-    for i, a in enumerate(argv):
-        for flag in ("--config-name", "-cn"):
-            if a == flag and i + 1 < len(argv):
-                return argv[i + 1]
-            if a.startswith(flag + "="):
-                return a.split("=", 1)[1]
-    return None
-
-
-def _fail(kind: str, err: BaseException) -> None:
-    rank = os.environ.get("RANK")
-    who = f"[rank {rank}] " if rank not in (None, "0") else ""
-    print(f"k3train: {who}{kind}: {err}", file=sys.stderr, flush=True)
-    sys.exit(EXIT_BAD_INPUT)
+from k3train.config.app import DEFAULT_RECIPE, fail as _fail, run_app
 
 
 def _task(dcfg) -> None:
@@ -60,20 +42,7 @@ def _task(dcfg) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import hydra
-
-    from k3train.config import ConfigError, check_recipe, recipes_dir, register_configs
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    register_configs()
-    try:
-        check_recipe(_config_name(argv) or DEFAULT_RECIPE)
-    except ConfigError as e:
-        _fail("config error", e)
-    sys.argv = [sys.argv[0]] + argv
-    # An absolute config_path: found from this package's location, whatever the working directory.
-    app = hydra.main(version_base="1.3", config_path=str(recipes_dir()), config_name=DEFAULT_RECIPE)(_task)
-    app()
+    run_app(_task, argv)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # The run is complete: metrics closed, checkpoints written, process groups destroyed. Leave without the
         # interpreter's and C++ runtime's exit-time teardown, where gloo's transport threads can still be joinable

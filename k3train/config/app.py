@@ -1,0 +1,50 @@
+"""The command-line shell shared by `python -m k3train.train` and `python -m k3train.plan`: Hydra composes a recipe
+(recipes/) with config groups (configs/) and overrides; bad input ends the process with exit code 2 and a
+one-paragraph message (no traceback)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+DEFAULT_RECIPE = "tiny_cpu"
+EXIT_BAD_INPUT = 2
+
+
+def config_name(argv: list[str]) -> str | None:
+    """The recipe named by --config-name / -cn in argv, if any."""
+    for i, a in enumerate(argv):
+        for flag in ("--config-name", "-cn"):
+            if a == flag and i + 1 < len(argv):
+                return argv[i + 1]
+            if a.startswith(flag + "="):
+                return a.split("=", 1)[1]
+    return None
+
+
+def fail(kind: str, err: BaseException) -> None:
+    """Print 'k3train: <kind>: <message>' (naming the rank when it is not 0) and exit with EXIT_BAD_INPUT."""
+    rank = os.environ.get("RANK")
+    who = f"[rank {rank}] " if rank not in (None, "0") else ""
+    print(f"k3train: {who}{kind}: {err}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def run_app(task: Callable, argv: list[str] | None = None) -> None:
+    """Check the recipe name, then run `task(composed DictConfig)` under hydra.main."""
+    import hydra
+
+    from k3train.config.compose import check_recipe
+    from k3train.config.errors import ConfigError
+    from k3train.config.store import recipes_dir, register_configs
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    register_configs()
+    try:
+        check_recipe(config_name(argv) or DEFAULT_RECIPE)
+    except ConfigError as e:
+        fail("config error", e)
+    sys.argv = [sys.argv[0]] + argv
+    # An absolute config_path: found from this package's location, whatever the working directory.
+    hydra.main(version_base="1.3", config_path=str(recipes_dir()), config_name=DEFAULT_RECIPE)(task)()
