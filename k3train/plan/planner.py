@@ -180,6 +180,8 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
     ep_buf: dict[int, float] = {}
     cp_buf: dict[int, float] = {}
     work: dict[int, float] = {}
+    ep_time: dict[int, float] = {}
+    cp_time: dict[int, float] = {}
     for s in range(n):
         layers = stage_layers[s]
         n_moe = sum(args.ffn_kind(i) == "moe" for i in layers)
@@ -206,6 +208,7 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
             lat = mb * seq * (args.mla_kv_rank + args.mla_shared_k_dim) * act_bytes
             cpt = 2 * n_mla * lat * (dims.cp - 1) / dims.cp / cp_bw
             cp_buf[s] = lat if n_mla else 0.0
+        ep_time[s], cp_time[s] = a2a, cpt
         send = (sources_after(args, layers[-1]) * tokens * args.dim * act_bytes / pp_bw) if s < n - 1 else 0.0
         full, shard = stage_grad_bytes(args, dims, stage_layers, s, cfg.optim, _params_cache=cache)
         costs[s] = StageCost(forward_s=fwd + (a2a + cpt) / 2, backward_s=bwd + (a2a + cpt) / 2, act_bytes=act,
@@ -247,10 +250,9 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
         return total
 
     comm = {"dp": max(dim_time(r, "dp_cp") + dim_time(r, "edp") + dim_time(r, "world") for r in range(dims.pp))}
-    comm["ep_in_stages"] = sum(
-        sum(args.ffn_kind(i) == "moe" for i in stage_layers[s]) * 4 * tokens * args.top_k * args.moe_latent_dim
-        * act_bytes * (dims.ep - 1) / dims.ep / ep_bw for s in range(n)) * dims.microbatches / dims.pp \
-        if dims.ep > 1 else 0.0
+    for key, per_stage in (("ep_in_stages", ep_time), ("cp_in_stages", cp_time)):  # part of the stages' time
+        comm[key] = max(sum(per_stage[s] for s in stages_of_rank(dims, r)) * dims.microbatches
+                        for r in range(dims.pp))
     compute = max(sum((costs[s].forward_s + costs[s].backward_s) * dims.microbatches
                       for s in stages_of_rank(dims, r)) for r in range(dims.pp))
     optimizer_s = _muon_seconds(args, dims, stage_layers, cfg.optim, peak, cache)
