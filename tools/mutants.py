@@ -160,11 +160,9 @@ def _conv_taps_reversed(orig):
 
 
 def _mla_not_causal(orig):
-    import torch.nn.functional as F
-
-    def sdpa(q, k, v, attn_mask=None, is_causal=False, **kw):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kw)
-    return with_globals(orig, F=Proxy(F, scaled_dot_product_attention=sdpa))
+    def allowed(q_pos, q_doc, k_pos, k_doc):
+        return k_doc[:, None, :] == q_doc[:, :, None]
+    return allowed
 
 
 def _mla_scale_without_shared(orig):
@@ -677,8 +675,8 @@ MUTATIONS: list[Mutation] = [
       "short conv applies its taps in reverse order", _conv_taps_reversed,
       (f"{LAYERS}::test_kda_matches_reference",)),
     # ---- Gated MLA
-    M("mla_not_causal", "k3train.models.k3.mla:GatedMLA.attend",
-      "no-document path attends without the causal mask", _mla_not_causal,
+    M("mla_not_causal", "k3train.ops.attention.blocked:allowed",
+      "attention tiles see every key of the query's document, later ones too (no causal mask)", _mla_not_causal,
       (f"{LAYERS}::test_mla_matches_reference", f"{LAYERS}::test_model_is_causal_without_documents")),
     M("mla_scale_without_shared", "k3train.models.k3.mla:GatedMLA.__init__",
       "softmax scale 128^-1/2 (the shared 64-wide key slice left out)", _mla_scale_without_shared,
@@ -697,8 +695,8 @@ MUTATIONS: list[Mutation] = [
     M("router_weights_biased", "k3train.models.k3.moe:Router.forward",
       "mixture weights from the biased scores s + b", _router_weights_biased,
       (f"{MODEL}::test_router_bias_changes_choice_not_weights_or_grads",)),
-    M("qk_max_logits_under_autocast", "k3train.models.k3.mla:GatedMLA.record_max_logits",
-      "QK-Clip's max logits computed in the caller's bf16 autocast", _autocast_kept_under_no_grad,
+    M("qk_max_logits_under_autocast", "k3train.ops.attention.blocked:_scores",
+      "attention logits (and QK-Clip's max logits) computed in the caller's bf16 autocast", _autocast_kept,
       (f"{ISLANDS}::test_qk_clip_max_logits_are_fp32_statistics_under_autocast",)),
     M("router_scores_under_autocast", "k3train.models.k3.moe:Router.forward",
       "router logits, sigmoid, score + bias and top-k run in the caller's bf16 autocast", _autocast_kept,

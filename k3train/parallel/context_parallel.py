@@ -318,7 +318,8 @@ class ContextParallel:
 
     def _plan(self, what: str, device):
         """Per-batch tables, built on first use and cached per device: 'pos' (global position-in-document of the
-        local tokens), 'kda' (the PiecePlan) or 'mla' ((key start, key end, mask) per local piece)."""
+        local tokens), 'kda' (the PiecePlan) or 'mla' ((key start, key end, query positions, query and key
+        document ids) per local piece)."""
         key = (what, str(device))
         if key in self._plans:
             return self._plans[key]
@@ -339,9 +340,9 @@ class ContextParallel:
             L, out = self.piece_len, []
             for c in self.local_pieces():
                 lo = int((c * L - pos[:, c * L]).min())
-                q_index, k_index = torch.arange(c * L, (c + 1) * L), torch.arange(lo, (c + 1) * L)
-                mask = (k_index[None, :] <= q_index[:, None])[None] & (doc[:, q_index, None] == doc[:, None, k_index])
-                out.append((lo, (c + 1) * L, mask[:, None].to(device)))
+                q_index = torch.arange(c * L, (c + 1) * L)
+                out.append((lo, (c + 1) * L, q_index[None].to(device), doc[:, c * L:(c + 1) * L].to(device),
+                            doc[:, lo:(c + 1) * L].to(device)))
         self._plans[key] = out
         return out
 
@@ -386,8 +387,9 @@ class ContextParallel:
     def mla_keys(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, torch.Tensor]]]:
         """What MLA needs to attend its local queries under CP, as plain data: the latent of the whole row
         [B, n*L, 576] in sequence order (all-gathered, differentiable), and per local piece p (the rows b*P + p of
-        the local layout) its key range (start, end) in that row and its mask [B, 1, L, end - start] (causal and
-        per document over global positions)."""
+        the local layout) its key range (start, end) in that row, its queries' positions in the row [1, L] and
+        document ids [B, L], and the keys' document ids [B, end - start] (the mask is causal and per document; it is
+        built tile by tile, never as [L, end - start])."""
         R, L, W = c_kv.shape
         B = self._rows_check(R, L, "mla_keys")
         full = self.seq.to_sequence_order(self._gather(c_kv, "mla_latent"), B)        # [B, n, L, 576]

@@ -6,16 +6,15 @@ the MoE dispatch). Elements are in the compute dtype (`act`) unless marked fp32 
 storage saved by several operations is counted once; weights are not activations.
 
 The bf16 figures (bytes per token) count what autocast adds: RMSNorm and the fp32 islands save fp32, matmul inputs
-are cast copies in bf16. Per token, in fp32 training (elements), for D = dim (the sequence length T only enters Gated MLA, whose explicit causal softmax saves its [T, T]
-probabilities per head: H T elements per token):
+are cast copies in bf16. Per token, in fp32 training (elements), for D = dim (nothing grows with the sequence length T: Gated MLA attends in blocks):
 
 - RMSNorm over n channels: 2 n + 1 (input, normalised input, reciprocal RMS).
 - Block AttnRes mixer over S sources: 3 S D + 2 S (stacked sources, their normalised copies, the flattened keys,
   logits and depth weights).
 - KDA, H heads of width K, chunk C, decay rank r: D + r + H (3 K^2 / C + 39.5625 K + 3 K C / 32 + 4 C + 14)
   (projections, short-convolution and L2-norm chains, gate, and the chunked recurrence's per-chunk maps and states).
-- Gated MLA: D + 3 q + 3 kv + s + 2 + 2 H (k + s) + H (k + v) + 3 H v + H T (q = q_rank, kv = kv_rank,
-  s = shared key width, k/v = head widths).
+- Gated MLA: D + 3 q + 3 kv + s + 4 + 2 H (k + s) + H (k + v) + 3 H v, and H fp32 (the blocked attention's
+  log-sum-exp; q = q_rank, kv = kv_rank, s = shared key width, k/v = head widths): nothing grows with T.
 - Dense SiTU-GLU of hidden F: D + 8 F.
 - LatentMoE, E experts, top k, latent L, expert hidden h, shared n x F_s: D + E + 2 + 3 L + 8 n F_s (router, latent
   projections, shared experts) + 8 k (int64 routes and positions, as 2 elements each) + 2 k L (dispatched rows and
@@ -84,9 +83,10 @@ def kda_terms(args: K3ModelArgs) -> Terms:
 def mla_terms(args: K3ModelArgs, seq_len: int) -> Terms:
     H, q, kv, s = args.mla_heads, args.mla_q_rank, args.mla_kv_rank, args.mla_shared_k_dim
     k, v = args.mla_k_head_dim, args.mla_v_head_dim
-    act = args.dim + 3 * q + 3 * kv + s + 2 + 2 * H * (k + s) + H * (k + v) + 3 * H * v
-    bf16 = 2 * args.dim + 10 * q + 10 * kv + 8 * H * k + 10 * H * v + 10 * H * s + 4 * H * seq_len + 40
-    return Terms(act=act, fp32=H * seq_len, bf16=bf16)
+    # The blocked attention keeps q, k, v, its fp32 output and one fp32 log-sum-exp per head and query.
+    act = args.dim + 3 * q + 3 * kv + s + 4 + 2 * H * (k + s) + H * (k + v) + 3 * H * v
+    bf16 = 2 * args.dim + 10 * q + 10 * kv + 6 * H * k + 12 * H * v + 4 * H * s + 4 * H + 16
+    return Terms(act=act, fp32=H, bf16=bf16)
 
 
 def dense_ffn_terms(args: K3ModelArgs) -> Terms:
@@ -213,9 +213,9 @@ def stage_workspace_bytes(args: K3ModelArgs, layers: list[int], *, first: bool, 
     """Transient device bytes of the stage's most expensive layer while it runs backward (one layer at a time):
 
     - a recomputed layer rebuilds everything it saves under keep for its own backward (one micro-batch);
-    - Gated MLA's explicit causal softmax holds [rows, H, T_local, T] fp32 probabilities and, in backward, their
-      gradient: the second copy is transient whatever the policy (the first is in the saved activations under
-      keep, in the rebuilt layer under recompute). At 8k tokens and 96 heads that is 25.8 GB per copy."""
+    - Gated MLA's blocked attention holds one tile of fp32 scores, probabilities and their gradient,
+      [rows, H, q_block, k_block] each (k3train.ops.attention.blocked)."""
+    from k3train.ops.attention.blocked import K_BLOCK, Q_BLOCK
     keep = PolicyPlan()
     S = 1 if first else sources_after(args, layers[0] - 1)
     worst = 0.0
@@ -223,7 +223,8 @@ def stage_workspace_bytes(args: K3ModelArgs, layers: list[int], *, first: bool, 
         policy = (plan.of(f"layers.{i}") or plan.default) if plan.k3_defaults else "keep"
         w = layer_bytes_per_token(args, i, seq_len, keep, act_bytes, S) * tokens if policy == "recompute" else 0.0
         if args.layer_kind(i) == "mla":
-            w += 4.0 * args.mla_heads * tokens * seq_len
+            tq = tokens // max(rows, 1)
+            w += 3 * 4.0 * rows * args.mla_heads * min(Q_BLOCK, tq) * min(K_BLOCK, seq_len)
         worst = max(worst, w)
         S = sources_after(args, i)
     return worst

@@ -131,17 +131,18 @@ def test_attention_softmax_statistics_stay_fp32_under_autocast():
 def test_qk_clip_max_logits_are_fp32_statistics_under_autocast():
     """The per-head max logit of bf16 queries and keys is the fp32 product the attention accumulates, not a product
     rounded to bf16 (about 4e-3 relative): QK-Clip compares it with its threshold."""
-    from k3train.models.k3.args import get_preset
-    from k3train.models.k3.mla import GatedMLA
+    from k3train.ops.attention import block_attention
 
-    mla = GatedMLA(get_preset("tiny"))
     gen = torch.Generator().manual_seed(3)
-    q = (3 * torch.randn(2, mla.n_heads, 40, mla.k_dim + mla.s_dim, generator=gen)).to(torch.bfloat16)
-    k = (3 * torch.randn(2, mla.n_heads, 40, mla.k_dim + mla.s_dim, generator=gen)).to(torch.bfloat16)
+    q = (3 * torch.randn(2, 2, 40, 24, generator=gen)).to(torch.bfloat16)
+    k = (3 * torch.randn(2, 2, 40, 24, generator=gen)).to(torch.bfloat16)
+    v = torch.randn(2, 2, 40, 8, generator=gen).to(torch.bfloat16)
+    scale = 24 ** -0.5
     causal = torch.ones(40, 40, dtype=torch.bool).tril()
-    ref = (q.double() @ k.double().transpose(-2, -1) * mla.scale).masked_fill(~causal, float("-inf"))
+    ref = (q.double() @ k.double().transpose(-2, -1) * scale).masked_fill(~causal, float("-inf"))
     ref = ref.amax(dim=(0, 2, 3))
+    pos, doc = torch.arange(40)[None], torch.zeros(1, 40, dtype=torch.long)
     with autocast():
-        mla.record_max_logits(q, k, None, key_block=16)
-    assert mla.max_logits.dtype == torch.float32
-    assert rel_err(mla.max_logits, ref) < 1e-6
+        _, max_logit = block_attention(q, k, v, pos, doc, pos, doc, scale, q_block=16, k_block=16)
+    assert max_logit.dtype == torch.float32
+    assert rel_err(max_logit, ref) < 1e-6

@@ -252,7 +252,8 @@ def executed_flops(args: K3ModelArgs, seq_len: int) -> dict:
     (what torch.utils.flop_counter.FlopCounterMode counts), unlike `layer_costs`, the model's FLOPs:
 
     - 6 x the matrices a token multiplies with (forward, input and weight gradient);
-    - Gated MLA's scores and values over the full [T, T] square (the causal mask is applied, not skipped);
+    - Gated MLA's blocked attention over the key tiles a query's tile visits (causal: tiles after it are skipped):
+      scores and values forward, and in backward the recomputed scores and four more products (4 qk + 3 v);
     - KDA's chunked form per head: 6 K^3 / C + 18 K^2 + 22 K C + 96 K per token (intra-chunk tiles, the WY
       factors, the state recurrence and the short convolutions), minus 6 K^3 per row (the first chunk starts from a
       zero state);
@@ -265,9 +266,21 @@ def executed_flops(args: K3ModelArgs, seq_len: int) -> dict:
         if args.layer_kind(i) == "kda":
             f += H * (6 * K**3 / C + 18 * K * K + 22 * K * C + 96 * K) - 6 * H * K**3 / seq_len
         else:
-            f += 6.0 * seq_len * args.mla_heads * (args.mla_qk_head_dim + args.mla_v_head_dim)
+            f += 2.0 * _visited_keys(seq_len) * args.mla_heads * (4 * args.mla_qk_head_dim + 3 * args.mla_v_head_dim)
         starts = (i - 1) % args.attnres_block_layers == 0
         f += (6 * S * D if S > 1 else 0) + 6 * (S + 1 if starts else S) * D
         S = sources_after(args, i)
         layers.append(f)
     return {"layers": layers, "head": 6.0 * mats["head"] + 6 * S * D}
+
+
+def _visited_keys(seq_len: int) -> float:
+    """Keys per query that Gated MLA's blocked attention computes without documents: every key of each key tile
+    that is not entirely after the query tile (k3train.ops.attention.blocked)."""
+    from k3train.ops.attention.blocked import K_BLOCK, Q_BLOCK
+
+    total = 0
+    for qa in range(0, seq_len, Q_BLOCK):
+        qb = min(qa + Q_BLOCK, seq_len)
+        total += (qb - qa) * min(seq_len, -(-qb // K_BLOCK) * K_BLOCK)
+    return total / seq_len

@@ -2,18 +2,19 @@
 
 Keys/values come from a 512-wide latent plus a 64-wide key slice shared by all heads (576 numbers cached per token).
 Training form: materialise per-head keys [latent part (128) || shared slice (64)] and values (128); causal softmax
-attention within each document with scale (128+64)^-1/2; the output is gated per channel by sigmoid(W_g x) before Wo.
+attention within each document with scale (128+64)^-1/2, in query and key blocks with an online softmax
+(k3train.ops.attention: no [T, T] tensor); the output is gated per channel by sigmoid(W_g x) before Wo.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
 from k3train.models.structure import MatrixStructure
+from k3train.ops.attention import block_attention
 
 
 class GatedMLA(nn.Module):
@@ -56,45 +57,28 @@ class GatedMLA(nn.Module):
             full, pieces = ctx.cp.mla_keys(c_kv)
             P = len(pieces)
             qp = q.view(full.shape[0], P, *q.shape[1:])
-            outs = [self.attend(qp[:, p], full[:, lo:hi], mask[:, 0]) for p, (lo, hi, mask) in enumerate(pieces)]
+            outs = [self.attend(qp[:, p], full[:, lo:hi], q_pos, q_doc, torch.arange(lo, hi, device=x.device)[None],
+                                k_doc) for p, (lo, hi, q_pos, q_doc, k_doc) in enumerate(pieces)]
             o = torch.stack(outs, dim=1).view(B, self.n_heads, T, self.v_dim)
-        elif ctx.cu_seqlens is None:
-            o = self.attend(q, c_kv, None)
         else:
-            doc = ctx.documents(B, T, x.device).doc_ids
-            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            o = self.attend(q, c_kv, (doc[:, :, None] == doc[:, None, :]) & causal)
+            pos = torch.arange(T, device=x.device)[None]
+            doc = (torch.zeros(1, T, dtype=torch.long, device=x.device) if ctx.cu_seqlens is None
+                   else ctx.documents(B, T, x.device).doc_ids)
+            o = self.attend(q, c_kv, pos, doc, pos, doc)
         o = o.transpose(1, 2) * torch.sigmoid(self.g_proj(x)).view(B, T, self.n_heads, self.v_dim)
         return self.o_proj(o.reshape(B, T, -1))
 
-    def attend(self, q: torch.Tensor, c_kv: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Softmax attention of q [B, H, Tq, k+s] over the keys and values built from the latent c_kv [B, Tk, 576];
-        mask [B, Tq, Tk] bool (True: attended), None: causal with Tq == Tk. Returns [B, H, Tq, v]."""
+    def attend(self, q: torch.Tensor, c_kv: torch.Tensor, q_pos: torch.Tensor, q_doc: torch.Tensor,
+               k_pos: torch.Tensor, k_doc: torch.Tensor) -> torch.Tensor:
+        """Softmax attention of q [B, H, Tq, k+s] over the keys and values built from the latent c_kv [B, Tk, 576]:
+        query i sees key j when both lie in one document (q_doc, k_doc [B or 1, T]) and j is not after i (q_pos,
+        k_pos: positions in the row). Returns [B, H, Tq, v]; QK-Clip's per-head max logit comes from the same
+        pass."""
         k, v = self.keys_values(c_kv)
-        if mask is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.scale)
+        o, max_logit = block_attention(q, k, v, q_pos, q_doc, k_pos, k_doc, self.scale)
         if self.training and self.track_max_logits:
-            self.record_max_logits(q, k, mask)
+            self.max_logits = max_logit if self.max_logits is None else torch.maximum(self.max_logits, max_logit)
         return o
-
-    @torch.no_grad()
-    def record_max_logits(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
-                          key_block: int = 1024) -> None:
-        """Fold the per-head max pre-softmax logit of q [B, H, Tq, d] against k [B, H, Tk, d] into max_logits.
-        mask [B or 1, Tq, Tk] bool (True: attended), None: causal. Keys go in blocks, so the scores held at once
-        are [B, H, Tq, key_block], never [Tq, Tk]."""
-        Tq, Tk = q.shape[2], k.shape[2]
-        m = torch.full((q.shape[1],), float("-inf"), dtype=torch.float32, device=q.device)
-        qpos = torch.arange(Tq, device=q.device)[:, None]
-        for a in range(0, Tk, key_block):
-            b = min(a + key_block, Tk)
-            with torch.autocast(q.device.type, enabled=False):  # the max logit is an fp32 statistic, as the softmax's
-                s = (q.float() @ k[:, :, a:b].float().transpose(-2, -1)) * self.scale
-            keep = (torch.arange(a, b, device=q.device)[None] <= qpos)[None] if mask is None else mask[:, :, a:b]
-            m = torch.maximum(m, s.masked_fill(~keep[:, None], float("-inf")).amax(dim=(0, 2, 3)))
-        self.max_logits = m if self.max_logits is None else torch.maximum(self.max_logits, m)
 
     def qk_clip_targets(self) -> dict:
         return dict(q_weight=self.wq_b.weight, k_weight=self.wkv_b.weight, n_heads=self.n_heads,

@@ -26,6 +26,13 @@ def _acc(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
+def _scores(qt: torch.Tensor, kt: torch.Tensor, scale: float, acc: torch.dtype) -> torch.Tensor:
+    """One tile's logits as an fp32 (fp64) product, whatever the caller's autocast: the softmax, its statistics and
+    QK-Clip's max logit are fp32 islands (a bf16-rounded product is off by about 4e-3)."""
+    with torch.autocast(qt.device.type, enabled=False):
+        return (qt.to(acc) @ kt.to(acc).transpose(-2, -1)) * scale
+
+
 def _tiles(Tq: int, Tk: int, bq: int, bk: int):
     for qa in range(0, Tq, bq):
         for ka in range(0, Tk, bk):
@@ -44,15 +51,15 @@ class _BlockAttention(torch.autograd.Function):
             vis = allowed(q_pos[:, qa:qb], q_doc[:, qa:qb], k_pos[:, ka:kb], k_doc[:, ka:kb])[:, None]
             if not bool(vis.any()):
                 continue
-            s = (q[:, :, qa:qb] @ k[:, :, ka:kb].transpose(-2, -1)).to(acc) * scale
-            s = s.masked_fill(~vis, float("-inf"))
+            s = _scores(q[:, :, qa:qb], k[:, :, ka:kb], scale, acc).masked_fill(~vis, float("-inf"))
             m_old = m[:, :, qa:qb]
             m_new = torch.maximum(m_old, s.amax(-1))
             shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with nothing visible yet
             p = torch.exp(s - shift[..., None])
             alpha = torch.exp(m_old - shift)
             l[:, :, qa:qb] = l[:, :, qa:qb] * alpha + p.sum(-1)
-            o[:, :, qa:qb] = o[:, :, qa:qb] * alpha[..., None] + p @ v[:, :, ka:kb].to(acc)
+            with torch.autocast(q.device.type, enabled=False):
+                o[:, :, qa:qb] = o[:, :, qa:qb] * alpha[..., None] + p @ v[:, :, ka:kb].to(acc)
             m[:, :, qa:qb] = m_new
         out = o / l.clamp_min(torch.finfo(acc).tiny)[..., None]
         lse = m + torch.log(l)
@@ -68,7 +75,7 @@ class _BlockAttention(torch.autograd.Function):
         scale, bq, bk = ctx.scale, ctx.bq, ctx.bk
         Tq, Tk, acc = q.shape[2], k.shape[2], _acc(q)
         d_out = d_out.to(acc)
-        delta = (d_out * out).sum(-1)  # rowsum(dO O)
+        delta = (d_out * out.to(acc)).sum(-1)  # rowsum(dO O)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
@@ -77,13 +84,14 @@ class _BlockAttention(torch.autograd.Function):
             if not bool(vis.any()):
                 continue
             qt, kt, vt = q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb]
-            s = (qt @ kt.transpose(-2, -1)).to(acc) * scale
+            s = _scores(qt, kt, scale, acc)
             p = torch.exp(s.masked_fill(~vis, float("-inf")) - lse[:, :, qa:qb, None])
             g = d_out[:, :, qa:qb]
-            dv[:, :, ka:kb] += p.transpose(-2, -1) @ g
-            ds = p * (g @ vt.to(acc).transpose(-2, -1) - delta[:, :, qa:qb, None])
-            dq[:, :, qa:qb] += (ds @ kt.to(acc)) * scale
-            dk[:, :, ka:kb] += (ds.transpose(-2, -1) @ qt.to(acc)) * scale
+            with torch.autocast(q.device.type, enabled=False):
+                dv[:, :, ka:kb] += p.transpose(-2, -1) @ g
+                ds = p * (g @ vt.to(acc).transpose(-2, -1) - delta[:, :, qa:qb, None])
+                dq[:, :, qa:qb] += (ds @ kt.to(acc)) * scale
+                dk[:, :, ka:kb] += (ds.transpose(-2, -1) @ qt.to(acc)) * scale
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 
