@@ -54,10 +54,10 @@ def test_recipes_are_listed_and_load():
     paths = ["data.paths=[corpus/*.jsonl]", "data.tokenizer_path=tok.tiktoken"]
     long = load_config("k3_long_context", paths, world_size=2048)
     p = long.parallel
-    assert (p.pp, p.cp, p.dp, p.ep, p.cp_layout) == (16, 64, 2, 128, "zigzag") and long.data.seq_len == 1 << 20
-    # 128 zigzag pieces x the 64-token KDA chunk: 1M - 1024 is refused, naming the multiple.
+    assert (p.pp, p.cp, p.dp, p.ep, p.cp_layout) == (16, 128, 1, 128, "zigzag") and long.data.seq_len == 1 << 20
+    # 256 zigzag pieces x the 64-token KDA chunk: 1M - 1024 is refused, naming the multiple.
     msg = _error(paths + [f"data.seq_len={(1 << 20) - 1024}"], world_size=2048, recipe="k3_long_context")
-    assert msg.startswith("data.seq_len:") and "multiple of 8192" in msg, msg
+    assert msg.startswith("data.seq_len:") and "multiple of 16384" in msg, msg
 
 
 def test_overrides_apply():
