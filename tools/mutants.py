@@ -631,6 +631,10 @@ def _plan_kda_states_as_chains(orig):
     return kda_terms
 
 
+def _masters_not_reset(orig):
+    return lambda self: None
+
+
 def _lifted_modules_rerun(orig):
     return property(lambda self: False)  # recomputation runs the lifted modules again instead of replaying
 
@@ -866,6 +870,9 @@ MUTATIONS: list[Mutation] = [
     M("trainer_clip_dropped", "k3train.parallel.zero:ShardedOptimizer.scale_grads",
       "global gradient-norm clip measured but not applied", _clip_dropped,
       (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),
+    M("init_from_masters_stale", "k3train.parallel.zero:ShardedOptimizer.masters_from_weights",
+      "train.init_from loads the weights but leaves the fp32 masters at their initial values", _masters_not_reset,
+      ("tests/e2e/test_init_from.py::test_init_from_sets_bf16_masters_from_the_loaded_weights",)),
     # ---- planner
     M("plan_ignores_k3_defaults", "k3train.plan.activations:PolicyPlan.k3_defaults",
       "the planner predicts saved activations as if no storage policy applied", _plan_ignores_k3_defaults,

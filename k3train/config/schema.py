@@ -114,6 +114,11 @@ class TrainConfig:
     resume: str = "auto"
     """auto: continue from the newest valid checkpoint in run_dir if there is one; never: start fresh;
     or a path to a checkpoint (step-N) or to a run directory."""
+    init_from: str = ""
+    """Start a new run from the weights of another run's checkpoint (a step-N folder, a checkpoints folder or a run
+    directory; any layout, any step): parameters and balancing biases only, with a fresh step counter, schedule,
+    optimizer and data position (context extension: 8k -> 128k -> 1M). Used only while the run directory holds no
+    checkpoint of its own; after that the run resumes itself."""
     device: str = "auto"
     """auto (cuda when present, else cpu), cpu or cuda."""
     precision: str = "fp32"

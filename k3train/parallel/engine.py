@@ -314,6 +314,14 @@ class Engine:
         if "meta" in sd and "step" in sd["meta"]:
             self.step_count = int(sd["meta"]["step"])
 
+    def load_weights(self, model: dict) -> None:
+        """Load parameters and buffers (the routers' balancing biases among them) from an FQN-keyed dict, and
+        nothing else: the optimizer starts fresh, its fp32 masters (bf16) taken from the loaded weights."""
+        for part in self.model_parts:
+            own = part.state_dict()
+            part.load_state_dict({k: model[k] for k in own}, strict=True)
+        self.zero.masters_from_weights()
+
     # ---- facts ------------------------------------------------------------------------------------------------------
     def memory_report(self) -> dict:
         """Bytes of tensor storage this rank holds now, by kind (formulas in k3train.parallel.zero): parameters

@@ -634,6 +634,19 @@ class ShardedOptimizer:
                     else:
                         it.master.copy_(self._stepped(it))
 
+    @torch.no_grad()
+    def masters_from_weights(self) -> None:
+        """Set every fp32 master (bf16 training) from the weights the rank now holds: after weights were loaded
+        without optimizer state (train.init_from)."""
+        for it in self.items.values():
+            if it.master is not None:
+                it.master.copy_(self._stepped(it))
+            elif it.name in self._matrix_owned and self.low:
+                st = self.optimizer.state[it.param]
+                if "master_owned" in st:
+                    from k3train.parallel.owned_state import load_owned
+                    load_owned(self.optimizer, it.param, it.param.detach(), st["master_owned"])
+
     def _whole(self, it: ShardedParam, v) -> torch.Tensor:
         """A loaded tensor covering this rank's whole parameter (its EP block of a logical tensor)."""
         from torch.distributed.tensor import DTensor

@@ -329,3 +329,42 @@ class Checkpointer:
                                   f"(model or layout changed?): {type(e).__name__}: {e}") from e
         _load_scheduler(scheduler, state["scheduler"])
         return _finish_load(state, rank, folder)
+
+
+def init_weights_from(path: str, engine, warn=None) -> Path:
+    """train.init_from: load the weights (parameters and buffers) of the newest valid checkpoint at `path` (a step-N
+    folder, a checkpoints folder or a run directory), saved under any layout at any step, into `engine`; nothing
+    else is read. CheckpointError for a missing or corrupt checkpoint or one of another model shape (naming the
+    first mismatching tensors)."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"train.init_from={path!r}: no such file or directory")
+    cands = Checkpointer(p if not _STEP_RE.match(p.name) else p.parent.parent, keep_last_k=1).candidates(path)
+    if not cands:
+        raise CheckpointError(f"train.init_from={path!r}: no checkpoint (step-N folder) there")
+    folder = cands[0]
+    problem = verify_checkpoint(folder)
+    if problem is not None:
+        raise CheckpointError(f"train.init_from: checkpoint {folder} is corrupt ({problem})")
+    model = {k: v for k, v in engine.state_dict()["model"].items()}
+    meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    missing = [k for k in model if f"engine.model.{k}" not in meta]
+    if missing:
+        raise CheckpointError(f"train.init_from: checkpoint {folder} lacks model entries {missing[:5]} (another "
+                              f"model?)")
+    wrong = []
+    for k, v in model.items():
+        saved = getattr(meta[f"engine.model.{k}"], "size", None)
+        shape = tuple(getattr(v, "shape", ()))
+        if saved is not None and tuple(saved) != shape and not hasattr(v, "device_mesh"):
+            wrong.append(f"{k} {tuple(saved)} in the checkpoint, {shape} here")
+    if wrong:
+        raise CheckpointError(f"train.init_from: checkpoint {folder} holds another model shape: {'; '.join(wrong[:3])}")
+    state = {"engine": {"model": model}}
+    try:
+        dcp.load(state, checkpoint_id=str(folder))
+        engine.load_weights(state["engine"]["model"])
+    except Exception as e:  # DCP raises several types for a checkpoint of another shape
+        raise CheckpointError(f"train.init_from: checkpoint {folder} does not fit this model: {type(e).__name__}: "
+                              f"{e}") from e
+    return folder

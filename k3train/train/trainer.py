@@ -189,6 +189,11 @@ class Trainer:
             if loaded.data_state is not None:
                 self.train_loader.load_state_dict(loaded.data_state)
             self._print(f"k3train: resumed from {loaded.path} at step {self.step}")
+        elif t.init_from:  # a new run from another run's weights (nothing of its own to resume yet)
+            from .checkpoint import init_weights_from
+            with _quiet_checkpoint_warnings():
+                source = init_weights_from(t.init_from, self.engine)
+            self._print(f"k3train: weights from {source}; step, schedule, optimizer and data start fresh")
 
         # ---- metrics -------------------------------------------------------------------------------------------
         self.tokens_per_step = self.dp * cfg.parallel.microbatches * cfg.data.micro_batch * cfg.data.seq_len

@@ -99,6 +99,8 @@ REASONS: dict[str, str] = {
     "model.overrides.name": "a label for logs (the preset's name)",
     "model.overrides.max_seq_len": "an upper bound checked against data.seq_len at validation; the model has no "
                                    "position table (NoPE MLA, KDA), so nothing it computes depends on it",
+    "train.init_from": "where a new run's weights come from (another run's checkpoint): tests/e2e/test_init_from.py "
+                       "shows the weights taken and everything else starting fresh",
     "plan.gpu": "the planner's GPU (python -m k3train.plan; tests/e2e/test_plan.py shows its table and errors); "
                 "at training start-up the GPU found is used, and a CPU run has none",
     "plan.gpus_per_node": "the planner's intra- vs inter-node bandwidth (tests/e2e/test_plan.py): planning only",
