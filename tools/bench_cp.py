@@ -18,6 +18,11 @@ processes = cp on gloo: wall seconds, and the busiest rank's CPU seconds (the wa
 and no contention); each figure is the median of --steps steps after one warm-up. Workers flush subnormal floats
 to zero (torch.set_flush_denormal): fp32 gradients through long products of decays otherwise go subnormal and slow
 the CPU arithmetic several-fold. With fewer cores than processes, wall time measures oversubscription.
+Memory (`--memory 8192 16384 32768`): instead of the above, one training step of the tiny model on one row of T
+tokens under cp = 2 (`torchrun --nproc-per-node 2 -m k3train.train --config-name tiny_cpu parallel.cp=2 ...`), each
+length in a fresh pair of processes: the peak resident memory of the larger worker (getrusage of the waited-for
+processes), and its growth against T (linear growth keeps the ratio of the two near 1; MLA's old [T, T] form made
+it grow with T).
 The last line is JSON with every figure.
 """
 
@@ -184,6 +189,35 @@ def kda_overhead(T: int, repeats: int = 3) -> dict:
     return out
 
 
+def _peak_rss_mb(T: int) -> float:
+    """Peak RSS (MB) of the larger of two cp = 2 workers running one tiny training step on one row of T tokens."""
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(_free_port()), "-m", "k3train.train", "--config-name", "tiny_cpu", "train.steps=1",
+               "parallel.cp=2", f"data.seq_len={T}", "data.micro_batch=1", f"+model.overrides.max_seq_len={T}",
+               f"train.run_dir={d}/run", "logging.progress_bar=false", "logging.tensorboard=false",
+               "train.eval_interval=0", "train.checkpoint_at_end=false"]
+        wrapper = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+                   "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
+        out = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True, cwd=d)
+        if out.returncode != 0:
+            raise RuntimeError(f"T={T}: the training step failed:\n{out.stderr[-2000:]}")
+        return int(out.stdout.strip().splitlines()[-1]) / 1024
+
+
+def memory_vs_length(lengths: list[int]) -> dict:
+    rows = {T: _peak_rss_mb(T) for T in lengths}
+    T0 = min(rows)
+    print(f"peak RSS per worker, tiny model, one row, cp = 2, one training step ({os.cpu_count()} CPUs here)")
+    print(f"{'T':>8} {'peak MB':>9} {'MB per 1k tokens':>17} {'peak ratio':>11} {'T ratio':>8}")
+    for T, mb in rows.items():
+        print(f"{T:>8} {mb:>9.0f} {1000 * mb / T:>17.1f} {mb / rows[T0]:>11.2f} {T / T0:>8.2f}")
+    return {"peak_rss_mb": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072])
@@ -194,7 +228,12 @@ def main() -> None:
     ap.add_argument("--skip-steps", action="store_true")
     ap.add_argument("--skip-bytes", action="store_true")
     ap.add_argument("--overhead-tokens", type=int, default=16384, help="T of the KDA CP-overhead measurement")
+    ap.add_argument("--memory", type=int, nargs="+", default=None,
+                    help="instead: peak memory per worker of one cp=2 training step at these lengths")
     a = ap.parse_args()
+    if a.memory:
+        print(json.dumps(memory_vs_length(a.memory)))
+        return
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
 
