@@ -18,11 +18,16 @@ processes = cp on gloo: wall seconds, and the busiest rank's CPU seconds (the wa
 and no contention); each figure is the median of --steps steps after one warm-up. Workers flush subnormal floats
 to zero (torch.set_flush_denormal): fp32 gradients through long products of decays otherwise go subnormal and slow
 the CPU arithmetic several-fold. With fewer cores than processes, wall time measures oversubscription.
-Memory (`--memory 8192 16384 32768`): instead of the above, one training step of the tiny model on one row of T
-tokens under cp = 2 (`torchrun --nproc-per-node 2 -m k3train.train --config-name tiny_cpu parallel.cp=2 ...`), each
-length in a fresh pair of processes: the peak resident memory of the larger worker (getrusage of the waited-for
-processes), and its growth against T (linear growth keeps the ratio of the two near 1; MLA's old [T, T] form made
-it grow with T).
+Instead of the above (any of these, together):
+- `--memory 8192 16384 32768 [--activation keep recompute]`: one training step of the tiny model on one row of T
+  tokens under cp = 2 (`torchrun --nproc-per-node 2 -m k3train.train --config-name tiny_cpu parallel.cp=2 ...`), each
+  length and activation policy in a fresh pair of processes: the peak resident memory of the larger worker
+  (getrusage of the waited-for processes), and its growth against T (linear growth keeps MB per 1k tokens flat).
+- `--time-per-token 8192 16384 32768`: the busiest rank's CPU microseconds per local token of a cp = 2 forward +
+  backward, against T.
+- `--mla-blocks T`: one Gated MLA layer forward + backward at T tokens for several query x key block sizes.
+- `--max-tokens 1048576`: a cp = 4 training step (activation=recompute) on one row of that many tokens; when it does
+  not fit in this machine's memory, the row is halved until a step runs, and every try is reported.
 The last line is JSON with every figure.
 """
 
@@ -99,10 +104,12 @@ def _bytes_worker(rank, world, port, out, lengths, mla_layer_max):
                 cp = ContextParallel(dist.group.WORLD, seq_len=T)
                 m(cp.shard_rows(x), BatchContext(cp=cp)).square().mean().backward()
                 row["mla_layer"] = _stats(cp)
+            # what the layer's attention does with the latent: gather, gather again in backward, reduce-scatter
             cp = ContextParallel(dist.group.WORLD, seq_len=T)
-            lat = torch.randn(cp.pieces_per_rank, cp.piece_len, args.mla_kv_rank + args.mla_shared_k_dim,
-                              requires_grad=True)
-            cp._gather(lat, "mla_latent").sum().backward()
+            lat = torch.randn(cp.pieces_per_rank, cp.piece_len, args.mla_kv_rank + args.mla_shared_k_dim)
+            cp.mla_keys(*lat.shape[:2], lat.device)
+            cp.gather_latent(lat)
+            cp.scatter_latent_grad(cp.gather_latent(lat))
             row["mla"] = _stats(cp)
             res[T] = row
         if rank == 0:
@@ -189,33 +196,101 @@ def kda_overhead(T: int, repeats: int = 3) -> dict:
     return out
 
 
-def _peak_rss_mb(T: int) -> float:
-    """Peak RSS (MB) of the larger of two cp = 2 workers running one tiny training step on one row of T tokens."""
+def _train_step(T: int, cp: int, activation: str, check: bool = True) -> dict | None:
+    """One tiny training step on one row of T tokens under `cp` processes (torchrun, the tiny_cpu recipe):
+    {"peak_mb": peak RSS of the largest worker, "wall_s"}; None (check=False) when the step failed or was killed."""
     import subprocess
     import sys
 
     with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-port",
                str(_free_port()), "-m", "k3train.train", "--config-name", "tiny_cpu", "train.steps=1",
-               "parallel.cp=2", f"data.seq_len={T}", "data.micro_batch=1", f"+model.overrides.max_seq_len={T}",
-               f"train.run_dir={d}/run", "logging.progress_bar=false", "logging.tensorboard=false",
-               "train.eval_interval=0", "train.checkpoint_at_end=false"]
+               f"parallel.cp={cp}", f"data.seq_len={T}", "data.micro_batch=1", f"+model.overrides.max_seq_len={T}",
+               f"activation={activation}", f"train.run_dir={d}/run", "logging.progress_bar=false",
+               "logging.tensorboard=false", "train.eval_interval=0", "train.checkpoint_at_end=false"]
         wrapper = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
                    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
+        t0 = time.perf_counter()
         out = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True, cwd=d)
+        wall = time.perf_counter() - t0
         if out.returncode != 0:
-            raise RuntimeError(f"T={T}: the training step failed:\n{out.stderr[-2000:]}")
-        return int(out.stdout.strip().splitlines()[-1]) / 1024
+            if check:
+                raise RuntimeError(f"T={T}: the training step failed:\n{out.stderr[-2000:]}")
+            return None
+        return {"peak_mb": int(out.stdout.strip().splitlines()[-1]) / 1024, "wall_s": wall}
 
 
-def memory_vs_length(lengths: list[int]) -> dict:
-    rows = {T: _peak_rss_mb(T) for T in lengths}
-    T0 = min(rows)
+def memory_vs_length(lengths: list[int], activations: list[str]) -> dict:
     print(f"peak RSS per worker, tiny model, one row, cp = 2, one training step ({os.cpu_count()} CPUs here)")
-    print(f"{'T':>8} {'peak MB':>9} {'MB per 1k tokens':>17} {'peak ratio':>11} {'T ratio':>8}")
-    for T, mb in rows.items():
-        print(f"{T:>8} {mb:>9.0f} {1000 * mb / T:>17.1f} {mb / rows[T0]:>11.2f} {T / T0:>8.2f}")
-    return {"peak_rss_mb": rows}
+    print(f"{'activation':>10} {'T':>8} {'peak MB':>9} {'MB per 1k tokens':>17} {'peak ratio':>11} {'T ratio':>8}")
+    res = {}
+    for act in activations:
+        rows = res[act] = {T: _train_step(T, 2, act)["peak_mb"] for T in lengths}
+        T0 = min(rows)
+        for T, mb in rows.items():
+            print(f"{act:>10} {T:>8} {mb:>9.0f} {1000 * mb / T:>17.1f} {mb / rows[T0]:>11.2f} {T / T0:>8.2f}")
+    return {"peak_rss_mb": res}
+
+
+def time_per_token(lengths: list[int], steps: int) -> dict:
+    """Forward + backward of the tiny model at cp = 2 on one row of T tokens (two documents): the busiest rank's CPU
+    microseconds per local token, against T (flat for KDA and the per-token parts; MLA's causal attention adds a
+    part that grows with T)."""
+    print("tiny model forward + backward, cp = 2, one row of T tokens, 1 thread per process")
+    print(f"{'T':>8} {'wall s':>8} {'busiest CPU s':>14} {'us per token':>13} {'ratio to first':>15}")
+    res, first = {}, None
+    for T in lengths:
+        with tempfile.TemporaryDirectory() as d:
+            mp.spawn(_step_worker, args=(2, _free_port(), d, T, steps, 0), nprocs=2, join=True)
+            r = torch.load(os.path.join(d, "step2.pt"))
+        us = 1e6 * r["cpu_s"] / (T / 2)
+        first = first or us
+        print(f"{T:>8} {r['median_s']:>8.2f} {r['cpu_s']:>14.2f} {us:>13.1f} {us / first:>15.2f}")
+        res[T] = {"wall_s": r["median_s"], "cpu_s": r["cpu_s"], "us_per_token": us}
+    return {"time_per_token": res}
+
+
+def mla_block_sizes(T: int, blocks: list[tuple[int, int]]) -> dict:
+    """One Gated MLA layer (tiny widths, one thread) forward + backward on one row of T tokens in two documents, for
+    several (query block, key block) sizes: CPU seconds (best of 2) and the bytes of one fp32 score tile."""
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    args = get_preset("tiny", max_seq_len=T)
+    m = _init_layer(GatedMLA(args))
+    x = torch.randn(1, T, args.dim, generator=torch.Generator().manual_seed(0))
+    ctx = BatchContext(cu_seqlens=torch.tensor([0, T // 3, T]))
+    print(f"Gated MLA layer forward + backward, T={T}, tiny widths (H={args.mla_heads}), 1 thread")
+    print(f"{'q block':>8} {'k block':>8} {'CPU s':>8} {'tile MB':>8}")
+    res = {}
+    for bq, bk in blocks:
+        m.q_block, m.k_block = bq, bk
+        times = []
+        for _ in range(2):
+            t0 = time.process_time()
+            m(x, ctx).square().mean().backward()
+            times.append(time.process_time() - t0)
+        tile = bq * bk * args.mla_heads * 4 / 1e6
+        print(f"{bq:>8} {bk:>8} {min(times):>8.2f} {tile:>8.2f}")
+        res[f"{bq}x{bk}"] = {"cpu_s": min(times), "tile_mb": tile}
+    return {"mla_blocks": res}
+
+
+def longest_row(max_tokens: int, cp: int, activation: str) -> dict:
+    """One cp-way training step on one row of max_tokens tokens; on failure (out of memory: the kernel kills the
+    worker) halve the row until a step runs. Reports every try."""
+    print(f"tiny model, one training step on one row, cp = {cp}, activation={activation} "
+          f"({os.cpu_count()} CPUs, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2 ** 30:.0f} GiB here)")
+    tries, T = [], max_tokens
+    while T >= 1024 * cp:
+        r = _train_step(T, cp, activation, check=False)
+        tries.append({"tokens": T, **(r or {"failed": True})})
+        print(f"  T={T:>9,}: " + (f"peak {r['peak_mb']:,.0f} MB per worker, {r['wall_s']:.0f} s" if r else "failed"))
+        if r:
+            break
+        T //= 2
+    ok = [t for t in tries if "peak_mb" in t]
+    print(f"longest row that ran: {ok[0]['tokens']:,} tokens" if ok else "no row ran")
+    return {"longest_row": tries}
 
 
 def main() -> None:
@@ -230,9 +305,26 @@ def main() -> None:
     ap.add_argument("--overhead-tokens", type=int, default=16384, help="T of the KDA CP-overhead measurement")
     ap.add_argument("--memory", type=int, nargs="+", default=None,
                     help="instead: peak memory per worker of one cp=2 training step at these lengths")
+    ap.add_argument("--activation", nargs="+", default=["keep", "recompute"],
+                    help="activation policies of --memory and (the first) of --max-tokens")
+    ap.add_argument("--time-per-token", type=int, nargs="+", default=None,
+                    help="instead: CPU time per token of a cp=2 forward + backward at these lengths")
+    ap.add_argument("--mla-blocks", type=int, default=None, metavar="T",
+                    help="instead: one MLA layer's time at T tokens for several query x key block sizes")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="instead: a cp=4 training step on one row of this many tokens, halved until one runs")
     a = ap.parse_args()
-    if a.memory:
-        print(json.dumps(memory_vs_length(a.memory)))
+    if a.memory or a.time_per_token or a.mla_blocks or a.max_tokens:
+        out = {}
+        if a.memory:
+            out.update(memory_vs_length(a.memory, a.activation))
+        if a.time_per_token:
+            out.update(time_per_token(a.time_per_token, a.steps))
+        if a.mla_blocks:
+            out.update(mla_block_sizes(a.mla_blocks, [(128, 128), (256, 512), (512, 1024), (1024, 2048)]))
+        if a.max_tokens:
+            out.update(longest_row(a.max_tokens, 4, a.activation[0] if len(a.activation) == 1 else "recompute"))
+        print(json.dumps(out))
         return
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)

@@ -165,6 +165,24 @@ def _mla_not_causal(orig):
     return allowed
 
 
+def _tiles_need_whole_key_range(orig):
+    def _visible_tiles(q_pos, q_doc, k_pos, k_doc, q_tiles, k_tiles):
+        # a key tile is visited only when its LAST key is not after the query tile's last query
+        keep = [(a, b) for a, b in k_tiles]
+        shifted = k_pos.clone()
+        for a, b in keep:
+            shifted[:, a:b] = k_pos[:, b - 1:b]
+        return orig(q_pos, q_doc, shifted, k_doc, q_tiles, k_tiles)
+    return _visible_tiles
+
+
+def _latent_weight_grads_dropped(orig):
+    def backward(ctx, *grads):
+        out = orig(ctx, *grads)
+        return (*out[:12], *[None if g is None else torch.zeros_like(g) for g in out[12:]])
+    return backward
+
+
 def _mla_scale_without_shared(orig):
     def __init__(self, args):
         orig(self, args)
@@ -224,6 +242,11 @@ def _autocast_kept(orig):
     import contextlib
     torch = _torch()
     return with_globals(orig, torch=Proxy(torch, autocast=lambda *a, **kw: contextlib.nullcontext()))
+
+
+def _autocast_kept_static(orig):
+    """_autocast_kept for a staticmethod (an autograd.Function's forward)."""
+    return staticmethod(_autocast_kept(orig.__func__))
 
 
 def _autocast_kept_under_no_grad(orig):
@@ -645,6 +668,7 @@ def _lifted_modules_rerun(orig):
 KDA_OPS = "tests/unit/test_kda_ops.py"
 PLAN = "tests/e2e/test_plan.py"
 LAYERS = "tests/unit/test_layer_references.py"
+BLOCK = "tests/unit/test_block_attention.py"
 MODEL = "tests/unit/test_model.py"
 ISLANDS = "tests/unit/test_autocast_islands.py"
 MUON = "tests/unit/test_muon.py"
@@ -682,6 +706,12 @@ MUTATIONS: list[Mutation] = [
     M("mla_not_causal", "k3train.ops.attention.blocked:allowed",
       "attention tiles see every key of the query's document, later ones too (no causal mask)", _mla_not_causal,
       (f"{LAYERS}::test_mla_matches_reference", f"{LAYERS}::test_model_is_causal_without_documents")),
+    M("attention_skips_partial_tiles", "k3train.ops.attention.blocked:_visible_tiles",
+      "a key tile is skipped unless all its keys are at or before the query tile's last position", _tiles_need_whole_key_range,
+      (f"{BLOCK}::test_latent_blocked_equals_dense_fp64", f"{BLOCK}::test_blocked_equals_dense_fp64")),
+    M("latent_weight_grads_dropped", "k3train.ops.attention.blocked:_BlockAttention.backward",
+      "blocked attention returns zero gradients for the weights that rebuild keys and values from the latent",
+      _latent_weight_grads_dropped, (f"{BLOCK}::test_latent_blocked_equals_dense_fp64", f"{LAYERS}::test_mla_matches_reference")),
     M("mla_scale_without_shared", "k3train.models.k3.mla:GatedMLA.__init__",
       "softmax scale 128^-1/2 (the shared 64-wide key slice left out)", _mla_scale_without_shared,
       (f"{LAYERS}::test_mla_matches_reference",)),
@@ -699,8 +729,8 @@ MUTATIONS: list[Mutation] = [
     M("router_weights_biased", "k3train.models.k3.moe:Router.forward",
       "mixture weights from the biased scores s + b", _router_weights_biased,
       (f"{MODEL}::test_router_bias_changes_choice_not_weights_or_grads",)),
-    M("qk_max_logits_under_autocast", "k3train.ops.attention.blocked:_scores",
-      "attention logits (and QK-Clip's max logits) computed in the caller's bf16 autocast", _autocast_kept,
+    M("qk_max_logits_under_autocast", "k3train.ops.attention.blocked:_BlockAttention.forward",
+      "attention logits (and QK-Clip's max logits) computed in the caller's bf16 autocast", _autocast_kept_static,
       (f"{ISLANDS}::test_qk_clip_max_logits_are_fp32_statistics_under_autocast",)),
     M("router_scores_under_autocast", "k3train.models.k3.moe:Router.forward",
       "router logits, sigmoid, score + bias and top-k run in the caller's bf16 autocast", _autocast_kept,

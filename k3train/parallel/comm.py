@@ -101,8 +101,13 @@ def counting(c: CommCounter):
         scopes.pop()
 
 
+def current_scopes() -> tuple[CommCounter, ...]:
+    """The scopes a collective would count in now (to count a later backward collective in the same ones)."""
+    return tuple(_scopes())
+
+
 @contextmanager
-def _in_scopes(scopes: tuple[CommCounter, ...]):
+def in_scopes(scopes: tuple[CommCounter, ...]):
     """Count in exactly these scopes for the duration (a backward collective, in its forward's scopes)."""
     prev = getattr(_local, "scopes", None)
     _local.scopes = list(scopes)
@@ -226,7 +231,7 @@ class _AllToAllRows(torch.autograd.Function):
     def backward(ctx, g):
         out_splits, in_splits, group, dim, grad_what, scopes = ctx.saved
         gin = g.new_empty((sum(in_splits), *g.shape[1:]))
-        with _in_scopes(scopes):
+        with in_scopes(scopes):
             all_to_all(gin, g.contiguous(), group, dim, in_splits, out_splits, what=grad_what)
         return gin, None, None, None, None, None, None
 
@@ -251,7 +256,7 @@ class _AllGatherRows(torch.autograd.Function):
     def backward(ctx, grad):
         group, dim, what, scopes = ctx.saved
         out = grad.new_empty((grad.shape[0] // _size(group), *grad.shape[1:]))
-        with _in_scopes(scopes):
+        with in_scopes(scopes):
             reduce_scatter(out, grad.contiguous(), group, dim, what=what)
         return out, None, None, None
 

@@ -20,9 +20,11 @@ Short conv. The width-W causal conv of q, k, v reads W-1 tokens before each piec
 every piece are all-gathered (differentiable) and each piece takes those of its predecessor in sequence order; the
 global position-in-document masks the taps that would cross a document start.
 
-MLA. The 576-wide latent (not per-head keys/values) is all-gathered, differentiably; `mla_keys` hands MLA that latent
-and, per local piece, the key range and the causal and per-document mask over GLOBAL positions; the layer builds its
-keys and values and attends as it does without CP (the handle never calls into the module).
+MLA. The 576-wide latent (not per-head keys/values) is all-gathered. `mla_keys` hands MLA, as plain data, its local
+queries' GLOBAL positions and document ids, every key's, and a key source: the blocked attention all-gathers the
+row's latent through it in forward, keeps only the local latent, gathers again in backward and reduce-scatters the
+latent's gradient (so no rank holds the row's latent across micro-batches in flight). The layer builds keys and
+values per key block and attends as it does without CP (the handle never calls into the module).
 
 The trainer builds one `ContextParallel` per (micro-)batch (it holds that batch's document layout) and puts it in
 `BatchContext.cp`; `apply_context_parallel` validates a model once and returns a `ContextParallelPlan` that shards
@@ -212,6 +214,25 @@ def kda_pieces(chunks: KDAChunks, incoming: torch.Tensor, plan: PiecePlan) -> to
     return o.view(R, -1, H, V)
 
 
+@dataclass
+class LatentKeys:
+    """MLA's view of one batch under CP: where its local queries and the row's keys sit, and the key source (the
+    blocked attention's KeySource) that all-gathers the latent in forward and again in backward."""
+
+    handle: "ContextParallel"
+    q_pos: torch.Tensor
+    q_doc: torch.Tensor
+    k_pos: torch.Tensor
+    k_doc: torch.Tensor
+    q_segments: list[int]
+
+    def gather(self, c_kv: torch.Tensor) -> torch.Tensor:
+        return self.handle.gather_latent(c_kv)
+
+    def scatter(self, d_full: torch.Tensor) -> torch.Tensor:
+        return self.handle.scatter_latent_grad(d_full)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The handle
 # ---------------------------------------------------------------------------------------------------------------------
@@ -250,6 +271,7 @@ class ContextParallel:
         self.batch = batch
         self._plans: dict = {}
         self.ledger = comm.CommCounter()
+        self._scopes = comm.current_scopes()
         """This handle's own collectives (also counted in the enclosing scopes, the engine's among them)."""
 
     # ---- sizes ------------------------------------------------------------------------------------------------------
@@ -335,14 +357,14 @@ class ContextParallel:
             out.first_seg, out.carry, out.keep_m, out.last_seg = (
                 t.to(device) for t in (out.first_seg, out.carry, out.keep_m, out.last_seg))
         else:
-            # Each local piece attends keys from the earliest start of the documents it continues up to its own end
-            # (everything outside is masked), so zigzag's two pieces cost the same on every rank.
-            L, out = self.piece_len, []
-            for c in self.local_pieces():
-                lo = int((c * L - pos[:, c * L]).min())
-                q_index = torch.arange(c * L, (c + 1) * L)
-                out.append((lo, (c + 1) * L, q_index[None].to(device), doc[:, c * L:(c + 1) * L].to(device),
-                            doc[:, lo:(c + 1) * L].to(device)))
+            # The local queries (pieces in local order) at their positions in the row, against every key of the row;
+            # the attention skips the tiles the causal and document mask hide, so zigzag's two pieces cost the same
+            # on every rank.
+            T = self.seq.seq_len
+            q_index = loc(torch.arange(T)[None]).reshape(1, -1)
+            out = LatentKeys(self, q_pos=q_index.to(device), q_doc=loc(doc).reshape(self.batch, -1).to(device),
+                             k_pos=torch.arange(T, device=device)[None], k_doc=doc.to(device),
+                             q_segments=[self.piece_len] * self.pieces_per_rank)
         self._plans[key] = out
         return out
 
@@ -384,16 +406,43 @@ class ContextParallel:
         incoming = S_in.index_select(1, idx).reshape(R, H, K, v.shape[-1])
         return kda_pieces(chunks, incoming, plan)
 
-    def mla_keys(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, torch.Tensor]]]:
-        """What MLA needs to attend its local queries under CP, as plain data: the latent of the whole row
-        [B, n*L, 576] in sequence order (all-gathered, differentiable), and per local piece p (the rows b*P + p of
-        the local layout) its key range (start, end) in that row, its queries' positions in the row [1, L] and
-        document ids [B, L], and the keys' document ids [B, end - start] (the mask is causal and per document; it is
-        built tile by tile, never as [L, end - start])."""
+    def mla_keys(self, R: int, L: int, device) -> "LatentKeys":
+        """What MLA needs to attend its local queries [R = B*P rows, L] under CP: the queries' positions in the row
+        [1, P*L] and document ids [B, P*L] (local pieces concatenated in local order), every key's position [1, T]
+        and document id [B, T], and the source that all-gathers the row's latent (the mask is causal and per
+        document, built tile by tile, never as [P*L, T])."""
+        self._rows_check(R, L, "mla_keys")
+        self._scopes = comm.current_scopes()  # the backward gathers and reduce-scatters count where the forward does
+        return self._plan("mla", device)
+
+    def gather_latent(self, c_kv: torch.Tensor) -> torch.Tensor:
+        """Local latent [B*P, L, W] -> the row's latent [B, n*L, W] in sequence order (not differentiable: the
+        attention calls it in forward and again in backward)."""
         R, L, W = c_kv.shape
-        B = self._rows_check(R, L, "mla_keys")
-        full = self.seq.to_sequence_order(self._gather(c_kv, "mla_latent"), B)        # [B, n, L, 576]
-        return full.reshape(B, -1, W), self._plan("mla", c_kv.device)
+        B = self._rows_check(R, L, "gather_latent")
+        if self.world == 1:
+            return self.seq.to_sequence_order(c_kv, B).reshape(B, -1, W)
+        parts = c_kv.new_empty((self.world * R, L, W))
+        with comm.in_scopes(self._scopes), comm.counting(self.ledger):
+            comm.all_gather(parts, c_kv.contiguous(), self.group, "cp", what="mla_latent")
+        return self.seq.to_sequence_order(parts, B).reshape(B, -1, W)
+
+    def scatter_latent_grad(self, d_full: torch.Tensor) -> torch.Tensor:
+        """Gradient of the row's latent [B, n*L, W] -> that of the local latent [B*P, L, W]: the sum over ranks
+        (a reduce-scatter) of each local token's gradient."""
+        B, _, W = d_full.shape
+        L, P = self.piece_len, self.pieces_per_rank
+        by_piece = d_full.view(B, self.seq.n_pieces, L, W)
+        slots = torch.empty(self.seq.n_pieces, dtype=torch.long)
+        slots[torch.tensor(self.seq.slot_of_piece)] = torch.arange(self.seq.n_pieces)
+        ranked = by_piece.index_select(1, slots.to(d_full.device))            # [B, world*P, L, W]: rank-major slots
+        ranked = ranked.view(B, self.world, P, L, W).transpose(0, 1).reshape(self.world * B * P, L, W)
+        if self.world == 1:
+            return ranked
+        out = d_full.new_empty((B * P, L, W))
+        with comm.in_scopes(self._scopes), comm.counting(self.ledger):
+            comm.reduce_scatter(out, ranked.contiguous(), self.group, "cp", what="mla_latent")
+        return out
 
     # ---- construction from local information -------------------------------------------------------------------------
     @classmethod

@@ -13,8 +13,9 @@ are cast copies in bf16. Per token, in fp32 training (elements), for D = dim (no
   logits and depth weights).
 - KDA, H heads of width K, chunk C, decay rank r: D + r + H (3 K^2 / C + 39.5625 K + 3 K C / 32 + 4 C + 14)
   (projections, short-convolution and L2-norm chains, gate, and the chunked recurrence's per-chunk maps and states).
-- Gated MLA: D + 3 q + 3 kv + s + 4 + 2 H (k + s) + H (k + v) + 3 H v, and H fp32 (the blocked attention's
-  log-sum-exp; q = q_rank, kv = kv_rank, s = shared key width, k/v = head widths): nothing grows with T.
+- Gated MLA: D + 3 q + 1 + kv + s + H (k + s) + 3 H v, H fp32 (the blocked attention's log-sum-exp) and one int64
+  (positions and document ids; q = q_rank, kv = kv_rank, s = shared key width, k/v = head widths): the attention
+  keeps the latent, not per-head keys and values, and nothing grows with T.
 - Dense SiTU-GLU of hidden F: D + 8 F.
 - LatentMoE, E experts, top k, latent L, expert hidden h, shared n x F_s: D + E + 2 + 3 L + 8 n F_s (router, latent
   projections, shared experts) + 8 k (int64 routes and positions, as 2 elements each) + 2 k L (dispatched rows and
@@ -83,10 +84,11 @@ def kda_terms(args: K3ModelArgs) -> Terms:
 def mla_terms(args: K3ModelArgs, seq_len: int) -> Terms:
     H, q, kv, s = args.mla_heads, args.mla_q_rank, args.mla_kv_rank, args.mla_shared_k_dim
     k, v = args.mla_k_head_dim, args.mla_v_head_dim
-    # The blocked attention keeps q, k, v, its fp32 output and one fp32 log-sum-exp per head and query.
-    act = args.dim + 3 * q + 3 * kv + s + 4 + 2 * H * (k + s) + H * (k + v) + 3 * H * v
-    bf16 = 2 * args.dim + 10 * q + 10 * kv + 6 * H * k + 12 * H * v + 4 * H * s + 4 * H + 16
-    return Terms(act=act, fp32=H, bf16=bf16)
+    # The blocked attention keeps q, the latent (not per-head keys and values: it rebuilds them per key block), its
+    # output and one fp32 log-sum-exp per head and query; the gate keeps its sigmoid and the gated product.
+    act = args.dim + 3 * q + 1 + kv + s + H * (k + s) + 3 * H * v
+    bf16 = 2 * args.dim + 10 * q + 4 + 2 * (kv + s) + 2 * H * (k + s) + 6 * H * v + 4 * H + 8
+    return Terms(act=act, fp32=H, i64=1, bf16=bf16)
 
 
 def dense_ffn_terms(args: K3ModelArgs) -> Terms:
@@ -214,7 +216,8 @@ def stage_workspace_bytes(args: K3ModelArgs, layers: list[int], *, first: bool, 
 
     - a recomputed layer rebuilds everything it saves under keep for its own backward (one micro-batch);
     - Gated MLA's blocked attention holds one tile of fp32 scores, probabilities and their gradient,
-      [rows, H, q_block, k_block] each (k3train.ops.attention.blocked)."""
+      [rows, H, q_block, k_block] each, and one key block's keys and values with their gradients
+      (k3train.ops.attention.blocked)."""
     from k3train.ops.attention.blocked import K_BLOCK, Q_BLOCK
     keep = PolicyPlan()
     S = 1 if first else sources_after(args, layers[0] - 1)
@@ -224,7 +227,9 @@ def stage_workspace_bytes(args: K3ModelArgs, layers: list[int], *, first: bool, 
         w = layer_bytes_per_token(args, i, seq_len, keep, act_bytes, S) * tokens if policy == "recompute" else 0.0
         if args.layer_kind(i) == "mla":
             tq = tokens // max(rows, 1)
-            w += 3 * 4.0 * rows * args.mla_heads * min(Q_BLOCK, tq) * min(K_BLOCK, seq_len)
+            bk = min(K_BLOCK, seq_len)
+            w += 3 * 4.0 * rows * args.mla_heads * min(Q_BLOCK, tq) * bk
+            w += 2 * 4.0 * rows * args.mla_heads * bk * (args.mla_qk_head_dim + args.mla_v_head_dim)
         worst = max(worst, w)
         S = sources_after(args, i)
     return worst

@@ -206,7 +206,7 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
         cpt = 0.0
         if dims.cp > 1:
             lat = mb * seq * (args.mla_kv_rank + args.mla_shared_k_dim) * act_bytes
-            cpt = 2 * n_mla * lat * (dims.cp - 1) / dims.cp / cp_bw
+            cpt = 3 * n_mla * lat * (dims.cp - 1) / dims.cp / cp_bw  # gather, gather again in backward, scatter
             cp_buf[s] = lat if n_mla else 0.0
         ep_time[s], cp_time[s] = a2a, cpt
         send = (sources_after(args, layers[-1]) * tokens * args.dim * act_bytes / pp_bw) if s < n - 1 else 0.0

@@ -278,10 +278,11 @@ def test_collective_bytes(cp_run):
     assert stats["kda_summary/reduce_scatter"] == [1, n * B * per_piece]
     # conv halos: the last 3 projected tokens of every piece, for q, k and v
     assert stats["conv_halo/all_gather"] == [3, 3 * n * B * 3 * H * K * 8]
-    # MLA: the latent (kv_rank + shared key) of every token
+    # MLA: the latent (kv_rank + shared key) of every token, gathered in forward and again in backward (not kept),
+    # its gradient reduce-scattered once
     mla = results[0]["mla"]["stats"]
-    assert mla == {"mla_latent/all_gather": [1, B * T * (args.mla_kv_rank + args.mla_shared_k_dim) * 8],
-                   "mla_latent/reduce_scatter": [1, B * T * (args.mla_kv_rank + args.mla_shared_k_dim) * 8]}
+    row = B * T * (args.mla_kv_rank + args.mla_shared_k_dim) * 8
+    assert mla == {"mla_latent/all_gather": [2, 2 * row], "mla_latent/reduce_scatter": [1, row]}
     if world == 2:
         short, long = results[0]["bytes"]   # 128 and 512 tokens per row
         assert short == long and short["kda_summary/all_gather"][1] == 2 * world * per_piece

@@ -212,7 +212,8 @@ def analytic_step_bytes(args: K3ModelArgs, dims, stage_layers: list[list[int]], 
 def _add_cp_bytes(add, args: K3ModelArgs, dims, layers: list[int], *, mb: int, seq: int, elem: int) -> None:
     """Context-parallel collectives of one step (forward all-gathers, their backward reduce-scatters of the same
     size) for these layers: per KDA layer the pieces' fp32 summaries [H, K, K+V] (independent of seq) and the
-    conv halos (W-1 tokens of q, k and v per piece); per MLA layer the latent of every token."""
+    conv halos (W-1 tokens of q, k and v per piece); per MLA layer the latent of every token, all-gathered in forward
+    and again in backward (not kept for it), its gradient reduce-scattered once."""
     m, g = dims.microbatches, dims.cp
     n_pieces = 2 * g if dims.cp_layout == "zigzag" else g
     rows = mb * n_pieces  # pieces gathered over the group per micro-batch
@@ -224,7 +225,7 @@ def _add_cp_bytes(add, args: K3ModelArgs, dims, layers: list[int], *, mb: int, s
     latent = n_mla * m * mb * seq * (args.mla_kv_rank + args.mla_shared_k_dim) * elem
     total = summary + halo + latent
     if total:
-        add("cp", "all_gather", total, (g - 1) / g * total)
+        add("cp", "all_gather", total + latent, (g - 1) / g * (total + latent))
         add("cp", "reduce_scatter", total, (g - 1) / g * total)
 
 

@@ -1,20 +1,25 @@
 """Gated Multi-head Latent Attention without positional encoding (NoPE).
 
 Keys/values come from a 512-wide latent plus a 64-wide key slice shared by all heads (576 numbers cached per token).
-Training form: materialise per-head keys [latent part (128) || shared slice (64)] and values (128); causal softmax
-attention within each document with scale (128+64)^-1/2, in query and key blocks with an online softmax
-(k3train.ops.attention: no [T, T] tensor); the output is gated per channel by sigmoid(W_g x) before Wo.
+Training form: per-head keys [latent part (128) || shared slice (64)] and values (128) are built from the latent one
+key block at a time (forward, and again in backward), never for the whole key range; causal softmax attention within
+each document with scale (128+64)^-1/2, in query and key blocks with an online softmax (k3train.ops.attention: no
+[T, T] tensor, backward keeps q, the latent, the output and the log-sum-exp); the output is gated per channel by
+sigmoid(W_g x) before Wo. Under context parallelism the local queries attend the all-gathered latent of the whole row,
+which backward gathers again instead of keeping it.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
 from k3train.models.structure import MatrixStructure
-from k3train.ops.attention import block_attention
+from k3train.ops.attention import latent_block_attention
+from k3train.ops.attention.blocked import K_BLOCK, Q_BLOCK
 
 
 class GatedMLA(nn.Module):
@@ -32,6 +37,7 @@ class GatedMLA(nn.Module):
         self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
         self.scale = (self.k_dim + self.s_dim) ** -0.5
+        self.q_block, self.k_block = Q_BLOCK, K_BLOCK  # attention tiles (tools/bench_cp.py measures their effect)
         self.track_max_logits = False  # set by QK-Clip (k3train.optim); costs one extra score pass
         self.max_logits: torch.Tensor | None = None
 
@@ -39,11 +45,16 @@ class GatedMLA(nn.Module):
         """The cached 576-wide latent [B, T, kv_rank + shared]: what context parallelism all-gathers."""
         return self.wkv_a(x)
 
-    def keys_values(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head keys [B, H, Tk, k+s] and values [B, H, Tk, v] from the latent."""
+    def keys_values(self, c_kv: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                    up_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head keys [B, H, Tk, k+s] and values [B, H, Tk, v] from the latent [B, Tk, 576] (with the given
+        kv_norm and wkv_b weights: the blocked attention passes its own leaves when it rebuilds a block)."""
         B, Tk, _ = c_kv.shape
+        norm_weight = self.kv_norm.weight if norm_weight is None else norm_weight
+        up_weight = self.wkv_b.weight if up_weight is None else up_weight
         lat, k_shared = c_kv.split([self.kv_rank, self.s_dim], dim=-1)
-        kv = self.wkv_b(self.kv_norm(lat)).view(B, Tk, self.n_heads, self.k_dim + self.v_dim)
+        lat = F.rms_norm(lat, (self.kv_rank,), norm_weight, self.kv_norm.eps)
+        kv = F.linear(lat, up_weight).view(B, Tk, self.n_heads, self.k_dim + self.v_dim)
         k_lat, v = kv.split([self.k_dim, self.v_dim], dim=-1)
         k = torch.cat([k_lat, k_shared[:, :, None, :].expand(B, Tk, self.n_heads, self.s_dim)], dim=-1)
         return k.transpose(1, 2), v.transpose(1, 2)
@@ -53,13 +64,12 @@ class GatedMLA(nn.Module):
         ctx = ctx or BatchContext()
         q = self.wq_b(self.q_norm(self.wq_a(x))).view(B, T, self.n_heads, -1).transpose(1, 2)
         c_kv = self.latent(x)
-        if ctx.cp is not None:  # local pieces as rows: each attends its key range of the gathered latent
-            full, pieces = ctx.cp.mla_keys(c_kv)
-            P = len(pieces)
-            qp = q.view(full.shape[0], P, *q.shape[1:])
-            outs = [self.attend(qp[:, p], full[:, lo:hi], q_pos, q_doc, torch.arange(lo, hi, device=x.device)[None],
-                                k_doc) for p, (lo, hi, q_pos, q_doc, k_doc) in enumerate(pieces)]
-            o = torch.stack(outs, dim=1).view(B, self.n_heads, T, self.v_dim)
+        if ctx.cp is not None:  # local pieces as rows [B*P, ..]: their queries, in one set, attend the whole row
+            keys = ctx.cp.mla_keys(B, T, x.device)
+            P = len(keys.q_segments)
+            qr = q.view(B // P, P, *q.shape[1:]).transpose(1, 2).reshape(B // P, self.n_heads, P * T, -1)
+            o = self.attend(qr, c_kv, keys.q_pos, keys.q_doc, keys.k_pos, keys.k_doc, keys.q_segments, keys)
+            o = o.view(B // P, self.n_heads, P, T, self.v_dim).transpose(1, 2).reshape(B, self.n_heads, T, -1)
         else:
             pos = torch.arange(T, device=x.device)[None]
             doc = (torch.zeros(1, T, dtype=torch.long, device=x.device) if ctx.cu_seqlens is None
@@ -69,13 +79,14 @@ class GatedMLA(nn.Module):
         return self.o_proj(o.reshape(B, T, -1))
 
     def attend(self, q: torch.Tensor, c_kv: torch.Tensor, q_pos: torch.Tensor, q_doc: torch.Tensor,
-               k_pos: torch.Tensor, k_doc: torch.Tensor) -> torch.Tensor:
-        """Softmax attention of q [B, H, Tq, k+s] over the keys and values built from the latent c_kv [B, Tk, 576]:
-        query i sees key j when both lie in one document (q_doc, k_doc [B or 1, T]) and j is not after i (q_pos,
-        k_pos: positions in the row). Returns [B, H, Tq, v]; QK-Clip's per-head max logit comes from the same
-        pass."""
-        k, v = self.keys_values(c_kv)
-        o, max_logit = block_attention(q, k, v, q_pos, q_doc, k_pos, k_doc, self.scale)
+               k_pos: torch.Tensor, k_doc: torch.Tensor, q_segments=None, source=None) -> torch.Tensor:
+        """Softmax attention of q [B, H, Tq, k+s] over the keys and values built from the latent c_kv [B, Tk, 576]
+        (or from what `source` gathers from it): query i sees key j when both lie in one document (q_doc, k_doc
+        [B or 1, T]) and j is not after i (q_pos, k_pos: positions in the row). Returns [B, H, Tq, v]; QK-Clip's
+        per-head max logit comes from the same pass."""
+        o, max_logit = latent_block_attention(
+            q, c_kv, self.keys_values, (self.kv_norm.weight, self.wkv_b.weight), q_pos, q_doc, k_pos, k_doc,
+            self.scale, q_segments=q_segments, source=source, q_block=self.q_block, k_block=self.k_block)
         if self.training and self.track_max_logits:
             self.max_logits = max_logit if self.max_logits is None else torch.maximum(self.max_logits, max_logit)
         return o
