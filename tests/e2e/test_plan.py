@@ -68,6 +68,27 @@ def _plan(*overrides, recipe="small_8gpu"):
 
 
 @pytest.mark.slow
+def test_context_extension_stages_in_the_docs_are_what_the_planner_prints():
+    """docs/training.md's stage table (8k -> 128k -> 1M): each stage's command, run through the planner on its GPU,
+    prints the memory and tokens/s the table gives, and fits."""
+    import pathlib
+    import re
+
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    rows = [l for l in doc.splitlines() if re.match(r"\| (8k|128k|1M)", l)]
+    assert len(rows) == 3
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        recipe, *overrides = cells[1].strip("`").split()
+        gib, gpu = re.match(r"([\d.]+) GiB on (H100|H200)", cells[2]).groups()
+        r = _plan(*[o for o in overrides if not o.startswith("train.")],
+                  "plan.gpu=" + {"H100": "h100_80g", "H200": "h200_141g"}[gpu], recipe=recipe)
+        assert r.returncode == 0, r.stderr
+        assert "verdict: FITS: largest rank" in r.stdout and f"needs {gib} GiB" in r.stdout, (row, r.stdout[-600:])
+        assert f"tokens/s {cells[3]} " in r.stdout, (row, r.stdout[-600:])
+
+
+@pytest.mark.slow
 def test_plan_command_prints_table_json_and_figure(tmp_path):
     png = tmp_path / "plan.png"
     r = _plan("plan.gpu=h200_141g", f"plan.png={png}")
