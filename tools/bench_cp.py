@@ -26,8 +26,9 @@ Instead of the above (any of these, together):
 - `--time-per-token 8192 16384 32768`: the busiest rank's CPU microseconds per local token of a cp = 2 forward +
   backward, against T.
 - `--mla-blocks T`: one Gated MLA layer forward + backward at T tokens for several query x key block sizes.
-- `--max-tokens 1048576`: a cp = 4 training step (activation=recompute) on one row of that many tokens; when it does
-  not fit in this machine's memory, the row is halved until a step runs, and every try is reported.
+- `--max-tokens 1048576`: a cp = 4 training step (activation=recompute) on one row of that many tokens; when it is
+  predicted (from two short calibration rows; memory is linear in T) not to fit this machine's available memory, the
+  row is halved until one does, and that one runs; every figure is reported.
 The last line is JSON with every figure.
 """
 
@@ -275,22 +276,46 @@ def mla_block_sizes(T: int, blocks: list[tuple[int, int]]) -> dict:
     return {"mla_blocks": res}
 
 
+def _available_mb() -> float:
+    with open("/proc/meminfo") as f:
+        info = {l.split(":")[0]: int(l.split()[1]) for l in f}
+    return info["MemAvailable"] / 1024
+
+
 def longest_row(max_tokens: int, cp: int, activation: str) -> dict:
-    """One cp-way training step on one row of max_tokens tokens; on failure (out of memory: the kernel kills the
-    worker) halve the row until a step runs. Reports every try."""
-    print(f"tiny model, one training step on one row, cp = {cp}, activation={activation} "
-          f"({os.cpu_count()} CPUs, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2 ** 30:.0f} GiB here)")
+    """One cp-way training step on one row of max_tokens tokens, or the longest row that fits this machine: two short
+    rows calibrate peak(T) = a + b T per worker (memory is linear in T), rows predicted to need more than 90% of the
+    available memory over all cp workers are not started (an out-of-memory kill would take the machine's other work
+    with it), and the longest remaining row (halving from max_tokens) runs. Reports every figure."""
+    unit = 16384 * cp // 4
+    cal = {T: _train_step(T, cp, activation)["peak_mb"] for T in (unit, 2 * unit)}
+    b = (cal[2 * unit] - cal[unit]) / unit
+    a = cal[unit] - b * unit
+    avail = _available_mb()
+    print(f"tiny model, one training step on one row, cp = {cp}, activation={activation}; "
+          f"{os.cpu_count()} CPUs, {avail:,.0f} MB available")
+    print(f"calibration: peak per worker {cal[unit]:,.0f} MB at {unit:,} tokens, {cal[2 * unit]:,.0f} MB at "
+          f"{2 * unit:,}: {a:,.0f} MB + {1e3 * b:,.1f} MB per 1k tokens")
     tries, T = [], max_tokens
-    while T >= 1024 * cp:
+    while T > 2 * unit:
+        predicted = a + b * T
+        if cp * predicted > 0.9 * avail:
+            tries.append({"tokens": T, "predicted_peak_mb": predicted, "started": False})
+            print(f"  T={T:>9,}: predicted {predicted:,.0f} MB per worker x {cp} = {cp * predicted:,.0f} MB > 90% of "
+                  f"{avail:,.0f} MB available: not started")
+            T //= 2
+            continue
         r = _train_step(T, cp, activation, check=False)
-        tries.append({"tokens": T, **(r or {"failed": True})})
-        print(f"  T={T:>9,}: " + (f"peak {r['peak_mb']:,.0f} MB per worker, {r['wall_s']:.0f} s" if r else "failed"))
+        tries.append({"tokens": T, "predicted_peak_mb": predicted, "started": True, **(r or {"failed": True})})
+        print(f"  T={T:>9,}: predicted {predicted:,.0f} MB, " +
+              (f"measured {r['peak_mb']:,.0f} MB per worker, {r['wall_s']:.0f} s" if r else "failed"))
         if r:
             break
         T //= 2
     ok = [t for t in tries if "peak_mb" in t]
-    print(f"longest row that ran: {ok[0]['tokens']:,} tokens" if ok else "no row ran")
-    return {"longest_row": tries}
+    print(f"longest row that ran: {ok[0]['tokens']:,} tokens" if ok else "no row longer than the calibration ran")
+    return {"longest_row": {"calibration_mb": cal, "mb_fixed": a, "mb_per_token": b, "available_mb": avail,
+                            "tries": tries}}
 
 
 def main() -> None:
