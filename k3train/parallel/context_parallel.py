@@ -13,7 +13,10 @@ of the sequence length), composes the exclusive prefix S_in of each of its piece
 are computed once, for the summaries and the outputs: ops.kda.chunk.KDAChunks). Documents cut the chain:
 a piece is split into segments at document starts; only its first segment takes S_in (and only if the piece does not
 itself begin a document), later segments start from zero; its summary is that of its last segment, with M = 0 when
-that segment begins a document. Backward is autograd: the all-gather's backward reduce-scatters (sums) the gradients
+that segment begins a document. The segments are packed as chunk_kda packs documents (ops.kda.utils.ChunkLayout):
+each is padded only to whole chunks and their chunks follow one another, so a rank's chunk terms hold at most
+R*L + segments x (C-1) token slots (exactly R*L when every segment fills whole chunks, as without documents), not
+segments x the longest segment. Backward is autograd: the all-gather's backward reduce-scatters (sums) the gradients
 of the summaries back to the ranks that made them.
 
 Short conv. The width-W causal conv of q, k, v reads W-1 tokens before each piece: the last W-1 projected tokens of
@@ -173,8 +176,10 @@ def piece_plan(doc_start: torch.Tensor) -> PiecePlan:
 
 
 def kda_piece_chunks(q, k, v, g, beta, plan: PiecePlan, chunk: int) -> KDAChunks:
-    """The chunk terms of the R local pieces [R, L, H, *], every segment laid out from its own start. Computed once:
-    the pieces' summaries and, after the all-gather, their outputs both come from them."""
+    """The chunk terms of the R local pieces [R, L, H, *]: every segment laid out from its own start and padded to
+    whole chunks, the segments' chunks one after another (segments of one length, e.g. whole pieces without document
+    starts, are rows). Computed once: the pieces' summaries and, after the all-gather, their outputs both come from
+    them."""
     R, L = k.shape[:2]
     flat = lambda t: t.reshape(1, R * L, *t.shape[2:])
     return KDAChunks(flat(q), flat(k), flat(v), flat(g), flat(beta), cu_seqlens=plan.cu_seqlens, chunk_size=chunk)
@@ -182,7 +187,8 @@ def kda_piece_chunks(q, k, v, g, beta, plan: PiecePlan, chunk: int) -> KDAChunks
 
 def kda_piece_summaries(chunks: KDAChunks, plan: PiecePlan) -> torch.Tensor:
     """Affine summaries of the R local pieces: [R, H, K, K+V] = [M | B] in fp32 (fp64 for fp64 input), from each
-    piece's last segment; M is zeroed where that segment begins a document."""
+    piece's last segment (a fold of just that segment's chunks, however many); M is zeroed where that segment begins
+    a document."""
     with torch.autocast(plan.last_seg.device.type, enabled=False):  # fold the pieces' chunks in fp32
         M, Bm = chunks.summaries(plan.last_seg)
         M, Bm = M.to(chunks.dtype), Bm.to(chunks.dtype)

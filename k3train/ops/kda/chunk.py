@@ -8,9 +8,15 @@ With S the state at the chunk start, the chunk's pre-write residuals are Vn = U 
     O  = (Q Gamma) S + Aqk Vn = Aqk U + (Q Gamma - Aqk W) S
     S' = Diag(gamma) S + (K e^{G_last - G})^T Vn = M S + B,
     M  = Diag(gamma) - (K e^{G_last - G})^T W,    B = (K e^{G_last - G})^T U.
-Everything but S' = M S + B is computed for all chunks of all sequences at once; that one line is a Python loop
-over chunk index (batched over sequences and heads). The same (M, B) give the affine summary used by context
-parallelism. Backward is autograd through these torch ops.
+Everything but S' = M S + B is computed for all chunks at once; that one line is a Python loop over chunk index
+(batched over rows and heads). The same (M, B) give the affine summary used by context parallelism. Backward is
+autograd through these torch ops.
+
+Layout and sizes (utils.ChunkLayout). Batch rows, and documents that all have one length, are rows of chunks.
+Documents of unequal lengths (cu_seqlens) are each padded only to their next multiple of C and laid one after another
+in a single stream of sum_i ceil(len_i / C) chunks; the state pass resets at every document's first chunk, and a
+document's summary composes just its own chunks (fold_summaries with counts). The chunked tensors, the chunk terms
+and what backward saves therefore hold at most T + documents x (C - 1) token slots, not documents x the longest.
 
 Under autocast only the tile scores (the matmuls inside _decayed_scores) take the autocast dtype's operands;
 everything else, the decay cumsum, M, B and the state carried across chunks included, runs in fp32.
@@ -76,7 +82,7 @@ def _decayed_scores(rows: list[torch.Tensor], k: torch.Tensor, G: torch.Tensor) 
 
 
 def _chunk_terms(q, k, v, g, beta, tile_dtype: torch.dtype | None = None):
-    """Per-chunk terms, inputs [N, H, n_chunks, C, *] in the compute dtype (q may be None). Runs with autocast off,
+    """Per-chunk terms, inputs [R, H, n_chunks, C, *] in the compute dtype (q may be None). Runs with autocast off,
     except the 16-token tile scores, whose matmuls take `tile_dtype` operands (the caller's autocast dtype; None:
     the compute dtype).
 
@@ -130,24 +136,49 @@ class KDAChunks:
 
     def summaries(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(M [n, H, K, K], B [n, H, K, V]) of every sequence (or of those in `index`): final state = M S_0 + B.
-        Padded chunks past a sequence's end are identity maps, so folding all n_chunks is exact."""
-        M, B = (self.M, self.B) if index is None else (self.M[index], self.B[index])
-        return fold_summaries(M, B, dim=2)
+        A chunk's zero-padded tail is the identity, so composing a sequence's chunks is exact. In the packed layout
+        each document composes only its own chunks: a segmented fold over the stream (of just the chunks of the
+        documents in `index`)."""
+        lay = self.layout
+        if not lay.packed:
+            M, B = (self.M, self.B) if index is None else (self.M[index], self.B[index])
+            return fold_summaries(M, B, dim=2)
+        M, B = self.M[0].transpose(0, 1), self.B[0].transpose(0, 1)          # [n_chunks, H, K, *]
+        counts = lay.chunk_counts
+        if index is not None:
+            chunks, counts = lay.chunks_of(index)
+            chunks = chunks.to(M.device)
+            M, B = M.index_select(0, chunks), B.index_select(0, chunks)
+        return fold_summaries(M, B, dim=0, counts=counts)
 
     def run(self, initial_state: torch.Tensor | None = None, output_final_state: bool = False):
-        """(o [B, T, H, V], final state or None) from initial states [N, H, K, V] (zeros when None)."""
-        s = self.shapes
-        S = initial_state.to(self.dtype) if initial_state is not None else \
-            self.B.new_zeros(s.N, s.H, s.K, s.V)
-        starts = []
+        """(o [B, T, H, V], final state [N, H, K, V] or None) from initial states [N, H, K, V] (zeros when None).
+
+        Rows all start at chunk 0. In the packed layout the state entering document i's first chunk is its initial
+        state (whatever the previous document left), and its final state is the state after its last chunk."""
+        s, lay = self.shapes, self.layout
+        S0 = initial_state.to(self.dtype) if initial_state is not None else None
+        if not lay.packed:
+            entering = {0: self.B.new_zeros(lay.rows, s.H, s.K, s.V) if S0 is None else S0}
+        else:
+            # split once (not S0[i] per document): backward then concatenates once instead of zero-filling per part.
+            per_doc = [self.B.new_zeros(1, s.H, s.K, s.V)] * s.N if S0 is None else S0.split(1)
+            entering = dict(zip(lay.first_chunk.tolist(), per_doc))
+        starts, finals, S = [], [], None
         with torch.autocast(self.device_type, enabled=False):  # the state carried across chunks stays fp32
             # unbind once: indexing M[:, :, n] in the loop would make backward build a full-size zero gradient per
             # chunk.
-            for M_n, B_n in zip(self.M.unbind(2), self.B.unbind(2)):
+            for n, (M_n, B_n) in enumerate(zip(self.M.unbind(2), self.B.unbind(2))):
+                if n in entering:
+                    if n:
+                        finals.append(S)      # the previous document ends here
+                    S = entering[n]
                 starts.append(S)
                 S = torch.baddbmm(B_n.flatten(0, 1), M_n.flatten(0, 1), S.flatten(0, 1)).view_as(B_n)
-            o = self.AU + torch.matmul(self.Qe, torch.stack(starts, dim=2))   # [N, H, n_chunks, C, V]
-        return self.layout.from_chunks(o, self.out_dtype), (S if output_final_state else None)
+            finals.append(S)
+            o = self.AU + torch.matmul(self.Qe, torch.stack(starts, dim=2))   # [R, H, n_chunks, C, V]
+        final = (finals[0] if len(finals) == 1 else torch.cat(finals)) if output_final_state else None
+        return self.layout.from_chunks(o, self.out_dtype), final
 
 
 def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -163,20 +194,36 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     return chunks.run(initial_state, output_final_state)
 
 
-def fold_summaries(M: torch.Tensor, B: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compose affine maps S -> M_n S + B_n along `dim` (earliest first) into one, by pairwise tree reduction.
+def fold_summaries(M: torch.Tensor, B: torch.Tensor, dim: int,
+                   counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compose affine maps S -> M_n S + B_n along `dim` (earliest first), by pairwise tree reduction.
 
     (M2, B2) o (M1, B1) = (M2 M1, M2 B1 + B2). M [..., K, K] and B [..., K, V] with the sequence axis at `dim`.
+    counts None: the whole axis is one sequence; returns its map, `dim` removed. counts (ints, summing to the axis
+    length): the axis holds consecutive sequences of those lengths, each composed on its own (a segmented fold);
+    returns one map per sequence along `dim`. At every level an identity map is appended to each sequence of odd
+    length (it changes nothing), so no pair straddles two sequences; no sequence is padded to the longest.
     """
     M, B = M.movedim(dim, 0), B.movedim(dim, 0)
-    while M.shape[0] > 1:
-        if M.shape[0] % 2:
-            # An identity map appended last changes nothing.
-            eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device).expand_as(M[:1])
-            M, B = torch.cat([M, eye]), torch.cat([B, torch.zeros_like(B[:1])])
+    seg = torch.tensor([M.shape[0]]) if counts is None else torch.as_tensor(counts).to("cpu", torch.int64)
+    if seg.dim() != 1 or int(seg.sum()) != M.shape[0] or bool((seg < 1).any()):
+        raise ValueError(f"counts must be positive and sum to the {M.shape[0]} maps along dim {dim}, "
+                         f"got {seg.tolist()}")
+    while int(seg.max()) > 1:
+        odd = seg % 2
+        if odd.any():
+            n, n_new = M.shape[0], M.shape[0] + int(odd.sum())
+            pos = (torch.arange(n) + (odd.cumsum(0) - odd).repeat_interleave(seg)).to(M.device)
+            eye = M.new_zeros(n_new, *M.shape[1:])
+            eye.diagonal(dim1=-2, dim2=-1).fill_(1)
+            M, B = eye.index_copy(0, pos, M), B.new_zeros(n_new, *B.shape[1:]).index_copy(0, pos, B)
+            seg = seg + odd
         M_early, M_late, B_early, B_late = M[0::2], M[1::2], B[0::2], B[1::2]
         M, B = torch.matmul(M_late, M_early), torch.matmul(M_late, B_early) + B_late
-    return M[0], B[0]
+        seg = seg // 2
+    if counts is None:
+        return M[0], B[0]
+    return M.movedim(0, dim), B.movedim(0, dim)
 
 
 def chunk_kda_summary(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens=None,

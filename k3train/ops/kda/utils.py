@@ -1,4 +1,8 @@
-"""Input checks and the padded per-document layout shared by the KDA ops."""
+"""Input checks and the chunk layout shared by the KDA ops.
+
+Sizes: the chunked tensors hold at most T + N (C - 1) token slots per batch row (N documents, chunk C): each
+document is padded only to its next multiple of C, and documents of unequal lengths are laid one after another
+(ChunkLayout), so memory and FLOPs grow with the tokens, not with documents x the longest document."""
 
 from __future__ import annotations
 
@@ -81,42 +85,70 @@ def check_inputs(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: to
 
 
 class ChunkLayout:
-    """Maps packed tokens [B, T, H, D] to per-sequence chunks [N, H, n_chunks, C, D] and back.
+    """Maps packed tokens [B, T, H, D] to chunks [R, H, n_chunks, C, D] and back, in one of two forms.
 
-    Each sequence (a batch row, or a document of cu_seqlens) is laid out from its own start and zero-padded to
-    n_chunks * C, where n_chunks is that of the longest one. Zero k, v, q, beta and g leave the state untouched,
-    so the inter-chunk pass runs once over n_chunks for all sequences together.
+    Rows (no cu_seqlens, or documents all of one length): R = N sequences of equal length, each zero-padded at its
+    end to n_chunks * C (no padding, and a plain transpose, when C divides the length).
+    Packed (documents of unequal lengths): R = 1 and the documents' chunks follow one another in one stream of
+    n_chunks = sum_i ceil(len_i / C) chunks; document i occupies chunks first_chunk[i] .. first_chunk[i] +
+    chunk_counts[i] - 1, laid out from its own start and zero-padded only to its next multiple of C.
+
+    Either way the chunked tensors hold at most T + N (C - 1) token slots per batch row, never N x the longest
+    document. Zero k, v, q, beta and g leave the state untouched, so a chunk's padded tail changes nothing; in the
+    packed form the state pass resets at every document's first chunk (KDAChunks.run).
     """
 
     def __init__(self, shapes: KDAShapes, chunk_size: int, device: torch.device):
         self.B, self.T, self.N, self.C = shapes.B, shapes.T, shapes.N, chunk_size
         offs = shapes.offsets
-        longest = shapes.T if offs is None else max(b - a for a, b in zip(offs[:-1], offs[1:]))
-        self.n_chunks = -(-longest // chunk_size)
+        lengths = torch.full((self.N,), self.T) if offs is None else torch.tensor(offs).diff()
+        self.chunk_counts = (lengths + chunk_size - 1) // chunk_size
+        """[N] int64 (CPU): chunks of each sequence."""
+        self.first_chunk = self.chunk_counts.cumsum(0) - self.chunk_counts
+        """[N] int64 (CPU): each sequence's first chunk in its row of chunks (0 in the rows form)."""
+        self.packed = bool((lengths != lengths[0]).any())
+        self.slot = None
+        """[T] int64: the stream slot of every token, when documents are padded (None: slot t is token t)."""
+        if self.packed:
+            self.rows, self.row_len, self.n_chunks = 1, self.T, int(self.chunk_counts.sum())
+            # token t of document i sits at slot first_chunk[i] * C + (t - offs[i]) of the stream
+            shift = self.first_chunk * chunk_size - torch.tensor(offs[:-1])
+            if bool(shift.any()):   # else every document fills whole chunks: the stream is the row itself
+                self.slot = (torch.arange(self.T) + shift.repeat_interleave(lengths)).to(device)
+        else:
+            self.rows, self.row_len, self.n_chunks = self.N, int(lengths[0]), int(self.chunk_counts[0])
+            self.first_chunk.zero_()
         self.L = self.n_chunks * chunk_size
-        self.doc = self.pos = None
-        if offs is not None:
-            starts = torch.tensor(offs[:-1], device=device)
-            lengths = torch.tensor(offs, device=device).diff()
-            self.doc = torch.repeat_interleave(torch.arange(self.N, device=device), lengths)
-            self.pos = torch.arange(self.T, device=device) - starts[self.doc]
+        """Token slots per row of chunks."""
 
     def to_chunks(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[B, T, H, D] -> [N, H, n_chunks, C, D] contiguous in `dtype` (one copy)."""
+        """[B, T, H, D] -> [R, H, n_chunks, C, D] contiguous in `dtype` (one copy)."""
         H, D = x.shape[2], x.shape[3]
-        if self.doc is not None:
-            y = x.new_zeros(self.N, H, self.L, D, dtype=dtype)
-            y[self.doc, :, self.pos] = x[0].to(dtype)
-        elif self.L == self.T:
-            y = x.permute(0, 2, 1, 3).to(dtype, memory_format=torch.contiguous_format)
+        if self.slot is not None:
+            y = x.new_zeros(H, self.L, D, dtype=dtype)
+            y[:, self.slot] = x[0].transpose(0, 1).to(dtype)   # index_put: backward keeps only the index
         else:
-            y = x.new_zeros(self.B, H, self.L, D, dtype=dtype)
-            y[:, :, : self.T] = x.transpose(1, 2)
-        return y.view(self.N, H, self.n_chunks, self.C, D)
+            x = x.reshape(self.rows, self.row_len, H, D)   # a view: documents of one length are rows
+            if self.L == self.row_len:
+                y = x.permute(0, 2, 1, 3).to(dtype, memory_format=torch.contiguous_format)
+            else:
+                y = x.new_zeros(self.rows, H, self.L, D, dtype=dtype)
+                y[:, :, : self.row_len] = x.transpose(1, 2)
+        return y.view(self.rows, H, self.n_chunks, self.C, D)
 
     def from_chunks(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[N, H, n_chunks, C, D] -> [B, T, H, D] in `dtype`."""
+        """[R, H, n_chunks, C, D] -> [B, T, H, D] in `dtype`."""
+        H, D = y.shape[1], y.shape[-1]
         y = y.flatten(2, 3)
-        if self.doc is not None:
-            return y[self.doc, :, self.pos].unsqueeze(0).to(dtype)
-        return y[:, :, : self.T].transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+        if self.slot is not None:
+            return y[0].transpose(0, 1).index_select(0, self.slot).unsqueeze(0).to(dtype)
+        y = y[:, :, : self.row_len].transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+        return y.reshape(self.B, self.T, H, D)   # a view for batch rows; documents as rows are merged into one
+
+    def chunks_of(self, index: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunk indices (in the packed stream) of the sequences in `index`, in that order, and their chunk counts
+        (CPU int64 tensors)."""
+        index = torch.as_tensor(index).to("cpu", torch.int64).reshape(-1)
+        counts, first = self.chunk_counts[index], self.first_chunk[index]
+        within = torch.arange(int(counts.sum())) - (counts.cumsum(0) - counts).repeat_interleave(counts)
+        return first.repeat_interleave(counts) + within, counts
