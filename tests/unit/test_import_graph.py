@@ -98,3 +98,13 @@ def test_the_checker_sees_cycles():
     assert "k3train.parallel.mesh" in g["k3train.parallel.engine"]        # module level
     assert "k3train.parallel.parallelize" in g["k3train.parallel.engine"]  # inside build_engine
     assert "k3train.parallel" in g["k3train.train.trainer"]                # the package runs first
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject.toml lists the packages a wheel carries; a subpackage missing there imports from a checkout but not
+    from an installed wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((PKG.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    present = {module_name(p) for p in PKG.rglob("__init__.py")}
+    assert present <= listed, sorted(present - listed)
