@@ -33,7 +33,7 @@ def _round_to_e4m3(v):
 
 @triton.jit
 def _quant_kernel(x_ptr, q_ptr, s_ptr, n, nb, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # int64: offsets pass 2^31 on large tensors
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -46,7 +46,7 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, n, nb, BLOCK: tl.constexpr, ROWS: tl.cons
 
 @triton.jit
 def _dequant_kernel(q_ptr, s_ptr, y_ptr, n, BLOCK: tl.constexpr, ROWS: tl.constexpr, ROUND_BF16: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # int64: offsets pass 2^31 on large tensors
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = offs < n
     q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)

@@ -23,7 +23,7 @@ def _tanh(x):
 
 @triton.jit
 def _situ_fwd(g_ptr, u_ptr, h_ptr, n, beta1, beta2, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: past 2^31 elements
     mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -34,7 +34,7 @@ def _situ_fwd(g_ptr, u_ptr, h_ptr, n, beta1, beta2, BLOCK: tl.constexpr):
 
 @triton.jit
 def _situ_bwd(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, n, beta1, beta2, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: past 2^31 elements
     mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)

@@ -217,7 +217,8 @@ class RemoteExchange:
         receive mine.
     The group must therefore hold ranks that run the same forward/backward sequence on the same model (data-parallel
     replicas); the sequence is fixed by the module structure, not by the data, so sizes are exchanged first and
-    empty stashes still exchange. Sends are posted before receives with non-blocking isend, so gloo cannot deadlock.
+    empty stashes still exchange. Each exchange is one batch_isend_irecv of the pair's send and receive, which cannot
+    deadlock on gloo or NCCL.
     """
 
     def __init__(self, group: dist.ProcessGroup | None):

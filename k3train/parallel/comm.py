@@ -193,14 +193,15 @@ def broadcast(t: torch.Tensor, src_group_rank: int, group, dim: str, *, what: st
 
 def send_recv(send: torch.Tensor | None, recv: torch.Tensor | None, peer: int, group, dim: str, *, op: str = "send",
               what: str | None = None) -> None:
-    """Point-to-point with one peer (its rank in the group): send, receive, or both at once (a swap, which cannot
-    deadlock); counts the bytes sent."""
-    works = []
+    """Point-to-point with one peer (its rank in the group): send, receive, or both at once (a swap). The operations
+    go out as one batch (dist.batch_isend_irecv): NCCL can deadlock on large payloads when a pair's isend and irecv
+    are posted as separate operations; gloo runs the batch as its isend and irecv. Counts the bytes sent."""
+    ops = []
     if send is not None:
-        works.append(dist.isend(send, group=group, group_dst=peer))
+        ops.append(dist.P2POp(dist.isend, send, group=group, group_peer=peer))
     if recv is not None:
-        works.append(dist.irecv(recv, group=group, group_src=peer))
-    for w in works:
+        ops.append(dist.P2POp(dist.irecv, recv, group=group, group_peer=peer))
+    for w in dist.batch_isend_irecv(ops) if ops else []:
         w.wait()
     if send is not None:
         record(dim, op, _nbytes(send), what=what)

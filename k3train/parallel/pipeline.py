@@ -27,6 +27,7 @@ last backward of the step: Pipeline ZeRO-2 reduce-scatters there, once per stage
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -208,6 +209,44 @@ class GlobalTokenLoss:
 # ---------------------------------------------------------------------------------------------------------------------
 # The pipeline stage: reduce hook, p2p accounting, busy time
 # ---------------------------------------------------------------------------------------------------------------------
+class BusyClock:
+    """Seconds a stage spends computing. On CPU, host time around each chunk. On CUDA kernels run asynchronously, so
+    host time would measure the launches: a pair of CUDA events brackets each chunk on the current stream, and the
+    events are read when `seconds` is asked for (one synchronisation, after the step)."""
+
+    def __init__(self, device: torch.device | None = None):
+        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self.reset()
+
+    def reset(self) -> None:
+        self._host, self._events = 0.0, []
+
+    @contextlib.contextmanager
+    def span(self):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._events.append((start, end))
+        else:
+            t = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._host += time.perf_counter() - t
+
+    @property
+    def seconds(self) -> float:
+        if self._events:
+            self._events[-1][1].synchronize()
+            self._host += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+            self._events = []
+        return self._host
+
+
 def _pipeline_stage_cls():
     from torch.distributed.pipelining import PipelineStage
 
@@ -221,11 +260,15 @@ def _pipeline_stage_cls():
         def _init_k3(self, grad_reducer):
             self.grad_reducer = grad_reducer
             self.reduced = False
-            self.busy_s = 0.0
+            self.clock = BusyClock(self.device)
+
+        @property
+        def busy_s(self) -> float:
+            return self.clock.seconds
 
         def new_step(self):
             self.reduced = False
-            self.busy_s = 0.0
+            self.clock.reset()
 
         def reduce_once(self):
             if not self.reduced:
@@ -238,25 +281,16 @@ def _pipeline_stage_cls():
             super().perform_reduce_grad(grad_scale_factor)
 
         def forward_one_chunk(self, *a, **k):
-            t = time.perf_counter()
-            try:
+            with self.clock.span():
                 return super().forward_one_chunk(*a, **k)
-            finally:
-                self.busy_s += time.perf_counter() - t
 
         def backward_one_chunk(self, *a, **k):
-            t = time.perf_counter()
-            try:
+            with self.clock.span():
                 return super().backward_one_chunk(*a, **k)
-            finally:
-                self.busy_s += time.perf_counter() - t
 
         def backward_weight_one_chunk(self, *a, **k):
-            t = time.perf_counter()
-            try:
+            with self.clock.span():
                 return super().backward_weight_one_chunk(*a, **k)
-            finally:
-                self.busy_s += time.perf_counter() - t
 
         def get_fwd_send_ops(self, fwd_chunk_id):
             ops = super().get_fwd_send_ops(fwd_chunk_id)

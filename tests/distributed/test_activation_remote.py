@@ -48,6 +48,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         g = torch.Generator().manual_seed(100 + rank)   # different data per rank: a mixed-up stash would show
         batches = [torch.randint(0, model.args.vocab_size, (2, 16), generator=g) for _ in range(2)]
         ref_losses, ref = _grads(model, batches)
+        batched = []   # every point-to-point exchange goes out as one batch_isend_irecv (NCCL-safe pairing)
+        orig_batch = dist.batch_isend_irecv
+        dist.batch_isend_irecv = lambda ops: batched.append(sorted(o.op.__name__ for o in ops)) or orig_batch(ops)
         results = {}
         plans = {
             "layers": [Rule(kind="layer", policy="offload_remote")],
@@ -70,6 +73,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 "remote": st["total"]["offload_remote"], "saved": st["total"]["saved"],
                 "on_device": st["total"]["on_device"], "hosted_after": st["hosted_for_peer"],
             }
+        dist.batch_isend_irecv = orig_batch
+        results["batches"] = batched
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         end_worker()  # tests/spawn_worker.py
@@ -81,6 +86,8 @@ def test_offload_remote_gradients_equal_no_policy(tmp_path):
     mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
     for rank in range(world):
         res = torch.load(tmp_path / f"rank{rank}.pt")
+        batches = res.pop("batches")
+        assert batches and ["irecv", "isend"] in batches, batches[:5]   # swaps are one paired batch
         for name, r in res.items():
             assert r["loss_equal"] and r["grads_equal"], (rank, name, r["max_diff"])
             assert r["remote"] > 0, (rank, name)

@@ -203,3 +203,43 @@ def test_pipeline_step_equals_one_process(tmp_path):
     # both directions crossed the boundary
     assert all(rec["comm"][-1].get(f"pp/send_{d}", {}).get("payload", 0) > 0
                for rec, d in zip(records, ("fwd", "bwd")))
+
+
+def test_busy_clock_times_cuda_work_with_events(monkeypatch):
+    """On CUDA the stage's busy time comes from event pairs around each chunk, read once after the step (host time
+    around an asynchronous launch would measure the launch); on CPU it is host time."""
+    import time as _time
+
+    from k3train.parallel.pipeline import BusyClock
+
+    synced = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.t = None
+
+        def record(self):
+            self.t = len(recorded)
+            recorded.append(self)
+
+        def synchronize(self):
+            synced.append(self)
+
+        def elapsed_time(self, end):   # milliseconds, as torch.cuda.Event reports
+            return 250.0 * (end.t - self.t)
+
+    recorded: list = []
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    clock = BusyClock(torch.device("cuda", 0))
+    for _ in range(3):
+        with clock.span():
+            pass
+    assert len(recorded) == 6 and not synced               # nothing waits while the step runs
+    assert clock.seconds == 0.75 and len(synced) == 1      # 3 spans of 250 ms, one synchronisation
+    clock.reset()
+    assert clock.seconds == 0.0
+    cpu = BusyClock(torch.device("cpu"))
+    with cpu.span():
+        _time.sleep(0.01)
+    assert cpu.seconds >= 0.01
