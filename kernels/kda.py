@@ -319,7 +319,7 @@ def _kda_bwd_state(q, k, Gc, W, Aqk, do, dht, dhs, dU, dh0, bos_ptr, eos_ptr, c0
 
 
 @triton.jit
-def _kda_bwd_dense(q, k, v, beta, Gc, Tm, W, U, hs, dhs, do, dU, dv, dqp, dkp, dGp, dbp, dGl, dAqk, dAkk,
+def _kda_bwd_dense(q, k, v, beta, Gc, Tm, W, U, hs, dhs, do, dU, dv, dqp, dkp, dGp, dGx, dbp, dGl, dAqk, dAkk,
                    bos_ptr, eos_ptr, scale, H, K, V, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     c = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -367,11 +367,12 @@ def _kda_bwd_dense(q, k, v, beta, Gc, Tm, W, U, hs, dhs, do, dU, dv, dqp, dkp, d
     kg = kk * gam
     db += tl.sum(dRW * kg, 1)
     dkc = dRW * b[:, None] * gam + dKd * tl.exp(Gl[None, :] - G)
-    dGc = dRW * b[:, None] * kg + dQg * qs * gam - dKd * kd
-    dgl = tl.sum(dKd * kd, 0) + dgl * tl.exp(Gl)
+    dGc = dRW * b[:, None] * kg + dQg * qs * gam
+    dgl = dgl * tl.exp(Gl)
     _st_chk(dqp, dQg * gam, c, 0, h, H, K, 0, BK, 64)
     _st_chk(dkp, dkc, c, 0, h, H, K, 0, BK, 64)
     _st_chk(dGp, dGc, c, 0, h, H, K, 0, BK, 64)
+    _st_chk(dGx, dKd * kd, c, 0, h, H, K, 0, BK, 64)
     _st_chk1(dbp, db, c, 0, h, H, 64)
     cols = tl.arange(0, BK)
     tl.store(dGl + (c * H + h) * K + cols, dgl, mask=cols < K)
@@ -389,6 +390,7 @@ def _kda_bwd_intra(q, k, beta, Gc, dAqk, dAkk, dqp, dkp, dGp, dbp, dq, dk, dbeta
     h = tl.program_id(1)
     bos = tl.load(bos_ptr + c)
     eos = tl.load(eos_ptr + c)
+    i = tl.arange(0, 16)
     for t in tl.static_range(4):
         qt = _ld_tok(q, bos + t * 16, eos, h, H, K, 0, BK, 16) * scale
         kt = _ld_tok(k, bos + t * 16, eos, h, H, K, 0, BK, 16)
@@ -397,6 +399,10 @@ def _kda_bwd_intra(q, k, beta, Gc, dAqk, dAkk, dqp, dkp, dGp, dbp, dq, dk, dbeta
         Gr = _row(Gt, 0, 16)
         Gx = _row(Gt, 15, 16)
         et = tl.exp(Gt - Gr[None, :])
+        # Aqk's diagonal (sum_d Q[i,d] K[i,d], no decay) is taken out of the tile products and added exactly: it does
+        # not depend on G, and through the factorised products its row and column parts of dG would cancel only to
+        # rounding of the (large) diagonal term.
+        dd = tl.sum(tl.where(i[:, None] == i[None, :], _ld_chk(dAqk, c, t * 16, h, H, 64, t * 16, 16, 16), 0.0), 1)
         # tile t as rows: J <= t
         dRq = tl.zeros([16, BK], dtype=tl.float32)
         dRk = tl.zeros([16, BK], dtype=tl.float32)
@@ -407,6 +413,8 @@ def _kda_bwd_intra(q, k, beta, Gc, dAqk, dAkk, dqp, dkp, dGp, dbp, dq, dk, dbeta
                 GJ = _ld_chk(Gc, c, J * 16, h, H, K, 0, BK, 16)
                 col = kJ * tl.exp(Gr[None, :] - GJ)
                 dPq = _ld_chk(dAqk, c, t * 16, h, H, 64, J * 16, 16, 16)
+                if J == t:
+                    dPq = tl.where(i[:, None] > i[None, :], dPq, 0.0)
                 dPk = _ld_chk(dAkk, c, t * 16, h, H, 64, J * 16, 16, 16)
                 P = tl.dot(kt * et, tl.trans(col), input_precision=PREC)
                 dbt += tl.sum(dPk * P, 1)
@@ -423,12 +431,14 @@ def _kda_bwd_intra(q, k, beta, Gc, dAqk, dAkk, dqp, dkp, dGp, dbp, dq, dk, dbeta
                 bI = _ld_tok1(beta, bos + I * 16, eos, h, H, 16)
                 eI = tl.exp(_ld_chk(Gc, c, I * 16, h, H, K, 0, BK, 16) - Gx[None, :])
                 dPq = _ld_chk(dAqk, c, I * 16, h, H, 64, t * 16, 16, 16)
+                if I == t:
+                    dPq = tl.where(i[:, None] > i[None, :], dPq, 0.0)
                 dPk = _ld_chk(dAkk, c, I * 16, h, H, 64, t * 16, 16, 16) * bI[:, None]
                 dKc += (tl.dot(tl.trans(dPq), qI * eI, input_precision=PREC)
                         + tl.dot(tl.trans(dPk), kI * eI, input_precision=PREC))
         dKc = dKc * tl.exp(Gx[None, :] - Gt)
-        dQt = _ld_chk(dqp, c, t * 16, h, H, K, 0, BK, 16) + dRq
-        dKt = _ld_chk(dkp, c, t * 16, h, H, K, 0, BK, 16) + dRk + dKc
+        dQt = _ld_chk(dqp, c, t * 16, h, H, K, 0, BK, 16) + dRq + dd[:, None] * kt
+        dKt = _ld_chk(dkp, c, t * 16, h, H, K, 0, BK, 16) + dRk + dKc + dd[:, None] * qt
         dGt = _ld_chk(dGp, c, t * 16, h, H, K, 0, BK, 16) + qt * dRq + kt * (dRk - dKc)
         dBt = _ld_chk1(dbp, c, t * 16, h, H, 16) + dbt
         _st_tok(dq, dQt * scale, bos + t * 16, eos, h, H, K, 0, BK, 16)
@@ -438,7 +448,7 @@ def _kda_bwd_intra(q, k, beta, Gc, dAqk, dAkk, dqp, dkp, dGp, dbp, dq, dk, dbeta
 
 
 @triton.jit
-def _kda_bwd_dg(dGp, dGl, dg, bos_ptr, eos_ptr, H, K, BK: tl.constexpr):
+def _kda_bwd_dg(dGp, dGx, dGl, dg, bos_ptr, eos_ptr, H, K, BK: tl.constexpr):
     c = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     bos = tl.load(bos_ptr + c)
@@ -446,8 +456,11 @@ def _kda_bwd_dg(dGp, dGl, dg, bos_ptr, eos_ptr, H, K, BK: tl.constexpr):
     x = _ld_chk(dGp, c, 0, h, H, K, 0, BK, 64)
     cols = tl.arange(0, BK)
     gl = tl.load(dGl + (c * H + h) * K + cols, mask=cols < K, other=0.0)
-    # dg_t = sum_{s >= t} dG_s + dG_last (G_last sums every g of the chunk)
-    r = tl.sum(x, 0)[None, :] - tl.cumsum(x, 0) + x + gl[None, :]
+    # dg_t = sum_{s >= t} dG_s + dG_last (G_last sums every g of the chunk). The gradient through
+    # e^{G_last - G_s} = e^{sum_{t > s} g_t} reaches g_t from the rows s < t only: summed as such (an exclusive prefix
+    # sum) rather than as dG_last minus a reverse sum, which would cancel two large terms when the decay is fast.
+    y = _ld_chk(dGx, c, 0, h, H, K, 0, BK, 64)
+    r = tl.cumsum(x, 0, reverse=True) + gl[None, :] + tl.cumsum(y, 0) - y
     _st_tok(dg, r, bos, eos, h, H, K, 0, BK, 64)
 
 
@@ -541,18 +554,19 @@ class _ChunkKDAFunction(torch.autograd.Function):
         dqp = torch.empty(NC * CHUNK, H, K, **f32)
         dkp = torch.empty(NC * CHUNK, H, K, **f32)
         dGp = torch.empty(NC * CHUNK, H, K, **f32)
+        dGx = torch.empty(NC * CHUNK, H, K, **f32)
         dbp = torch.empty(NC * CHUNK, H, **f32)
         dGl = torch.empty(NC, H, K, **f32)
         dAqk = torch.empty(NC * CHUNK, H, CHUNK, **f32)
         dAkk = torch.empty(NC * CHUNK, H, CHUNK, **f32)
         dv = torch.empty_like(v)
         grid = (NC, H)
-        _kda_bwd_dense[grid](q, k, v, beta, Gc, Tm, W, U, hs, dhs, do, dU, dv, dqp, dkp, dGp, dbp, dGl, dAqk, dAkk,
+        _kda_bwd_dense[grid](q, k, v, beta, Gc, Tm, W, U, hs, dhs, do, dU, dv, dqp, dkp, dGp, dGx, dbp, dGl, dAqk, dAkk,
                              bos, eos, scale, H, K, V, BK=BK, BV=BV, PREC=prec)
         dq, dk, dbeta, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(beta), torch.empty_like(g)
         _kda_bwd_intra[grid](q, k, beta, Gc, dAqk, dAkk, dqp, dkp, dGp, dbp, dq, dk, dbeta, bos, eos, scale, H, K,
                              BK=BK, PREC=prec)
-        _kda_bwd_dg[grid](dGp, dGl, dg, bos, eos, H, K, BK=BK)
+        _kda_bwd_dg[grid](dGp, dGx, dGl, dg, bos, eos, H, K, BK=BK)
         shape = lambda x: x.view(B, T, H, -1)
         return (shape(dq), shape(dk), shape(dv), shape(dg), dbeta.view(B, T, H),
                 dh0.to(h0.dtype) if h0 is not None else None, None, None)
