@@ -29,6 +29,10 @@ column's tile, so every factor is at most e^{15 * 5} = e^75 for g >= -5 (inside 
 fp32; the state, its gradient and every intermediate buffer are fp32. Matmul operands are fp32: exact IEEE products
 when q, k, v are fp32/fp64, TF32 tensor-core products for bf16/fp16 inputs. Offsets are int64 (token indices, chunk
 indices and state offsets are widened before they multiply).
+dg is a sum of terms that nearly cancel when the decay is fast (at g = -5 it is ~1e-3 of dq's size). Two terms are
+therefore kept out of the chunk-local reverse sum of dG: Aqk's diagonal (independent of G) enters dq and dk exactly,
+and the gradient through e^{G_last - G} reaches g_t as a forward sum over the rows before t. Measured against fp64:
+dg's relative RMS error 3e-6 with every g = -5 (the torch chunked form's fp32 error there: 3.5e-5).
 
 Documents: with cu_seqlens (B == 1) every document starts from its own initial state (zero if None) and ends in its
 own final state. Chunks never straddle documents: each document is cut into ceil(len / 64) chunks from its own start,

@@ -107,3 +107,18 @@ def test_triton_kda_rejects_other_chunk_sizes():
     x = make_inputs(1, 8, 1, 16, 16, n_states=1)
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=32)
+
+
+def test_triton_kda_fp16_inputs():
+    """fp16 inputs: the output and the gradients come back in fp16 and match the fp64 reference on the same (rounded)
+    inputs to within fp16 rounding; the final state is fp32."""
+    from k3kernels.kda import chunk_kda
+
+    x = {n: t.half().double() for n, t in make_inputs(1, 70, 1, 16, 16, n_states=1).items()}
+    o, s, grads = run(chunk_kda, x, torch.float16)
+    o_ref, s_ref, ref = run(torch_chunk_kda, x, torch.float64)
+    assert o.dtype == torch.float16 and s.dtype == torch.float32
+    assert rel_rms(o, o_ref) <= 2e-3 and rel_rms(s, s_ref) <= 1e-5
+    for n in NAMES:
+        assert grads[n].dtype == torch.float16, n
+        assert rel_rms(grads[n], ref[n]) <= 2e-3, n
