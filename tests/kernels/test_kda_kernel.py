@@ -60,12 +60,14 @@ def rel_rms(a, b):
 
 
 # (B, T, H, K, V, cu_seqlens, g_value): lengths that are not multiples of 64, documents (one of a single token and
-# one longer than a chunk), K != V, K and V not powers of two, and every gate at its floor g = -5.
+# one longer than a chunk), K != V, K and V not powers of two, V over two state tiles (64 columns each), and every
+# gate at its floor g = -5.
 CASES = {
     "B2_T100_K16": (2, 100, 1, 16, 16, None, None),
     "docs_K32_V16": (1, 150, 1, 32, 16, [0, 17, 100, 101, 150], None),
     "gmin_T130": (1, 130, 1, 16, 16, None, -5.0),
     "K24_V20": (1, 40, 1, 24, 20, None, None),
+    "V80_two_V_tiles": (1, 40, 1, 16, 80, [0, 3, 40], None),
 }
 
 
