@@ -32,7 +32,7 @@ def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
 
 if _HAS_GMM:  # torch.utils.flop_counter has no formula for it: FlopCounterMode would count the experts as free
     from torch.utils.flop_counter import flop_registry, register_flop_formula
-    if torch.ops.aten._grouped_mm.default not in flop_registry:
+    if torch.ops.aten._grouped_mm not in flop_registry:  # keyed by the op packet
         register_flop_formula(torch.ops.aten._grouped_mm)(_grouped_mm_flops)
 
 
@@ -42,7 +42,8 @@ def _round_up(n: int, step: int) -> int:
 
 def _kernel_operand(t: torch.Tensor) -> torch.Tensor:
     """t contiguous, with a 16-byte aligned start on CUDA (a view into the middle of a buffer may not be)."""
-    t = t.contiguous()
+    if not t.is_contiguous():
+        return t.contiguous()
     return t.clone() if t.is_cuda and t.data_ptr() % 16 else t
 
 
@@ -52,7 +53,7 @@ class _GroupedMM(torch.autograd.Function):
         A, B = x.shape[1], w.shape[2]
         step = 16 // x.element_size()  # elements per 16 bytes
         Ap, Bp = _round_up(A, step), _round_up(B, step)
-        wc = w.to(x.dtype)  # no copy when the dtypes agree
+        wc = w if w.dtype == x.dtype else w.to(x.dtype)
         if (Ap, Bp) != (A, B):
             wc = torch.nn.functional.pad(wc, (0, Bp - B, 0, Ap - A))
         xp = torch.nn.functional.pad(x, (0, Ap - A)) if Ap != A else x
@@ -66,17 +67,21 @@ class _GroupedMM(torch.autograd.Function):
     def backward(ctx, gy):
         xp, wc, offs = ctx.saved_tensors
         A, B, w_dtype = ctx.dims
-        Bp = wc.shape[2]
-        gy = gy.to(xp.dtype)
+        Ap, Bp = wc.shape[1], wc.shape[2]
+        if gy.dtype != xp.dtype:
+            gy = gy.to(xp.dtype)
         gy = _kernel_operand(torch.nn.functional.pad(gy, (0, Bp - B)) if Bp != B else gy)  # no stride-0 gradients
         gx = gw = None
         if ctx.needs_input_grad[0]:
-            gx = torch._grouped_mm(gy, wc.transpose(-2, -1), offs=offs)[:, :A]
+            gx = torch._grouped_mm(gy, wc.transpose(-2, -1), offs=offs)
+            gx = gx[:, :A] if Ap != A else gx
         if ctx.needs_input_grad[1]:
             if xp.shape[0] == 0:  # a contraction of length 0: zeros (the kernel refuses it on some builds)
                 gw = torch.zeros(wc.shape[0], A, B, dtype=w_dtype, device=wc.device)
             else:
-                gw = torch._grouped_mm(xp.t(), gy, offs=offs)[:, :A, :B].to(w_dtype)
+                gw = torch._grouped_mm(xp.t(), gy, offs=offs)
+                gw = gw[:, :A, :B] if (Ap, Bp) != (A, B) else gw
+                gw = gw if gw.dtype == w_dtype else gw.to(w_dtype)
         return gx, gw, None
 
 
