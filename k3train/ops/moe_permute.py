@@ -15,6 +15,11 @@ from __future__ import annotations
 import torch
 
 
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    """The inverse of a permutation of arange(len) (a scatter: no sort)."""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
 def expert_layout(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """idx [N, K] expert ids in [0, n_experts) -> (order [N*K], pos [N, K], counts [n_experts]), all int64.
 
@@ -26,8 +31,47 @@ def expert_layout(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torc
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(n_experts, dtype=torch.int64, device=idx.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
-    pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=idx.device))
-    return order, pos.view(idx.shape), counts
+    return order, _inverse(order).view(idx.shape), counts
+
+
+class _Permute(torch.autograd.Function):
+    """rows = x[src]; backward gathers each token's K row gradients and sums them (a gather, not an accumulating
+    scatter: every token owns its K rows)."""
+
+    @staticmethod
+    def forward(ctx, x, src, pos):
+        ctx.save_for_backward(pos)
+        return x[src]
+
+    @staticmethod
+    def backward(ctx, g):
+        (pos,) = ctx.saved_tensors
+        N, K = pos.shape
+        return g[pos.reshape(-1)].view(N, K, g.shape[-1]).sum(1), None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    """u = einsum(w, y[pos]); backward: dw from the gathered rows, dy = (w du) gathered back into expert order (pos is
+    a permutation: a gather by its inverse, no accumulating scatter)."""
+
+    @staticmethod
+    def forward(ctx, y, w, pos):
+        N, K = pos.shape
+        gathered = y[pos.reshape(-1)].view(N, K, y.shape[-1])  # explicit width: N may be 0
+        ctx.save_for_backward(gathered, w, pos)
+        return torch.einsum("nk,nkl->nl", w.to(y.dtype), gathered)
+
+    @staticmethod
+    def backward(ctx, du):
+        gathered, w, pos = ctx.saved_tensors
+        N, K, D = gathered.shape
+        dy = dw = None
+        if ctx.needs_input_grad[0]:
+            prod = torch.einsum("nk,nl->nkl", w.to(du.dtype), du).reshape(N * K, D)
+            dy = prod[_inverse(pos.reshape(-1))]
+        if ctx.needs_input_grad[1]:
+            dw = torch.einsum("nl,nkl->nk", du, gathered).to(w.dtype)
+        return dy, dw, None
 
 
 def permute(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -36,7 +80,7 @@ def permute(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple[torch.T
     if x.dim() != 2 or x.shape[0] != idx.shape[0]:
         raise ValueError(f"permute: x {tuple(x.shape)} and idx {tuple(idx.shape)} do not fit")
     order, pos, counts = expert_layout(idx, n_experts)
-    return x[order // idx.shape[1]], counts, pos
+    return _Permute.apply(x, order // idx.shape[1], pos), counts, pos
 
 
 def unpermute(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -46,5 +90,4 @@ def unpermute(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor) -> torc
     if pos.shape != (N, K) or y.dim() != 2 or y.shape[0] != N * K:
         raise ValueError(f"unpermute: y {tuple(y.shape)}, weights {tuple(weights.shape)}, pos {tuple(pos.shape)} "
                          "do not fit")
-    gathered = y[pos.reshape(-1)].view(N, K, y.shape[-1])  # explicit width: N may be 0
-    return torch.einsum("nk,nkl->nl", weights.to(y.dtype), gathered)
+    return _Unpermute.apply(y, weights, pos)

@@ -64,13 +64,22 @@ def test_local_dispatcher_unchanged_results():
     E, N, K, D = 6, 11, 2, 4
     idx, w = _routing(N, K, E, seed=7, empty=(4,))
     z = torch.randn(N, D)
+    z, w = z.requires_grad_(), w.requires_grad_()
     rows, counts, state = LocalDispatcher().dispatch(z, idx, E)
     flat = idx.flatten()
     order = torch.argsort(flat, stable=True)
-    assert torch.equal(rows, z[order // K]) and torch.equal(counts, torch.bincount(flat, minlength=E))
-    y = torch.randn(N * K, D)
+    old_rows = z[order // K]
+    assert torch.equal(rows, old_rows) and torch.equal(counts, torch.bincount(flat, minlength=E))
+    y = torch.randn(N * K, D, requires_grad=True)
+    u = LocalDispatcher().combine(y, w, state)
     old = torch.einsum("nk,nkl->nl", w, y[torch.argsort(order)].view(N, K, D))
-    assert torch.equal(LocalDispatcher().combine(y, w, state), old)
+    assert torch.equal(u, old)
+    # Gradients too (the new backward gathers where autograd's accumulated by scatter: K = 2 sums the same pairs).
+    g_rows, g_u = torch.randn(N * K, D), torch.randn(N, D)
+    new_grads = torch.autograd.grad((rows * g_rows).sum() + (u * g_u).sum(), (z, y, w))
+    old_grads = torch.autograd.grad((old_rows * g_rows).sum() + (old * g_u).sum(), (z, y, w))
+    for a, b in zip(new_grads, old_grads):
+        assert torch.equal(a, b)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
