@@ -20,8 +20,8 @@ import triton.language as tl
 
 from k3train.ops.moe_permute import expert_layout
 
-BLOCK_N = 16
 BLOCK_D = 64
+TILE = 4096  # elements of a [BLOCK_N, BLOCK_K, BLOCK_D] tile: BLOCK_N shrinks as K grows (top-16: 4 tokens)
 
 
 @triton.jit
@@ -91,8 +91,13 @@ def _unpermute_bwd(du_ptr, y_ptr, w_ptr, pos_ptr, dy_ptr, dw_ptr, N, K, D, BLOCK
     tl.store(dw_ptr + n[:, None] * K + k[None, :], dw.to(dw_ptr.dtype.element_ty), mask=nk_mask)
 
 
-def _grid(N: int, D: int):
-    return (triton.cdiv(N, BLOCK_N), triton.cdiv(D, BLOCK_D))
+def _blocks(K: int) -> dict:
+    block_k = triton.next_power_of_2(K)
+    return dict(BLOCK_N=max(1, min(16, TILE // (block_k * BLOCK_D))), BLOCK_K=block_k, BLOCK_D=BLOCK_D)
+
+
+def _grid(N: int, D: int, blocks: dict, split_d: bool = True):
+    return (triton.cdiv(N, blocks["BLOCK_N"]), triton.cdiv(D, BLOCK_D) if split_d else 1)
 
 
 class _Permute(torch.autograd.Function):
@@ -102,8 +107,8 @@ class _Permute(torch.autograd.Function):
         (N, D), K = x.shape, pos.shape[1]
         rows = x.new_empty(N * K, D)
         if rows.numel():
-            _permute_fwd[_grid(N, D)](x, pos, rows, N, K, D, BLOCK_N=BLOCK_N, BLOCK_K=triton.next_power_of_2(K),
-                                      BLOCK_D=BLOCK_D)
+            b = _blocks(K)
+            _permute_fwd[_grid(N, D, b)](x, pos, rows, N, K, D, **b)
         ctx.save_for_backward(pos)
         return rows
 
@@ -115,8 +120,8 @@ class _Permute(torch.autograd.Function):
         D = drows.shape[1]
         dx = drows.new_empty(N, D)
         if dx.numel():
-            _permute_bwd[_grid(N, D)](drows, pos, dx, N, K, D, BLOCK_N=BLOCK_N, BLOCK_K=triton.next_power_of_2(K),
-                                      BLOCK_D=BLOCK_D)
+            b = _blocks(K)
+            _permute_bwd[_grid(N, D, b)](drows, pos, dx, N, K, D, **b)
         return dx, None
 
 
@@ -128,8 +133,8 @@ class _Unpermute(torch.autograd.Function):
         D = y.shape[1]
         u = y.new_empty(N, D)
         if u.numel():
-            _unpermute_fwd[_grid(N, D)](y, w, pos, u, N, K, D, BLOCK_N=BLOCK_N, BLOCK_K=triton.next_power_of_2(K),
-                                        BLOCK_D=BLOCK_D)
+            b = _blocks(K)
+            _unpermute_fwd[_grid(N, D, b)](y, w, pos, u, N, K, D, **b)
         ctx.save_for_backward(y, w, pos)
         return u
 
@@ -142,8 +147,8 @@ class _Unpermute(torch.autograd.Function):
         dy = torch.empty_like(y)
         dw = torch.empty_like(w)
         if N * K:
-            _unpermute_bwd[(triton.cdiv(N, BLOCK_N),)](du, y, w, pos, dy, dw, N, K, D, BLOCK_N=BLOCK_N,
-                                                       BLOCK_K=triton.next_power_of_2(K), BLOCK_D=BLOCK_D)
+            b = _blocks(K)
+            _unpermute_bwd[_grid(N, D, b, split_d=False)](du, y, w, pos, dy, dw, N, K, D, **b)
         return dy, dw, None
 
 
