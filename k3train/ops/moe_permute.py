@@ -27,7 +27,8 @@ def expert_layout(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torc
     (pos.flatten()[order] = arange(N*K)); counts: rows per expert (experts that receive none count 0)."""
     if idx.dim() != 2:
         raise ValueError(f"expert_layout: idx must be [N, K], got shape {tuple(idx.shape)}")
-    flat = idx.reshape(-1).to(torch.int64)
+    flat = idx.reshape(-1)
+    flat = flat if flat.dtype == torch.int64 else flat.to(torch.int64)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(n_experts, dtype=torch.int64, device=idx.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
@@ -67,10 +68,12 @@ class _Unpermute(torch.autograd.Function):
         N, K, D = gathered.shape
         dy = dw = None
         if ctx.needs_input_grad[0]:
-            prod = torch.einsum("nk,nl->nkl", w.to(du.dtype), du).reshape(N * K, D)
+            wd = w if w.dtype == du.dtype else w.to(du.dtype)
+            prod = (wd[:, :, None] * du[:, None, :]).reshape(N * K, D)
             dy = prod[_inverse(pos.reshape(-1))]
         if ctx.needs_input_grad[1]:
-            dw = torch.einsum("nl,nkl->nk", du, gathered).to(w.dtype)
+            dw = torch.einsum("nl,nkl->nk", du, gathered)
+            dw = dw if dw.dtype == w.dtype else dw.to(w.dtype)
         return dy, dw, None
 
 
