@@ -17,6 +17,7 @@ from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.ffn import SiTUGLU
 from k3train.models.structure import MatrixStructure
 from k3train.ops.grouped_mm import grouped_mm
+from k3train.ops.moe_permute import permute, unpermute
 from k3train.ops.situ import situ
 
 
@@ -40,7 +41,8 @@ class Router(nn.Module):
             with torch.no_grad():
                 idx = torch.topk(scores + self.bias.to(scores.dtype), self.top_k, dim=-1, sorted=False).indices
                 if self.training:
-                    self.load += torch.bincount(idx.flatten(), minlength=self.n_experts)
+                    flat = idx.flatten()  # scatter_add_, not bincount: no host sync on CUDA
+                    self.load.scatter_add_(0, flat, torch.ones_like(flat))
                     if self.balancer is not None:
                         self.balancer.observe(scores.detach().float(), self.bias)
             chosen = scores.gather(-1, idx)
@@ -72,20 +74,17 @@ class GroupedExperts(nn.Module):
 
 
 class LocalDispatcher:
-    """Sort token-expert rows by expert on this process; combine un-sorts and mixes with the weights."""
+    """Sort token-expert rows by expert on this process; combine un-sorts and mixes with the weights
+    (k3train.ops.moe_permute: static shapes, no host sync)."""
 
     def dispatch(self, z: torch.Tensor, idx: torch.Tensor, n_experts: int):
-        """z [N, L], idx [N, K] -> (rows [N*K, L] grouped by expert, counts [n_experts], state for combine)."""
-        flat = idx.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=n_experts)
-        return z[order // idx.shape[1]], counts, order
+        """z [N, L], idx [N, K] -> (rows [N*K, L] grouped by expert, counts [n_experts], state for combine: the row
+        pos [N, K] each (token, slot) landed on)."""
+        return permute(z, idx, n_experts)
 
-    def combine(self, y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """y [N*K, L] in dispatch order, weights [N, K] -> u [N, L] = sum_k weights * expert output."""
-        N, K = weights.shape
-        unsorted = y[torch.argsort(order)].view(N, K, y.shape[-1])  # explicit width: N may be 0
-        return torch.einsum("nk,nkl->nl", weights.to(y.dtype), unsorted)
+        return unpermute(y, weights, pos)
 
 
 class LatentMoE(nn.Module):

@@ -1,0 +1,172 @@
+"""Token permutation into expert order and the weighted un-permutation back, in Triton.
+
+Reference: k3train.ops.moe_permute (same layout, same results). The layout (which row each (token, slot) lands on,
+`pos` [N, K], and the rows per expert) comes from `expert_layout` there: a stable sort and a scatter_add_, with static
+shapes and no host sync. The kernels move the data; every one works on a tile of BLOCK_N tokens x all K slots x
+BLOCK_D features, so a token's K rows are handled by one program and no kernel needs atomics:
+
+    permute     rows[pos[n, k]] = x[n]                 backward  dx[n] = sum_k drows[pos[n, k]]
+    unpermute   u[n] = sum_k w[n, k] y[pos[n, k]]      backward  dy[pos[n, k]] = w[n, k] du[n]
+                                                                 dw[n, k] = sum_d du[n, d] y[pos[n, k], d]
+
+Sums are formed in fp32 and rounded once to the output dtype. Row offsets are int64 (N*K*D can pass 2^31).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3train.ops.moe_permute import expert_layout
+
+BLOCK_D = 64
+TILE = 4096  # elements of a [BLOCK_N, BLOCK_K, BLOCK_D] tile: BLOCK_N shrinks as K grows (top-16: 4 tokens)
+
+
+@triton.jit
+def _tile(n0, d0, N, K, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token, slot and feature indices of a tile (int64 tokens) and the masks of the [BN, BK] and [BN, BK, BD] tiles."""
+    n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+    k = tl.arange(0, BLOCK_K)
+    d = d0 + tl.arange(0, BLOCK_D)
+    nk_mask = (n[:, None] < N) & (k[None, :] < K)
+    nkd_mask = nk_mask[:, :, None] & (d[None, None, :] < D)
+    return n, k, d, nk_mask, nkd_mask
+
+
+@triton.jit
+def _permute_fwd(x_ptr, pos_ptr, rows_ptr, N, K, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    n, k, d, nk_mask, nkd_mask = _tile(tl.program_id(0) * BLOCK_N, tl.program_id(1) * BLOCK_D, N, K, D,
+                                       BLOCK_N, BLOCK_K, BLOCK_D)
+    pos = tl.load(pos_ptr + n[:, None] * K + k[None, :], mask=nk_mask, other=0)
+    xd = tl.load(x_ptr + n[:, None] * D + d[None, :], mask=(n[:, None] < N) & (d[None, :] < D), other=0.0)
+    out = tl.broadcast_to(xd[:, None, :], (BLOCK_N, BLOCK_K, BLOCK_D))
+    tl.store(rows_ptr + pos[:, :, None] * D + d[None, None, :], out, mask=nkd_mask)
+
+
+@triton.jit
+def _permute_bwd(drows_ptr, pos_ptr, dx_ptr, N, K, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    n, k, d, nk_mask, nkd_mask = _tile(tl.program_id(0) * BLOCK_N, tl.program_id(1) * BLOCK_D, N, K, D,
+                                       BLOCK_N, BLOCK_K, BLOCK_D)
+    pos = tl.load(pos_ptr + n[:, None] * K + k[None, :], mask=nk_mask, other=0)
+    g = tl.load(drows_ptr + pos[:, :, None] * D + d[None, None, :], mask=nkd_mask, other=0.0).to(tl.float32)
+    dx = tl.sum(g, axis=1)
+    tl.store(dx_ptr + n[:, None] * D + d[None, :], dx.to(dx_ptr.dtype.element_ty),
+             mask=(n[:, None] < N) & (d[None, :] < D))
+
+
+@triton.jit
+def _unpermute_fwd(y_ptr, w_ptr, pos_ptr, u_ptr, N, K, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    n, k, d, nk_mask, nkd_mask = _tile(tl.program_id(0) * BLOCK_N, tl.program_id(1) * BLOCK_D, N, K, D,
+                                       BLOCK_N, BLOCK_K, BLOCK_D)
+    pos = tl.load(pos_ptr + n[:, None] * K + k[None, :], mask=nk_mask, other=0)
+    w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nk_mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + pos[:, :, None] * D + d[None, None, :], mask=nkd_mask, other=0.0).to(tl.float32)
+    u = tl.sum(w[:, :, None] * y, axis=1)
+    tl.store(u_ptr + n[:, None] * D + d[None, :], u.to(u_ptr.dtype.element_ty),
+             mask=(n[:, None] < N) & (d[None, :] < D))
+
+
+@triton.jit
+def _unpermute_bwd(du_ptr, y_ptr, w_ptr, pos_ptr, dy_ptr, dw_ptr, N, K, D, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One program owns its tokens' whole rows: dw[n, k] sums over all of D here, without atomics.
+    n, k, _, nk_mask, _ = _tile(tl.program_id(0) * BLOCK_N, 0, N, K, D, BLOCK_N, BLOCK_K, BLOCK_D)
+    pos = tl.load(pos_ptr + n[:, None] * K + k[None, :], mask=nk_mask, other=0)
+    w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nk_mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        du = tl.load(du_ptr + n[:, None] * D + d[None, :], mask=(n[:, None] < N) & (d[None, :] < D),
+                     other=0.0).to(tl.float32)
+        rows = pos[:, :, None] * D + d[None, None, :]
+        nkd_mask = nk_mask[:, :, None] & (d[None, None, :] < D)
+        y = tl.load(y_ptr + rows, mask=nkd_mask, other=0.0).to(tl.float32)
+        dw += tl.sum(du[:, None, :] * y, axis=2)
+        tl.store(dy_ptr + rows, (w[:, :, None] * du[:, None, :]).to(dy_ptr.dtype.element_ty), mask=nkd_mask)
+    tl.store(dw_ptr + n[:, None] * K + k[None, :], dw.to(dw_ptr.dtype.element_ty), mask=nk_mask)
+
+
+def _blocks(K: int) -> dict:
+    block_k = triton.next_power_of_2(K)
+    return dict(BLOCK_N=max(1, min(16, TILE // (block_k * BLOCK_D))), BLOCK_K=block_k, BLOCK_D=BLOCK_D)
+
+
+def _grid(N: int, D: int, blocks: dict, split_d: bool = True):
+    return (triton.cdiv(N, blocks["BLOCK_N"]), triton.cdiv(D, BLOCK_D) if split_d else 1)
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pos):
+        x, pos = x.contiguous(), pos.contiguous()
+        (N, D), K = x.shape, pos.shape[1]
+        rows = x.new_empty(N * K, D)
+        if rows.numel():
+            b = _blocks(K)
+            _permute_fwd[_grid(N, D, b)](x, pos, rows, N, K, D, **b)
+        ctx.save_for_backward(pos)
+        return rows
+
+    @staticmethod
+    def backward(ctx, drows):
+        (pos,) = ctx.saved_tensors
+        drows = drows.contiguous()
+        N, K = pos.shape
+        D = drows.shape[1]
+        dx = drows.new_empty(N, D)
+        if dx.numel():
+            b = _blocks(K)
+            _permute_bwd[_grid(N, D, b)](drows, pos, dx, N, K, D, **b)
+        return dx, None
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, w, pos):
+        y, w, pos = y.contiguous(), w.contiguous(), pos.contiguous()
+        N, K = pos.shape
+        D = y.shape[1]
+        u = y.new_empty(N, D)
+        if u.numel():
+            b = _blocks(K)
+            _unpermute_fwd[_grid(N, D, b)](y, w, pos, u, N, K, D, **b)
+        ctx.save_for_backward(y, w, pos)
+        return u
+
+    @staticmethod
+    def backward(ctx, du):
+        y, w, pos = ctx.saved_tensors
+        du = du.contiguous()
+        N, K = pos.shape
+        D = y.shape[1]
+        dy = torch.empty_like(y)
+        dw = torch.empty_like(w)
+        if N * K:
+            b = _blocks(K)
+            _unpermute_bwd[_grid(N, D, b, split_d=False)](du, y, w, pos, dy, dw, N, K, D, **b)
+        return dy, dw, None
+
+
+def permute_triton(x: torch.Tensor, idx: torch.Tensor, n_experts: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, D], idx [N, K] expert ids -> (rows [N*K, D] grouped by expert, counts [n_experts], pos [N, K]), as
+    k3train.ops.moe_permute.permute; differentiable in x."""
+    if x.dim() != 2 or idx.dim() != 2 or x.shape[0] != idx.shape[0]:
+        raise ValueError(f"permute_triton: x {tuple(x.shape)} and idx {tuple(idx.shape)} do not fit")
+    _, pos, counts = expert_layout(idx, n_experts)
+    return _Permute.apply(x, pos), counts, pos
+
+
+def unpermute_triton(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """y [N*K, D] in expert order, weights [N, K], pos [N, K] -> u [N, D] = sum_k weights * y[pos], as
+    k3train.ops.moe_permute.unpermute (but the product and sum in fp32); differentiable in y and weights."""
+    N, K = weights.shape
+    if pos.shape != (N, K) or y.dim() != 2 or y.shape[0] != N * K:
+        raise ValueError(f"unpermute_triton: y {tuple(y.shape)}, weights {tuple(weights.shape)}, "
+                         f"pos {tuple(pos.shape)} do not fit")
+    return _Unpermute.apply(y, weights, pos)
