@@ -457,20 +457,35 @@ def _scheduler_with(**optim_changes):
 # Parallel code
 # ---------------------------------------------------------------------------------------------------------------------
 def _zero_reduce_scatter_mean(orig):
-    def _reduce_scatter(self, b):
-        orig(self, b)
-        for it in b.items:
+    def _finish_reduce_scatter(self, f):
+        orig(self, f)
+        for it in f.bucket.items:
             self.shard_grads[id(it.param)].div_(self.n)
-    return _reduce_scatter
+    return _finish_reduce_scatter
 
 
 def _zero_all_reduce_mean(orig):
-    def _all_reduce(self, b):
-        orig(self, b)
+    def _finish_all_reduce(self, f):
+        orig(self, f)
         if self.n > 1:
-            for it in b.items:
-                it.param.grad.div_(self.n)
-    return _all_reduce
+            for it in f.bucket.items:
+                self.full_grad(it).div_(self.n)
+    return _finish_all_reduce
+
+
+def _zero_bucket_launched_early(orig):
+    def _grad_ready(self, it):
+        f = self._armed.get(id(it.param))
+        if f is not None and not f.launched:
+            f.waiting.clear()  # the first gradient of a bucket launches it, the others not yet arrived
+        orig(self, it)
+    return _grad_ready
+
+
+def _zero_overlap_never_armed(orig):
+    def arm(self):
+        return None  # the last micro-batch is not announced: every bucket waits for the reduction point
+    return arm
 
 
 def _zero_gather_skipped(orig):
@@ -816,12 +831,18 @@ MUTATIONS: list[Mutation] = [
       "decay heads to 0 instead of min_lr_ratio x peak", _scheduler_with(min_lr_ratio=0.0),
       (f"{TRAIN}::test_lr_of_every_step_follows_warmup_stable_decay",)),
     # ---- ZeRO, pipeline, expert parallelism, MoonEP
-    M("zero_reduce_scatter_mean", "k3train.parallel.zero:ShardGroup._reduce_scatter",
+    M("zero_reduce_scatter_mean", "k3train.parallel.zero:ShardGroup._finish_reduce_scatter",
       "ZeRO-2 reduce-scatter averages instead of summing", _zero_reduce_scatter_mean,
       (f"{PIECES}::test_zero_reduce_and_gather",)),
-    M("zero_all_reduce_mean", "k3train.parallel.zero:ShardGroup._all_reduce",
+    M("zero_all_reduce_mean", "k3train.parallel.zero:ShardGroup._finish_all_reduce",
       "ZeRO-0/1 gradient all-reduce averages instead of summing", _zero_all_reduce_mean,
       (f"{PIECES}::test_zero_reduce_and_gather",)),
+    M("zero_bucket_launched_early", "k3train.parallel.zero:ShardGroup._grad_ready",
+      "a bucket's reduction launches on its first gradient, before the others arrive", _zero_bucket_launched_early,
+      (f"{PIECES}::test_bucket_reductions_overlap_the_last_backward",)),
+    M("zero_overlap_never_armed", "k3train.parallel.zero:ShardedOptimizer.arm",
+      "the engine never arms the reduction for the last micro-batch: no overlap with backward",
+      _zero_overlap_never_armed, (f"{PIECES}::test_engine_reduces_while_the_last_backward_runs",)),
     M("zero_gather_skipped", "k3train.parallel.zero:ShardGroup._all_gather_params",
       "ZeRO parameter all-gather skipped: replicas keep stale rows", _zero_gather_skipped,
       (f"{PIECES}::test_zero_reduce_and_gather",)),

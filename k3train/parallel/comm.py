@@ -7,7 +7,8 @@ Two numbers per call:
 - wire: the bytes one rank sends under the ring/bandwidth-optimal algorithm, the figure that sets the time on a
   bandwidth-bound link: all-reduce 2(n-1)/n S, reduce-scatter (n-1)/n S_in, all-gather (n-1)/n S_out,
   all-to-all the rows addressed to other ranks, broadcast S on the source, send S.
-A collective over a group of one rank is skipped and costs nothing.
+A collective over a group of one rank is skipped and costs nothing. The asynchronous forms (`start_all_reduce`,
+`start_reduce_scatter`: gradient buckets launched while backward runs) are counted when launched.
 
 Scopes. `counting(c)` opens a scope: while it lasts every collective is also counted in `c`. Scopes nest and a call
 is counted in every open one, so the engine's counter sees all of a step while an EP dispatcher or a
@@ -154,6 +155,29 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, dim: str, *, wha
     return out
 
 
+def start_all_reduce(t: torch.Tensor, group, dim: str, *, what: str | None = None):
+    """all_reduce (SUM) launched asynchronously: returns the work to wait on (None over a group of one rank, where
+    nothing is sent). Counted when launched."""
+    n = _size(group)
+    if n == 1:
+        return None
+    work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    record(dim, "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t), what=what)
+    return work
+
+
+def start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, dim: str, *, what: str | None = None):
+    """reduce_scatter launched asynchronously: returns the work to wait on (None over a group of one rank, where out
+    is filled at once). Counted when launched."""
+    n = _size(group)
+    if n == 1:
+        out.copy_(inp)
+        return None
+    work = _reduce_scatter_single(out, inp, group, async_op=True)
+    record(dim, "reduce_scatter", _nbytes(inp), (n - 1) / n * _nbytes(inp), what=what)
+    return work
+
+
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, dim: str, *, what: str | None = None) -> torch.Tensor:
     """out [n*k] = the ranks' inp [k] concatenated in rank order."""
     n = _size(group)
@@ -207,10 +231,10 @@ def send_recv(send: torch.Tensor | None, recv: torch.Tensor | None, peer: int, g
         record(dim, op, _nbytes(send), what=what)
 
 
-def _reduce_scatter_single(out, inp, group):
+def _reduce_scatter_single(out, inp, group, async_op: bool = False):
     # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single (gloo supports both natively).
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, inp, group=group)
+    return fn(out, inp, group=group, async_op=async_op)
 
 
 def _all_gather_single(out, inp, group):

@@ -143,11 +143,13 @@ class Engine:
         part = self.model_parts[0]
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         t = time.perf_counter()
-        for b in mbs:
+        for k, b in enumerate(mbs):
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
                 hidden = part(b["input_ids"], b["ctx"], return_hidden=True)
                 # The head's matmul runs inside the chunked loss: no [mb, T, V] logits are kept.
                 loss = linear_cross_entropy(hidden, part.output.weight, b["labels"])[0] / denom
+            if k == len(mbs) - 1:  # the last backward: buckets are reduced as their gradients complete
+                self.zero.arm()
             loss.backward()
             total += loss.detach().double()
         return total, time.perf_counter() - t
@@ -395,8 +397,13 @@ def build_engine(model_args: K3ModelArgs, parallel, optim_cfg, seed: int = 0, de
         groups["expert"] = (mesh.group("edp"), "edp")
         for part in parts:  # home experts: replicated (and reduced, and ZeRO-sharded) over the edp ranks only
             expert_blocks.update(expert_parameters(part))
+    reduce_groups = {}
+    if mesh is not None:  # groups of their own for the gradient reductions that overlap backward
+        reduce_groups = {"dense": mesh.reduce_group("dp_cp")}
+        if dims.ep > 1:
+            reduce_groups["expert"] = mesh.reduce_group("edp")
     optimizer = ShardedOptimizer(parts, optim_cfg, zero=dims.zero, groups=groups, expert_blocks=expert_blocks,
-                                 bucket_numel=bucket_numel, precision=precision)
+                                 bucket_numel=bucket_numel, precision=precision, reduce_groups=reduce_groups)
     cp_plan = None
     if dims.cp > 1:
         from k3train.parallel.context_parallel import apply_context_parallel

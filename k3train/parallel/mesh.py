@@ -13,7 +13,7 @@ the same experts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -220,6 +220,10 @@ class ParallelMesh:
     dp_cp_mesh: object  # the flattened dp x cp mesh (kept: slicing a flattened dim from the root is deprecated)
     rank: int
     coords: dict
+    reduce_groups: dict = field(default_factory=dict)
+    """'dp_cp' / 'edp' -> a process group over the same ranks as that dimension's group, for the gradient reductions
+    alone (launched while backward runs, they must not share a group with backward's own collectives); absent for
+    a dimension of size 1."""
 
     def group(self, name: str) -> dist.ProcessGroup:
         """'pp', 'dp', 'cp', 'dp_cp', 'ep', 'edp' or 'world'."""
@@ -234,6 +238,10 @@ class ParallelMesh:
                 raise ValueError(f"no {name!r} group: the layout has ep=1")
             return self.ep_mesh.get_group(name)
         raise ValueError(f"unknown mesh dimension {name!r}")
+
+    def reduce_group(self, name: str) -> dist.ProcessGroup | None:
+        """The gradient-reduction group of 'dp_cp' or 'edp' (None when the dimension has one rank)."""
+        return self.reduce_groups.get(name)
 
     def submesh(self, name: str):
         """A 1-D DeviceMesh of one dimension (for DTensor state)."""
@@ -267,6 +275,20 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> ParallelMesh:
         ep_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "ep"))
         expert_mesh = DeviceMesh(device_type, ranks.transpose(1, 2).contiguous(), mesh_dim_names=("pp", "ep", "edp"))
     rank = dist.get_rank()
+    # Gradient-reduction groups: every rank creates every group, in the same order (torch's rule for new_group).
+    grid = torch.arange(dims.world).view(dims.pp, dims.dp * dims.cp, 1)  # (pp, dp_cp, 1)
+    spans = {"dp_cp": grid}
+    if dims.ep > 1:
+        spans["edp"] = torch.arange(dims.world).view(dims.pp, dims.edp, dims.ep)  # (pp, edp, ep)
+    reduce_groups = {}
+    for name, ranks in spans.items():
+        if ranks.shape[1] == 1:
+            continue
+        for p in range(ranks.shape[0]):
+            for e in range(ranks.shape[2]):
+                members = ranks[p, :, e].tolist()
+                g = dist.new_group(members)
+                if rank in members:
+                    reduce_groups[name] = g
     return ParallelMesh(dims=dims, mesh=mesh, ep_mesh=ep_mesh, expert_mesh=expert_mesh, dp_cp_mesh=dp_cp_mesh,
-                        rank=rank,
-                        coords=rank_coords(dims, rank))
+                        rank=rank, coords=rank_coords(dims, rank), reduce_groups=reduce_groups)

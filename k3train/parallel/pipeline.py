@@ -21,8 +21,10 @@ rank), interleaved_1f1b, looped_bfs, interleaved_zb (loop placement: stage s on 
 (V placement: rank r holds stages r and 2 pp - 1 - r). Stage shapes are given statically, so no metadata-inference
 forward runs (it would run the routers on uninitialised inputs and count them).
 
-Data-parallel gradient reduction hooks into `perform_reduce_grad`, which the schedules call right after a stage's
-last backward of the step: Pipeline ZeRO-2 reduce-scatters there, once per stage per step.
+Data-parallel gradient reduction starts in a stage's last backward of the step (the schedule's last_backward flag:
+buckets are launched as their gradients complete) and ends at `perform_reduce_grad`, which the schedules call right
+after that backward: the rest is launched and everything waited for there. Pipeline ZeRO-2 reduce-scatters each
+bucket once per stage per step.
 """
 
 from __future__ import annotations
@@ -251,9 +253,10 @@ def _pipeline_stage_cls():
     from torch.distributed.pipelining import PipelineStage
 
     class K3PipelineStage(PipelineStage):
-        """PipelineStage that (1) has `grad_reducer.reduce_part(its model part)` run once per step right after its
-        last backward (the schedule's REDUCE_GRAD point), (2) counts its point-to-point bytes, (3) measures its busy
-        time."""
+        """PipelineStage that (1) has `grad_reducer.arm_part(its model part)` run as its last backward of the step
+        begins (buckets are then reduced as their gradients complete) and `grad_reducer.reduce_part(its model
+        part)` once per step right after that backward (the schedule's REDUCE_GRAD point: what is still missing is
+        launched and everything is waited for), (2) counts its point-to-point bytes, (3) measures its busy time."""
 
         grad_reducer = None
 
@@ -280,17 +283,28 @@ def _pipeline_stage_cls():
             self.reduce_once()
             super().perform_reduce_grad(grad_scale_factor)
 
+        def arm(self):
+            """The stage's last backward of the step is about to run: its buckets are reduced as their gradients
+            complete (then waited for at reduce_once)."""
+            if not self.reduced and self.grad_reducer is not None and hasattr(self.grad_reducer, "arm_part"):
+                self.grad_reducer.arm_part(self.submod.part)
+
         def forward_one_chunk(self, *a, **k):
             with self.clock.span():
                 return super().forward_one_chunk(*a, **k)
 
-        def backward_one_chunk(self, *a, **k):
+        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            if last_backward and full_backward:  # an input-only pass (split backward) leaves weight gradients open
+                self.arm()
             with self.clock.span():
-                return super().backward_one_chunk(*a, **k)
+                return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                                  last_backward=last_backward)
 
-        def backward_weight_one_chunk(self, *a, **k):
+        def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+            if last_backward:
+                self.arm()
             with self.clock.span():
-                return super().backward_weight_one_chunk(*a, **k)
+                return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
         def get_fwd_send_ops(self, fwd_chunk_id):
             ops = super().get_fwd_send_ops(fwd_chunk_id)

@@ -13,13 +13,32 @@ replica. The padding is sent (it is counted by the byte accounting) and is zero 
 
 - zero=0: gradients all-reduced (flat buckets); optimizer state replicated.
 - zero=1: gradients all-reduced; each rank steps only its chunk (states 1/n), then parameters are all-gathered.
-- zero=2 (Pipeline ZeRO-2): gradients accumulate in full over a stage's micro-batches; at the stage's
-  REDUCE_GRAD point (right after its last backward of the step) each bucket is reduce-scattered once, only the
-  rank's chunk is kept and the full gradients are freed; the optimizer steps on the chunk; parameters are
-  all-gathered.
+- zero=2 (Pipeline ZeRO-2): gradients accumulate in full over a stage's micro-batches; during its last backward
+  of the step each bucket is reduce-scattered once (launched when its gradients are complete, waited for at the
+  stage's REDUCE_GRAD point), only the rank's chunk is kept and the full gradients are freed; the optimizer steps
+  on the chunk; parameters are all-gathered.
 
 The loss is already divided by the global token count, so reductions are plain sums: nothing needs AVG or
 PREMUL_SUM (gloo has no PREMUL_SUM).
+
+When each bucket is reduced. Buckets are formed in reverse registration order (about the order backward produces
+gradients). Earlier micro-batches only accumulate. Right before the last backward of the step (pp == 1: the last
+micro-batch, `ShardedOptimizer.arm`; a pipeline stage: the backward the schedule flags last_backward,
+`arm_part`), the buckets are queued; a post-accumulate-grad hook (the bf16 fold hook, under bf16) marks each
+parameter's gradient complete, and a bucket whose parameters are all complete has its collective launched at once
+(async_op) while backward goes on. Launches follow the queue order strictly (a bucket waits for those before it),
+so every rank issues the same collectives in the same order whatever its gradients. At the reduction point
+(`reduce` / `reduce_part`: after the last backward, or the stage's REDUCE_GRAD) the buckets that never became
+complete (parameters without a gradient in the last backward: zeros or the earlier micro-batches' sum; gradients
+that a split backward's weight pass writes without the hook) are launched, owner-sharded Muon gradients are
+reduce-scattered, and every bucket is waited for before the optimizer steps. These collectives run on a process
+group of their own over the same ranks (`reduce_group`, from `ParallelMesh.reduce_group`): launched from inside
+backward, they must not share a group with backward's own collectives (expert all-to-all, context parallelism),
+whose relative order could differ between ranks. Without one (a ShardGroup built directly) every bucket is launched
+at the reduction point. All-reduce buckets are one flat buffer (the gradients become views of it when it is
+launched); reduce-scatter buckets are packed into the [n, L] buffer with one batched copy and the full gradients are
+freed at launch. The sums, their dtype (fp32 under bf16) and the bytes counted are those of reducing every bucket
+after backward.
 
 Muon (optim.name == "muon") keeps its matrices whole: every matrix has one owner rank that orthogonalises it
 (`k3train.optim.muon.PerHeadMuon` with the group as process_group; its momentum is sharded by owner). Under zero=1
@@ -34,6 +53,8 @@ stored in bf16 (compute under bf16 autocast); a post-accumulate-grad hook adds e
 buffer and drops it, so gradients accumulate and are reduced in fp32; the optimizer steps fp32 master weights held
 only by their owners (zero=0: every rank holds full masters; zero>=1: the AdamW dim-0 chunk, the owned Muon
 matrices); the owners then refresh their bf16 weights from the masters and the bf16 weights are all-gathered.
+Gradient payloads stay fp32 under bf16: accumulating and summing in fp32 is the plan, and no setting sends them in
+bf16.
 
 Memory facts (`Engine.memory_report`, measured after the gradients are reduced and before the optimizer step).
 Exact storage bytes on rank q of a group of n ranks (dense: n = dp x cp; home experts: n = edp = dp x cp / ep), per
@@ -56,6 +77,7 @@ parameters (no padding), so their bytes are the sums above.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -118,11 +140,20 @@ def make_sharded(name: str, p: nn.Parameter, n: int, rank: int, muon: bool = Fal
     return sp
 
 
-def _accumulate_fp32(it: ShardedParam):
-    """Post-accumulate-grad hook of a bf16 parameter: add its fresh bf16 gradient into the fp32 buffer and drop it,
-    so gradients accumulate over micro-batches in fp32 and no bf16 gradient outlives its backward."""
+def _grad_hook(group: "ShardGroup", it: ShardedParam):
+    """Post-accumulate-grad hook of a parameter. bf16: add its fresh bf16 gradient into the fp32 buffer and drop it,
+    so gradients accumulate over micro-batches in fp32 and no bf16 gradient outlives its backward. Then, while the
+    step's last backward runs, report the gradient complete to the group (which may launch its bucket)."""
+    ref = weakref.ref(group)
+
     def hook(p: torch.Tensor) -> None:
-        _fold_bf16_grad(it)
+        g = ref()
+        if g is None:
+            return
+        if g.low:
+            _fold_bf16_grad(it)
+        if g._armed:
+            g._grad_ready(it)
     return hook
 
 
@@ -159,13 +190,56 @@ class Bucket:
         return sum(s.param.numel() for s in self.items)
 
 
+@dataclass
+class _Flight:
+    """One bucket's gradient reduction in a step: queued (waiting for gradients), launched (its collective in
+    flight, a work handle to wait on), then finished (the reduced gradients in place)."""
+
+    bucket: Bucket
+    key: object  # the arming that queued it (a model part, or the whole group)
+    waiting: set[int]  # id(param) of the parameters whose gradient of the last backward has not arrived
+    launched: bool = False
+    finished: bool = False
+    work: object = None
+    flat: torch.Tensor | None = None  # all-reduce: the bucket's flat gradients (reduced in place)
+    buf: torch.Tensor | None = None  # reduce-scatter: the [n, L] input
+    out: torch.Tensor | None = None  # reduce-scatter: this rank's [L] result
+
+
+def _chunk_pairs(it: ShardedParam, rows: torch.Tensor, buf: torch.Tensor, off: int) -> list[tuple]:
+    """(piece of rows, piece of buf) pairs that place a [d0, R] tensor's dim-0 chunks into the rank-major [n, L]
+    buffer at column off (chunk q -> row q): at most two pairs per parameter (the full chunks as one [k, c R] block,
+    then a shorter last chunk), so packing and unpacking are a batched copy, not a loop over ranks."""
+    c, R, d0 = it.rows_per_chunk, it.row_numel, it.d0
+    if c == 0 or R == 0:
+        return []
+    full = d0 // c
+    pairs = []
+    if full:
+        pairs.append((rows[:full * c].reshape(full, c * R), buf[:full, off:off + c * R]))
+    rest = d0 - full * c
+    if rest:
+        pairs.append((rows[full * c:].reshape(-1), buf[full, off:off + rest * R]))
+    return pairs
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    if dst:
+        torch._foreach_copy_(dst, src)
+
+
 class ShardGroup:
     """The parameters replicated over one process group, in buckets, with the reduce/gather collectives."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter, bool]], group, dim: str, zero: int,
                  bucket_numel: int = 1 << 25, blocks: dict[str, tuple[int, int]] | None = None,
-                 precision: str = "fp32"):
-        """blocks: FQN -> (first row, rows in all) of parameters that hold a block of a larger tensor."""
+                 precision: str = "fp32", reduce_group=None):
+        """blocks: FQN -> (first row, rows in all) of parameters that hold a block of a larger tensor.
+        reduce_group: a process group over the same ranks as `group` that carries only the gradient reductions.
+        Given one, buckets are reduced while the last backward runs (`arm`); without one they are all launched at
+        the reduction point (`reduce_grads`): a collective launched from inside backward must not share its group
+        with the collectives backward itself issues (expert all-to-all, context parallelism), whose order relative
+        to it could differ from rank to rank."""
         self.group, self.dim, self.zero = group, dim, zero
         self.low = precision == "bf16"
         self.muon_reducer = None  # set by ShardedOptimizer: reduce-scatters Muon gradients to their owners
@@ -177,13 +251,27 @@ class ShardGroup:
         for it in self.items:
             it.shard = it.param.detach().reshape(it.d0, it.row_numel)[it.start:it.stop].view(
                 (it.stop - it.start,) + tuple(it.param.shape[1:]))
-        self.buckets = self._make_buckets([it for it in self.items if not it.muon], bucket_numel)
-        self.muon_buckets = self._make_buckets([it for it in self.items if it.muon], bucket_numel)
+        # Buckets in reverse registration order, roughly the order backward produces the gradients, so the first
+        # buckets are complete (and launched) first.
+        rev = self.items[::-1]
+        self.buckets = self._make_buckets([it for it in rev if not it.muon], bucket_numel)
+        self.muon_buckets = self._make_buckets([it for it in rev if it.muon], bucket_numel)
+        self._position = {id(it.param): k for k, it in enumerate(rev)}
         self.shard_grads: dict[int, torch.Tensor] = {}  # id(param) -> reduced gradient of the owned rows
-        if self.low:
+        if reduce_group is not None and distributed and (dist.get_world_size(reduce_group), dist.get_rank(
+                reduce_group)) != (self.n, self.rank):
+            raise ValueError(f"{dim}: the gradient-reduction group must rank its members as the group does")
+        self.reduce_group = reduce_group if reduce_group is not None else group
+        self.overlap = reduce_group is not None and self.n > 1
+        self._queue: list[_Flight] = []  # this step's bucket reductions, launched strictly in this order
+        self._next = 0  # index in _queue of the next flight to launch
+        self._armed: dict[int, _Flight] = {}  # id(param) -> its queued flight
+        self._keys: set = set()  # armings queued this step
+        self._scopes: tuple = ()  # the communication counters open at arming (a hook may run on another thread)
+        if self.low or self.overlap:
             for it in self.items:
                 if it.param.requires_grad:
-                    it.param.register_post_accumulate_grad_hook(_accumulate_fp32(it))
+                    it.param.register_post_accumulate_grad_hook(_grad_hook(self, it))
 
     @staticmethod
     def _make_buckets(items: list[ShardedParam], cap: int) -> list[Bucket]:
@@ -199,19 +287,93 @@ class ShardGroup:
         return out
 
     # ---- gradient reduction ---------------------------------------------------------------------------------------
-    def reduce_grads(self) -> None:
-        """Sum gradients over the group. Parameters without a gradient contribute zeros (every rank must issue the
-        same collectives)."""
-        if self.muon_reducer is not None and self.muon_buckets:  # Pipeline ZeRO-2: owners get their matrices
-            self.muon_reducer([it for b in self.muon_buckets for it in b.items])
-        else:
-            for b in self.muon_buckets:
-                self._all_reduce(b)
-        for b in self.buckets:
-            if self.zero == 2:
-                self._reduce_scatter(b)
+    # Every bucket reduction of a step goes through one queue per group and is launched strictly in queue order,
+    # so every rank issues the same collectives in the same order whenever each bucket becomes ready on it.
+    def arm(self, ids: set[int] | None = None, key: object = "all") -> None:
+        """The last backward of the step (for the parameters `ids`, default all) is about to run: queue their
+        buckets, so that each is launched as soon as every one of its gradients has arrived (and every bucket
+        before it in the queue is launched)."""
+        if self.overlap and key not in self._keys:
+            self._enqueue(ids, key)
+
+    def reduce_grads(self, ids: set[int] | None = None, key: object = "all") -> None:
+        """Sum gradients over the group (of the parameters `ids`, default all) and wait for the sums. Buckets armed
+        for the last backward are in flight or launch now; parameters without a gradient contribute zeros (every
+        rank must issue the same collectives)."""
+        if key not in self._keys:
+            self._enqueue(ids, key)
+        mine = [k for k, f in enumerate(self._queue) if f.key == key]
+        if mine:
+            self._launch_ready(through=mine[-1])
+        if self.muon_reducer is not None:  # Pipeline ZeRO-2: owners get their matrices (while the buckets fly)
+            items = [it for b in self.muon_buckets for it in b.items if ids is None or id(it.param) in ids]
+            if items:
+                self.muon_reducer(items[::-1])  # registration order, as the owners' plan lists them
+        for k in mine:
+            self._finish(self._queue[k])
+        self._keys.discard(key)
+        for k in mine:
+            for it in self._queue[k].bucket.items:
+                self._armed.pop(id(it.param), None)
+        if all(f.finished for f in self._queue):
+            self._reset_queue()
+
+    def _enqueue(self, ids: set[int] | None, key: object) -> None:
+        def part(buckets):
+            out = [Bucket([it for it in b.items if ids is None or id(it.param) in ids]) for b in buckets]
+            return [b for b in out if b.items]
+
+        buckets = part(self.buckets) + ([] if self.muon_reducer is not None else part(self.muon_buckets))
+        buckets.sort(key=lambda b: min(self._position[id(it.param)] for it in b.items))
+        if not self._keys:
+            self._scopes = comm.current_scopes()
+        self._keys.add(key)
+        for b in buckets:
+            f = _Flight(bucket=b, key=key, waiting={id(it.param) for it in b.items})
+            self._queue.append(f)
+            for it in b.items:
+                self._armed[id(it.param)] = f
+
+    def _grad_ready(self, it: ShardedParam) -> None:
+        f = self._armed.get(id(it.param))
+        if f is None:
+            return
+        if f.launched:
+            raise RuntimeError(f"{it.name}: a gradient arrived after its bucket's reduction was launched (the "
+                               "parameter received gradients twice in the last backward)")
+        f.waiting.discard(id(it.param))
+        if not f.waiting:
+            self._launch_ready()
+
+    def _launch_ready(self, through: int = -1) -> None:
+        """Launch queued flights in order while they are ready, and every flight up to index `through` in any case
+        (the reduction point: what has not arrived by then is no gradient, or one written without the hook)."""
+        while self._next < len(self._queue):
+            f = self._queue[self._next]
+            if f.waiting and self._next > through:
+                return
+            self._next += 1
+            self._launch(f)
+
+    def _launch(self, f: _Flight) -> None:
+        f.launched = True
+        with comm.in_scopes(self._scopes):
+            if self.zero == 2 and not f.bucket.items[0].muon:
+                self._start_reduce_scatter(f)
             else:
-                self._all_reduce(b)
+                self._start_all_reduce(f)
+
+    def _finish(self, f: _Flight) -> None:
+        if not f.launched:  # cannot happen once _launch_ready ran through it; kept for safety
+            self._launch(f)
+        if self.zero == 2 and not f.bucket.items[0].muon:
+            self._finish_reduce_scatter(f)
+        else:
+            self._finish_all_reduce(f)
+        f.finished = True
+
+    def _reset_queue(self) -> None:
+        self._queue, self._next, self._armed, self._keys = [], 0, {}, set()
 
     # The full (unreduced, then all-reduced) gradient of a parameter lives in param.grad under fp32 and in the
     # fp32 buffer it.grad32 under bf16 (a bf16 parameter cannot carry an fp32 .grad).
@@ -235,40 +397,54 @@ class ShardGroup:
         g = self.full_grad(it)
         return g if g is not None else torch.zeros_like(it.param, dtype=self.grad_dtype)
 
-    def _all_reduce(self, b: Bucket) -> None:
+    def _start_all_reduce(self, f: _Flight) -> None:
+        items = f.bucket.items
         if self.n == 1:
-            for it in b.items:
+            for it in items:
                 self.set_full_grad(it, self._grad_or_zeros(it))
             return
-        flat = torch.cat([self._grad_or_zeros(it).reshape(-1) for it in b.items])
-        comm.all_reduce(flat, self.group, self.dim)
-        off = 0
-        for it in b.items:
-            k = it.param.numel()
-            self.set_full_grad(it, flat[off:off + k].view(it.param.shape))
-            off += k
+        flat = torch.cat([self._grad_or_zeros(it).reshape(-1) for it in items])
+        # The gradients become views of the buffer now (the sum lands there in place), so the bucket's gradients
+        # are held once while the collective runs.
+        for it, g in zip(items, flat.split([it.param.numel() for it in items])):
+            self.set_full_grad(it, g.view(it.param.shape))
+        f.flat = flat
+        f.work = comm.start_all_reduce(flat, self.reduce_group, self.dim)
 
-    def _reduce_scatter(self, b: Bucket) -> None:
+    def _finish_all_reduce(self, f: _Flight) -> None:
+        if f.work is not None:
+            f.work.wait()
+        f.work = f.flat = None
+
+    def _start_reduce_scatter(self, f: _Flight) -> None:
+        b = f.bucket
         n, L = self.n, b.shard_len
         dev = b.items[0].param.device
         dtype = self.grad_dtype or b.items[0].param.dtype
         buf = torch.zeros(n, L, device=dev, dtype=dtype)
-        off = 0
+        dst, src, off = [], [], 0
         for it in b.items:
-            g = self._grad_or_zeros(it)
-            for q in range(n):
-                piece = it.flat_rows(g, q)
-                buf[q, off:off + piece.numel()] = piece
+            for g, piece in _chunk_pairs(it, self._grad_or_zeros(it).reshape(it.d0, it.row_numel), buf, off):
+                dst.append(piece)
+                src.append(g)
             off += it.padded_chunk_numel
-        out = torch.empty(L, device=dev, dtype=dtype)
-        comm.reduce_scatter(out, buf.view(-1), self.group, self.dim)
-        del buf
-        off = 0
+        _copy_all(dst, src)
+        del dst, src
         for it in b.items:
+            self.set_full_grad(it, None)  # the full gradient is freed: the buffer holds it until the chunk arrives
+        f.out = torch.empty(L, device=dev, dtype=dtype)
+        f.buf = buf
+        f.work = comm.start_reduce_scatter(f.out, buf.view(-1), self.reduce_group, self.dim)
+
+    def _finish_reduce_scatter(self, f: _Flight) -> None:
+        if f.work is not None:
+            f.work.wait()
+        out, off = f.out, 0
+        for it in f.bucket.items:
             k = (it.stop - it.start) * it.row_numel
             self.shard_grads[id(it.param)] = out[off:off + k].view_as(it.shard)
             off += it.padded_chunk_numel
-            self.set_full_grad(it, None)  # the full gradient is freed: only the owned chunk survives
+        f.work = f.buf = f.out = None
 
     # ---- views for the optimizer, norms and clipping ----------------------------------------------------------------
     def owned_grad(self, it: ShardedParam) -> torch.Tensor:
@@ -315,28 +491,32 @@ class ShardGroup:
                 it.master.grad = None
         self.shard_grads.clear()
         self.muon_owned.clear()
+        self._reset_queue()
 
     def _all_gather_params(self, b: Bucket) -> None:
         n, L = self.n, b.shard_len
         dev, dtype = b.items[0].param.device, b.items[0].param.dtype
         send = torch.zeros(L, device=dev, dtype=dtype)
-        off = 0
+        dst, src, off = [], [], 0
         for it in b.items:
-            own = it.shard.reshape(-1)
-            send[off:off + own.numel()] = own
+            k = it.shard.numel()
+            if k:
+                dst.append(send[off:off + k])
+                src.append(it.shard.reshape(-1))
             off += it.padded_chunk_numel
+        _copy_all(dst, src)
         recv = torch.empty(n * L, device=dev, dtype=dtype)
         comm.all_gather(recv, send, self.group, self.dim)
         recv = recv.view(n, L)
         with torch.no_grad():
-            off = 0
+            dst, src, off = [], [], 0
             for it in b.items:
-                rows = it.param.data.reshape(it.d0, it.row_numel)
-                for q in range(n):
-                    a, z = it.rows_of(q)
-                    if z > a and q != self.rank:
-                        rows[a:z].copy_(recv[q, off:off + (z - a) * it.row_numel].view(z - a, it.row_numel))
+                # every chunk, the rank's own included (it comes back as sent)
+                for rows, piece in _chunk_pairs(it, it.param.data.view(it.d0, it.row_numel), recv, off):
+                    dst.append(rows)
+                    src.append(piece)
                 off += it.padded_chunk_numel
+            _copy_all(dst, src)
 
     def _device(self):
         return self.items[0].param.device if self.items else torch.device("cpu")
@@ -362,12 +542,14 @@ class ShardedOptimizer:
 
     def __init__(self, parts: list[nn.Module], optim_cfg, *, zero: int = 0, groups: dict[str, tuple] | None = None,
                  expert_blocks: dict[str, tuple[int, int]] | None = None, bucket_numel: int = 1 << 25,
-                 precision: str = "fp32"):
+                 precision: str = "fp32", reduce_groups: dict | None = None):
         """groups: {"dense": (process_group, dim_name), "expert": (process_group, dim_name)} (default: one process);
         expert_blocks: FQN -> (first expert, experts in all) of the home-expert parameters, which are replicated over
         the expert group instead of the dense one and hold a block of the full bank. optim_cfg.qk_clip > 0 clips
         every attention module of the parts after each step (max logits MAX-reduced over the dense group).
-        precision: "fp32", or "bf16" for bf16 parameters with fp32 gradients, masters and states (module docstring)."""
+        precision: "fp32", or "bf16" for bf16 parameters with fp32 gradients, masters and states (module docstring).
+        reduce_groups: {"dense": pg, "expert": pg}, process groups over the same ranks as `groups` that carry only
+        the gradient reductions, which then overlap the last backward (ShardGroup's reduce_group)."""
         from k3train.optim.param_groups import split_params
         from k3train.optim.qk_clip import QKClip
 
@@ -388,6 +570,7 @@ class ShardedOptimizer:
                     kinds[name] = (kind, s)
                     named[name] = p
         self.named = named
+        self._part_cache: dict[int, set[int]] = {}
         order = [n for part in parts for n, p in part.named_parameters() if n in named]
         self.shard_groups: dict[str, ShardGroup] = {}
         for key in ("dense", "expert"):
@@ -396,7 +579,8 @@ class ShardedOptimizer:
             pg, dim = groups[key]
             sel = [(n, named[n], kinds[n][0] == "muon") for n in order if (n in expert_blocks) == (key == "expert")]
             if sel:
-                self.shard_groups[key] = ShardGroup(sel, pg, dim, zero, bucket_numel, expert_blocks, precision)
+                self.shard_groups[key] = ShardGroup(sel, pg, dim, zero, bucket_numel, expert_blocks, precision,
+                                                    reduce_group=(reduce_groups or {}).get(key))
         self.items = {it.name: it for g in self.shard_groups.values() for it in g.items}
         self._by_param = {id(it.param): it for it in self.items.values()}
         # Muon matrices under ZeRO >= 1 live with their owners (PerHeadMuon's plan per group: dense over dp x cp, home
@@ -485,20 +669,39 @@ class ShardedOptimizer:
                 st["exp_avg_sq"] = torch.zeros_like(t, memory_format=torch.preserve_format)
 
     # ---- the step's phases ------------------------------------------------------------------------------------------
+    def arm(self) -> None:
+        """The last micro-batch's backward is about to run (pp == 1): reduce each bucket as soon as its gradients
+        are complete."""
+        for g in self.shard_groups.values():
+            g.arm()
+
     def reduce(self) -> None:
-        """Reduce the gradients of every parameter (pp == 1: after the last micro-batch's backward)."""
+        """Reduce the gradients of every parameter and wait for them (pp == 1: after the last micro-batch's
+        backward)."""
         for g in self.shard_groups.values():
             g.reduce_grads()
 
-    def reduce_part(self, part: nn.Module) -> None:
-        """Reduce the gradients of one model part (a pipeline stage) right after its last backward."""
-        ids = {id(p) for p in part.parameters()}
+    def _part_ids(self, part: nn.Module) -> set[int]:
+        ids = self._part_cache.get(id(part))
+        if ids is None:
+            ids = self._part_cache[id(part)] = {id(p) for p in part.parameters()}
+        return ids
+
+    def arm_part(self, part: nn.Module) -> None:
+        """One model part's (a pipeline stage's) last backward of the step is about to run: reduce each of its
+        buckets as soon as its gradients are complete."""
+        ids = self._part_ids(part)
         for g in self.shard_groups.values():
-            sub = [it for it in g.items if id(it.param) in ids]
-            if not sub:
-                continue
-            sub_group = _SubsetView(g, sub)
-            sub_group.reduce_grads()
+            if any(id(it.param) in ids for it in g.items):
+                g.arm(ids, key=id(part))
+
+    def reduce_part(self, part: nn.Module) -> None:
+        """Reduce the gradients of one model part (a pipeline stage) right after its last backward, and wait for
+        them."""
+        ids = self._part_ids(part)
+        for g in self.shard_groups.values():
+            if any(id(it.param) in ids for it in g.items):
+                g.reduce_grads(ids, key=id(part))
 
     def local_sq_norm(self) -> torch.Tensor:
         out = torch.zeros((), dtype=torch.float64)
@@ -685,22 +888,6 @@ class ShardedOptimizer:
             return v.reshape(it.d0, -1)[it.start:it.stop].view_as(like)
         raise ValueError(f"optimizer state for {it.name}: cannot place a tensor of shape {tuple(v.shape)} into "
                          f"owned rows of shape {tuple(like.shape)}")
-
-
-class _SubsetView(ShardGroup):
-    """A ShardGroup restricted to some of its parameters (one pipeline stage), sharing its gradient store."""
-
-    def __init__(self, parent: ShardGroup, items: list[ShardedParam]):  # noqa: D401 - no super().__init__
-        self.group, self.dim, self.zero = parent.group, parent.dim, parent.zero
-        self.n, self.rank = parent.n, parent.rank
-        self.low, self.muon_reducer, self.muon_owned = parent.low, parent.muon_reducer, parent.muon_owned
-        self.items = items
-        ids = {id(it.param) for it in items}
-        self.buckets = [Bucket([it for it in b.items if id(it.param) in ids]) for b in parent.buckets]
-        self.buckets = [b for b in self.buckets if b.items]
-        self.muon_buckets = [Bucket([it for it in b.items if id(it.param) in ids]) for b in parent.muon_buckets]
-        self.muon_buckets = [b for b in self.muon_buckets if b.items]
-        self.shard_grads = parent.shard_grads
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -142,6 +142,142 @@ def test_zero_reduce_and_gather(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# ZeRO: bucket reductions overlap the last backward
+# ---------------------------------------------------------------------------------------------------------------------
+def _mlp(dtype) -> nn.Module:
+    torch.manual_seed(0)  # the same weights on both ranks
+    return nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
+
+
+def _overlap_worker(rank: int) -> dict:
+    from k3train.parallel import comm
+    from k3train.parallel.zero import ShardGroup
+
+    rg = dist.new_group([0, 1])  # the gradient-reduction group of its own
+    out = {}
+    for zero in (0, 1, 2):
+        for precision in ("fp32", "bf16"):
+            dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+            g = torch.Generator().manual_seed(10 + rank)  # different data on each rank
+            xs = [torch.randn(4, 6, generator=g).to(dtype) for _ in range(2)]
+            rec = {}
+            for overlap in (True, False):
+                model = _mlp(dtype)
+                events: list = []
+                # registered before the group's hooks: a gradient's arrival is recorded before what it triggers
+                for name, p in model.named_parameters():
+                    p.register_post_accumulate_grad_hook(lambda p, n=name: events.append(("grad", n)))
+                group = ShardGroup([(n, p, False) for n, p in model.named_parameters()], dist.group.WORLD, "dp_cp",
+                                   zero, bucket_numel=40, precision=precision, reduce_group=rg if overlap else None)
+                launch = group._launch
+
+                def recording(f, launch=launch, events=events):
+                    events.append(("launch", tuple(it.name for it in f.bucket.items)))
+                    launch(f)
+                group._launch = recording
+                counter = comm.CommCounter()
+                with comm.counting(counter):
+                    model(xs[0]).square().sum().backward()  # an earlier micro-batch: nothing is reduced
+                    assert not events or all(e[0] == "grad" for e in events)
+                    events.clear()
+                    group.arm()  # the last micro-batch
+                    model(xs[1]).square().sum().backward()
+                    events.append(("backward done",))
+                    group.reduce_grads()
+                grads = {it.name: group.owned_grad(it).detach().float().clone() for it in group.items}
+                rec[overlap] = {"events": events, "grads": grads, "bytes": counter.snapshot(),
+                                "buckets": [tuple(it.name for it in b.items) for b in group.buckets]}
+            out[(zero, precision)] = rec
+    return out
+
+
+def test_bucket_reductions_overlap_the_last_backward(tmp_path):
+    """With a reduction group of its own, a bucket's collective is launched from the gradient hooks while backward
+    still runs (the last layer's bucket before the first layer's gradients exist), buckets in reverse registration
+    order; the reduced gradients equal the reduction after backward bit for bit, and the ledger counts the same
+    bytes. Under zero=2 the buckets are reduce-scattered; under bf16 the fp32 gradients are reduced."""
+    recs = run_forked(_overlap_worker, tmp_path)
+    for (zero, precision), by_rank in zip(recs[0], zip(*(r.values() for r in recs))):
+        for rank, rec in enumerate(by_rank):
+            ev = rec[True]["events"]
+            launches = [k for k, e in enumerate(ev) if e[0] == "launch"]
+            done = ev.index(("backward done",))
+            first_layer = min(ev.index(("grad", "0.weight")), ev.index(("grad", "0.bias")))
+            where = f"zero={zero} {precision} rank {rank}: {ev}"
+            assert rec[True]["buckets"][0][0] == "4.bias" and len(rec[True]["buckets"]) >= 3, where
+            assert len(launches) == len(rec[True]["buckets"]), where  # each bucket once
+            assert launches[0] < first_layer, where  # the last layer's bucket flies before layer 0 has gradients
+            assert all(k < done for k in launches), where  # every bucket launched inside backward
+            assert [ev[k][1] for k in launches] == rec[True]["buckets"], where  # in bucket order
+            # after backward: every bucket launched at the reduction point, none before
+            assert [e[0] for e in rec[False]["events"]].index("launch") > rec[False]["events"].index(
+                ("backward done",)), where
+            assert rec[True]["bytes"] == rec[False]["bytes"], where
+            for name, g in rec[True]["grads"].items():
+                assert torch.equal(g, rec[False]["grads"][name]), f"{where}: {name}"
+
+
+def _engine_overlap_worker(rank: int) -> dict:
+    """The engine arms the reduction for its last micro-batch (dp=2) or a stage's last backward (pp=2)."""
+    H = _harness()
+    from k3train.parallel.engine import build_engine
+    from k3train.parallel.zero import ShardedOptimizer
+
+    out = {}
+    for overlap in (True, False):
+        dims = H.Layout(name="dp2", dp=2, zero=2, microbatches=2).dims()
+        engine = build_engine(H.tiny_args(), dims, H.optim_config(), seed=H.SEED, device="cpu", seq_len_hint=H.SEQ,
+                              bucket_numel=1 << 14)
+        group = engine.zero.shard_groups["dense"]
+        group.overlap = overlap
+        events: list = []
+        launch = group._launch
+
+        def recording(f, launch=launch, events=events):
+            events.append("launch")
+            launch(f)
+        group._launch = recording
+        emb = engine.model_parts[0].tok_embeddings.weight  # registered first: its gradient arrives last
+        emb.register_post_accumulate_grad_hook(lambda p, events=events: events.append("embedding grad"))
+        res = engine.train_step(H.local_microbatches(H.step_data(0), dp=2, dp_rank=rank, microbatches=2))
+        out[overlap] = {"events": events, "loss": res["loss"], "norm": res["grad_norm"],
+                        "comm": engine.comm.snapshot(), "buckets": len(group.buckets),
+                        "params": {k: v.detach().clone() for k, v in engine.named_parameters()}}
+    calls: list = []
+    arm, reduce = ShardedOptimizer.arm_part, ShardedOptimizer.reduce_part
+
+    def arm_part(self, part):
+        calls.append(("arm", id(part)))
+        arm(self, part)
+
+    def reduce_part(self, part):
+        calls.append(("reduce", id(part)))
+        reduce(self, part)
+    ShardedOptimizer.arm_part, ShardedOptimizer.reduce_part = arm_part, reduce_part
+    lay = H.Layout(name="pp2", pp=2, microbatches=2, schedule="1f1b")
+    engine = build_engine(H.tiny_args(), lay.dims(), H.optim_config(), seed=H.SEED, device="cpu",
+                          seq_len_hint=H.SEQ)
+    engine.train_step(H.local_microbatches(H.step_data(0), dp=1, dp_rank=0, microbatches=2))
+    out["pp_calls"] = [(c, k == id(engine.model_parts[0])) for c, k in calls]
+    return out
+
+
+def test_engine_reduces_while_the_last_backward_runs(tmp_path):
+    recs = run_forked(_engine_overlap_worker, tmp_path)
+    for rank, rec in enumerate(recs):
+        ev = rec[True]["events"]
+        assert rec[True]["buckets"] > 2 and ev.count("launch") == rec[True]["buckets"], ev
+        assert ev.index("launch") < ev.index("embedding grad", ev.index("embedding grad") + 1), ev  # 2nd backward
+        late = rec[False]["events"]
+        assert late.index("launch") > late.index("embedding grad", late.index("embedding grad") + 1), late
+        assert rec[True]["loss"] == rec[False]["loss"] and rec[True]["norm"] == rec[False]["norm"]
+        assert rec[True]["comm"] == rec[False]["comm"]
+        for k, v in rec[True]["params"].items():
+            assert torch.equal(v, rec[False]["params"][k]), k
+        assert rec["pp_calls"] == [("arm", True), ("reduce", True)], rec["pp_calls"]  # one stage per rank
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Muon under Pipeline ZeRO-2: gradients reduce-scattered to the owners of their matrices
 # ---------------------------------------------------------------------------------------------------------------------
 def _muon_specs():
