@@ -168,15 +168,16 @@ def _mla_not_causal(orig):
 def _tiles_need_whole_key_range(orig):
     def _visible_tiles(q_pos, q_doc, k_pos, k_doc, q_tiles, k_tiles):
         # a key tile is visited only when its LAST key is not after the query tile's last query
-        keep = [(a, b) for a, b in k_tiles]
         shifted = k_pos.clone()
-        for a, b in keep:
+        for a, b in k_tiles:
             shifted[:, a:b] = k_pos[:, b - 1:b]
         return orig(q_pos, q_doc, shifted, k_doc, q_tiles, k_tiles)
     return _visible_tiles
 
 
 def _latent_weight_grads_dropped(orig):
+    torch = _torch()
+
     def backward(ctx, *grads):
         out = orig(ctx, *grads)
         return (*out[:12], *[None if g is None else torch.zeros_like(g) for g in out[12:]])
