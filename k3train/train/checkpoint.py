@@ -1,5 +1,5 @@
-"""Atomic, verified checkpoints with torch.distributed.checkpoint (DCP), loaded without running anything stored in
-them.
+"""Atomic, verified checkpoints with torch.distributed.checkpoint (DCP): written in the background, loaded without
+running anything stored in them.
 
 Layout of <run_dir>/checkpoints/:
 
@@ -7,7 +7,7 @@ Layout of <run_dir>/checkpoints/:
         .metadata               DCP's index of the tensors (written by rank 0)
         __<rank>_0.distcp       DCP's tensor data, one file per rank
         rank-<r>.json           each rank's own state (below)
-        manifest.json           format version, size and SHA-256 of every file
+        manifest.json           format version, size and SHA-256 of every file, bytes written by each rank
     step-000200/
     latest                  the name of the newest finished checkpoint (replaced atomically)
 
@@ -31,15 +31,26 @@ in a `__<rank>_<i>.distcp` file of the manifest; tensor data is read by torch.lo
 entry is refused. Whatever a crafted checkpoint holds, loading it either fails with CheckpointError naming the file
 or loads tensors and JSON values: it never calls code named by the checkpoint.
 
-A save writes into `step-N.tmp/` (DCP fsyncs its files), every rank checksums the files it wrote, rank 0 writes
-`manifest.json` (size and SHA-256 of every file), fsyncs, renames the folder to `step-N/`, then replaces `latest`.
-A crash at any point leaves either the previous checkpoints untouched or a `.tmp` folder that is ignored and
-cleared. Loading verifies the manifest first (ranks split the files between them); a checkpoint whose files are
-missing, truncated or altered is reported with a warning naming it, and the previous one is tried.
+Saving (`Checkpointer.save`): the previous save, if still in flight, is waited for and published first (at most one
+in flight). Every rank writes its rank-<r>.json, then DCP writes the tensors into `step-N.tmp/`: with
+train.async_checkpoint (the default) through `dcp.async_save` on a gloo process group of its own (created once),
+which copies this rank's state to host memory (the staging copy, `staging_bytes(engine)`: one copy of the rank's
+model and optimizer state) and writes it from a background thread while training continues; otherwise with
+`dcp.save` before returning. Files are checksummed as they are written (a storage writer whose streams hash the
+bytes on their way to disk), never read back. When every rank's write has finished, the ranks gather their files'
+sizes and checksums; rank 0 writes `manifest.json`, fsyncs, renames the folder to `step-N/`, replaces `latest` and
+prunes to `keep_last_k`. That publication happens on a background thread as soon as all ranks are done; `poll()`
+reports it, `finish()` (the trainer calls it after the last step) waits for it. A save that fails or is killed
+before publication leaves a `step-N.tmp/` folder, which is never resumed from and is cleared by the next save; a
+failed write is raised as CheckpointError at the next save or at finish(). Loading verifies the manifest first
+(ranks split the files between them); a checkpoint whose files are missing, truncated or altered is reported with a
+warning naming it, and the previous one is tried.
 """
+
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -49,8 +60,10 @@ import pickle
 import random
 import re
 import shutil
+import threading
+import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +73,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, StorageMeta, TensorProperties,
                                                    TensorStorageMetadata)
@@ -75,8 +88,14 @@ _TMP_RE = re.compile(r"^step-\d+\.tmp$")
 _DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 _RANK_FILE_RE = re.compile(r"^rank-(\d+)\.json$")
 
+# dcp.save / async_save warn when they run without a process group, which is how one process is meant to save.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
+
+
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used (corrupt, incomplete, incompatible or refused); the message names it."""
+    """A checkpoint that cannot be used (corrupt, incomplete, incompatible or refused) or a save that failed; the
+    message names it."""
 
 
 def _dist_on() -> bool:
@@ -201,12 +220,111 @@ def set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Writing: DCP storage writer that checksums while writing
+# ---------------------------------------------------------------------------------------------------------------------
+class _HashingStream:
+    """A binary output stream that passes bytes to `raw` and hashes them on the way."""
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, b) -> int:
+        view = memoryview(b).cast("B")
+        n = self.raw.write(view)
+        if n is not None and n != view.nbytes:
+            raise OSError(f"short write ({n} of {view.nbytes} bytes)")
+        self.sha.update(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def close(self) -> None:
+        self.raw.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.raw.closed
+
+    def writable(self) -> bool:
+        return True
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, recording the size and SHA-256 of every file written through it (by final name:
+    DCP writes `.metadata.tmp` and renames it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.files: dict[str, dict] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        if "r" in mode and "+" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        if mode not in ("wb", "w+b"):
+            raise ValueError(f"checkpoint files are written whole ('wb'), not with mode {mode!r}")
+        with super().create_stream(path, mode) as raw:
+            stream = _HashingStream(raw)
+            yield stream
+        with self._lock:
+            self.files[Path(path).name] = {"size": stream.size, "sha256": stream.sha.hexdigest()}
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            entry = self.files.pop(Path(path).name, None)
+            if entry is not None:
+                self.files[Path(new_path).name] = entry
+
+
+class _HashingWriter(FileSystemWriter):
+    """FileSystemWriter (one file per rank, fsynced; its stage() makes the host copy of async_save) whose files are
+    checksummed as they are written: `self.fs.files` holds {name: {"size", "sha256"}} once the write is done."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+        self.fs = _HashingFileSystem()
+
+
+def _local_tensor_bytes(t) -> int:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return t.to_local().nbytes
+    if isinstance(t, ShardedTensor):
+        return sum(s.tensor.nbytes for s in t.local_shards())
+    return t.nbytes
+
+
 def _leaves(tree: Any, prefix: str = ""):
     if isinstance(tree, dict):
         for k, v in tree.items():
             yield from _leaves(v, f"{prefix}{k}.")
     else:
         yield prefix[:-1], tree
+
+
+def staging_bytes(engine) -> int:
+    """Host bytes of the copy an asynchronous save makes of this rank's state before writing it in the background:
+    every tensor of engine.state_dict() as this rank holds it (parameters and persistent buffers, fp32 masters under
+    bf16, optimizer state; of sharded state only the rank's own shards). Replicated tensors are staged on every rank
+    that holds them even though DCP writes them once, so this is the rank's state bytes, not its written bytes."""
+    return sum(_local_tensor_bytes(v) for _, v in _leaves(engine.state_dict()))
 
 
 def _tensors_only(state: dict) -> None:
@@ -355,6 +473,14 @@ def _refused_content(e: BaseException) -> BaseException | None:
     return None
 
 
+def _describe(e: BaseException) -> str:
+    """One line for an exception; for DCP's CheckpointException, the exception each rank raised."""
+    if isinstance(e, CheckpointException):
+        parts = [x[0] if isinstance(x, tuple) else x for x in e.failures.values()]
+        return "; ".join(f"{type(x).__name__}: {str(x)[:300]}" for x in parts) or "CheckpointException"
+    return f"{type(e).__name__}: {str(e)[:500]}"
+
+
 def _dcp_load(state: dict, folder: Path, metadata: Metadata, what: str) -> None:
     try:
         dcp.load(state, storage_reader=_CheckedReader(folder, metadata), planner=_TensorsOnlyPlanner())
@@ -366,7 +492,7 @@ def _dcp_load(state: dict, folder: Path, metadata: Metadata, what: str) -> None:
             raise CheckpointError(f"{what}checkpoint {folder}: a data file holds more than plain tensors; refused "
                                   f"({str(refused)[:300]})") from e
         raise CheckpointError(f"{what}checkpoint {folder} passed its checksums but does not fit this run (model or "
-                              f"layout changed?): {type(e).__name__}: {str(e)[:2000]}") from e
+                              f"layout changed?): {_describe(e)}") from e
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -430,68 +556,202 @@ def verify_checkpoint(folder: Path) -> str | None:
 # ---------------------------------------------------------------------------------------------------------------------
 # Save
 # ---------------------------------------------------------------------------------------------------------------------
-def _own_files(folder: Path, rank: int, world: int) -> list[Path]:
-    """Files this rank checksums: the ones it wrote (`__<rank>_*`, `rank-<rank>.json`); rank 0 also the others."""
-    mine = []
-    for p in sorted(folder.iterdir()):
-        if not p.is_file() or p.name == MANIFEST:
-            continue
-        m = _DATA_FILE_RE.match(p.name) or _RANK_FILE_RE.match(p.name)
-        owner = int(m.group(1)) % world if m else 0
-        if owner == rank:
-            mine.append(p)
-    return mine
+@dataclass
+class SavedCheckpoint:
+    """A published checkpoint and what saving it cost."""
+
+    step: int
+    path: Path
+    blocking_s: float
+    """Time the training loop waited for this save: the save() call (staging copy, or the whole write when
+    synchronous) plus any later wait for it to finish (at the next save or at finish())."""
+    save_s: float
+    """From the start of the save to its publication (manifest written, folder renamed) on this rank."""
+    rank_bytes: list[int]
+    """Bytes each rank wrote (its DCP data file and rank-<r>.json; rank 0 also `.metadata`)."""
+    staging_bytes: int
+    """Host bytes of this rank's staging copy (0 for a synchronous save)."""
+
+    def metrics(self) -> dict:
+        return {"checkpoint/step": self.step, "checkpoint/blocking_s": self.blocking_s,
+                "checkpoint/save_s": self.save_s, "checkpoint/bytes": sum(self.rank_bytes),
+                "checkpoint/bytes_rank_max": max(self.rank_bytes), "checkpoint/bytes_rank_min": min(self.rank_bytes),
+                "checkpoint/staging_bytes": self.staging_bytes}
+
+
+@dataclass
+class _Pending:
+    step: int
+    tmp: Path
+    final: Path
+    writer: _HashingWriter
+    own_files: dict
+    group: Any
+    t0: float
+    staging_bytes: int
+    future: Any = None
+    thread: threading.Thread | None = None
+    blocking_s: float = 0.0
+    save_s: float = 0.0
+    rank_bytes: list[int] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+def _owner(name: str) -> int:
+    """The rank that wrote a file of the checkpoint (rank 0 for `.metadata`)."""
+    m = _DATA_FILE_RE.match(name) or _RANK_FILE_RE.match(name)
+    return int(m.group(1)) if m else 0
 
 
 class Checkpointer:
-    """Saves to and resumes from <run_dir>/checkpoints (see the module docstring)."""
+    """Saves to and resumes from <run_dir>/checkpoints (see the module docstring). async_save: write in the
+    background (dcp.async_save) or before save() returns (dcp.save)."""
 
-    def __init__(self, run_dir: Path, *, keep_last_k: int, warn=None):
+    def __init__(self, run_dir: Path, *, keep_last_k: int, warn=None, async_save: bool = True):
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last_k = keep_last_k
+        self.async_save = async_save
         self.warn = warn or (lambda msg: warnings.warn(msg, stacklevel=2))
+        self._pending: _Pending | None = None
+        self._group = None
+        self._group_made = False
+
+    def _checkpoint_group(self):
+        """The gloo group DCP saves over (created once, collectively, at the first save), None in one process."""
+        if not _dist_on():
+            return None
+        if not self._group_made:
+            self._group = dist.new_group(backend="gloo")
+            self._group_made = True
+        return self._group
 
     # ---- save --------------------------------------------------------------------------------------------------
-    def save(self, step: int, engine, scheduler, data_state: dict) -> Path:
-        """Save the engine's model and optimizer state, the schedule, and this rank's data position and RNG."""
+    def save(self, step: int, engine, scheduler, data_state: dict) -> list[SavedCheckpoint]:
+        """Start saving the engine's model and optimizer state, the schedule, and this rank's data position and RNG
+        (collective: every rank calls it at the same step). The previous save is waited for and published first;
+        returns the checkpoints published meanwhile (the previous one; when synchronous, this one too)."""
+        done = self.finish()
+        t0 = time.perf_counter()
+        group = self._checkpoint_group()
         rank, world = _rank(), _world()
         final = self.root / step_dir_name(step)
         tmp = self.root / (final.name + ".tmp")
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.iterdir():  # left by saves that crashed
+            for stale in self.root.iterdir():  # left by saves that failed or were killed before publication
                 if _TMP_RE.match(stale.name) and stale.is_dir():
                     shutil.rmtree(stale)
             tmp.mkdir()
-        _barrier()
+        _barrier(group)
         own = {"format_version": FORMAT_VERSION, "rank": rank, "world_size": world, "step": step,
                "scheduler": scheduler.state_dict(), "data": data_state, "rng": rng_state()}
         try:
             text = json.dumps(own, sort_keys=True, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"checkpoint {final}: this rank's state is not plain JSON ({e})") from e
-        _write_synced(tmp / rank_file(rank), text.encode())
+        own_files = {rank_file(rank): _write_synced(tmp / rank_file(rank), text.encode())}
         state = {"engine": engine.state_dict()}
         _tensors_only(state)
-        dcp.save(state, checkpoint_id=str(tmp))
-        # Every rank checksums its own files; rank 0 writes the manifest and publishes the folder.
-        entries = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in _own_files(tmp, rank, world)}
-        gathered = _all_gather_object(entries)
-        if rank == 0:
-            files: dict[str, dict] = {}
-            for e in gathered:
-                files.update(e)
-            manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": world, "files": files}
-            _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-            _fsync_dir(tmp)
-            if final.exists():  # a corrupt checkpoint of the same step that a resume fell back from
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(self.root)
-            _write_atomic(self.root / LATEST, final.name + "\n")
-            self._prune()
-        _barrier()
-        return final
+        writer = _HashingWriter(tmp)
+        p = _Pending(step=step, tmp=tmp, final=final, writer=writer, own_files=own_files, group=group, t0=t0,
+                     staging_bytes=0)
+        if self.async_save:
+            p.staging_bytes = sum(_local_tensor_bytes(v) for _, v in _leaves(state))
+            p.future = dcp.async_save(state, storage_writer=writer, process_group=group)
+            p.thread = threading.Thread(target=self._complete, args=(p,), name=f"k3train-publish-{step}",
+                                        daemon=True)
+            p.thread.start()
+            p.blocking_s = time.perf_counter() - t0
+            self._pending = p
+            return done
+        try:
+            dcp.save(state, storage_writer=writer, process_group=group)
+        except (Exception, CheckpointException) as e:
+            p.error = e
+        self._complete(p)
+        p.blocking_s = time.perf_counter() - t0
+        self._pending = p
+        return done + self.finish()
+
+    def _complete(self, p: _Pending) -> None:
+        """Once this rank's write is done: gather every rank's files and outcome; rank 0 publishes. Runs on the
+        publishing thread (asynchronous saves) or inline."""
+        try:
+            if p.future is not None:
+                try:
+                    p.future.result()
+                except (Exception, CheckpointException) as e:
+                    p.error = e
+            err = _describe(p.error) if p.error is not None else None
+            files = {**p.own_files, **p.writer.fs.files} if err is None else {}
+            gathered = _all_gather_object((err, files), p.group)
+            failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e]
+            if failed:
+                raise CheckpointError(f"checkpoint {p.final} was not saved ({failed[0]}); its {p.tmp.name} folder "
+                                      f"is never resumed from")
+            all_files: dict[str, dict] = {}
+            for _, f in gathered:
+                all_files.update(f)
+            p.rank_bytes = [0] * len(gathered)
+            for name, entry in all_files.items():
+                p.rank_bytes[_owner(name)] += entry["size"]
+            problem, cause = None, None
+            if _rank() == 0:
+                try:
+                    self._publish(p, all_files)
+                except Exception as e:
+                    problem, cause = _describe(e), e
+            problem = _all_gather_object(problem, p.group)[0]  # every rank learns whether rank 0 published
+            if problem is not None:
+                raise CheckpointError(f"checkpoint {p.final} was not published (rank 0: {problem})") from cause
+            p.save_s = time.perf_counter() - p.t0
+        except BaseException as e:
+            p.error = e
+
+    def _publish(self, p: _Pending, files: dict[str, dict]) -> None:
+        on_disk = {q.name for q in p.tmp.iterdir()} - {MANIFEST}
+        if on_disk != set(files):
+            raise CheckpointError(f"checkpoint {p.final}: files written {sorted(on_disk)} but checksummed "
+                                  f"{sorted(files)}")
+        manifest = {"format_version": FORMAT_VERSION, "step": p.step, "world_size": len(p.rank_bytes),
+                    "rank_bytes": p.rank_bytes, "files": files}
+        _write_synced(p.tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        _fsync_dir(p.tmp)
+        if p.final.exists():  # a corrupt checkpoint of the same step that a resume fell back from
+            shutil.rmtree(p.final)
+        os.rename(p.tmp, p.final)
+        _fsync_dir(self.root)
+        _write_atomic(self.root / LATEST, p.final.name + "\n")
+        self._prune()
+
+    def _collect(self) -> SavedCheckpoint:
+        p, self._pending = self._pending, None
+        if p.error is not None:
+            if isinstance(p.error, CheckpointError):
+                raise p.error
+            raise CheckpointError(f"checkpoint {p.final} was not saved ({_describe(p.error)}); its {p.tmp.name} "
+                                  f"folder is never resumed from") from p.error
+        return SavedCheckpoint(step=p.step, path=p.final, blocking_s=p.blocking_s, save_s=p.save_s,
+                               rank_bytes=p.rank_bytes, staging_bytes=p.staging_bytes)
+
+    def poll(self) -> list[SavedCheckpoint]:
+        """The save in flight if it has been published since (no waiting, no collective); a failed one is kept for
+        save() or finish() to raise, which every rank calls at the same step."""
+        p = self._pending
+        if p is None or (p.thread is not None and p.thread.is_alive()) or p.error is not None:
+            return []
+        return [self._collect()]
+
+    def finish(self) -> list[SavedCheckpoint]:
+        """Wait for the save in flight and publish it (collective); CheckpointError if it failed."""
+        p = self._pending
+        if p is None:
+            return []
+        if p.thread is not None:
+            t = time.perf_counter()
+            p.thread.join()
+            p.blocking_s += time.perf_counter() - t
+        return [self._collect()]
 
     def _prune(self) -> None:
         ckpts = list_checkpoints(self.root)

@@ -59,7 +59,9 @@ def saved(tmp_path_factory):
     engine, sched = _engine()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        Checkpointer(run, keep_last_k=2).save(1, engine, sched, {"global_rows": 4})
+        ck = Checkpointer(run, keep_last_k=2)
+        ck.save(1, engine, sched, {"global_rows": 4})
+        ck.finish()
     return run, {n: p.detach().clone() for n, p in engine.named_parameters()}
 
 
