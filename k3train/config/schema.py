@@ -109,6 +109,10 @@ class TrainConfig:
     """Save a checkpoint after the last step."""
     keep_last_k: int = 3
     """Checkpoints kept in <run_dir>/checkpoints; older ones are deleted."""
+    async_checkpoint: bool = True
+    """Write checkpoints in the background (torch.distributed.checkpoint.async_save): the loop waits only for a
+    host copy of each rank's state, and a checkpoint is published once every rank has written it. false: the loop
+    waits until the checkpoint is written and published."""
     run_dir: str = ""
     """Run directory; empty means runs/<recipe>/<timestamp> under the current directory."""
     resume: str = "auto"

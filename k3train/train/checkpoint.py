@@ -1,36 +1,69 @@
-"""Atomic, verified checkpoints with torch.distributed.checkpoint (DCP).
+"""Atomic, verified checkpoints with torch.distributed.checkpoint (DCP): written in the background, loaded without
+running anything stored in them.
 
 Layout of <run_dir>/checkpoints/:
 
-    step-000100/            one finished checkpoint: DCP files (.metadata, __<rank>_<i>.distcp) + manifest.json
+    step-000100/            one finished checkpoint:
+        .metadata               DCP's index of the tensors (written by rank 0)
+        __<rank>_0.distcp       DCP's tensor data, one file per rank
+        rank-<r>.json           each rank's own state (below)
+        manifest.json           format version, size and SHA-256 of every file, bytes written by each rank
     step-000200/
     latest                  the name of the newest finished checkpoint (replaced atomically)
 
-A save writes into `step-N.tmp/` (DCP fsyncs its files), every rank checksums the files it wrote, rank 0 writes
-`manifest.json` (size and SHA-256 of every file), fsyncs, renames the folder to `step-N/`, then replaces `latest`.
-A crash at any point leaves either the previous checkpoints untouched or a `.tmp` folder that is ignored and
-cleared. Loading verifies the manifest first (ranks split the files between them); a checkpoint whose files are
-missing, truncated or altered is reported with a warning naming it, and the previous one is tried.
+Format version 2 (`format_version` in manifest.json). Nothing in a checkpoint is a pickle of ours:
+- DCP holds tensors only, in one format for every layout (so a checkpoint written by one process loads under
+  pipeline, expert or context parallelism and back): `engine.model.<name>` (parameters and persistent buffers, so
+  the routers' balancing biases), `engine.optim.<name>.<state>` ({"step", "exp_avg", "exp_avg_sq"} or
+  {"momentum_buffer"}, plus "master" under bf16; sharded state as DTensors / ShardedTensors) and `engine.meta.step`.
+- rank-<r>.json, JSON: {"format_version", "rank", "world_size", "step", "scheduler" (the LR scheduler's
+  state_dict), "data" (the data loader's position), "rng": {"torch": the CPU generator's state (base64 bytes),
+  "numpy": the MT19937 key and position, "python": random's state, "cuda": one base64 state per device when CUDA is
+  initialised}}. Each rank restores its own random state; a rank without a file of its number (another world
+  size) takes the step, schedule and data position from rank-0.json and keeps its random state.
+Version 1 (no `format_version`: per-rank state as a pickled blob inside DCP) is refused for resuming; train.init_from
+still reads its tensors.
 
-What is saved, in one format for every layout (so a checkpoint written by one process loads under pipeline, expert
-or context parallelism and back): under `engine`, the model state dict by full-model names (parameters and
-persistent buffers, so the routers' balancing biases), the optimizer state by the same names ({"step", "exp_avg",
-"exp_avg_sq"} or {"momentum_buffer"}; sharded moments are DTensors) and the step; beside it the LR scheduler's
-position, the step, and for every rank its data-loader position and RNG states (a pickled blob under the key
-`rank<r>`; only that rank reads it back).
+Loading reads only what the manifest covers and verifies first. JSON is parsed as data; DCP's `.metadata` (a pickle)
+is read by an unpickler that builds only the classes DCP metadata consists of (its tensor entries, chunk offsets,
+file positions, dtypes, torch.Size) and refuses any other global; every entry read must be a tensor whose data lies
+in a `__<rank>_<i>.distcp` file of the manifest; tensor data is read by torch.load(weights_only=True); a non-tensor
+entry is refused. Whatever a crafted checkpoint holds, loading it either fails with CheckpointError naming the file
+or loads tensors and JSON values: it never calls code named by the checkpoint.
+
+Saving (`Checkpointer.save`): the previous save, if still in flight, is waited for and published first (at most one
+in flight). Every rank writes its rank-<r>.json, then DCP writes the tensors into `step-N.tmp/`: with
+train.async_checkpoint (the default) through `dcp.async_save` on a gloo process group of its own (created once),
+which copies this rank's state to host memory (the staging copy, `staging_bytes(engine)`: one copy of the rank's
+model and optimizer state) and writes it from a background thread while training continues; otherwise with
+`dcp.save` before returning. Files are checksummed as they are written (a storage writer whose streams hash the
+bytes on their way to disk), never read back. When every rank's write has finished, the ranks gather their files'
+sizes and checksums; rank 0 writes `manifest.json`, fsyncs, renames the folder to `step-N/`, replaces `latest` and
+prunes to `keep_last_k`. That publication happens on a background thread as soon as all ranks are done; `poll()`
+reports it, `finish()` (the trainer calls it after the last step) waits for it. A save that fails or is killed
+before publication leaves a `step-N.tmp/` folder, which is never resumed from and is cleared by the next save; a
+failed write is raised as CheckpointError at the next save or at finish(). Loading verifies the manifest first
+(ranks split the files between them); a checkpoint whose files are missing, truncated or altered is reported with a
+warning naming it, and the previous one is tried.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import dataclasses
 import hashlib
+import io
 import json
 import os
 import pickle
 import random
 import re
 import shutil
+import threading
+import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +71,31 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.futures import Future
 
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 LATEST = "latest"
+METADATA = ".metadata"
 _STEP_RE = re.compile(r"^step-(\d+)$")
+_TMP_RE = re.compile(r"^step-\d+\.tmp$")
+_DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+_RANK_FILE_RE = re.compile(r"^rank-(\d+)\.json$")
+
+# dcp.save / async_save warn when they run without a process group, which is how one process is meant to save.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used (corrupt, incomplete or incompatible); the message names it."""
+    """A checkpoint that cannot be used (corrupt, incomplete, incompatible or refused) or a save that failed; the
+    message names it."""
 
 
 def _dist_on() -> bool:
@@ -60,16 +110,16 @@ def _world() -> int:
     return dist.get_world_size() if _dist_on() else 1
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if _dist_on():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def _all_gather_object(obj: Any) -> list[Any]:
+def _all_gather_object(obj: Any, group=None) -> list[Any]:
     if not _dist_on():
         return [obj]
-    out: list[Any] = [None] * _world()
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -89,18 +139,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
+def _write_synced(path: Path, data: bytes) -> dict:
+    """Write and fsync `data`; returns its manifest entry (size and SHA-256, from the bytes in hand)."""
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    _write_synced(tmp, text.encode())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank}.json"
 
 
 def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
@@ -115,60 +175,377 @@ def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Random states as JSON
+# ---------------------------------------------------------------------------------------------------------------------
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().contiguous().numpy().tobytes()).decode("ascii")
+
+
+def _from_b64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
+
+
 def rng_state() -> dict:
-    st = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """This process's random states (torch CPU, numpy, python, and CUDA when initialised) as JSON values."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    st = {"torch": _b64(torch.get_rng_state()),
+          "numpy": {"kind": str(kind), "keys": [int(k) for k in keys], "pos": int(pos), "has_gauss": int(has_gauss),
+                    "cached_gaussian": float(cached)},
+          "python": {"version": int(version), "internal": [int(x) for x in internal], "gauss_next": gauss_next}}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        st["cuda"] = torch.cuda.get_rng_state_all()
+        st["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
     return st
 
 
 def set_rng_state(st: dict) -> None:
-    torch.set_rng_state(st["torch"])
-    np.random.set_state(st["numpy"])
-    random.setstate(st["python"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
+    """Restore what rng_state() returned. ValueError / TypeError / KeyError / RuntimeError for malformed values."""
+    n = st["numpy"]
+    if n["kind"] != "MT19937" or len(n["keys"]) != 624:
+        raise ValueError("numpy state: an MT19937 key of 624 words expected")
+    p = st["python"]
+    gauss = p["gauss_next"]
+    if gauss is not None and not isinstance(gauss, float):
+        raise TypeError("python state: gauss_next must be a float or null")
+    torch_state = _from_b64(st["torch"])
+    cuda = [_from_b64(s) for s in st.get("cuda", [])]
+    keys = np.array(n["keys"], dtype=np.uint32)
+    np_state = ("MT19937", keys, int(n["pos"]), int(n["has_gauss"]), float(n["cached_gaussian"]))
+    py_state = (int(p["version"]), tuple(int(x) for x in p["internal"]), gauss)
+    torch.set_rng_state(torch_state)
+    np.random.set_state(np_state)
+    random.setstate(py_state)
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Writing: DCP storage writer that checksums while writing
+# ---------------------------------------------------------------------------------------------------------------------
+class _HashingStream:
+    """A binary output stream that passes bytes to `raw` and hashes them on the way."""
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, b) -> int:
+        view = memoryview(b).cast("B")
+        n = self.raw.write(view)
+        if n is not None and n != view.nbytes:
+            raise OSError(f"short write ({n} of {view.nbytes} bytes)")
+        self.sha.update(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def close(self) -> None:
+        self.raw.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.raw.closed
+
+    def writable(self) -> bool:
+        return True
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, recording the size and SHA-256 of every file written through it (by final name:
+    DCP writes `.metadata.tmp` and renames it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.files: dict[str, dict] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        if "r" in mode and "+" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        if mode not in ("wb", "w+b"):
+            raise ValueError(f"checkpoint files are written whole ('wb'), not with mode {mode!r}")
+        with super().create_stream(path, mode) as raw:
+            stream = _HashingStream(raw)
+            yield stream
+        with self._lock:
+            self.files[Path(path).name] = {"size": stream.size, "sha256": stream.sha.hexdigest()}
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            entry = self.files.pop(Path(path).name, None)
+            if entry is not None:
+                self.files[Path(new_path).name] = entry
+
+
+class _HashingWriter(FileSystemWriter):
+    """FileSystemWriter (one file per rank, fsynced; its stage() makes the host copy of async_save) whose files are
+    checksummed as they are written: `self.fs.files` holds {name: {"size", "sha256"}} once the write is done."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+        self.fs = _HashingFileSystem()
+
+
+def _local_tensor_bytes(t) -> int:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return t.to_local().nbytes
+    if isinstance(t, ShardedTensor):
+        return sum(s.tensor.nbytes for s in t.local_shards())
+    return t.nbytes
+
+
+def _leaves(tree: Any, prefix: str = ""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, f"{prefix}{k}.")
+    else:
+        yield prefix[:-1], tree
+
+
+def staging_bytes(engine) -> int:
+    """Host bytes of the copy an asynchronous save makes of this rank's state before writing it in the background:
+    every tensor of engine.state_dict() as this rank holds it (parameters and persistent buffers, fp32 masters under
+    bf16, optimizer state; of sharded state only the rank's own shards). Replicated tensors are staged on every rank
+    that holds them even though DCP writes them once, so this is the rank's state bytes, not its written bytes."""
+    return sum(_local_tensor_bytes(v) for _, v in _leaves(engine.state_dict()))
+
+
+def _tensors_only(state: dict) -> None:
+    bad = [k for k, v in _leaves(state) if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise TypeError(f"checkpoint state must hold tensors only (the rest goes to rank-<r>.json): {bad[:5]}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reading without running anything from the checkpoint
+# ---------------------------------------------------------------------------------------------------------------------
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", "Metadata"),
+    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),  # looks a torch.layout up by name
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
+    ("pathlib", "PurePosixPath"),
+}
+"""The globals DCP's `.metadata` pickle consists of (plus torch dtypes); the unpickler refuses every other one, so
+reading it cannot call anything else (the Python docs' "Restricting Globals")."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("persistent ids are not allowed")
+
+
+def _check_metadata(md: Any, files: set[str], *, allow_bytes_entries: bool) -> None:
+    """Raise ValueError unless `md` is DCP metadata of tensors whose data lies in data files listed in `files`."""
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise ValueError("not DCP metadata")
+    for key, entry in md.state_dict_metadata.items():
+        if not isinstance(key, str):
+            raise ValueError("an entry name is not a string")
+        if isinstance(entry, BytesStorageMetadata) and allow_bytes_entries:
+            continue  # a version-1 non-tensor entry: never read (see _TensorsOnlyPlanner)
+        if not isinstance(entry, TensorStorageMetadata):
+            raise ValueError(f"entry {key!r} is not a tensor ({type(entry).__name__})")
+        if not (isinstance(entry.properties, TensorProperties) and isinstance(entry.properties.dtype, torch.dtype)
+                and isinstance(entry.size, torch.Size) and isinstance(entry.chunks, list)):
+            raise ValueError(f"entry {key!r} is malformed")
+        for c in entry.chunks:
+            if not (isinstance(c, ChunkStorageMetadata) and isinstance(c.offsets, torch.Size)
+                    and isinstance(c.sizes, torch.Size) and len(c.offsets) == len(c.sizes) == len(entry.size)):
+                raise ValueError(f"entry {key!r} has a malformed chunk")
+    if not isinstance(md.storage_data, dict):
+        raise ValueError("no storage data")
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    for index, info in md.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+            raise ValueError("a storage index is malformed")
+        if not isinstance(info, _StorageInfo):
+            raise ValueError(f"storage of {index.fqn!r} is malformed")
+        path = info.relative_path
+        if not (isinstance(path, str) and _DATA_FILE_RE.match(path) and path in files):
+            raise ValueError(f"storage of {index.fqn!r} names file {path!r}, not a data file of the manifest")
+        if not (type(info.offset) is int and type(info.length) is int and info.offset >= 0 and info.length >= 0):
+            raise ValueError(f"storage of {index.fqn!r} has a bad position")
+        if info.transform_descriptors:
+            raise ValueError(f"storage of {index.fqn!r} asks for stream transforms")
+
+
+def read_metadata(folder: Path, files: set[str], *, allow_bytes_entries: bool = False) -> Metadata:
+    """DCP's `.metadata` of `folder`, read without running anything it names and checked (see _check_metadata).
+    files: the file names of the (verified) manifest. CheckpointError naming the file otherwise."""
+    path = folder / METADATA
+    if METADATA not in files:
+        raise CheckpointError(f"checkpoint {folder}: {METADATA} is not in its manifest")
+    try:
+        with open(path, "rb") as f:
+            md = _MetadataUnpickler(f).load()
+        _check_metadata(md, files, allow_bytes_entries=allow_bytes_entries)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {folder}: {path} refused ({type(e).__name__}: {e})") from e
+    md.storage_meta = StorageMeta()
+    return md
+
+
+class _CheckedReader(FileSystemReader):
+    """FileSystemReader that hands DCP the metadata read by read_metadata() instead of unpickling `.metadata`."""
+
+    def __init__(self, folder: Path, metadata: Metadata):
+        super().__init__(str(folder))
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise CheckpointError(f"checkpoint {self.path}: per-rank metadata files are not read")
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+    def read_data(self, plan, planner):
+        """DCP's reads (tensors through torch.load(weights_only=True)), one data file at a time, so that a file
+        holding anything but plain tensors is refused by name."""
+        by_file: dict[str, list] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in by_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except pickle.UnpicklingError as e:
+                raise CheckpointError(f"{self.path / name} holds more than plain tensors; refused ({str(e)[:300]})") \
+                    from e
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+
+class _TensorsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's load planner, refusing non-tensor entries (DCP would torch.load them with weights_only=False)."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        raise CheckpointError(f"entry {read_item.dest_index.fqn!r} is not a tensor; refused")
+
+
+def _refused_content(e: BaseException) -> BaseException | None:
+    """The unpickling refusal or CheckpointError behind a DCP load failure, if that is what it was."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, (pickle.UnpicklingError, CheckpointError)):
+            return x
+        if isinstance(x, CheckpointException):
+            todo += [f[0] if isinstance(f, tuple) else f for f in x.failures.values()]
+        todo += [x.__cause__, x.__context__]
+    return None
+
+
+def _describe(e: BaseException) -> str:
+    """One line for an exception; for DCP's CheckpointException, the exception each rank raised."""
+    if isinstance(e, CheckpointException):
+        parts = [x[0] if isinstance(x, tuple) else x for x in e.failures.values()]
+        return "; ".join(f"{type(x).__name__}: {str(x)[:300]}" for x in parts) or "CheckpointException"
+    return f"{type(e).__name__}: {str(e)[:500]}"
+
+
+def _dcp_load(state: dict, folder: Path, metadata: Metadata, what: str) -> None:
+    try:
+        dcp.load(state, storage_reader=_CheckedReader(folder, metadata), planner=_TensorsOnlyPlanner())
+    except (Exception, CheckpointException) as e:  # DCP raises several types for a checkpoint of another shape
+        refused = _refused_content(e)
+        if isinstance(refused, CheckpointError):
+            raise CheckpointError(f"{what}checkpoint {folder}: {refused}") from e
+        if refused is not None:
+            raise CheckpointError(f"{what}checkpoint {folder}: a data file holds more than plain tensors; refused "
+                                  f"({str(refused)[:300]})") from e
+        raise CheckpointError(f"{what}checkpoint {folder} passed its checksums but does not fit this run (model or "
+                              f"layout changed?): {_describe(e)}") from e
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Manifest
 # ---------------------------------------------------------------------------------------------------------------------
-def _own_files(folder: Path, rank: int, world: int) -> list[Path]:
-    """Files this rank checksums: DCP's per-rank data files `__<rank>_*`; rank 0 also takes everything else."""
-    mine = []
-    for p in sorted(folder.iterdir()):
-        if not p.is_file() or p.name == MANIFEST:
-            continue
-        m = re.match(r"^__(\d+)_", p.name)
-        owner = int(m.group(1)) % world if m else 0
-        if owner == rank:
-            mine.append(p)
-    return mine
+def _read_manifest(folder: Path) -> dict | None:
+    try:
+        m = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return m if isinstance(m, dict) and isinstance(m.get("files"), dict) else None
+
+
+def format_version(folder: Path) -> int | None:
+    """The checkpoint's format version (1 when its manifest records none); None without a readable manifest."""
+    m = _read_manifest(folder)
+    if m is None:
+        return None
+    v = m.get("format_version", 1)
+    return v if type(v) is int else -1
+
+
+def _version_problem(folder: Path, version: int) -> str:
+    if version == 1:
+        return (f"checkpoint {folder} has format version 1 (its manifest records none); this k3train reads version "
+                f"{FORMAT_VERSION}. Version 1 kept each rank's state as a pickle, which loading would run, so it "
+                f"is not resumed. Resume it with the k3train release that wrote it, or start a new run from its "
+                f"weights with train.init_from={folder} (that reads its tensors only) and let that run save version "
+                f"{FORMAT_VERSION}.")
+    return f"checkpoint {folder} has format version {version}; this k3train reads version {FORMAT_VERSION}"
 
 
 def verify_checkpoint(folder: Path) -> str | None:
     """None when every file in the manifest is present with its size and checksum; else what is wrong.
     Collective when a process group is up (the files are split between the ranks)."""
     problem = None
-    manifest_path = folder / MANIFEST
-    try:
-        manifest = json.loads(manifest_path.read_text())
+    manifest = _read_manifest(folder)
+    if manifest is None:
+        problem = f"{MANIFEST} is missing" if not (folder / MANIFEST).exists() else f"{MANIFEST} is unreadable"
+    else:
         files = manifest["files"]
-    except FileNotFoundError:
-        problem = f"{MANIFEST} is missing"
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        problem = f"{MANIFEST} is unreadable ({type(e).__name__})"
-    if problem is None:
         rank, world = _rank(), _world()
         names = sorted(files)
         for name in names[rank::world]:
             p = folder / name
             want = files[name]
-            if not p.is_file():
+            if "/" in name or name in (".", "..") or not isinstance(want, dict):
+                problem = f"the manifest entry {name!r} is malformed"
+            elif not p.is_file():
                 problem = f"file {name} is missing"
-            elif p.stat().st_size != want["size"]:
-                problem = f"file {name} has {p.stat().st_size} bytes, the manifest says {want['size']}"
-            elif _sha256(p) != want["sha256"]:
+            elif p.stat().st_size != want.get("size"):
+                problem = f"file {name} has {p.stat().st_size} bytes, the manifest says {want.get('size')}"
+            elif _sha256(p) != want.get("sha256"):
                 problem = f"file {name} does not match its checksum"
             if problem:
                 break
@@ -177,11 +554,295 @@ def verify_checkpoint(folder: Path) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Save / load
+# Save
 # ---------------------------------------------------------------------------------------------------------------------
-def _state(engine, scheduler, step: int, rank_blob: bytes) -> dict[str, Any]:
-    return {"engine": engine.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
-            f"rank{_rank()}": rank_blob}
+@dataclass
+class SavedCheckpoint:
+    """A published checkpoint and what saving it cost."""
+
+    step: int
+    path: Path
+    blocking_s: float
+    """Time the training loop waited for this save: the save() call (staging copy, or the whole write when
+    synchronous) plus any later wait for it to finish (at the next save or at finish())."""
+    save_s: float
+    """From the start of the save to its publication (manifest written, folder renamed) on this rank."""
+    rank_bytes: list[int]
+    """Bytes each rank wrote (its DCP data file and rank-<r>.json; rank 0 also `.metadata`)."""
+    staging_bytes: int
+    """Host bytes of this rank's staging copy (0 for a synchronous save)."""
+
+    def metrics(self) -> dict:
+        return {"checkpoint/step": self.step, "checkpoint/blocking_s": self.blocking_s,
+                "checkpoint/save_s": self.save_s, "checkpoint/bytes": sum(self.rank_bytes),
+                "checkpoint/bytes_rank_max": max(self.rank_bytes), "checkpoint/bytes_rank_min": min(self.rank_bytes),
+                "checkpoint/staging_bytes": self.staging_bytes}
+
+
+@dataclass
+class _Pending:
+    step: int
+    tmp: Path
+    final: Path
+    writer: _HashingWriter
+    own_files: dict
+    group: Any
+    t0: float
+    staging_bytes: int
+    future: Any = None
+    thread: threading.Thread | None = None
+    blocking_s: float = 0.0
+    save_s: float = 0.0
+    rank_bytes: list[int] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+def _owner(name: str) -> int:
+    """The rank that wrote a file of the checkpoint (rank 0 for `.metadata`)."""
+    m = _DATA_FILE_RE.match(name) or _RANK_FILE_RE.match(name)
+    return int(m.group(1)) if m else 0
+
+
+class Checkpointer:
+    """Saves to and resumes from <run_dir>/checkpoints (see the module docstring). async_save: write in the
+    background (dcp.async_save) or before save() returns (dcp.save)."""
+
+    def __init__(self, run_dir: Path, *, keep_last_k: int, warn=None, async_save: bool = True):
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep_last_k = keep_last_k
+        self.async_save = async_save
+        self.warn = warn or (lambda msg: warnings.warn(msg, stacklevel=2))
+        self._pending: _Pending | None = None
+        self._group = None
+        self._group_made = False
+
+    def _checkpoint_group(self):
+        """The gloo group DCP saves over (created once, collectively, at the first save), None in one process."""
+        if not _dist_on():
+            return None
+        if not self._group_made:
+            self._group = dist.new_group(backend="gloo")
+            self._group_made = True
+        return self._group
+
+    # ---- save --------------------------------------------------------------------------------------------------
+    def save(self, step: int, engine, scheduler, data_state: dict) -> list[SavedCheckpoint]:
+        """Start saving the engine's model and optimizer state, the schedule, and this rank's data position and RNG
+        (collective: every rank calls it at the same step). The previous save is waited for and published first;
+        returns the checkpoints published meanwhile (the previous one; when synchronous, this one too)."""
+        done = self.finish()
+        t0 = time.perf_counter()
+        group = self._checkpoint_group()
+        rank, world = _rank(), _world()
+        final = self.root / step_dir_name(step)
+        tmp = self.root / (final.name + ".tmp")
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.iterdir():  # left by saves that failed or were killed before publication
+                if _TMP_RE.match(stale.name) and stale.is_dir():
+                    shutil.rmtree(stale)
+            tmp.mkdir()
+        _barrier(group)
+        own = {"format_version": FORMAT_VERSION, "rank": rank, "world_size": world, "step": step,
+               "scheduler": scheduler.state_dict(), "data": data_state, "rng": rng_state()}
+        try:
+            text = json.dumps(own, sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {final}: this rank's state is not plain JSON ({e})") from e
+        own_files = {rank_file(rank): _write_synced(tmp / rank_file(rank), text.encode())}
+        state = {"engine": engine.state_dict()}
+        _tensors_only(state)
+        writer = _HashingWriter(tmp)
+        p = _Pending(step=step, tmp=tmp, final=final, writer=writer, own_files=own_files, group=group, t0=t0,
+                     staging_bytes=0)
+        if self.async_save:
+            p.staging_bytes = sum(_local_tensor_bytes(v) for _, v in _leaves(state))
+            p.future = dcp.async_save(state, storage_writer=writer, process_group=group)
+            p.thread = threading.Thread(target=self._complete, args=(p,), name=f"k3train-publish-{step}",
+                                        daemon=True)
+            p.thread.start()
+            p.blocking_s = time.perf_counter() - t0
+            self._pending = p
+            return done
+        try:
+            dcp.save(state, storage_writer=writer, process_group=group)
+        except (Exception, CheckpointException) as e:
+            p.error = e
+        self._complete(p)
+        p.blocking_s = time.perf_counter() - t0
+        self._pending = p
+        return done + self.finish()
+
+    def _complete(self, p: _Pending) -> None:
+        """Once this rank's write is done: gather every rank's files and outcome; rank 0 publishes. Runs on the
+        publishing thread (asynchronous saves) or inline."""
+        try:
+            if p.future is not None:
+                try:
+                    p.future.result()
+                except (Exception, CheckpointException) as e:
+                    p.error = e
+            err = _describe(p.error) if p.error is not None else None
+            files = {**p.own_files, **p.writer.fs.files} if err is None else {}
+            gathered = _all_gather_object((err, files), p.group)
+            failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e]
+            if failed:
+                raise CheckpointError(f"checkpoint {p.final} was not saved ({failed[0]}); its {p.tmp.name} folder "
+                                      f"is never resumed from")
+            all_files: dict[str, dict] = {}
+            for _, f in gathered:
+                all_files.update(f)
+            p.rank_bytes = [0] * len(gathered)
+            for name, entry in all_files.items():
+                p.rank_bytes[_owner(name)] += entry["size"]
+            problem, cause = None, None
+            if _rank() == 0:
+                try:
+                    self._publish(p, all_files)
+                except Exception as e:
+                    problem, cause = _describe(e), e
+            problem = _all_gather_object(problem, p.group)[0]  # every rank learns whether rank 0 published
+            if problem is not None:
+                raise CheckpointError(f"checkpoint {p.final} was not published (rank 0: {problem})") from cause
+            p.save_s = time.perf_counter() - p.t0
+        except BaseException as e:
+            p.error = e
+
+    def _publish(self, p: _Pending, files: dict[str, dict]) -> None:
+        on_disk = {q.name for q in p.tmp.iterdir()} - {MANIFEST}
+        if on_disk != set(files):
+            raise CheckpointError(f"checkpoint {p.final}: files written {sorted(on_disk)} but checksummed "
+                                  f"{sorted(files)}")
+        manifest = {"format_version": FORMAT_VERSION, "step": p.step, "world_size": len(p.rank_bytes),
+                    "rank_bytes": p.rank_bytes, "files": files}
+        _write_synced(p.tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        _fsync_dir(p.tmp)
+        if p.final.exists():  # a corrupt checkpoint of the same step that a resume fell back from
+            shutil.rmtree(p.final)
+        os.rename(p.tmp, p.final)
+        _fsync_dir(self.root)
+        _write_atomic(self.root / LATEST, p.final.name + "\n")
+        self._prune()
+
+    def _collect(self) -> SavedCheckpoint:
+        p, self._pending = self._pending, None
+        if p.error is not None:
+            if isinstance(p.error, CheckpointError):
+                raise p.error
+            raise CheckpointError(f"checkpoint {p.final} was not saved ({_describe(p.error)}); its {p.tmp.name} "
+                                  f"folder is never resumed from") from p.error
+        return SavedCheckpoint(step=p.step, path=p.final, blocking_s=p.blocking_s, save_s=p.save_s,
+                               rank_bytes=p.rank_bytes, staging_bytes=p.staging_bytes)
+
+    def poll(self) -> list[SavedCheckpoint]:
+        """The save in flight if it has been published since (no waiting, no collective); a failed one is kept for
+        save() or finish() to raise, which every rank calls at the same step."""
+        p = self._pending
+        if p is None or (p.thread is not None and p.thread.is_alive()) or p.error is not None:
+            return []
+        return [self._collect()]
+
+    def finish(self) -> list[SavedCheckpoint]:
+        """Wait for the save in flight and publish it (collective); CheckpointError if it failed."""
+        p = self._pending
+        if p is None:
+            return []
+        if p.thread is not None:
+            t = time.perf_counter()
+            p.thread.join()
+            p.blocking_s += time.perf_counter() - t
+        return [self._collect()]
+
+    def _prune(self) -> None:
+        ckpts = list_checkpoints(self.root)
+        for _, p in ckpts[:-self.keep_last_k]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    # ---- load --------------------------------------------------------------------------------------------------
+    def candidates(self, resume: str) -> list[Path]:
+        """Checkpoint folders to try, newest first. resume: 'auto' (this run's checkpoints), a run directory, a
+        checkpoints folder, or one step-N folder (then older ones beside it are the fallbacks)."""
+        if resume == "never":
+            return []
+        if resume == "auto":
+            root = self.root
+        else:
+            p = Path(resume)
+            if _STEP_RE.match(p.name):
+                return [c for s, c in reversed(list_checkpoints(p.parent)) if s <= int(p.name.split("-")[1])] or [p]
+            root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+        # Newest first. A folder is renamed to step-N only after its manifest is written, and the manifest is
+        # verified before use, so a step-N newer than `latest` (a kill between the rename and the pointer update)
+        # is complete and is tried first too; `latest` is for people and tools.
+        return [c for _, c in reversed(list_checkpoints(root))]
+
+    def load(self, resume: str, engine, scheduler) -> LoadedState | None:
+        """Restore the newest valid checkpoint; None when there is none (a fresh start). CheckpointError for a
+        checkpoint of another format version."""
+        cands = self.candidates(resume)
+        for i, folder in enumerate(cands):
+            version = format_version(folder)
+            if version is not None and version != FORMAT_VERSION:
+                raise CheckpointError(_version_problem(folder, version))
+            problem = verify_checkpoint(folder)
+            if problem is not None:
+                nxt = f"trying {cands[i + 1].name}" if i + 1 < len(cands) else "no older checkpoint is left"
+                self.warn(f"checkpoint {folder} is corrupt ({problem}); {nxt}")
+                continue
+            return self._load_one(folder, engine, scheduler)
+        if cands:
+            if resume not in ("auto", "never"):
+                raise CheckpointError(f"no valid checkpoint under train.resume={resume!r}")
+            self.warn(f"no valid checkpoint in {self.root}; starting from scratch")
+        return None
+
+    def _load_one(self, folder: Path, engine, scheduler) -> LoadedState:
+        rank = _rank()
+        files = set(_read_manifest(folder)["files"])
+        mine = rank_file(rank) if rank_file(rank) in files else rank_file(0)
+        own = _read_rank_state(folder, mine, files)
+        meta = read_metadata(folder, files)
+        state = {"engine": engine.state_dict()}
+        saved = set(meta.state_dict_metadata)
+        missing = sorted(k for k in (f"engine.model.{n}" for n in state["engine"]["model"]) if k not in saved)
+        if missing:
+            names = [k[len("engine."):] for k in missing[:5]]
+            raise CheckpointError(f"checkpoint {folder} lacks model entries {names} (a different model?)")
+        other = _drop_unsaved_optimizer_state(state["engine"]["optim"], saved, "engine.optim.")
+        if other:
+            self.warn(f"checkpoint {folder}: the optimizer state of {len(other)} parameters (e.g. {other[0]}) was "
+                      f"saved by another optimizer; they start with fresh state")
+        _dcp_load(state, folder, meta, "")
+        try:
+            engine.load_state_dict(state["engine"])
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {folder} passed its checksums but does not fit this run (model or "
+                                  f"layout changed?): {type(e).__name__}: {e}") from e
+        try:
+            _load_scheduler(scheduler, own["scheduler"])
+            if mine == rank_file(rank):
+                set_rng_state(own["rng"])
+        except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as e:
+            raise CheckpointError(f"checkpoint {folder}: {mine} holds an unusable state ({type(e).__name__}: "
+                                  f"{e})") from e
+        return LoadedState(step=own["step"], data_state=own["data"], path=folder)
+
+
+def _read_rank_state(folder: Path, name: str, files: set[str]) -> dict:
+    """A rank-<r>.json of the manifest, parsed and checked for its shape."""
+    if name not in files:
+        raise CheckpointError(f"checkpoint {folder}: {name} is not in its manifest")
+    path = folder / name
+    try:
+        own = json.loads(path.read_text())
+        ok = (isinstance(own, dict) and own.get("format_version") == FORMAT_VERSION and type(own.get("step")) is int
+              and own["step"] >= 0 and isinstance(own.get("scheduler"), dict) and isinstance(own.get("rng"), dict)
+              and isinstance(own.get("data"), (dict, type(None))))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {folder}: {path} is unreadable ({type(e).__name__}: {e})") from e
+    if not ok:
+        raise CheckpointError(f"checkpoint {folder}: {path} is not a rank state of format version {FORMAT_VERSION}")
+    return own
 
 
 def _drop_unsaved_optimizer_state(optim: dict, saved: set[str], prefix: str) -> list[str]:
@@ -213,129 +874,11 @@ class LoadedState:
     path: Path
 
 
-def _finish_load(state: dict, rank: int, folder: Path) -> LoadedState:
-    """Restore this rank's RNG from the loaded state and hand back its data-loader position."""
-    blob = state.get(f"rank{rank}")
-    data_state = None
-    if blob:
-        extra = pickle.loads(blob)
-        set_rng_state(extra["rng"])
-        data_state = extra["data"]
-    return LoadedState(step=int(state["step"]), data_state=data_state, path=folder)
-
-
-class Checkpointer:
-    """Saves to and resumes from <run_dir>/checkpoints (see the module docstring)."""
-
-    def __init__(self, run_dir: Path, *, keep_last_k: int, warn=None):
-        self.root = Path(run_dir) / "checkpoints"
-        self.keep_last_k = keep_last_k
-        self.warn = warn or (lambda msg: warnings.warn(msg, stacklevel=2))
-
-    # ---- save --------------------------------------------------------------------------------------------------
-    def save(self, step: int, engine, scheduler, data_state: dict) -> Path:
-        """Save the engine's model and optimizer state, the schedule, and this rank's data position and RNG."""
-        rank, world = _rank(), _world()
-        final = self.root / step_dir_name(step)
-        tmp = self.root / (final.name + ".tmp")
-        if rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)  # left by a save that crashed
-            tmp.mkdir()
-        _barrier()
-        blob = pickle.dumps({"data": data_state, "rng": rng_state()})
-        dcp.save(_state(engine, scheduler, step, blob), checkpoint_id=str(tmp))
-        # Every rank checksums its own files; rank 0 writes the manifest and publishes the folder.
-        entries = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in _own_files(tmp, rank, world)}
-        gathered = _all_gather_object(entries)
-        if rank == 0:
-            files: dict[str, dict] = {}
-            for e in gathered:
-                files.update(e)
-            manifest = {"step": step, "world_size": world, "files": files}
-            with open(tmp / MANIFEST, "w") as f:
-                json.dump(manifest, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(tmp)
-            if final.exists():  # a corrupt checkpoint of the same step that a resume fell back from
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(self.root)
-            _write_atomic(self.root / LATEST, final.name + "\n")
-            self._prune()
-        _barrier()
-        return final
-
-    def _prune(self) -> None:
-        ckpts = list_checkpoints(self.root)
-        for _, p in ckpts[:-self.keep_last_k]:
-            shutil.rmtree(p, ignore_errors=True)
-
-    # ---- load --------------------------------------------------------------------------------------------------
-    def candidates(self, resume: str) -> list[Path]:
-        """Checkpoint folders to try, newest first. resume: 'auto' (this run's checkpoints), a run directory, a
-        checkpoints folder, or one step-N folder (then older ones beside it are the fallbacks)."""
-        if resume == "never":
-            return []
-        if resume == "auto":
-            root = self.root
-        else:
-            p = Path(resume)
-            if _STEP_RE.match(p.name):
-                return [c for s, c in reversed(list_checkpoints(p.parent)) if s <= int(p.name.split("-")[1])] or [p]
-            root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-        # Newest first. A folder is renamed to step-N only after its manifest is written, and the manifest is
-        # verified before use, so a step-N newer than `latest` (a kill between the rename and the pointer update)
-        # is complete and is tried first too; `latest` is for people and tools.
-        return [c for _, c in reversed(list_checkpoints(root))]
-
-    def load(self, resume: str, engine, scheduler) -> LoadedState | None:
-        """Restore the newest valid checkpoint; None when there is none (a fresh start)."""
-        cands = self.candidates(resume)
-        for i, folder in enumerate(cands):
-            problem = verify_checkpoint(folder)
-            if problem is not None:
-                nxt = f"trying {cands[i + 1].name}" if i + 1 < len(cands) else "no older checkpoint is left"
-                self.warn(f"checkpoint {folder} is corrupt ({problem}); {nxt}")
-                continue
-            return self._load_one(folder, engine, scheduler)
-        if cands:
-            if resume not in ("auto", "never"):
-                raise CheckpointError(f"no valid checkpoint under train.resume={resume!r}")
-            self.warn(f"no valid checkpoint in {self.root}; starting from scratch")
-        return None
-
-    def _load_one(self, folder: Path, engine, scheduler) -> LoadedState:
-        rank = _rank()
-        state = _state(engine, scheduler, -1, b"")
-        saved = set(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
-        missing = sorted(k for k in (f"engine.model.{n}" for n in state["engine"]["model"]) if k not in saved)
-        if missing:
-            names = [k[len("engine."):] for k in missing[:5]]
-            raise CheckpointError(f"checkpoint {folder} lacks model entries {names} (a different model?)")
-        other = _drop_unsaved_optimizer_state(state["engine"]["optim"], saved, "engine.optim.")
-        if other:
-            self.warn(f"checkpoint {folder}: the optimizer state of {len(other)} parameters (e.g. {other[0]}) was "
-                      f"saved by another optimizer; they start with fresh state")
-        if f"rank{rank}" not in saved:
-            state.pop(f"rank{rank}")
-        try:
-            dcp.load(state, checkpoint_id=str(folder))
-            engine.load_state_dict(state["engine"])
-        except Exception as e:  # DCP raises several types for a checkpoint of another shape
-            raise CheckpointError(f"checkpoint {folder} passed its checksums but does not fit this run "
-                                  f"(model or layout changed?): {type(e).__name__}: {e}") from e
-        _load_scheduler(scheduler, state["scheduler"])
-        return _finish_load(state, rank, folder)
-
-
 def init_weights_from(path: str, engine, warn=None) -> Path:
     """train.init_from: load the weights (parameters and buffers) of the newest valid checkpoint at `path` (a step-N
-    folder, a checkpoints folder or a run directory), saved under any layout at any step, into `engine`; nothing
-    else is read. CheckpointError for a missing or corrupt checkpoint or one of another model shape (naming the
-    first mismatching tensors)."""
+    folder, a checkpoints folder or a run directory), saved under any layout at any step, in format version 1 or
+    2, into `engine`; nothing else is read. CheckpointError for a missing or corrupt checkpoint or one of another
+    model shape (naming the first mismatching tensors)."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"train.init_from={path!r}: no such file or directory")
@@ -343,28 +886,38 @@ def init_weights_from(path: str, engine, warn=None) -> Path:
     if not cands:
         raise CheckpointError(f"train.init_from={path!r}: no checkpoint (step-N folder) there")
     folder = cands[0]
+    version = format_version(folder)
+    if version is not None and version not in (1, FORMAT_VERSION):
+        raise CheckpointError(f"train.init_from: {_version_problem(folder, version)}")
     problem = verify_checkpoint(folder)
     if problem is not None:
         raise CheckpointError(f"train.init_from: checkpoint {folder} is corrupt ({problem})")
+    files = set(_read_manifest(folder)["files"])
+    try:
+        md = read_metadata(folder, files, allow_bytes_entries=version == 1)
+    except CheckpointError as e:
+        raise CheckpointError(f"train.init_from: {e}") from e
+    meta = md.state_dict_metadata
     model = {k: v for k, v in engine.state_dict()["model"].items()}
-    meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     missing = [k for k in model if f"engine.model.{k}" not in meta]
     if missing:
         raise CheckpointError(f"train.init_from: checkpoint {folder} lacks model entries {missing[:5]} (another "
                               f"model?)")
     wrong = []
     for k, v in model.items():
-        saved = getattr(meta[f"engine.model.{k}"], "size", None)
+        entry = meta[f"engine.model.{k}"]
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(f"train.init_from: checkpoint {folder}: entry engine.model.{k} is not a tensor")
         shape = tuple(getattr(v, "shape", ()))
-        if saved is not None and tuple(saved) != shape and not hasattr(v, "device_mesh"):
-            wrong.append(f"{k} {tuple(saved)} in the checkpoint, {shape} here")
+        if tuple(entry.size) != shape and not hasattr(v, "device_mesh"):
+            wrong.append(f"{k} {tuple(entry.size)} in the checkpoint, {shape} here")
     if wrong:
         raise CheckpointError(f"train.init_from: checkpoint {folder} holds another model shape: {'; '.join(wrong[:3])}")
     state = {"engine": {"model": model}}
+    _dcp_load(state, folder, md, "train.init_from: ")
     try:
-        dcp.load(state, checkpoint_id=str(folder))
         engine.load_weights(state["engine"]["model"])
-    except Exception as e:  # DCP raises several types for a checkpoint of another shape
+    except Exception as e:
         raise CheckpointError(f"train.init_from: checkpoint {folder} does not fit this model: {type(e).__name__}: "
                               f"{e}") from e
     return folder

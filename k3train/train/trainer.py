@@ -178,7 +178,8 @@ class Trainer:
         self.scheduler = self._build_scheduler()
 
         # ---- resume --------------------------------------------------------------------------------------------
-        self.ckpt = Checkpointer(self.run_dir, keep_last_k=t.keep_last_k, warn=self._warn)
+        self.ckpt = Checkpointer(self.run_dir, keep_last_k=t.keep_last_k, warn=self._warn,
+                                 async_save=t.async_checkpoint)
         self.step = 0
         loaded = None
         if t.resume != "never":
@@ -304,6 +305,21 @@ class Trainer:
         out["moe/maxvio"] = float(ratio.max()) - 1.0
         return out
 
+    def _checkpoint(self, step: int, last_step: bool) -> dict:
+        """Start a save when one is due (train.checkpoint_interval, train.checkpoint_at_end) and report the saves
+        published since the last call; after the last step, wait for the one in flight. Returns the metrics of the
+        newest published checkpoint (empty when none was published)."""
+        t = self.cfg.train
+        done = []
+        with _quiet_checkpoint_warnings():
+            if (t.checkpoint_interval > 0 and step % t.checkpoint_interval == 0) or (last_step and t.checkpoint_at_end):
+                done += self.ckpt.save(step, self.engine, self.scheduler, self.train_loader.state_dict())
+            done += self.ckpt.finish() if last_step else self.ckpt.poll()
+        for c in done:
+            self._print(f"k3train: saved checkpoint {c.path} ({sum(c.rank_bytes):,} bytes; the loop waited "
+                        f"{c.blocking_s:.2f} s of {c.save_s:.2f} s)")
+        return done[-1].metrics() if done else {}
+
     # ---- the loop ----------------------------------------------------------------------------------------------
     def train(self) -> dict:
         t, lg = self.cfg.train, self.cfg.logging
@@ -323,19 +339,14 @@ class Trainer:
             last_step = step == t.steps
             if self.eval_loader is not None and (step % t.eval_interval == 0 or last_step):
                 record.update(self.evaluate())
-            logged = step % lg.log_interval == 0 or last_step or "eval_loss" in record
+            record.update(self._checkpoint(step, last_step))
+            logged = step % lg.log_interval == 0 or last_step or "eval_loss" in record or "checkpoint/step" in record
             if logged:
                 record.update(self._expert_load())
                 self.metrics.log(record)
             self.metrics.progress(step, rec["loss"], tps)
             if step == 1 or step % lg.console_interval == 0 or last_step or "eval_loss" in record:
                 self.metrics.console(record)
-            if (t.checkpoint_interval > 0 and step % t.checkpoint_interval == 0) or (last_step and
-                                                                                   t.checkpoint_at_end):
-                with _quiet_checkpoint_warnings():
-                    path = self.ckpt.save(step, self.engine, self.scheduler,
-                                          self.train_loader.state_dict())
-                self._print(f"k3train: saved checkpoint {path}")
             last = record
         self.metrics.close()
         if self.env.rank == 0:

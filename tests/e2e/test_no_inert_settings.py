@@ -88,6 +88,9 @@ REASONS: dict[str, str] = {
     "train.checkpoint_interval": OUTPUTS_ONLY + " (checkpoint files)",
     "train.checkpoint_at_end": OUTPUTS_ONLY + " (a checkpoint file)",
     "train.keep_last_k": OUTPUTS_ONLY + " (which checkpoints are kept)",
+    "train.async_checkpoint": "how a checkpoint is written (in the background from a host copy, or before the loop "
+                              "goes on): the same checkpoint either way; tests/unit/test_checkpoint.py::"
+                              "test_async_save_writes_in_the_background_from_a_copy shows the difference",
     "train.run_dir": OUTPUTS_ONLY + " (where everything goes)",
     "train.resume": "where a run starts; a resumed run reproduces the uninterrupted run's losses exactly "
                     "(tests/e2e/test_resume.py), so it changes no result",
@@ -371,6 +374,8 @@ LEAVES_ALONE: list[Case] = [
     Case("train.checkpoint_interval", {"train.checkpoint_interval": 1}, leaves_training_alone),
     Case("train.checkpoint_at_end", {"train.checkpoint_at_end": True}, leaves_training_alone),
     Case("train.keep_last_k", {"train.checkpoint_interval": 1, "train.keep_last_k": 1}, leaves_training_alone),
+    Case("train.async_checkpoint", {"train.async_checkpoint": False}, leaves_training_alone,
+         base={"train.checkpoint_interval": 1}),
     Case("logging.console", {"logging.console": True, "logging.console_interval": 1}, leaves_training_alone),
     Case("logging.progress_bar", {"logging.progress_bar": True}, leaves_training_alone),
     Case("logging.log_interval", {"logging.log_interval": 2}, leaves_training_alone),  # steps 2 and 3 logged

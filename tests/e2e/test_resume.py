@@ -1,6 +1,6 @@
-"""Kill and resume: a run SIGKILLed after a checkpoint and restarted gives the uninterrupted run's losses exactly; a
-corrupt checkpoint is reported and the previous one is used; bad data input fails through the CLI with a clear
-message."""
+"""Kill and resume: a run SIGKILLed after a checkpoint (saved asynchronously, the default) and restarted gives the
+uninterrupted run's losses exactly; a corrupt checkpoint is reported and the previous one is used; bad data input
+fails through the CLI with a clear message."""
 
 from __future__ import annotations
 

@@ -90,7 +90,15 @@ def test_tiny_run_writes_metrics_events_and_checkpoints(tmp_path):
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-000005", "step-000010"]
     assert (ck / "latest").read_text().strip() == "step-000010"
     manifest = json.loads((ck / "step-000010" / "manifest.json").read_text())
-    assert manifest["step"] == 10 and ".metadata" in manifest["files"]
+    assert manifest["step"] == 10 and ".metadata" in manifest["files"] and manifest["format_version"] == 2
+    # each checkpoint's cost is in the record of the step that published it; the last one in the last record
+    saves = [x for x in recs if "checkpoint/step" in x]
+    assert [x["checkpoint/step"] for x in saves] == [5, 10] and saves[-1]["step"] == 10
+    assert saves[-1]["checkpoint/bytes"] == sum(manifest["rank_bytes"]) == \
+        sum(f["size"] for f in manifest["files"].values())
+    for x in saves:
+        assert x["checkpoint/blocking_s"] > 0 and x["checkpoint/save_s"] > 0 and x["checkpoint/staging_bytes"] > 0
+        assert x["checkpoint/bytes_rank_max"] == x["checkpoint/bytes_rank_min"] == x["checkpoint/bytes"]
     assert (run_dir / "config.yaml").is_file()
     # W&B without a project logs offline into the run directory (no network)
     assert list((run_dir / "wandb").glob("offline-run-*"))
