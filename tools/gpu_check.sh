@@ -6,8 +6,8 @@
 #
 # 1. preflight   nvidia-smi, python3's torch/triton versions, CUDA visible                          (stops on failure)
 # 2. wheels      installs .whl/*.whl (tools/fetch_gpu_wheels.sh fills it) into a target folder       (stops on failure)
-# 3. imports     k3train, k3kernels and the training entry point import; the tiny_cpu config validates on CUDA with
-#                model.kernels=triton                                                                  (stops on failure)
+# 3. imports     k3train, k3kernels and the training entry point import (torchtitan's scheduler optional: reported);
+#                the tiny_cpu config validates on CUDA with model.kernels=triton                       (stops on failure)
 # 4. tests       tests/kernels on CUDA (their dtypes, plus bf16 against fp32 references and an MoE step in bf16
 #                under torch.cuda.set_sync_debug_mode("error")) and tests/unit/test_kernel_backend.py
 # 5. bench       tools/bench_kernels.py: per kernel, max error against the fp32 reference and time against PyTorch
@@ -100,12 +100,17 @@ imports() {
   "$PY" - <<'EOF'
 import importlib
 import sys
-for name in ("hydra", "omegaconf", "torchtitan", "k3kernels.kda", "k3kernels.situ", "k3kernels.moe_permute",
+for name in ("hydra", "omegaconf", "k3kernels.kda", "k3kernels.situ", "k3kernels.moe_permute",
              "k3train.train.trainer", "k3train.train.cli"):
     try:
         importlib.import_module(name)
     except Exception as e:
         sys.exit(f"import {name} failed: {type(e).__name__}: {e}")
+try:  # optional: the trainer falls back to k3train.optim.schedule without it
+    importlib.import_module("torchtitan.components.optimizer.lr_scheduler")
+    print("torchtitan's scheduler imports")
+except Exception as e:
+    print(f"torchtitan's scheduler does not import ({type(e).__name__}: {e}); the trainer uses k3train.optim.schedule")
 from k3train.config import load_config
 cfg = load_config("tiny_cpu", ["train.device=cuda", "model.kernels=triton"])
 print("imports ok; tiny_cpu validates on CUDA with model.kernels=triton")
