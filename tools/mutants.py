@@ -757,7 +757,7 @@ MUTATIONS: list[Mutation] = [
     M("router_selection_unbiased", "k3train.models.k3.moe:Router.forward",
       "top-k selection ignores the balancing bias", _router_selection_unbiased,
       (f"{MODEL}::test_router_bias_changes_choice_not_weights_or_grads",)),
-    M("situ_betas_swapped", "k3train.ops.situ:situ",
+    M("situ_betas_swapped", "k3train.ops.situ:situ_reference",
       "SiTU-GLU caps swapped (beta1 = 25 on the gate, beta2 = 4 on the linear branch)", _situ_betas_swapped,
       (f"{LAYERS}::test_latent_moe_matches_reference",)),
     # ---- KDA ops

@@ -20,6 +20,10 @@ class ModelConfig:
     """Model preset from k3train.models.k3.args.PRESETS: tiny, small or k3_full."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """K3ModelArgs fields replaced on top of the preset, e.g. `+model.overrides.n_layers=4` (`+` adds a key)."""
+    kernels: str = "auto"
+    """Implementation of the fused ops (chunked KDA, SiTU-GLU, MoE permutation): auto (the Triton kernels on CUDA
+    when Triton imports, PyTorch otherwise), torch (the PyTorch references) or triton (refused where Triton cannot
+    run: no CUDA and TRITON_INTERPRET unset). Cases the kernels do not cover run PyTorch (k3train.ops.backend)."""
 
 
 @dataclass(kw_only=True)

@@ -62,10 +62,25 @@ def world_size_from_env() -> int:
     return w
 
 
+def train_device_type(device: str) -> str:
+    """'cuda' or 'cpu': what train.device resolves to on this machine (auto: cuda when torch sees one)."""
+    if device == "auto":
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3ModelArgs:
     """Raise ConfigError naming the first bad key; return the model args. world_size defaults to $WORLD_SIZE."""
     world = world_size_from_env() if world_size is None else world_size
     args = model_args(cfg)
+
+    # ---- model.kernels: refused here, before any process group, where Triton cannot run ---------------------
+    from k3train.ops.backend import resolve_kernels
+    try:
+        resolve_kernels(cfg.model.kernels, train_device_type(cfg.train.device))
+    except ValueError as e:
+        raise ConfigError(f"model.kernels: {e}") from None
 
     # ---- parallel: one parser and one set of rules for every layout (k3train.parallel.mesh) ----------------
     p = cfg.parallel

@@ -32,7 +32,6 @@ from torch import Tensor, nn
 
 from k3train.models.k3.moe import GroupedExperts
 from k3train.ops.grouped_mm import grouped_mm
-from k3train.ops.situ import situ
 from k3train.parallel import comm
 
 __all__ = [
@@ -217,7 +216,7 @@ class EPGroupedExperts(GroupedExperts):
         """x [M, L] grouped by expert, counts [n] rows per expert, weight stacks [n, ...] -> [M, L]."""
         if counts.shape != (w1.shape[0],):
             raise ValueError(f"EPGroupedExperts: counts {tuple(counts.shape)} do not match {w1.shape[0]} expert groups")
-        h = situ(grouped_mm(x, w1, counts), grouped_mm(x, w3, counts), self.beta1, self.beta2)
+        h = self.kernels.situ(grouped_mm(x, w1, counts), grouped_mm(x, w3, counts), self.beta1, self.beta2)
         return grouped_mm(h, w2, counts)
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:

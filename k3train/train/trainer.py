@@ -174,6 +174,10 @@ class Trainer:
                                    precision=t.precision,
                                    seq_len_hint=cfg.data.seq_len, activation_rules=rules, balancing=t.balancing)
         self.parts = self.engine.model_parts
+        from k3train.ops.backend import Kernels, resolve_kernels, set_kernels
+        self.kernels = resolve_kernels(cfg.model.kernels, self.device.type)  # validated with the config
+        set_kernels(self.parts, Kernels(self.kernels))
+        self._print(f"k3train: kernels {self.kernels} (model.kernels={cfg.model.kernels})")
         self.optimizer = self.engine.optimizer
         self.scheduler = self._build_scheduler()
 
@@ -257,9 +261,16 @@ class Trainer:
         return out
 
     def _build_scheduler(self):
-        # torchtitan 0.3.0's warmup-stable-decay builder runs on CPU as is; it wraps torch's LambdaLR.
-        from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+        # torchtitan 0.3.0's warmup-stable-decay builder runs on CPU as is; it wraps torch's LambdaLR. Where torchtitan
+        # does not import (absent, or a torch older than it expects), the same schedule from k3train.optim.schedule.
         o = self.cfg.optim
+        try:
+            from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+        except Exception as e:  # ImportError, or AttributeError from a torch API torchtitan expects
+            from k3train.optim.schedule import WarmupStableDecay
+            self._warn(f"torchtitan does not import ({type(e).__name__}: {e}); using k3train.optim.schedule")
+            return WarmupStableDecay([self.optimizer], steps=self.cfg.train.steps, warmup_steps=o.warmup_steps,
+                                     decay_ratio=o.decay_ratio, min_lr_ratio=o.min_lr_ratio)
         conf = LRSchedulersContainer.Config(warmup_steps=o.warmup_steps, decay_ratio=o.decay_ratio,
                                             decay_type="linear", min_lr_factor=o.min_lr_ratio)
         return conf.build(optimizers=[self.optimizer], training_steps=self.cfg.train.steps)

@@ -241,6 +241,7 @@ class Case:
 MUON = {"optim.name": "muon"}
 RECALL = {"data.source": "recall"}
 FILES = {"data.source": "files", "data.paths": [InWork("docs.jsonl")]}
+KDA64 = {"model.overrides.kda_chunk": 64, "data.seq_len": 64}
 
 
 def _rule(match: str, policy: str):
@@ -335,6 +336,10 @@ ONE_PROCESS: list[Case] = [
          changes_bucket("fp8", "offload_local"), base={"activation.rules": [_rule("layers.2.attn", "fp8")]}),
     _preset_case(),
     *_model_cases(),
+    # The Triton kernels (under TRITON_INTERPRET=1 on CPU): same math, other arithmetic. The KDA chunk of 64 (and rows
+    # of 64) so the Triton KDA runs too; tests/unit/test_kernel_backend.py counts the kernels' calls.
+    Case("model.kernels", {"model.kernels": "triton"}, rounds_differently, base=KDA64),
+    Case("model.kernels", {"model.kernels": "torch"}, rounds_differently, base={**KDA64, "model.kernels": "triton"}),
 ]
 
 
@@ -595,6 +600,7 @@ def test_every_choice_of_a_named_setting_has_a_case():
     """Settings that pick among named choices: each non-default choice is exercised (a new name needs a case)."""
     from k3train.activation.policy import POLICIES
     from k3train.config.validate import DATA_SOURCES, TOKENIZERS
+    from k3train.ops.backend import KERNELS
     from k3train.optim.quantile_balancing import BALANCING
 
     def tried(key: str) -> set:
@@ -603,7 +609,7 @@ def test_every_choice_of_a_named_setting_has_a_case():
 
     cfg = runs.base_config()
     for key, names in (("activation.policy", POLICIES), ("train.balancing", BALANCING),
-                       ("data.source", DATA_SOURCES), ("data.tokenizer", TOKENIZERS)):
+                       ("data.source", DATA_SOURCES), ("data.tokenizer", TOKENIZERS), ("model.kernels", KERNELS)):
         section, name = key.split(".")
         default = getattr(getattr(cfg, section), name)
         assert set(names) - {default} <= tried(key), (key, sorted(set(names) - {default} - tried(key)))

@@ -6,12 +6,15 @@ import torch
 from torch import nn
 
 from k3train.models.structure import MatrixStructure
-from k3train.ops.situ import situ
+from k3train.ops.backend import AUTO, Kernels
 
 
 class SiTUGLU(nn.Module):
     """out = W2 situ(W1 x, W3 x). `n_fused` independent GLUs of width `hidden` share one set of matmuls
     (the sum of GLUs is one GLU over the concatenated hidden), so two shared experts cost two matmuls, not six."""
+
+    kernels: Kernels = AUTO
+    """Which SiTU-GLU runs (k3train.ops.backend; set per model with set_kernels)."""
 
     def __init__(self, dim: int, hidden: int, beta1: float, beta2: float, n_fused: int = 1):
         super().__init__()
@@ -21,7 +24,7 @@ class SiTUGLU(nn.Module):
         self.w2 = nn.Linear(hidden * n_fused, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(situ(self.w1(x), self.w3(x), self.beta1, self.beta2))
+        return self.w2(self.kernels.situ(self.w1(x), self.w3(x), self.beta1, self.beta2))
 
     def muon_structure(self) -> dict[str, MatrixStructure]:
         n = self.n_fused

@@ -17,7 +17,8 @@ from torch import nn
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
 from k3train.models.structure import MatrixStructure
-from k3train.ops.kda import chunk_kda, kda_gate
+from k3train.ops.backend import AUTO, Kernels
+from k3train.ops.kda import kda_gate
 from k3train.ops.short_conv import causal_conv1d
 
 
@@ -26,6 +27,9 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class KDA(nn.Module):
+    kernels: Kernels = AUTO
+    """Which chunk_kda runs (k3train.ops.backend; set per model with set_kernels)."""
+
     def __init__(self, args: K3ModelArgs):
         super().__init__()
         d, H, K = args.dim, args.kda_heads, args.kda_head_dim
@@ -82,11 +86,11 @@ class KDA(nn.Module):
         if ctx.cp is not None:
             o = ctx.cp.kda(q, k, v, g, beta, self.chunk)
         elif ctx.cu_seqlens is None:
-            o, _ = chunk_kda(q, k, v, g, beta, chunk_size=self.chunk)
+            o, _ = self.kernels.chunk_kda(q, k, v, g, beta, chunk_size=self.chunk, g_min=self.g_min)
         else:
             flat = lambda t: t.reshape(1, B * T, *t.shape[2:])
-            o, _ = chunk_kda(flat(q), flat(k), flat(v), flat(g), flat(beta), cu_seqlens=ctx.cu_seqlens,
-                             chunk_size=self.chunk)
+            o, _ = self.kernels.chunk_kda(flat(q), flat(k), flat(v), flat(g), flat(beta), cu_seqlens=ctx.cu_seqlens,
+                                          chunk_size=self.chunk, g_min=self.g_min)
             o = o.view(B, T, self.n_heads, self.head_dim)
         o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.g_proj(x)).view(B, T, self.n_heads, self.head_dim)
         return self.o_proj(o.reshape(B, T, -1))

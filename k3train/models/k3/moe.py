@@ -16,8 +16,8 @@ from torch import nn
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.ffn import SiTUGLU
 from k3train.models.structure import MatrixStructure
+from k3train.ops.backend import AUTO, Kernels
 from k3train.ops.grouped_mm import grouped_mm
-from k3train.ops.moe_permute import permute, unpermute
 from k3train.ops.situ import situ
 
 
@@ -52,6 +52,9 @@ class Router(nn.Module):
 class GroupedExperts(nn.Module):
     """`n_experts` SiTU-GLU experts of width dim -> hidden -> dim, run as grouped matmuls over expert-sorted rows."""
 
+    kernels: Kernels = AUTO
+    """Which SiTU-GLU runs (k3train.ops.backend; set per model with set_kernels)."""
+
     def __init__(self, n_experts: int, dim: int, hidden: int, beta1: float, beta2: float):
         super().__init__()
         self.beta1, self.beta2 = beta1, beta2
@@ -69,22 +72,26 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [M, dim] sorted by expert; counts [n_experts] rows per expert."""
-        h = situ(grouped_mm(x, self.w1, counts), grouped_mm(x, self.w3, counts), self.beta1, self.beta2)
+        h = self.kernels.situ(grouped_mm(x, self.w1, counts), grouped_mm(x, self.w3, counts), self.beta1,
+                              self.beta2)
         return grouped_mm(h, self.w2, counts)
 
 
 class LocalDispatcher:
     """Sort token-expert rows by expert on this process; combine un-sorts and mixes with the weights
-    (k3train.ops.moe_permute: static shapes, no host sync)."""
+    (k3train.ops.moe_permute or its Triton kernels, as `kernels` says: static shapes, no host sync)."""
+
+    kernels: Kernels = AUTO
+    """Which permutation runs (k3train.ops.backend; set per model with set_kernels)."""
 
     def dispatch(self, z: torch.Tensor, idx: torch.Tensor, n_experts: int):
         """z [N, L], idx [N, K] -> (rows [N*K, L] grouped by expert, counts [n_experts], state for combine: the row
         pos [N, K] each (token, slot) landed on)."""
-        return permute(z, idx, n_experts)
+        return self.kernels.permute(z, idx, n_experts)
 
     def combine(self, y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """y [N*K, L] in dispatch order, weights [N, K] -> u [N, L] = sum_k weights * expert output."""
-        return unpermute(y, weights, pos)
+        return self.kernels.unpermute(y, weights, pos)
 
 
 class LatentMoE(nn.Module):

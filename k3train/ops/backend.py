@@ -1,0 +1,154 @@
+"""Which implementation runs the model's fused ops: the pure-PyTorch references in k3train.ops or the Triton kernels
+in k3kernels (the `model.kernels` setting).
+
+    auto    Triton for CUDA tensors when Triton imports, PyTorch otherwise (decided per call, by the tensor's device)
+    torch   the PyTorch references everywhere
+    triton  the Triton kernels (needs CUDA, or TRITON_INTERPRET=1 for the interpreter on CPU)
+
+The ops covered: the chunked KDA (k3kernels.kda.chunk_kda vs k3train.ops.kda.chunk_kda), the SiTU-GLU activation
+(k3kernels.situ vs k3train.ops.situ) and the MoE permutation (k3kernels.moe_permute vs k3train.ops.moe_permute).
+Where the Triton kernel does not cover a case the PyTorch op runs, whatever the choice: fp64 tensors (the kernels
+compute in fp32), KDA chunk sizes other than 64, KDA log-decays below -5, and the context-parallel KDA (it runs the
+PyTorch chunk summaries, k3train.parallel.context_parallel).
+
+A choice is a `Kernels` value (frozen): modules that call these ops hold one in their `kernels` attribute (the class
+default is AUTO), and `set_kernels` sets it on every such module of a model. Nothing here is global state: two models
+in one process may run different kernels.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+KERNELS = ("auto", "torch", "triton")
+"""The values of model.kernels."""
+
+TRITON_KDA_CHUNK = 64
+"""The only chunk size of k3kernels.kda."""
+TRITON_KDA_G_MIN = -5.0
+"""The smallest log-decay k3kernels.kda accepts (its per-tile factors stay below e^75 only above it)."""
+
+
+def interpreter_on() -> bool:
+    """TRITON_INTERPRET is set: Triton kernels run on CPU tensors through the interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@lru_cache(maxsize=None)
+def _triton_import_error() -> str:
+    """'' when triton and k3kernels import, else why not (cached: imports do not change within a process)."""
+    try:
+        importlib.import_module("triton")
+    except Exception as e:  # ImportError, or a broken install raising something else
+        return f"triton does not import ({type(e).__name__}: {e})"
+    if importlib.util.find_spec("k3kernels") is None:
+        return "the k3kernels package (kernels/) is not installed"
+    return ""
+
+
+def triton_unavailable(device_type: str) -> str:
+    """'' when the Triton kernels can run on tensors of device_type ('cuda' or 'cpu'), else the reason."""
+    err = _triton_import_error()
+    if err:
+        return err
+    if device_type == "cuda" or interpreter_on():
+        return ""
+    return (f"the Triton kernels need CUDA tensors or the Triton interpreter, and this run's device is "
+            f"{device_type!r} with TRITON_INTERPRET unset (set TRITON_INTERPRET=1 to run them on CPU, slowly)")
+
+
+def resolve_kernels(name: str, device_type: str) -> str:
+    """'torch' or 'triton': what `name` (one of KERNELS) means for a run on device_type. ValueError for an unknown
+    name or for 'triton' where the kernels cannot run."""
+    if name not in KERNELS:
+        raise ValueError(f"unknown kernels {name!r}; choose one of {', '.join(KERNELS)}")
+    if name == "torch":
+        return "torch"
+    why = triton_unavailable(device_type)
+    if name == "auto":
+        return "triton" if device_type == "cuda" and not why else "torch"
+    if why:
+        raise ValueError(f"'triton' cannot run here: {why}; use auto or torch")
+    return "triton"
+
+
+def _kernel(module: str, name: str):
+    """A k3kernels function, looked up at call time (so a test can wrap it)."""
+    return getattr(importlib.import_module(f"k3kernels.{module}"), name)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """A choice of op implementations ('auto', 'torch' or 'triton'); its methods have the signatures of the PyTorch
+    ops they stand for."""
+
+    name: str = "auto"
+
+    def __post_init__(self):
+        if self.name not in KERNELS:
+            raise ValueError(f"Kernels: unknown name {self.name!r}; choose one of {', '.join(KERNELS)}")
+
+    def triton_for(self, *tensors: torch.Tensor) -> bool:
+        """Whether these tensors go to the Triton kernels: not under 'torch', never in fp64, and under 'auto' only
+        when they are on CUDA and Triton imports."""
+        if self.name == "torch" or any(t.dtype == torch.float64 for t in tensors):
+            return False
+        if self.name == "triton":
+            return True
+        return tensors[0].is_cuda and not _triton_import_error()
+
+    # ---- ops ---------------------------------------------------------------------------------------------------
+    def situ(self, g: torch.Tensor, u: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+        """k3train.ops.situ.situ_reference or k3kernels.situ.situ_triton."""
+        if self.triton_for(g, u):
+            return _kernel("situ", "situ_triton")(g, u, beta1, beta2)
+        from k3train.ops.situ import situ_reference
+        return situ_reference(g, u, beta1, beta2)
+
+    def chunk_kda(self, q, k, v, g, beta, *, chunk_size: int = 64, g_min: float | None = None, **kwargs):
+        """k3train.ops.kda.chunk_kda or k3kernels.kda.chunk_kda (chunk_size 64 and g_min >= -5 only: the bound of
+        the log-decay, when the caller knows one; the PyTorch op otherwise)."""
+        fits = chunk_size == TRITON_KDA_CHUNK and (g_min is None or g_min >= TRITON_KDA_G_MIN)
+        if fits and self.triton_for(q, k, v, g, beta):
+            return _kernel("kda", "chunk_kda")(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
+        from k3train.ops.kda import chunk_kda
+        return chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
+
+    def permute(self, x: torch.Tensor, idx: torch.Tensor, n_experts: int):
+        """k3train.ops.moe_permute.permute or k3kernels.moe_permute.permute_triton."""
+        if self.triton_for(x):
+            return _kernel("moe_permute", "permute_triton")(x, idx, n_experts)
+        from k3train.ops.moe_permute import permute
+        return permute(x, idx, n_experts)
+
+    def unpermute(self, y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """k3train.ops.moe_permute.unpermute or k3kernels.moe_permute.unpermute_triton."""
+        if self.triton_for(y, weights):
+            return _kernel("moe_permute", "unpermute_triton")(y, weights, pos)
+        from k3train.ops.moe_permute import unpermute
+        return unpermute(y, weights, pos)
+
+
+AUTO = Kernels("auto")
+"""The default of every module: Triton on CUDA when it imports, PyTorch elsewhere."""
+
+
+def set_kernels(modules, kernels: Kernels | str) -> int:
+    """Give every module (and MoE dispatcher) under `modules` (one nn.Module or several) this choice; returns how
+    many took it."""
+    kernels = kernels if isinstance(kernels, Kernels) else Kernels(kernels)
+    roots = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
+    n = 0
+    for root in roots:
+        for m in root.modules():
+            for obj in (m, getattr(m, "dispatcher", None)):
+                if isinstance(getattr(obj, "kernels", None), Kernels):
+                    obj.kernels = kernels
+                    n += 1
+    return n

@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# The GPU check: one H200 (or any one CUDA GPU), at most 5 minutes, every part time-boxed.
+#
+#   bash tools/gpu_check.sh              # on the GPU machine, from the repository root, with .whl/ carried along
+#   bash tools/gpu_check.sh --dry-run    # anywhere: print the steps and their time limits, run nothing
+#
+# 1. preflight   nvidia-smi, python3's torch/triton versions, CUDA visible                          (stops on failure)
+# 2. wheels      installs .whl/*.whl (tools/fetch_gpu_wheels.sh fills it) into a target folder       (stops on failure)
+# 3. imports     k3train, k3kernels and the training entry point import (torchtitan's scheduler optional: reported);
+#                the tiny_cpu config validates on CUDA with model.kernels=triton                       (stops on failure)
+# 4. tests       tests/kernels on CUDA (their dtypes, plus bf16 against fp32 references and an MoE step in bf16
+#                under torch.cuda.set_sync_debug_mode("error")) and tests/unit/test_kernel_backend.py
+# 5. bench       tools/bench_kernels.py: per kernel, max error against the fp32 reference and time against PyTorch
+# 6. tiny        20 steps of the tiny_cpu recipe with train.device=cuda (fp32)
+# 7. bigger      a short bf16 run of the `small` preset cut to 8 layers on one GPU: tokens/s and MFU against the
+#                datasheet peak (k3train.plan.gpus: H200 dense bf16 989.4 TFLOP/s)
+# Parts 4-7 each report PASS, FAIL or TIMEOUT and the script goes on; it exits 1 if any part failed. Logs go to
+# $OUT (the device tool's folder) when set, else /tmp/gpu_check; set GPU_CHECK_LOGS to choose.
+set -uo pipefail
+
+DRY_RUN=0
+[[ "${1:-}" == "--dry-run" || "${1:-}" == "-n" ]] && DRY_RUN=1
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO" || exit 1
+LOGS="${GPU_CHECK_LOGS:-${OUT:-/tmp/gpu_check}}"
+WORK="${GPU_CHECK_WORK:-/tmp/gpu_check_work}"
+export SITE="$WORK/site"
+export PY="${PYTHON:-python3}"
+# Time limits in seconds (sum 285 s, under the 5-minute budget).
+T_PREFLIGHT=15 T_WHEELS=20 T_IMPORTS=25 T_TESTS=90 T_BENCH=40 T_TINY=35 T_BIGGER=60
+
+START=$SECONDS
+FAILED=()
+SUMMARY=()
+
+say() { printf '\n=== [%3ds] %s\n' "$((SECONDS - START))" "$*"; }
+die() { printf '\ngpu_check: FATAL: %s\n' "$*" >&2; exit 2; }
+
+# run_part NAME LIMIT FATAL COMMAND...: runs COMMAND under `timeout`, its output to the screen and $LOGS/NAME.log.
+run_part() {
+  local name="$1" limit="$2" fatal="$3"; shift 3
+  say "$name (limit ${limit}s): $*"
+  if (( DRY_RUN )); then SUMMARY+=("$name: (dry run)"); return 0; fi
+  local t0=$SECONDS rc
+  if declare -F "$1" >/dev/null; then set -- bash -c "$(declare -f "$1"); $1"; fi  # a function of this script
+  timeout --kill-after=5 "$limit" "$@" 2>&1 | tee "$LOGS/$name.log"
+  rc=${PIPESTATUS[0]}
+  local took=$((SECONDS - t0)) verdict=PASS
+  if (( rc == 124 || rc == 137 )); then verdict="TIMEOUT after ${limit}s"; elif (( rc != 0 )); then verdict="FAIL (exit $rc)"; fi
+  SUMMARY+=("$name: $verdict (${took}s)")
+  if [[ "$verdict" != PASS ]]; then
+    FAILED+=("$name")
+    (( fatal )) && die "$name: $verdict; see $LOGS/$name.log (the parts after it need it)"
+  fi
+  return 0
+}
+
+mkdir -p "$LOGS" "$WORK" || die "cannot create $LOGS or $WORK"
+# k3kernels is the kernels/ folder under another name: a link in a folder on PYTHONPATH stands in for the install.
+mkdir -p "$WORK/link" && ln -sfn "$REPO/kernels" "$WORK/link/k3kernels"
+export PYTHONPATH="$REPO:$WORK/link:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 K3TRAIN_CACHE="$WORK/cache"
+unset TRITON_INTERPRET  # the kernels run compiled, on the GPU
+
+# ---- 1. preflight ------------------------------------------------------------------------------------------------
+preflight() {
+  command -v nvidia-smi >/dev/null || { echo "nvidia-smi not found: this is not a GPU machine"; return 1; }
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || return 1
+  "$PY" - <<'EOF'
+import sys
+import torch
+print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda})")
+if not torch.cuda.is_available():
+    sys.exit("torch does not see a CUDA device")
+print(f"device: {torch.cuda.get_device_name()}, capability {torch.cuda.get_device_capability()}")
+try:
+    import triton
+    print(f"triton {triton.__version__}")
+except ImportError as e:
+    sys.exit(f"triton does not import: {e}")
+EOF
+}
+run_part preflight "$T_PREFLIGHT" 1 preflight
+
+# ---- 2. wheels ---------------------------------------------------------------------------------------------------
+wheels() {
+  shopt -s nullglob
+  local whl=(.whl/*.whl)
+  if (( ${#whl[@]} == 0 )); then
+    echo "no wheels in .whl/: run tools/fetch_gpu_wheels.sh on a machine with network, then carry .whl"
+    return 1
+  fi
+  printf '  %s\n' "${whl[@]##*/}"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${whl[@]}"
+}
+run_part wheels "$T_WHEELS" 1 wheels
+
+# ---- 3. imports --------------------------------------------------------------------------------------------------
+imports() {
+  "$PY" - <<'EOF'
+import importlib
+import sys
+for name in ("hydra", "omegaconf", "k3kernels.kda", "k3kernels.situ", "k3kernels.moe_permute",
+             "k3train.train.trainer", "k3train.train.cli"):
+    try:
+        importlib.import_module(name)
+    except Exception as e:
+        sys.exit(f"import {name} failed: {type(e).__name__}: {e}")
+try:  # optional: the trainer falls back to k3train.optim.schedule without it
+    importlib.import_module("torchtitan.components.optimizer.lr_scheduler")
+    print("torchtitan's scheduler imports")
+except Exception as e:
+    print(f"torchtitan's scheduler does not import ({type(e).__name__}: {e}); the trainer uses k3train.optim.schedule")
+from k3train.config import load_config
+cfg = load_config("tiny_cpu", ["train.device=cuda", "model.kernels=triton"])
+print("imports ok; tiny_cpu validates on CUDA with model.kernels=triton")
+EOF
+}
+run_part imports "$T_IMPORTS" 1 imports
+
+# ---- 4. kernel tests on CUDA -------------------------------------------------------------------------------------
+XDIST=()  # the kernels compile on the CPU: spread the test files over processes where pytest-xdist is there
+(( DRY_RUN )) || { "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 8); }
+run_part tests "$T_TESTS" 0 "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" tests/kernels \
+  tests/unit/test_kernel_backend.py
+
+# ---- 5. kernel benchmark -----------------------------------------------------------------------------------------
+run_part bench "$T_BENCH" 0 "$PY" tools/bench_kernels.py --json "$LOGS/bench_kernels.json"
+
+# ---- 6. tiny_cpu on the GPU, 20 steps ----------------------------------------------------------------------------
+COMMON=(train.resume=never train.eval_interval=0 train.checkpoint_interval=0 train.checkpoint_at_end=false
+        logging=local logging.progress_bar=false logging.tensorboard=false logging.console_interval=5)
+run_part tiny "$T_TINY" 0 "$PY" -m k3train.train --config-name tiny_cpu train.device=cuda train.steps=20 \
+  "${COMMON[@]}" train.run_dir="$WORK/runs/tiny"
+
+# ---- 7. a bigger preset on one GPU -------------------------------------------------------------------------------
+run_part bigger "$T_BIGGER" 0 "$PY" -m k3train.train --config-name small_8gpu parallel=single \
+  +model.overrides.n_layers=8 data.seq_len=4096 data.micro_batch=2 train.steps=15 optim.warmup_steps=5 \
+  "${COMMON[@]}" train.run_dir="$WORK/runs/bigger"
+
+# ---- summary -----------------------------------------------------------------------------------------------------
+say "summary (${SECONDS}s in all)"
+printf '  %s\n' "${SUMMARY[@]}"
+if (( ! DRY_RUN )); then
+  for name in tiny bigger; do
+    [[ -f "$LOGS/$name.log" ]] || continue
+    echo "  $name: $(grep -m1 -o 'kernels [a-z]* (model.kernels=[a-z]*)' "$LOGS/$name.log"); \
+$(grep -m1 -o 'peak [0-9,.]* GFLOP/s' "$LOGS/$name.log")"
+    echo "  $name last step: $(grep 'tok/s' "$LOGS/$name.log" | tail -1)"
+  done
+fi
+if (( ${#FAILED[@]} )); then
+  echo "gpu_check: FAILED: ${FAILED[*]} (logs in $LOGS)"
+  exit 1
+fi
+echo "gpu_check: all parts passed (logs in $LOGS)"
