@@ -14,6 +14,16 @@
 Everything after `--` goes to the training module (default `k3train.train`, i.e. Hydra overrides). The endpoint
 may also come from K3_RDZV_ENDPOINT, or from MASTER_ADDR and MASTER_PORT. On Slurm, launch/slurm.sbatch runs this
 same torchrun command on every node through srun.
+
+Surviving failures (docs/training.md, "Preemption, restarts and timeouts"):
+- `--max-restarts` (default 3 on several nodes, 0 on one): when a worker dies, torchrun stops the others, meets
+  again in the c10d rendezvous and starts them all anew; they resume from the newest checkpoint of the same run
+  directory.
+- SIGUSR1 is added to the signals torchrun forwards to its workers (`--signals-to-handle`; by default torchrun does
+  not catch SIGUSR1, and the signal's default action would end torchrun itself), so Slurm's time-limit warning
+  reaches the training processes.
+- `--shutdown-timeout` (default 120 s): how long torchrun lets a signalled worker finish its step and save a
+  checkpoint before it kills it.
 """
 
 from __future__ import annotations
@@ -24,6 +34,11 @@ import shlex
 import sys
 
 DEFAULT_PORT = 29500
+MULTI_NODE_RESTARTS = 3
+"""torchrun restarts of failed workers when --max-restarts is not given and the job spans several nodes."""
+SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+"""What torchrun forwards to its workers: its default four plus SIGUSR1 (Slurm's time-limit warning)."""
+SHUTDOWN_TIMEOUT_S = 120
 
 
 def build_command(a: argparse.Namespace, rest: list[str], python: str = sys.executable) -> list[str]:
@@ -46,8 +61,9 @@ def build_command(a: argparse.Namespace, rest: list[str], python: str = sys.exec
         if a.node_rank is not None:
             cmd += ["--node-rank", str(a.node_rank)]
     cmd += ["--nproc-per-node", str(a.nproc_per_node)]
-    if a.max_restarts:
-        cmd += ["--max-restarts", str(a.max_restarts)]
+    restarts = a.max_restarts if a.max_restarts is not None else (MULTI_NODE_RESTARTS if a.nnodes != "1" else 0)
+    cmd += ["--max-restarts", str(restarts), "--signals-to-handle", SIGNALS,
+            "--shutdown-timeout", str(a.shutdown_timeout)]
     if a.log_dir:
         cmd += ["--log-dir", a.log_dir]
     cmd += ["-m", a.module, *rest]
@@ -67,7 +83,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--rdzv-endpoint", default="", help="HOST[:PORT] of the c10d rendezvous (multi-node)")
     p.add_argument("--rdzv-id", default="", help="job id shared by all nodes (default: $SLURM_JOB_ID or k3train)")
     p.add_argument("--node-rank", type=int, default=None, help="optional fixed node rank")
-    p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of failed workers")
+    p.add_argument("--max-restarts", type=int, default=None,
+                   help=f"torchrun restarts of failed workers (default {MULTI_NODE_RESTARTS} with --nnodes > 1, "
+                        f"else 0)")
+    p.add_argument("--shutdown-timeout", type=int, default=SHUTDOWN_TIMEOUT_S,
+                   help="seconds a signalled worker gets to save a checkpoint and exit before torchrun kills it")
     p.add_argument("--log-dir", default="", help="torchrun per-worker log directory")
     p.add_argument("--module", default="k3train.train", help="python module to run on every rank")
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")

@@ -577,10 +577,10 @@ def _lce_backward_lse_not_subtracted(orig):
 
 
 def _per_microbatch_mean(orig):
-    def train_step(self, microbatches):
+    def train_step(self, microbatches, *args, **kwargs):
         m = self.dims.microbatches
         # each micro-batch divided by its share of the step's targets: the accumulated gradient is m times too big
-        return with_globals(orig, max=lambda *a: builtins.max(*a) / m)(self, microbatches)
+        return with_globals(orig, max=lambda *a: builtins.max(*a) / m)(self, microbatches, *args, **kwargs)
     return train_step
 
 
@@ -588,6 +588,16 @@ def _clip_dropped(orig):
     def scale_grads(self, coef):
         return None  # the norm is measured and the coefficient computed, nothing is scaled
     return scale_grads
+
+
+def _stop_flags_dropped(orig):
+    def train_step(self, microbatches, *args, **kwargs):
+        return orig(self, microbatches)  # the stop requests never reach the step's all-reduce
+    return train_step
+
+
+def _stale_store_trusted(orig):
+    return lambda host, port, wait_s=2.0: True  # a restarted rank takes the previous round's store address as live
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -699,6 +709,7 @@ ENGINE = "tests/unit/test_engine.py"
 PREC = "tests/unit/test_precision.py"
 ACT = "tests/unit/test_activation.py"
 LOSS = "tests/unit/test_loss.py"
+RESIL = "tests/unit/test_resilience.py"
 
 M = Mutation
 MUTATIONS: list[Mutation] = [
@@ -919,6 +930,12 @@ MUTATIONS: list[Mutation] = [
     M("trainer_microbatch_mean", "k3train.parallel.engine:Engine.train_step",
       "gradient accumulation: each micro-batch normalised by its share of the targets", _per_microbatch_mean,
       (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),
+    M("stop_flags_dropped", "k3train.parallel.engine:Engine.train_step",
+      "stop signals are not summed in the step's all-reduce: no rank learns of them", _stop_flags_dropped,
+      (f"{RESIL}::test_a_stop_request_ends_training_after_the_step_with_a_checkpoint",)),
+    M("restart_trusts_stale_store", "k3train.train.resilience:_answers",
+      "a restarted rank connects to the store address the previous round left in torchrun's store",
+      _stale_store_trusted, (f"{RESIL}::test_a_restart_round_skips_the_previous_rounds_store",)),
     M("trainer_clip_dropped", "k3train.parallel.zero:ShardedOptimizer.scale_grads",
       "global gradient-norm clip measured but not applied", _clip_dropped,
       (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),

@@ -118,7 +118,9 @@ class TrainConfig:
     host copy of each rank's state, and a checkpoint is published once every rank has written it. false: the loop
     waits until the checkpoint is written and published."""
     run_dir: str = ""
-    """Run directory; empty means runs/<recipe>/<timestamp> under the current directory."""
+    """Run directory; empty means runs/<recipe>/<timestamp> under the current directory, or a name that survives
+    restarts: runs/<recipe>/slurm-<SLURM_JOB_ID> under Slurm (the same after a requeue), and under torchrun the
+    directory the launch's first round chose (restarted workers find it in torchrun's store)."""
     resume: str = "auto"
     """auto: continue from the newest valid checkpoint in run_dir if there is one; never: start fresh;
     or a path to a checkpoint (step-N) or to a run directory."""
@@ -138,6 +140,13 @@ class TrainConfig:
     sign-step bias) or none. The bias is updated after every optimizer step."""
     threads: int = 0
     """CPU threads per process; 0 divides the machine's cores among the local processes."""
+    timeout_s: float = 300.0
+    """Seconds a rank waits for the others in process-group creation and in any collective before it gives up:
+    it prints its rank, the operation and the step, and exits with code 3 (torchrun then restarts or stops the
+    job)."""
+    host_work_timeout_s: float = 21600.0
+    """Seconds ranks wait while a peer does long host work: rank 0 tokenizing the corpus into the token cache,
+    checksumming, verifying and pruning checkpoints. These waits use this bound instead of timeout_s."""
 
 
 @dataclass(kw_only=True)

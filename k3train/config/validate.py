@@ -156,6 +156,9 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
           f"{t.balancing} balancing needs top_k < n_experts (a token must be able to leave some expert out), got "
           f"top_k={args.top_k}, n_experts={args.n_experts}; use train.balancing=none or a smaller top_k")
     _need(t.threads >= 0, "train.threads", f"must be >= 0 (0 = automatic), got {t.threads}")
+    _need(t.timeout_s > 0, "train.timeout_s", f"must be > 0 seconds, got {t.timeout_s}")
+    _need(t.host_work_timeout_s >= t.timeout_s, "train.host_work_timeout_s",
+          f"must be >= train.timeout_s ({t.timeout_s}), got {t.host_work_timeout_s}")
     if t.resume not in ("auto", "never"):
         _need(Path(t.resume).exists(), "train.resume",
               f"must be auto, never or an existing checkpoint/run directory; {t.resume!r} does not exist")

@@ -20,6 +20,10 @@ Labels. A call may say what it carries (`what`: EP "dispatch", "combine", "count
 A counter keeps calls, payload and wire per (dim, op, what); its snapshot and table sum over the labels.
 
 Traffic that torch's pipeline schedules issue themselves is counted by the pipeline stage through `record`.
+
+In flight. Each wrapper names the collective it is inside (`in_flight()`: "all_reduce over dp_cp (counts)") until
+it returns; one that raises (a timeout, a peer gone) leaves its name behind, so the error can say which collective
+the rank was waiting in.
 """
 
 from __future__ import annotations
@@ -124,6 +128,24 @@ def record(dim: str, op: str, payload: int, wire: float | None = None, *, what: 
         c.record(dim, op, payload, payload if wire is None else wire, what)
 
 
+_in_flight: str | None = None
+
+
+def in_flight() -> str | None:
+    """The wrapped collective this process is inside, or the one that raised; None between collectives."""
+    return _in_flight
+
+
+def _enter(op: str, dim: str, what: str | None) -> None:
+    global _in_flight
+    _in_flight = f"{op} over {dim}" + (f" ({what})" if what else "")
+
+
+def _leave() -> None:
+    global _in_flight
+    _in_flight = None
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -139,7 +161,9 @@ def all_reduce(t: torch.Tensor, group, dim: str, op=dist.ReduceOp.SUM, *, what: 
     n = _size(group)
     if n == 1:
         return t
+    _enter("all_reduce", dim, what)
     dist.all_reduce(t, op=op, group=group)
+    _leave()
     record(dim, "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t), what=what)
     return t
 
@@ -150,7 +174,9 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, dim: str, *, wha
     if n == 1:
         out.copy_(inp)
         return out
+    _enter("reduce_scatter", dim, what)
     _reduce_scatter_single(out, inp, group)
+    _leave()
     record(dim, "reduce_scatter", _nbytes(inp), (n - 1) / n * _nbytes(inp), what=what)
     return out
 
@@ -184,7 +210,9 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, dim: str, *, what: s
     if n == 1:
         out.copy_(inp)
         return out
+    _enter("all_gather", dim, what)
     _all_gather_single(out, inp, group)
+    _leave()
     record(dim, "all_gather", _nbytes(out), (n - 1) / n * _nbytes(out), what=what)
     return out
 
@@ -197,7 +225,9 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group, dim: str, out_splits
     if n == 1:
         out.copy_(inp)
         return out
+    _enter("all_to_all", dim, what)
     dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+    _leave()
     # Bytes leaving this rank: everything but the rows it keeps.
     row = _nbytes(inp[0]) if inp.dim() > 1 and inp.shape[0] else inp.element_size()
     kept = inp.shape[0] // n if in_splits is None else in_splits[dist.get_rank(group)]
@@ -209,7 +239,9 @@ def broadcast(t: torch.Tensor, src_group_rank: int, group, dim: str, *, what: st
     n = _size(group)
     if n == 1:
         return t
+    _enter("broadcast", dim, what)
     dist.broadcast(t, group_src=src_group_rank, group=group)
+    _leave()
     mine = dist.get_rank(group) == src_group_rank
     record(dim, "broadcast", _nbytes(t), _nbytes(t) if mine else 0, what=what)
     return t
@@ -220,6 +252,7 @@ def send_recv(send: torch.Tensor | None, recv: torch.Tensor | None, peer: int, g
     """Point-to-point with one peer (its rank in the group): send, receive, or both at once (a swap). The operations
     go out as one batch (dist.batch_isend_irecv): NCCL can deadlock on large payloads when a pair's isend and irecv
     are posted as separate operations; gloo runs the batch as its isend and irecv. Counts the bytes sent."""
+    _enter(op, dim, what)
     ops = []
     if send is not None:
         ops.append(dist.P2POp(dist.isend, send, group=group, group_peer=peer))
@@ -227,6 +260,7 @@ def send_recv(send: torch.Tensor | None, recv: torch.Tensor | None, peer: int, g
         ops.append(dist.P2POp(dist.irecv, recv, group=group, group_peer=peer))
     for w in dist.batch_isend_irecv(ops) if ops else []:
         w.wait()
+    _leave()
     if send is not None:
         record(dim, op, _nbytes(send), what=what)
 

@@ -101,7 +101,10 @@ class Engine:
             raise ValueError(f"micro-batches must share one shape, got {sorted(shapes)}")
 
     # ---- training ---------------------------------------------------------------------------------------------------
-    def train_step(self, microbatches: list[dict]) -> dict:
+    def train_step(self, microbatches: list[dict], extra_sums=None) -> dict:
+        """One optimizer step. `extra_sums`: an optional callable returning a few numbers that are summed over all
+        ranks inside the step's one world all-reduce (read just before it; the trainer's stop requests) and come
+        back as out["extra_sums"]."""
         self._check_microbatches(microbatches)
         t0 = time.perf_counter()
         with comm.counting(self.comm):
@@ -124,6 +127,8 @@ class Engine:
             # One collective for the loss (nonzero on last stages) and the gradient norm (each element counted on
             # exactly one rank: its owner in the data-parallel group, its stage in the pipeline).
             red = torch.stack([loss_local.double().reshape(()).to(dev), self.zero.local_sq_norm().to(dev)])
+            if extra_sums is not None:
+                red = torch.cat([red, torch.tensor([float(x) for x in extra_sums()], dtype=red.dtype, device=dev)])
             self._all_reduce(red, "world")
             loss, norm = float(red[0]), math.sqrt(float(red[1]))
             self.last_memory = self.memory_report()  # gradients reduced, optimizer not yet stepped
@@ -137,7 +142,7 @@ class Engine:
         self.step_count += 1
         self.times = StepTimes(step_s=time.perf_counter() - t0, busy_s=busy, schedule_s=sched)
         return {"loss": loss, "grad_norm": norm, "tokens": int(counts[1]), "target_tokens": int(counts[0]),
-                "clip_coef": coef}
+                "clip_coef": coef, "extra_sums": red[2:].tolist()}
 
     def _forward_backward_local(self, mbs: list[dict], denom: float) -> tuple[torch.Tensor, float]:
         part = self.model_parts[0]

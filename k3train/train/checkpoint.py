@@ -52,6 +52,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import datetime as _dt
 import hashlib
 import io
 import json
@@ -607,8 +608,10 @@ class Checkpointer:
     """Saves to and resumes from <run_dir>/checkpoints (see the module docstring). async_save: write in the
     background (dcp.async_save) or before save() returns (dcp.save)."""
 
-    def __init__(self, run_dir: Path, *, keep_last_k: int, warn=None, async_save: bool = True):
+    def __init__(self, run_dir: Path, *, keep_last_k: int, warn=None, async_save: bool = True,
+                 group_timeout_s: float | None = None):
         self.root = Path(run_dir) / "checkpoints"
+        self.group_timeout_s = group_timeout_s  # a save's collectives wait this long (writing takes its time)
         self.keep_last_k = keep_last_k
         self.async_save = async_save
         self.warn = warn or (lambda msg: warnings.warn(msg, stacklevel=2))
@@ -621,7 +624,8 @@ class Checkpointer:
         if not _dist_on():
             return None
         if not self._group_made:
-            self._group = dist.new_group(backend="gloo")
+            kw = {} if self.group_timeout_s is None else {"timeout": _dt.timedelta(seconds=self.group_timeout_s)}
+            self._group = dist.new_group(backend="gloo", **kw)
             self._group_made = True
         return self._group
 

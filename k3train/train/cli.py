@@ -6,7 +6,9 @@
 
 Configuration, data and checkpoint problems end the process with exit code 2 and a one-paragraph message naming
 the key, file or checkpoint at fault (no traceback); Hydra's own composition errors (unknown key, wrong type, missing
-group option) exit with code 1 and Hydra's message, which names the full key.
+group option) exit with code 1 and Hydra's message, which names the full key. A collective that times out
+(train.timeout_s) or loses a peer ends the rank at once with exit code 3 and a line naming the rank, the operation
+and the step. A stop signal (SIGTERM, SIGUSR1) ends the run with exit code 0 after a checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def _task(dcfg) -> None:
     from k3train.config import ConfigError, from_omegaconf, validate_config
     from k3train.data import DataError
     from k3train.train.checkpoint import CheckpointError
+    from k3train.train.resilience import EXIT_COMM_FAILURE, CommFailure
 
     try:
         cfg = from_omegaconf(dcfg)
@@ -36,6 +39,11 @@ def _task(dcfg) -> None:
         _fail("data error", e)
     except CheckpointError as e:
         _fail("checkpoint error", e)
+    except CommFailure as e:
+        # Leave at once: the transport's teardown could wait for the peer that stopped answering.
+        print(f"k3train: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_COMM_FAILURE)
     except KeyboardInterrupt:
         print("k3train: interrupted", file=sys.stderr, flush=True)
         sys.exit(130)

@@ -11,6 +11,10 @@ Each micro-batch backpropagates its CE sum over that global count; gradients are
 After the optimizer step the routers' balancing biases are recomputed (they take effect from the next step).
 On CPU everything runs in fp32 and is deterministic: the same seed gives the same losses bit for bit, and a run
 resumed from a checkpoint continues with the losses of the uninterrupted run.
+
+Preemption, time limits, restarts and timeouts (k3train.train.resilience): a stop signal on any rank ends the run
+after the step all ranks agree on, with a checkpoint; under torchrun each restart round gets a process group of its
+own and the same run directory; every wait is bounded and a timeout names the rank, the operation and the step.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from k3train.parallel.engine import build_engine
 from k3train.parallel.mesh import ParallelDims, rank_coords
 from k3train.parallel.zero import PARAM_DTYPES
 
+from . import resilience
 from .checkpoint import Checkpointer
 from .metrics import MetricsLogger, measure_peak_flops
 
@@ -102,11 +107,11 @@ def run_dir_of_resume(resume: str) -> Path | None:
     return p
 
 
-def _broadcast_str(value: str, env: DistEnv) -> str:
+def _broadcast_str(value: str, env: DistEnv, group=None) -> str:
     if env.world == 1:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -114,11 +119,19 @@ def _broadcast_str(value: str, env: DistEnv) -> str:
 # Trainer
 # ---------------------------------------------------------------------------------------------------------------------
 class Trainer:
-    """Builds everything from a validated config; `train()` runs to cfg.train.steps and returns a summary."""
+    """Builds everything from a validated config; `train()` runs to cfg.train.steps (or to the step the ranks agree
+    to stop at after a stop signal) and returns a summary.
 
-    def __init__(self, cfg: K3TrainConfig, *, recipe: str = "custom"):
+    stop: the stop signals this process received (run() installs the handlers; without it nothing stops early).
+    progress: where this rank is (phase, step), for the message of a timeout."""
+
+    def __init__(self, cfg: K3TrainConfig, *, recipe: str = "custom", stop: resilience.StopRequest | None = None,
+                 progress: resilience.Progress | None = None):
         self.cfg, self.recipe = cfg, recipe
         env = self.env = dist_env()
+        self.stop = stop or resilience.StopRequest(env.rank)
+        self.progress = progress or resilience.Progress(rank=env.rank)
+        self.progress.timeout_s = cfg.train.timeout_s
         args = self.args = validate_config(cfg, world_size=env.world)
         self.dims = ParallelDims.from_config(cfg.parallel, env.world)  # validated with the config, before any group
         self.dp = self.dims.dp
@@ -134,8 +147,18 @@ class Trainer:
         self.gpu = detect_gpu(self.device)
         if cfg.plan.check and self.gpu is not None:  # refuse a layout that cannot fit, before any process group
             startup_check(cfg, self.gpu, world=env.world, gpus_per_node=env.local_world, recipe=recipe)
-        if env.world > 1 and not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
+        self._agent_store = self._host_group = None
+        if env.world > 1:
+            self.progress.phase = "process-group creation"
+            if not dist.is_initialized():
+                self._agent_store = resilience.init_process_group(
+                    "nccl" if self.device.type == "cuda" else "gloo", rank=env.rank, world=env.world,
+                    timeout_s=t.timeout_s)
+            else:  # a caller's group: the groups made from now on (the mesh's) still get train.timeout_s
+                resilience.set_new_group_timeout(_dt.timedelta(seconds=t.timeout_s))
+            # Ranks wait for a peer's long host work (rank 0 tokenizing the corpus) here, not in a group that
+            # collectives time out in (and on GPU not in NCCL, whose watchdog would end the wait).
+            self._host_group = resilience.host_work_group(t.host_work_timeout_s)
         torch.manual_seed(t.seed)
         random.seed(t.seed)
         np.random.seed(t.seed % (1 << 32))
@@ -150,10 +173,12 @@ class Trainer:
         self.train_loader, self.eval_loader = self._build_loaders()
 
         # ---- run directory: rank 0 decides, everyone uses the same ------------------------------------------
-        if t.run_dir:
-            rd = Path(t.run_dir)
-        else:
-            rd = run_dir_of_resume(t.resume) or default_run_dir(recipe)
+        # Without train.run_dir, one that a requeued job or a restarted round finds again (resilience).
+        self.progress.phase = "choosing the run directory"
+        rd = Path(".")
+        if env.rank == 0:
+            rd = Path(t.run_dir) if t.run_dir else (run_dir_of_resume(t.resume) or resilience.stable_run_dir(
+                recipe, self._agent_store, lambda: default_run_dir(recipe)))
         self.run_dir = Path(_broadcast_str(str(rd.resolve()) if env.rank == 0 else "", env))
         if env.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -163,6 +188,7 @@ class Trainer:
         self._barrier()
 
         # ---- model, parallelism and optimizer: one engine for every layout -----------------------------------
+        self.progress.phase = "model set-up"
         mult = required_seq_multiple(args)
         if cfg.data.seq_len % mult:
             raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not a multiple of {mult} (model requirement)")
@@ -182,12 +208,14 @@ class Trainer:
         self.scheduler = self._build_scheduler()
 
         # ---- resume --------------------------------------------------------------------------------------------
+        self.last_checkpoint = None
         self.ckpt = Checkpointer(self.run_dir, keep_last_k=t.keep_last_k, warn=self._warn,
-                                 async_save=t.async_checkpoint)
+                                 async_save=t.async_checkpoint, group_timeout_s=t.host_work_timeout_s)
         self.step = 0
         loaded = None
         if t.resume != "never":
-            with _quiet_checkpoint_warnings():
+            self.progress.phase = "checkpoint verification and loading"
+            with _quiet_checkpoint_warnings(), self._long_waits():
                 loaded = self.ckpt.load(t.resume, self.engine, self.scheduler)
         if loaded is not None:
             self.step = loaded.step
@@ -218,9 +246,14 @@ class Trainer:
                                      start_step=self.step, config=asdict(cfg), run_name=self.run_dir.name)
 
     # ---- helpers -----------------------------------------------------------------------------------------------
-    def _barrier(self) -> None:
+    def _barrier(self, group=None) -> None:
         if self.env.world > 1:
-            dist.barrier()
+            dist.barrier(group=group)
+
+    def _long_waits(self):
+        """Collectives of the default group wait up to train.host_work_timeout_s inside (checkpoints)."""
+        t = self.cfg.train
+        return resilience.long_waits(self.progress, t.host_work_timeout_s, t.timeout_s)
 
     def _print(self, msg: str) -> None:
         if self.env.rank == 0:
@@ -246,18 +279,22 @@ class Trainer:
 
         if env.world == 1:
             return build()
+        # The waits for another rank's tokenizing run in the gloo group of host work, bounded by
+        # train.host_work_timeout_s.
+        self.progress.phase, self.progress.timeout_s = "data preparation", cfg.train.host_work_timeout_s
         out, err = None, ""
         if env.rank == 0:
             try:
                 out = build()
             except DataError as e:
                 err = str(e)
-        err = _broadcast_str(err, env)
+        err = _broadcast_str(err, env, group=self._host_group)
         if err:
             raise DataError(err)
         if env.rank != 0:
             out = build()
-        self._barrier()
+        self._barrier(self._host_group)
+        self.progress.timeout_s = cfg.train.timeout_s
         return out
 
     def _build_scheduler(self):
@@ -279,10 +316,12 @@ class Trainer:
     def train_step(self) -> dict:
         batches = [next(self.train_loader) for _ in range(self.cfg.parallel.microbatches)]
         lr = self.optimizer.param_groups[0]["lr"]
-        rec = self.engine.train_step(batches)
+        # The stop requests ride along in the step's world all-reduce: every rank learns of a signal any rank got.
+        rec = self.engine.train_step(batches, extra_sums=self.stop.flags)
         self.scheduler.step()
         self.engine.update_biases()
-        return {"loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": float(lr), "targets": rec["target_tokens"]}
+        return {"loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": float(lr), "targets": rec["target_tokens"],
+                "stop": rec["extra_sums"]}
 
     def evaluate(self) -> dict:
         """Mean next-token CE over up to eval_steps micro-batches of the eval split (and answer accuracy for the
@@ -316,16 +355,25 @@ class Trainer:
         out["moe/maxvio"] = float(ratio.max()) - 1.0
         return out
 
-    def _checkpoint(self, step: int, last_step: bool) -> dict:
-        """Start a save when one is due (train.checkpoint_interval, train.checkpoint_at_end) and report the saves
-        published since the last call; after the last step, wait for the one in flight. Returns the metrics of the
-        newest published checkpoint (empty when none was published)."""
+    def _checkpoint(self, step: int, last_step: bool, stop: bool = False) -> dict:
+        """Start a save when one is due (train.checkpoint_interval, train.checkpoint_at_end, or a stop signal) and
+        report the saves published since the last call; after the last step or on a stop, wait for the one in flight.
+        Returns the metrics of the newest published checkpoint (empty when none was published)."""
         t = self.cfg.train
         done = []
+        due = (t.checkpoint_interval > 0 and step % t.checkpoint_interval == 0) or (last_step and t.checkpoint_at_end)
         with _quiet_checkpoint_warnings():
-            if (t.checkpoint_interval > 0 and step % t.checkpoint_interval == 0) or (last_step and t.checkpoint_at_end):
-                done += self.ckpt.save(step, self.engine, self.scheduler, self.train_loader.state_dict())
-            done += self.ckpt.finish() if last_step else self.ckpt.poll()
+            if due or stop:
+                self.progress.phase = "checkpoint save"
+                with self._long_waits():
+                    done += self.ckpt.save(step, self.engine, self.scheduler, self.train_loader.state_dict())
+            if last_step or stop:
+                with self._long_waits():
+                    done += self.ckpt.finish()
+            else:
+                done += self.ckpt.poll()
+        if done:
+            self.last_checkpoint = done[-1].path
         for c in done:
             self._print(f"k3train: saved checkpoint {c.path} ({sum(c.rank_bytes):,} bytes; the loop waited "
                         f"{c.blocking_s:.2f} s of {c.save_s:.2f} s)")
@@ -334,12 +382,14 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------------------------
     def train(self) -> dict:
         t, lg = self.cfg.train, self.cfg.logging
-        first_loss = last = None
+        first_loss = last = stopped = None
         while self.step < t.steps:
+            self.progress.phase, self.progress.step = "the train step", self.step + 1
             t0 = time.perf_counter()
             rec = self.train_step()
             self.step += 1
             step, dt = self.step, time.perf_counter() - t0
+            stop = resilience.decide(rec["stop"]) if step < t.steps else None  # the last step ends the run anyway
             first_loss = rec["loss"] if first_loss is None else first_loss
             tps = self.tokens_per_step / dt
             record = {"step": step, "loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": rec["lr"],
@@ -349,24 +399,43 @@ class Trainer:
                 record["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.env.world)
             last_step = step == t.steps
             if self.eval_loader is not None and (step % t.eval_interval == 0 or last_step):
+                self.progress.phase = "evaluation"
                 record.update(self.evaluate())
-            record.update(self._checkpoint(step, last_step))
+            record.update(self._checkpoint(step, last_step, stop is not None))
             logged = step % lg.log_interval == 0 or last_step or "eval_loss" in record or "checkpoint/step" in record
             if logged:
+                self.progress.phase = "metrics"
                 record.update(self._expert_load())
                 self.metrics.log(record)
             self.metrics.progress(step, rec["loss"], tps)
             if step == 1 or step % lg.console_interval == 0 or last_step or "eval_loss" in record:
                 self.metrics.console(record)
             last = record
+            if stop is not None:
+                stopped = self._stopped(stop, self.last_checkpoint)
+                break
+        self.progress.phase, self.progress.step = "shutdown", None
         self.metrics.close()
-        if self.env.rank == 0:
+        if self.env.rank == 0 and stopped is None:
             print(f"k3train: done, {self.step} steps; run directory {self.run_dir}", flush=True)
         return {"run_dir": str(self.run_dir), "steps": self.step, "first_loss": first_loss,
-                "last": last}
+                "last": last, "stopped": stopped}
+
+    def _stopped(self, stop: resilience.StopDecision, path: Path) -> str:
+        """After the stop checkpoint (every rank has finished it): rank 0 requeues the Slurm job when the signal was
+        the time-limit warning, and says where the checkpoint is. Returns the signals' names."""
+        signals = "+".join(stop.signals)
+        if self.env.rank == 0:
+            then = "the same command resumes from it"
+            if stop.time_limit and resilience.slurm_job_id():
+                then = resilience.requeue()
+            print(f"k3train: stopped on {signals} after step {self.step} of {self.cfg.train.steps}; checkpoint "
+                  f"{path}; {then}", flush=True)
+        return signals
 
     def close(self, *, clean: bool = True) -> None:
         if self.env.world > 1 and dist.is_initialized():
+            self.progress.phase = "shutdown"
             if clean:  # no rank tears its transport down while a peer still talks to it
                 dist.barrier()
             dist.destroy_process_group()
@@ -383,12 +452,22 @@ def _quiet_checkpoint_warnings():
 
 
 def run(cfg: K3TrainConfig, *, recipe: str = "custom") -> dict:
-    """Train to cfg.train.steps; returns {'run_dir', 'steps', 'first_loss', 'last'} (last: the final record)."""
-    trainer = Trainer(cfg, recipe=recipe)
-    try:
-        out = trainer.train()
-    except BaseException:
-        trainer.close(clean=False)  # a failed rank must not wait in a barrier its peers may never reach
-        raise
-    trainer.close()
+    """Train to cfg.train.steps, or until a stop signal (SIGTERM, SIGUSR1) and its checkpoint; returns {'run_dir',
+    'steps', 'first_loss', 'last' (the final record), 'stopped' (the signals' names, or None)}. A collective that
+    times out or loses a peer raises resilience.CommFailure naming the rank, the operation and the step."""
+    env = dist_env()
+    progress = resilience.Progress(rank=env.rank, timeout_s=cfg.train.timeout_s)
+    trainer = None
+    with resilience.stop_requests(env.rank) as stop:
+        try:
+            trainer = Trainer(cfg, recipe=recipe, stop=stop, progress=progress)
+            out = trainer.train()
+            trainer.close()
+        except BaseException as e:
+            failure = resilience.describe(e, progress)
+            if failure is not None:  # no teardown: a peer that stopped answering would hold it up
+                raise failure from e
+            if trainer is not None:
+                trainer.close(clean=False)  # a failed rank must not wait in a barrier its peers may never reach
+            raise
     return out

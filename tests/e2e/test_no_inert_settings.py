@@ -97,6 +97,12 @@ REASONS: dict[str, str] = {
     "train.device": "which hardware runs the same math; its numerical consequence, the precision, is covered "
                     "by train.precision (this machine has no CUDA to compare with)",
     "train.threads": "CPU threads per process: speed only (results agree up to the rounding of parallel reductions)",
+    "train.timeout_s": "how long a rank waits for the others before it gives up: it changes what happens only when "
+                       "a rank stops answering (tests/e2e/test_preemption.py stops one rank with SIGSTOP; the other "
+                       "exits after train.timeout_s naming the collective and the step)",
+    "train.host_work_timeout_s": "how long ranks wait for a peer's long host work (tokenizing, checkpoint checksums): "
+                                 "it changes what happens only when that work outlasts train.timeout_s "
+                                 "(tests/unit/test_resilience.py::test_host_work_waits_use_their_own_bound)",
     "data.streaming": "how source='files' reads its files (streamed or through an Arrow copy): the same documents "
                       "in the same order",
     "model.overrides.name": "a label for logs (the preset's name)",

@@ -1,12 +1,15 @@
-"""The launchers print the exact commands they would run (dry runs), and the Hydra submitit config composes."""
+"""The launchers print the exact commands they would run (dry runs), slurm.sbatch passes Slurm's signals on, and the
+Hydra submitit config composes."""
 
 from __future__ import annotations
 
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,8 +36,9 @@ def test_single_node_dry_run():
     assert r.returncode == 0, r.stderr
     cmd = shlex.split(r.stdout.strip())
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
-    assert cmd[3:] == ["--standalone", "--nnodes", "1", "--nproc-per-node", "2", "-m", "k3train.train",
-                       "--config-name", "tiny_cpu", "train.steps=5"]
+    assert cmd[3:] == ["--standalone", "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "0",
+                       "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout", "120",
+                       "-m", "k3train.train", "--config-name", "tiny_cpu", "train.steps=5"]
 
 
 def test_multi_node_dry_run_uses_c10d():
@@ -43,7 +47,19 @@ def test_multi_node_dry_run_uses_c10d():
     assert r.returncode == 0, r.stderr
     cmd = shlex.split(r.stdout.strip())[3:]
     assert cmd == ["--nnodes", "4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node01:29500", "--rdzv-id",
-                   "run42", "--nproc-per-node", "8", "-m", "k3train.train", "--config-name", "k3_full"]
+                   "run42", "--nproc-per-node", "8", "--max-restarts", "3", "--signals-to-handle",
+                   "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout", "120", "-m", "k3train.train",
+                   "--config-name", "k3_full"]
+
+
+def test_restarts_and_grace_are_configurable():
+    r = _torchrun("--dry-run", "--nnodes", "2", "--rdzv-endpoint", "node01", "--max-restarts", "0",
+                  "--shutdown-timeout", "600", "--nproc-per-node", "1")
+    assert r.returncode == 0, r.stderr
+    cmd = shlex.split(r.stdout.strip())
+    assert cmd[cmd.index("--max-restarts") + 1] == "0" and cmd[cmd.index("--shutdown-timeout") + 1] == "600"
+    r = _torchrun("--dry-run", "--nproc-per-node", "1", "--max-restarts", "2")
+    assert "--max-restarts 2" in r.stdout and "--standalone" in r.stdout
 
 
 def test_endpoint_from_environment():
@@ -71,7 +87,50 @@ def test_sbatch_dry_run():
     assert cmd[:4] == ["srun", "--nodes=3", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     assert cmd[4:7] == ["python", "-m", "torch.distributed.run"]
     assert cmd[7:] == ["--nnodes=3", "--nproc-per-node=8", "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07:29500",
-                       "--rdzv-id=4242", "-m", "k3train.train", "--config-name", "k3_full", "parallel=k3_cluster"]
+                       "--rdzv-id=4242", "--max-restarts=3",
+                       "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=240",
+                       "-m", "k3train.train", "--config-name", "k3_full", "parallel=k3_cluster",
+                       "train.run_dir=runs/k3_full/slurm-4242"]  # the requeued job (same id) finds it again
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("args, run_dir", [
+    (["--config-name=small_8gpu"], "train.run_dir=runs/small_8gpu/slurm-77"),
+    (["-cn", "k3_long_context", "train.steps=9"], "train.run_dir=runs/k3_long_context/slurm-77"),
+    ([], "train.run_dir=runs/tiny_cpu/slurm-77"),
+    (["--config-name", "k3_full", "train.run_dir=/scratch/mine"], None),  # the user's own wins
+])
+def test_sbatch_run_directory_is_named_after_the_job(args, run_dir):
+    env = _clean_env(K3_NODELIST="n1", SLURM_JOB_ID="77", MAX_RESTARTS="5", PATH="/usr/bin:/bin")
+    r = subprocess.run(["bash", str(SBATCH), "--dry-run", *args], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    cmd = shlex.split(r.stdout.strip())
+    assert "--max-restarts=5" in cmd
+    tail = cmd[cmd.index("k3train.train") + 1:]
+    assert tail == args + ([run_dir] if run_dir else [])
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_sbatch_passes_slurms_signals_to_srun(tmp_path, sig):
+    """Slurm signals the batch shell (--signal=B:USR1@300; TERM on preemption): the script hands the signal to srun
+    (which forwards it to the torchruns) and exits with srun's status once srun is done."""
+    seen = tmp_path / "srun.seen"
+    fake = tmp_path / "srun"
+    fake.write_text(f"#!/bin/bash\necho \"$@\" > {seen}.args\n"
+                    f"trap 'echo USR1 >> {seen}; exit 0' USR1\ntrap 'echo TERM >> {seen}; exit 0' TERM\n"
+                    f"touch {seen}.ready\nwhile :; do sleep 0.05; done\n")
+    fake.chmod(0o755)
+    env = _clean_env(K3_NODELIST="n1", SLURM_JOB_ID="88", PATH=f"{tmp_path}:/usr/bin:/bin")
+    proc = subprocess.Popen(["bash", str(SBATCH), "--config-name", "tiny_cpu"], env=env, cwd=tmp_path)
+    t0 = time.monotonic()
+    while not Path(f"{seen}.ready").exists():
+        assert proc.poll() is None and time.monotonic() - t0 < 30
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=30) == 0
+    assert seen.read_text().split() == [sig.name[3:]]
+    assert "train.run_dir=runs/tiny_cpu/slurm-88" in Path(f"{seen}.args").read_text()
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -84,6 +143,9 @@ def test_sbatch_needs_a_node_list():
 def test_sbatch_header():
     text = SBATCH.read_text()
     assert "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --gpus-per-node=8" in text
+    # the time-limit warning to the batch shell, requeue allowed, and the requeued job's log appended to
+    assert "#SBATCH --signal=B:USR1@300" in text and "#SBATCH --requeue" in text
+    assert "#SBATCH --open-mode=append" in text
     assert subprocess.run(["bash", "-n", str(SBATCH)]).returncode == 0
 
 
