@@ -43,6 +43,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from k3train.parallel import comm
@@ -296,17 +297,21 @@ def round_store(agent: dist.Store, rank: int, timeout: _dt.timedelta, host: str)
         time.sleep(0.05)
 
 
-def init_process_group(backend: str, *, rank: int, world: int, timeout_s: float) -> dist.Store | None:
+def init_process_group(backend: str, *, rank: int, world: int, timeout_s: float,
+                       device: torch.device | None = None) -> dist.Store | None:
     """Create the default process group with a timeout, on a store of this round's own under torchrun; returns the
-    agent's store (None outside torchrun's agent store)."""
+    agent's store (None outside torchrun's agent store). On CUDA the group is bound to the rank's device
+    (`device_id`): NCCL then creates its communicator eagerly on the right GPU instead of guessing at the first
+    collective."""
     timeout = _dt.timedelta(seconds=timeout_s)
     set_new_group_timeout(timeout)
+    kw = {"device_id": device} if device is not None and device.type == "cuda" else {}
     if not uses_agent_store():
-        dist.init_process_group(backend=backend, timeout=timeout)  # env://: rank 0 serves a new store
+        dist.init_process_group(backend=backend, timeout=timeout, **kw)  # env://: rank 0 serves a new store
         return None
     agent = agent_store(timeout)
     store = round_store(agent, rank, timeout, os.environ["MASTER_ADDR"])
-    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
     return agent
 
 

@@ -153,7 +153,7 @@ class Trainer:
             if not dist.is_initialized():
                 self._agent_store = resilience.init_process_group(
                     "nccl" if self.device.type == "cuda" else "gloo", rank=env.rank, world=env.world,
-                    timeout_s=t.timeout_s)
+                    timeout_s=t.timeout_s, device=self.device)
             else:  # a caller's group: the groups made from now on (the mesh's) still get train.timeout_s
                 resilience.set_new_group_timeout(_dt.timedelta(seconds=t.timeout_s))
             # Ranks wait for a peer's long host work (rank 0 tokenizing the corpus) here, not in a group that

@@ -197,3 +197,23 @@ def test_host_work_waits_use_their_own_bound(tmp_path):
     mp.spawn(_host_work_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
     got = json.loads((tmp_path / "1.json").read_text())
     assert got == {"host_work_group": "ok", "long_waits": "ok", "plain": "timeout"}
+
+
+def test_process_group_is_bound_to_the_cuda_device(monkeypatch):
+    """On CUDA the default group gets device_id (NCCL builds its communicator on the rank's GPU at once) and the
+    timeout; on CPU no device is named."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from k3train.train import resilience
+
+    calls = []
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(resilience, "set_new_group_timeout", lambda t: None)
+    resilience.init_process_group("nccl", rank=0, world=2, timeout_s=42, device=torch.device("cuda", 1))
+    resilience.init_process_group("gloo", rank=0, world=2, timeout_s=42, device=torch.device("cpu"))
+    assert calls[0]["device_id"] == torch.device("cuda", 1) and calls[0]["timeout"] == datetime.timedelta(seconds=42)
+    assert "device_id" not in calls[1] and calls[1]["backend"] == "gloo"
