@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,7 +122,11 @@ def one_run(work: Path, ref: dict[int, float], *, steps: int, interval: int, kil
                 if killed_at is None:
                     dirs = run_dirs(work)
                     done = max(losses(dirs[0]), default=0) if dirs else 0
-                    if done >= kill_after:
+                    # checkpoints are written in the background: kill once one is published, so there is one to
+                    # resume from
+                    published = dirs and any(re.fullmatch(r"step-\d+", m.parent.name)
+                                             for m in (dirs[0] / "checkpoints").glob("step-*/manifest.json"))
+                    if done >= kill_after and published:
                         pids = workers(proc.pid)
                         if kill_rank in pids:
                             os.kill(pids[kill_rank], signal.SIGKILL)

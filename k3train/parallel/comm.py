@@ -192,6 +192,16 @@ def start_all_reduce(t: torch.Tensor, group, dim: str, *, what: str | None = Non
     return work
 
 
+def wait(work, op: str, dim: str, *, what: str | None = None) -> None:
+    """Wait for a collective launched with start_*: a timeout while waiting names the operation, as a blocking one
+    would."""
+    if work is None:
+        return
+    _enter(op, dim, what)
+    work.wait()
+    _leave()
+
+
 def start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, dim: str, *, what: str | None = None):
     """reduce_scatter launched asynchronously: returns the work to wait on (None over a group of one rank, where out
     is filled at once). Counted when launched."""

@@ -412,8 +412,7 @@ class ShardGroup:
         f.work = comm.start_all_reduce(flat, self.reduce_group, self.dim)
 
     def _finish_all_reduce(self, f: _Flight) -> None:
-        if f.work is not None:
-            f.work.wait()
+        comm.wait(f.work, "all_reduce", self.dim)
         f.work = f.flat = None
 
     def _start_reduce_scatter(self, f: _Flight) -> None:
@@ -437,8 +436,7 @@ class ShardGroup:
         f.work = comm.start_reduce_scatter(f.out, buf.view(-1), self.reduce_group, self.dim)
 
     def _finish_reduce_scatter(self, f: _Flight) -> None:
-        if f.work is not None:
-            f.work.wait()
+        comm.wait(f.work, "reduce_scatter", self.dim)
         out, off = f.out, 0
         for it in f.bucket.items:
             k = (it.stop - it.start) * it.row_numel
