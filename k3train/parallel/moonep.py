@@ -20,6 +20,11 @@ the per-(source, destination, expert) send counts and the receive layout of ever
 global order of each expert's rows (source ranks 0..R−1 concatenated; destinations 0..R−1 take consecutive ranges).
 `plan` is free of host synchronisation on accelerators when called with `validate=False` (the group loop then runs as
 R−1 fixed tensor steps); on the CPU the short group loop runs on Python ints, which is faster than tiny tensor ops.
+`plan_alloc_sync_free` runs the tensor loop on any device (what the MoonEP dispatcher runs, so its step reads nothing
+on the host but the one copy of k3train.parallel.host_copy); `assign_rows` and `expert_major_index` are the plan's
+per-rank layouts as free functions of its tensors (static shapes, counts by scatter_add_, never bincount).
+`make_plan` builds the compact full plan with a few host reads (nonzero, the fill count): for tests, inspection and
+the benchmarks, not for the training step.
 
 Baselines for comparison live at the bottom: no replication, and a static EPLB-style greedy replication.
 """
