@@ -20,6 +20,14 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
 
 
+def expert_counts(flat: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """flat [M] expert ids in [0, n_experts) -> counts [n_experts] int64 rows per expert (scatter_add_: a static
+    shape and no host synchronisation, unlike torch.bincount on CUDA; integer sums are exact in any order)."""
+    flat = flat if flat.dtype == torch.int64 else flat.to(torch.int64)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def expert_layout(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """idx [N, K] expert ids in [0, n_experts) -> (order [N*K], pos [N, K], counts [n_experts]), all int64.
 
@@ -30,9 +38,7 @@ def expert_layout(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torc
     flat = idx.reshape(-1)
     flat = flat if flat.dtype == torch.int64 else flat.to(torch.int64)
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(n_experts, dtype=torch.int64, device=idx.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    return order, _inverse(order).view(idx.shape), counts
+    return order, _inverse(order).view(idx.shape), expert_counts(flat, n_experts)
 
 
 class _Permute(torch.autograd.Function):

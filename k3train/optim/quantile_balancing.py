@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from k3train.ops.moe_permute import expert_counts
 from k3train.parallel import comm
 
 
@@ -150,9 +151,9 @@ class QuantileBalancer(_Balancer):
         width = (self.hi - self.lo) / B
         idx = ((r - self.lo) / width).floor().clamp_(0, B - 1).long()
         idx += torch.arange(E, device=idx.device) * B
-        # bincount (no weights) is deterministic on every backend, unlike index_add_/scatter_add_ on CUDA
-        self.hist += torch.bincount(idx.reshape(-1), minlength=E * B).view(E, B).to(torch.int32)
-        self.loads += torch.bincount(sel.reshape(-1), minlength=E).to(torch.int32)
+        # Integer counts by scatter_add_ (exact in any order, so deterministic; no host sync, unlike bincount on CUDA)
+        self.hist += expert_counts(idx.reshape(-1), E * B).view(E, B).to(torch.int32)
+        self.loads += expert_counts(sel.reshape(-1), E).to(torch.int32)
 
     def _pack(self, bias: Tensor | None) -> Tensor:
         if self.hist is None:
@@ -206,7 +207,7 @@ class SignBalancer(_Balancer):
             self.bias = bias.detach().float().clone()
             self.loads = torch.zeros(self.n_experts, dtype=torch.int32, device=bias.device)
         sel = torch.topk(scores.detach() + self.bias.to(scores.dtype), self.top_k, dim=-1).indices
-        self.loads += torch.bincount(sel.reshape(-1), minlength=self.n_experts).to(torch.int32)
+        self.loads += expert_counts(sel.reshape(-1), self.n_experts).to(torch.int32)
 
     def _pack(self, bias: Tensor | None) -> Tensor:
         if self.loads is None:

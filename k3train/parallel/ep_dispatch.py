@@ -15,6 +15,12 @@ All-to-all dispatch of one MoE layer (R ranks, G = E/R home experts each, N loca
 The top-k, the sort order and the splits are computed once in forward and kept for backward; backward only runs the
 reverse collectives with the saved splits.
 
+Host synchronisation: counts come from scatter_add_ (never torch.bincount, which reads back the largest id on CUDA),
+and the only device values read on the host are the split sizes of the uneven all_to_all, which torch.distributed
+takes as Python ints: after the count exchange, the send and receive splits travel to the host together in one
+`k3train.parallel.host_copy.host_counts` call per layer and micro-batch (one pinned, non-blocking copy and one wait on
+CUDA). The expert-major index, the return trip and the mix stay on the device; backward reuses the saved splits.
+
 Traffic. A dispatcher's collectives go through k3train.parallel.comm under the mesh dimension "ep", so the engine's
 counter sees them as they run; the dispatcher also opens a scope of its own counter (`ledger`), read through
 `stats` (a CommStats) for that dispatcher alone.
@@ -32,7 +38,8 @@ from torch import Tensor, nn
 
 from k3train.models.k3.moe import GroupedExperts
 from k3train.ops.grouped_mm import grouped_mm
-from k3train.parallel import comm
+from k3train.ops.moe_permute import expert_counts
+from k3train.parallel import comm, host_copy
 
 __all__ = [
     "AllToAllDispatcher",
@@ -69,15 +76,16 @@ def shard_experts(full: Tensor, ep_rank: int, ep_size: int) -> Tensor:
     return full[lo:hi]
 
 
-def source_to_expert_major(counts: Tensor) -> Tensor:
+def source_to_expert_major(counts: Tensor, total: int | None = None) -> Tensor:
     """counts [R_src, G]: rows of (source s, local expert g) arrive source-major (s, then g inside s). Returns the
-    gather index `ix` such that `received[ix]` is expert-major (g, then s inside g)."""
+    gather index `ix` such that `received[ix]` is expert-major (g, then s inside g). total: the rows in all (the sum
+    of counts) when the host knows it already; None reads it from counts (a host sync on accelerators)."""
     R, G = counts.shape
     c = counts.reshape(-1)
     start_sm = (c.cumsum(0) - c).view(R, G).T.reshape(-1)  # block (g, s) start in the source-major buffer
     size_em = counts.T.reshape(-1)  # block sizes in expert-major order
     start_em = size_em.cumsum(0) - size_em
-    M = int(c.sum())
+    M = int(c.sum()) if total is None else total
     block = torch.repeat_interleave(torch.arange(R * G, device=counts.device), size_em, output_size=M)
     return start_sm[block] + torch.arange(M, device=counts.device) - start_em[block]
 
@@ -103,7 +111,7 @@ def alltoall_send_layout(idx: Tensor, n_experts: int, ep_size: int) -> tuple[Ten
     (destination rank, local expert), send_splits [R] rows per destination)."""
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts).view(ep_size, n_experts // ep_size)
+    counts = expert_counts(flat, n_experts).view(ep_size, n_experts // ep_size)
     return order, counts, counts.sum(1)
 
 
@@ -272,11 +280,13 @@ class AllToAllDispatcher(EPDispatcher):
         recv_counts = torch.empty_like(counts)
         with comm.counting(self.ledger):
             comm.all_to_all(recv_counts, counts.contiguous(), self.group, "ep", what="counts")
-        send_splits, recv_splits = send.tolist(), recv_counts.sum(1).tolist()
+        # The layer's one read of device values on the host: both split lists in one copy.
+        splits = host_copy.host_counts(torch.cat([send, recv_counts.sum(1)]))
+        send_splits, recv_splits = splits[:R], splits[R:]
         self.routes += N * K
         self.calls += 1
         rows = self._send_rows(z[order // K], recv_splits, send_splits, "dispatch")
-        em = source_to_expert_major(recv_counts)
+        em = source_to_expert_major(recv_counts, sum(recv_splits))
         return rows[em], recv_counts.sum(0), (order, em, send_splits, recv_splits)
 
     def combine(self, y: Tensor, weights: Tensor, state) -> Tensor:

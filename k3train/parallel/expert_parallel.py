@@ -12,6 +12,9 @@
   expert runs only at home) or "moonep" (k3train.parallel.moonep_dispatch). LatentMoE keeps calling
   `dispatch(z, idx, E) -> (rows grouped by local expert, counts per local expert, state)`, then
   `experts(rows, counts)`, then `combine(y, weights, state) -> u`: the seam needs no change in moe.py.
+  Either dispatcher reads device values on the host once per MoE layer and micro-batch, in one
+  `k3train.parallel.host_copy.host_counts` call (the all_to_all split sizes, which torch.distributed takes as Python
+  ints, and MoonEP's plan integers): one pinned, non-blocking copy and one wait on CUDA; nothing else synchronises.
 
 Gradients: a home expert's gradient is complete on its home rank (every row routed to it, from every rank, was
 computed there). Every other MoE parameter (router, W_down, W_up, norms, shared experts) is data-parallel across the

@@ -20,6 +20,11 @@ the per-(source, destination, expert) send counts and the receive layout of ever
 global order of each expert's rows (source ranks 0..R−1 concatenated; destinations 0..R−1 take consecutive ranges).
 `plan` is free of host synchronisation on accelerators when called with `validate=False` (the group loop then runs as
 R−1 fixed tensor steps); on the CPU the short group loop runs on Python ints, which is faster than tiny tensor ops.
+`plan_alloc_sync_free` runs the tensor loop on any device (what the MoonEP dispatcher runs, so its step reads nothing
+on the host but the one copy of k3train.parallel.host_copy); `assign_rows` and `expert_major_index` are the plan's
+per-rank layouts as free functions of its tensors (static shapes, counts by scatter_add_, never bincount).
+`make_plan` builds the compact full plan with a few host reads (nonzero, the fill count): for tests, inspection and
+the benchmarks, not for the training step.
 
 Baselines for comparison live at the bottom: no replication, and a static EPLB-style greedy replication.
 """
@@ -33,17 +38,23 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from k3train.ops.moe_permute import expert_counts
+
 __all__ = [
     "MoonEPPlan",
     "PlanInvariantError",
     "check_plan",
     "eplb_placement",
     "eplb_rank_loads",
+    "assign_rows",
+    "expert_major_index",
+    "interval_overlap",
     "group_quotas_reference",
     "make_plan",
     "max_over_mean",
     "no_replication_loads",
     "plan",
+    "plan_alloc_sync_free",
     "plan_reference",
 ]
 
@@ -172,6 +183,14 @@ def _plan_with_quota(counts: Tensor, rows_per_rank: int) -> tuple[Tensor, Tensor
     return _split_quotas(totals, quota), quota
 
 
+def plan_alloc_sync_free(counts: Tensor, rows_per_rank: int) -> Tensor:
+    """alloc [E, R] for int64 counts [R, E] by the tensor version of the fill loop on any device (R−1 fixed steps, no
+    host synchronisation, no checks): what a dispatcher runs on the gathered counts. Equal to `plan`."""
+    R, E = counts.shape
+    totals = counts.sum(0).view(R, E // R)
+    return _split_quotas(totals, _group_quotas_tensor(totals.sum(1) - rows_per_rank))
+
+
 def plan(tokens_per_expert: Tensor, rows_per_rank: int, *, validate: bool = True) -> Tensor:
     """MoonEP allocation (contract).
 
@@ -284,32 +303,48 @@ class MoonEPPlan:
         expert_idx: [n] expert of each of source's rows (the row order within an expert is the order given here),
         with exactly tokens_per_expert[source, e] rows of each e. Returns [n] int64 destination ranks.
         """
-        expert_idx = expert_idx.to(device=self.alloc.device, dtype=torch.int64)
-        n = expert_idx.numel()
-        # Rank of each row among the source's rows of the same expert (stable sort keeps the given order).
-        order = torch.sort(expert_idx, stable=True).indices
-        per_expert = torch.bincount(expert_idx, minlength=self.num_experts)
-        first = per_expert.cumsum(0) - per_expert
-        rank_in_e = torch.empty(n, dtype=torch.int64, device=expert_idx.device)
-        rank_in_e[order] = torch.arange(n, device=expert_idx.device) - first[expert_idx[order]]
-        # Position in expert e's global order (rows of earlier sources come first), then the covering destination.
-        earlier = self.tokens_per_expert[:source].sum(0)  # [E]
-        pos = earlier[expert_idx] + rank_in_e
-        dst_end = self.alloc.cumsum(1)  # [E, R]
-        return torch.searchsorted(dst_end[expert_idx], pos[:, None], right=True).squeeze(1)
+        return assign_rows(self.tokens_per_expert, self.alloc, source, expert_idx)
 
     def expert_major_index(self, dest: int) -> Tensor:
         """Gather index from an all_to_all output (source-major: source 0's rows, then source 1's, each sorted by
         expert) into dest's expert-grouped buffer: grouped = a2a_out[index]. Returns [rows_per_rank] int64."""
-        c = self.recv_matrix(dest)  # [E, R_src]
-        E, R = c.shape
-        sizes_se = c.T.reshape(-1)  # blocks in source-major order
-        start_se = (sizes_se.cumsum(0) - sizes_se).view(R, E).T.reshape(-1)  # indexed by (e, s)
-        start_em = self.recv_layout(dest).reshape(-1)
-        block = torch.repeat_interleave(
-            torch.arange(E * R, device=c.device), c.reshape(-1), output_size=self.rows_per_rank
-        )
-        return start_se[block] + torch.arange(self.rows_per_rank, device=c.device) - start_em[block]
+        return expert_major_index(self.recv_matrix(dest), self.recv_expert_offsets[dest, :-1], self.rows_per_rank)
+
+
+def assign_rows(tokens_per_expert: Tensor, alloc: Tensor, source: int, expert_idx: Tensor) -> Tensor:
+    """Destination rank of each of a source's rows (MoonEPPlan.assign_rows on the plan's tensors: counts [R, E] and
+    alloc [E, R], on expert_idx's device). Static shapes, no host synchronisation."""
+    expert_idx = expert_idx.to(device=alloc.device, dtype=torch.int64)
+    n = expert_idx.numel()
+    # Rank of each row among the source's rows of the same expert (stable sort keeps the given order).
+    order = torch.sort(expert_idx, stable=True).indices
+    per_expert = expert_counts(expert_idx, alloc.shape[0])
+    first = per_expert.cumsum(0) - per_expert
+    rank_in_e = torch.empty(n, dtype=torch.int64, device=expert_idx.device)
+    rank_in_e[order] = torch.arange(n, device=expert_idx.device) - first[expert_idx[order]]
+    # Position in expert e's global order (rows of earlier sources come first), then the covering destination.
+    earlier = tokens_per_expert[:source].sum(0)  # [E]
+    pos = earlier[expert_idx] + rank_in_e
+    dst_end = alloc.cumsum(1)  # [E, R]
+    return torch.searchsorted(dst_end[expert_idx], pos[:, None], right=True).squeeze(1)
+
+
+def expert_major_index(recv: Tensor, expert_start: Tensor, rows: int) -> Tensor:
+    """Gather index from a destination's all_to_all output (source-major) into its expert-grouped buffer.
+
+    recv [E, R_src]: rows of each expert received from each source; expert_start [E]: start of each expert's rows in
+    the grouped buffer; rows: the buffer's rows (the sum of recv). Static shapes, no host synchronisation."""
+    E, R = recv.shape
+    sizes_se = recv.T.reshape(-1)  # blocks in source-major order
+    start_se = (sizes_se.cumsum(0) - sizes_se).view(R, E).T.reshape(-1)  # indexed by (e, s)
+    start_em = (expert_start[:, None] + recv.cumsum(1) - recv).reshape(-1)
+    block = torch.repeat_interleave(torch.arange(E * R, device=recv.device), recv.reshape(-1), output_size=rows)
+    return start_se[block] + torch.arange(rows, device=recv.device) - start_em[block]
+
+
+def interval_overlap(a_start: Tensor, a_end: Tensor, b_start: Tensor, b_end: Tensor) -> Tensor:
+    """Length of the overlap of [a_start, a_end) and [b_start, b_end), elementwise (broadcasting)."""
+    return (torch.minimum(a_end, b_end) - torch.maximum(a_start, b_start)).clamp_min(0)
 
 
 def _pair_rows(counts: Tensor, alloc: Tensor, pairs: Tensor) -> Tensor:
@@ -517,7 +552,7 @@ def eplb_placement(expert_loads: Tensor, num_ranks: int, redundant_per_rank: int
         quot = (loads[:, None] / k[None, :]).reshape(-1)
         # Tiny index-based tie-break so zero-load experts and equal quotients are picked deterministically.
         take = torch.topk(quot - 1e-12 * torch.arange(quot.numel(), dtype=torch.float64), min(M, quot.numel())).indices
-        copies += torch.bincount(take // (R - 1), minlength=E)
+        copies += expert_counts(take // (R - 1), E)
     slots = E // R + redundant_per_rank
     per_copy = loads / copies
     items = sorted(((-float(per_copy[e]), e) for e in range(E) for _ in range(int(copies[e]))))

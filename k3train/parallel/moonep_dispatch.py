@@ -19,6 +19,17 @@ Per MoE layer and micro-batch (R EP ranks, G = E/R home experts each, S tokens p
 On a GPU the permutation would be fused into the send so rows land in the remote expert-grouped layout directly;
 with torch.distributed's all_to_all_single the arrival is source-major and one local gather regroups it.
 
+Host synchronisation: one per layer and micro-batch. The plan is computed on the device from the gathered counts
+(`plan_alloc_sync_free`: the fill loop as R−1 fixed tensor steps), and so are this rank's send and receive matrices,
+the expert-major index (S·K rows: a static shape), the destinations of its rows and the weight routes. The integers the
+host must have (every rank's routed rows, for the budget check; the token and weight all_to_all splits; where the home
+experts' rows sit in the buffer; whether any rank hosts a copy) go to the host together in one
+`k3train.parallel.host_copy.host_counts` call (on CUDA one pinned, non-blocking copy and one wait): torch.distributed
+takes uneven splits as Python ints, and the lengths of the weight transfer are data-dependent. No other device value
+is read in dispatch, combine or backward. The full MoonEPPlan (`last_plan`) is built on demand, for inspection only.
+Hosted experts' weights are indexed at home first (only the experts a peer needs) and sent in the compute dtype (the
+latent's: bf16 under bf16), never the whole home bank.
+
 Every rank must hold the same number of tokens S for the layer (the buffer is S·K rows everywhere); a micro-batch
 that breaks this, or a static `tokens_per_rank` that does not match, is refused with the numbers.
 """
@@ -28,9 +39,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from k3train.parallel import comm
+from k3train.ops.moe_permute import expert_counts
+from k3train.parallel import comm, host_copy
 from k3train.parallel.ep_dispatch import EPDispatcher, EPGroupedExperts, mix_rows
-from k3train.parallel.moonep import MoonEPPlan, make_plan
+from k3train.parallel.moonep import (MoonEPPlan, assign_rows, expert_major_index, interval_overlap, make_plan,
+                                     plan_alloc_sync_free)
 
 __all__ = ["MoonEPDispatcher", "hosted_weight_routes", "moonep_send_layout"]
 
@@ -41,7 +54,7 @@ def moonep_send_layout(plan: MoonEPPlan, source: int, idx: Tensor) -> tuple[Tens
     flat = idx.reshape(-1)
     dest = plan.assign_rows(source, flat)
     order = torch.argsort(dest * plan.num_experts + flat, stable=True)
-    return order, dest, torch.bincount(dest, minlength=plan.num_ranks)
+    return order, dest, expert_counts(dest, plan.num_ranks)
 
 
 def hosted_weight_routes(plan: MoonEPPlan, rank: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -55,8 +68,57 @@ def hosted_weight_routes(plan: MoonEPPlan, rank: int) -> tuple[Tensor, Tensor, T
     mine = rep[rep[:, 0] // G == rank]
     mine = mine[torch.argsort(mine[:, 1] * E + mine[:, 0], stable=True)]
     hosted = rep[rep[:, 1] == rank, 0]
-    return (mine[:, 0] - rank * G, torch.bincount(mine[:, 1], minlength=R), hosted,
-            torch.bincount(hosted // G, minlength=R))
+    return (mine[:, 0] - rank * G, expert_counts(mine[:, 1], R), hosted, expert_counts(hosted // G, R))
+
+
+def _first_true(mask: Tensor, n: int) -> Tensor:
+    """Positions of the True entries of a 1-D mask, ascending, given their number n (known on the host): a stable
+    sort instead of nonzero(), so no host synchronisation."""
+    return torch.argsort((~mask).to(torch.int8), stable=True)[:n]
+
+
+class _RankPlan:
+    """One rank's share of a MoonEP plan, on the device, plus the integers its collectives need on the host (read in
+    one `host_counts` call)."""
+
+    def __init__(self, all_counts: Tensor, rows_per_rank: int, rank: int):
+        R, E = all_counts.shape
+        G = E // R
+        dev = all_counts.device
+        counts = all_counts.to(torch.int64)
+        alloc = plan_alloc_sync_free(counts, rows_per_rank)  # [E, R]
+        src_end = counts.T.cumsum(1)  # [E, R_src]: each source's interval of each expert's global row order
+        src_start = src_end - counts.T
+        dst_end = alloc.cumsum(1)  # [E, R_dst]: each destination's interval of it
+        dst_start = dst_end - alloc
+        send = interval_overlap(src_start[:, rank, None], src_end[:, rank, None], dst_start, dst_end)  # [E, R_dst]
+        recv = interval_overlap(src_start, src_end, dst_start[:, rank, None], dst_end[:, rank, None])  # [E, R_src]
+        mine = alloc[:, rank]
+        lo = rank * G
+        home = torch.arange(E, device=dev) // G
+        remote = (alloc > 0) & (home[:, None] != torch.arange(R, device=dev)[None, :])  # [E, R]
+        send_w = remote[lo:lo + G].T.reshape(-1)  # [R_dst · G]: home expert g goes to receiver u (u-major)
+        hosted = remote[:, rank]  # [E]
+        before = mine[:lo].sum().view(1)
+        host = host_copy.host_counts(torch.cat([
+            counts.sum(1), send.sum(0), recv.sum(0), send_w.view(R, G).sum(1), hosted.view(R, G).sum(1),
+            before, before + mine[lo:lo + G].sum().view(1), remote.sum().view(1)]))
+        self.rows_routed = host[:R]
+        self.send_splits, self.recv_splits = host[R:2 * R], host[2 * R:3 * R]
+        self.weight_send_splits, self.weight_recv_splits = host[3 * R:4 * R], host[4 * R:5 * R]
+        self.a, self.b, self.replicas = host[5 * R:]
+        self.counts, self.alloc, self.recv, self.mine = counts, alloc, recv, mine
+        self.rank, self.rows_per_rank, self.G = rank, rows_per_rank, G
+        self._send_w, self._hosted = send_w, hosted
+
+    def expert_major_index(self) -> Tensor:
+        return expert_major_index(self.recv, self.mine.cumsum(0) - self.mine, self.rows_per_rank)
+
+    def weight_routes(self) -> tuple[Tensor, Tensor]:
+        """(send_local [n_send]: local index of each home expert sent, ordered by (receiver, expert); hosted [n_host]:
+        global ids of the experts this rank hosts, ascending)."""
+        send = _first_true(self._send_w, sum(self.weight_send_splits)) % self.G
+        return send, _first_true(self._hosted, sum(self.weight_recv_splits))
 
 
 class MoonEPDispatcher(EPDispatcher):
@@ -77,9 +139,14 @@ class MoonEPDispatcher(EPDispatcher):
         super().__init__(group, ep_rank, ep_size)
         self.experts = experts
         self.tokens_per_rank = tokens_per_rank
-        self.last_plan: MoonEPPlan | None = None
+        self._last: tuple[Tensor, int] | None = None
         self.replicated_calls = 0
         """Calls whose plan placed at least one redundant expert (on any rank)."""
+
+    @property
+    def last_plan(self) -> MoonEPPlan | None:
+        """The full plan of the last call, rebuilt from its gathered counts (for inspection: reads them on the host)."""
+        return None if self._last is None else make_plan(*self._last)
 
     def _gather_counts(self, counts: Tensor) -> Tensor:
         out = counts.new_empty(self.ep_size * counts.numel())
@@ -87,27 +154,30 @@ class MoonEPDispatcher(EPDispatcher):
             comm.all_gather(out, counts, self.group, "ep", what="counts")
         return out.view(self.ep_size, -1)
 
-    def _fetch_hosted(self, plan: MoonEPPlan) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor], Tensor] | None:
-        """(hosted expert ids [n] ascending, their (w1, w3, w2) stacks, the raw received rows), or None when the plan
-        replicates nothing (the same on every rank, so either every rank joins the all_to_all or none does)."""
-        if plan.replicas.shape[0] == 0:
+    def _fetch_hosted(self, rp: _RankPlan,
+                      dtype: torch.dtype) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor], Tensor] | None:
+        """(hosted expert ids [n] ascending, their (w1, w3, w2) stacks in `dtype`, the raw received rows), or None when
+        the plan replicates nothing (the same on every rank, so either every rank joins the all_to_all or none does).
+        Only the home experts a peer needs are indexed and cast, then packed."""
+        if rp.replicas == 0:
             return None
         ex = self.experts
-        send_local, send_splits, hosted, recv_splits = hosted_weight_routes(plan, self.ep_rank)
-        shapes = [ex.w1.shape[1:], ex.w3.shape[1:], ex.w2.shape[1:]]
-        packed = torch.cat([ex.w1.flatten(1), ex.w3.flatten(1), ex.w2.flatten(1)], 1)  # [G, 3·L·H]
-        got = self._send_rows(packed[send_local], recv_splits.tolist(), send_splits.tolist(), "weights", "weights")
-        parts = got.split([sh.numel() for sh in shapes], 1)
-        return hosted, tuple(p.reshape(-1, *sh) for p, sh in zip(parts, shapes)), got
+        send_local, hosted = rp.weight_routes()
+        ws = (ex.w1, ex.w3, ex.w2)
+        packed = torch.cat([w[send_local].to(dtype).flatten(1) for w in ws], 1)  # [n_send, 3·L·H]
+        got = self._send_rows(packed, rp.weight_recv_splits, rp.weight_send_splits, "weights", "weights")
+        parts = got.split([w[0].numel() for w in ws], 1)
+        return hosted, tuple(p.reshape(-1, *w.shape[1:]) for p, w in zip(parts, ws)), got
 
     def dispatch(self, z: Tensor, idx: Tensor, n_experts: int):
         """z [N, L], idx [N, K] -> (rows of the home experts, counts [E/R], state for combine)."""
         N, K = idx.shape
         me = self.ep_rank
-        counts = torch.bincount(idx.reshape(-1), minlength=n_experts)
-        all_counts = self._gather_counts(counts)  # [R, E]
+        flat = idx.reshape(-1)
+        all_counts = self._gather_counts(expert_counts(flat, n_experts))  # [R, E]
+        rp = _RankPlan(all_counts, N * K, me)  # the layer's one host read
         # Checked after the gather, so every rank sees the same numbers and refuses together (no rank left waiting).
-        rows_per_rank = all_counts.sum(1).tolist()
+        rows_per_rank = rp.rows_routed
         budget = self.tokens_per_rank
         if budget is not None and any(r != budget * K for r in rows_per_rank):
             raise ValueError(f"MoonEP: the static token budget is tokens_per_rank={budget} (S·K = {budget * K} rows "
@@ -115,23 +185,22 @@ class MoonEPDispatcher(EPDispatcher):
         if len(set(rows_per_rank)) != 1:
             raise ValueError(f"MoonEP: every EP rank must route the same S·K rows, but the EP ranks route "
                              f"{rows_per_rank} rows (K={K}); no plan can give each rank exactly S·K rows")
-        plan = make_plan(all_counts, N * K)
-        self.last_plan = plan
-        self.replicated_calls += int(plan.replicas.shape[0] > 0)
-        fetched = self._fetch_hosted(plan)
+        self._last = (all_counts, N * K)
+        self.replicated_calls += int(rp.replicas > 0)
+        fetched = self._fetch_hosted(rp, z.dtype)
 
-        order, dest, send = moonep_send_layout(plan, me, idx)
-        send_splits, recv_splits = send.tolist(), plan.recv_splits(me)
+        dest = assign_rows(rp.counts, rp.alloc, me, flat)
+        order = torch.argsort(dest * n_experts + flat, stable=True)
+        send_splits, recv_splits = rp.send_splits, rp.recv_splits
         self.routes += N * K
         self.calls += 1
         rows = self._send_rows(z[order // K], recv_splits, send_splits, "dispatch")
-        em = plan.expert_major_index(me)
+        em = rp.expert_major_index()
         grouped = rows[em]  # [S·K, L], ascending expert; the home experts are one contiguous range
-        alloc = plan.alloc[:, me]
-        G = plan.experts_per_rank
+        alloc = rp.mine
+        G = rp.G
         lo = me * G
-        a = int(alloc[:lo].sum())
-        b = a + int(alloc[lo:lo + G].sum())
+        a, b = rp.a, rp.b
         return grouped[a:b], alloc[lo:lo + G], (order, em, send_splits, recv_splits, grouped, a, b, alloc, fetched)
 
     def combine(self, y: Tensor, weights: Tensor, state) -> Tensor:
