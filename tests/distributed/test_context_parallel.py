@@ -270,7 +270,7 @@ def test_collective_bytes(cp_run):
     world, results = cp_run
     args = get_preset("tiny")
     H, K = args.kda_heads, args.kda_head_dim
-    P, n = 2, 2 * world   # zigzag: two pieces per rank
+    n = 2 * world   # zigzag: two pieces per rank
     stats = results[0]["kda"]["stats"]
     # KDA summaries: every piece's [M | B] (H*K*(K+V) fp64 numbers) gathered once; the same bytes reduce-scattered back
     per_piece = H * K * (K + K) * 8

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -12,7 +10,7 @@ from k3train.models.k3.args import get_preset
 from k3train.models.k3.context import BatchContext
 from k3train.models.k3.counts import count_params
 from k3train.models.k3.model import K3Model
-from k3train.models.k3.moe import LatentMoE, LocalDispatcher, Router, moe_reference
+from k3train.models.k3.moe import LatentMoE, Router, moe_reference
 from k3train.ops.attn_res import attn_res, attn_res_reference
 from k3train.ops.grouped_mm import grouped_mm, grouped_mm_reference
 from k3train.ops.short_conv import causal_conv1d
