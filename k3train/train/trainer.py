@@ -59,12 +59,28 @@ class DistEnv:
     local_world: int
 
 
-def dist_env() -> DistEnv:
-    """RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE as torchrun sets them (a single process without them)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return DistEnv(rank=int(os.environ.get("RANK", "0")), world=world,
-                   local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                   local_world=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+def _from_slurm_step(env) -> None:
+    """One task per rank started by srun (Hydra's submitit launcher, hydra/launcher=k3_slurm): without torchrun's
+    variables, RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE come from the step's SLURM_PROCID /
+    SLURM_STEP_NUM_TASKS / SLURM_LOCALID / SLURM_STEP_TASKS_PER_NODE ("8(x2)" or "8,8": this node's count first).
+    Only inside an srun step: a batch script's own SLURM_NTASKS describes the allocation, not running processes."""
+    if "RANK" in env or "SLURM_STEP_NUM_TASKS" not in env or "SLURM_PROCID" not in env:
+        return
+    per_node = re.match(r"\d+", env.get("SLURM_STEP_TASKS_PER_NODE", "")) or re.match(r"\d+", "1")
+    env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env["LOCAL_WORLD_SIZE"] = per_node.group(0)
+
+
+def dist_env(env=None) -> DistEnv:
+    """RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE as torchrun sets them, or from the Slurm step's task
+    variables (written into the environment, which torch's env:// initialisation reads); a single process without
+    either."""
+    env = os.environ if env is None else env
+    _from_slurm_step(env)
+    world = int(env.get("WORLD_SIZE", "1"))
+    return DistEnv(rank=int(env.get("RANK", "0")), world=world, local_rank=int(env.get("LOCAL_RANK", "0")),
+                   local_world=int(env.get("LOCAL_WORLD_SIZE", str(world))))
 
 
 def resolve_device(name: str, local_rank: int) -> torch.device:

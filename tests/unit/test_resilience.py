@@ -217,3 +217,20 @@ def test_process_group_is_bound_to_the_cuda_device(monkeypatch):
     resilience.init_process_group("gloo", rank=0, world=2, timeout_s=42, device=torch.device("cpu"))
     assert calls[0]["device_id"] == torch.device("cuda", 1) and calls[0]["timeout"] == datetime.timedelta(seconds=42)
     assert "device_id" not in calls[1] and calls[1]["backend"] == "gloo"
+
+
+def test_ranks_from_the_slurm_step_without_torchrun():
+    """Hydra's submitit launcher starts one task per rank through srun: the trainer takes its rank, world and local
+    rank from the step's variables and exports them for env:// initialisation; torchrun's variables win, and a batch
+    script's allocation variables alone start one process."""
+    from k3train.train.trainer import dist_env
+
+    step = {"SLURM_PROCID": "11", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": "3",
+            "SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_NTASKS": "16"}
+    env = dict(step)
+    assert tuple(vars(dist_env(env)).values()) == (11, 16, 3, 8)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("11", "16", "3", "8")
+    torchrun = dict(step, RANK="2", WORLD_SIZE="4", LOCAL_RANK="2", LOCAL_WORLD_SIZE="4")
+    assert tuple(vars(dist_env(torchrun)).values()) == (2, 4, 2, 4)
+    batch_script = {"SLURM_PROCID": "0", "SLURM_NTASKS": "16"}
+    assert tuple(vars(dist_env(batch_script)).values()) == (0, 1, 0, 1)
