@@ -8,8 +8,9 @@ in k3kernels (the `model.kernels` setting).
 The ops covered: the chunked KDA (k3kernels.kda.chunk_kda vs k3train.ops.kda.chunk_kda), the SiTU-GLU activation
 (k3kernels.situ vs k3train.ops.situ) and the MoE permutation (k3kernels.moe_permute vs k3train.ops.moe_permute).
 Where the Triton kernel does not cover a case the PyTorch op runs, whatever the choice: fp64 tensors (the kernels
-compute in fp32), KDA chunk sizes other than 64, KDA log-decays below -5, and the context-parallel KDA (it runs the
-PyTorch chunk summaries, k3train.parallel.context_parallel).
+compute in fp32), KDA chunk sizes other than 64 and KDA log-decays below -5. The context-parallel KDA
+(k3train.parallel.context_parallel) follows the same choice: on Triton its piece summaries and outputs are
+k3kernels.kda.chunk_kda calls.
 
 A choice is a `Kernels` value (frozen): modules that call these ops hold one in their `kernels` attribute (the class
 default is AUTO), and `set_kernels` sets it on every such module of a model. Nothing here is global state: two models
@@ -103,6 +104,12 @@ class Kernels:
             return True
         return tensors[0].is_cuda and not _triton_import_error()
 
+    def kda_on_triton(self, *tensors: torch.Tensor, chunk_size: int, g_min: float | None = None) -> bool:
+        """Whether chunk_kda on these tensors runs k3kernels.kda.chunk_kda: chunk_size 64, g_min (when known) >= -5,
+        and triton_for(tensors)."""
+        fits = chunk_size == TRITON_KDA_CHUNK and (g_min is None or g_min >= TRITON_KDA_G_MIN)
+        return fits and self.triton_for(*tensors)
+
     # ---- ops ---------------------------------------------------------------------------------------------------
     def situ(self, g: torch.Tensor, u: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
         """k3train.ops.situ.situ_reference or k3kernels.situ.situ_triton."""
@@ -114,8 +121,7 @@ class Kernels:
     def chunk_kda(self, q, k, v, g, beta, *, chunk_size: int = 64, g_min: float | None = None, **kwargs):
         """k3train.ops.kda.chunk_kda or k3kernels.kda.chunk_kda (chunk_size 64 and g_min >= -5 only: the bound of
         the log-decay, when the caller knows one; the PyTorch op otherwise)."""
-        fits = chunk_size == TRITON_KDA_CHUNK and (g_min is None or g_min >= TRITON_KDA_G_MIN)
-        if fits and self.triton_for(q, k, v, g, beta):
+        if self.kda_on_triton(q, k, v, g, beta, chunk_size=chunk_size, g_min=g_min):
             return _kernel("kda", "chunk_kda")(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
         from k3train.ops.kda import chunk_kda
         return chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)

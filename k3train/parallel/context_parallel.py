@@ -16,7 +16,9 @@ itself begin a document), later segments start from zero; its summary is that of
 that segment begins a document. The segments are packed as chunk_kda packs documents (ops.kda.utils.ChunkLayout):
 each is padded only to whole chunks and their chunks follow one another, so a rank's chunk terms hold at most
 R*L + segments x (C-1) token slots (exactly R*L when every segment fills whole chunks, as without documents), not
-segments x the longest segment. Backward is autograd: the all-gather's backward reduce-scatters (sums) the gradients
+segments x the longest segment. Where the layer's kernels choose the Triton chunk_kda (chunk 64), the same segments
+run through k3kernels.kda.chunk_kda instead: B is a segment's final state from zero, M its final state with zero
+values (V = K) from the identity, and the outputs one more call from the incoming states. Backward is autograd: the all-gather's backward reduce-scatters (sums) the gradients
 of the summaries back to the ranks that made them.
 
 Short conv. The width-W causal conv of q, k, v reads W-1 tokens before each piece: the last W-1 projected tokens of
@@ -220,6 +222,39 @@ def kda_pieces(chunks: KDAChunks, incoming: torch.Tensor, plan: PiecePlan) -> to
     return o.view(R, -1, H, V)
 
 
+def kda_piece_summaries_kernel(q, k, v, g, beta, plan: PiecePlan, chunk: int, chunk_kda) -> torch.Tensor:
+    """kda_piece_summaries from a chunk_kda op with the signature of k3kernels.kda.chunk_kda (final states, fp32),
+    over the same segments: B is each piece's last segment's final state from a zero initial state; M (K x K) is the
+    final state of the same recurrence with zero values (V = K) from the identity, M I + 0. -> [R, H, K, K+V]."""
+    R, L, H, K = k.shape
+    flat = lambda t: t.reshape(1, R * L, *t.shape[2:])
+    fq, fk, fg, fb = flat(q), flat(k), flat(g), flat(beta)
+    n_seg = len(plan.cu_seqlens) - 1
+    _, Bm = chunk_kda(fq, fk, flat(v), fg, fb, output_final_state=True, cu_seqlens=plan.cu_seqlens, chunk_size=chunk)
+    eye = torch.eye(K, device=k.device, dtype=Bm.dtype).expand(n_seg, H, K, K)
+    zero_v = fk.new_zeros(fk.shape[:-1] + (K,)).to(v.dtype)
+    _, M = chunk_kda(fq, fk, zero_v, fg, fb, initial_state=eye, output_final_state=True, cu_seqlens=plan.cu_seqlens,
+                     chunk_size=chunk)
+    last = plan.last_seg.to(k.device)
+    M = M.index_select(0, last) * plan.keep_m.to(M.device, M.dtype).view(-1, 1, 1, 1)
+    return torch.cat([M, Bm.index_select(0, last)], dim=-1)
+
+
+def kda_pieces_kernel(q, k, v, g, beta, incoming: torch.Tensor, plan: PiecePlan, chunk: int, chunk_kda) -> torch.Tensor:
+    """kda_pieces from a chunk_kda op (k3kernels.kda.chunk_kda's signature): one call over the segments, the first
+    segment of a piece that continues a document starting from its incoming state, every other from zero.
+    -> o [R, L, H, V]."""
+    R, H, K, V = incoming.shape
+    L = k.shape[1]
+    flat = lambda t: t.reshape(1, R * L, *t.shape[2:])
+    S0 = incoming.float() * plan.carry.to(incoming.device, torch.float32).view(R, 1, 1, 1)
+    n_seg = len(plan.cu_seqlens) - 1
+    init = S0.new_zeros(n_seg, H, K, V).index_copy(0, plan.first_seg.to(S0.device), S0)
+    o, _ = chunk_kda(flat(q), flat(k), flat(v), flat(g), flat(beta), initial_state=init, cu_seqlens=plan.cu_seqlens,
+                     chunk_size=chunk)
+    return o.view(R, L, H, V)
+
+
 @dataclass
 class LatentKeys:
     """MLA's view of one batch under CP: where its local queries and the row's keys sit, and the key source (the
@@ -396,21 +431,32 @@ class ContextParallel:
         idx = torch.tensor(self.local_pieces(), device=y.device)
         return padded.index_select(1, idx).reshape(R, h, C)
 
-    def kda(self, q, k, v, g, beta, chunk: int) -> torch.Tensor:
+    def kda(self, q, k, v, g, beta, chunk: int, kernels=None, g_min: float | None = None) -> torch.Tensor:
         """KDA over the local pieces [B*P, L, H, *], continuing the state of the pieces before them
-        -> o [B*P, L, H, V]."""
+        -> o [B*P, L, H, V]. kernels (k3train.ops.backend.Kernels, None: PyTorch): where it chooses the Triton
+        chunk_kda for these tensors (chunk 64, g_min >= -5), the summaries and outputs are k3kernels.kda.chunk_kda
+        calls; otherwise the PyTorch chunk terms (KDAChunks)."""
         R, L, H, K = k.shape
         B = self._rows_check(R, L, "kda")
         if L % chunk:
             raise ValueError(f"context parallel: KDA chunk {chunk} does not divide the piece length {L}")
         plan = self._plan("kda", k.device)
+        if kernels is not None and kernels.kda_on_triton(q, k, v, g, beta, chunk_size=chunk, g_min=g_min):
+            from k3kernels.kda import chunk_kda as triton_chunk_kda
+            mine = kda_piece_summaries_kernel(q, k, v, g, beta, plan, chunk, triton_chunk_kda)
+            incoming = self._kda_incoming(mine, B, R, H, K, v.shape[-1])
+            return kda_pieces_kernel(q, k, v, g, beta, incoming, plan, chunk, triton_chunk_kda)
         chunks = kda_piece_chunks(q, k, v, g, beta, plan, chunk)
         mine = kda_piece_summaries(chunks, plan)                                         # [R, H, K, K+V]
+        return kda_pieces(chunks, self._kda_incoming(mine, B, R, H, K, v.shape[-1]), plan)
+
+    def _kda_incoming(self, mine: torch.Tensor, B: int, R: int, H: int, K: int, V: int) -> torch.Tensor:
+        """This rank's piece summaries [R, H, K, K+V] -> the states entering its pieces [R, H, K, V] (all-gather,
+        then the prefix over every row's pieces in sequence order)."""
         every = self.seq.to_sequence_order(self._gather(mine, "kda_summary"), B)         # [B, n, H, K, K+V]
         S_in = exclusive_prefix_states(every, K)                                          # [B, n, H, K, V]
-        idx = torch.tensor(self.local_pieces(), device=k.device)
-        incoming = S_in.index_select(1, idx).reshape(R, H, K, v.shape[-1])
-        return kda_pieces(chunks, incoming, plan)
+        idx = torch.tensor(self.local_pieces(), device=mine.device)
+        return S_in.index_select(1, idx).reshape(R, H, K, V)
 
     def mla_keys(self, R: int, L: int, device) -> "LatentKeys":
         """What MLA needs to attend its local queries [R = B*P rows, L] under CP: the queries' positions in the row

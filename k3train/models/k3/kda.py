@@ -84,7 +84,7 @@ class KDA(nn.Module):
         ctx = ctx or BatchContext()
         q, k, v, g, beta = self.qkvgb(x, ctx)
         if ctx.cp is not None:
-            o = ctx.cp.kda(q, k, v, g, beta, self.chunk)
+            o = ctx.cp.kda(q, k, v, g, beta, self.chunk, kernels=self.kernels, g_min=self.g_min)
         elif ctx.cu_seqlens is None:
             o, _ = self.kernels.chunk_kda(q, k, v, g, beta, chunk_size=self.chunk, g_min=self.g_min)
         else:
