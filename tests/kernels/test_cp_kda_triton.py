@@ -9,11 +9,10 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
+from layer_init import kda_inputs
 
 from k3train.ops.backend import Kernels
 from k3train.ops.kda import chunk_kda as torch_chunk_kda
-from k3train.ops.kda import kda_gate
 from k3train.parallel.context_parallel import ContextParallel
 
 pytest.importorskip("triton")
@@ -26,17 +25,6 @@ TOL = 1e-4
 """Relative RMS error bound (fp32 kernels against fp64 references)."""
 
 
-def make_inputs(B, T, H, K, V, seed):
-    gen = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    q, k = F.normalize(rnd(B, T, H, K), dim=-1), F.normalize(rnd(B, T, H, K), dim=-1)
-    dt_bias = -8.0 * torch.rand(H * K, generator=gen, dtype=torch.float64) + 4.0
-    g = kda_gate(rnd(B, T, H, K), torch.zeros(H, dtype=torch.float64), dt_bias)
-    beta = torch.sigmoid(rnd(B, T, H))
-    return dict(zip(NAMES, (q, k, rnd(B, T, H, V), g, beta)))
 
 
 def rel_rms(a, b):
@@ -60,7 +48,7 @@ def cp_kda(cp, x, dtype, kernels):
 ])
 def test_cp_kda_triton_matches_torch_and_whole_sequence(B, T, H, cu):
     K = V = 16
-    x = make_inputs(B, T, H, K, V, seed=T + H)
+    x = kda_inputs(B, T, H, K, V, seed=T + H)
     w = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     cp = ContextParallel(None, 0, 1, seq_len=T, cu_seqlens_global=cu)
     assert cp.local_pieces() == [0, 1]
@@ -101,7 +89,7 @@ def test_cp_kda_follows_the_kernel_choice(monkeypatch):
 
     monkeypatch.setattr(kk, "chunk_kda", spy)
     B, T, H, K = 1, 128, 1, 16
-    x = make_inputs(B, T, H, K, K, seed=0)
+    x = kda_inputs(B, T, H, K, K, seed=0)
     cp = ContextParallel(None, 0, 1, seq_len=T)
     with torch.no_grad():
         cp_kda(cp, x, torch.float32, Kernels("torch"))

@@ -8,10 +8,10 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
+from layer_init import kda_inputs
 
 from k3train.ops.kda import chunk_kda as torch_chunk_kda
-from k3train.ops.kda import kda_gate, naive_recurrent_kda
+from k3train.ops.kda import naive_recurrent_kda
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
@@ -23,21 +23,6 @@ TOL = 1e-4
 """Relative RMS error bound for the output, the final state and every gradient (fp32 kernels, fp64 references)."""
 
 
-def make_inputs(B, T, H, K, V, n_states, seed=0, g_value=None):
-    """fp64 inputs: L2-normalised q, k; gates from kda_gate spanning slow to fast decay (g in (-5, 0)), or g_value."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    q, k = F.normalize(rnd(B, T, H, K), dim=-1), F.normalize(rnd(B, T, H, K), dim=-1)
-    dt_bias = -8.0 * torch.rand(H * K, generator=gen, dtype=torch.float64) + 4.0
-    g = kda_gate(rnd(B, T, H, K), torch.zeros(H, dtype=torch.float64), dt_bias)
-    if g_value is not None:
-        g = torch.full_like(g, g_value)
-    beta = torch.sigmoid(rnd(B, T, H))
-    h0 = 0.5 * rnd(n_states, H, K, V)
-    return dict(zip(NAMES, (q, k, rnd(B, T, H, V), g, beta, h0)))
 
 
 def run(fn, x, dtype, with_h0=True, with_final=True, **kw):
@@ -76,7 +61,7 @@ def test_triton_kda_matches_references(name):
     from k3kernels.kda import chunk_kda
 
     B, T, H, K, V, cu, g_value = CASES[name]
-    x = make_inputs(B, T, H, K, V, n_states=B if cu is None else len(cu) - 1, g_value=g_value)
+    x = kda_inputs(B, T, H, K, V, n_states=B if cu is None else len(cu) - 1, g_value=g_value)
     kw = {} if cu is None else {"cu_seqlens": torch.tensor(cu, device=DEV)}
     out = run(chunk_kda, x, torch.float32, **kw)
     errs = {}
@@ -94,7 +79,7 @@ def test_triton_kda_without_states():
     """No initial state and no final state: None is returned, and the outputs and gradients match (V > K)."""
     from k3kernels.kda import chunk_kda
 
-    x = make_inputs(1, 70, 2, 16, 32, n_states=1)
+    x = kda_inputs(1, 70, 2, 16, 32, n_states=1)
     o, s, grads = run(chunk_kda, x, torch.float32, with_h0=False, with_final=False)
     assert s is None
     o_ref, _, ref = run(torch_chunk_kda, x, torch.float64, with_h0=False, with_final=False)
@@ -106,7 +91,7 @@ def test_triton_kda_without_states():
 def test_triton_kda_rejects_other_chunk_sizes():
     from k3kernels.kda import chunk_kda
 
-    x = make_inputs(1, 8, 1, 16, 16, n_states=1)
+    x = kda_inputs(1, 8, 1, 16, 16, n_states=1)
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=32)
 
@@ -116,7 +101,7 @@ def test_triton_kda_fp16_inputs():
     inputs to within fp16 rounding; the final state is fp32."""
     from k3kernels.kda import chunk_kda
 
-    x = {n: t.half().double() for n, t in make_inputs(1, 70, 1, 16, 16, n_states=1).items()}
+    x = {n: t.half().double() for n, t in kda_inputs(1, 70, 1, 16, 16, n_states=1).items()}
     o, s, grads = run(chunk_kda, x, torch.float16)
     o_ref, s_ref, ref = run(torch_chunk_kda, x, torch.float64)
     assert o.dtype == torch.float16 and s.dtype == torch.float32

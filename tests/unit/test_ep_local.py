@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from layer_init import expert_bank
 
 from k3train.models.k3.args import get_preset
 from k3train.models.k3.moe import GroupedExperts, LatentMoE, LocalDispatcher
@@ -17,13 +18,6 @@ from k3train.parallel.moonep_dispatch import MoonEPDispatcher, hosted_weight_rou
 L, H = 8, 16  # latent and expert hidden widths of the toy bank
 
 
-def _bank(E: int, seed: int = 0) -> GroupedExperts:
-    g = torch.Generator().manual_seed(seed)
-    ex = GroupedExperts(E, L, H, beta1=4.0, beta2=25.0)
-    with torch.no_grad():
-        for p in ex.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return ex
 
 
 def _exchange(bufs: list[torch.Tensor], splits: list[list[int]]) -> list[torch.Tensor]:
@@ -78,7 +72,7 @@ def test_alltoall_layout_end_to_end_in_one_process():
     R, E, K = 4, 8, 2
     Ns = [5, 0, 7, 3]
     zs, idxs, ws = _routing(R, Ns, E, K, skew=0.0, seed=1)
-    full = _bank(E)
+    full = expert_bank(E, L, H)
     homes = [EPGroupedExperts(full, None, r, R) for r in range(R)]
     lay = [alltoall_send_layout(idx, E, R) for idx in idxs]  # (order, counts [R_dst, G], send [R_dst])
     assert [int(c.sum()) for _, c, _ in lay] == [n * K for n in Ns]
@@ -112,7 +106,7 @@ def test_moonep_layout_end_to_end_in_one_process():
     weights routed from their home equal the full bank's rows; the mixed outputs equal the local MoE."""
     R, E, K, S = 4, 16, 4, 6
     zs, idxs, ws = _routing(R, [S] * R, E, K, skew=2.0, seed=3)
-    full = _bank(E, seed=5)
+    full = expert_bank(E, L, H, seed=5)
     G = E // R
     counts = torch.stack([torch.bincount(i.reshape(-1), minlength=E) for i in idxs])
     plan = make_plan(counts, S * K)
@@ -160,8 +154,8 @@ def test_moonep_layout_end_to_end_in_one_process():
 
 def test_home_shards_load_full_and_local_tensors():
     E, R = 8, 4
-    full = _bank(E, seed=1)
-    other = _bank(E, seed=2)
+    full = expert_bank(E, L, H, seed=1)
+    other = expert_bank(E, L, H, seed=2)
     sd = {k: v.detach().clone() for k, v in full.state_dict().items()}
     shards = []
     for r in range(R):
@@ -190,7 +184,7 @@ def test_home_shards_load_full_and_local_tensors():
 
 def test_home_experts_compute_with_given_weights():
     """`compute` with hosted weight stacks is what the full bank computes for those experts' rows."""
-    full = _bank(4, seed=3)
+    full = expert_bank(4, L, H, seed=3)
     ep = EPGroupedExperts(full, None, 0, 2)  # home experts 0, 1
     x = torch.randn(5, L)
     hosted = [getattr(full, n)[2:4] for n in ("w1", "w3", "w2")]
@@ -202,7 +196,7 @@ def test_home_experts_compute_with_given_weights():
 
 
 def test_moonep_refuses_budget_it_cannot_meet():
-    full = _bank(8)
+    full = expert_bank(8, L, H)
     ep = EPGroupedExperts(full, None, 0, 2)
     d = MoonEPDispatcher(None, 0, 2, ep)
     z, idx = torch.randn(3, L), torch.tensor([[0, 1], [2, 3], [4, 5]])

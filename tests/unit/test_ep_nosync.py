@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from layer_init import expert_bank
 
 from k3train.models.k3.moe import GroupedExperts
 from k3train.ops.moe_permute import expert_counts
@@ -66,13 +67,6 @@ def no_host_reads(monkeypatch):
                 setattr(torch.Tensor, n, v)
 
 
-def _bank(E: int, seed: int = 0) -> GroupedExperts:
-    g = torch.Generator().manual_seed(seed)
-    ex = GroupedExperts(E, L, H, beta1=4.0, beta2=25.0)
-    with torch.no_grad():
-        for p in ex.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return ex
 
 
 def _routing(R: int, S: int, E: int, K: int, skew: float, seed: int):
@@ -102,10 +96,22 @@ def test_guard_has_teeth(monkeypatch):
     assert t.tolist() == [3, 4]  # restored
 
 
+def _step(disps, homes, idx, S, K, E, dtype):
+    """One micro-batch through every layer (dispatch, experts, combine) and its backward; returns the input."""
+    z = torch.randn(S, L, dtype=dtype, requires_grad=True)
+    w = torch.rand(S, K, requires_grad=True)
+    loss = 0
+    for d, ex in zip(disps, homes):
+        rows, c, st = d.dispatch(z, idx, E)
+        loss = loss + d.combine(ex(rows, c), w, st).float().sum()
+    loss.backward()
+    return z
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_alltoall_reads_the_host_once_per_layer(monkeypatch, dtype):
     R, E, K, S, layers, micro = 4, 8, 2, 6, 2, 2
-    full = _bank(E)
+    full = expert_bank(E, L, H)
     for me in range(R):
         disps = [AllToAllDispatcher(None, me, R) for _ in range(layers)]
         homes = [EPGroupedExperts(full, None, me, R) for _ in range(layers)]
@@ -121,13 +127,7 @@ def test_alltoall_reads_the_host_once_per_layer(monkeypatch, dtype):
                     out.copy_(torch.stack([c[me] for c in counts]))  # source s's counts for my experts
 
                 monkeypatch.setattr(comm, "all_to_all", fake_all_to_all)
-                z = torch.randn(S, L, dtype=dtype, requires_grad=True)
-                w = torch.rand(S, K, requires_grad=True)
-                loss = 0
-                for d, ex in zip(disps, homes):
-                    rows, c, st = d.dispatch(z, idxs[me], E)
-                    loss = loss + d.combine(ex(rows, c), w, st).float().sum()
-                loss.backward()
+                z = _step(disps, homes, idxs[me], S, K, E, dtype)
         assert len(calls) == layers * micro and set(calls) == {2 * R}
         assert z.grad is not None and homes[0].w1.grad is not None
 
@@ -136,7 +136,7 @@ def test_alltoall_reads_the_host_once_per_layer(monkeypatch, dtype):
 def test_moonep_reads_the_host_once_per_layer(monkeypatch, dtype):
     R, E, K, S, layers, micro = 4, 16, 4, 6, 2, 2
     G = E // R
-    full = _bank(E, seed=5)
+    full = expert_bank(E, L, H, seed=5)
     hosted_any = sent_any = 0
     for me in range(R):
         homes = [EPGroupedExperts(full, None, me, R) for _ in range(layers)]
@@ -150,13 +150,7 @@ def test_moonep_reads_the_host_once_per_layer(monkeypatch, dtype):
                 all_counts = torch.stack([expert_counts(i.reshape(-1), E) for i in idxs])
                 for d in disps:
                     d._gather_counts = lambda c, a=all_counts: a
-                z = torch.randn(S, L, dtype=dtype, requires_grad=True)
-                w = torch.rand(S, K, requires_grad=True)
-                loss = 0
-                for d, ex in zip(disps, homes):
-                    rows, c, st = d.dispatch(z, idxs[me], E)
-                    loss = loss + d.combine(ex(rows, c), w, st).float().sum()
-                loss.backward()
+                z = _step(disps, homes, idxs[me], S, K, E, dtype)
         assert len(calls) == layers * micro and set(calls) == {5 * R + 3}
         assert z.grad is not None and homes[0].w1.grad is not None
         # Hosted weights: only the experts peers need, in the compute dtype (checked against the host-side plan).
