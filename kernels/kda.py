@@ -127,6 +127,26 @@ def _state_offs(idx, h, H, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
+def _state_program(c0_ptr, c1_ptr, H, K, V, BK: tl.constexpr, BV: tl.constexpr):
+    """A state-pass program (sequence n, head h, state columns v0..): its chunk range [c0, c1) and its state tile."""
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    v0 = tl.program_id(2) * BV
+    offs, m = _state_offs(n, h, H, K, V, v0, BK, BV)
+    return n, h, v0, tl.load(c0_ptr + n), tl.load(c1_ptr + n), offs, m
+
+
+@triton.jit
+def _load_state(ptr, offs, m, PRESENT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """A [BK, BV] fp32 state tile from ptr, or zeros when the caller passed none."""
+    if PRESENT:
+        S = tl.load(ptr + offs, mask=m, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+    return S
+
+
+@triton.jit
 def _row(x, i, R: tl.constexpr):
     """Row i of x [R, N] as a vector [N]."""
     return tl.sum(tl.where(tl.arange(0, R)[:, None] == i, x, 0.0), 0)
@@ -259,16 +279,8 @@ def _kda_wu(k, v, beta, Gc, Tm, W, U, bos_ptr, eos_ptr, H, K, V, BK: tl.constexp
 @triton.jit
 def _kda_fwd_state(q, k, Gc, W, U, Aqk, o, h0, hs, ht, bos_ptr, eos_ptr, c0_ptr, c1_ptr, scale, H, K, V,
                    HAS_H0: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    v0 = tl.program_id(2) * BV
-    c0 = tl.load(c0_ptr + n)
-    c1 = tl.load(c1_ptr + n)
-    offs, m = _state_offs(n, h, H, K, V, v0, BK, BV)
-    if HAS_H0:
-        S = tl.load(h0 + offs, mask=m, other=0.0).to(tl.float32)
-    else:
-        S = tl.zeros([BK, BV], dtype=tl.float32)
+    n, h, v0, c0, c1, offs, m = _state_program(c0_ptr, c1_ptr, H, K, V, BK, BV)
+    S = _load_state(h0, offs, m, HAS_H0, BK, BV)
     for c in range(c0, c1):
         bos = tl.load(bos_ptr + c)
         eos = tl.load(eos_ptr + c)
@@ -292,16 +304,8 @@ def _kda_fwd_state(q, k, Gc, W, U, Aqk, o, h0, hs, ht, bos_ptr, eos_ptr, c0_ptr,
 @triton.jit
 def _kda_bwd_state(q, k, Gc, W, Aqk, do, dht, dhs, dU, dh0, bos_ptr, eos_ptr, c0_ptr, c1_ptr, scale, H, K, V,
                    HAS_DHT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    v0 = tl.program_id(2) * BV
-    c0 = tl.load(c0_ptr + n)
-    c1 = tl.load(c1_ptr + n)
-    offs, m = _state_offs(n, h, H, K, V, v0, BK, BV)
-    if HAS_DHT:
-        dS = tl.load(dht + offs, mask=m, other=0.0).to(tl.float32)
-    else:
-        dS = tl.zeros([BK, BV], dtype=tl.float32)
+    n, h, v0, c0, c1, offs, m = _state_program(c0_ptr, c1_ptr, H, K, V, BK, BV)
+    dS = _load_state(dht, offs, m, HAS_DHT, BK, BV)
     for i in range(0, c1 - c0):
         c = c1 - 1 - i
         bos = tl.load(bos_ptr + c)
