@@ -162,6 +162,15 @@ def permute_triton(x: torch.Tensor, idx: torch.Tensor, n_experts: int
     return _Permute.apply(x, pos), counts, pos
 
 
+def permute_rows_triton(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """x [N, D], pos [N, K] (any permutation of the N*K rows) -> rows [N*K, D], rows[pos[n, k]] = x[n], as
+    k3train.ops.moe_permute.permute_rows: each token's K rows are written straight into their slots (an expert-parallel
+    send buffer ordered by destination and expert, for instance); differentiable in x."""
+    if x.dim() != 2 or pos.dim() != 2 or x.shape[0] != pos.shape[0]:
+        raise ValueError(f"permute_rows_triton: x {tuple(x.shape)} and pos {tuple(pos.shape)} do not fit")
+    return _Permute.apply(x, pos)
+
+
 def unpermute_triton(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """y [N*K, D] in expert order, weights [N, K], pos [N, K] -> u [N, D] = sum_k weights * y[pos], as
     k3train.ops.moe_permute.unpermute (but the product and sum in fp32); differentiable in y and weights."""

@@ -528,12 +528,10 @@ def _bwd_bytes_as_elements(k3_method, torch_method):
     return get_bwd_send_ops
 
 
-def _mix_with_sort_order(orig):
-    torch = _torch()
-
-    def mix_rows(y, weights, order):
-        return orig(y, weights, torch.argsort(order))  # un-sorts with the order itself, not its inverse
-    return mix_rows
+def _positions_are_the_order(orig):
+    def send_positions(order, shape):
+        return order.view(shape)  # the sort order itself, not its inverse
+    return send_positions
 
 
 def _quota_transposed(orig):
@@ -864,8 +862,8 @@ MUTATIONS: list[Mutation] = [
     M("pp_bwd_bytes_as_elements", "k3train.parallel.pipeline:_pipeline_stage_cls",
       "backward sends counted in elements, not bytes", _pp_stage_with("get_bwd_send_ops", _bwd_bytes_as_elements),
       (f"{PIECES}::test_pipeline_step_equals_one_process",)),
-    M("ep_combine_sort_order", "k3train.parallel.ep_dispatch:mix_rows",
-      "combine un-sorts expert outputs with the sort order instead of its inverse", _mix_with_sort_order,
+    M("ep_combine_sort_order", "k3train.parallel.ep_dispatch:send_positions",
+      "send and combine place rows by the sort order instead of its inverse", _positions_are_the_order,
       (f"{EP}::test_alltoall_layout_end_to_end_in_one_process",)),
     M("moonep_quota_transposed", "k3train.parallel.moonep:_group_quotas",
       "group fills recorded as quota[receiver, giver]", _quota_transposed,

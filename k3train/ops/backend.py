@@ -133,6 +133,13 @@ class Kernels:
         from k3train.ops.moe_permute import permute
         return permute(x, idx, n_experts)
 
+    def permute_rows(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """k3train.ops.moe_permute.permute_rows or k3kernels.moe_permute.permute_rows_triton."""
+        if self.triton_for(x):
+            return _kernel("moe_permute", "permute_rows_triton")(x, pos)
+        from k3train.ops.moe_permute import permute_rows
+        return permute_rows(x, pos)
+
     def unpermute(self, y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """k3train.ops.moe_permute.unpermute or k3kernels.moe_permute.unpermute_triton."""
         if self.triton_for(y, weights):

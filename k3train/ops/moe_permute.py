@@ -3,6 +3,7 @@
     layout:    idx [N, K] expert ids -> order [N*K] (flat (token, slot) rows sorted by expert, stable),
                pos [N, K] (the row each (token, slot) lands on: the inverse of order), counts [E]
     permute:   rows[pos[n, k]] = x[n]                              x [N, D] -> rows [N*K, D] grouped by expert
+               (permute_rows: the same for any pos, e.g. the expert-parallel send order by destination and expert)
     unpermute: u[n] = sum_k w[n, k] * y[pos[n, k]]                 y [N*K, D], w [N, K] -> u [N, D]
 
 Every shape is static (N*K rows whatever the routing) and the counts come from scatter_add_, not torch.bincount
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     """The inverse of a permutation of arange(len) (a scatter: no sort)."""
     return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
 
@@ -38,7 +39,7 @@ def expert_layout(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torc
     flat = idx.reshape(-1)
     flat = flat if flat.dtype == torch.int64 else flat.to(torch.int64)
     order = torch.argsort(flat, stable=True)
-    return order, _inverse(order).view(idx.shape), expert_counts(flat, n_experts)
+    return order, inverse_permutation(order).view(idx.shape), expert_counts(flat, n_experts)
 
 
 class _Permute(torch.autograd.Function):
@@ -76,7 +77,7 @@ class _Unpermute(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             wd = w if w.dtype == du.dtype else w.to(du.dtype)
             prod = (wd[:, :, None] * du[:, None, :]).reshape(N * K, D)
-            dy = prod[_inverse(pos.reshape(-1))]
+            dy = prod[inverse_permutation(pos.reshape(-1))]
         if ctx.needs_input_grad[1]:
             dw = torch.einsum("nl,nkl->nk", du, gathered)
             dw = dw if dw.dtype == w.dtype else dw.to(w.dtype)
@@ -90,6 +91,14 @@ def permute(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple[torch.T
         raise ValueError(f"permute: x {tuple(x.shape)} and idx {tuple(idx.shape)} do not fit")
     order, pos, counts = expert_layout(idx, n_experts)
     return _Permute.apply(x, order // idx.shape[1], pos), counts, pos
+
+
+def permute_rows(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """x [N, D], pos [N, K] (a permutation of the N*K rows, as a [N, K] table) -> rows [N*K, D] with
+    rows[pos[n, k]] = x[n]; differentiable in x."""
+    if x.dim() != 2 or pos.dim() != 2 or x.shape[0] != pos.shape[0]:
+        raise ValueError(f"permute_rows: x {tuple(x.shape)} and pos {tuple(pos.shape)} do not fit")
+    return _Permute.apply(x, inverse_permutation(pos.reshape(-1)) // pos.shape[1], pos)
 
 
 def unpermute(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ All-to-all dispatch of one MoE layer (R ranks, G = E/R home experts each, N loca
     expert-major for the grouped matmul over the home experts;
  5. combine: the inverse gather, the reverse all_to_all home, then un-sort and mix with the router weights at the
     source rank (the weights never travel).
+Steps 1/3 and 5 at the source are the permutation kernels of the model's `kernels` choice (Triton on CUDA): one
+kernel writes each token's K latent rows into the send buffer, one mixes the returned rows with the router weights.
 The top-k, the sort order and the splits are computed once in forward and kept for backward; backward only runs the
 reverse collectives with the saved splits.
 
@@ -37,8 +39,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from k3train.models.k3.moe import GroupedExperts
+from k3train.ops.backend import AUTO, Kernels
 from k3train.ops.grouped_mm import grouped_mm
-from k3train.ops.moe_permute import expert_counts
+from k3train.ops.moe_permute import expert_counts, inverse_permutation
 from k3train.parallel import comm, host_copy
 
 __all__ = [
@@ -48,7 +51,7 @@ __all__ = [
     "EPGroupedExperts",
     "alltoall_send_layout",
     "home_range",
-    "mix_rows",
+    "send_positions",
     "shard_experts",
     "source_to_expert_major",
     "source_to_expert_major_reference",
@@ -115,13 +118,10 @@ def alltoall_send_layout(idx: Tensor, n_experts: int, ep_size: int) -> tuple[Ten
     return order, counts, counts.sum(1)
 
 
-def mix_rows(y: Tensor, weights: Tensor, order: Tensor) -> Tensor:
-    """y [N·K, L] in `order` (the flat rows sorted for sending), weights [N, K] -> u [N, L] = Σ_k weights · y.
-    Like LocalDispatcher.combine, and also for a rank with no tokens (N = 0)."""
-    N, K = weights.shape
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)
-    return torch.einsum("nk,nkl->nl", weights.to(y.dtype), y[inv].view(N, K, y.shape[-1]))
+def send_positions(order: Tensor, shape: tuple[int, int]) -> Tensor:
+    """order [N·K] (the flat rows in send order) -> pos [N, K]: the send-buffer row of each (token, slot), which is
+    what the permutation kernels take (rows[pos[n, k]] = z[n]; u[n] = Σ_k w[n, k] · back[pos[n, k]])."""
+    return inverse_permutation(order).view(shape)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -173,8 +173,13 @@ class CommStats:
 
 
 class EPDispatcher:
-    """What every EP dispatcher holds: its group, and a ledger of its own collectives (labels: counts, dispatch,
-    combine, backward, weights)."""
+    """What every EP dispatcher holds: its group, a ledger of its own collectives (labels: counts, dispatch,
+    combine, backward, weights), and the permutation kernels it sends and mixes with (`kernels`, set per model by
+    k3train.ops.backend.set_kernels): the send buffer is written by one permutation of the latent (each token's K
+    rows straight into their (destination, expert) slots), and the returned rows are mixed by one weighted
+    un-permutation."""
+
+    kernels: Kernels = AUTO
 
     def __init__(self, group, ep_rank: int, ep_size: int):
         self.group, self.ep_rank, self.ep_size = group, ep_rank, ep_size
@@ -285,14 +290,13 @@ class AllToAllDispatcher(EPDispatcher):
         send_splits, recv_splits = splits[:R], splits[R:]
         self.routes += N * K
         self.calls += 1
-        rows = self._send_rows(z[order // K], recv_splits, send_splits, "dispatch")
+        pos = send_positions(order, (N, K))
+        rows = self._send_rows(self.kernels.permute_rows(z, pos), recv_splits, send_splits, "dispatch")
         em = source_to_expert_major(recv_counts, sum(recv_splits))
-        return rows[em], recv_counts.sum(0), (order, em, send_splits, recv_splits)
+        return rows[em], recv_counts.sum(0), (pos, em, send_splits, recv_splits)
 
     def combine(self, y: Tensor, weights: Tensor, state) -> Tensor:
         """y [M, L] in dispatch order, weights [N, K] -> u [N, L]."""
-        order, em, send_splits, recv_splits = state
-        inv = torch.empty_like(em)
-        inv[em] = torch.arange(em.numel(), device=em.device)
-        back = self._send_rows(y[inv], send_splits, recv_splits, "combine")
-        return mix_rows(back, weights, order)
+        pos, em, send_splits, recv_splits = state
+        back = self._send_rows(y[inverse_permutation(em)], send_splits, recv_splits, "combine")
+        return self.kernels.unpermute(back, weights, pos)

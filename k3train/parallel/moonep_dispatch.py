@@ -16,8 +16,11 @@ Per MoE layer and micro-batch (R EP ranks, G = E/R home experts each, S tokens p
     same SiTU-GLU with the fetched weights inside `combine`; then the inverse gather, the reverse all_to_all and the
     router-weighted mix at the source rank, as in the all-to-all dispatcher.
 
-On a GPU the permutation would be fused into the send so rows land in the remote expert-grouped layout directly;
-with torch.distributed's all_to_all_single the arrival is source-major and one local gather regroups it.
+At the source, one permutation kernel (the model's `kernels` choice: Triton on CUDA) writes each token's K latent rows
+into the send buffer in (destination, expert) order, and one weighted un-permutation mixes the returned rows. At the
+receiver, torch.distributed's all_to_all_single lands rows source-major and one gather regroups them by expert: landing
+them in the expert-grouped layout directly needs one-sided puts into the receiver's memory (NVSHMEM-style symmetric
+memory), which neither gloo nor all_to_all_single offers.
 
 Host synchronisation: one per layer and micro-batch. The plan is computed on the device from the gathered counts
 (`plan_alloc_sync_free`: the fill loop as R−1 fixed tensor steps), and so are this rank's send and receive matrices,
@@ -41,7 +44,8 @@ from torch import Tensor
 
 from k3train.ops.moe_permute import expert_counts
 from k3train.parallel import comm, host_copy
-from k3train.parallel.ep_dispatch import EPDispatcher, EPGroupedExperts, mix_rows
+from k3train.ops.moe_permute import inverse_permutation
+from k3train.parallel.ep_dispatch import EPDispatcher, EPGroupedExperts, send_positions
 from k3train.parallel.moonep import (MoonEPPlan, assign_rows, expert_major_index, interval_overlap, make_plan,
                                      plan_alloc_sync_free)
 
@@ -194,18 +198,19 @@ class MoonEPDispatcher(EPDispatcher):
         send_splits, recv_splits = rp.send_splits, rp.recv_splits
         self.routes += N * K
         self.calls += 1
-        rows = self._send_rows(z[order // K], recv_splits, send_splits, "dispatch")
+        pos = send_positions(order, (N, K))
+        rows = self._send_rows(self.kernels.permute_rows(z, pos), recv_splits, send_splits, "dispatch")
         em = rp.expert_major_index()
         grouped = rows[em]  # [S·K, L], ascending expert; the home experts are one contiguous range
         alloc = rp.mine
         G = rp.G
         lo = me * G
         a, b = rp.a, rp.b
-        return grouped[a:b], alloc[lo:lo + G], (order, em, send_splits, recv_splits, grouped, a, b, alloc, fetched)
+        return grouped[a:b], alloc[lo:lo + G], (pos, em, send_splits, recv_splits, grouped, a, b, alloc, fetched)
 
     def combine(self, y: Tensor, weights: Tensor, state) -> Tensor:
         """y [rows of the home experts, L] -> u [N, L]: hosted experts computed here, then the trip home."""
-        order, em, send_splits, recv_splits, grouped, a, b, alloc, fetched = state
+        pos, em, send_splits, recv_splits, grouped, a, b, alloc, fetched = state
         if fetched is not None:
             hosted, (w1, w3, w2), got = fetched
             if hosted.numel() > 0:
@@ -216,7 +221,5 @@ class MoonEPDispatcher(EPDispatcher):
                 # Nothing hosted here, but the weight all_to_all's backward must still run on this rank (its peers
                 # wait for it): keep its (empty) output in the graph.
                 y = y + got.sum().to(y.dtype) * 0
-        inv = torch.empty_like(em)
-        inv[em] = torch.arange(em.numel(), device=em.device)
-        back = self._send_rows(y[inv], send_splits, recv_splits, "combine")
-        return mix_rows(back, weights, order)
+        back = self._send_rows(y[inverse_permutation(em)], send_splits, recv_splits, "combine")
+        return self.kernels.unpermute(back, weights, pos)

@@ -96,3 +96,27 @@ def test_round_trip_and_no_tokens():
     assert u0.shape == (0, 9)
     dx0, dw0 = torch.autograd.grad(u0.sum(), (x0, w0))
     assert dx0.shape == (0, 9) and dw0.shape == (0, 2)
+
+
+def test_permute_rows_in_send_order():
+    """permute_rows_triton with an expert-parallel send order (by destination rank, then expert, ties by token) equals
+    the PyTorch permute_rows and the plain gather by the order, forward and backward."""
+    from k3kernels.moe_permute import permute_rows_triton
+
+    from k3train.ops.moe_permute import permute_rows
+    from k3train.parallel.ep_dispatch import send_positions
+
+    N, K, D, R = 19, 4, 70, 3
+    idx, _ = _routing(N, K, seed=11)
+    dest = torch.randint(0, R, (N * K,), generator=torch.Generator().manual_seed(12)).to(DEV)
+    order = torch.argsort(dest * E + idx.reshape(-1), stable=True)
+    pos = send_positions(order, (N, K))
+    x = torch.randn(N, D, generator=torch.Generator().manual_seed(13)).to(DEV).requires_grad_()
+    rows = permute_rows_triton(x, pos)
+    ref = permute_rows(x, pos)
+    assert torch.equal(rows, x[order // K]) and torch.equal(ref, rows)
+    g = torch.randn(N * K, D, generator=torch.Generator().manual_seed(14)).to(DEV)
+    (dx,), (rdx,) = torch.autograd.grad(rows, x, g), torch.autograd.grad(ref, x, g)
+    torch.testing.assert_close(dx, rdx, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="do not fit"):
+        permute_rows_triton(x[:3], pos)

@@ -9,8 +9,9 @@ from layer_init import expert_bank
 
 from k3train.models.k3.args import get_preset
 from k3train.models.k3.moe import GroupedExperts, LatentMoE, LocalDispatcher
-from k3train.parallel.ep_dispatch import (CommStats, EPGroupedExperts, alltoall_send_layout, home_range, mix_rows,
+from k3train.parallel.ep_dispatch import (CommStats, EPGroupedExperts, alltoall_send_layout, home_range, send_positions,
                                           shard_experts, source_to_expert_major, source_to_expert_major_reference)
+from k3train.ops.moe_permute import permute_rows, unpermute
 from k3train.parallel.expert_parallel import apply_expert_parallel, expert_parameters
 from k3train.parallel.moonep import make_plan
 from k3train.parallel.moonep_dispatch import MoonEPDispatcher, hosted_weight_routes, moonep_send_layout
@@ -78,7 +79,8 @@ def test_alltoall_layout_end_to_end_in_one_process():
     assert [int(c.sum()) for _, c, _ in lay] == [n * K for n in Ns]
     recv_counts = [torch.stack([lay[s][1][d] for s in range(R)]) for d in range(R)]  # the counts all_to_all
     send_splits = [lay[s][2].tolist() for s in range(R)]
-    arrived = _exchange([zs[s][lay[s][0] // K] for s in range(R)], send_splits)
+    arrived = _exchange([permute_rows(zs[s], send_positions(lay[s][0], idxs[s].shape)) for s in range(R)],
+                        send_splits)
     outs = []
     for d in range(R):
         em = source_to_expert_major(recv_counts[d])
@@ -94,7 +96,7 @@ def test_alltoall_layout_end_to_end_in_one_process():
     recv_splits = [recv_counts[d].sum(1).tolist() for d in range(R)]
     back = _exchange(outs, recv_splits)
     for s in range(R):
-        u = mix_rows(back[s], ws[s], lay[s][0])
+        u = unpermute(back[s], ws[s], send_positions(lay[s][0], ws[s].shape))
         if Ns[s] == 0:
             assert u.shape == (0, L)
             continue
@@ -126,7 +128,8 @@ def test_moonep_layout_end_to_end_in_one_process():
     lay = [moonep_send_layout(plan, s, idxs[s]) for s in range(R)]
     for s in range(R):  # destination counts agree with the plan's send matrix
         assert torch.equal(torch.bincount(lay[s][1], minlength=R), plan.send_matrix(s).sum(1))
-    arrived = _exchange([zs[s][lay[s][0] // K] for s in range(R)], [lay[s][2].tolist() for s in range(R)])
+    arrived = _exchange([permute_rows(zs[s], send_positions(lay[s][0], idxs[s].shape)) for s in range(R)],
+                        [lay[s][2].tolist() for s in range(R)])
     outs = []
     for d in range(R):
         assert arrived[d].shape[0] == S * K  # the static receive buffer
@@ -148,7 +151,7 @@ def test_moonep_layout_end_to_end_in_one_process():
         outs.append(y[inv])
     back = _exchange(outs, [plan.recv_splits(d) for d in range(R)])
     for s in range(R):
-        u = mix_rows(back[s], ws[s], lay[s][0])
+        u = unpermute(back[s], ws[s], send_positions(lay[s][0], ws[s].shape))
         torch.testing.assert_close(u, _local_reference(full, zs[s], idxs[s], ws[s]), rtol=1e-5, atol=1e-6)
 
 

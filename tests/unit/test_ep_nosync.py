@@ -7,6 +7,7 @@ against the host-side MoonEPPlan for every rank."""
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import pytest
@@ -225,3 +226,42 @@ def test_dispatch_runs_on_tensors_without_data(monkeypatch, kind):
     monkeypatch.setattr(host_copy, "host_counts", lambda t: list(recorded))
     with FakeTensorMode() as mode:
         step(mode.from_tensor)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("kind", ["alltoall", "moonep"])
+def test_dispatchers_send_and_mix_with_the_chosen_kernels(monkeypatch, kind):
+    """Under kernels=triton the send buffer is written by k3kernels' permute_rows and the returned rows are mixed by
+    its unpermute, with the results and gradients of kernels=torch (one EP rank: the exchange is the identity)."""
+    import k3kernels.moe_permute as km
+
+    from k3train.ops.backend import Kernels
+
+    calls = {"permute_rows_triton": 0, "unpermute_triton": 0}
+    for name in calls:
+        def counted(*a, _fn=getattr(km, name), _name=name):
+            calls[_name] += 1
+            return _fn(*a)
+        monkeypatch.setattr(km, name, counted)
+    E, K, S = 8, 2, 7
+    idx = _routing(1, S, E, K, skew=1.0, seed=4)[0]
+    full = expert_bank(E, L, H, seed=2)
+    monkeypatch.setattr(comm, "all_to_all", lambda out, inp, *a, **kw: out.copy_(inp))
+    results = []
+    for choice in ("torch", "triton"):
+        ex = EPGroupedExperts(full, None, 0, 1)
+        d = AllToAllDispatcher(None, 0, 1) if kind == "alltoall" else MoonEPDispatcher(None, 0, 1, ex)
+        d._gather_counts = lambda c: c.view(1, -1)
+        d._send_rows = lambda x, out_splits, in_splits, what, grad_what="backward": x
+        d.kernels = Kernels(choice)
+        z = torch.randn(S, L, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        w = torch.rand(S, K, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        rows, c, st = d.dispatch(z, idx, E)
+        u = d.combine(ex(rows, c), w, st)
+        u.square().sum().backward()
+        results.append((u.detach(), z.grad, w.grad, ex.w1.grad))
+        assert calls == ({"permute_rows_triton": 0, "unpermute_triton": 0} if choice == "torch"
+                         else {"permute_rows_triton": 1, "unpermute_triton": 1})
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
