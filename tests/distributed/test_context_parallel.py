@@ -142,6 +142,29 @@ def _kda_bytes(group, seq_len):
     return {f"{a}/{b}": v for (a, b), v in cp.stats.items()}
 
 
+CAN_RUN_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+KDA_NAMES = ("q", "k", "v", "g", "beta")
+
+
+def _kda_triton(group):
+    """The context-parallel KDA op on k3kernels' chunk_kda (fp32, chunk 64, g down to -5) over this rank's pieces of
+    one 256-token row with documents crossing pieces and ranks; returns the gathered output and the input gradients
+    summed over ranks (each rank's are zero outside its pieces)."""
+    from layer_init import kda_inputs
+
+    from k3train.ops.backend import Kernels
+    seq, cu = 256, [0, 30, 100, 192, 256]  # 192: exactly on a piece start
+    x = kda_inputs(1, seq, 1, 16, 16, seed=7)
+    w = torch.randn(1, seq, 1, 16, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    cp = ContextParallel(group, seq_len=seq, cu_seqlens_global=torch.tensor(cu))
+    leaves = [x[n].float().requires_grad_() for n in KDA_NAMES]
+    o = cp.kda(*(cp.shard_rows(t) for t in leaves), 64, kernels=Kernels("triton"), g_min=-5.0)
+    grads = torch.autograd.grad((o * cp.shard_rows(w).float()).sum(), leaves)
+    for g in grads:
+        dist.all_reduce(g, group=group)
+    return {"out": cp.gather_rows(o.detach()), "grads": dict(zip(KDA_NAMES, grads)), "x": x, "w": w, "cu": cu}
+
+
 def _worker(rank: int, world: int, port: int, out: str, jobs: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -164,6 +187,8 @@ def _worker(rank: int, world: int, port: int, out: str, jobs: list[str]) -> None
                 start[torch.tensor(CU[:-1])] = True
                 rebuilt = ContextParallel.from_local_doc_start(cp.shard_rows(start.view(B, T)), group)
                 res[job] = {"cu": rebuilt.cu_seqlens_global, "batch": rebuilt.batch, "seq_len": rebuilt.seq.seq_len}
+            elif job == "kda_triton":
+                res[job] = _kda_triton(group)
             elif job == "bytes":
                 res[job] = [_kda_bytes(group, n) for n in (64 * world, 256 * world)]
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
@@ -176,7 +201,8 @@ def _spawn(world: int, jobs: list[str], tmp) -> list[dict]:
     return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
 
 
-JOBS = {2: ["kda", "mla", "kda_contiguous", "model", "model_ep", "bytes", "doc_start"],
+JOBS = {2: ["kda", "mla", "kda_contiguous", "model", "model_ep", "bytes", "doc_start"]
+         + (["kda_triton"] if CAN_RUN_TRITON else []),
         4: ["kda", "mla", "model", "doc_start"]}
 
 
@@ -286,3 +312,26 @@ def test_collective_bytes(cp_run):
     if world == 2:
         short, long = results[0]["bytes"]   # 128 and 512 tokens per row
         assert short == long and short["kda_summary/all_gather"][1] == 2 * world * per_piece
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CAN_RUN_TRITON, reason="needs a GPU or TRITON_INTERPRET=1")
+def test_kda_on_triton_over_two_ranks(cp2_run):
+    """cp = 2 with the Triton chunk_kda (the piece summaries and outputs are kernel calls; the all-gather and prefix
+    scan join them across ranks): the output and every input gradient within 1e-4 relative RMS of the whole-sequence
+    fp64 chunked KDA."""
+    from k3train.ops.kda import chunk_kda
+    results = cp2_run[1]
+    got = results[0]["kda_triton"]
+    x, w, cu = got["x"], got["w"], got["cu"]
+    leaves = [x[n].clone().requires_grad_() for n in KDA_NAMES]
+    o, _ = chunk_kda(*leaves, cu_seqlens=cu, chunk_size=64)
+    ref = torch.autograd.grad((o * w).sum(), leaves)
+
+    def rel_rms(a, b):
+        return float((a.double() - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
+
+    assert rel_rms(got["out"], o.detach()) <= 1e-4
+    for n, r in zip(KDA_NAMES, ref):
+        assert rel_rms(got["grads"][n], r) <= 1e-4, n
+        assert torch.equal(results[1]["kda_triton"]["grads"][n], got["grads"][n])
