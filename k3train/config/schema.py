@@ -103,6 +103,12 @@ class TrainConfig:
     """Optimizer steps of the whole run (the learning-rate schedule spans them)."""
     seed: int = 0
     """Seed of weights, data order and every random number generator."""
+    deterministic: bool = False
+    """Deterministic kernels so that a GPU run repeats exactly where the hardware allows:
+    torch.use_deterministic_algorithms (an op without a deterministic version raises, naming itself; uninitialised
+    memory is filled), CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set, cuDNN autotuning off. What remains
+    nondeterministic is listed in docs/convergence.md (NCCL's reduction order across runs of other layouts, atomics
+    in kernels that have no deterministic version). CPU runs are deterministic without it."""
     eval_interval: int = 100
     """Steps between eval-loss measurements; 0 disables eval."""
     eval_steps: int = 8

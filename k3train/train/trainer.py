@@ -155,6 +155,12 @@ class Trainer:
         self.dp_rank = rank_coords(self.dims, env.rank)["dp"]
         t = cfg.train
 
+        # Process-wide switches: close() puts back what it found (one process may host several runs).
+        self._deterministic_before = torch.are_deterministic_algorithms_enabled()
+        if t.deterministic:  # before any CUDA work: cuBLAS reads its workspace setting when it starts
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.benchmark = False
         self.device = resolve_device(t.device, env.local_rank)
         self.dtype = PARAM_DTYPES[t.precision]
         if self.device.type == "cpu":
@@ -450,6 +456,7 @@ class Trainer:
         return signals
 
     def close(self, *, clean: bool = True) -> None:
+        torch.use_deterministic_algorithms(self._deterministic_before)
         if self.env.world > 1 and dist.is_initialized():
             self.progress.phase = "shutdown"
             if clean:  # no rank tears its transport down while a peer still talks to it

@@ -28,6 +28,10 @@ SKIPPED = {
                   "which runs here",
     "sbatch launch/slurm.sbatch": "needs a Slurm cluster; `bash launch/slurm.sbatch --dry-run` runs here",
     "sbatch --nodes=N launch/slurm.sbatch": "needs a Slurm cluster; `bash launch/slurm.sbatch --dry-run` runs here",
+    "python -m k3train.converge --config-name tiny_cpu": "tests/e2e/test_converge.py runs these convergence "
+                                                         "commands (several launches of 50 steps each)",
+    ".venv/bin/python -m k3train.converge --config-name tiny_cpu": "tests/e2e/test_converge.py runs it",
+    "python -m k3train.converge --config-name small_8gpu": "needs one 8-GPU node",
 }
 """Command prefixes that are not run, with the reason."""
 
@@ -44,7 +48,7 @@ def doc_commands() -> list[tuple[str, str]]:
             joined = re.sub(r"\\\n\s*", " ", block)
             for line in joined.splitlines():
                 cmd = line.split(" #", 1)[0].strip()
-                if re.search(r"k3train\.train|k3train\.plan|launch/|make train", cmd):
+                if re.search(r"k3train\.train|k3train\.plan|k3train\.converge|launch/|make train", cmd):
                     out.append((doc.name, cmd))
     seen, unique = set(), []
     for where, cmd in out:

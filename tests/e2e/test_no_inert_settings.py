@@ -96,6 +96,9 @@ REASONS: dict[str, str] = {
                     "(tests/e2e/test_resume.py), so it changes no result",
     "train.device": "which hardware runs the same math; its numerical consequence, the precision, is covered "
                     "by train.precision (this machine has no CUDA to compare with)",
+    "train.deterministic": "which kernels may run (deterministic ones only) and how uninitialised memory is filled: "
+                           "the same math, repeatable on GPUs; on CPU runs are deterministic without it. "
+                           "tests/e2e/test_converge.py::test_deterministic_switch shows the switch in the run",
     "train.threads": "CPU threads per process: speed only (results agree up to the rounding of parallel reductions)",
     "train.timeout_s": "how long a rank waits for the others before it gives up: it changes what happens only when "
                        "a rank stops answering (tests/e2e/test_preemption.py stops one rank with SIGSTOP; the other "

@@ -1,0 +1,446 @@
+"""Convergence tests: one recipe trained under several parallel layouts on the same rows and seed, each loss curve
+compared with the first layout's and with the recipe's golden curve (docs/convergence.md).
+
+    python -m k3train.converge --config-name tiny_cpu converge.layouts=[single,dp2,pp2xdp2xep2,cp2] converge.steps=50
+    python -m k3train.converge --config-name tiny_cpu train.precision=bf16     # a change under test: any override
+    python -m k3train.converge --config-name tiny_cpu converge.update_golden=true
+
+Layouts are names like `single`, `dp2`, `cp2`, `pp2xvpp2`, `pp2xdp2xep2xzero1`: degrees joined by `x` (pp, vpp, dp,
+cp, ep, zero). Every layout reads the same global rows per step (`converge.rows`, default the recipe's
+data.micro_batch x parallel.microbatches): the harness sets data.micro_batch and parallel.microbatches so that dp
+ranks x micro-batches x rows per micro-batch equals it (a layout names every degree it uses; the others are 1, zero 0), and launches pp x cp x dp processes (torchrun above one).
+
+The decision, for a curve c against a reference r (step by step, d_t = |c_t - r_t| / |r_t|):
+    window  the mean of d_t over the last `converge.window` steps (where the curves have settled),
+    max     the largest d_t over the run (a divergence that recovers still counts);
+each must stay within the tolerance of the precision (TOLERANCES; the looser of the two curves' precisions, so a
+bf16 run against the fp32 golden is held to the bf16 band). On CPU in fp32 every layout reproduces one process to
+rounding, so the fp32 band is tight; bf16 moves the curve by design, within its band.
+
+A recipe's golden file (recipes/golden/<recipe>.json) holds the experiment (`converge`: layouts, steps, window and
+the overrides that shrink the recipe to a test) and the golden curve with what recorded it (commit, machine,
+versions), or `"curve": null` with a status until one is recorded (the GPU recipes). Overrides on the command line
+are the change under test: they apply to every run and are compared against the golden curve as they are.
+
+Outputs in converge.out (default runs/converge/<recipe>/<time>): one run directory and log per layout,
+curves.png (the curves over the golden, and d_t per layout) and verdict.json; the last line printed is the verdict's
+JSON. Exit code 0: every comparison within tolerance; 1: a regression; 2: bad input (the message says which).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from k3train.config.errors import ConfigError
+
+__all__ = ["ConvergeConfig", "Layout", "TOLERANCES", "compare", "converge", "main", "parse_args", "tolerance"]
+
+EXIT_REGRESSION = 1
+EXIT_BAD_INPUT = 2
+
+TOLERANCES = {"fp32": {"window": 1e-5, "max": 1e-4}, "bf16": {"window": 0.015, "max": 0.04}}
+"""Relative loss differences allowed per precision. fp32: parallel layouts on CPU reproduce one process to float
+rounding (the parity tests measure ~1e-7). bf16: rounding of weights and activations moves the curve; the band is
+set from measured bf16-vs-fp32 differences on tiny_cpu (docs/convergence.md)."""
+
+DIMS = ("pp", "vpp", "dp", "cp", "ep", "zero")
+OUTPUT_OVERRIDES = ["logging.progress_bar=false", "logging.tensorboard=false", "logging.wandb=false",
+                    "train.checkpoint_at_end=false", "train.checkpoint_interval=0", "train.resume=never"]
+"""What every convergence run writes: metrics only (no checkpoints; a fresh start even in a used directory)."""
+
+
+@dataclass(kw_only=True)
+class ConvergeConfig:
+    layouts: list[str] = field(default_factory=list)
+    """Layouts to run; the first is the reference of the others. Empty: the golden file's list, else [single]."""
+    steps: int = 0
+    """Optimizer steps per run; 0: the golden file's, else 50."""
+    window: int = 0
+    """Trailing steps of the window statistic; 0: the golden file's, else 10."""
+    rows: int = 0
+    """Global rows per step for every layout; 0: the recipe's data.micro_batch x parallel.microbatches x
+    parallel.dp (dp 1 where the recipe leaves it to the world size)."""
+    out: str = ""
+    """Output folder; empty: runs/converge/<recipe>/<time>."""
+    golden: str = ""
+    """Golden file; empty: recipes/golden/<recipe>.json."""
+    update_golden: bool = False
+    """Record the first layout's curve as the golden curve (with the commit, machine and versions)."""
+    deterministic: bool = True
+    """Pass train.deterministic=true to every run (deterministic kernels where the hardware allows)."""
+    tolerance_window: float = 0.0
+    """Replaces the window tolerance of the precision (0: TOLERANCES)."""
+    tolerance_max: float = 0.0
+    """Replaces the max tolerance of the precision (0: TOLERANCES)."""
+    timeout_s: float = 1800.0
+    """Seconds one layout's run may take."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Layouts
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    pp: int = 1
+    vpp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+
+    @classmethod
+    def parse(cls, name: str) -> "Layout":
+        if name == "single":
+            return cls(name)
+        degrees = {}
+        for part in name.split("x"):
+            m = re.fullmatch(r"(pp|vpp|dp|cp|ep|zero)(\d+)", part)
+            if m is None or m.group(1) in degrees:
+                raise ConfigError(f"converge.layouts: bad layout {name!r}: write 'single' or degrees joined by 'x' "
+                                  f"from {', '.join(DIMS)} (each once), e.g. pp2xdp2xep2")
+            degrees[m.group(1)] = int(m.group(2))
+        lay = cls(name, **degrees)
+        if min(lay.pp, lay.vpp, lay.dp, lay.cp, lay.ep) < 1 or lay.zero not in (0, 1, 2):
+            raise ConfigError(f"converge.layouts: {name!r}: degrees must be >= 1 and zero 0, 1 or 2")
+        if (lay.dp * lay.cp) % lay.ep:
+            raise ConfigError(f"converge.layouts: {name!r}: ep={lay.ep} must divide dp x cp = {lay.dp * lay.cp} "
+                              f"(experts are sharded over data- and context-parallel ranks)")
+        return lay
+
+    @property
+    def nproc(self) -> int:
+        return self.pp * self.cp * self.dp
+
+    def overrides(self, rows: int, microbatches: int) -> list[str]:
+        """Settings that run this layout on `rows` global rows per step; microbatches: the recipe's own."""
+        m = microbatches if self.pp == 1 else max(microbatches, self.pp * self.vpp)
+        if rows % (self.dp * m):
+            raise ConfigError(f"converge: layout {self.name!r} splits each step's {rows} rows over dp={self.dp} "
+                              f"ranks x {m} micro-batches, which does not divide them; set converge.rows to a "
+                              f"multiple of {self.dp * m}")
+        return [f"parallel.{d}={getattr(self, d)}" for d in DIMS] + [
+            f"parallel.microbatches={m}", f"data.micro_batch={rows // (self.dp * m)}"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Statistics
+
+
+def compare(curve: list[float], ref: list[float], window: int) -> dict:
+    """Relative differences of two loss curves over their common steps: the trailing-window mean and the max."""
+    n = min(len(curve), len(ref))
+    if n == 0:
+        raise ValueError("compare: empty curve")
+    d = [abs(c - r) / max(abs(r), 1e-12) for c, r in zip(curve[:n], ref[:n])]
+    w = d[-min(window, n):]
+    return {"window": sum(w) / len(w), "max": max(d), "steps": n, "diff": d}
+
+
+def tolerance(precisions: list[str], cfg: ConvergeConfig) -> dict:
+    """The band for comparing curves of these precisions: the loosest of them, or the configured one."""
+    bands = [TOLERANCES[p] for p in precisions]
+    tol = {k: max(b[k] for b in bands) for k in ("window", "max")}
+    if cfg.tolerance_window > 0:
+        tol["window"] = cfg.tolerance_window
+    if cfg.tolerance_max > 0:
+        tol["max"] = cfg.tolerance_max
+    return tol
+
+
+def within(stats: dict, tol: dict) -> bool:
+    return stats["window"] <= tol["window"] and stats["max"] <= tol["max"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Arguments and the golden file
+
+
+def parse_args(argv: list[str]) -> tuple[str, ConvergeConfig, list[str]]:
+    """argv -> (recipe, converge settings, training overrides). converge.* keys are typed by ConvergeConfig."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from k3train.config.app import config_name
+    recipe = config_name(argv)
+    if recipe is None:
+        raise ConfigError("name the recipe: python -m k3train.converge --config-name RECIPE [converge.*=...] "
+                          "[overrides]")
+    rest, conv = [], []
+    skip = False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a in ("--config-name", "-cn"):
+            skip = True
+        elif a.startswith(("--config-name=", "-cn=")):
+            continue
+        elif a.startswith("converge."):
+            conv.append(a[len("converge."):])
+        else:
+            rest.append(a)
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(ConvergeConfig), OmegaConf.from_dotlist(conv))
+        return recipe, OmegaConf.to_object(cfg), rest
+    except OmegaConfBaseException as e:
+        msg = str(e).splitlines()[0]
+        raise ConfigError(f"converge settings: {msg} (keys: "
+                          f"{', '.join(f.name for f in ConvergeConfig.__dataclass_fields__.values())})") from None
+
+
+def golden_path(recipe: str, cfg: ConvergeConfig) -> Path:
+    from k3train.config.store import recipes_dir
+    return Path(cfg.golden) if cfg.golden else recipes_dir() / "golden" / f"{recipe}.json"
+
+
+def load_golden(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        g = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"golden file {path}: not valid JSON ({e})") from None
+    if not isinstance(g, dict) or not isinstance(g.get("converge", {}), dict):
+        raise ConfigError(f"golden file {path}: expected an object with 'converge' and 'curve'")
+    return g
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _machine() -> dict:
+    import torch
+    m = {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
+         "cores": os.cpu_count()}
+    if torch.cuda.is_available():
+        m["gpu"] = torch.cuda.get_device_name(0)
+    return m
+
+
+def _versions() -> dict:
+    import torch
+    v = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+        v["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return v
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Runs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_losses(run_dir: Path) -> list[float]:
+    """Training loss of every step from a run's metrics.jsonl (in step order)."""
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [r["loss"] for r in sorted(recs, key=lambda r: r["step"])]
+
+
+def run_layout(recipe: str, layout: Layout, overrides: list[str], out: Path, timeout_s: float) -> list[float]:
+    """Train the recipe under one layout (torchrun above one process); its losses, one per step."""
+    run_dir = out / layout.name
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [sys.executable]
+    if layout.nproc > 1:
+        cmd += ["-m", "torch.distributed.run", "--nproc-per-node", str(layout.nproc), "--master-addr", "127.0.0.1",
+                "--master-port", str(_free_port())]
+    cmd += ["-m", "k3train.train", "--config-name", recipe, *overrides, f"train.run_dir={run_dir}"]
+    log = out / f"{layout.name}.log"
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        try:
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"layout {layout.name}: no result within {timeout_s:.0f} s (log: {log})") from None
+    if proc.returncode != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+        raise RuntimeError(f"layout {layout.name}: training exited with code {proc.returncode} (log: {log}):\n{tail}")
+    return read_losses(run_dir)
+
+
+def plot(path: Path, curves: dict[str, list[float]], golden: list[float] | None, diffs: dict[str, list[float]],
+         title: str) -> None:
+    """The curves over the golden one (top) and each layout's d_t against its reference (bottom, log scale)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    if golden:
+        top.plot(range(1, len(golden) + 1), golden, "k--", lw=2, label="golden")
+    for name, c in curves.items():
+        top.plot(range(1, len(c) + 1), c, lw=1, label=name)
+    top.set_ylabel("training loss")
+    top.set_title(title)
+    top.legend()
+    for name, d in diffs.items():
+        bottom.semilogy(range(1, len(d) + 1), [max(x, 1e-12) for x in d], lw=1, label=name)
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("|loss - reference| / reference")
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The harness
+
+
+def converge(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> dict:
+    """Run, compare, plot, and (converge.update_golden) record; returns the verdict."""
+    from k3train.config.compose import load_config
+
+    gpath = golden_path(recipe, cfg)
+    golden = load_golden(gpath)
+    exp = golden.get("converge", {})
+    layouts = [Layout.parse(n) for n in (cfg.layouts or exp.get("layouts") or ["single"])]
+    if len({lay.name for lay in layouts}) != len(layouts):
+        raise ConfigError(f"converge.layouts: a layout is listed twice: {[lay.name for lay in layouts]}")
+    steps = cfg.steps or exp.get("steps") or 50
+    window = cfg.window or exp.get("window") or 10
+    if steps < 1 or window < 1:
+        raise ConfigError(f"converge: steps ({steps}) and window ({window}) must be positive")
+    base = list(exp.get("overrides", [])) + [f"train.steps={steps}"]
+    user = list(overrides)
+    for o in user:
+        if o.lstrip("+~").split("=")[0].startswith(("parallel.", "train.run_dir", "train.steps")):
+            raise ConfigError(f"converge: {o!r}: the harness sets parallel.*, train.steps and train.run_dir itself "
+                              f"(use converge.layouts and converge.steps)")
+    # The recipe as it will run in one process: its rows per step and precision, and bad overrides refused now.
+    one = load_config(recipe, base + user)
+    rows = cfg.rows or one.data.micro_batch * one.parallel.microbatches * max(one.parallel.dp, 1)
+    precision = one.train.precision
+    runs_over = {lay.name: base + user + OUTPUT_OVERRIDES + lay.overrides(rows, one.parallel.microbatches)
+                 + (["train.deterministic=true"] if cfg.deterministic else []) for lay in layouts}
+    for lay in layouts:
+        load_config(recipe, runs_over[lay.name], world_size=lay.nproc)  # every layout valid before any run
+
+    out = Path(cfg.out) if cfg.out else Path("runs") / "converge" / recipe / _dt.datetime.now().strftime(
+        "%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    curves: dict[str, list[float]] = {}
+    for i, lay in enumerate(layouts):
+        print(f"k3train.converge: [{i + 1}/{len(layouts)}] {lay.name} ({lay.nproc} process"
+              f"{'es' if lay.nproc > 1 else ''}, {steps} steps)", flush=True)
+        curves[lay.name] = run_layout(recipe, lay, runs_over[lay.name], out, cfg.timeout_s)
+        if len(curves[lay.name]) != steps:
+            raise RuntimeError(f"layout {lay.name}: {len(curves[lay.name])} losses for {steps} steps")
+
+    ref_name = layouts[0].name
+    gcurve = golden.get("curve") or None
+    verdict = {"recipe": recipe, "steps": steps, "window": window, "rows": rows, "precision": precision,
+               "overrides": user, "reference": ref_name, "golden": str(gpath),
+               "statistic": "d_t = |loss_t - ref_t| / |ref_t|; window = mean of d_t over the last `window` steps; "
+                            "max = max of d_t over the run",
+               "layouts": {}, "pass": True}
+    diffs = {}
+    tol_layouts = tolerance([precision], cfg)
+    for name, c in curves.items():
+        entry = {"losses": c}
+        if name != ref_name:
+            s = compare(c, curves[ref_name], window)
+            diffs[name] = s.pop("diff")
+            entry["vs_reference"] = {**s, "tolerance": tol_layouts, "pass": within(s, tol_layouts)}
+            verdict["pass"] &= entry["vs_reference"]["pass"]
+        verdict["layouts"][name] = entry
+    if gcurve and not cfg.update_golden:
+        if gcurve["steps"] < steps:
+            raise ConfigError(f"golden file {gpath}: its curve has {gcurve['steps']} steps, this run {steps}; "
+                              f"record a longer one with converge.update_golden=true")
+        tol_g = tolerance([precision, gcurve["precision"]], cfg)
+        for name, c in curves.items():
+            s = compare(c, gcurve["losses"], window)
+            d = s.pop("diff")
+            if name == ref_name:
+                diffs[f"{name} vs golden"] = d
+            entry = verdict["layouts"][name]
+            entry["vs_golden"] = {**s, "tolerance": tol_g, "pass": within(s, tol_g)}
+            verdict["pass"] &= entry["vs_golden"]["pass"]
+    elif not gcurve:
+        verdict["golden_status"] = golden.get("status", "no golden curve recorded")
+    if cfg.update_golden:
+        # The experiment keeps its layouts (a golden curve may be recorded from its first layout alone).
+        record = {"converge": {"layouts": exp.get("layouts") or [lay.name for lay in layouts], "steps": steps,
+                               "window": window, "overrides": list(exp.get("overrides", []))},
+                  "curve": {"losses": curves[ref_name], "steps": steps, "layout": ref_name, "precision": precision,
+                            "overrides": user, "commit": _git_commit(), "machine": _machine(),
+                            "versions": _versions(),
+                            "recorded": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}}
+        if not verdict["pass"]:
+            raise RuntimeError("converge: not recording a golden curve from layouts that disagree: "
+                               + json.dumps({n: e.get("vs_reference") for n, e in verdict["layouts"].items()}))
+        gpath.parent.mkdir(parents=True, exist_ok=True)
+        tmp = gpath.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, gpath)
+        verdict["golden_updated"] = True
+    png = out / "curves.png"
+    plot(png, curves, gcurve["losses"][:steps] if gcurve else None, diffs,
+         f"{recipe}: {steps} steps, {precision}" + (f", {' '.join(user)}" if user else ""))
+    verdict["png"] = str(png)
+    (out / "verdict.json").write_text(json.dumps(verdict, indent=1) + "\n")
+    return verdict
+
+
+def _summary(v: dict) -> str:
+    lines = []
+    for name, e in v["layouts"].items():
+        for what in ("vs_reference", "vs_golden"):
+            if what in e:
+                s = e[what]
+                lines.append(f"  {name:<20} {what:<13} window {s['window']:.2e} (<= {s['tolerance']['window']:.0e})"
+                             f"  max {s['max']:.2e} (<= {s['tolerance']['max']:.0e})  "
+                             f"{'ok' if s['pass'] else 'REGRESSION'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        recipe, cfg, overrides = parse_args(argv)
+        v = converge(recipe, cfg, overrides)
+    except ConfigError as e:
+        print(f"k3train.converge: config error: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    except RuntimeError as e:
+        print(f"k3train.converge: {e}", file=sys.stderr, flush=True)
+        return EXIT_REGRESSION
+    print(_summary(v))
+    print(f"k3train.converge: {'pass' if v['pass'] else 'REGRESSION'}; plot {v['png']}")
+    short = {k: v[k] for k in ("recipe", "steps", "precision", "pass", "png")}
+    short["layouts"] = {n: {w: {k: e[w][k] for k in ("window", "max", "pass")} for w in ("vs_reference", "vs_golden")
+                            if w in e} for n, e in v["layouts"].items()}
+    print(json.dumps(short))
+    return 0 if v["pass"] else EXIT_REGRESSION
+
+
+if __name__ == "__main__":
+    sys.exit(main())
