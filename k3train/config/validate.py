@@ -115,6 +115,10 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
     else:
         _need(not d.sources, "data.sources", f"a mixture needs data.source='files', not {d.source!r}")
         _need(not d.streaming, "data.streaming", f"streaming reads source 'files', not {d.source!r}")
+    # A stream cannot know before reading it whether any document falls in eval; with a zero fraction none does.
+    _need(not (d.streaming and cfg.train.eval_interval > 0 and d.eval_fraction == 0), "data.eval_fraction",
+          "is 0 with data.streaming and train.eval_interval > 0: no document would reach eval (set a fraction > 0 "
+          "or train.eval_interval=0)")
     _need(d.num_proc >= 1, "data.num_proc", f"must be >= 1, got {d.num_proc}")
     _need(not (d.num_proc > 1 and (d.streaming or d.source != "files")), "data.num_proc",
           "tokenizing processes serve non-streaming source 'files' only")

@@ -162,8 +162,8 @@ def build_source_docs(cfg: DataConfig, src: SourceConfig, tok, *, progress: bool
         if column not in ds.column_names:
             raise DataError(f"text field {column!r} (data.text_field) not found in {what}; it has "
                             f"{sorted(ds.column_names)}")
-        # Our own fingerprint: datasets cannot hash a tokenizer object reliably, and the tokenizer's own
-        # fingerprint names everything its ids depend on.
+        # Our own fingerprint: datasets cannot hash a tokenizer object reliably. The dataset's fingerprint covers
+        # the files (paths, sizes, modification times); the tokenizer's names everything its ids depend on.
         fingerprint = cache_key("tokenize-v1", ds._fingerprint, column, tok.fingerprint)
         try:
             out = ds.map(Tokenize(cfg, column, what), batched=True, batch_size=256, remove_columns=ds.column_names,

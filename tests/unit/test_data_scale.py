@@ -189,6 +189,8 @@ def test_mixture_refusals(tmp_path):
                             (["data.source=files", "data.paths=[x.jsonl]", "data.streaming=true", "data.num_proc=2"],
                              "num_proc"),
                             (["data.tiktoken_pattern=x"], "tiktoken_pattern"),
+                            (["data.source=files", "data.paths=[x.jsonl]", "data.streaming=true",
+                              "data.eval_fraction=0", "train.eval_interval=10"], "no document would reach eval"),
                             (["+model.overrides.vocab_size=260", "data.special_tokens=['<a>','<b>']"], "vocab")):
         with pytest.raises(ConfigError, match=match):
             load_config("tiny_cpu", override)
@@ -211,6 +213,7 @@ def test_map_cache_is_read_on_the_second_run(tmp_path, cache, monkeypatch):
     monkeypatch.setenv("K3TRAIN_CACHE", str(tmp_path / "cache2"))
     two = data_files.build_source_docs(cfg_(num_proc=2), src, tok, progress=False)
     assert np.array_equal(first.tokens, two.tokens) and np.array_equal(first.offsets, two.offsets)
+    assert list((tmp_path / "cache2").rglob("cache-*_00001_of_00002.arrow"))  # written by the second process
 
 
 # ------------------------------------------------------------------------------------------------ tokenizers
