@@ -103,9 +103,41 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
           f"{d.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
     _need(0.0 <= d.eval_fraction < 1.0, "data.eval_fraction", f"must lie in [0, 1), got {d.eval_fraction}")
     if d.source == "files":
-        _need(len(d.paths) > 0, "data.paths", "source 'files' needs at least one path or glob")
+        _need(not (d.paths and d.sources), "data.sources",
+              "give data.paths (one source) or data.sources (a mixture), not both")
+        _need(len(d.paths) > 0 or len(d.sources) > 0, "data.paths",
+              "source 'files' needs at least one path or glob (or data.sources)")
+        for i, s in enumerate(d.sources):
+            _need(len(s.paths) > 0, f"data.sources[{i}].paths", "a source needs at least one path or glob")
+            _need(s.weight > 0, f"data.sources[{i}].weight", f"must be > 0, got {s.weight}")
+        names = [s.name or f"source{i}" for i, s in enumerate(d.sources)]
+        _need(len(set(names)) == len(names), "data.sources", f"source names must differ, got {names}")
+    else:
+        _need(not d.sources, "data.sources", f"a mixture needs data.source='files', not {d.source!r}")
+        _need(not d.streaming, "data.streaming", f"streaming reads source 'files', not {d.source!r}")
+    # A stream cannot know before reading it whether any document falls in eval; with a zero fraction none does.
+    _need(not (d.streaming and cfg.train.eval_interval > 0 and d.eval_fraction == 0), "data.eval_fraction",
+          "is 0 with data.streaming and train.eval_interval > 0: no document would reach eval (set a fraction > 0 "
+          "or train.eval_interval=0)")
+    _need(d.num_proc >= 1, "data.num_proc", f"must be >= 1, got {d.num_proc}")
+    _need(not (d.num_proc > 1 and (d.streaming or d.source != "files")), "data.num_proc",
+          "tokenizing processes serve non-streaming source 'files' only")
+    _need(not d.tiktoken_pattern or d.tokenizer == "tiktoken", "data.tiktoken_pattern",
+          f"applies to tokenizer 'tiktoken', not {d.tokenizer!r}")
     if d.tokenizer in ("hf", "tiktoken"):
         _need(bool(d.tokenizer_path), "data.tokenizer_path", f"tokenizer {d.tokenizer!r} needs a local file path")
+    # The special tokens must fit the model's vocabulary; checked here when the tokenizer file is at hand (a plan
+    # for another machine may name a file this one lacks).
+    if d.tokenizer == "byte" or (d.tokenizer_path and os.path.isfile(os.path.expanduser(d.tokenizer_path))):
+        from k3train.data.tokenizers import DataError, build_tokenizer, check_special_ids
+        try:
+            tok = build_tokenizer(d)
+        except DataError as e:
+            raise ConfigError(f"data.tokenizer_path: {e}") from e
+        try:
+            check_special_ids(tok, args.vocab_size)
+        except DataError as e:
+            raise ConfigError(f"data.tokenizer: {e}") from e
 
     # ---- optim -----------------------------------------------------------------------------------
     o = cfg.optim

@@ -16,7 +16,8 @@ import sys
 import sysconfig
 
 from k3train.data.config import DataConfig
-from k3train.data.packing import TokenizedDocs, cache_key, load_cached, save_cached, tokenize_texts
+from k3train.data.packing import (TokenizedDocs, cache_key, cache_lock, load_cached, save_cached,
+                                  tokenize_texts)
 from k3train.data.tokenizers import DataError
 
 _EXTENSIONS = (".py", ".rst", ".txt")
@@ -74,10 +75,14 @@ def build_builtin_corpus(cfg: DataConfig, tok, *, progress: bool = True) -> Toke
     root = stdlib_dir()
     key = cache_key("builtin-v1", sys.version_info[:3], root, files, tok.fingerprint)
     docs = load_cached(key)
-    if docs is None:
-        docs = tokenize_texts(_read_texts(root, files), tok, desc="tokenizing built-in corpus", progress=progress,
-                              total=len(files))
-        if len(docs) == 0:
-            raise DataError(f"the built-in corpus under {root!r} holds no readable UTF-8 documents")
-        save_cached(key, docs)
+    if docs is not None:
+        return docs
+    with cache_lock(f"builtin-{key}"):  # one process tokenizes; the others wait here, then read its cache
+        docs = load_cached(key)
+        if docs is None:
+            docs = tokenize_texts(_read_texts(root, files), tok, desc="tokenizing built-in corpus",
+                                  progress=progress, total=len(files))
+            if len(docs) == 0:
+                raise DataError(f"the built-in corpus under {root!r} holds no readable UTF-8 documents")
+            save_cached(key, docs)
     return docs

@@ -6,22 +6,49 @@ from dataclasses import dataclass, field
 
 
 @dataclass(kw_only=True)
+class SourceConfig:
+    """One source of a mixture (data.sources): local files of one format, drawn with a relative weight."""
+
+    name: str = ""
+    """Label of the source in metrics (`data/tokens/<name>`); empty: `source<i>`."""
+    weight: float = 1.0
+    """Relative share of rows drawn from this source (weights need not sum to 1)."""
+    paths: list[str] = field(default_factory=list)
+    """Files, folders or globs (one format per source: they are read by one `datasets.load_dataset` call)."""
+    format: str = "auto"
+    """'text', 'json' (JSONL), 'parquet', or 'auto' (from the extension)."""
+    text_field: str = "text"
+    """Column holding the text in JSONL/Parquet."""
+
+
+@dataclass(kw_only=True)
 class DataConfig:
     source: str = "builtin"
     """'builtin' (corpus built from the Python standard library's sources and docs), 'files' (local text, JSONL,
     Parquet via HF datasets), or 'recall' (synthetic multi-query associative recall)."""
     paths: list[str] = field(default_factory=list)
-    """Files or globs for source='files'."""
+    """Files or globs for source='files' (a one-source shorthand of data.sources; give one or the other)."""
     format: str = "auto"
-    """'text', 'json' (JSONL), 'parquet', or 'auto' (from the extension)."""
+    """'text', 'json' (JSONL), 'parquet', or 'auto' (from the extension), for data.paths."""
     text_field: str = "text"
-    """Column holding the text in JSONL/Parquet."""
+    """Column holding the text in JSONL/Parquet, for data.paths."""
+    sources: list[SourceConfig] = field(default_factory=list)
+    """A weighted mixture of file sources for source='files': each row comes from one source, drawn with
+    probability weight / sum of weights by a seeded counter-based sampler (exactly resumable)."""
     streaming: bool = False
-    """Read source='files' with HF datasets streaming."""
+    """Tokenize source='files' on the fly from HF streaming datasets, with memory independent of the corpus size;
+    each data-parallel rank reads its own shard of the stream, in file order (no shuffle)."""
+    num_proc: int = 1
+    """Processes that tokenize files with `Dataset.map` (not streaming); the result is cached by fingerprint."""
     tokenizer: str = "byte"
     """'byte', 'hf' (a local tokenizer.json) or 'tiktoken' (a local BPE file)."""
     tokenizer_path: str = ""
     """Local path for 'hf' or 'tiktoken' tokenizers."""
+    tiktoken_pattern: str = ""
+    """Pre-tokenization regex of the 'tiktoken' tokenizer; empty: k3train.data.tokenizers.TIKTOKEN_PATTERN."""
+    special_tokens: list[str] = field(default_factory=list)
+    """Added tokens (e.g. image start/end markers) given ids after BOS/EOS/PAD; an 'hf' tokenizer also takes those
+    its tokenizer_config.json / special_tokens_map.json name. The model vocabulary must hold them all."""
     seq_len: int = 256
     """Tokens per packed row."""
     micro_batch: int = 8
@@ -37,4 +64,10 @@ class DataConfig:
     recall_vocab: int = 64
     """Distinct keys/values for associative recall."""
     seed: int = 0
-    """Shuffle seed."""
+    """Shuffle seed (document order and mixture draws)."""
+
+    def file_sources(self) -> list[SourceConfig]:
+        """The sources of source='files': data.sources, or data.paths as one source."""
+        if self.sources:
+            return list(self.sources)
+        return [SourceConfig(name="files", paths=list(self.paths), format=self.format, text_field=self.text_field)]

@@ -2,13 +2,21 @@
 
 - text: one document per file (the whole file; `datasets`' text builder with sample_by='document'), so a source
   file or a book stays whole and packing decides where rows are cut.
-- json (JSONL, one object per line) and parquet: one document per record, read from column `cfg.text_field`;
+- json (JSONL, one object per line) and parquet: one document per record, read from the source's `text_field`;
   records whose field is null or blank are skipped.
-`cfg.paths` holds files, folders (every file with a known extension below them) or glob patterns; the format comes
-from `cfg.format` or, with 'auto', from each file's extension. With `cfg.streaming` the files are read through
-streaming datasets (no Arrow copy is written to disk); either way the token ids are held in memory, two or four
-bytes per token. The tokenized result is cached like the built-in corpus, keyed by the files' paths, sizes and
-modification times, the format, the field and the tokenizer.
+A source's paths hold files, folders (every file with a known extension below them) or glob patterns, all of one
+format (from its `format` or, with 'auto', from the extensions): they are read by one `datasets.load_dataset` call.
+
+Not streaming (`build_source_docs`): the dataset is tokenized with `Dataset.map(batched=True, num_proc=data.num_proc)`
+under a fingerprint made of the dataset's own (files, sizes, modification times), the text field and the tokenizer,
+so a second run reads the Arrow cache instead of tokenizing. One process per machine builds it, holding a file lock
+(`filelock`) that the others wait on before they read the cache: a wait on a lock, not in a collective that times out.
+The token ids are then held in memory, two or four bytes per token.
+
+Streaming (`DocStream`): documents come from a streaming `IterableDataset`, split between data-parallel ranks with
+`datasets.distributed.split_dataset_by_node` (whole files per rank when their count divides by the ranks, else every
+world-th record), and are tokenized a batch of documents at a time; the position is the dataset's own
+`state_dict()` (JSON) plus the epoch, so memory does not grow with the corpus and a resume continues exactly.
 """
 
 from __future__ import annotations
@@ -16,16 +24,19 @@ from __future__ import annotations
 import glob
 import os
 
-from k3train.data.config import DataConfig
-from k3train.data.packing import TokenizedDocs, cache_key, cache_root, load_cached, save_cached, tokenize_texts
-from k3train.data.tokenizers import DataError
+import numpy as np
 
+from k3train.data.config import DataConfig, SourceConfig
+from k3train.data.packing import TokenizedDocs, cache_key, cache_lock, cache_root, in_eval_split, text_hash, \
+    token_dtype
+from k3train.data.tokenizers import DataError, build_tokenizer
 _EXT_FORMAT = {
     ".txt": "text", ".text": "text", ".md": "text", ".rst": "text", ".py": "text",
     ".jsonl": "json", ".json": "json", ".ndjson": "json",
     ".parquet": "parquet", ".pq": "parquet",
 }
 _FORMATS = ("text", "json", "parquet")
+STREAM_JSON_CHUNK = 1 << 20
 
 
 def resolve_paths(paths: list[str]) -> list[str]:
@@ -65,66 +76,165 @@ def file_format(path: str, fmt: str) -> str:
     return _EXT_FORMAT[ext]
 
 
-def _open(path: str, fmt: str, streaming: bool, progress: bool):
+def source_files(src: SourceConfig) -> tuple[list[str], str]:
+    """A source's files and their one format."""
+    files = resolve_paths(list(src.paths))
+    formats = sorted({file_format(f, src.format) for f in files})
+    if len(formats) > 1:
+        raise DataError(f"data source {src.name!r} mixes formats {formats} in {files[:4]}: one source is one "
+                        f"load_dataset call, so give each format its own entry of data.sources")
+    for f in files:
+        if os.path.getsize(f) == 0:
+            raise DataError(f"data file is empty: {f!r}")
+    return files, formats[0]
+
+
+def load_files(files: list[str], fmt: str, *, streaming: bool, progress: bool):
+    """One `datasets.load_dataset` over all of a source's files (a streaming IterableDataset or an Arrow Dataset)."""
     import datasets
 
     kwargs = {"sample_by": "document"} if fmt == "text" else {}
+    if fmt == "json" and streaming:
+        kwargs["chunksize"] = STREAM_JSON_CHUNK  # bytes parsed at a time (datasets' default is 10 MiB)
     quiet = not progress and not datasets.are_progress_bars_disabled()
     if quiet:
         datasets.disable_progress_bars()
     try:
-        return datasets.load_dataset(fmt, data_files=[path], split="train", streaming=streaming,
+        return datasets.load_dataset(fmt, data_files=list(files), split="train", streaming=streaming,
                                      cache_dir=os.path.join(cache_root(), "hf_datasets"), **kwargs)
     except Exception as e:  # datasets wraps parser errors in its own exception types
-        raise DataError(f"cannot read {fmt} file {path!r}: {type(e).__name__}: {e}") from e
+        shown = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} more)"
+        raise DataError(f"cannot read {fmt} file(s) {shown!r}: {type(e).__name__}: {e}") from e
     finally:
         if quiet:
             datasets.enable_progress_bars()
 
 
-def iter_file_texts(path: str, fmt: str, field: str, streaming: bool, progress: bool = True):
-    """The documents (strings) of one file, in file order."""
-    if os.path.getsize(path) == 0:
-        raise DataError(f"data file is empty: {path!r}")
-    ds = _open(path, fmt, streaming, progress)
-    col = "text" if fmt == "text" else field
-    checked = False
-    try:
-        for chunk in ds.iter(batch_size=512):
-            if not checked:
-                if col not in chunk:
-                    raise DataError(f"text field {field!r} (data.text_field) not found in {path!r}; "
-                                    f"it has {sorted(chunk)}")
-                checked = True
-            for value in chunk[col]:
-                if value is None:
-                    continue
-                if not isinstance(value, str):
-                    raise DataError(f"text field {field!r} in {path!r} holds {type(value).__name__}, not text")
-                yield value
-    except DataError:
-        raise
-    except Exception as e:
-        raise DataError(f"cannot read {fmt} file {path!r}: {type(e).__name__}: {e}") from e
+class Tokenize:
+    """The batched map function: a batch of records -> {"ids": token ids, "hash": text hash} per kept document.
+
+    Blank and null texts are dropped; `keep` (a split and its eval fraction) drops the other split's documents before
+    tokenizing. A plain object of settings, so `Dataset.map(num_proc=N)` pickles it to its workers, which build
+    their own tokenizer."""
+
+    def __init__(self, cfg: DataConfig, column: str, what: str, keep: tuple[str, float] | None = None):
+        self.cfg, self.column, self.what, self.keep = cfg, column, what, keep
+        self._tok = None
+
+    def texts(self, batch: dict) -> tuple[list[str], np.ndarray]:
+        if self.column not in batch:
+            raise DataError(f"text field {self.column!r} (data.text_field) not found in {self.what}; "
+                            f"it has {sorted(batch)}")
+        texts = []
+        for value in batch[self.column]:
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise DataError(f"text field {self.column!r} in {self.what} holds {type(value).__name__}, not text")
+            if value.strip():
+                texts.append(value)
+        hashes = np.array([text_hash(t) for t in texts], dtype=np.uint64)
+        if self.keep is not None:
+            split, fraction = self.keep
+            mask = in_eval_split(hashes, fraction) == (split == "eval")
+            texts, hashes = [t for t, m in zip(texts, mask) if m], hashes[mask]
+        return texts, hashes
+
+    def __call__(self, batch: dict) -> dict:
+        if self._tok is None:
+            self._tok = build_tokenizer(self.cfg)
+        texts, hashes = self.texts(batch)
+        ids = [a.astype(np.int32) for a in self._tok.encode_batch(texts)] if texts else []
+        return {"ids": ids, "hash": hashes}
+
+
+def _column(src: SourceConfig, fmt: str) -> str:
+    return "text" if fmt == "text" else src.text_field
+
+
+def build_source_docs(cfg: DataConfig, src: SourceConfig, tok, *, progress: bool = True) -> TokenizedDocs:
+    """Tokenized documents of one source (not streaming), through the map cache described in the module docstring."""
+    files, fmt = source_files(src)
+    what = f"data source {src.name!r} ({files[0]}{' ...' if len(files) > 1 else ''})"
+    column = _column(src, fmt)
+    with cache_lock("files-" + cache_key(files)):
+        ds = load_files(files, fmt, streaming=False, progress=progress)
+        if column not in ds.column_names:
+            raise DataError(f"text field {column!r} (data.text_field) not found in {what}; it has "
+                            f"{sorted(ds.column_names)}")
+        # Our own fingerprint: datasets cannot hash a tokenizer object reliably. The dataset's fingerprint covers
+        # the files (paths, sizes, modification times); the tokenizer's names everything its ids depend on.
+        fingerprint = cache_key("tokenize-v1", ds._fingerprint, column, tok.fingerprint)
+        try:
+            out = ds.map(Tokenize(cfg, column, what), batched=True, batch_size=256, remove_columns=ds.column_names,
+                         num_proc=cfg.num_proc if cfg.num_proc > 1 else None, new_fingerprint=fingerprint,
+                         desc=f"tokenizing {src.name or 'files'}")
+        except DataError:
+            raise
+        except Exception as e:
+            raise DataError(f"cannot tokenize {what}: {type(e).__name__}: {e}") from e
+    if len(out) == 0:
+        shown = ", ".join(repr(f) for f in files[:5]) + (" ..." if len(files) > 5 else "")
+        raise DataError(f"no documents (all empty or blank) in data files {shown}")
+    return _docs_from_arrow(out, tok)
+
+
+def _docs_from_arrow(ds, tok) -> TokenizedDocs:
+    """The map result as one flat token array and offsets (vectorised over the Arrow chunks)."""
+    import pyarrow.compute as pc
+
+    ids = ds.data.column("ids")
+    lengths = np.concatenate([pc.list_value_length(c).to_numpy(zero_copy_only=False) for c in ids.chunks])
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    dtype = token_dtype(tok.vocab_size)
+    tokens = np.concatenate([pc.list_flatten(c).to_numpy(zero_copy_only=False).astype(dtype) for c in ids.chunks]
+                            + [np.zeros(0, dtype=dtype)])
+    hashes = np.concatenate([c.to_numpy(zero_copy_only=False) for c in ds.data.column("hash").chunks])
+    return TokenizedDocs(tokens=tokens, offsets=offsets, doc_hash=hashes.astype(np.uint64))
 
 
 def build_file_corpus(cfg: DataConfig, tok, *, progress: bool = True) -> TokenizedDocs:
-    """Tokenized documents of `cfg.paths` (from the cache when the same files and tokenizer were seen before)."""
-    files = resolve_paths(list(cfg.paths))
-    formats = [file_format(f, cfg.format) for f in files]
-    stats = [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
-    key = cache_key("files-v1", stats, formats, cfg.text_field, tok.fingerprint)
-    docs = load_cached(key)
-    if docs is not None:
-        return docs
+    """Tokenized documents of the one-source shorthand (data.paths)."""
+    return build_source_docs(cfg, cfg.file_sources()[0], tok, progress=progress)
 
-    def texts():
-        for f, fmt in zip(files, formats):
-            yield from iter_file_texts(f, fmt, cfg.text_field, cfg.streaming, progress)
 
-    docs = tokenize_texts(texts(), tok, desc="tokenizing files", progress=progress)
-    if len(docs) == 0:
-        shown = ", ".join(repr(f) for f in files[:5]) + (" ..." if len(files) > 5 else "")
-        raise DataError(f"no documents (all empty or blank) in data files {shown}")
-    save_cached(key, docs)
-    return docs
+class DocStream:
+    """One source's documents on one data-parallel rank as a stream of tokenized batches (see the module docstring).
+
+    `next_batch()` returns (the position before the batch, its documents' token ids); a position is
+    {"epoch", "hf": the IterableDataset's state_dict} and `seek(position)` goes back to it. At the end of the data the
+    next epoch starts over in the same order."""
+
+    def __init__(self, cfg: DataConfig, src: SourceConfig, *, split: str, dp_rank: int, dp_world: int,
+                 batch_docs: int = 64):
+        from datasets.distributed import split_dataset_by_node
+
+        files, fmt = source_files(src)
+        self.what = f"data source {src.name!r} ({files[0]}{' ...' if len(files) > 1 else ''})"
+        ds = load_files(files, fmt, streaming=True, progress=False)
+        self.ds = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_world) if dp_world > 1 else ds
+        self.split, self.batch_docs = split, batch_docs
+        self.fn = Tokenize(cfg, _column(src, fmt), self.what, keep=(split, cfg.eval_fraction))
+        self._start = self.ds.state_dict()
+        self.seek({"epoch": 0, "hf": self._start})
+
+    def seek(self, position: dict) -> None:
+        self.epoch = int(position["epoch"])
+        self.ds.load_state_dict(position["hf"])
+        self._it = iter(self.ds)
+
+    def next_batch(self) -> tuple[dict, list[np.ndarray]]:
+        for attempt in range(2):
+            position = {"epoch": self.epoch, "hf": self.ds.state_dict()}
+            while True:
+                records = [r for _, r in zip(range(self.batch_docs), self._it)]
+                if not records:
+                    break
+                out = self.fn({k: [r.get(k) for r in records] for k in records[0]})
+                if out["ids"]:
+                    return position, out["ids"]
+                position = {"epoch": self.epoch, "hf": self.ds.state_dict()}  # a batch of blank documents only
+            self.seek({"epoch": self.epoch + 1, "hf": self._start})
+        raise DataError(f"no {self.split} documents in {self.what} on this rank's shard of the stream "
+                        f"(data.eval_fraction={self.fn.keep[1]}; empty, blank or all in the other split)")

@@ -15,18 +15,29 @@ every row start is a segment start, so a rank's cu_seqlens is the single-process
 state_dict() records `global_rows` = rows consumed by all ranks together (k * G), identical on every rank, so saving
 it from rank 0 is enough; load_state_dict accepts it under any (dp_world, micro_batch) whose G divides it, and the
 next batch is then the one an uninterrupted run would have produced next.
+
+Mixtures (data.sources): row g comes from source s(g), drawn from the weights by a counter-based hash of (seed, g),
+so the draw is the same whatever the ranks and needs no generator state; a source's rows are its own packed stream
+read in order, the i-th row drawn from it being its row i. The state adds the rows drawn from each source up to
+global_rows (identical on every rank; it also gives the `data/tokens/<name>` metrics).
+
+Streaming (data.streaming): each rank reads its own shard of every source's stream (k3train.data.datasets.DocStream)
+forwards; row g's source is drawn as above and the rank takes the next row of that source's stream. The state adds
+each source's stream position and packer offset, which differ per rank (every rank's rank-<r>.json holds its own),
+so a streaming run resumes under the same data-parallel size and micro-batch only.
 """
 
 from __future__ import annotations
 
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from k3train.data.builtin_corpus import build_builtin_corpus
 from k3train.data.config import DataConfig
-from k3train.data.datasets import build_file_corpus
-from k3train.data.packing import PackedStream, check_vocab
+from k3train.data.datasets import DocStream, build_source_docs
+from k3train.data.packing import PackedStream, StreamPacker, batch_from_rows, check_vocab, overlapping_rows
 from k3train.data.recall import EVAL_ROWS, RecallSource
 from k3train.data.tokenizers import DataError
 
@@ -69,7 +80,15 @@ class MicroBatchLoader:
         return out
 
     def state_dict(self) -> dict:
-        return {"global_rows": self._k * self.global_batch_rows, **self._tag}
+        rows = self._k * self.global_batch_rows
+        extra = {"mixture": self.source.state_dict(rows)} if isinstance(self.source, MixedRows) else {}
+        return {"global_rows": rows, **self._tag, **extra}
+
+    def metrics(self) -> dict:
+        """Tokens drawn from each source of a mixture by all ranks so far (`data/tokens/<name>`); {} otherwise."""
+        if not isinstance(self.source, MixedRows) or len(self.source.names) < 2:
+            return {}
+        return self.source.metrics(self._k * self.global_batch_rows)
 
     def load_state_dict(self, sd: dict) -> None:
         for key, value in self._tag.items():
@@ -81,6 +100,89 @@ class MicroBatchLoader:
             raise DataError(f"loader state is at global row {rows}, not a multiple of micro_batch*dp_world="
                             f"{self.global_batch_rows}: the global batch changed since the state was saved")
         self._k = rows // self.global_batch_rows
+        if isinstance(self.source, MixedRows):
+            if "mixture" not in sd:
+                raise DataError("loader state has no mixture position (saved by another data configuration)")
+            self.source.load_state_dict(sd["mixture"], rows)
+
+
+def row_sources(seed: int, first: int, n: int, cum_weights: np.ndarray) -> np.ndarray:
+    """The source of global rows [first, first + n): splitmix64 of (seed, row) as a uniform draw over the
+    cumulative weights (vectorised; numpy's uint64 arithmetic wraps as the hash needs)."""
+    z = np.arange(first, first + n, dtype=np.uint64) + np.uint64((seed * 0x9E3779B97F4A7C15 + 1) % (1 << 64))
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    u = (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return np.searchsorted(cum_weights, u, side="right").astype(np.int64)
+
+
+class MixedRows:
+    """Rows of one or more sources (see the module docstring): `parts` are PackedStreams (random access) or
+    StreamPackers (this rank's streams, read forwards)."""
+
+    def __init__(self, parts: list, *, names: list[str], weights: list[float], seq_len: int, seed: int):
+        self.parts, self.names, self.seq_len, self.seed = parts, names, seq_len, seed
+        w = np.asarray(weights, dtype=np.float64)
+        self.cum = np.cumsum(w / w.sum())[:-1]  # boundaries between sources in [0, 1)
+        self.streaming = isinstance(parts[0], StreamPacker)
+        self._cursor, self._counts = 0, np.zeros(len(parts), dtype=np.int64)
+
+    def _advance(self, to: int) -> None:
+        """Count the rows each source gave before global row `to` (from the cursor on; back to 0 when behind)."""
+        if to < self._cursor:
+            self._cursor, self._counts = 0, np.zeros(len(self.parts), dtype=np.int64)
+            if self.streaming:  # eval reads its streams from the start again
+                for p in self.parts:
+                    p.restart()
+        while self._cursor < to:
+            n = min(to - self._cursor, 1 << 20)
+            self._counts += np.bincount(row_sources(self.seed, self._cursor, n, self.cum), minlength=len(self.parts))
+            self._cursor += n
+
+    def rows(self, first: int, n: int) -> dict[str, torch.Tensor]:
+        self._advance(first)
+        src = row_sources(self.seed, first, n, self.cum)
+        L = self.seq_len
+        ids = np.empty((n, L + 1), dtype=np.int64)
+        is_bos = np.empty((n, L + 1), dtype=bool)
+        for j, part in enumerate(self.parts):
+            where = np.flatnonzero(src == j)
+            if len(where) == 0:
+                continue
+            if self.streaming:
+                ids[where], is_bos[where] = part.take(len(where))
+            else:  # the source's rows counts[j] ... counts[j] + m - 1, cut from one window
+                w_ids, w_bos = part.window(int(self._counts[j]) * L, len(where) * L + 1)
+                ids[where], is_bos[where] = overlapping_rows(w_ids, w_bos, len(where), L)
+        self._counts += np.bincount(src, minlength=len(self.parts))
+        self._cursor = first + n
+        return batch_from_rows(ids, is_bos)
+
+    def rows_per_pass(self) -> int:
+        return sum(p.rows_per_pass() for p in self.parts)
+
+    def state_dict(self, global_rows: int) -> dict:
+        self._advance(global_rows)
+        out = {"rows_by_source": dict(zip(self.names, self._counts.tolist()))}
+        if self.streaming:
+            out["streams"] = {name: p.state_dict() for name, p in zip(self.names, self.parts)}
+        return out
+
+    def load_state_dict(self, sd: dict, global_rows: int) -> None:
+        by_source = sd.get("rows_by_source", {})
+        if sorted(by_source) != sorted(self.names):
+            raise DataError(f"loader state was saved for data sources {sorted(by_source)}, this run has "
+                            f"{sorted(self.names)}")
+        self._cursor, self._counts = global_rows, np.array([by_source[n] for n in self.names], dtype=np.int64)
+        if self.streaming:
+            for name, p in zip(self.names, self.parts):
+                p.load_state_dict(sd["streams"][name])
+
+    def metrics(self, global_rows: int) -> dict:
+        self._advance(global_rows)
+        return {f"data/tokens/{name}": int(c) * self.seq_len for name, c in zip(self.names, self._counts)}
 
 
 def build_dataloader(cfg: DataConfig, tok, *, split: str = "train", dp_rank: int = 0, dp_world: int = 1,
@@ -109,15 +211,13 @@ def build_dataloader(cfg: DataConfig, tok, *, split: str = "train", dp_rank: int
         return MicroBatchLoader(source, split=split, micro_batch=cfg.micro_batch, dp_rank=dp_rank, dp_world=dp_world,
                           num_batches=n, state_tag=tag)
 
-    if cfg.source == "builtin":
-        docs = build_builtin_corpus(cfg, tok, progress=progress)
-        what = "built-in corpus"
-    elif cfg.source == "files":
-        docs = build_file_corpus(cfg, tok, progress=progress)
-        what = f"data files {list(cfg.paths)}"
-    else:
+    if cfg.source == "files":
+        return _file_loader(cfg, tok, split=split, dp_rank=dp_rank, dp_world=dp_world, vocab_size=vocab_size,
+                            progress=progress, tag=tag)
+    if cfg.source != "builtin":
         raise DataError(f"unknown data.source {cfg.source!r}; expected 'builtin', 'files' or 'recall'")
-    check_vocab(docs, tok, vocab_size, what)
+    docs = build_builtin_corpus(cfg, tok, progress=progress)
+    check_vocab(docs, tok, vocab_size, "built-in corpus")
     ids = docs.split_ids(split, cfg.eval_fraction)
     stream = PackedStream(docs, ids, bos_id=tok.bos_id, eos_id=tok.eos_id, seq_len=cfg.seq_len, seed=cfg.seed,
                           shuffle_each_epoch=(split == "train"))
@@ -126,4 +226,45 @@ def build_dataloader(cfg: DataConfig, tok, *, split: str = "train", dp_rank: int
     # Eval reads one pass in whole global batches; a set smaller than one global batch is cycled to fill it.
     n = None if split == "train" else max(1, stream.rows_per_pass() // G)
     return MicroBatchLoader(stream, split=split, micro_batch=cfg.micro_batch, dp_rank=dp_rank, dp_world=dp_world,
-                      num_batches=n, state_tag=tag)
+                            num_batches=n, state_tag=tag)
+
+
+def _file_loader(cfg: DataConfig, tok, *, split: str, dp_rank: int, dp_world: int, vocab_size: int | None,
+                 progress: bool, tag: dict) -> MicroBatchLoader:
+    """source='files': data.paths (one source) or data.sources (a mixture), read whole or streamed."""
+    if cfg.paths and cfg.sources:
+        raise DataError("give data.paths (one source) or data.sources (a mixture), not both")
+    sources = cfg.file_sources()
+    names = [s.name or f"source{i}" for i, s in enumerate(sources)]
+    if len(set(names)) != len(names):
+        raise DataError(f"data.sources names must differ, got {names}")
+    bad = [s.weight for s in sources if not s.weight > 0]
+    if bad:
+        raise DataError(f"data.sources weights must be > 0, got {[s.weight for s in sources]}")
+    G = cfg.micro_batch * dp_world
+    kw = dict(bos_id=tok.bos_id, eos_id=tok.eos_id, seq_len=cfg.seq_len)
+    if cfg.streaming:
+        check_vocab(None, tok, vocab_size, "data files")  # the tokenizer itself; ids are checked as they come
+        parts = [StreamPacker(DocStream(cfg, s, split=split, dp_rank=dp_rank, dp_world=dp_world),
+                              vocab_size=vocab_size, **kw) for s in sources]
+        tag.update(streaming=True, dp_world=dp_world, dp_rank=dp_rank, micro_batch=cfg.micro_batch)
+        n = None if split == "train" else max(1, EVAL_ROWS // G)
+    else:
+        parts = []
+        for s in sources:
+            docs = build_source_docs(cfg, s, tok, progress=progress)
+            check_vocab(docs, tok, vocab_size, f"data files {list(s.paths)}")
+            ids = docs.split_ids(split, cfg.eval_fraction)
+            parts.append(PackedStream(docs, ids, seed=cfg.seed, shuffle_each_epoch=(split == "train"), **kw))
+        tag["documents"] = [len(p.doc_ids) for p in parts] if len(parts) > 1 else len(parts[0].doc_ids)
+        tag["tokens_per_epoch"] = [p.epoch_len for p in parts] if len(parts) > 1 else parts[0].epoch_len
+        n = None if split == "train" else max(1, sum(p.rows_per_pass() for p in parts) // G)
+    if len(parts) == 1 and not cfg.streaming:
+        source = parts[0]  # one source read whole: the packed stream itself, as for the built-in corpus
+    else:
+        source = MixedRows(parts, names=names, weights=[s.weight for s in sources], seq_len=cfg.seq_len,
+                           seed=cfg.seed)
+        if len(parts) > 1:
+            tag["sources"] = [[nm, float(s.weight)] for nm, s in zip(names, sources)]
+    return MicroBatchLoader(source, split=split, micro_batch=cfg.micro_batch, dp_rank=dp_rank, dp_world=dp_world,
+                            num_batches=n, state_tag=tag)

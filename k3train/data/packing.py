@@ -57,7 +57,7 @@ class TokenizedDocs:
         if not 0.0 <= eval_fraction < 1.0:
             raise DataError(f"data.eval_fraction must be in [0, 1), got {eval_fraction}")
         n = len(self)
-        u = (self.doc_hash >> np.uint64(11)).astype(np.float64) / float(1 << 53)  # uniform in [0, 1)
+        u = hash_uniform(self.doc_hash)
         is_eval = (u < eval_fraction) & (n >= 2)
         if eval_fraction > 0 and n >= 2:
             if not is_eval.any():
@@ -71,6 +71,16 @@ class TokenizedDocs:
                                 f"set eval_fraction > 0 and provide at least two documents")
             raise DataError(f"no train documents among {n} document(s)")
         return ids
+
+
+def hash_uniform(doc_hash: np.ndarray) -> np.ndarray:
+    """A document hash as a float uniform in [0, 1)."""
+    return (np.asarray(doc_hash, dtype=np.uint64) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+def in_eval_split(doc_hash: np.ndarray, eval_fraction: float) -> np.ndarray:
+    """The eval side of the split of a stream, one document at a time (no corpus-wide fallbacks, unlike split_ids)."""
+    return hash_uniform(doc_hash) < eval_fraction
 
 
 def text_hash(text: str) -> int:
@@ -130,6 +140,16 @@ def cache_key(*parts: object) -> str:
     return h.hexdigest()[:32]
 
 
+def cache_lock(name: str):
+    """A file lock in the cache folder: the first process builds a cache entry, the others wait here, not in a
+    collective, then find it built."""
+    from filelock import FileLock
+
+    folder = os.path.join(cache_root(), "locks")
+    os.makedirs(folder, exist_ok=True)
+    return FileLock(os.path.join(folder, f"{name}.lock"))
+
+
 def load_cached(key: str) -> TokenizedDocs | None:
     path = os.path.join(cache_root(), "tokens", f"{key}.npz")
     if not os.path.isfile(path):
@@ -157,14 +177,15 @@ def save_cached(key: str, docs: TokenizedDocs) -> None:
         raise
 
 
-def check_vocab(docs: TokenizedDocs, tok, vocab_size: int | None, what: str) -> None:
-    """DataError when the tokenizer or any token id does not fit the model's vocabulary (one vectorised max)."""
+def check_vocab(docs: TokenizedDocs | None, tok, vocab_size: int | None, what: str) -> None:
+    """DataError when the tokenizer or any token id of docs (if given) does not fit the model's vocabulary (one
+    vectorised max)."""
     if vocab_size is None:
         return
     if tok.vocab_size > vocab_size:
         raise DataError(f"tokenizer vocabulary ({tok.vocab_size} ids, data.tokenizer={type(tok).__name__}) exceeds "
                         f"the model vocab_size {vocab_size}: token ids would fall outside the embedding")
-    if docs.tokens.size:
+    if docs is not None and docs.tokens.size:
         top = int(docs.tokens.max())
         if top >= vocab_size:
             raise DataError(f"{what}: token id {top} is outside the model vocabulary (vocab_size {vocab_size})")
@@ -248,6 +269,91 @@ def batch_from_window(ids: np.ndarray, is_bos: np.ndarray, n_rows: int, seq_len:
         "labels": torch.from_numpy(np.ascontiguousarray(labels)),
         "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
     }
+
+
+def batch_from_rows(ids: np.ndarray, is_bos: np.ndarray) -> dict[str, torch.Tensor]:
+    """Rows given as separate windows [n_rows, seq_len + 1] (rows of different streams) -> inputs, labels, cu_seqlens;
+    the same cut as batch_from_window."""
+    n_rows, L = ids.shape[0], ids.shape[1] - 1
+    labels = np.where(is_bos[:, 1:], IGNORE_INDEX, ids[:, 1:])
+    seg_start = is_bos[:, :-1].copy()
+    seg_start[:, 0] = True
+    cu = np.append(np.flatnonzero(seg_start.reshape(-1)), n_rows * L)
+    return {
+        "input_ids": torch.from_numpy(np.ascontiguousarray(ids[:, :-1])),
+        "labels": torch.from_numpy(np.ascontiguousarray(labels)),
+        "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
+    }
+
+
+def overlapping_rows(ids: np.ndarray, is_bos: np.ndarray, n_rows: int, seq_len: int):
+    """A window of n_rows*seq_len + 1 stream tokens as [n_rows, seq_len + 1] rows sharing their edge tokens."""
+    idx = np.arange(n_rows)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    return ids[idx], is_bos[idx]
+
+
+class StreamPacker:
+    """The packed stream of a DocStream (one source, one rank), read forwards only: the same [BOS] doc [EOS] stream
+    and row cut as PackedStream, in the stream's document order.
+
+    It buffers the token batches that the unread part of the stream overlaps; its state is the position of the first
+    buffered batch and the offset of the next row in it (small JSON whatever the buffer holds: the batch is read and
+    tokenized again on resume)."""
+
+    def __init__(self, stream, *, bos_id: int, eos_id: int, seq_len: int, vocab_size: int | None):
+        self.stream, self.bos_id, self.eos_id, self.seq_len = stream, bos_id, eos_id, seq_len
+        self.vocab_size = vocab_size
+        self.restart()
+
+    def _reset(self, position: dict | None, offset: int) -> None:
+        self._batches: list[tuple[dict, np.ndarray, np.ndarray]] = []  # (position before it, ids, is_bos)
+        self._first_position = position
+        self._offset = offset  # next row's first token, counted from the first buffered batch's start
+        self._pending_seek = position
+
+    def _pull(self) -> None:
+        if self._pending_seek is not None:
+            self.stream.seek(self._pending_seek)
+            self._pending_seek = None
+        position, docs = self.stream.next_batch()
+        lengths = np.array([len(d) for d in docs], dtype=np.int64) + 2
+        starts = np.zeros(len(docs), dtype=np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        ids = np.empty(int(lengths.sum()), dtype=np.int64)
+        is_bos = np.zeros(len(ids), dtype=bool)
+        body = np.ones(len(ids), dtype=bool)
+        body[starts] = body[starts + lengths - 1] = False
+        ids[body] = np.concatenate([np.asarray(d, dtype=np.int64) for d in docs])
+        ids[starts], ids[starts + lengths - 1], is_bos[starts] = self.bos_id, self.eos_id, True
+        if self.vocab_size is not None and len(ids) and int(ids.max()) >= self.vocab_size:
+            raise DataError(f"{self.stream.what}: token id {int(ids.max())} is outside the model vocabulary "
+                            f"(vocab_size {self.vocab_size})")
+        if not self._batches:
+            self._first_position = position
+        self._batches.append((position, ids, is_bos))
+
+    def take(self, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """The next n_rows rows as [n_rows, seq_len + 1] ids and BOS masks."""
+        need = self._offset + n_rows * self.seq_len + 1
+        while sum(len(b[1]) for b in self._batches) < need:
+            self._pull()
+        ids = np.concatenate([b[1] for b in self._batches])[self._offset:need]
+        is_bos = np.concatenate([b[2] for b in self._batches])[self._offset:need]
+        self._offset += n_rows * self.seq_len
+        # Drop batches wholly read; the last one always holds the next row's first token (need > offset).
+        while len(self._batches[0][1]) <= self._offset:
+            self._offset -= len(self._batches.pop(0)[1])
+            self._first_position = self._batches[0][0]
+        return overlapping_rows(ids, is_bos, n_rows, self.seq_len)
+
+    def state_dict(self) -> dict:
+        return {"position": self._first_position, "offset": int(self._offset)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._reset(sd["position"], int(sd["offset"]))
+
+    def restart(self) -> None:
+        self._reset({"epoch": 0, "hf": self.stream._start}, 0)
 
 
 def pack_rows_reference(documents: list[list[int]], order: list[int], *, bos_id: int, eos_id: int, seq_len: int,

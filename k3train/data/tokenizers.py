@@ -2,14 +2,17 @@
 
 Every tokenizer exposes the same small surface the data pipeline and the trainer use:
 `vocab_size`, `bos_id`, `eos_id`, `pad_id`, `encode(str) -> list[int]`, `decode(list[int]) -> str`,
-`encode_batch(list[str]) -> list[np.ndarray]` (fast path for corpus building) and `fingerprint` (a string that
-changes whenever the token ids a text maps to could change; it keys the token caches).
+`encode_batch(list[str]) -> list[np.ndarray]` (fast path for corpus building), `fingerprint` (a string that
+changes whenever the token ids a text maps to could change; it keys the token caches) and `special_ids`, the one
+table of special tokens: {"bos", "eos", "pad"} -> id, then every added token's spelling (`data.special_tokens`, and
+for 'hf' the additional special tokens of its tokenizer_config.json / special_tokens_map.json) -> id.
 Nothing here downloads: the 'hf' and 'tiktoken' tokenizers read a file named by `DataConfig.tokenizer_path`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from typing import Sequence
 
@@ -20,6 +23,10 @@ from k3train.data.config import DataConfig
 
 class DataError(ValueError):
     """Bad data configuration or input: the message names the file, field or setting at fault."""
+
+
+def cache_text(value) -> str:
+    return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
 
 
 def _file_sha256(path: str) -> str:
@@ -39,14 +46,38 @@ def _require_file(path: str, what: str) -> str:
     return path
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255, then BOS=256, EOS=257, PAD=258 (vocab 259)."""
+def _added_ids(names: Sequence[str], first: int) -> dict[str, int]:
+    names = [str(n) for n in names]
+    dup = sorted({n for n in names if names.count(n) > 1} | ({"bos", "eos", "pad"} & set(names)))
+    if dup or not all(names):
+        raise DataError(f"data.special_tokens must be distinct non-empty spellings other than the role names "
+                        f"bos/eos/pad; got {names}")
+    return {n: first + i for i, n in enumerate(names)}
 
-    vocab_size = 259
+
+def check_special_ids(tok, vocab_size: int) -> None:
+    """DataError unless the model's vocabulary (vocab_size ids) holds the tokenizer and every special token."""
+    outside = {name: i for name, i in tok.special_ids.items() if i >= vocab_size}
+    if outside:
+        raise DataError(f"special tokens {outside} have ids outside the model vocabulary (vocab_size {vocab_size}); "
+                        f"raise model vocab_size to at least {max(outside.values()) + 1} or declare fewer "
+                        f"data.special_tokens")
+    if tok.vocab_size > vocab_size:
+        raise DataError(f"tokenizer vocabulary ({tok.vocab_size} ids, data.tokenizer={type(tok).__name__}) exceeds "
+                        f"the model vocab_size {vocab_size}: token ids would fall outside the embedding")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, then BOS=256, EOS=257, PAD=258, then the added tokens (vocab 259 + added)."""
+
     bos_id = 256
     eos_id = 257
     pad_id = 258
     fingerprint = "byte-v1"
+
+    def __init__(self, special_tokens: Sequence[str] = ()):
+        self.special_ids = {"bos": 256, "eos": 257, "pad": 258, **_added_ids(special_tokens, 259)}
+        self.vocab_size = 259 + len(self.special_ids) - 3
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -65,15 +96,49 @@ _HF_EOS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|eos|
 _HF_PAD = ("<pad>", "[PAD]", "<|pad|>")
 
 
+def _hf_declared_specials(folder: str) -> tuple[dict[str, str], list[str]]:
+    """({role: spelling}, additional spellings) from tokenizer_config.json, then special_tokens_map.json (which wins),
+    beside a tokenizer.json; entries are strings or {"content": ...} objects as transformers writes them."""
+    roles: dict[str, str] = {}
+    extra: list[str] = []
+
+    def text(v):
+        return v.get("content") if isinstance(v, dict) else v
+
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        f = os.path.join(folder, name)
+        if not os.path.isfile(f):
+            continue
+        try:
+            with open(f, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except (OSError, ValueError) as e:
+            raise DataError(f"cannot read {f!r}: {e}") from e
+        if not isinstance(data, dict):
+            raise DataError(f"{f!r} does not hold a JSON object")
+        for role in ("bos", "eos", "pad"):
+            v = text(data.get(f"{role}_token"))
+            if isinstance(v, str) and v:
+                roles[role] = v
+        for v in data.get("additional_special_tokens") or []:
+            v = text(v)
+            if isinstance(v, str) and v and v not in extra:
+                extra.append(v)
+    return roles, extra
+
+
 class HFTokenizer:
     """A local `tokenizer.json` read with the `tokenizers` library.
 
-    BOS/EOS/PAD reuse the file's own special tokens when it has a conventional one (e.g. `<s>`, `</s>`, `<pad>`);
-    otherwise `<|bos|>`, `<|eos|>`, `<|pad|>` are added as special tokens after the existing vocabulary.
-    Text is encoded without the file's post-processor (the packer adds BOS/EOS itself).
+    BOS/EOS/PAD: the spellings named by a tokenizer_config.json or special_tokens_map.json beside the file, else the
+    file's own conventional special tokens (e.g. `<s>`, `</s>`, `<pad>`); a spelling the vocabulary lacks, or a role
+    with none, gets an added special token (`<|bos|>`, `<|eos|>`, `<|pad|>` by default) after the existing ids.
+    The added tokens (those files' additional special tokens, then `special_tokens`) are special tokens too: their
+    spelling in a document becomes their id. Text is encoded without the file's post-processor (the packer adds
+    BOS/EOS itself).
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, special_tokens: Sequence[str] = ()):
         from tokenizers import AddedToken, Tokenizer
 
         path = _require_file(path, "tokenizer 'hf'")
@@ -81,20 +146,23 @@ class HFTokenizer:
             self._tok = Tokenizer.from_file(path)
         except Exception as e:  # the library raises a bare Exception on malformed JSON
             raise DataError(f"cannot read HF tokenizer file {path!r}: {e}") from e
+        declared, extra = _hf_declared_specials(os.path.dirname(os.path.abspath(path)))
+        extra += [t for t in special_tokens if t not in extra]
+        _added_ids(extra, 0)  # the same checks as the other tokenizers (ids come from the vocabulary below)
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        ids = {}
-        for role, names, fallback in (("bos", _HF_BOS, "<|bos|>"), ("eos", _HF_EOS, "<|eos|>"),
-                                      ("pad", _HF_PAD, "<|pad|>")):
-            name = next((n for n in names if n in vocab), None)
-            if name is None:
-                self._tok.add_special_tokens([AddedToken(fallback, special=True)])
-                name = fallback
-                vocab = self._tok.get_vocab(with_added_tokens=True)
-            ids[role] = vocab[name]
-        self.bos_id, self.eos_id, self.pad_id = ids["bos"], ids["eos"], ids["pad"]
+        names = {}
+        for role, conventional, fallback in (("bos", _HF_BOS, "<|bos|>"), ("eos", _HF_EOS, "<|eos|>"),
+                                             ("pad", _HF_PAD, "<|pad|>")):
+            names[role] = declared.get(role) or next((n for n in conventional if n in vocab), fallback)
+        # A role's spelling already in the vocabulary keeps its kind; the added tokens all become special.
+        new = [n for n in names.values() if n not in vocab] + extra
+        self._tok.add_special_tokens([AddedToken(n, special=True) for n in dict.fromkeys(new)])
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.special_ids = {**{role: vocab[n] for role, n in names.items()}, **{n: vocab[n] for n in extra}}
+        self.bos_id, self.eos_id, self.pad_id = (self.special_ids[r] for r in ("bos", "eos", "pad"))
         # Ids need not be contiguous in a hand-written file, so size the vocabulary by the largest id.
         self.vocab_size = max(vocab.values()) + 1
-        self.fingerprint = f"hf-{_file_sha256(path)}"
+        self.fingerprint = f"hf-{_file_sha256(path)}-{cache_text(sorted(self.special_ids.items()))}"
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -115,13 +183,14 @@ TIKTOKEN_PATTERN = r""" ?\p{L}+(?:'\p{L}+)?| ?\p{N}{1,3}| ?[^\s\p{L}\p{N}]+|\n+|
 
 
 class TiktokenTokenizer:
-    """A local tiktoken BPE ranks file (`base64(token) rank` per line) with `TIKTOKEN_PATTERN` as the split regex.
+    """A local tiktoken BPE ranks file (`base64(token) rank` per line) with `pattern` (data.tiktoken_pattern, by
+    default `TIKTOKEN_PATTERN`) as the split regex, exactly as `tiktoken.Encoding` encodes with them.
 
-    BOS, EOS, PAD are added right after the largest rank: ids n, n+1, n+2, vocab n+3.
+    BOS, EOS, PAD are added right after the largest rank: ids n, n+1, n+2, then the added tokens.
     The ranks should contain all 256 single bytes, or text with an uncovered byte cannot be encoded.
     """
 
-    def __init__(self, path: str, pattern: str = TIKTOKEN_PATTERN):
+    def __init__(self, path: str, pattern: str = TIKTOKEN_PATTERN, special_tokens: Sequence[str] = ()):
         import tiktoken
         from tiktoken.load import load_tiktoken_bpe
 
@@ -136,13 +205,18 @@ class TiktokenTokenizer:
             raise DataError(f"tiktoken ranks file {path!r} holds no tokens")
         n = max(ranks.values()) + 1
         self.bos_id, self.eos_id, self.pad_id = n, n + 1, n + 2
-        self.vocab_size = n + 3
-        self._enc = tiktoken.Encoding(
-            name=f"k3train-{digest[:12]}",
-            pat_str=pattern,
-            mergeable_ranks=ranks,
-            special_tokens={"<|bos|>": n, "<|eos|>": n + 1, "<|pad|>": n + 2},
-        )
+        self.special_ids = {"bos": n, "eos": n + 1, "pad": n + 2, **_added_ids(special_tokens, n + 3)}
+        self.vocab_size = n + len(self.special_ids)
+        try:
+            self._enc = tiktoken.Encoding(
+                name=f"k3train-{digest[:12]}",
+                pat_str=pattern,
+                mergeable_ranks=ranks,
+                special_tokens={"<|bos|>": n, "<|eos|>": n + 1, "<|pad|>": n + 2,
+                                **{t: i for t, i in self.special_ids.items() if i >= n + 3}},
+            )
+        except ValueError as e:  # the regex engine rejects the pattern
+            raise DataError(f"tiktoken cannot use data.tiktoken_pattern {pattern!r}: {e}") from e
         self.fingerprint = f"tiktoken-{digest}-{hashlib.sha256(pattern.encode()).hexdigest()[:16]}"
 
     def encode(self, text: str) -> list[int]:
@@ -162,10 +236,14 @@ Tokenizer = ByteTokenizer | HFTokenizer | TiktokenTokenizer
 
 def build_tokenizer(cfg: DataConfig) -> Tokenizer:
     """The tokenizer named by `cfg.tokenizer` ('byte', 'hf' or 'tiktoken'), read from `cfg.tokenizer_path`."""
+    specials = list(cfg.special_tokens)
+    if cfg.tiktoken_pattern and cfg.tokenizer != "tiktoken":
+        raise DataError(f"data.tiktoken_pattern is set but data.tokenizer is {cfg.tokenizer!r}: the pattern applies "
+                        f"to the 'tiktoken' tokenizer only")
     if cfg.tokenizer == "byte":
-        return ByteTokenizer()
+        return ByteTokenizer(specials)
     if cfg.tokenizer == "hf":
-        return HFTokenizer(cfg.tokenizer_path)
+        return HFTokenizer(cfg.tokenizer_path, specials)
     if cfg.tokenizer == "tiktoken":
-        return TiktokenTokenizer(cfg.tokenizer_path)
+        return TiktokenTokenizer(cfg.tokenizer_path, cfg.tiktoken_pattern or TIKTOKEN_PATTERN, specials)
     raise DataError(f"unknown data.tokenizer {cfg.tokenizer!r}; expected 'byte', 'hf' or 'tiktoken'")

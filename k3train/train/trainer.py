@@ -185,8 +185,8 @@ class Trainer:
         random.seed(t.seed)
         np.random.seed(t.seed % (1 << 32))
 
-        # ---- data first: bad input fails before a run directory or a model exists. Rank 0 builds the token
-        # cache, then the others read it.
+        # ---- data first: bad input fails before a run directory or a model exists. One process per machine
+        # builds the token cache, the others read it.
         self.tok = build_tokenizer(cfg.data)
         if self.tok.vocab_size > args.vocab_size:
             raise DataError(f"tokenizer {cfg.data.tokenizer!r} has {self.tok.vocab_size} ids but the model's "
@@ -289,8 +289,9 @@ class Trainer:
             print(f"k3train: WARNING: {msg}", file=sys.stderr, flush=True)
 
     def _build_loaders(self):
-        """(train, eval or None) loaders. Rank 0 builds first (it fills the token cache) and shares the outcome, so
-        a data error stops every rank instead of leaving the others waiting."""
+        """(train, eval or None) loaders. Every rank builds at once: one process per machine fills the token cache
+        under a file lock the others wait on (not a collective); then the ranks share their outcome, so a data error
+        on any rank stops every rank instead of leaving the others waiting."""
         cfg, env = self.cfg, self.env
 
         def build():
@@ -301,21 +302,17 @@ class Trainer:
 
         if env.world == 1:
             return build()
-        # The waits for another rank's tokenizing run in the gloo group of host work, bounded by
-        # train.host_work_timeout_s.
+        # The outcomes meet in the gloo group of host work, bounded by train.host_work_timeout_s.
         self.progress.phase, self.progress.timeout_s = "data preparation", cfg.train.host_work_timeout_s
         out, err = None, ""
-        if env.rank == 0:
-            try:
-                out = build()
-            except DataError as e:
-                err = str(e)
-        err = _broadcast_str(err, env, group=self._host_group)
-        if err:
-            raise DataError(err)
-        if env.rank != 0:
+        try:
             out = build()
-        self._barrier(self._host_group)
+        except DataError as e:
+            err = str(e)
+        errs = [""] * env.world
+        dist.all_gather_object(errs, err, group=self._host_group)
+        if any(errs):
+            raise DataError(next(e for e in errs if e))
         self.progress.timeout_s = cfg.train.timeout_s
         return out
 
@@ -419,6 +416,7 @@ class Trainer:
                       "flops_per_token": self.flops_per_token}
             if self.peak_flops > 0:
                 record["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.env.world)
+            record.update(self.train_loader.metrics())  # tokens drawn from each source of a data mixture
             last_step = step == t.steps
             if self.eval_loader is not None and (step % t.eval_interval == 0 or last_step):
                 self.progress.phase = "evaluation"

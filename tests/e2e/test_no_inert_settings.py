@@ -106,8 +106,12 @@ REASONS: dict[str, str] = {
     "train.host_work_timeout_s": "how long ranks wait for a peer's long host work (tokenizing, checkpoint checksums): "
                                  "it changes what happens only when that work outlasts train.timeout_s "
                                  "(tests/unit/test_resilience.py::test_host_work_waits_use_their_own_bound)",
-    "data.streaming": "how source='files' reads its files (streamed or through an Arrow copy): the same documents "
-                      "in the same order",
+    "data.num_proc": "processes that tokenize the files with Dataset.map: the same tokens (tests/unit/"
+                     "test_data_scale.py::test_map_cache_is_read_on_the_second_run compares them)",
+    "data.special_tokens": "declares added tokens (ids after BOS/EOS/PAD) that no source here yields; a vocabulary "
+                           "that cannot hold them is refused before any process group (tests/unit/"
+                           "test_data_scale.py::test_mixture_refusals, test_tiktoken_pattern_and_special_tokens)",
+    "data.sources[].name": OUTPUTS_ONLY + " (the source's label in the data/tokens/<name> metrics)",
     "model.overrides.name": "a label for logs (the preset's name)",
     "model.overrides.max_seq_len": "an upper bound checked against data.seq_len at validation; the model has no "
                                    "position table (NoPE MLA, KDA), so nothing it computes depends on it",
@@ -250,6 +254,16 @@ class Case:
 MUON = {"optim.name": "muon"}
 RECALL = {"data.source": "recall"}
 FILES = {"data.source": "files", "data.paths": [InWork("docs.jsonl")]}
+
+
+def _sources(*specs: tuple) -> list:
+    """data.sources entries from (file in the work folder, SourceConfig fields)."""
+    from k3train.data.config import SourceConfig
+    return [SourceConfig(name=f"s{i}", paths=[InWork(f)], **kw) for i, (f, kw) in enumerate(specs)]
+
+
+MIX = {"data.source": "files", "data.sources": _sources(("docs.jsonl", {}), ("docs.txt", {}))}
+TIKTOKEN = {"data.tokenizer": "tiktoken", "data.tokenizer_path": InWork("a.tiktoken")}
 KDA64 = {"model.overrides.kda_chunk": 64, "data.seq_len": 64}
 
 
@@ -331,6 +345,16 @@ ONE_PROCESS: list[Case] = [
     Case("data.paths", {"data.paths": [InWork("docs.txt")]}, base=FILES),
     Case("data.format", {"data.format": "text"}, base=FILES),  # the JSONL file read as one text document
     Case("data.text_field", {"data.text_field": "body"}, base=FILES),
+    Case("data.streaming", {"data.streaming": True}, base=FILES),  # file order instead of a shuffled one
+    Case("data.sources", {"data.paths": [], **MIX}, base=FILES),
+    Case("data.sources[].weight", {"data.sources": _sources(("docs.jsonl", {"weight": 4.0}), ("docs.txt", {}))},
+         base=MIX),
+    Case("data.sources[].paths", {"data.sources": _sources(("docs.jsonl", {}), ("docs.jsonl", {}))}, base=MIX),
+    Case("data.sources[].format", {"data.sources": _sources(("docs.jsonl", {"format": "text"}), ("docs.txt", {}))},
+         base=MIX),
+    Case("data.sources[].text_field",
+         {"data.sources": _sources(("docs.jsonl", {"text_field": "body"}), ("docs.txt", {}))}, base=MIX),
+    Case("data.tiktoken_pattern", {"data.tiktoken_pattern": r"[\s\S]"}, base=TIKTOKEN),  # no merges apply
     # parallel, in one process
     Case("parallel.microbatches", {"parallel.microbatches": 2}),  # accumulation: twice the rows per step
     # activation storage
@@ -394,7 +418,8 @@ LEAVES_ALONE: list[Case] = [
     Case("logging.progress_bar", {"logging.progress_bar": True}, leaves_training_alone),
     Case("logging.log_interval", {"logging.log_interval": 2}, leaves_training_alone),  # steps 2 and 3 logged
     Case("logging.tensorboard", {"logging.tensorboard": True}, leaves_training_alone),
-    Case("data.streaming", {"data.streaming": True}, leaves_training_alone, base=FILES),
+    Case("data.num_proc", {"data.num_proc": 2}, leaves_training_alone, base=FILES),
+    Case("data.special_tokens", {"data.special_tokens": ["<|image|>", "<|/image|>"]}, leaves_training_alone),
     Case("model.overrides.max_seq_len", {"model.overrides.max_seq_len": 64}, leaves_training_alone),
     Case("model.overrides.vision", {"model.overrides.vision": _tiny_vision()}, leaves_training_alone),
 ]
@@ -553,6 +578,8 @@ def _resolve(changes: dict, work: Path) -> dict:
     def one(v):
         if isinstance(v, InWork):
             return str(work / v)
+        if dataclasses.is_dataclass(v):  # a data.sources entry
+            return dataclasses.replace(v, **{f.name: one(getattr(v, f.name)) for f in dataclasses.fields(v)})
         return [one(x) for x in v] if isinstance(v, list) else v
     return {k: one(v) for k, v in changes.items()}
 

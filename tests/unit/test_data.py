@@ -312,18 +312,6 @@ def test_files_text_jsonl_parquet(tmp_path):
     assert b["input_ids"].reshape(-1).tolist() == stream[:32]
 
 
-def test_files_streaming_matches(tmp_path, monkeypatch):
-    tok = build_tokenizer(DataConfig())
-    texts = _texts() * 3
-    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts) + "\n")
-    plain = build_file_corpus(cfg_(source="files", paths=[str(tmp_path / "d.jsonl")]), tok, progress=False)
-    monkeypatch.setenv("K3TRAIN_CACHE", str(tmp_path / "other_cache"))
-    streamed = build_file_corpus(cfg_(source="files", paths=[str(tmp_path / "d.jsonl")], streaming=True), tok,
-                                 progress=False)
-    assert np.array_equal(plain.tokens, streamed.tokens) and np.array_equal(plain.offsets, streamed.offsets)
-    assert _decoded(streamed, tok) == texts
-
-
 def test_file_errors(tmp_path):
     tok = build_tokenizer(DataConfig())
     with pytest.raises(DataError, match="data.paths"):
