@@ -1,0 +1,197 @@
+"""The inventory of refused input (docs/errors.md): every case here is a bad input a user can give (a config value,
+a data file, a checkpoint, a launch argument, a signal's consequence), run as the user would meet it, with the
+error's type and a phrase of its message checked. docs/errors.md lists every case by its id with that phrase, and
+lists nothing else: a case added here without its row, or a row without its case, fails
+`test_docs_list_every_case`."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from k3train.config import ConfigError, load_config
+from k3train.data import DataError, build_dataloader, build_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "docs" / "errors.md"
+
+
+@dataclass(frozen=True)
+class Bad:
+    id: str
+    area: str
+    input: str
+    """The bad input, as a user would write it."""
+    phrase: str
+    """A phrase of the message (a regex searched in it); docs/errors.md quotes it."""
+    run: Callable[[Path], object]
+    error: type[BaseException] = ConfigError
+
+
+def config(*overrides: str, world: int = 1, recipe: str = "tiny_cpu"):
+    return lambda tmp: load_config(recipe, list(overrides), world_size=world)
+
+
+def data(*overrides: str, files: dict[str, str | bytes] | None = None, vocab: int | None = None):
+    """Build the train loader of tiny_cpu with these overrides; `files` are written into the working folder first
+    ('{tmp}' in overrides is replaced by it)."""
+    def run(tmp: Path):
+        for name, content in (files or {}).items():
+            p = tmp / name
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(content if isinstance(content, bytes) else content.encode())
+        cfg = load_config("tiny_cpu", [o.replace("{tmp}", str(tmp)) for o in overrides])
+        tok = build_tokenizer(cfg.data)
+        return build_dataloader(cfg.data, tok, vocab_size=vocab, progress=False)
+    return run
+
+
+def cli(*argv: str, expect_code: int = 2):
+    """Run a command line; its stderr is the message (raised as SystemExit carrying it)."""
+    def run(tmp: Path):
+        p = subprocess.run([sys.executable, *argv], cwd=tmp, capture_output=True, text=True, timeout=300)
+        assert p.returncode == expect_code, (p.returncode, p.stdout[-1500:], p.stderr[-1500:])
+        raise SystemExit(p.stderr.strip() or p.stdout.strip())
+    return run
+
+
+def converge(*argv: str):
+    def run(tmp: Path):
+        from k3train.converge import converge as harness, parse_args
+        recipe, cfg, rest = parse_args(["--config-name", "tiny_cpu", f"converge.out={tmp}", *argv])
+        return harness(recipe, cfg, rest)
+    return run
+
+
+def call(fn: Callable[[], object]):
+    return lambda tmp: fn()
+
+
+JSONL = '{"text": "hello world"}\n{"text": "a second document"}\n'
+
+
+def _comm_timeout():
+    from k3train.train.resilience import Progress, describe
+    raise describe(TimeoutError("gloo: Timed out waiting 300000ms for recv operation"),
+                   Progress(rank=3, phase="training", step=17, timeout_s=300.0))
+
+
+def _requeue_fails():
+    from k3train.train import resilience
+    raise RuntimeError(resilience.requeue({"SLURM_JOB_ID": "4242", "PATH": "/nonexistent"}))
+
+
+CASES = [
+    # ---- config: composition --------------------------------------------------------------------------------------
+    Bad("unknown-recipe", "config", "--config-name tiny_gpu", "unknown recipe 'tiny_gpu'; available recipes",
+        config(recipe="tiny_gpu")),
+    Bad("unknown-key", "config", "train.stepz=3", r"stepz", config("train.stepz=3")),
+    Bad("wrong-type", "config", "train.steps=many", r"train\.steps", config("train.steps=many")),
+    Bad("unknown-group-option", "config", "optim=lion", r"optim", config("optim=lion")),
+    Bad("unknown-model-field", "config", "+model.overrides.n_layerz=4", "n_layerz",
+        config("+model.overrides.n_layerz=4")),
+    # ---- config: values -------------------------------------------------------------------------------------------
+    Bad("seq-len-multiple", "config", "data.seq_len=50", "data.seq_len: 50 is not a multiple of",
+        config("data.seq_len=50")),
+    Bad("seq-len-cp-multiple", "config", "parallel.cp=2 data.seq_len=32 (world 2)", "pieces for cp=2",
+        config("parallel.cp=2", "data.seq_len=32", world=2)),
+    Bad("micro-batch", "config", "data.micro_batch=0", "data.micro_batch: must be >= 1", config("data.micro_batch=0")),
+    Bad("data-source", "config", "data.source=web", "unknown source 'web'", config("data.source=web")),
+    Bad("tokenizer-name", "config", "data.tokenizer=sentencepiece", "unknown tokenizer 'sentencepiece'",
+        config("data.tokenizer=sentencepiece")),
+    Bad("world-size", "config", "parallel.pp=2 parallel.dp=2 on 2 processes", r"WORLD_SIZE|world",
+        config("parallel.pp=2", "parallel.dp=2", world=2)),
+    Bad("ep-divides", "config", "parallel.ep=3 (world 2)", "ep", config("parallel.ep=3", "parallel.dp=2", world=2)),
+    Bad("schedule", "config", "parallel.schedule=zigzag", "schedule", config("parallel.schedule=zigzag")),
+    Bad("ep-dispatcher", "config", "parallel.ep_dispatcher=deepep", "ep_dispatcher",
+        config("parallel.ep_dispatcher=deepep")),
+    Bad("zero-level", "config", "parallel.zero=3", "zero", config("parallel.zero=3")),
+    Bad("kernels-name", "config", "model.kernels=fast", "unknown kernels 'fast'", config("model.kernels=fast")),
+    Bad("precision", "config", "train.precision=fp8", "precision", config("train.precision=fp8")),
+    Bad("balancing", "config", "train.balancing=aux_loss", "balancing", config("train.balancing=aux_loss")),
+    Bad("activation-policy", "config", "activation.policy=swap", "activation", config("activation.policy=swap")),
+    Bad("optim-lr", "config", "optim.lr=-1", "optim.lr", config("optim.lr=-1")),
+    # ---- data -----------------------------------------------------------------------------------------------------
+    Bad("paths-empty", "data", "data.source=files without data.paths", "needs at least one path",
+        data("data.source=files")),
+    Bad("glob-no-match", "data", "data.paths=[corpus/*.jsonl] matching nothing", "matches no files",
+        data("data.source=files", "data.paths=[{tmp}/corpus/*.jsonl]"), DataError),
+    Bad("file-missing", "data", "data.paths=[missing.jsonl]", "data file not found",
+        data("data.source=files", "data.paths=[{tmp}/missing.jsonl]"), DataError),
+    Bad("file-empty", "data", "an empty data file", "data file is empty",
+        data("data.source=files", "data.paths=[{tmp}/empty.jsonl]", files={"empty.jsonl": ""}), DataError),
+    Bad("format-unknown", "data", "data.paths=[notes.xyz]", "cannot tell the format",
+        data("data.source=files", "data.paths=[{tmp}/notes.xyz]", files={"notes.xyz": "text"}), DataError),
+    Bad("text-field", "data", "data.text_field=body on files with 'text'", "text field 'body'",
+        data("data.source=files", "data.paths=[{tmp}/a.jsonl]", "data.text_field=body", files={"a.jsonl": JSONL}),
+        DataError),
+    Bad("corrupt-jsonl", "data", "a JSONL file that is not JSON", "cannot read json",
+        data("data.source=files", "data.paths=[{tmp}/bad.jsonl]", files={"bad.jsonl": "{not json\n"}), DataError),
+    Bad("paths-and-sources", "data", "data.paths and data.sources both", "not both",
+        data("data.source=files", "data.paths=[{tmp}/a.jsonl]",
+             "data.sources=[{name: web, paths: ['{tmp}/a.jsonl']}]", files={"a.jsonl": JSONL})),
+    Bad("source-weight", "data", "a data.sources weight of 0", r"data.sources\[0\].weight: must be > 0",
+        data("data.source=files", "data.sources=[{name: web, weight: 0, paths: ['{tmp}/a.jsonl']}]",
+             files={"a.jsonl": JSONL})),
+    Bad("tokenizer-path", "data", "data.tokenizer=hf without data.tokenizer_path", "needs a local file path",
+        data("data.tokenizer=hf")),
+    Bad("tokenizer-file", "data", "data.tokenizer=tiktoken data.tokenizer_path=missing.tiktoken", "file not found",
+        data("data.tokenizer=tiktoken", "data.tokenizer_path={tmp}/missing.tiktoken"), DataError),
+    Bad("tiktoken-file", "data", "a tiktoken ranks file that does not parse", "cannot parse tiktoken ranks file",
+        data("data.tokenizer=tiktoken", "data.tokenizer_path={tmp}/r.tiktoken", files={"r.tiktoken": "@@ x\n"})),
+    Bad("vocab-too-small", "data", "a model vocab_size (100) smaller than the tokenizer's 259 ids",
+        r"exceeds|outside the model vocabulary", data(vocab=100), DataError),
+    Bad("recall-vocab", "data", "data=recall data.recall_vocab=2 data.recall_pairs=8", "recall_vocab",
+        data("data.source=recall", "data.recall_vocab=2"), DataError),
+    # ---- launch ---------------------------------------------------------------------------------------------------
+    Bad("launch-endpoint", "launch", "launch/torchrun.py --nnodes 2 (no --rdzv-endpoint)", "needs --rdzv-endpoint",
+        cli(str(REPO / "launch" / "torchrun.py"), "--dry-run", "--nnodes", "2", "--", "--config-name", "tiny_cpu",
+            expect_code=1), SystemExit),
+    Bad("launch-recipe", "launch", "python -m k3train.train --config-name nope", "unknown recipe 'nope'",
+        cli("-m", "k3train.train", "--config-name", "nope"), SystemExit),
+    Bad("cli-config", "launch", "python -m k3train.train data.micro_batch=0", "config error: data.micro_batch",
+        cli("-m", "k3train.train", "--config-name", "tiny_cpu", "data.micro_batch=0"), SystemExit),
+    # ---- signals and failures of the cluster ----------------------------------------------------------------------
+    Bad("collective-timeout", "signals", "a rank that stops answering (train.timeout_s)",
+        r"\[rank 3\] timeout: no answer from the other ranks within 300 s in training, at step 17",
+        call(_comm_timeout), RuntimeError),
+    Bad("requeue-failed", "signals", "SIGUSR1 under Slurm where scontrol cannot run", "scontrol requeue 4242 failed",
+        call(_requeue_fails), RuntimeError),
+    # ---- convergence harness --------------------------------------------------------------------------------------
+    Bad("converge-layout", "converge", "converge.layouts=[dp2xtp2]", "bad layout 'dp2xtp2'",
+        converge("converge.layouts=[dp2xtp2]")),
+    Bad("converge-key", "converge", "converge.stepz=3", "converge settings", converge("converge.stepz=3")),
+    Bad("converge-parallel", "converge", "parallel.dp=2 given to the harness", "sets parallel",
+        converge("parallel.dp=2")),
+    Bad("converge-rows", "converge", "converge.layouts=[pp2xdp2xep2] converge.rows=6", "does not divide them",
+        converge("converge.layouts=[pp2xdp2xep2]", "converge.rows=6")),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_refused_with_its_message(case: Bad, tmp_path):
+    with pytest.raises(case.error) as info:
+        case.run(tmp_path)
+    msg = str(info.value.code if isinstance(info.value, SystemExit) else info.value)
+    assert re.search(case.phrase, msg), f"{case.id}: {case.phrase!r} not in:\n{msg}"
+
+
+def test_docs_list_every_case():
+    rows = {}
+    for line in DOC.read_text().splitlines():
+        m = re.match(r"\|\s*`([a-z0-9-]+)`\s*\|", line)
+        if m:
+            rows[m.group(1)] = line
+    ids = [c.id for c in CASES]
+    assert len(set(ids)) == len(ids) >= 40
+    assert sorted(rows) == sorted(ids), (sorted(set(ids) - set(rows)), sorted(set(rows) - set(ids)))
+    for c in CASES:
+        assert c.area in rows[c.id].split("|")[2], c.id
+    json.dumps([c.id for c in CASES])  # ids are plain strings
