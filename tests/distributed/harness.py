@@ -470,6 +470,8 @@ TWO = [
 FOUR = [
     _lay("pp2_dp2_zero2_vpp2", pp=2, vpp=2, dp=2, zero=2, microbatches=2),
     _lay("pp2_ep2_zero1", pp=2, dp=2, ep=2, zero=1, microbatches=2, schedule="1f1b"),
+    # MTP on the last stage of a CP pipeline: the halo under the stages' own CP handles.
+    _lay("mtp_cp2_pp2", pp=2, cp=2, seq=64, microbatches=2, schedule="1f1b", mtp=True),
 ]
 EIGHT = [
     # Everything at once: 2 pipeline ranks x 2 virtual stages, 4-way data parallel with experts over 2 of them
