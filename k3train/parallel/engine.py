@@ -3,6 +3,7 @@ optimizer for a parallel layout, and trains one step at a time.
 
     engine = build_engine(model_args, parallel, optim_cfg, seed=0, device="cpu")
     out = engine.train_step(microbatches)     # {"loss", "grad_norm", "tokens", "target_tokens", "clip_coef"}
+                                              # (+ "mtp_loss" with the MTP module)
 
 `microbatches` is this data-parallel rank's list of `parallel.microbatches` micro-batches, each a dict with
 input_ids [mb, T] int64, labels [mb, T] (-100 ignored) and cu_seqlens (int32, or absent/None for one document per
@@ -10,7 +11,9 @@ row); every rank of a pipeline gets the same list (stages that do not need token
 
 The loss of a step is the summed next-token cross entropy over every target token of the step (all micro-batches,
 all data-parallel ranks) divided by the global count of target tokens, so any layout computes the same number and
-the same gradients as one process. grad_norm is the global L2 norm before clipping (optim.grad_clip).
+the same gradients as one process. grad_norm is the global L2 norm before clipping (optim.grad_clip). With the MTP
+module (model.mtp_layers=1) the step trains on loss + optim.mtp_loss_weight x mtp_loss, the MTP loss likewise summed
+over every MTP target (k3train.models.k3.mtp.mtp_labels) and divided by their global count.
 
 Checkpoints: `state_dict()` returns {"model": {fqn: tensor}, "optim": {fqn: {...}}, "meta": {...}} with
 full-model names. Parameters are full tensors (replicated ones are saved once by DCP); sharded AdamW moments
@@ -446,7 +449,8 @@ def build_engine(model_args: K3ModelArgs, parallel, optim_cfg, seed: int = 0, de
                                   boundary_dtype=param_dtype, cp=cp) for s, p in zip(stage_ids, parts)}
         pipeline = Pipeline(args=model_args, dims=dims, stage_layers=stage_layers, modules=modules,
                             pp_group=mesh.group("pp"), device=device, grad_reducer=optimizer,
-                            boundary_dtype=param_dtype, mtp_weight=float(optimizer.cfg.mtp_loss_weight))
+                            boundary_dtype=param_dtype,
+                            mtp_weight=float(optimizer.cfg.mtp_loss_weight) if model_args.mtp_layers else 0.0)
     return Engine(args=model_args, dims=dims, mesh=mesh, device=device, autocast_dtype=autocast_dtype,
                   boundary_dtype=param_dtype,
                   stage_layers=stage_layers, stage_ids=stage_ids, model_parts=parts, optimizer=optimizer,
