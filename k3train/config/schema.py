@@ -24,6 +24,9 @@ class ModelConfig:
     """Implementation of the fused ops (chunked KDA, SiTU-GLU, MoE permutation): auto (the Triton kernels on CUDA
     when Triton imports, PyTorch otherwise), torch (the PyTorch references) or triton (refused where Triton cannot
     run: no CUDA and TRITON_INTERPRET unset). Cases the kernels do not cover run PyTorch (k3train.ops.backend)."""
+    mtp_layers: int = 0
+    """0 or 1: add the multi-token-prediction module (k3train.models.k3.mtp; its loss weight is
+    optim.mtp_loss_weight). The same field as model.overrides.mtp_layers."""
 
 
 @dataclass(kw_only=True)

@@ -8,6 +8,7 @@ WORLD_SIZE, ...). Nothing here builds a model, touches a device or starts a proc
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 
@@ -26,10 +27,23 @@ def _need(ok: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
+def _overrides(cfg: K3TrainConfig) -> dict:
+    """model.overrides with model.mtp_layers (the same field, settable either way) folded in."""
+    out, mtp = dict(cfg.model.overrides), cfg.model.mtp_layers
+    _need(mtp in (0, 1) and not isinstance(mtp, bool), "model.mtp_layers",
+          f"must be 0 or 1 (one multi-token-prediction module at most), got {mtp!r}")
+    if mtp:
+        _need(out.get("mtp_layers", mtp) == mtp, "model.mtp_layers",
+              f"{mtp} contradicts model.overrides.mtp_layers={out.get('mtp_layers')}")
+        out["mtp_layers"] = mtp
+    return out
+
+
 def model_args(cfg: K3TrainConfig) -> K3ModelArgs:
     """The validated K3ModelArgs of cfg.model (preset + overrides)."""
+    overrides = _overrides(cfg)
     try:
-        return get_preset(cfg.model.preset, **dict(cfg.model.overrides))
+        return get_preset(cfg.model.preset, **overrides)
     except ConfigError as e:
         key = "model.preset" if "preset" in str(e) and "unknown model field" not in str(e) else "model.overrides"
         raise ConfigError(f"{key}: {e}") from None
@@ -152,6 +166,8 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
     _need(0.0 <= o.decay_ratio <= 1.0, "optim.decay_ratio", f"must lie in [0, 1], got {o.decay_ratio}")
     _need(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"must lie in [0, 1], got {o.min_lr_ratio}")
     _need(o.ns_steps >= 1, "optim.ns_steps", f"must be >= 1, got {o.ns_steps}")
+    _need(math.isfinite(o.mtp_loss_weight) and o.mtp_loss_weight >= 0, "optim.mtp_loss_weight",
+          f"must be a finite number >= 0, got {o.mtp_loss_weight}")
 
     # ---- activation ------------------------------------------------------------------------------
     from k3train.activation.policy import POLICIES as activation_policies   # one list of names, the policies' own

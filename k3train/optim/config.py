@@ -33,3 +33,7 @@ class OptimConfig:
     """Fraction of training spent in the final decay of warmup-stable-decay."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
+    mtp_loss_weight: float = 0.3
+    """Weight of the multi-token-prediction loss (model.mtp_layers=1; unused without it): the step minimises
+    next-token loss + this x MTP loss, each a mean over its own target tokens. 0.3 is the DeepSeek-V3 report's
+    weight for most of its pre-training (it lowers it to 0.1 for the last part)."""

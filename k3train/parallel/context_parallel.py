@@ -353,7 +353,7 @@ class ContextParallel:
     @property
     def stats(self) -> dict[tuple[str, str], list[int]]:
         """(what, op) -> [calls, bytes] of this handle's collectives: bytes of the gathered output (all_gather) or
-        of the reduce-scatter input (their backward); what is kda_summary, conv_halo or mla_latent."""
+        of the reduce-scatter input (their backward); what is kda_summary, conv_halo, mla_latent or mtp_halo."""
         return {k: [e["calls"], e["payload"]] for k, e in self.ledger.labels("cp").items()}
 
     def reset_stats(self) -> None:
@@ -393,6 +393,8 @@ class ContextParallel:
         loc = lambda t: self.seq.rows(self.seq.shard(t, self.rank, 1))
         if what == "pos":
             out = loc(pos).to(device)
+        elif what == "next_keep":  # token t+1 lies in the row and in t's document
+            out = loc(torch.cat([~start[:, 1:], torch.zeros_like(start[:, :1])], dim=1)).to(device)
         elif what == "kda":
             out = piece_plan(loc(start))
             out.first_seg, out.carry, out.keep_m, out.last_seg = (
@@ -430,6 +432,20 @@ class ContextParallel:
         padded = torch.cat([tails.new_zeros(B, 1, h, C), tails], dim=1)
         idx = torch.tensor(self.local_pieces(), device=y.device)
         return padded.index_select(1, idx).reshape(R, h, C)
+
+    def next_in_document(self, y: torch.Tensor) -> torch.Tensor:
+        """y [B*P, L, C] of the local pieces -> y at the next token in sequence order [B*P, L, C], zero where that
+        token begins a document or lies past the row (the MTP module's e_{t+1}). A piece's last token reads the first
+        token of the next piece: a one-token halo, all-gathered (its gradient returns by reduce-scatter)."""
+        R, L, C = y.shape
+        B = self._rows_check(R, L, "next_in_document")
+        heads = self.seq.to_sequence_order(self._gather(y[:, :1].contiguous(), "mtp_halo"), B)   # [B, n, 1, C]
+        # slot c of the padded list holds the head of piece c + 1 (zeros after the row's last piece)
+        padded = torch.cat([heads[:, 1:], heads.new_zeros(B, 1, 1, C)], dim=1)
+        idx = torch.tensor(self.local_pieces(), device=y.device)
+        halo = padded.index_select(1, idx).reshape(R, 1, C)
+        keep = self._plan("next_keep", y.device)
+        return torch.cat([y[:, 1:], halo], dim=1) * keep[..., None].to(y.dtype)
 
     def kda(self, q, k, v, g, beta, chunk: int, kernels=None, g_min: float | None = None) -> torch.Tensor:
         """KDA over the local pieces [B*P, L, H, *], continuing the state of the pieces before them

@@ -3,6 +3,7 @@ optimizer for a parallel layout, and trains one step at a time.
 
     engine = build_engine(model_args, parallel, optim_cfg, seed=0, device="cpu")
     out = engine.train_step(microbatches)     # {"loss", "grad_norm", "tokens", "target_tokens", "clip_coef"}
+                                              # (+ "mtp_loss" with the MTP module)
 
 `microbatches` is this data-parallel rank's list of `parallel.microbatches` micro-batches, each a dict with
 input_ids [mb, T] int64, labels [mb, T] (-100 ignored) and cu_seqlens (int32, or absent/None for one document per
@@ -10,7 +11,9 @@ row); every rank of a pipeline gets the same list (stages that do not need token
 
 The loss of a step is the summed next-token cross entropy over every target token of the step (all micro-batches,
 all data-parallel ranks) divided by the global count of target tokens, so any layout computes the same number and
-the same gradients as one process. grad_norm is the global L2 norm before clipping (optim.grad_clip).
+the same gradients as one process. grad_norm is the global L2 norm before clipping (optim.grad_clip). With the MTP
+module (model.mtp_layers=1) the step trains on loss + optim.mtp_loss_weight x mtp_loss, the MTP loss likewise summed
+over every MTP target (k3train.models.k3.mtp.mtp_labels) and divided by their global count.
 
 Checkpoints: `state_dict()` returns {"model": {fqn: tensor}, "optim": {fqn: {...}}, "meta": {...}} with
 full-model names. Parameters are full tensors (replicated ones are saved once by DCP); sharded AdamW moments
@@ -81,6 +84,8 @@ class Engine:
         self.times = StepTimes()
         self.last_memory: dict = {}
         self.step_count = 0
+        self.mtp_weight = float(optimizer.cfg.mtp_loss_weight) if args.mtp_layers else None
+        """optim.mtp_loss_weight with the MTP module (k3train.models.k3.mtp), else None."""
 
     # ---- helpers ----------------------------------------------------------------------------------------------------
     def _group(self, name: str):
@@ -112,25 +117,30 @@ class Engine:
             dev = self.device
             mbs = [self._local_batch(b) for b in microbatches]
             local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in mbs)
-            counts = torch.tensor([local_targets, sum(b["input_ids"].numel() for b in mbs)], dtype=torch.float64,
-                                  device=dev)
+            counts = [local_targets, sum(b["input_ids"].numel() for b in mbs)]
+            if self.mtp_weight is not None:
+                counts.append(sum(int((b["mtp_labels"] != IGNORE_INDEX).sum()) for b in mbs))
+            counts = torch.tensor(counts, dtype=torch.float64, device=dev)
             self._all_reduce(counts, "dp_cp")
             denom = max(float(counts[0]), 1.0)
+            mtp_denom = max(float(counts[2]), 1.0) if self.mtp_weight is not None else 1.0
             t1 = time.perf_counter()
             if self.pipeline is None:
-                loss_local, busy = self._forward_backward_local(mbs, denom)
+                loss_local, busy = self._forward_backward_local(mbs, denom, mtp_denom)
                 sched = time.perf_counter() - t1
                 self.zero.reduce()
             else:
-                loss_local, busy = self._forward_backward_pipeline(mbs, denom)
+                loss_local, busy = self._forward_backward_pipeline(mbs, denom, mtp_denom)
                 sched = time.perf_counter() - t1
-            # One collective for the loss (nonzero on last stages) and the gradient norm (each element counted on
+            # One collective for the losses (nonzero on last stages) and the gradient norm (each element counted on
             # exactly one rank: its owner in the data-parallel group, its stage in the pipeline).
-            red = torch.stack([loss_local.double().reshape(()).to(dev), self.zero.local_sq_norm().to(dev)])
+            losses = loss_local.double().to(dev)[: 2 if self.mtp_weight is not None else 1]
+            red = torch.cat([losses, self.zero.local_sq_norm().to(dev).reshape(1)])
             if extra_sums is not None:
                 red = torch.cat([red, torch.tensor([float(x) for x in extra_sums()], dtype=red.dtype, device=dev)])
             self._all_reduce(red, "world")
-            loss, norm = float(red[0]), math.sqrt(float(red[1]))
+            n_loss = losses.numel()
+            loss, norm = float(red[0]), math.sqrt(float(red[n_loss]))
             self.last_memory = self.memory_report()  # gradients reduced, optimizer not yet stepped
             coef = 1.0
             clip = float(self.zero.cfg.grad_clip or 0.0)
@@ -141,25 +151,38 @@ class Engine:
             self.zero.step()
         self.step_count += 1
         self.times = StepTimes(step_s=time.perf_counter() - t0, busy_s=busy, schedule_s=sched)
-        return {"loss": loss, "grad_norm": norm, "tokens": int(counts[1]), "target_tokens": int(counts[0]),
-                "clip_coef": coef, "extra_sums": red[2:].tolist()}
+        out = {"loss": loss, "grad_norm": norm, "tokens": int(counts[1]), "target_tokens": int(counts[0]),
+               "clip_coef": coef, "extra_sums": red[n_loss + 1:].tolist()}
+        if self.mtp_weight is not None:  # the step trained on loss + mtp_loss_weight x mtp_loss
+            out["mtp_loss"] = float(red[1])
+        return out
 
-    def _forward_backward_local(self, mbs: list[dict], denom: float) -> tuple[torch.Tensor, float]:
+    def _forward_backward_local(self, mbs: list[dict], denom: float, mtp_denom: float = 1.0,
+                                ) -> tuple[torch.Tensor, float]:
+        """[next-token, MTP] normalised loss sums of the micro-batches (MTP 0 without it), and the busy time."""
         part = self.model_parts[0]
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
         t = time.perf_counter()
+        w = part.output.weight
         for k, b in enumerate(mbs):
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-                hidden = part(b["input_ids"], b["ctx"], return_hidden=True)
                 # The head's matmul runs inside the chunked loss: no [mb, T, V] logits are kept.
-                loss = linear_cross_entropy(hidden, part.output.weight, b["labels"])[0] / denom
+                if self.mtp_weight is None:
+                    hidden = part(b["input_ids"], b["ctx"], return_hidden=True)
+                    terms = [linear_cross_entropy(hidden, w, b["labels"])[0] / denom]
+                else:
+                    hidden, u = part(b["input_ids"], b["ctx"], return_hidden=True, mtp=True)
+                    terms = [linear_cross_entropy(hidden, w, b["labels"])[0] / denom,
+                             linear_cross_entropy(u, w, b["mtp_labels"])[0] / mtp_denom]
+            loss = terms[0] if len(terms) == 1 else terms[0] + self.mtp_weight * terms[1]
             if k == len(mbs) - 1:  # the last backward: buckets are reduced as their gradients complete
                 self.zero.arm()
             loss.backward()
-            total += loss.detach().double()
+            total[: len(terms)] += torch.stack([x.detach().double() for x in terms])
         return total, time.perf_counter() - t
 
-    def _forward_backward_pipeline(self, mbs: list[dict], denom: float) -> tuple[torch.Tensor, float]:
+    def _forward_backward_pipeline(self, mbs: list[dict], denom: float, mtp_denom: float = 1.0,
+                                   ) -> tuple[torch.Tensor, float]:
         ids = torch.cat([b["input_ids"] for b in mbs])
         labels = torch.cat([b["labels"] for b in mbs])
         doc_start = None
@@ -167,7 +190,8 @@ class Engine:
             row_starts = torch.zeros_like(ids[: mbs[0]["input_ids"].shape[0]], dtype=torch.bool)
             row_starts[:, 0] = True
             doc_start = torch.cat([row_starts if b["doc_start"] is None else b["doc_start"] for b in mbs])
-        loss = self.pipeline.step(ids, labels, doc_start, denom)
+        mtp_labels = torch.cat([b["mtp_labels"] for b in mbs]) if self.mtp_weight is not None else None
+        loss = self.pipeline.step(ids, labels, doc_start, denom, mtp_labels, mtp_denom)
         return loss.double(), self.pipeline.busy_s
 
     def _local_batch(self, b: dict) -> dict:
@@ -176,12 +200,17 @@ class Engine:
         dev = self.device
         ids, labels, cu = b["input_ids"].to(dev), b["labels"].to(dev), b.get("cu_seqlens")
         B, T = ids.shape
+        mtp = None
+        if self.mtp_weight is not None:  # from the whole rows, before context parallelism cuts them into pieces
+            from k3train.models.k3.mtp import mtp_labels
+            mtp = mtp_labels(labels, Documents.from_cu_seqlens(cu, B, T, dev).start)
         if self.cp_plan is None:
             ctx = BatchContext(cu)
             # Pipeline stages receive the document starts (a micro-batch without documents: None).
             doc_start = ctx.documents(B, T, dev).start if cu is not None and self.pipeline is not None else None
-            return {"input_ids": ids, "labels": labels, "ctx": ctx, "doc_start": doc_start}
+            return {"input_ids": ids, "labels": labels, "ctx": ctx, "doc_start": doc_start, "mtp_labels": mtp}
         out = self.cp_plan.shard_batch({**b, "input_ids": ids, "labels": labels})
+        out["mtp_labels"] = out["ctx"].cp.shard_rows(mtp) if mtp is not None else None
         out["doc_start"] = None
         if self.pipeline is not None:  # stages rebuild their handle from the pieces' document starts
             out["doc_start"] = out["ctx"].cp.shard_rows(Documents.from_cu_seqlens(cu, B, T, dev).start)
@@ -420,7 +449,8 @@ def build_engine(model_args: K3ModelArgs, parallel, optim_cfg, seed: int = 0, de
                                   boundary_dtype=param_dtype, cp=cp) for s, p in zip(stage_ids, parts)}
         pipeline = Pipeline(args=model_args, dims=dims, stage_layers=stage_layers, modules=modules,
                             pp_group=mesh.group("pp"), device=device, grad_reducer=optimizer,
-                            boundary_dtype=param_dtype)
+                            boundary_dtype=param_dtype,
+                            mtp_weight=float(optimizer.cfg.mtp_loss_weight) if model_args.mtp_layers else 0.0)
     return Engine(args=model_args, dims=dims, mesh=mesh, device=device, autocast_dtype=autocast_dtype,
                   boundary_dtype=param_dtype,
                   stage_layers=stage_layers, stage_ids=stage_ids, model_parts=parts, optimizer=optimizer,

@@ -142,6 +142,7 @@ def stage_part_on_meta(args: K3ModelArgs, layer_ids: list[int], *, first: bool, 
         model.final_res = None
         model.norm = None
         model.output = None
+        model.mtp = None
     return model
 
 
@@ -179,33 +180,51 @@ class StageModule(nn.Module):
         else:
             ctx = BatchContext()
         dev = x.device.type
+        mtp = self.last and self.part.mtp is not None
         with torch.autocast(dev, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            out = self.part(x, ctx, return_hidden=self.last)
+            out = self.part(x, ctx, return_hidden=self.last, mtp=mtp)
+        if mtp:  # one output tensor for the schedule: [final hidden ; MTP hidden] along the width
+            out = torch.cat(out, dim=-1)
         # Fixed dtypes across boundaries so stage shapes can be declared statically.
         return out.float() if self.last else out.to(self.boundary_dtype)
 
-    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Summed token loss of the last stage's final hidden [mb, T, D]: its head weight applied chunk by chunk,
+    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(summed next-token loss, summed MTP loss or None) of the last stage's output [mb, T, D] (with MTP
+        [mb, T, 2D] and labels [mb, T, 2]: next-token and MTP targets): its head weight applied chunk by chunk,
         under the stage's autocast as in forward."""
+        w = self.part.output.weight
         with torch.autocast(hidden.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            return linear_cross_entropy(hidden, self.part.output.weight, labels)[0]
+            if self.part.mtp is None:
+                return linear_cross_entropy(hidden, w, labels)[0], None
+            h, u = hidden.chunk(2, dim=-1)
+            return linear_cross_entropy(h, w, labels[..., 0])[0], linear_cross_entropy(u, w, labels[..., 1])[0]
 
 
 class GlobalTokenLoss:
     """loss_fn for the last stage: summed token loss of a micro-batch / the step's global target-token count, so
-    summing micro-batches and data-parallel ranks gives the one-process mean exactly.
+    summing micro-batches and data-parallel ranks gives the one-process mean exactly. With MTP, plus mtp_weight x
+    the summed MTP loss / the step's global MTP target count; `sums` keeps each micro-batch's two normalised terms.
 
     The last stage outputs the final hidden and this applies the stage's head weight (StageModule.head_loss), so no
     [mb, T, V] logits cross into the schedule. The head weight stays a parameter of the stage module and the loss
     is in the stage's autograd graph, so split backward (interleaved_zb, zbv, dualpipev) finds its gradient in the
     weight pass like any other parameter's."""
 
-    def __init__(self, stage: StageModule | None = None):
+    def __init__(self, stage: StageModule | None = None, mtp_weight: float = 0.0):
         self.stage = stage
-        self.denominator = 1.0
+        self.mtp_weight = mtp_weight
+        self.denominator = self.mtp_denominator = 1.0
+        self.sums: list[torch.Tensor] = []
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.stage.head_loss(hidden, labels) / self.denominator
+        main, mtp = self.stage.head_loss(hidden, labels)
+        loss = main / self.denominator
+        if mtp is None:
+            self.sums.append(torch.stack([loss.detach(), torch.zeros_like(loss)]))
+            return loss
+        mtp = mtp / self.mtp_denominator
+        self.sums.append(torch.stack([loss.detach(), mtp.detach()]))
+        return loss + self.mtp_weight * mtp
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -326,15 +345,15 @@ class Pipeline:
 
     def __init__(self, *, args: K3ModelArgs, dims: ParallelDims, stage_layers: list[list[int]],
                  modules: dict[int, StageModule], pp_group, device: torch.device,
-                 grad_reducer=None, boundary_dtype: torch.dtype = torch.float32):
+                 grad_reducer=None, boundary_dtype: torch.dtype = torch.float32, mtp_weight: float = 0.0):
         """grad_reducer: an object with reduce_part(part) (k3train.parallel.zero.ShardedOptimizer), called for each
-        stage's model part right after its last backward of the step."""
+        stage's model part right after its last backward of the step. mtp_weight: optim.mtp_loss_weight."""
         self.args, self.dims, self.stage_layers = args, dims, stage_layers
         self.modules = modules  # stage index -> StageModule held by this rank
         self.pp_group, self.device = pp_group, device
         self.grad_reducer = grad_reducer
         self.boundary_dtype = boundary_dtype
-        self.loss_fn = GlobalTokenLoss(modules.get(dims.n_stages - 1))
+        self.loss_fn = GlobalTokenLoss(modules.get(dims.n_stages - 1), mtp_weight)
         self._key = None
         self.stages: list = []
         self.schedule = None
@@ -352,8 +371,9 @@ class Pipeline:
         meta = torch.device("meta")
         if not output and stage == 0:
             return torch.empty(mb, T, dtype=torch.long, device=meta)
-        if output and stage == n - 1:
-            return torch.empty(mb, T, D, dtype=torch.float32, device=meta, requires_grad=True)  # final hidden
+        if output and stage == n - 1:  # final hidden (and the MTP hidden beside it)
+            width = 2 * D if self.args.mtp_layers else D
+            return torch.empty(mb, T, width, dtype=torch.float32, device=meta, requires_grad=True)
         last_layer = self.stage_layers[stage][-1] if output else self.stage_layers[stage][0] - 1
         S = sources_after(self.args, last_layer)
         return torch.empty(S, mb, T, D, dtype=self.boundary_dtype, device=meta, requires_grad=True)
@@ -375,26 +395,30 @@ class Pipeline:
         self._key = key
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, doc_start: torch.Tensor | None,
-             denominator: float) -> torch.Tensor:
-        """Run the schedule over the whole local batch [microbatches * mb, T]; returns the summed normalised loss
-        of this rank's micro-batches on the last stage (0 elsewhere)."""
+             denominator: float, mtp_labels: torch.Tensor | None = None, mtp_denominator: float = 1.0) -> torch.Tensor:
+        """Run the schedule over the whole local batch [microbatches * mb, T]; returns [next-token, MTP] summed
+        normalised losses of this rank's micro-batches on the last stage (0 elsewhere; MTP 0 without it)."""
         m = self.dims.microbatches
         if input_ids.shape[0] % m:
             raise ValueError(f"local batch of {input_ids.shape[0]} rows does not split into {m} micro-batches")
         self.ensure(input_ids.shape[0] // m, input_ids.shape[1])
         self.loss_fn.denominator = float(denominator)
+        self.loss_fn.mtp_denominator = float(mtp_denominator)
+        self.loss_fn.sums = []
         for st in self.stages:
             st.new_step()
         kwargs = {} if doc_start is None else {"doc_start": doc_start}
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first_stage else ()
-        target = labels if self.has_last_stage else None
+        target = None
+        if self.has_last_stage:
+            target = labels if mtp_labels is None else torch.stack([labels, mtp_labels], dim=-1)
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         for st in self.stages:  # schedules that never issue REDUCE_GRAD still get their reduction
             st.reduce_once()
         if self.has_last_stage:
-            return torch.stack([l.detach() for l in losses]).sum()
-        return torch.zeros((), device=self.device)
+            return torch.stack(self.loss_fn.sums).sum(0)
+        return torch.zeros(2, device=self.device)
 
     @property
     def busy_s(self) -> float:

@@ -21,6 +21,9 @@ are cast copies in bf16. Per token, in fp32 training (elements), for D = dim (no
   projections, shared experts) + 8 k (int64 routes and positions, as 2 elements each) + 2 k L (dispatched rows and
   combine) + 8 k h (the experts' SiTU-GLU on every routed row).
 - The head: final mixer and norm, the LM head's input D, and the chunked loss's fp32 log-sum-exp and label.
+- The MTP module (model.mtp_layers=1, on the last stage): its two input norms, the projection's input 2 D, a
+  pre-norm Gated MLA + dense SiTU-GLU layer, its output norm and a second chunked loss. No storage policy reaches
+  it (the policies manage decoder layers; a rule may still name its modules), so it is counted as kept.
 
 Policies (k3train.activation): keep stores all of it; fp8 stores floating tensors of at least FP8_MIN_NUMEL
 elements and no wider than the compute dtype in 1 byte plus a 4-byte scale per 128; offload_* move it off the
@@ -110,6 +113,16 @@ def head_terms(args: K3ModelArgs, n_sources: int, checkpointed_mixer: bool = Fal
     chunked linear cross entropy: its input, one fp32 log-sum-exp and the label per token (no logits are kept)."""
     mixer = Terms(act=args.dim, bf16=2.0 * args.dim) if checkpointed_mixer else mixer_terms(args, n_sources)
     return mixer + norm_terms(args.dim) + Terms(act=args.dim, fp32=1, i64=1, bf16=2.0 * args.dim + 13)
+
+
+def mtp_terms(args: K3ModelArgs, seq_len: int) -> Terms:
+    """The MTP module and its loss (see the module doc); nothing without it."""
+    if not args.mtp_layers:
+        return Terms()
+    D = args.dim
+    norms = norm_terms(D) + norm_terms(D) + norm_terms(D) + norm_terms(D) + norm_terms(D)
+    return (norms + Terms(act=2 * D, bf16=4.0 * D) + mla_terms(args, seq_len) + dense_ffn_terms(args)
+            + Terms(act=D, fp32=1, i64=1, bf16=2.0 * D + 13))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -207,6 +220,7 @@ def stage_activation_bytes(args: K3ModelArgs, layers: list[int], *, first: bool,
         S = sources_after(args, i)
     if last:
         total += head_terms(args, S, plan.k3_defaults).bytes(act_bytes) * tokens
+        total += mtp_terms(args, seq_len).bytes(act_bytes) * tokens
     return total
 
 

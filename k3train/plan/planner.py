@@ -130,7 +130,7 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
              recipe: str = "custom", world: int | None = None) -> Plan:
     """The plan of config `cfg` (a K3TrainConfig) on `gpu`. Raises ConfigError for a layout that does not divide
     the world or the model."""
-    from k3train.models.k3.args import get_preset
+    from k3train.config.validate import model_args
     from k3train.models.k3.counts import analytic_step_bytes, executed_flops, flops_per_token
     from k3train.models.k3.model import sources_after
     from k3train.parallel.mesh import ParallelDims, stages_of_rank
@@ -146,7 +146,7 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
         if p.dp == -1:
             raise ConfigError("parallel.dp: -1 (fill from WORLD_SIZE) needs plan.world, the number of GPUs")
         world = p.pp * p.dp * p.cp
-    args = get_preset(cfg.model.preset, **dict(cfg.model.overrides))
+    args = model_args(cfg)
     dims = ParallelDims.from_config(p, world)
     dims.validate(world_size=world, model_args=args)
     if world > gpus_per_node and world % gpus_per_node:

@@ -340,7 +340,7 @@ class Trainer:
         self.scheduler.step()
         self.engine.update_biases()
         return {"loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": float(lr), "targets": rec["target_tokens"],
-                "stop": rec["extra_sums"]}
+                "stop": rec["extra_sums"], **{k: rec[k] for k in ("mtp_loss",) if k in rec}}
 
     def evaluate(self) -> dict:
         """Mean next-token CE over up to eval_steps micro-batches of the eval split (and answer accuracy for the
@@ -413,7 +413,7 @@ class Trainer:
             tps = self.tokens_per_step / dt
             record = {"step": step, "loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": rec["lr"],
                       "tokens_per_s": tps, "tokens": step * self.tokens_per_step, "step_time_s": dt,
-                      "flops_per_token": self.flops_per_token}
+                      "flops_per_token": self.flops_per_token, **{k: rec[k] for k in ("mtp_loss",) if k in rec}}
             if self.peak_flops > 0:
                 record["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.env.world)
             record.update(self.train_loader.metrics())  # tokens drawn from each source of a data mixture

@@ -96,34 +96,53 @@ def local_microbatches(data: dict, *, dp: int, dp_rank: int, microbatches: int) 
 # The one-process reference (plain model, project optimizer, torch's clipping)
 # ---------------------------------------------------------------------------------------------------------------------
 def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, optim: str = "adamw", args=None,
-                  seq: int = SEQ, qk_clip: float = 0.0) -> dict:
+                  seq: int = SEQ, qk_clip: float = 0.0, mtp: bool = False) -> dict:
     """Train one process on the same rows. Floating-point sums depend on their bracketing, and AdamW turns the
     rounding of near-zero gradient elements into parameter differences of order lr x 1e-2, so the reference sums
     gradients in the order a layout does: each data-parallel rank's micro-batches in sequence, then the ranks'
     sums in rank order (what a 2-rank all-reduce computes). The mathematics is the one-process step, with the loss
     every layout trains on (the chunked linear_cross_entropy, itself checked against full logits in
-    tests/unit/test_loss.py), so the one-process engine matches this loop bit for bit."""
+    tests/unit/test_loss.py), so the one-process engine matches this loop bit for bit. mtp: the tiny K3 with the MTP
+    module, trained on loss + mtp_loss_weight x MTP loss (the MTP loss itself is checked against a per-document
+    reference in tests/unit/test_mtp.py)."""
     from k3train.models.k3.context import BatchContext
     from k3train.models.k3.model import K3Model
+    from k3train.models.k3.documents import Documents
     from k3train.models.k3.loss import linear_cross_entropy
+    from k3train.models.k3.mtp import mtp_labels
     from k3train.parallel.zero import ShardedOptimizer
 
-    args = args or tiny_args()
+    args = args or tiny_args(mtp_layers=int(mtp))
     cfg = optim_config(optim, qk_clip)
     model = K3Model(args)
     model.init_weights(SEED)
     opt = ShardedOptimizer([model], cfg)  # one process: the project's optimizer (and QK-Clip) without a group
     params = list(model.parameters())
-    losses, norms = [], []
+    losses, norms, mtp_losses = [], [], []
+
+    def mtp_targets(b):
+        B, T = b["input_ids"].shape
+        return mtp_labels(b["labels"], Documents.from_cu_seqlens(b["cu_seqlens"], B, T).start)
+
     for s in range(steps):
         data = step_data(s, seq=seq)
         count = int((data["labels"] != -100).sum())
-        total, loss_sum = None, 0.0
+        if args.mtp_layers:
+            mtp_count = int((mtp_targets(rows_batch(data, 0, data["input_ids"].shape[0])) != -100).sum())
+        total, loss_sum, mtp_sum = None, 0.0, 0.0
         for r in range(dp):
             for b in local_microbatches(data, dp=dp, dp_rank=r, microbatches=microbatches):
-                hidden = model(b["input_ids"], BatchContext(b["cu_seqlens"]), return_hidden=True)
-                loss = linear_cross_entropy(hidden, model.output.weight, b["labels"])[0] / count
-                loss.backward()
+                ctx, w = BatchContext(b["cu_seqlens"]), model.output.weight
+                if args.mtp_layers:
+                    hidden, u = model(b["input_ids"], ctx, return_hidden=True, mtp=True)
+                    loss = linear_cross_entropy(hidden, w, b["labels"])[0] / count
+                    extra = linear_cross_entropy(u, w, mtp_targets(b))[0] / mtp_count
+                    (loss + cfg.mtp_loss_weight * extra).backward()
+                    mtp_sum += float(extra.detach())
+                else:
+                    hidden = model(b["input_ids"], ctx, return_hidden=True)
+                    loss = linear_cross_entropy(hidden, w, b["labels"])[0] / count
+                    loss.backward()
                 loss_sum += float(loss.detach())
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             total = grads if total is None else [a + b for a, b in zip(total, grads)]
@@ -134,7 +153,8 @@ def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, opt
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)))
         opt.step()  # drops the gradients
         losses.append(loss_sum)
-    return {"losses": losses, "grad_norms": norms,
+        mtp_losses.append(mtp_sum)
+    return {"losses": losses, "grad_norms": norms, **({"mtp_losses": mtp_losses} if args.mtp_layers else {}),
             "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
 
 
@@ -162,6 +182,8 @@ class Layout:
     precision: str = "fp32"
     capture_grads: bool = False
     """Record the first step's reduced gradients (owned rows, before the optimizer step) for cosine checks."""
+    mtp: bool = False
+    """The tiny K3 with the multi-token-prediction module (model.mtp_layers=1)."""
 
     @property
     def world(self) -> int:
@@ -187,7 +209,7 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
     from k3train.parallel.mesh import rank_coords
 
     dims = layout.dims()
-    engine = build_engine(tiny_args(), dims, optim_config(layout.optim, layout.qk_clip), seed=SEED, device="cpu",
+    engine = build_engine(tiny_args(mtp_layers=int(layout.mtp)), dims, optim_config(layout.optim, layout.qk_clip), seed=SEED, device="cpu",
                           seq_len_hint=layout.seq, precision=layout.precision)
     # The ranks of a CP group read the same rows (each runs its own pieces of them).
     dp_rank = rank_coords(dims, rank)["dp"] if dims.world > 1 else 0
@@ -202,6 +224,8 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
         out = engine.train_step(mbs)
         rec["losses"].append(out["loss"])
         rec["grad_norms"].append(out["grad_norm"])
+        if "mtp_loss" in out:
+            rec.setdefault("mtp_losses", []).append(out["mtp_loss"])
         rec["comm"].append(engine.comm.snapshot())
         rec["times"].append((engine.times.step_s, engine.times.busy_s, engine.times.schedule_s))
         rec["memory_after_reduce"] = dict(engine.last_memory)
@@ -385,6 +409,11 @@ def compare(reference: dict, records: list[dict], *, loss_rtol: float = 1e-6, pa
     ref_losses = reference["losses"][:n]
     worst = {"loss_rel": 0.0, "grad_norm_rel": 0.0, "param_abs": 0.0}
     for r, rec in enumerate(records):
+        if ("mtp_losses" in rec) != ("mtp_losses" in reference):
+            raise AssertionError(f"rank {r}: MTP losses in one run only")
+        for s, (a, b) in enumerate(zip(rec.get("mtp_losses", []), reference.get("mtp_losses", []))):
+            if abs(a - b) > loss_rtol * abs(b):
+                raise AssertionError(f"rank {r} step {s}: MTP loss {a!r} vs one process {b!r}")
         for s, (a, b) in enumerate(zip(rec["losses"], ref_losses)):
             rel = abs(a - b) / abs(b)
             worst["loss_rel"] = max(worst["loss_rel"], rel)
@@ -432,10 +461,17 @@ TWO = [
     _lay("muon_pp2_1f1b", pp=2, microbatches=2, schedule="1f1b", optim="muon"),
     # Muon's ZeRO-1 owners over dp_cp for dense matrices; home experts orthogonalised on their own EP rank.
     _lay("muon_ep2_dp2_zero1", dp=2, ep=2, zero=1, microbatches=2, optim="muon"),
+    # The MTP module on the last stage (its e_{t+1} from the embedding source the stages pass on), under CP (the
+    # one-token halo; rows of 64 so pieces hold whole KDA chunks) and beside expert parallelism.
+    _lay("mtp_pp2_1f1b", pp=2, microbatches=2, schedule="1f1b", mtp=True),
+    _lay("mtp_cp2", cp=2, seq=64, microbatches=2, mtp=True),
+    _lay("mtp_ep2_dp2", dp=2, ep=2, microbatches=2, mtp=True),
 ]
 FOUR = [
     _lay("pp2_dp2_zero2_vpp2", pp=2, vpp=2, dp=2, zero=2, microbatches=2),
     _lay("pp2_ep2_zero1", pp=2, dp=2, ep=2, zero=1, microbatches=2, schedule="1f1b"),
+    # MTP on the last stage of a CP pipeline: the halo under the stages' own CP handles.
+    _lay("mtp_cp2_pp2", pp=2, cp=2, seq=64, microbatches=2, schedule="1f1b", mtp=True),
 ]
 EIGHT = [
     # Everything at once: 2 pipeline ranks x 2 virtual stages, 4-way data parallel with experts over 2 of them
@@ -490,11 +526,11 @@ def reference_for(layout: Layout, steps: int | None = None) -> dict:
     steps = layout.steps if steps is None else steps
     if layout.precision != "fp32":
         raise ValueError("reference_run is the fp32 reference; a bf16 layout compares with a bf16 single process")
-    key = (layout.dp, layout.microbatches, layout.optim, steps, layout.seq, layout.qk_clip)
+    key = (layout.dp, layout.microbatches, layout.optim, steps, layout.seq, layout.qk_clip, layout.mtp)
     if key not in _REFS:
         with one_thread():
             _REFS[key] = reference_run(steps, dp=layout.dp, microbatches=layout.microbatches, optim=layout.optim,
-                                       seq=layout.seq, qk_clip=layout.qk_clip)
+                                       seq=layout.seq, qk_clip=layout.qk_clip, mtp=layout.mtp)
     return _REFS[key]
 
 
@@ -507,7 +543,7 @@ def check_analytic_bytes(layout: Layout, records: list[dict]) -> None:
     dims = layout.dims()
     mb = GLOBAL_ROWS // (layout.dp * layout.microbatches)
     for r, rec in enumerate(records):
-        an = analytic_step_bytes(tiny_args(), dims, rec["stage_layers"], pp_rank=rank_coords(dims, r)["pp"],
+        an = analytic_step_bytes(tiny_args(mtp_layers=int(layout.mtp)), dims, rec["stage_layers"], pp_rank=rank_coords(dims, r)["pp"],
                                  mb=mb, seq=layout.seq, precision=layout.precision)
         meas = rec["comm"][-1]
         assert {tuple(k.split("/")) for k in meas} == set(an), (r, sorted(meas), sorted(an))

@@ -76,6 +76,8 @@ class RunRecord:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
+    mtp_losses: list[float] = field(default_factory=list)
+    """The recorded steps' mtp_loss (a model with the MTP module only)."""
     flops_per_token: float = 0.0
     params: dict = field(default_factory=dict)
     """Final parameters by full-model name."""
@@ -180,6 +182,7 @@ def train(cfg, run_dir: str | os.PathLike) -> RunRecord:
         rec.losses = [r["loss"] for r in recs]
         rec.grad_norms = [r["grad_norm"] for r in recs]
         rec.lrs = [r["lr"] for r in recs]
+        rec.mtp_losses = [r["mtp_loss"] for r in recs if "mtp_loss" in r]
     rec.wall_s = time.perf_counter() - t0
     return rec
 

@@ -166,6 +166,11 @@ def trains_differently(base, changed) -> str:
     return f"loss {lr:.1e} rel, weights {ur:.1e} of the update"
 
 
+def trains_and_logs_mtp(base, changed) -> str:
+    assert not base.mtp_losses and len(changed.mtp_losses) == len(changed.steps), changed.mtp_losses
+    return trains_differently(base, changed) + f"; mtp_loss logged ({changed.mtp_losses[0]:.4f} at step 1)"
+
+
 def schedule_differs(base, changed) -> str:
     """The learning rate the optimizer used at a step both runs take differs (metrics.jsonl lr)."""
     steps = [i for i, (x, y) in enumerate(zip(base.lrs, changed.lrs)) if abs(x - y) > 1e-9 * abs(x)]
@@ -319,6 +324,7 @@ ONE_PROCESS: list[Case] = [
     Case("optim.warmup_steps", {"optim.warmup_steps": 2}),
     Case("optim.decay_ratio", {"optim.decay_ratio": 0.0}),
     Case("optim.min_lr_ratio", {"optim.min_lr_ratio": 0.5}),
+    Case("optim.mtp_loss_weight", {"optim.mtp_loss_weight": 1.0}, base={"model.mtp_layers": 1}),  # unused without MTP
     # train
     Case("train.steps", {"train.steps": 6}, schedule_differs),  # the schedule spans the run: no decay yet at step 3
     Case("train.seed", {"train.seed": 1}),
@@ -372,7 +378,9 @@ ONE_PROCESS: list[Case] = [
     # The Triton kernels (under TRITON_INTERPRET=1 on CPU): same math, other arithmetic. The KDA chunk of 64 (and rows
     # of 64) so the Triton KDA runs too; tests/unit/test_kernel_backend.py counts the kernels' calls.
     Case("model.kernels", {"model.kernels": "triton"}, rounds_differently, base=KDA64),
-    Case("model.kernels", {"model.kernels": "torch"}, rounds_differently, base={**KDA64, "model.kernels": "triton"}),
+    Case("model.kernels", {"model.kernels": "torch"}, rounds_differently, base={**KDA64, "model.kernels": "triton"}),    # The MTP module: its loss joins the gradient (the logged loss stays the next-token loss), either key.
+    Case("model.mtp_layers", {"model.mtp_layers": 1}, trains_and_logs_mtp),
+    Case("model.overrides.mtp_layers", {"model.overrides.mtp_layers": 1}, trains_and_logs_mtp),
 ]
 
 

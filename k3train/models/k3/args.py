@@ -129,6 +129,12 @@ class K3ModelArgs:
     init_std: float = 0.02
     """Standard deviation of weight initialisation (output projections are scaled by depth)."""
 
+    # Multi-token prediction
+    mtp_layers: int = 0
+    """0 or 1: a multi-token-prediction module after the backbone (k3train.models.k3.mtp) predicting token t+2 from
+    the final hidden at t and the embedding of token t+1, trained beside the next-token loss. K3 itself has none
+    (num_nextn_predict_layers = 0), so the presets keep 0 and the published counts stay exact."""
+
     # ---- derived -------------------------------------------------------------------------------
     def layer_kind(self, i: int) -> str:
         """'mla' or 'kda' for 1-based layer index i."""
@@ -173,6 +179,8 @@ class K3ModelArgs:
              f"kda_g_min must lie in [-5.33, 0), got {self.kda_g_min}")
         need(self.situ_beta1 > 0 and self.situ_beta2 > 0, "SiTU-GLU caps beta1, beta2 must be positive")
         need(self.n_blocks >= 1, "at least one AttnRes block")
+        need(self.mtp_layers in (0, 1) and not isinstance(self.mtp_layers, bool),
+             f"mtp_layers must be 0 or 1 (one multi-token-prediction module at most), got {self.mtp_layers!r}")
         need(self.router_score_dtype in ("float32", "float64"), "router_score_dtype must be float32 or float64")
         if self.vision is not None:
             v = self.vision

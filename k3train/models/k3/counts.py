@@ -4,8 +4,8 @@ communicates under a parallel layout.
 
 The count. The model is built on the meta device (no memory) and each parameter is counted once, under the piece of
 the model that holds it and its component (the rows of tools/count_params.py). The pieces are "embed" (input
-embedding and vision tower: the first pipeline stage), the 1-based layer ids, and "head" (final AttnRes, norm and LM
-head: the last stage). A token touches every parameter of a layer or the head except the routed experts it did not
+embedding and vision tower: the first pipeline stage), the 1-based layer ids, and "head" (final AttnRes, norm, LM
+head and the optional MTP module, component "mtp": the last stage). A token touches every parameter of a layer or the head except the routed experts it did not
 select (top_k of n_experts); the embedding is a lookup, and the vision tower runs on images, not text tokens.
 
 FLOPs. A piece's training FLOPs per token are 6 x the parameters it touches (forward and backward matmuls) plus
@@ -31,6 +31,8 @@ def component_of(name: str, model: K3Model) -> str:
         return "vision"
     if name.startswith(("norm", "final_res")):
         return "final_norm"
+    if name.startswith("mtp."):
+        return "mtp"
     if name.startswith("layers."):
         _, idx, rest = name.split(".", 2)
         layer = model.layers[idx]
@@ -118,6 +120,11 @@ def attention_flops(args: K3ModelArgs, layer_id: int, seq_len: int) -> int:
     return args.kda_heads * (6 * K * K + 3 * C * K + C * C)
 
 
+def mtp_attention_flops(args: K3ModelArgs, seq_len: int) -> int:
+    """Forward FLOPs per token of the MTP module's attention core (Gated MLA; 0 without the module)."""
+    return seq_len * args.mla_heads * (args.mla_qk_head_dim + args.mla_v_head_dim) if args.mtp_layers else 0
+
+
 def layer_costs(args: K3ModelArgs, seq_len: int = 4096, pieces: dict | None = None) -> dict:
     """{"embed": c, "head": c, "layers": [c_1, ..., c_n]}: training FLOPs per token of each piece, the weights of the
     pipeline split. The embedding is charged as a matmul of its table (6 V D) although a lookup computes nothing:
@@ -126,7 +133,8 @@ def layer_costs(args: K3ModelArgs, seq_len: int = 4096, pieces: dict | None = No
     layers = [6.0 * active_params(args, i, pieces[i]) + 3.0 * attention_flops(args, i, seq_len)
               for i in range(1, args.n_layers + 1)]
     return {"embed": 6.0 * pieces["embed"].get("embedding", 0),
-            "head": 6.0 * active_params(args, "head", pieces["head"]), "layers": layers}
+            "head": 6.0 * active_params(args, "head", pieces["head"]) + 3.0 * mtp_attention_flops(args, seq_len),
+            "layers": layers}
 
 
 def flops_per_token(args: K3ModelArgs, seq_len: int) -> float:
@@ -165,8 +173,9 @@ def analytic_step_bytes(args: K3ModelArgs, dims, stage_layers: list[list[int]], 
         e["wire"] += wire
 
     n = dims.dp_cp
+    n_counts = 3 if args.mtp_layers else 2  # target, token (and MTP target) counts, float64 each
     if n > 1:
-        add("dp_cp", "all_reduce", 16, 2 * (n - 1) / n * 16)  # target and token counts (2 x float64)
+        add("dp_cp", "all_reduce", 8 * n_counts, 2 * (n - 1) / n * 8 * n_counts)
     if dims.ep > 1:  # home experts are reduced over their replicas only, each rank holding 1/ep of them
         groups = [("dp_cp", dims.dp_cp, lambda c: c["dense"]), ("edp", dims.edp, lambda c: c["expert"] // dims.ep)]
     else:
@@ -183,12 +192,14 @@ def analytic_step_bytes(args: K3ModelArgs, dims, stage_layers: list[list[int]], 
         if dims.zero >= 1:
             W = numel * param_elem
             add(dim, "all_gather", W, (g - 1) / g * W)
-    if dims.world > 1:
-        add("world", "all_reduce", 16, 2 * (dims.world - 1) / dims.world * 16)  # loss and squared norm
+    if dims.world > 1:  # the loss (and the MTP loss) and the squared norm, float64 each
+        b = 8 * n_counts
+        add("world", "all_reduce", b, 2 * (dims.world - 1) / dims.world * b)
     # Under CP a rank runs its pieces of each row: seq / cp tokens per row (the pieces as rows, same count).
     tok = mb * seq // dims.cp
     if dims.cp > 1:
-        _add_cp_bytes(add, args, dims, [i for s in mine for i in stage_layers[s]], mb=mb, seq=seq, elem=elem)
+        _add_cp_bytes(add, args, dims, [i for s in mine for i in stage_layers[s]], mb=mb, seq=seq, elem=elem,
+                      mtp=bool(args.mtp_layers) and len(stage_layers) - 1 in mine)
         if dims.pp > 1:  # every stage rebuilds its handle from the pieces' document starts (1 byte per token)
             b = len(mine) * dims.microbatches * mb * seq
             add("cp", "all_gather", b, (dims.cp - 1) / dims.cp * b)
@@ -209,21 +220,23 @@ def analytic_step_bytes(args: K3ModelArgs, dims, stage_layers: list[list[int]], 
     return out
 
 
-def _add_cp_bytes(add, args: K3ModelArgs, dims, layers: list[int], *, mb: int, seq: int, elem: int) -> None:
+def _add_cp_bytes(add, args: K3ModelArgs, dims, layers: list[int], *, mb: int, seq: int, elem: int,
+                  mtp: bool = False) -> None:
     """Context-parallel collectives of one step (forward all-gathers, their backward reduce-scatters of the same
     size) for these layers: per KDA layer the pieces' fp32 summaries [H, K, K+V] (independent of seq) and the
     conv halos (W-1 tokens of q, k and v per piece); per MLA layer the latent of every token, all-gathered in forward
-    and again in backward (not kept for it), its gradient reduce-scattered once."""
+    and again in backward (not kept for it), its gradient reduce-scattered once. mtp (the MTP module is among them):
+    its MLA layer's latent, and the one-token halo of the next piece's first embedding (D per piece)."""
     m, g = dims.microbatches, dims.cp
     n_pieces = 2 * g if dims.cp_layout == "zigzag" else g
     rows = mb * n_pieces  # pieces gathered over the group per micro-batch
     H, K = args.kda_heads, args.kda_head_dim
     n_kda = sum(args.layer_kind(i) == "kda" for i in layers)
-    n_mla = sum(args.layer_kind(i) == "mla" for i in layers)
+    n_mla = sum(args.layer_kind(i) == "mla" for i in layers) + int(mtp)
     summary = n_kda * m * rows * H * K * 2 * K * 4
     halo = n_kda * m * rows * (args.kda_conv_size - 1) * 3 * H * K * elem
     latent = n_mla * m * mb * seq * (args.mla_kv_rank + args.mla_shared_k_dim) * elem
-    total = summary + halo + latent
+    total = summary + halo + latent + (m * rows * args.dim * elem if mtp else 0)
     if total:
         add("cp", "all_gather", total + latent, (g - 1) / g * (total + latent))
         add("cp", "reduce_scatter", total, (g - 1) / g * total)
@@ -258,7 +271,8 @@ def executed_flops(args: K3ModelArgs, seq_len: int) -> dict:
     - KDA's chunked form per head: 6 K^3 / C + 18 K^2 + 22 K C + 96 K per token (intra-chunk tiles, the WY
       factors, the state recurrence and the short convolutions), minus 6 K^3 per row (the first chunk starts from a
       zero state);
-    - each Block AttnRes mixer: 6 S D (the depth logits over S sources and their weighted sum)."""
+    - each Block AttnRes mixer: 6 S D (the depth logits over S sources and their weighted sum);
+    - the MTP module (with the head): its matrices above, and its Gated MLA's blocked attention as a layer's."""
     mats = matmul_params(args)
     H, K, C, D = args.kda_heads, args.kda_head_dim, args.kda_chunk, args.dim
     layers, S = [], 1
@@ -272,7 +286,10 @@ def executed_flops(args: K3ModelArgs, seq_len: int) -> dict:
         f += (6 * S * D if S > 1 else 0) + 6 * (S + 1 if starts else S) * D
         S = sources_after(args, i)
         layers.append(f)
-    return {"layers": layers, "head": 6.0 * mats["head"] + 6 * S * D}
+    head = 6.0 * mats["head"] + 6 * S * D
+    if args.mtp_layers:
+        head += 2.0 * _visited_keys(seq_len) * args.mla_heads * (4 * args.mla_qk_head_dim + 3 * args.mla_v_head_dim)
+    return {"layers": layers, "head": head}
 
 
 def _visited_keys(seq_len: int) -> float:

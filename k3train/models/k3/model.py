@@ -63,6 +63,10 @@ class K3Model(nn.Module):
         self.final_res = AttnResMixer(args.dim, args.norm_eps, learned=args.attnres_final_query)
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.mtp = None
+        if args.mtp_layers:
+            from k3train.models.k3.mtp import MTP
+            self.mtp = MTP(args)
 
     # ---- forward --------------------------------------------------------------------------------
     def embed(self, tokens: torch.Tensor, vision_embeds: torch.Tensor | None = None,
@@ -77,10 +81,11 @@ class K3Model(nn.Module):
 
     def forward(self, tokens: torch.Tensor, ctx: BatchContext | None = None, *,
                 vision_embeds: torch.Tensor | None = None, vision_mask: torch.Tensor | None = None,
-                return_hidden: bool = False) -> torch.Tensor:
+                return_hidden: bool = False, mtp: bool = False):
         """tokens [B, T] int64 (or stacked sources [S, B, T, D] on a later pipeline stage) -> logits [B, T, V]
         (or stacked sources on a stage without the head). return_hidden: the final normed hidden [B, T, D] instead
-        of the logits, for the loss to apply `output.weight` chunk by chunk (loss.linear_cross_entropy)."""
+        of the logits, for the loss to apply `output.weight` chunk by chunk (loss.linear_cross_entropy).
+        mtp: the pair (final normed hidden, the MTP module's normed hidden [B, T, D]), both for the shared head."""
         ctx = ctx or BatchContext()
         if self.tok_embeddings is not None:
             if tokens.dim() != 2:
@@ -92,7 +97,12 @@ class K3Model(nn.Module):
             sources = layer(sources, ctx)
         if self.output is None:
             return torch.stack(sources)
-        h = self.norm(self.final_res(sources))
+        mix = self.final_res(sources)
+        h = self.norm(mix)
+        if mtp:
+            if self.mtp is None:
+                raise ValueError("mtp=True needs a model built with mtp_layers=1")
+            return h, self.mtp(mix, sources[0], ctx)  # sources[0]: the input embedding b_0
         return h if return_hidden else self.output(h)
 
     # ---- init -----------------------------------------------------------------------------------
