@@ -2,6 +2,8 @@
 
     python -m k3train.train                                   # recipe tiny_cpu
     python -m k3train.train --config-name small_8gpu train.steps=100 optim=adamw
+    k3train --config-dir my_recipes --config-name mine hydra.run.dir=runs/mine   # the console script
+    python -m k3train.train -m train.seed=0,1 hydra.sweep.dir=runs/seeds            # one directory per job
     torchrun --nproc-per-node 2 -m k3train.train --config-name tiny_cpu
 
 Configuration, data and checkpoint problems end the process with exit code 2 and a one-paragraph message naming
@@ -30,9 +32,10 @@ def _task(dcfg) -> None:
     try:
         cfg = from_omegaconf(dcfg)
         validate_config(cfg)
-        recipe = HydraConfig.get().job.config_name or DEFAULT_RECIPE
+        hc = HydraConfig.get()
+        recipe = hc.job.config_name or DEFAULT_RECIPE
         from k3train.train.trainer import run
-        run(cfg, recipe=recipe)
+        run(cfg, recipe=recipe, output_dir=hc.runtime.output_dir, output_dir_named=output_dir_named(hc))
     except ConfigError as e:
         _fail("config error", e)
     except DataError as e:
@@ -47,6 +50,16 @@ def _task(dcfg) -> None:
     except KeyboardInterrupt:
         print("k3train: interrupted", file=sys.stderr, flush=True)
         sys.exit(130)
+
+
+def output_dir_named(hc) -> bool:
+    """Whether the command line chose Hydra's output directory: a multirun job (hydra.sweep.dir + subdir, one per
+    job) or hydra.run.dir given as an override. Otherwise it is the recipe's default, runs/<recipe>/${now:...},
+    which each process resolves on its own clock: rank 0's choice (k3train.train.rundir.choose) decides then."""
+    from hydra.types import RunMode
+    if hc.mode == RunMode.MULTIRUN:
+        return True
+    return any(o.split("=", 1)[0].lstrip("+~") == "hydra.run.dir" for o in hc.overrides.hydra)
 
 
 def main(argv: list[str] | None = None) -> None:
