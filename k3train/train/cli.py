@@ -29,10 +29,12 @@ def _task(dcfg) -> None:
     from k3train.train.checkpoint import CheckpointError
     from k3train.train.resilience import EXIT_COMM_FAILURE, CommFailure
 
+    from k3train.train.rundir import drop_unused_output_dir
+
+    hc = HydraConfig.get()
     try:
         cfg = from_omegaconf(dcfg)
         validate_config(cfg)
-        hc = HydraConfig.get()
         recipe = hc.job.config_name or DEFAULT_RECIPE
         from k3train.train.trainer import run
         run(cfg, recipe=recipe, output_dir=hc.runtime.output_dir, output_dir_named=output_dir_named(hc))
@@ -50,6 +52,8 @@ def _task(dcfg) -> None:
     except KeyboardInterrupt:
         print("k3train: interrupted", file=sys.stderr, flush=True)
         sys.exit(130)
+    finally:  # a refused start leaves no empty directory behind
+        drop_unused_output_dir(hc.runtime.output_dir)
 
 
 def output_dir_named(hc) -> bool:

@@ -62,13 +62,14 @@ def unused(d: Path) -> Path:
     return cand
 
 
-def drop_unused_output_dir(output_dir: str | None, run_dir: Path) -> None:
+def drop_unused_output_dir(output_dir: str | None, run_dir: Path | None = None) -> None:
     """Remove this process's Hydra output directory (and empty parents below the working directory) when it is not
-    the run directory and Hydra left it empty."""
+    the run directory and is empty (Hydra makes it before the run starts; another rank's choice, train.run_dir, or a
+    start refused before the run directory was chosen leave it unused)."""
     if not output_dir:
         return
     d = Path(output_dir).resolve()
-    if d == Path(run_dir).resolve():
+    if run_dir is not None and d == Path(run_dir).resolve():
         return
     try:
         d.rmdir()
