@@ -57,13 +57,14 @@ def _task(dcfg) -> None:
 
 
 def output_dir_named(hc) -> bool:
-    """Whether the command line chose Hydra's output directory: a multirun job (hydra.sweep.dir + subdir, one per
-    job) or hydra.run.dir given as an override. Otherwise it is the recipe's default, runs/<recipe>/${now:...},
-    which each process resolves on its own clock: rank 0's choice (k3train.train.rundir.choose) decides then."""
+    """Whether Hydra's output directory is the run's own: hydra.run.dir or hydra.sweep.dir given on the command line,
+    or a multirun job of a launcher that runs in this process (one directory per job). Otherwise it is a recipe
+    default with ${now:...}, which each process (and a requeued submitit task) resolves on its own clock: rank 0's
+    choice decides then (k3train.train.rundir.choose; under Slurm runs/<recipe>/slurm-<job id>)."""
     from hydra.types import RunMode
-    if hc.mode == RunMode.MULTIRUN:
+    if any(o.split("=", 1)[0].lstrip("+~") in ("hydra.run.dir", "hydra.sweep.dir") for o in hc.overrides.hydra):
         return True
-    return any(o.split("=", 1)[0].lstrip("+~") == "hydra.run.dir" for o in hc.overrides.hydra)
+    return hc.mode == RunMode.MULTIRUN and not os.environ.get("SUBMITIT_EXECUTOR")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -113,3 +113,36 @@ def test_each_optimizer_brings_its_own_learning_rate():
     for recipe in available_recipes():
         for name, lr in own.items():
             assert compose_config(recipe, [f"optim={name}"]).optim.lr == pytest.approx(lr), (recipe, name)
+
+
+def test_which_hydra_output_dirs_are_the_runs_own(monkeypatch):
+    from hydra.types import RunMode
+
+    from k3train.train.cli import output_dir_named
+
+    def hc(mode, *overrides):
+        return types.SimpleNamespace(mode=mode, overrides=types.SimpleNamespace(hydra=list(overrides)))
+
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+    assert not output_dir_named(hc(RunMode.RUN))  # the recipe's ${now:} default: rank 0's choice decides
+    assert output_dir_named(hc(RunMode.RUN, "hydra.run.dir=/x"))
+    assert output_dir_named(hc(RunMode.MULTIRUN))  # one directory per job
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")  # a requeued task would resolve ${now:} anew
+    assert not output_dir_named(hc(RunMode.MULTIRUN))
+    assert output_dir_named(hc(RunMode.MULTIRUN, "hydra.sweep.dir=/sweep"))
+
+
+def test_the_schedulers_get_lr_warning_is_filtered_on_load():
+    import warnings
+
+    from k3train.train.trainer import _quiet_checkpoint_warnings
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        sched.get_lr()  # outside step(): torch warns
+        assert any("get_last_lr" in str(w.message) for w in seen)
+        seen.clear()
+        with _quiet_checkpoint_warnings():
+            sched.get_lr()
+        assert not seen, [str(w.message) for w in seen]
