@@ -146,3 +146,24 @@ def test_the_schedulers_get_lr_warning_is_filtered_on_load():
         with _quiet_checkpoint_warnings():
             sched.get_lr()
         assert not seen, [str(w.message) for w in seen]
+
+
+def test_unused_hydra_output_dirs_are_removed_up_to_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    other = tmp_path / "runs" / "tiny_cpu" / "20260101-000001"  # another rank's ${now:}, one second later
+    other.mkdir(parents=True)
+    rundir.drop_unused_output_dir(str(other), tmp_path / "elsewhere")
+    assert not list(tmp_path.iterdir())
+    used = tmp_path / "runs" / "tiny_cpu" / "20260101-000000"
+    used.mkdir(parents=True)
+    rundir.drop_unused_output_dir(str(used), used)  # the run directory itself stays
+    assert used.is_dir()
+
+
+def test_the_console_script_is_the_training_command():
+    import tomllib
+    from pathlib import Path
+
+    from k3train.train import cli
+    scripts = tomllib.loads((Path(cli.__file__).parents[2] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["k3train"] == "k3train.train.cli:main" and callable(cli.main)
