@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 log = logging.getLogger("k3train")
 
@@ -26,3 +27,15 @@ class ConsoleHandler(logging.StreamHandler):
             self.flush()
         except Exception:
             self.handleError(record)
+
+
+def ensure_console() -> None:
+    """Where nothing configured logging (k3train.train.run called from a script), the run's lines still reach the
+    console: the "k3train" logger gets a handler of its own. Hydra's job_logging, or any handler an application
+    set up, is left alone."""
+    if log.hasHandlers():
+        return
+    handler = ConsoleHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)

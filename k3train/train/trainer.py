@@ -499,6 +499,8 @@ def run(cfg: K3TrainConfig, *, recipe: str = "custom", output_dir: str | None = 
     'steps', 'first_loss', 'last' (the final record), 'stopped' (the signals' names, or None)}. A collective that
     times out or loses a peer raises resilience.CommFailure naming the rank, the operation and the step.
     output_dir, output_dir_named: Hydra's output directory (see Trainer)."""
+    from .logs import ensure_console
+    ensure_console()
     env = dist_env()
     progress = resilience.Progress(rank=env.rank, timeout_s=cfg.train.timeout_s)
     trainer = None
