@@ -3,8 +3,10 @@
 metrics.jsonl holds one JSON object per logged step with at least `step`, `loss`, `grad_norm`, `lr`,
 `tokens_per_s`, plus `tokens` (seen so far), `flops_per_token`, `mfu`, `step_time_s`, per MoE layer
 `moe/L<i>/load_max_over_mean`, `maxvio`, `min_over_mean`, `bias_min` and `bias_max` (expert load over the steps
-since the last record, all ranks' tokens; the router's selection bias), `eval_loss` on steps where it was
-measured, and on the step that publishes a checkpoint `checkpoint/step`, `checkpoint/blocking_s`,
+since the last record, all ranks' tokens; the router's selection bias), `moe/L<i>/expert_load` (each expert's
+load / mean) on eval steps and the last step, `eval_loss` on steps where it was measured, `resume/changed` (the
+schedule settings a resume changed, {key: [before, now]}) in the first record after such a resume, and on the step
+that publishes a checkpoint `checkpoint/step`, `checkpoint/blocking_s`,
 `checkpoint/save_s`, `checkpoint/bytes`, `checkpoint/bytes_rank_max`, `checkpoint/bytes_rank_min` and
 `checkpoint/staging_bytes` (k3train.train.checkpoint.SavedCheckpoint.metrics).
 """
