@@ -12,15 +12,24 @@ DEFAULT_RECIPE = "tiny_cpu"
 EXIT_BAD_INPUT = 2
 
 
-def config_name(argv: list[str]) -> str | None:
-    """The recipe named by --config-name / -cn in argv, if any."""
+def _flag(argv: list[str], *flags: str) -> str | None:
     for i, a in enumerate(argv):
-        for flag in ("--config-name", "-cn"):
+        for flag in flags:
             if a == flag and i + 1 < len(argv):
                 return argv[i + 1]
             if a.startswith(flag + "="):
                 return a.split("=", 1)[1]
     return None
+
+
+def config_name(argv: list[str]) -> str | None:
+    """The recipe named by --config-name / -cn in argv, if any."""
+    return _flag(argv, "--config-name", "-cn")
+
+
+def config_dir(argv: list[str]) -> str | None:
+    """The user's recipe folder named by --config-dir / -cd in argv, if any."""
+    return _flag(argv, "--config-dir", "-cd")
 
 
 def fail(kind: str, err: BaseException) -> None:
@@ -41,10 +50,13 @@ def run_app(task: Callable, argv: list[str] | None = None) -> None:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     register_configs()
+    user_dir = config_dir(argv)
     try:
-        check_recipe(config_name(argv) or DEFAULT_RECIPE)
+        check_recipe(config_name(argv) or DEFAULT_RECIPE, [user_dir] if user_dir else [])
     except ConfigError as e:
         fail("config error", e)
     sys.argv = [sys.argv[0]] + argv
-    # An absolute config_path: found from this package's location, whatever the working directory.
+    # An absolute config_path: found from this package's location, whatever the working directory. The config
+    # groups (and the recipes, for a --config-dir recipe that extends one) come from the search-path plugin
+    # (hydra_plugins/k3train_searchpath).
     hydra.main(version_base="1.3", config_path=str(recipes_dir()), config_name=DEFAULT_RECIPE)(task)()

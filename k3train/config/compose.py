@@ -8,12 +8,15 @@ from .store import available_recipes, recipes_dir, register_configs
 from .validate import validate_config
 
 
-def check_recipe(name: str) -> None:
-    """ConfigError listing the available recipes when `name` is not one of them."""
+def check_recipe(name: str, user_dirs: list[str] | tuple[str, ...] = ()) -> None:
+    """ConfigError listing the available recipes when `name` is neither a package recipe nor a yaml file in one of
+    `user_dirs` (folders given with --config-dir)."""
+    from pathlib import Path
     names = available_recipes()
-    if name not in names:
-        where = recipes_dir()
-        raise ConfigError(f"unknown recipe {name!r}; available recipes: {', '.join(names) or '(none)'} (in {where})")
+    if name in names or any((Path(d) / f"{name}.yaml").is_file() for d in user_dirs):
+        return
+    where = ", ".join(str(d) for d in (recipes_dir(), *user_dirs))
+    raise ConfigError(f"unknown recipe {name!r}; available recipes: {', '.join(names) or '(none)'} (in {where})")
 
 
 def from_omegaconf(dcfg) -> K3TrainConfig:

@@ -94,10 +94,12 @@ class LoggingConfig:
     wandb_project: str = ""
     """W&B project; when empty the run is logged offline under <run_dir>/wandb (no network needed)."""
     wandb_mode: str = "auto"
-    """auto (offline unless wandb_project is set, then online), offline or online."""
+    """auto (online only when wandb_project is set and an API key is available, else offline), offline, online or
+    disabled. The WANDB_MODE environment variable, when set, wins."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for MFU; 0 takes the GPU table's dense peak for the GPU found
-    (k3train.plan.gpus), or measures it at start-up with a dense matmul where the table has no entry (CPU)."""
+    (k3train.plan.gpus), or where the table has no entry (CPU) the peak an earlier start of the run recorded, else
+    measures it once with a dense matmul and records it here in the run's config.yaml."""
 
 
 @dataclass(kw_only=True)

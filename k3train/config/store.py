@@ -5,8 +5,10 @@ from this package's location, so `python -m k3train.train` works from any workin
 an editable install. A wheel installs copies under `<prefix>/share/k3train/` (pyproject's data-files); those are used
 when the repository folders are absent. `K3TRAIN_RECIPES` / `K3TRAIN_CONFIGS` override both.
 
-Recipes add the group folder to Hydra's search path with `file://${k3train_configs:}`: the resolver below returns
-the absolute folder, so a relative path (which Hydra would resolve against the working directory) is never needed.
+Both folders reach Hydra's search path through the plugin in hydra_plugins/k3train_searchpath (Hydra imports the
+`hydra_plugins` namespace package), as absolute paths: a recipe from the user's --config-dir can list `tiny_cpu` or
+`model: tiny` in its defaults. The `k3train_configs` resolver below gives the groups' folder to a config that wants
+to name it.
 """
 
 from __future__ import annotations

@@ -183,8 +183,8 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
     lg = cfg.logging
     _need(lg.log_interval >= 1, "logging.log_interval", f"must be >= 1, got {lg.log_interval}")
     _need(lg.console_interval >= 1, "logging.console_interval", f"must be >= 1, got {lg.console_interval}")
-    _need(lg.wandb_mode in ("auto", "offline", "online"), "logging.wandb_mode",
-          f"must be auto, offline or online, got {lg.wandb_mode!r}")
+    _need(lg.wandb_mode in ("auto", "offline", "online", "disabled"), "logging.wandb_mode",
+          f"must be auto, offline, online or disabled, got {lg.wandb_mode!r}")
     _need(lg.peak_flops >= 0, "logging.peak_flops", f"must be >= 0 (0 measures it), got {lg.peak_flops}")
 
     # ---- train -----------------------------------------------------------------------------------

@@ -808,10 +808,7 @@ class Checkpointer:
         meta = read_metadata(folder, files)
         state = {"engine": engine.state_dict()}
         saved = set(meta.state_dict_metadata)
-        missing = sorted(k for k in (f"engine.model.{n}" for n in state["engine"]["model"]) if k not in saved)
-        if missing:
-            names = [k[len("engine."):] for k in missing[:5]]
-            raise CheckpointError(f"checkpoint {folder} lacks model entries {names} (a different model?)")
+        check_model_entries(state["engine"]["model"], meta.state_dict_metadata, folder, "")
         other = _drop_unsaved_optimizer_state(state["engine"]["optim"], saved, "engine.optim.")
         if other:
             self.warn(f"checkpoint {folder}: the optimizer state of {len(other)} parameters (e.g. {other[0]}) was "
@@ -830,6 +827,39 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {folder}: {mine} holds an unusable state ({type(e).__name__}: "
                                   f"{e})") from e
         return LoadedState(step=own["step"], data_state=own["data"], path=folder)
+
+
+def check_model_entries(model: dict, meta: dict, folder: Path, what: str, *, show: int = 3) -> None:
+    """Refuse a checkpoint whose model is not this one, before anything is loaded (resume and train.init_from alike):
+    compared both ways, the tensors this model has that the checkpoint lacks, the checkpoint's model tensors this
+    model lacks, and the tensors of another shape. CheckpointError names the first `show` of each kind."""
+    prefix = "engine.model."
+    saved = {k[len(prefix):]: v for k, v in meta.items() if k.startswith(prefix)}
+    missing = [k for k in model if k not in saved]
+    extra = [k for k in saved if k not in model]
+    wrong, not_tensor = [], []
+    for k, v in model.items():
+        entry = saved.get(k)
+        if entry is None:
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            not_tensor.append(k)
+            continue
+        shape = tuple(getattr(v, "shape", ()))
+        if tuple(entry.size) != shape and not hasattr(v, "device_mesh"):  # sharded entries: DCP checks them
+            wrong.append(f"{k} {tuple(entry.size)} in the checkpoint, {shape} here")
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensors of this model are not in it (first: {', '.join(missing[:show])})")
+    if extra:
+        problems.append(f"it holds {len(extra)} tensors this model lacks (first: {', '.join(extra[:show])})")
+    if wrong:
+        problems.append(f"{len(wrong)} tensors have another shape (first: {'; '.join(wrong[:show])})")
+    if not_tensor:
+        problems.append(f"entries that are not tensors: {', '.join(not_tensor[:show])}")
+    if problems:
+        raise CheckpointError(f"{what}checkpoint {folder} holds another model: {'; '.join(problems)} (model, "
+                              f"model.overrides or model.mtp_layers changed?)")
 
 
 def _read_rank_state(folder: Path, name: str, files: set[str]) -> dict:
@@ -901,22 +931,8 @@ def init_weights_from(path: str, engine, warn=None) -> Path:
         md = read_metadata(folder, files, allow_bytes_entries=version == 1)
     except CheckpointError as e:
         raise CheckpointError(f"train.init_from: {e}") from e
-    meta = md.state_dict_metadata
     model = {k: v for k, v in engine.state_dict()["model"].items()}
-    missing = [k for k in model if f"engine.model.{k}" not in meta]
-    if missing:
-        raise CheckpointError(f"train.init_from: checkpoint {folder} lacks model entries {missing[:5]} (another "
-                              f"model?)")
-    wrong = []
-    for k, v in model.items():
-        entry = meta[f"engine.model.{k}"]
-        if not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointError(f"train.init_from: checkpoint {folder}: entry engine.model.{k} is not a tensor")
-        shape = tuple(getattr(v, "shape", ()))
-        if tuple(entry.size) != shape and not hasattr(v, "device_mesh"):
-            wrong.append(f"{k} {tuple(entry.size)} in the checkpoint, {shape} here")
-    if wrong:
-        raise CheckpointError(f"train.init_from: checkpoint {folder} holds another model shape: {'; '.join(wrong[:3])}")
+    check_model_entries(model, md.state_dict_metadata, folder, "train.init_from: ")
     state = {"engine": {"model": model}}
     _dcp_load(state, folder, md, "train.init_from: ")
     try:

@@ -2,6 +2,8 @@
 
     python -m k3train.train                                   # recipe tiny_cpu
     python -m k3train.train --config-name small_8gpu train.steps=100 optim=adamw
+    k3train --config-dir my_recipes --config-name mine hydra.run.dir=runs/mine   # the console script
+    python -m k3train.train -m train.seed=0,1 hydra.sweep.dir=runs/seeds            # one directory per job
     torchrun --nproc-per-node 2 -m k3train.train --config-name tiny_cpu
 
 Configuration, data and checkpoint problems end the process with exit code 2 and a one-paragraph message naming
@@ -27,12 +29,15 @@ def _task(dcfg) -> None:
     from k3train.train.checkpoint import CheckpointError
     from k3train.train.resilience import EXIT_COMM_FAILURE, CommFailure
 
+    from k3train.train.rundir import drop_unused_output_dir
+
+    hc = HydraConfig.get()
     try:
         cfg = from_omegaconf(dcfg)
         validate_config(cfg)
-        recipe = HydraConfig.get().job.config_name or DEFAULT_RECIPE
+        recipe = hc.job.config_name or DEFAULT_RECIPE
         from k3train.train.trainer import run
-        run(cfg, recipe=recipe)
+        run(cfg, recipe=recipe, output_dir=hc.runtime.output_dir, output_dir_named=output_dir_named(hc))
     except ConfigError as e:
         _fail("config error", e)
     except DataError as e:
@@ -47,6 +52,19 @@ def _task(dcfg) -> None:
     except KeyboardInterrupt:
         print("k3train: interrupted", file=sys.stderr, flush=True)
         sys.exit(130)
+    finally:  # a refused start leaves no empty directory behind
+        drop_unused_output_dir(hc.runtime.output_dir)
+
+
+def output_dir_named(hc) -> bool:
+    """Whether Hydra's output directory is the run's own: hydra.run.dir or hydra.sweep.dir given on the command line,
+    or a multirun job of a launcher that runs in this process (one directory per job). Otherwise it is a recipe
+    default with ${now:...}, which each process (and a requeued submitit task) resolves on its own clock: rank 0's
+    choice decides then (k3train.train.rundir.choose; under Slurm runs/<recipe>/slurm-<job id>)."""
+    from hydra.types import RunMode
+    if any(o.split("=", 1)[0].lstrip("+~") in ("hydra.run.dir", "hydra.sweep.dir") for o in hc.overrides.hydra):
+        return True
+    return hc.mode == RunMode.MULTIRUN and not os.environ.get("SUBMITIT_EXECUTOR")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,8 +3,10 @@
 metrics.jsonl holds one JSON object per logged step with at least `step`, `loss`, `grad_norm`, `lr`,
 `tokens_per_s`, plus `tokens` (seen so far), `flops_per_token`, `mfu`, `step_time_s`, per MoE layer
 `moe/L<i>/load_max_over_mean`, `maxvio`, `min_over_mean`, `bias_min` and `bias_max` (expert load over the steps
-since the last record, all ranks' tokens; the router's selection bias), `eval_loss` on steps where it was
-measured, and on the step that publishes a checkpoint `checkpoint/step`, `checkpoint/blocking_s`,
+since the last record, all ranks' tokens; the router's selection bias), `moe/L<i>/expert_load` (each expert's
+load / mean) on eval steps and the last step, `eval_loss` on steps where it was measured, `resume/changed` (the
+schedule settings a resume changed, {key: [before, now]}) in the first record after such a resume, and on the step
+that publishes a checkpoint `checkpoint/step`, `checkpoint/blocking_s`,
 `checkpoint/save_s`, `checkpoint/bytes`, `checkpoint/bytes_rank_max`, `checkpoint/bytes_rank_min` and
 `checkpoint/staging_bytes` (k3train.train.checkpoint.SavedCheckpoint.metrics).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,6 +24,8 @@ from typing import Any
 import torch
 
 from k3train.config.schema import LoggingConfig
+
+from .logs import log
 
 REQUIRED_FIELDS = ("step", "loss", "grad_norm", "lr", "tokens_per_s")
 
@@ -53,6 +58,29 @@ def measure_peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = 
         spent += dt * reps
         reps = min(reps * 2, 64)
     return 2.0 * n ** 3 / best
+
+
+def _wandb_api_key(env=os.environ) -> bool:
+    """Whether W&B could log in without asking: WANDB_API_KEY, or a netrc entry for its host."""
+    if env.get("WANDB_API_KEY"):
+        return True
+    import netrc
+    host = env.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+    try:
+        return netrc.netrc(env.get("NETRC") or None).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def wandb_mode(cfg: LoggingConfig, env=os.environ) -> str:
+    """The W&B mode a run uses. WANDB_MODE, when set, wins (offline, online, disabled: the variable W&B users set);
+    then logging.wandb_mode; auto is online only with logging.wandb_project set and an API key available, else
+    offline (a run never waits for a login or the network)."""
+    if env.get("WANDB_MODE"):
+        return env["WANDB_MODE"]
+    if cfg.wandb_mode != "auto":
+        return cfg.wandb_mode
+    return "online" if cfg.wandb_project and _wandb_api_key(env) else "offline"
 
 
 class MetricsLogger:
@@ -92,9 +120,9 @@ class MetricsLogger:
 
     def _init_wandb(self, run_dir: Path, config: dict, run_name: str):
         import wandb
-        mode = self.cfg.wandb_mode
-        if mode == "auto":
-            mode = "online" if self.cfg.wandb_project else "offline"
+        mode = wandb_mode(self.cfg)
+        log.info(f"W&B {mode} (logging.wandb_mode={self.cfg.wandb_mode}, WANDB_MODE="
+                 f"{os.environ.get('WANDB_MODE', '')!r}) under {run_dir / 'wandb'}")
         return wandb.init(project=self.cfg.wandb_project or "k3train", name=run_name, mode=mode, dir=str(run_dir),
                           config=config, settings=wandb.Settings(silent=True, console="off"))
 
@@ -138,13 +166,9 @@ class MetricsLogger:
         self.write(" | ".join(parts))
 
     def write(self, text: str) -> None:
-        """A console line that does not break the progress bar."""
-        if not self.active:
-            return
-        if self.bar is not None:
-            self.bar.write(text, file=sys.stdout)
-        else:
-            print(text, flush=True)
+        """A console line (logger "k3train"; its handler keeps the progress bar intact, k3train.train.logs)."""
+        if self.active:
+            log.info(text)
 
     def close(self) -> None:
         if not self.active:

@@ -24,7 +24,6 @@ import datetime as _dt
 import os
 import random
 import re
-import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -43,8 +42,9 @@ from k3train.parallel.engine import build_engine
 from k3train.parallel.mesh import ParallelDims, rank_coords
 from k3train.parallel.zero import PARAM_DTYPES
 
-from . import resilience
+from . import resilience, rundir
 from .checkpoint import Checkpointer
+from .logs import log
 from .metrics import MetricsLogger, measure_peak_flops
 
 
@@ -139,10 +139,13 @@ class Trainer:
     to stop at after a stop signal) and returns a summary.
 
     stop: the stop signals this process received (run() installs the handlers; without it nothing stops early).
-    progress: where this rank is (phase, step), for the message of a timeout."""
+    progress: where this rank is (phase, step), for the message of a timeout.
+    output_dir, output_dir_named: Hydra's output directory of this process and whether the command line named it
+    (k3train.train.rundir.choose)."""
 
     def __init__(self, cfg: K3TrainConfig, *, recipe: str = "custom", stop: resilience.StopRequest | None = None,
-                 progress: resilience.Progress | None = None):
+                 progress: resilience.Progress | None = None, output_dir: str | None = None,
+                 output_dir_named: bool = False):
         self.cfg, self.recipe = cfg, recipe
         env = self.env = dist_env()
         self.stop = stop or resilience.StopRequest(env.rank)
@@ -194,19 +197,25 @@ class Trainer:
                             f"(raise model vocab_size or use a smaller tokenizer)")
         self.train_loader, self.eval_loader = self._build_loaders()
 
-        # ---- run directory: rank 0 decides, everyone uses the same ------------------------------------------
-        # Without train.run_dir, one that a requeued job or a restarted round finds again (resilience).
+        # ---- run directory: rank 0 decides and locks it, everyone uses the same (k3train.train.rundir) ------
         self.progress.phase = "choosing the run directory"
-        rd = Path(".")
+        chosen = ""
         if env.rank == 0:
-            rd = Path(t.run_dir) if t.run_dir else (run_dir_of_resume(t.resume) or resilience.stable_run_dir(
-                recipe, self._agent_store, lambda: default_run_dir(recipe)))
-        self.run_dir = Path(_broadcast_str(str(rd.resolve()) if env.rank == 0 else "", env))
-        if env.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            from omegaconf import OmegaConf
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-            print(f"k3train: run directory {self.run_dir}", flush=True)
+            rd = rundir.choose(t, recipe, self._agent_store, output_dir=output_dir, output_dir_named=output_dir_named,
+                               run_dir_of_resume=run_dir_of_resume, default=lambda: default_run_dir(recipe))
+            rd = rd.resolve()
+            try:
+                rd.mkdir(parents=True, exist_ok=True)
+                rundir.acquire(rd)
+                chosen = str(rd)
+            except (ConfigError, OSError) as e:
+                chosen = f"\0{e}"
+        chosen = _broadcast_str(chosen, env)
+        if chosen.startswith("\0"):  # every rank stops on rank 0's refusal
+            raise ConfigError(chosen[1:])
+        self.run_dir = Path(chosen)
+        rundir.drop_unused_output_dir(output_dir, self.run_dir)
+        self._print(f"run directory {self.run_dir}")
         self._barrier()
 
         # ---- model, parallelism and optimizer: one engine for every layout -----------------------------------
@@ -225,7 +234,7 @@ class Trainer:
         from k3train.ops.backend import Kernels, resolve_kernels, set_kernels
         self.kernels = resolve_kernels(cfg.model.kernels, self.device.type)  # validated with the config
         set_kernels(self.parts, Kernels(self.kernels))
-        self._print(f"k3train: kernels {self.kernels} (model.kernels={cfg.model.kernels})")
+        self._print(f"kernels {self.kernels} (model.kernels={cfg.model.kernels})")
         self.optimizer = self.engine.optimizer
         self.scheduler = self._build_scheduler()
 
@@ -235,6 +244,7 @@ class Trainer:
                                  async_save=t.async_checkpoint, group_timeout_s=t.host_work_timeout_s)
         self.step = 0
         loaded = None
+        self.resume_changes: dict = {}
         if t.resume != "never":
             self.progress.phase = "checkpoint verification and loading"
             with _quiet_checkpoint_warnings(), self._long_waits():
@@ -243,29 +253,41 @@ class Trainer:
             self.step = loaded.step
             if loaded.data_state is not None:
                 self.train_loader.load_state_dict(loaded.data_state)
-            self._print(f"k3train: resumed from {loaded.path} at step {self.step}")
+            self._print(f"resumed from {loaded.path} at step {self.step}")
+            self.resume_changes = rundir.schedule_changes(self.run_dir, cfg) if env.rank == 0 else {}
+            if self.resume_changes:
+                said = ", ".join(f"{k} {a} -> {b}" for k, a, b in ((k, *v) for k, v in self.resume_changes.items()))
+                self._warn(f"resuming at step {self.step} with another schedule than the run's config.yaml ({said}); "
+                           f"the learning rate follows the new schedule from here (recorded in metrics.jsonl as "
+                           f"resume/changed)")
         elif t.init_from:  # a new run from another run's weights (nothing of its own to resume yet)
             from .checkpoint import init_weights_from
             with _quiet_checkpoint_warnings():
                 source = init_weights_from(t.init_from, self.engine)
-            self._print(f"k3train: weights from {source}; step, schedule, optimizer and data start fresh")
+            self._print(f"weights from {source}; step, schedule, optimizer and data start fresh")
 
         # ---- metrics -------------------------------------------------------------------------------------------
         self.tokens_per_step = self.dp * cfg.parallel.microbatches * cfg.data.micro_batch * cfg.data.seq_len
         self.flops_per_token = float(flops_per_token(args, cfg.data.seq_len))
-        self.peak_flops = cfg.logging.peak_flops
+        # One recorded peak per run: logging.peak_flops, else the GPU table's datasheet peak, else (CPU) the peak
+        # an earlier start measured and wrote into config.yaml, else measured now (and written there below).
+        self.peak_flops, measured = cfg.logging.peak_flops, 0.0
         if self.peak_flops <= 0 and self.gpu is not None:
             self.peak_flops = self.gpu.bf16_flops if self.dtype != torch.float32 else self.gpu.bf16_flops / 2
         elif self.peak_flops <= 0 and env.rank == 0:
-            self.peak_flops = measure_peak_flops(self.device, self.dtype)
+            self.peak_flops = measured = (rundir.recorded_peak_flops(self.run_dir)
+                                          or measure_peak_flops(self.device, self.dtype))
         n_params = count_params(args)["total"]
-        self._print(f"k3train: model {args.name} ({n_params:,} parameters), {self.device.type} {self.dtype}, "
+        self._print(f"model {args.name} ({n_params:,} parameters), {self.device.type} {self.dtype}, "
                     f"world {env.world} (pp {self.dims.pp} x dp {self.dp} x cp {self.dims.cp}, ep {self.dims.ep}, "
                     f"zero {self.dims.zero}), "
                     f"{self.tokens_per_step:,} tokens/step, "
                     f"peak {self.peak_flops / 1e9:,.1f} GFLOP/s per device for MFU")
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, rank=env.rank, total_steps=t.steps,
                                      start_step=self.step, config=asdict(cfg), run_name=self.run_dir.name)
+        # The start's checks passed: its config becomes the run's latest and joins the history.
+        if env.rank == 0:
+            rundir.record_config(self.run_dir, cfg, self.step, peak_flops=measured)
 
     # ---- helpers -----------------------------------------------------------------------------------------------
     def _barrier(self, group=None) -> None:
@@ -279,14 +301,11 @@ class Trainer:
 
     def _print(self, msg: str) -> None:
         if self.env.rank == 0:
-            if getattr(self, "metrics", None) is not None:
-                self.metrics.write(msg)
-            else:
-                print(msg, flush=True)
+            log.info(msg)
 
     def _warn(self, msg: str) -> None:
         if self.env.rank == 0:
-            print(f"k3train: WARNING: {msg}", file=sys.stderr, flush=True)
+            log.warning(msg)
 
     def _build_loaders(self):
         """(train, eval or None) loaders. Every rank builds at once: one process per machine fills the token cache
@@ -350,10 +369,11 @@ class Trainer:
             out.pop("eval_accuracy")
         return out
 
-    def _expert_load(self) -> dict:
+    def _expert_load(self, per_expert: bool = False) -> dict:
         """Per MoE layer of this rank's stages, over the steps since the last record and all data-parallel ranks'
-        tokens: load max/mean, MaxVio (= max/mean - 1), min load / mean, and the router's selection-bias range.
-        Under pipelining rank 0 reports the layers of its own stages."""
+        tokens: load max/mean, MaxVio (= max/mean - 1), min load / mean, and the router's selection-bias range;
+        with per_expert, also each expert's load / mean (`moe/L<i>/expert_load`, for tools/plot_run.py's
+        histograms). Under pipelining rank 0 reports the layers of its own stages."""
         layers = self.engine.moe_load()
         if not layers:
             return {}
@@ -364,12 +384,14 @@ class Trainer:
         mean = stacked.mean(1).clamp(min=1e-12)
         ratio, low = stacked.max(1).values / mean, stacked.min(1).values / mean
         out = {}
-        for n, r, lo in zip(names, ratio.tolist(), low.tolist()):
+        for i, (n, r, lo) in enumerate(zip(names, ratio.tolist(), low.tolist())):
             m = re.search(r"layers\.(\d+)\.", n)
             key = f"moe/L{m.group(1) if m else n}"
             bias = layers[n][1].detach()
             out.update({f"{key}/load_max_over_mean": r, f"{key}/maxvio": r - 1.0, f"{key}/min_over_mean": lo,
                         f"{key}/bias_min": float(bias.min()), f"{key}/bias_max": float(bias.max())})
+            if per_expert:
+                out[f"{key}/expert_load"] = [round(x, 4) for x in (stacked[i] / mean[i]).tolist()]
         out["moe/load_max_over_mean"] = float(ratio.max())
         out["moe/maxvio"] = float(ratio.max()) - 1.0
         return out
@@ -394,7 +416,7 @@ class Trainer:
         if done:
             self.last_checkpoint = done[-1].path
         for c in done:
-            self._print(f"k3train: saved checkpoint {c.path} ({sum(c.rank_bytes):,} bytes; the loop waited "
+            self._print(f"saved checkpoint {c.path} ({sum(c.rank_bytes):,} bytes; the loop waited "
                         f"{c.blocking_s:.2f} s of {c.save_s:.2f} s)")
         return done[-1].metrics() if done else {}
 
@@ -425,7 +447,9 @@ class Trainer:
             logged = step % lg.log_interval == 0 or last_step or "eval_loss" in record or "checkpoint/step" in record
             if logged:
                 self.progress.phase = "metrics"
-                record.update(self._expert_load())
+                record.update(self._expert_load(per_expert=last_step or "eval_loss" in record))
+                if self.resume_changes:  # the first record after a resume that changed the schedule
+                    record["resume/changed"], self.resume_changes = self.resume_changes, {}
                 self.metrics.log(record)
             self.metrics.progress(step, rec["loss"], tps)
             if step == 1 or step % lg.console_interval == 0 or last_step or "eval_loss" in record:
@@ -436,8 +460,8 @@ class Trainer:
                 break
         self.progress.phase, self.progress.step = "shutdown", None
         self.metrics.close()
-        if self.env.rank == 0 and stopped is None:
-            print(f"k3train: done, {self.step} steps; run directory {self.run_dir}", flush=True)
+        if stopped is None:
+            self._print(f"done, {self.step} steps; run directory {self.run_dir}")
         return {"run_dir": str(self.run_dir), "steps": self.step, "first_loss": first_loss,
                 "last": last, "stopped": stopped}
 
@@ -449,12 +473,13 @@ class Trainer:
             then = "the same command resumes from it"
             if stop.time_limit and resilience.slurm_job_id():
                 then = resilience.requeue()
-            print(f"k3train: stopped on {signals} after step {self.step} of {self.cfg.train.steps}; checkpoint "
-                  f"{path}; {then}", flush=True)
+            log.info(f"stopped on {signals} after step {self.step} of {self.cfg.train.steps}; checkpoint {path}; "
+                     f"{then}")
         return signals
 
     def close(self, *, clean: bool = True) -> None:
         torch.use_deterministic_algorithms(self._deterministic_before)
+        rundir.release(self.run_dir)
         if self.env.world > 1 and dist.is_initialized():
             self.progress.phase = "shutdown"
             if clean:  # no rank tears its transport down while a peer still talks to it
@@ -465,26 +490,33 @@ class Trainer:
 @contextlib.contextmanager
 def _quiet_checkpoint_warnings():
     """DCP warns that it runs without a process group (intended for one process); torch warns when the scheduler's
-    lr is recomputed on load. Neither is actionable."""
+    get_lr() runs outside its step(), as loading the scheduler's state does ("To get the last learning rate computed
+    by the scheduler, please use `get_last_lr()`."). Neither is actionable."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        warnings.filterwarnings("ignore", message=".*get_lr.*")
+        warnings.filterwarnings("ignore", message=r".*please use `get_last_lr\(\)`")
         yield
 
 
-def run(cfg: K3TrainConfig, *, recipe: str = "custom") -> dict:
+def run(cfg: K3TrainConfig, *, recipe: str = "custom", output_dir: str | None = None,
+        output_dir_named: bool = False) -> dict:
     """Train to cfg.train.steps, or until a stop signal (SIGTERM, SIGUSR1) and its checkpoint; returns {'run_dir',
     'steps', 'first_loss', 'last' (the final record), 'stopped' (the signals' names, or None)}. A collective that
-    times out or loses a peer raises resilience.CommFailure naming the rank, the operation and the step."""
+    times out or loses a peer raises resilience.CommFailure naming the rank, the operation and the step.
+    output_dir, output_dir_named: Hydra's output directory (see Trainer)."""
+    from .logs import ensure_console
+    ensure_console()
     env = dist_env()
     progress = resilience.Progress(rank=env.rank, timeout_s=cfg.train.timeout_s)
     trainer = None
     with resilience.stop_requests(env.rank) as stop:
         try:
-            trainer = Trainer(cfg, recipe=recipe, stop=stop, progress=progress)
+            trainer = Trainer(cfg, recipe=recipe, stop=stop, progress=progress, output_dir=output_dir,
+                              output_dir_named=output_dir_named)
             out = trainer.train()
             trainer.close()
         except BaseException as e:
+            rundir.release()  # a start that failed before its trainer existed leaves no lock behind
             failure = resilience.describe(e, progress)
             if failure is not None:  # no teardown: a peer that stopped answering would hold it up
                 raise failure from e

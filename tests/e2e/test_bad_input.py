@@ -118,6 +118,9 @@ CASES = [
     Bad("balancing", "config", "train.balancing=aux_loss", "balancing", config("train.balancing=aux_loss")),
     Bad("activation-policy", "config", "activation.policy=swap", "activation", config("activation.policy=swap")),
     Bad("optim-lr", "config", "optim.lr=-1", "optim.lr", config("optim.lr=-1")),
+    Bad("mtp-layers", "config", "model.mtp_layers=2", "mtp_layers", config("model.mtp_layers=2")),
+    Bad("mtp-weight", "config", "model.mtp_layers=1 optim.mtp_loss_weight=nan", "mtp_loss_weight",
+        config("model.mtp_layers=1", "optim.mtp_loss_weight=nan")),
     # ---- data -----------------------------------------------------------------------------------------------------
     Bad("paths-empty", "data", "data.source=files without data.paths", "needs at least one path",
         data("data.source=files")),

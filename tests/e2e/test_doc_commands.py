@@ -37,6 +37,9 @@ SKIPPED = {
 
 CORPUS = 'my/corpus/*.jsonl'
 """The placeholder corpus glob of docs/training.md: a small JSONL file is written there before the command runs."""
+USER_RECIPES = "my_recipes"
+"""The folder of docs/training.md's own recipe: mine.yaml (extending tiny_cpu) is written there before the command
+runs."""
 
 
 def doc_commands() -> list[tuple[str, str]]:
@@ -48,7 +51,7 @@ def doc_commands() -> list[tuple[str, str]]:
             joined = re.sub(r"\\\n\s*", " ", block)
             for line in joined.splitlines():
                 cmd = line.split(" #", 1)[0].strip()
-                if re.search(r"k3train\.train|k3train\.plan|k3train\.converge|launch/|make train", cmd):
+                if re.search(r"k3train\.train|k3train\.plan|k3train\.converge|launch/|make train|^(\S*/)?k3train ", cmd):
                     out.append((doc.name, cmd))
     seen, unique = set(), []
     for where, cmd in out:
@@ -74,9 +77,11 @@ def runnable(cmd: str) -> list[str]:
         argv = [sys.executable, *rest]
     elif head == "bash":
         argv = ["bash", *rest]
+    elif head.endswith("k3train"):  # the console script: `python -m k3train.train`
+        argv = [sys.executable, "-m", "k3train.train", *rest]
     else:
         raise AssertionError(f"do not know how to run {cmd!r}")
-    if "k3train.train" in argv and "--dry-run" not in argv:
+    if "k3train.train" in argv and "--dry-run" not in argv and "--help" not in argv:
         argv = [a for a in argv if not a.startswith("train.steps=")] + ["train.steps=2"]
     return argv
 
@@ -101,6 +106,10 @@ def test_doc_command_runs(where, cmd, tmp_path):
         lines = [f'{{"text": "document {i}: ' + "the quick brown fox jumps over the lazy dog. " * 20 + '"}'
                  for i in range(40)]
         (tmp_path / "my" / "corpus" / "a.jsonl").write_text("\n".join(lines) + "\n")
+    if USER_RECIPES in cmd:
+        (tmp_path / USER_RECIPES).mkdir()
+        (tmp_path / USER_RECIPES / "mine.yaml").write_text("defaults:\n  - tiny_cpu\n  - override optim: muon\n"
+                                                           "  - _self_\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "K3_NODELIST": "node01 node02", "SLURM_JOB_NUM_NODES": "2"}
     argv = runnable(cmd)
@@ -111,8 +120,10 @@ def test_doc_command_runs(where, cmd, tmp_path):
         import json
         assert "memory per pipeline rank" in proc.stdout
         assert "fits" in json.loads(proc.stdout.strip().splitlines()[-1])
-    if "k3train.train" in argv and "--cfg" not in argv and "--dry-run" not in argv:
+    if "k3train.train" in argv and not {"--cfg", "--dry-run", "--help"} & set(argv):
         assert "k3train: done, 2 steps" in proc.stdout, proc.stdout[-2000:]
+    if "--help" in argv:
+        assert "optim: adamw, muon" in proc.stdout, proc.stdout[-2000:]
     if "--dry-run" in argv and "--config-name" in argv:
         # The cluster recipe itself validates at the world size of its layout (placeholder corpus and tokenizer
         # paths where the recipe leaves them to the user).

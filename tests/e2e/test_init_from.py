@@ -59,7 +59,7 @@ def test_init_from_refuses_bad_checkpoints(source, tmp_path):
     victim.write_bytes(victim.read_bytes()[:-8] + b"\0" * 8)
     with pytest.raises(CheckpointError, match="is corrupt"):
         _trainer(tmp_path / "b", f"train.init_from={step}")
-    with pytest.raises(CheckpointError, match=r"another model shape: tok_embeddings.weight \(512, 64\) in the "
+    with pytest.raises(CheckpointError, match=r"another shape \(first: tok_embeddings.weight \(512, 64\) in the "
                                               r"checkpoint, \(512, 32\) here"):
         _trainer(tmp_path / "c", f"train.init_from={src_dir}", "+model.overrides.dim=32")
 

@@ -108,3 +108,6 @@ def test_every_package_is_in_the_wheel():
     listed = set(tomllib.loads((PKG.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     present = {module_name(p) for p in PKG.rglob("__init__.py")}
     assert present <= listed, sorted(present - listed)
+    # Hydra's plugins (a namespace package without an __init__.py of its own)
+    plugins = {f"hydra_plugins.{p.parent.name}" for p in (PKG.parent / "hydra_plugins").glob("*/__init__.py")}
+    assert plugins and plugins <= listed, sorted(plugins - listed)

@@ -99,6 +99,7 @@ def test_sbatch_dry_run():
     (["-cn", "k3_long_context", "train.steps=9"], "train.run_dir=runs/k3_long_context/slurm-77"),
     ([], "train.run_dir=runs/tiny_cpu/slurm-77"),
     (["--config-name", "k3_full", "train.run_dir=/scratch/mine"], None),  # the user's own wins
+    (["--config-name", "k3_full", "hydra.run.dir=/scratch/mine"], None),  # Hydra's, named by the user, too
 ])
 def test_sbatch_run_directory_is_named_after_the_job(args, run_dir):
     env = _clean_env(K3_NODELIST="n1", SLURM_JOB_ID="77", MAX_RESTARTS="5", PATH="/usr/bin:/bin")
