@@ -63,6 +63,11 @@ def register_configs() -> None:
     if _registered:
         return
     ConfigStore.instance().store(name=SCHEMA_NAME, node=K3TrainConfig)
+    # Hydra discovers plugins by walking the hydra_plugins folders on sys.path; an editable install maps the package
+    # through an import hook that walk misses, so the search path is also registered by name here.
+    from hydra.core.plugins import Plugins
+    from hydra_plugins.k3train_searchpath import K3TrainSearchPath
+    Plugins.instance().register(K3TrainSearchPath)
     if not OmegaConf.has_resolver("k3train_configs"):
         OmegaConf.register_new_resolver("k3train_configs", lambda: configs_dir().as_posix())
     _registered = True
