@@ -18,6 +18,7 @@ import pytest
 
 from k3train.config import ConfigError, load_config
 from k3train.data import DataError, build_dataloader, build_tokenizer
+from k3train.train.checkpoint import CheckpointError
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "errors.md"
@@ -70,8 +71,64 @@ def converge(*argv: str):
     return run
 
 
+def call_tmp(fn: Callable[[Path], object]):
+    return fn
+
+
 def call(fn: Callable[[], object]):
     return lambda tmp: fn()
+
+
+TRAIN = ["+model.overrides.n_layers=2", "data.seq_len=64", "data.micro_batch=2", "train.eval_interval=0",
+         "logging.progress_bar=false", "logging.tensorboard=false", "train.threads=1"]
+_SAVED: list[Path] = []
+
+
+def saved_run() -> Path:
+    """A run directory holding one checkpoint of a 2-layer tiny model (trained once per session, 1 step)."""
+    if not _SAVED:
+        import tempfile
+
+        from k3train.train.trainer import run
+        d = Path(tempfile.mkdtemp()) / "saved"
+        run(load_config("tiny_cpu", [*TRAIN, "train.steps=1", f"train.run_dir={d}"]), recipe="tiny_cpu")
+        _SAVED.append(d)
+    return _SAVED[0]
+
+
+def train(*overrides: str, run_dir: str = "{tmp}/run"):
+    """Start training (1 step) with these overrides; '{saved}' is the saved run, '{tmp}' the working folder."""
+    def go(tmp: Path):
+        from k3train.train.trainer import run
+
+        def fill(o: str) -> str:
+            return o.replace("{saved}", str(saved_run()) if "{saved}" in o else "").replace("{tmp}", str(tmp))
+        return run(load_config("tiny_cpu", [*TRAIN, "train.steps=1", f"train.run_dir={fill(run_dir)}",
+                                            *map(fill, overrides)]), recipe="tiny_cpu")
+    return go
+
+
+def _locked(tmp: Path):
+    """A run directory whose lock names a live process of this host (the test's parent)."""
+    import os
+
+    from k3train.train import rundir
+    d = tmp / "busy"
+    d.mkdir()
+    (d / rundir.LOCK).write_text(json.dumps({**rundir._me(), "pid": os.getppid()}))
+    return train(run_dir=str(d))(tmp)
+
+
+def _corrupt_copy(tmp: Path):
+    """Resume from a copy of the saved run whose only checkpoint has a flipped byte in a data file."""
+    import shutil
+    d = tmp / "corrupt"
+    shutil.copytree(saved_run(), d)
+    data = next(p for p in (d / "checkpoints").rglob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    return train(f"train.resume={d}")(tmp)
 
 
 JSONL = '{"text": "hello world"}\n{"text": "a second document"}\n'
@@ -153,6 +210,19 @@ CASES = [
         r"exceeds|outside the model vocabulary", data(vocab=100), DataError),
     Bad("recall-vocab", "data", "data=recall data.recall_vocab=2 data.recall_pairs=8", "recall_vocab",
         data("data.source=recall", "data.recall_vocab=2"), DataError),
+    # ---- checkpoints, resume and run directories ------------------------------------------------------------------
+    Bad("resume-other-model", "checkpoint", "train.run_dir=<a 2-layer run> model.overrides.n_layers=3",
+        "holds another model", train("model.overrides.n_layers=3", run_dir="{saved}"), CheckpointError),
+    Bad("resume-missing", "checkpoint", "train.resume=<a path that does not exist>", "does not exist",
+        config("train.resume=/nonexistent/run")),
+    Bad("resume-corrupt", "checkpoint", "train.resume=<a run whose checkpoint has a flipped byte>",
+        "no valid checkpoint", call_tmp(_corrupt_copy), CheckpointError),
+    Bad("init-from-missing", "checkpoint", "train.init_from=<a path that does not exist>",
+        "no such file or directory", train("train.init_from={tmp}/nothing"), CheckpointError),
+    Bad("init-from-other-model", "checkpoint", "train.init_from=<a 2-layer run> model.overrides.n_layers=3",
+        "holds another model", train("train.init_from={saved}", "model.overrides.n_layers=3"), CheckpointError),
+    Bad("run-dir-in-use", "checkpoint", "train.run_dir=<a directory a live run holds>", "is in use by a live run",
+        call_tmp(_locked)),
     # ---- launch ---------------------------------------------------------------------------------------------------
     Bad("launch-endpoint", "launch", "launch/torchrun.py --nnodes 2 (no --rdzv-endpoint)", "needs --rdzv-endpoint",
         cli(str(REPO / "launch" / "torchrun.py"), "--dry-run", "--nnodes", "2", "--", "--config-name", "tiny_cpu",

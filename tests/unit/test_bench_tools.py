@@ -135,3 +135,13 @@ def test_bad_trace_ranks(tmp_path):
     with pytest.raises(ValueError, match="--trace-ranks=3"):
         bench_balance.main(["--steps", "1", "--trace", str(tmp_path / "t.pt"), "--trace-ranks", "3",
                             "--out", str(tmp_path)])
+
+
+def test_train_recall_tool_reports_accuracy(tmp_path, capsys):
+    """tools/train_recall.py (the 400-step recall run, about 4 minutes) in a 4-step version: it trains through the
+    CLI, measures eval accuracy four times and reports it."""
+    import train_recall
+    report = train_recall.main(["--steps", "4", "--out", str(tmp_path / "run"), "--min-accuracy", "0.0"])
+    assert [s for s, _ in report["accuracies"]] == [1, 2, 3, 4]
+    assert all(0.0 <= a <= 1.0 for _, a in report["accuracies"]) and report["passed"]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["final_accuracy"] == report["final_accuracy"]
