@@ -534,6 +534,41 @@ def _positions_are_the_order(orig):
     return send_positions
 
 
+def _band_tightest(orig):
+    def tolerance(precisions, cfg):
+        return orig(sorted(precisions, key=lambda p: p != "fp32")[:1], cfg)  # the fp32 band whatever is compared
+    return tolerance
+
+
+def _mtp_labels_ignore_documents(orig):
+    torch = _torch()
+
+    def mtp_labels(labels, start):
+        return orig(labels, torch.zeros_like(start))  # predicts across document ends
+    return mtp_labels
+
+
+def _mixture_uniform(orig):
+    np = __import__("numpy")
+
+    def row_sources(seed, first, n, cum_weights):
+        k = len(cum_weights)
+        return orig(seed, first, n, np.arange(1, k + 1, dtype=np.float64) / k)  # weights ignored
+    return row_sources
+
+
+def _resume_check_names_only(orig):
+    def check_model_entries(model, meta, folder, what, *, show=3):
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        prefix = "engine.model."
+        same = {k: v for k, v in model.items()}
+        for k, v in meta.items():
+            if k.startswith(prefix) and isinstance(v, TensorStorageMetadata) and k[len(prefix):] in same:
+                same[k[len(prefix):]] = _torch().empty(tuple(v.size), device="meta")  # shapes taken as they are
+        return orig(same, meta, folder, what, show=show)
+    return check_model_entries
+
+
 def _quota_transposed(orig):
     def _group_quotas(balance):
         return orig(balance).T.contiguous()
@@ -940,6 +975,19 @@ MUTATIONS: list[Mutation] = [
     M("init_from_masters_stale", "k3train.parallel.zero:ShardedOptimizer.masters_from_weights",
       "train.init_from loads the weights but leaves the fp32 masters at their initial values", _masters_not_reset,
       ("tests/e2e/test_init_from.py::test_init_from_sets_bf16_masters_from_the_loaded_weights",)),
+    # ---- convergence harness, MTP, data mixtures, resume
+    M("converge_band_tightest", "k3train.converge:tolerance",
+      "curves of two precisions are held to the fp32 band", _band_tightest,
+      ("tests/e2e/test_converge.py::test_statistics_and_bands",)),
+    M("mtp_across_documents", "k3train.models.k3.mtp:mtp_labels",
+      "the MTP target of a document's last tokens comes from the next document", _mtp_labels_ignore_documents,
+      ("tests/unit/test_mtp.py::test_mtp_labels_stay_inside_documents",)),
+    M("mixture_uniform", "k3train.data.loader:row_sources",
+      "a weighted mixture draws its sources uniformly", _mixture_uniform,
+      ("tests/unit/test_data_scale.py::test_mixture_proportions_within_binomial_error",)),
+    M("resume_ignores_shapes", "k3train.train.checkpoint:check_model_entries",
+      "resume compares tensor names but not shapes", _resume_check_names_only,
+      ("tests/unit/test_run_dir.py::test_checkpoint_and_model_are_compared_both_ways",)),
     # ---- planner
     M("plan_ignores_k3_defaults", "k3train.plan.activations:PolicyPlan.k3_defaults",
       "the planner predicts saved activations as if no storage policy applied", _plan_ignores_k3_defaults,
