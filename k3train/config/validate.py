@@ -135,6 +135,9 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
           "or train.eval_interval=0)")
     _need(d.on_bad_sample in ("skip", "fail"), "data.on_bad_sample", f"must be skip or fail, got {d.on_bad_sample!r}")
     _need(d.image_max_pixels >= 1, "data.image_max_pixels", f"must be >= 1, got {d.image_max_pixels}")
+    _need(0.0 <= d.vision_clips <= 1.0, "data.vision_clips", f"must lie in [0, 1], got {d.vision_clips}")
+    _need(d.vision_clips == 0 or d.source == "builtin_vision", "data.vision_clips",
+          f"draws clips for source 'builtin_vision', not {d.source!r}")
     _need(not d.blank_images or d.source == "builtin_vision", "data.blank_images",
           f"blanks the images of source 'builtin_vision'; source {d.source!r} has none")
     if d.source == "builtin_vision":

@@ -70,6 +70,9 @@ class DataConfig:
     data/skipped_samples metric."""
     image_max_pixels: int = 1 << 26
     """Images with more pixels than this are refused before decoding (then handled by on_bad_sample)."""
+    vision_clips: float = 0.0
+    """Share of builtin_vision samples that are short clips (3 frames of a shape moving one way, captioned with
+    the direction) instead of still images; 0 draws images only."""
     blank_images: bool = False
     """Replace every image by a blank one of the same size (same visual token counts, no content): the baseline
     that tools/bench_vision.py compares the caption loss with."""

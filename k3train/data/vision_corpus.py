@@ -6,13 +6,14 @@ short word in capitals captioned with its colour ("blue circle", "green SUN"), d
 size. Only the image tells which number, colour and thing, so the caption can be predicted from the image and not
 from the text before it (numbers, the most frequent kind, carry the most information per caption token).
 Everything is a function of (data.seed, split, row): row g of a split is the same whatever the ranks or the resume
-point, and train and eval draw from different streams (held-out samples).
+point, and train and eval draw from different streams (held-out samples). With data.vision_clips > 0 that share of samples are short clips instead (CLIP_FRAMES frames of
+a coloured shape moving one way, "red circle moving left"), which the tower reads with its temporal attention.
 
 The token stream of one sample (ids from the tokenizer's special-token table, never fixed numbers):
 
     BOS  <|image_start|>  <|image_pad|> x N  <|image_end|>  caption tokens  EOS
 
-N = the tower's output tokens for the image: (H / patch) x (W / patch) / merge^2. A row holds whole samples, one
+N = the tower's output tokens for the image: frames x (H / patch) x (W / patch) / merge^2. A row holds whole samples, one
 after the other, then PAD to seq_len; every sample and the padding tail is a segment of cu_seqlens. Labels are the
 next token, ignored (-100) where the next token is BOS, an image token or PAD: the loss reads the caption (and its
 EOS) only, predicted from the visual tokens placed at the <|image_pad|> positions.
@@ -133,6 +134,43 @@ def render_sample(rng: np.random.Generator, unit: int, max_side: int) -> tuple[b
     return buf.getvalue(), thing if kind == "number" else f"{colour} {thing}"
 
 
+DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
+CLIP_FRAMES = 3
+
+
+def render_clip(rng: np.random.Generator, unit: int, max_side: int) -> tuple[list[bytes], str]:
+    """A short clip (CLIP_FRAMES frames, PNG bytes each) of a coloured shape moving one way, and its caption
+    ("red circle moving left"): the direction shows only across frames."""
+    from PIL import Image, ImageDraw
+
+    colour = list(COLOURS)[int(rng.integers(len(COLOURS)))]
+    shape = SHAPES[int(rng.integers(len(SHAPES)))]
+    direction = list(DIRECTIONS)[int(rng.integers(len(DIRECTIONS)))]
+    side = int(rng.integers(2 * unit, min(3 * unit, max_side) + 1))  # frames cost tokens: small ones
+    bg = tuple(int(v) for v in rng.integers(200, 256, size=3))
+    r, step = 0.18 * side, 0.22 * side
+    dx, dy = DIRECTIONS[direction]
+    frames = []
+    for t in range(CLIP_FRAMES):  # a loop over frames
+        img = Image.new("RGB", (side, side), bg)
+        d = ImageDraw.Draw(img)
+        cx, cy = side / 2 + (t - 1) * step * dx, side / 2 + (t - 1) * step * dy
+        box = [cx - r, cy - r, cx + r, cy + r]
+        if shape == "circle":
+            d.ellipse(box, fill=COLOURS[colour])
+        elif shape == "triangle":
+            d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=COLOURS[colour])
+        elif shape == "square":
+            d.rectangle(box, fill=COLOURS[colour])
+        else:
+            d.rectangle([cx - r, cy - r / 3, cx + r, cy + r / 3], fill=COLOURS[colour])
+            d.rectangle([cx - r / 3, cy - r, cx + r / 3, cy + r], fill=COLOURS[colour])
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        frames.append(buf.getvalue())
+    return frames, f"{colour} {shape} moving {direction}"
+
+
 SampleFn = Callable[[np.random.Generator, int, int], tuple[bytes, str]]
 
 
@@ -151,13 +189,21 @@ class VisionRows:
         self._next_uncounted = 0
 
     def _sample(self, rng, name: str) -> tuple[torch.Tensor, list[int]]:
-        """(pixels [3, H, W], the sample's tokens) of one drawn sample."""
+        """(pixels [T, 3, H, W], the sample's tokens) of one drawn sample (T = 1 for an image)."""
         v, cfg = self.vision, self.cfg
-        data, caption = self.sample_fn(rng, self.unit, v.max_image_side)
-        px = load_image(data, name, unit=self.unit, max_side=v.max_image_side, max_pixels=cfg.image_max_pixels)
+        # The draw for a clip happens only when clips are on, so image-only streams stay as they were.
+        if cfg.vision_clips > 0 and rng.random() < cfg.vision_clips:
+            frames, caption = render_clip(rng, self.unit, v.max_image_side)
+        else:
+            data, caption = self.sample_fn(rng, self.unit, v.max_image_side)
+            frames = [data]
+        if len(frames) > v.max_frames:
+            raise BadSample(f"sample {name}: {len(frames)} frames, over the tower's max_frames={v.max_frames}")
+        px = torch.stack([load_image(f, name, unit=self.unit, max_side=v.max_image_side,
+                                     max_pixels=cfg.image_max_pixels) for f in frames])
         if cfg.blank_images:  # the ablation baseline: same sizes and token counts, no content
             px = torch.zeros_like(px)
-        n = (px.shape[1] // v.patch_size) * (px.shape[2] // v.patch_size) // v.merge ** 2
+        n = px.shape[0] * (px.shape[2] // v.patch_size) * (px.shape[3] // v.patch_size) // v.merge ** 2
         ids = ([self.tok.bos_id, self.start_id] + [self.pad_img_id] * n + [self.end_id]
                + list(self.tok.encode(caption)) + [self.tok.eos_id])
         if len(ids) > cfg.seq_len + 1:

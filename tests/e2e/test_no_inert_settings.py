@@ -400,6 +400,7 @@ ONE_PROCESS: list[Case] = [
     Case("optim.vision_weight_decay", {"optim.vision_weight_decay": 1.0}, base=VISION_DATA),
     Case("optim.vision_weight_decay", {"optim.vision_weight_decay": 1.0}, base={**VISION_DATA, **MUON}),
     Case("data.blank_images", {"data.blank_images": True}, base=VISION_DATA),
+    Case("data.vision_clips", {"data.vision_clips": 0.5}, base=VISION_DATA),  # clips through temporal attention
     # Images over the limit are skipped: other samples fill the rows.
     Case("data.image_max_pixels", {"data.image_max_pixels": 600, "data.on_bad_sample": "skip"}, base=VISION_DATA),
 ]

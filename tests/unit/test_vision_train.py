@@ -68,9 +68,10 @@ def test_fit_size_keeps_aspect_and_units():
     assert fit_size(3, 3, 8, 64) == (8, 8)
 
 
-def test_image_through_tower_and_decoder_matches_reference():
+@pytest.mark.parametrize("clips", [0.0, 1.0], ids=["images", "clips"])
+def test_image_through_tower_and_decoder_matches_reference(clips):
     torch.manual_seed(0)
-    cfg = _cfg()
+    cfg = _cfg(f"data.vision_clips={clips}")
     args = model_args(cfg)
     model = K3Model(args)
     model.init_weights(0)
@@ -87,6 +88,7 @@ def test_image_through_tower_and_decoder_matches_reference():
         ref = model(b["input_ids"], vision_embeds=ref_tokens, vision_mask=b["vision_mask"])
         text_only = model(b["input_ids"])
     assert int(counts.sum()) == int(b["vision_mask"].sum())
+    assert set(b["vision_grid"][:, 0].tolist()) == ({3} if clips else {1})  # frames per item
     torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
     assert (fast - text_only).abs().max() > 1e-3  # the images reach the logits
 
