@@ -199,3 +199,27 @@ def test_bench_vision_short(capsys):
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last == out and set(out) >= {"caption_loss_images", "caption_loss_blank"}
     assert all(np.isfinite(out[k]) for k in ("caption_loss_images", "caption_loss_blank"))
+
+
+def test_image_text_run_resumes_exactly(tmp_path):
+    """The tower's weights and optimizer groups and the data position come back from a checkpoint: a run resumed at
+    step 2 takes the uninterrupted run's losses, bit for bit."""
+    from k3train.train.trainer import Trainer
+
+    quiet = ["train.eval_interval=0", "train.async_checkpoint=false",
+             "logging.console=false", "logging.progress_bar=false", "logging.tensorboard=false",
+             "logging.peak_flops=1e12", "train.steps=4", "train.checkpoint_at_end=false"]
+
+    def losses(run_dir, *extra):
+        t = Trainer(_cfg(*quiet, f"train.run_dir={run_dir}", *extra))
+        try:
+            t.train()
+        finally:
+            t.close()
+        return [json.loads(line)["loss"] for line in open(Path(run_dir) / "metrics.jsonl")]
+
+    whole = losses(tmp_path / "whole", "train.checkpoint_interval=0")
+    losses(tmp_path / "first", "train.checkpoint_interval=2")
+    resumed = losses(tmp_path / "resumed", "train.checkpoint_interval=0",
+                     f"train.resume={tmp_path / 'first' / 'checkpoints' / 'step-000002'}")
+    assert resumed == whole[2:]
