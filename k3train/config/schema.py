@@ -17,7 +17,8 @@ from k3train.optim.config import OptimConfig
 @dataclass(kw_only=True)
 class ModelConfig:
     preset: str = "tiny"
-    """Model preset from k3train.models.k3.args.PRESETS: tiny, small or k3_full."""
+    """Model preset from k3train.models.k3.args.PRESETS: tiny, tiny_vision (tiny with a small vision tower), small
+    or k3_full."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """K3ModelArgs fields replaced on top of the preset, e.g. `+model.overrides.n_layers=4` (`+` adds a key)."""
     kernels: str = "auto"

@@ -18,7 +18,7 @@ from .errors import ConfigError
 
 from .schema import K3TrainConfig
 
-DATA_SOURCES = ("builtin", "files", "recall")
+DATA_SOURCES = ("builtin", "files", "recall", "builtin_vision")
 TOKENIZERS = ("byte", "hf", "tiktoken")
 
 
@@ -133,6 +133,22 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
     _need(not (d.streaming and cfg.train.eval_interval > 0 and d.eval_fraction == 0), "data.eval_fraction",
           "is 0 with data.streaming and train.eval_interval > 0: no document would reach eval (set a fraction > 0 "
           "or train.eval_interval=0)")
+    _need(d.on_bad_sample in ("skip", "fail"), "data.on_bad_sample", f"must be skip or fail, got {d.on_bad_sample!r}")
+    _need(d.image_max_pixels >= 1, "data.image_max_pixels", f"must be >= 1, got {d.image_max_pixels}")
+    _need(0.0 <= d.vision_clips <= 1.0, "data.vision_clips", f"must lie in [0, 1], got {d.vision_clips}")
+    _need(d.vision_clips == 0 or d.source == "builtin_vision", "data.vision_clips",
+          f"draws clips for source 'builtin_vision', not {d.source!r}")
+    _need(not d.blank_images or d.source == "builtin_vision", "data.blank_images",
+          f"blanks the images of source 'builtin_vision'; source {d.source!r} has none")
+    if d.source == "builtin_vision":
+        _need(args.vision is not None, "data.source",
+              f"'builtin_vision' feeds images, but model {args.name} has no vision tower (set model.overrides.vision "
+              f"or use the tiny_vision preset)")
+        # The tower runs inside the one-process engine path: pipeline stages, context-parallel pieces and
+        # data-parallel replicas of image batches are not built yet, so they are refused here, before any group.
+        _need(world == 1 and p.pp == 1 and p.cp == 1 and p.ep == 1 and p.dp in (1, -1), "parallel",
+              f"data.source='builtin_vision' trains in one process for now (pp=1, cp=1, dp=1, ep=1, WORLD_SIZE=1); "
+              f"this run has WORLD_SIZE={world}, pp={p.pp}, cp={p.cp}, dp={p.dp}, ep={p.ep}")
     _need(d.num_proc >= 1, "data.num_proc", f"must be >= 1, got {d.num_proc}")
     _need(not (d.num_proc > 1 and (d.streaming or d.source != "files")), "data.num_proc",
           "tokenizing processes serve non-streaming source 'files' only")
@@ -152,12 +168,19 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
             check_special_ids(tok, args.vocab_size)
         except DataError as e:
             raise ConfigError(f"data.tokenizer: {e}") from e
+        if d.source == "builtin_vision":
+            from k3train.data.vision_corpus import image_token_ids
+            try:
+                image_token_ids(tok)
+            except DataError as e:
+                raise ConfigError(f"data.special_tokens: {e}") from e
 
     # ---- optim -----------------------------------------------------------------------------------
     o = cfg.optim
     _need(o.name in ("adamw", "muon"), "optim.name", f"unknown optimizer {o.name!r}; choose adamw or muon")
     _need(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
     _need(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
+    _need(o.vision_weight_decay >= 0, "optim.vision_weight_decay", f"must be >= 0, got {o.vision_weight_decay}")
     _need(len(o.betas) == 2 and all(0.0 <= b < 1.0 for b in o.betas), "optim.betas",
           f"must be two numbers in [0, 1), got {list(o.betas)}")
     _need(o.eps > 0, "optim.eps", f"must be > 0, got {o.eps}")

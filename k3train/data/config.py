@@ -25,7 +25,8 @@ class SourceConfig:
 class DataConfig:
     source: str = "builtin"
     """'builtin' (corpus built from the Python standard library's sources and docs), 'files' (local text, JSONL,
-    Parquet via HF datasets), or 'recall' (synthetic multi-query associative recall)."""
+    Parquet via HF datasets), 'recall' (synthetic multi-query associative recall), or 'builtin_vision' (images
+    drawn at run time with captions that describe them, for a model with a vision tower; k3train.data.vision_corpus)."""
     paths: list[str] = field(default_factory=list)
     """Files or globs for source='files' (a one-source shorthand of data.sources; give one or the other)."""
     format: str = "auto"
@@ -63,6 +64,18 @@ class DataConfig:
     """Queries per associative-recall example."""
     recall_vocab: int = 64
     """Distinct keys/values for associative recall."""
+    on_bad_sample: str = "fail"
+    """What an unusable image-text sample does (an image that does not decode, one over image_max_pixels, a sample
+    longer than a row): 'fail' stops with an error naming it; 'skip' leaves it out and counts it in the
+    data/skipped_samples metric."""
+    image_max_pixels: int = 1 << 26
+    """Images with more pixels than this are refused before decoding (then handled by on_bad_sample)."""
+    vision_clips: float = 0.0
+    """Share of builtin_vision samples that are short clips (3 frames of a shape moving one way, captioned with
+    the direction) instead of still images; 0 draws images only."""
+    blank_images: bool = False
+    """Replace every image by a blank one of the same size (same visual token counts, no content): the baseline
+    that tools/bench_vision.py compares the caption loss with."""
     seed: int = 0
     """Shuffle seed (document order and mixture draws)."""
 

@@ -40,6 +40,7 @@ from k3train.data.datasets import DocStream, build_source_docs
 from k3train.data.packing import PackedStream, StreamPacker, batch_from_rows, check_vocab, overlapping_rows
 from k3train.data.recall import EVAL_ROWS, RecallSource
 from k3train.data.tokenizers import DataError
+from k3train.data.vision_corpus import VisionRows
 
 Batch = dict[str, torch.Tensor]
 
@@ -85,7 +86,10 @@ class MicroBatchLoader:
         return {"global_rows": rows, **self._tag, **extra}
 
     def metrics(self) -> dict:
-        """Tokens drawn from each source of a mixture by all ranks so far (`data/tokens/<name>`); {} otherwise."""
+        """Tokens drawn from each source of a mixture by all ranks so far (`data/tokens/<name>`); the image-text
+        source's skipped samples (`data/skipped_samples`); {} otherwise."""
+        if isinstance(self.source, VisionRows):
+            return self.source.metrics()
         if not isinstance(self.source, MixedRows) or len(self.source.names) < 2:
             return {}
         return self.source.metrics(self._k * self.global_batch_rows)
@@ -186,10 +190,11 @@ class MixedRows:
 
 
 def build_dataloader(cfg: DataConfig, tok, *, split: str = "train", dp_rank: int = 0, dp_world: int = 1,
-                     vocab_size: int | None = None, progress: bool | None = None) -> MicroBatchLoader:
+                     vocab_size: int | None = None, progress: bool | None = None, vision=None) -> MicroBatchLoader:
     """The loader of `split` ('train' or 'eval') for data-parallel rank `dp_rank` of `dp_world`.
 
     vocab_size: the model's vocabulary; DataError when the tokenizer or any token id does not fit it.
+    vision: the model's VisionArgs (patch size, merge, largest side), needed by source 'builtin_vision'.
     progress: tokenization progress bar (default: on rank 0 only).
     """
     if split not in ("train", "eval"):
@@ -211,11 +216,21 @@ def build_dataloader(cfg: DataConfig, tok, *, split: str = "train", dp_rank: int
         return MicroBatchLoader(source, split=split, micro_batch=cfg.micro_batch, dp_rank=dp_rank, dp_world=dp_world,
                           num_batches=n, state_tag=tag)
 
+    if cfg.source == "builtin_vision":
+        if vision is None:
+            raise DataError("data.source='builtin_vision' needs a model with a vision tower (model.overrides.vision)")
+        check_vocab(None, tok, vocab_size, "image-text data")
+        source = VisionRows(cfg, tok, vision, split=split)
+        n = None if split == "train" else max(1, source.rows_per_pass() // G)
+        return MicroBatchLoader(source, split=split, micro_batch=cfg.micro_batch, dp_rank=dp_rank, dp_world=dp_world,
+                                num_batches=n, state_tag=tag)
+
     if cfg.source == "files":
         return _file_loader(cfg, tok, split=split, dp_rank=dp_rank, dp_world=dp_world, vocab_size=vocab_size,
                             progress=progress, tag=tag)
     if cfg.source != "builtin":
-        raise DataError(f"unknown data.source {cfg.source!r}; expected 'builtin', 'files' or 'recall'")
+        raise DataError(f"unknown data.source {cfg.source!r}; expected 'builtin', 'files', 'recall' or "
+                        f"'builtin_vision'")
     docs = build_builtin_corpus(cfg, tok, progress=progress)
     check_vocab(docs, tok, vocab_size, "built-in corpus")
     ids = docs.split_ids(split, cfg.eval_fraction)

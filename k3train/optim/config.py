@@ -13,6 +13,9 @@ class OptimConfig:
     """Peak learning rate (shared by Muon and AdamW groups; Muon matches AdamW's update RMS)."""
     weight_decay: float = 0.1
     """Decoupled weight decay for matrices; norms, biases, gates' vectors and AttnRes queries get none."""
+    vision_weight_decay: float = 0.1
+    """Decoupled weight decay of the vision tower's and projector's matrices (Muon or AdamW as for text weights;
+    their norms, biases and nothing else get none). A tower that gets no images in a run is frozen instead."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW betas."""
     eps: float = 1e-8

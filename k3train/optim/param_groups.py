@@ -7,6 +7,9 @@ Rules:
   >= 2 dims that are not embedding tables (LM head, short-conv kernels, any matrix not given to Muon); no decay on
   1-D tensors (norm weights, biases, A_log, dt_bias, AttnRes pseudo-queries) and on nn.Embedding weights (a row only
   gets gradient when its token occurs, so decay would shrink rare tokens' rows toward zero between their visits).
+- The vision tower and projector (`vision.*`) follow the same rules, Muon for its matrices and AdamW for the rest,
+  with cfg.vision_weight_decay instead of cfg.weight_decay on what decays (the optimizer puts them in groups of
+  their own). A tower that gets no images in a run is frozen, so it is in no group and never decays.
 - One learning rate cfg.lr for all groups: Muon's 0.2 sqrt(max(A, B)) scale matches AdamW's update RMS.
 Frozen parameters (requires_grad False) are left out.
 """

@@ -8,6 +8,8 @@ optimizer for a parallel layout, and trains one step at a time.
 `microbatches` is this data-parallel rank's list of `parallel.microbatches` micro-batches, each a dict with
 input_ids [mb, T] int64, labels [mb, T] (-100 ignored) and cu_seqlens (int32, or absent/None for one document per
 row); every rank of a pipeline gets the same list (stages that do not need tokens or labels ignore them).
+An image-text micro-batch adds vision_pixels, vision_grid and vision_mask (VISION_KEYS, see K3Model.forward);
+they run in one process only (no pipeline, no context parallelism), which validation checks first.
 
 The loss of a step is the summed next-token cross entropy over every target token of the step (all micro-batches,
 all data-parallel ranks) divided by the global count of target tokens, so any layout computes the same number and
@@ -44,6 +46,10 @@ from k3train.parallel import comm
 from k3train.parallel.mesh import ParallelDims, ParallelMesh, build_mesh, stage_to_rank, stages_of_rank
 from k3train.parallel.pipeline import Pipeline, StageModule, sources_after, split_layers
 from k3train.parallel.zero import ShardedOptimizer
+
+
+VISION_KEYS = ("vision_pixels", "vision_grid", "vision_mask")
+"""Keys of a micro-batch's image input, passed to the model as they are."""
 
 
 @dataclass
@@ -168,10 +174,10 @@ class Engine:
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
                 # The head's matmul runs inside the chunked loss: no [mb, T, V] logits are kept.
                 if self.mtp_weight is None:
-                    hidden = part(b["input_ids"], b["ctx"], return_hidden=True)
+                    hidden = part(b["input_ids"], b["ctx"], return_hidden=True, **b["vision"])
                     terms = [linear_cross_entropy(hidden, w, b["labels"])[0] / denom]
                 else:
-                    hidden, u = part(b["input_ids"], b["ctx"], return_hidden=True, mtp=True)
+                    hidden, u = part(b["input_ids"], b["ctx"], return_hidden=True, mtp=True, **b["vision"])
                     terms = [linear_cross_entropy(hidden, w, b["labels"])[0] / denom,
                              linear_cross_entropy(u, w, b["mtp_labels"])[0] / mtp_denom]
             loss = terms[0] if len(terms) == 1 else terms[0] + self.mtp_weight * terms[1]
@@ -200,6 +206,10 @@ class Engine:
         dev = self.device
         ids, labels, cu = b["input_ids"].to(dev), b["labels"].to(dev), b.get("cu_seqlens")
         B, T = ids.shape
+        vision = {k: b[k].to(dev) for k in VISION_KEYS if b.get(k) is not None}
+        if vision and (self.pipeline is not None or self.cp_plan is not None):
+            raise ValueError("image input runs in one pipeline stage without context parallelism; this layout has "
+                             f"pp={self.dims.pp}, cp={self.dims.cp}")
         mtp = None
         if self.mtp_weight is not None:  # from the whole rows, before context parallelism cuts them into pieces
             from k3train.models.k3.mtp import mtp_labels
@@ -208,10 +218,11 @@ class Engine:
             ctx = BatchContext(cu)
             # Pipeline stages receive the document starts (a micro-batch without documents: None).
             doc_start = ctx.documents(B, T, dev).start if cu is not None and self.pipeline is not None else None
-            return {"input_ids": ids, "labels": labels, "ctx": ctx, "doc_start": doc_start, "mtp_labels": mtp}
+            return {"input_ids": ids, "labels": labels, "ctx": ctx, "doc_start": doc_start, "mtp_labels": mtp,
+                    "vision": vision}
         out = self.cp_plan.shard_batch({**b, "input_ids": ids, "labels": labels})
         out["mtp_labels"] = out["ctx"].cp.shard_rows(mtp) if mtp is not None else None
-        out["doc_start"] = None
+        out["doc_start"], out["vision"] = None, {}
         if self.pipeline is not None:  # stages rebuild their handle from the pieces' document starts
             out["doc_start"] = out["ctx"].cp.shard_rows(Documents.from_cu_seqlens(cu, B, T, dev).start)
         return out
@@ -253,7 +264,7 @@ class Engine:
         if self.pipeline is None:
             part = self.model_parts[0]
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-                return self._scores(part, part(b["input_ids"], ctx, return_hidden=True), b["labels"])
+                return self._scores(part, part(b["input_ids"], ctx, return_hidden=True, **b["vision"]), b["labels"])
         # Simple stage-by-stage relay for evaluation (no schedule needed): stage s waits for s - 1.
         B, T = b["input_ids"].shape
         n, pp_group = self.dims.n_stages, self._group("pp")
@@ -381,7 +392,7 @@ def build_engine(model_args: K3ModelArgs, parallel, optim_cfg, seed: int = 0, de
                  *, precision: str = "fp32", autocast_dtype: torch.dtype | None = None, seq_len_hint: int = 4096,
                  activation_rules=(),
                  balancing: str = "none", bucket_numel: int = 1 << 25,
-                 stage_layers: list[list[int]] | None = None) -> Engine:
+                 stage_layers: list[list[int]] | None = None, train_vision: bool = False) -> Engine:
     """Validate the layout (before touching any process group), build the mesh, this rank's parallelized model
     parts (k3train.parallel.parallelize), the optimizer, the pipeline and the CP plan, and the engine over them.
 
@@ -389,7 +400,8 @@ def build_engine(model_args: K3ModelArgs, parallel, optim_cfg, seed: int = 0, de
     (e.g. the trainer's ParallelConfig). With world size 1 no process group is needed. activation_rules and
     balancing are applied to every part (see parallelize_part). precision "bf16" stores the parameters in bf16,
     computes under bf16 autocast and sends bf16 activations between pipeline stages (train.precision);
-    autocast_dtype alone (fp32 parameters, autocast compute) is kept for experiments."""
+    autocast_dtype alone (fp32 parameters, autocast compute) is kept for experiments. train_vision: the data feeds
+    images, so the vision tower trains (else it is frozen: no gradient, no optimizer state, no weight decay)."""
     from k3train.parallel.parallelize import PartSetup, parallelize_part
     from k3train.parallel.pipeline import stage_part_on_meta
 
@@ -413,7 +425,8 @@ def build_engine(model_args: K3ModelArgs, parallel, optim_cfg, seed: int = 0, de
     stage_ids = stages_of_rank(dims, mesh.coords["pp"] if mesh is not None else 0)
     n = dims.n_stages
     setup = PartSetup(dims=dims, mesh=mesh, device=device, seed=seed, seq_len=seq_len_hint,
-                      activation_rules=list(activation_rules), balancing=balancing, compute_dtype=autocast_dtype)
+                      activation_rules=list(activation_rules), balancing=balancing, compute_dtype=autocast_dtype,
+                      train_vision=train_vision)
     parts, handles = [], []
     for s in stage_ids:
         part, handle = parallelize_part(stage_part_on_meta(model_args, stage_layers[s], first=s == 0, last=s == n - 1),

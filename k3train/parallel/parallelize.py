@@ -45,8 +45,8 @@ class PartSetup:
     compute_dtype: torch.dtype | None = None
     """The autocast dtype (None: fp32), for activation policies that store in a lower precision."""
     train_vision: bool = False
-    """Whether the vision tower (when the model has one) receives images in this run; no data source provides them
-    yet, so it is frozen by default."""
+    """Whether the vision tower (when the model has one) receives images in this run (data.source=builtin_vision);
+    without images it is frozen."""
 
 
 def parallelize_part(part: nn.Module, setup: PartSetup):

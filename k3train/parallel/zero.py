@@ -617,12 +617,18 @@ class ShardedOptimizer:
 
     def _build(self, order, kinds, groups) -> torch.optim.Optimizer:
         cfg = self.cfg
-        decay = [self._tensor_for(n) for n in order if kinds[n][0] == "adamw"]
-        no_decay = [self._tensor_for(n) for n in order if kinds[n][0] == "adamw_no_decay"]
-        self._order = [n for n in order if kinds[n][0] == "adamw"] + \
-            [n for n in order if kinds[n][0] == "adamw_no_decay"]
+        # The vision tower's decayed tensors form groups of their own, with optim.vision_weight_decay.
+        tower = {n for n in order if n.startswith("vision.")}
+        text_decay = [n for n in order if kinds[n][0] == "adamw" and n not in tower]
+        vision_decay = [n for n in order if kinds[n][0] == "adamw" and n in tower]
+        no_decay_names = [n for n in order if kinds[n][0] == "adamw_no_decay"]
+        decay = [self._tensor_for(n) for n in text_decay]
+        decay_v = [self._tensor_for(n) for n in vision_decay]
+        no_decay = [self._tensor_for(n) for n in no_decay_names]
+        self._order = text_decay + vision_decay + no_decay_names
         if cfg.name == "adamw":
             gs = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay, "name": "adamw"},
+                              {"params": decay_v, "weight_decay": cfg.vision_weight_decay, "name": "adamw_vision"},
                               {"params": no_decay, "weight_decay": 0.0, "name": "adamw_no_decay"}) if g["params"]]
             return torch.optim.AdamW(gs, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
         from k3train.optim.muon import PerHeadMuon
@@ -633,16 +639,21 @@ class ShardedOptimizer:
         expert_group = self.shard_groups.get("expert")
         expert_set = {it.name for it in expert_group.items} if expert_group is not None else set()
         experts = [n for n in muon if n in expert_set]
-        dense = [n for n in muon if n not in experts]
-        self._order = dense + experts + self._order
+        dense = [n for n in muon if n not in experts and n not in tower]
+        dense_v = [n for n in muon if n in tower]
+        self._order = dense + dense_v + experts + self._order
         pg = groups["dense"][0] if self.zero >= 1 else None
         extra = {"edp": groups["expert"][0]} if self.zero >= 1 and "expert" in groups else {}
         gs = [{"params": [self._tensor_for(n) for n in dense], "structures": [kinds[n][1] for n in dense],
                "algorithm": "muon", "weight_decay": cfg.weight_decay, "name": "muon"},
+              {"params": [self._tensor_for(n) for n in dense_v], "structures": [kinds[n][1] for n in dense_v],
+               "algorithm": "muon", "weight_decay": cfg.vision_weight_decay, "name": "muon_vision"},
               {"params": [self._tensor_for(n) for n in experts], "structures": [kinds[n][1] for n in experts],
                "algorithm": "muon", "weight_decay": cfg.weight_decay, "name": "muon_experts", "shard_over": "edp",
                "sharded": bool(extra)},
               {"params": decay, "algorithm": "adamw", "weight_decay": cfg.weight_decay, "name": "adamw"},
+              {"params": decay_v, "algorithm": "adamw", "weight_decay": cfg.vision_weight_decay,
+               "name": "adamw_vision"},
               {"params": no_decay, "algorithm": "adamw", "weight_decay": 0.0, "name": "adamw_no_decay"}]
         return PerHeadMuon([g for g in gs if g["params"]], lr=cfg.lr, momentum=cfg.momentum,
                            weight_decay=cfg.weight_decay, ns_steps=cfg.ns_steps, per_head=cfg.per_head,

@@ -229,7 +229,8 @@ class Trainer:
             rules = rules_from_config(cfg.activation)
         self.engine = build_engine(args, self.dims, cfg.optim, seed=t.seed, device=self.device,
                                    precision=t.precision,
-                                   seq_len_hint=cfg.data.seq_len, activation_rules=rules, balancing=t.balancing)
+                                   seq_len_hint=cfg.data.seq_len, activation_rules=rules, balancing=t.balancing,
+                                   train_vision=cfg.data.source == "builtin_vision")
         self.parts = self.engine.model_parts
         from k3train.ops.backend import Kernels, resolve_kernels, set_kernels
         self.kernels = resolve_kernels(cfg.model.kernels, self.device.type)  # validated with the config
@@ -314,7 +315,8 @@ class Trainer:
         cfg, env = self.cfg, self.env
 
         def build():
-            kw = dict(dp_rank=self.dp_rank, dp_world=self.dp, vocab_size=self.args.vocab_size)
+            kw = dict(dp_rank=self.dp_rank, dp_world=self.dp, vocab_size=self.args.vocab_size,
+                      vision=self.args.vision)
             train = build_dataloader(cfg.data, self.tok, split="train", **kw)
             evl = build_dataloader(cfg.data, self.tok, split="eval", **kw) if cfg.train.eval_interval > 0 else None
             return train, evl

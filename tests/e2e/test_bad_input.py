@@ -54,6 +54,15 @@ def data(*overrides: str, files: dict[str, str | bytes] | None = None, vocab: in
     return run
 
 
+def vision_batch(*overrides: str):
+    """The first train micro-batch of tiny_vision with these overrides."""
+    from k3train.config.validate import model_args
+    cfg = load_config("tiny_vision", list(overrides))
+    args = model_args(cfg)
+    return next(build_dataloader(cfg.data, build_tokenizer(cfg.data), vocab_size=args.vocab_size,
+                                 vision=args.vision, progress=False))
+
+
 def cli(*argv: str, expect_code: int = 2):
     """Run a command line; its stderr is the message (raised as SystemExit carrying it)."""
     def run(tmp: Path):
@@ -178,6 +187,12 @@ CASES = [
     Bad("mtp-layers", "config", "model.mtp_layers=2", "mtp_layers", config("model.mtp_layers=2")),
     Bad("mtp-weight", "config", "model.mtp_layers=1 optim.mtp_loss_weight=nan", "mtp_loss_weight",
         config("model.mtp_layers=1", "optim.mtp_loss_weight=nan")),
+    Bad("vision-no-tower", "config", "data=builtin_vision (a model without a vision tower)", "has no vision tower",
+        config("data=builtin_vision")),
+    Bad("vision-image-tokens", "config", "--config-name tiny_vision data.special_tokens=[]",
+        r"needs the special tokens .* missing", config("data.special_tokens=[]", recipe="tiny_vision")),
+    Bad("vision-layout", "config", "--config-name tiny_vision parallel.dp=2 (world 2)", "trains in one process",
+        config("parallel.dp=2", world=2, recipe="tiny_vision")),
     # ---- data -----------------------------------------------------------------------------------------------------
     Bad("paths-empty", "data", "data.source=files without data.paths", "needs at least one path",
         data("data.source=files")),
@@ -208,6 +223,9 @@ CASES = [
         data("data.tokenizer=tiktoken", "data.tokenizer_path={tmp}/r.tiktoken", files={"r.tiktoken": "@@ x\n"})),
     Bad("vocab-too-small", "data", "a model vocab_size (100) smaller than the tokenizer's 259 ids",
         r"exceeds|outside the model vocabulary", data(vocab=100), DataError),
+    Bad("image-pixel-limit", "data", "--config-name tiny_vision data.image_max_pixels=100",
+        r"sample builtin_vision/train/row0/sample0: image \d+x\d+ has \d+ pixels, over data.image_max_pixels=100",
+        lambda tmp: vision_batch("data.image_max_pixels=100"), DataError),
     Bad("recall-vocab", "data", "data=recall data.recall_vocab=2 data.recall_pairs=8", "recall_vocab",
         data("data.source=recall", "data.recall_vocab=2"), DataError),
     # ---- checkpoints, resume and run directories ------------------------------------------------------------------

@@ -108,9 +108,12 @@ REASONS: dict[str, str] = {
                                  "(tests/unit/test_resilience.py::test_host_work_waits_use_their_own_bound)",
     "data.num_proc": "processes that tokenize the files with Dataset.map: the same tokens (tests/unit/"
                      "test_data_scale.py::test_map_cache_is_read_on_the_second_run compares them)",
-    "data.special_tokens": "declares added tokens (ids after BOS/EOS/PAD) that no source here yields; a vocabulary "
-                           "that cannot hold them is refused before any process group (tests/unit/"
-                           "test_data_scale.py::test_mixture_refusals, test_tiktoken_pattern_and_special_tokens)",
+    "data.special_tokens": "declares added tokens (ids after BOS/EOS/PAD); the text sources never yield them, so "
+                           "a text run is unchanged (the case below), and a vocabulary that cannot hold them is "
+                           "refused before any process group (tests/unit/test_data_scale.py::test_mixture_refusals, "
+                           "test_tiktoken_pattern_and_special_tokens); source builtin_vision needs its three image "
+                           "tokens declared and is refused without them (tests/unit/test_vision_train.py::"
+                           "test_missing_special_tokens_and_parallel_layouts_are_refused)",
     "data.sources[].name": OUTPUTS_ONLY + " (the source's label in the data/tokens/<name> metrics)",
     "model.overrides.name": "a label for logs (the preset's name)",
     "model.overrides.max_seq_len": "an upper bound checked against data.seq_len at validation; the model has no "
@@ -128,9 +131,9 @@ REASONS: dict[str, str] = {
                   "never runs the check (the check itself: tests/e2e/test_plan.py)",
     "plan.measure": "python -m k3train.plan runs the measured CPU layouts (tests/e2e/test_plan.py): planning only",
     "plan.png": OUTPUTS_ONLY + " (the planner's figure)",
-    "model.overrides.vision": "no data source yields images (the trainer feeds token rows), so the MoonViT tower is "
-                              "built and checkpointed but gets no input: its gradient is zero, and only weight "
-                              "decay moves its matrices",
+    "data.on_bad_sample": "what an unusable image does (fail or skip and count); the built-in images all decode and "
+                          "fit, so no run here meets one: tests/unit/test_vision_train.py::"
+                          "test_bad_images_fail_or_are_skipped_and_counted shows both choices",
 }
 
 
@@ -272,6 +275,16 @@ TIKTOKEN = {"data.tokenizer": "tiktoken", "data.tokenizer_path": InWork("a.tikto
 KDA64 = {"model.overrides.kda_chunk": 64, "data.seq_len": 64}
 
 
+def _tiny_vision(**changes) -> dict:
+    from k3train.models.k3.args import tiny_vision_args
+    return {**dataclasses.asdict(tiny_vision_args()), **changes}
+
+
+# The drawn-image corpus with the tiny tower; rows of 64 tokens hold one or more image-caption samples.
+VISION_DATA = {"data.source": "builtin_vision", "model.overrides.vision": _tiny_vision(), "data.seq_len": 64,
+               "data.special_tokens": ["<|image_start|>", "<|image_pad|>", "<|image_end|>"]}
+
+
 def _rule(match: str, policy: str):
     from k3train.config.schema import ActivationRule
     return ActivationRule(match=match, policy=policy)
@@ -381,6 +394,15 @@ ONE_PROCESS: list[Case] = [
     Case("model.kernels", {"model.kernels": "torch"}, rounds_differently, base={**KDA64, "model.kernels": "triton"}),    # The MTP module: its loss joins the gradient (the logged loss stays the next-token loss), either key.
     Case("model.mtp_layers", {"model.mtp_layers": 1}, trains_and_logs_mtp),
     Case("model.overrides.mtp_layers", {"model.overrides.mtp_layers": 1}, trains_and_logs_mtp),
+    # Image-text data: the tower gets images and trains with the decoder.
+    Case("data.source", VISION_DATA),
+    Case("model.overrides.vision", {"model.overrides.vision": _tiny_vision(width=48)}, base=VISION_DATA),
+    Case("optim.vision_weight_decay", {"optim.vision_weight_decay": 1.0}, base=VISION_DATA),
+    Case("optim.vision_weight_decay", {"optim.vision_weight_decay": 1.0}, base={**VISION_DATA, **MUON}),
+    Case("data.blank_images", {"data.blank_images": True}, base=VISION_DATA),
+    Case("data.vision_clips", {"data.vision_clips": 0.5}, base=VISION_DATA),  # clips through temporal attention
+    # Images over the limit are skipped: other samples fill the rows.
+    Case("data.image_max_pixels", {"data.image_max_pixels": 600, "data.on_bad_sample": "skip"}, base=VISION_DATA),
 ]
 
 
@@ -409,9 +431,6 @@ def leaves_training_alone(base, changed) -> str:
     return text
 
 
-def _tiny_vision() -> dict:
-    from k3train.models.k3.args import tiny_vision_args
-    return dataclasses.asdict(tiny_vision_args())
 
 
 LEAVES_ALONE: list[Case] = [
@@ -429,7 +448,6 @@ LEAVES_ALONE: list[Case] = [
     Case("data.num_proc", {"data.num_proc": 2}, leaves_training_alone, base=FILES),
     Case("data.special_tokens", {"data.special_tokens": ["<|image|>", "<|/image|>"]}, leaves_training_alone),
     Case("model.overrides.max_seq_len", {"model.overrides.max_seq_len": 64}, leaves_training_alone),
-    Case("model.overrides.vision", {"model.overrides.vision": _tiny_vision()}, leaves_training_alone),
 ]
 
 

@@ -211,6 +211,8 @@ PRESETS: dict[str, K3ModelArgs] = {
         mla_v_head_dim=32, dense_hidden=128, n_experts=8, top_k=2, moe_latent_dim=32, expert_hidden=32,
         n_shared_experts=2, shared_hidden=32, attnres_block_layers=3, max_seq_len=4096, vision=None),
 }
+# The tiny decoder with a CPU-sized MoonViT (4-pixel patches, 2 layers, width 32): image-text training on CPU.
+PRESETS["tiny_vision"] = dataclasses.replace(PRESETS["tiny"], name="tiny_vision", vision=_tiny_vision())
 
 
 def get_preset(preset: str, /, **overrides) -> K3ModelArgs:

@@ -81,12 +81,21 @@ class K3Model(nn.Module):
 
     def forward(self, tokens: torch.Tensor, ctx: BatchContext | None = None, *,
                 vision_embeds: torch.Tensor | None = None, vision_mask: torch.Tensor | None = None,
+                vision_pixels: torch.Tensor | None = None, vision_grid: torch.Tensor | None = None,
                 return_hidden: bool = False, mtp: bool = False):
         """tokens [B, T] int64 (or stacked sources [S, B, T, D] on a later pipeline stage) -> logits [B, T, V]
         (or stacked sources on a stage without the head). return_hidden: the final normed hidden [B, T, D] instead
         of the logits, for the loss to apply `output.weight` chunk by chunk (loss.linear_cross_entropy).
-        mtp: the pair (final normed hidden, the MTP module's normed hidden [B, T, D]), both for the shared head."""
+        mtp: the pair (final normed hidden, the MTP module's normed hidden [B, T, D]), both for the shared head.
+        Images: vision_pixels (packed patches [L, C*p*p]) and vision_grid [N, 3] run through the tower, and its
+        tokens replace the positions vision_mask [B, T] marks, in row-major order (or give vision_embeds directly)."""
         ctx = ctx or BatchContext()
+        if vision_pixels is not None:
+            if self.vision is None:
+                raise ValueError("image input needs a model with a vision tower (model.overrides.vision)")
+            if vision_embeds is not None:
+                raise ValueError("give vision_pixels or vision_embeds, not both")
+            vision_embeds, _ = self.vision(vision_pixels, vision_grid)
         if self.tok_embeddings is not None:
             if tokens.dim() != 2:
                 raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
