@@ -808,7 +808,8 @@ class Checkpointer:
         meta = read_metadata(folder, files)
         state = {"engine": engine.state_dict()}
         saved = set(meta.state_dict_metadata)
-        check_model_entries(state["engine"]["model"], meta.state_dict_metadata, folder, "")
+        check_model_entries(state["engine"]["model"], meta.state_dict_metadata, folder, "",
+                            job_names=job_model_names(state["engine"]["model"]))
         other = _drop_unsaved_optimizer_state(state["engine"]["optim"], saved, "engine.optim.")
         if other:
             self.warn(f"checkpoint {folder}: the optimizer state of {len(other)} parameters (e.g. {other[0]}) was "
@@ -829,14 +830,24 @@ class Checkpointer:
         return LoadedState(step=own["step"], data_state=own["data"], path=folder)
 
 
-def check_model_entries(model: dict, meta: dict, folder: Path, what: str, *, show: int = 3) -> None:
+def job_model_names(model: dict) -> set[str]:
+    """The model tensor names of the whole job: every rank's (a pipeline stage holds only its own layers)."""
+    if not _dist_on():
+        return set(model)
+    return set().union(*_all_gather_object(sorted(model)))
+
+
+def check_model_entries(model: dict, meta: dict, folder: Path, what: str, *, show: int = 3,
+                        job_names: set[str] | None = None) -> None:
     """Refuse a checkpoint whose model is not this one, before anything is loaded (resume and train.init_from alike):
-    compared both ways, the tensors this model has that the checkpoint lacks, the checkpoint's model tensors this
-    model lacks, and the tensors of another shape. CheckpointError names the first `show` of each kind."""
+    compared both ways, the tensors this model has that the checkpoint lacks, the checkpoint's model tensors the
+    job's model lacks (job_names: every rank's names, from job_model_names; this rank's when None), and the tensors
+    of another shape. CheckpointError names the first `show` of each kind."""
     prefix = "engine.model."
     saved = {k[len(prefix):]: v for k, v in meta.items() if k.startswith(prefix)}
     missing = [k for k in model if k not in saved]
-    extra = [k for k in saved if k not in model]
+    everyone = model if job_names is None else job_names
+    extra = [k for k in saved if k not in everyone]
     wrong, not_tensor = [], []
     for k, v in model.items():
         entry = saved.get(k)
@@ -932,7 +943,7 @@ def init_weights_from(path: str, engine, warn=None) -> Path:
     except CheckpointError as e:
         raise CheckpointError(f"train.init_from: {e}") from e
     model = {k: v for k, v in engine.state_dict()["model"].items()}
-    check_model_entries(model, md.state_dict_metadata, folder, "train.init_from: ")
+    check_model_entries(model, md.state_dict_metadata, folder, "train.init_from: ", job_names=job_model_names(model))
     state = {"engine": {"model": model}}
     _dcp_load(state, folder, md, "train.init_from: ")
     try:
