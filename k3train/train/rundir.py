@@ -19,8 +19,10 @@ writes neither.
 from __future__ import annotations
 
 import copy
+import datetime as _dt
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -36,20 +38,41 @@ SCHEDULE_KEYS = ("train.steps", "optim.name", "optim.lr", "optim.warmup_steps", 
 _held: set[Path] = set()
 
 
-def choose(train_cfg, recipe: str, agent, *, output_dir: str | None = None, output_dir_named: bool = False,
-           run_dir_of_resume=None, default=None) -> Path:
+def default_run_dir(recipe: str) -> Path:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    d = Path("runs") / recipe / stamp
+    n = 1
+    while d.exists():  # two runs started in the same second
+        d = Path("runs") / recipe / f"{stamp}-{n}"
+        n += 1
+    return d
+
+
+def run_dir_of_resume(resume: str) -> Path | None:
+    """The run directory a train.resume path belongs to (a step-N folder, a checkpoints folder or a run folder)."""
+    if resume in ("auto", "never"):
+        return None
+    p = Path(resume)
+    if re.match(r"^step-\d+$", p.name):
+        return p.parent.parent
+    if p.name == "checkpoints":
+        return p.parent
+    return p
+
+
+def choose(train_cfg, recipe: str, agent, *, output_dir: str | None = None, output_dir_named: bool = False) -> Path:
     """Rank 0's run directory (see the module docstring). `output_dir`: Hydra's output directory of this process;
     `output_dir_named`: the command line set it (hydra.run.dir, or a multirun job)."""
     from . import resilience
 
     if train_cfg.run_dir:
         return Path(train_cfg.run_dir)
-    of_resume = run_dir_of_resume(train_cfg.resume) if run_dir_of_resume else None
+    of_resume = run_dir_of_resume(train_cfg.resume)
     if of_resume is not None:
         return of_resume
     if output_dir and output_dir_named:
         return Path(output_dir)
-    fresh = (lambda: unused(Path(output_dir))) if output_dir else default
+    fresh = (lambda: unused(Path(output_dir))) if output_dir else (lambda: default_run_dir(recipe))
     return resilience.stable_run_dir(recipe, agent, fresh)
 
 

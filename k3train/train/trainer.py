@@ -101,28 +101,6 @@ def _cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def default_run_dir(recipe: str) -> Path:
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    d = Path("runs") / recipe / stamp
-    n = 1
-    while d.exists():  # two runs started in the same second
-        d = Path("runs") / recipe / f"{stamp}-{n}"
-        n += 1
-    return d
-
-
-def run_dir_of_resume(resume: str) -> Path | None:
-    """The run directory a train.resume path belongs to (a step-N folder, a checkpoints folder or a run folder)."""
-    if resume in ("auto", "never"):
-        return None
-    p = Path(resume)
-    if re.match(r"^step-\d+$", p.name):
-        return p.parent.parent
-    if p.name == "checkpoints":
-        return p.parent
-    return p
-
-
 def _broadcast_str(value: str, env: DistEnv, group=None) -> str:
     if env.world == 1:
         return value
@@ -201,8 +179,7 @@ class Trainer:
         self.progress.phase = "choosing the run directory"
         chosen = ""
         if env.rank == 0:
-            rd = rundir.choose(t, recipe, self._agent_store, output_dir=output_dir, output_dir_named=output_dir_named,
-                               run_dir_of_resume=run_dir_of_resume, default=lambda: default_run_dir(recipe))
+            rd = rundir.choose(t, recipe, self._agent_store, output_dir=output_dir, output_dir_named=output_dir_named)
             rd = rd.resolve()
             try:
                 rd.mkdir(parents=True, exist_ok=True)
@@ -360,8 +337,11 @@ class Trainer:
         rec = self.engine.train_step(batches, extra_sums=self.stop.flags)
         self.scheduler.step()
         self.engine.update_biases()
-        return {"loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": float(lr), "targets": rec["target_tokens"],
-                "stop": rec["extra_sums"], **{k: rec[k] for k in ("mtp_loss",) if k in rec}}
+        out = {"loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": float(lr), "targets": rec["target_tokens"],
+               "stop": rec["extra_sums"]}
+        if "mtp_loss" in rec:
+            out["mtp_loss"] = rec["mtp_loss"]
+        return out
 
     def evaluate(self) -> dict:
         """Mean next-token CE over up to eval_steps micro-batches of the eval split (and answer accuracy for the
