@@ -56,6 +56,10 @@ class ParallelConfig:
     cp_layout: str = "zigzag"
     """How each row is split over the cp ranks: zigzag (2*cp pieces, rank r holds pieces r and 2*cp-1-r, so causal
     attention work is even) or contiguous (cp pieces). seq_len must be a multiple of pieces x KDA chunk."""
+    vision_placement: str = "stage"
+    """Where the vision tower's work runs under pp > 1: stage (inside the first stage's forward and backward of each
+    micro-batch) or bubbles (its forward and backward of each micro-batch as actions of their own, placed into the
+    first pipeline rank's idle time; schedules gpipe, 1f1b, interleaved_1f1b, looped_bfs)."""
 
 
 @dataclass(kw_only=True)

@@ -19,6 +19,8 @@ from .errors import ConfigError
 from .schema import K3TrainConfig
 
 DATA_SOURCES = ("builtin", "files", "recall", "builtin_vision")
+VISION_SOURCES = ("builtin_vision",)
+"""Data sources that feed images (the model needs a vision tower; the tower trains)."""
 TOKENIZERS = ("byte", "hf", "tiktoken")
 
 
@@ -144,11 +146,8 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
         _need(args.vision is not None, "data.source",
               f"'builtin_vision' feeds images, but model {args.name} has no vision tower (set model.overrides.vision "
               f"or use the tiny_vision preset)")
-        # The tower runs inside the one-process engine path: pipeline stages, context-parallel pieces and
-        # data-parallel replicas of image batches are not built yet, so they are refused here, before any group.
-        _need(world == 1 and p.pp == 1 and p.cp == 1 and p.ep == 1 and p.dp in (1, -1), "parallel",
-              f"data.source='builtin_vision' trains in one process for now (pp=1, cp=1, dp=1, ep=1, WORLD_SIZE=1); "
-              f"this run has WORLD_SIZE={world}, pp={p.pp}, cp={p.cp}, dp={p.dp}, ep={p.ep}")
+    _need(p.vision_placement == "stage" or d.source in VISION_SOURCES, "parallel.vision_placement",
+          f"'{p.vision_placement}' places the vision tower's work, but data.source={d.source!r} feeds no images")
     _need(d.num_proc >= 1, "data.num_proc", f"must be >= 1, got {d.num_proc}")
     _need(not (d.num_proc > 1 and (d.streaming or d.source != "files")), "data.num_proc",
           "tokenizing processes serve non-streaming source 'files' only")

@@ -340,6 +340,15 @@ class ContextParallel:
         """Global [B, T, ...] -> what the model runs on here: [B*pieces_per_rank, piece_len, ...]."""
         return self.seq.rows(self.seq.shard(x, self.rank, 1))
 
+    def encode_images(self, tower: nn.Module, pixels: torch.Tensor, grid: torch.Tensor,
+                      mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global rows' images, each encoded by one rank of the group and its tokens sent to the ranks that hold
+        their positions (k3train.parallel.vision_cp): (tokens at this rank's positions, the local vision mask).
+        The assignment's max/mean load is kept in `vision_balance`."""
+        from k3train.parallel.vision_cp import encode_images
+        tokens, local_mask, self.vision_balance = encode_images(self, tower, pixels, grid, mask)
+        return tokens, local_mask
+
     def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Inverse of shard_rows over the group (a plain all-gather, not differentiable; for tests and eval)."""
         local = self.seq.unrows(x).contiguous()
@@ -607,10 +616,8 @@ class ContextParallelPlan:
     def shard_batch(self, batch: dict) -> dict:
         """{'input_ids' [B, T], 'labels' [B, T], optional 'cu_seqlens'} (the SAME global batch on every CP rank)
         -> {'input_ids', 'labels' in the model's local layout [B*P, T/n], 'ctx': BatchContext(cp=handle)}. Every
-        CP rank holds the whole batch, so the handle learns the documents without communication."""
-        for key in batch:
-            if key.startswith("vision"):
-                raise ValueError(f"context parallelism does not shard vision inputs ({key!r})")
+        CP rank holds the whole batch, so the handle learns the documents without communication. Image inputs stay
+        global: the model hands them to the handle's encode_images."""
         ids = batch["input_ids"]
         if ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(ids.shape)}")

@@ -8,8 +8,8 @@ optimizer for a parallel layout, and trains one step at a time.
 `microbatches` is this data-parallel rank's list of `parallel.microbatches` micro-batches, each a dict with
 input_ids [mb, T] int64, labels [mb, T] (-100 ignored) and cu_seqlens (int32, or absent/None for one document per
 row); every rank of a pipeline gets the same list (stages that do not need tokens or labels ignore them).
-An image-text micro-batch adds vision_pixels, vision_grid and vision_mask (VISION_KEYS, see K3Model.forward);
-they run in one process only (no pipeline, no context parallelism), which validation checks first.
+An image-text micro-batch adds vision_pixels, vision_grid and vision_mask (VISION_KEYS, see K3Model.forward):
+under a pipeline the first stage's tower encodes them (k3train.parallel.vision_schedule places that work).
 
 The loss of a step is the summed next-token cross entropy over every target token of the step (all micro-batches,
 all data-parallel ranks) divided by the global count of target tokens, so any layout computes the same number and
@@ -161,6 +161,10 @@ class Engine:
                "clip_coef": coef, "extra_sums": red[n_loss + 1:].tolist()}
         if self.mtp_weight is not None:  # the step trained on loss + mtp_loss_weight x mtp_loss
             out["mtp_loss"] = float(red[1])
+        # Dynamic vision CP: the most uneven max/mean tower load of the step's micro-batches on this rank.
+        balance = [getattr(b["ctx"].cp, "vision_balance", None) for b in mbs if b.get("ctx") is not None]
+        if any(x is not None for x in balance):
+            out["vision_cp_balance"] = max(x for x in balance if x is not None)
         return out
 
     def _forward_backward_local(self, mbs: list[dict], denom: float, mtp_denom: float = 1.0,
@@ -197,7 +201,8 @@ class Engine:
             row_starts[:, 0] = True
             doc_start = torch.cat([row_starts if b["doc_start"] is None else b["doc_start"] for b in mbs])
         mtp_labels = torch.cat([b["mtp_labels"] for b in mbs]) if self.mtp_weight is not None else None
-        loss = self.pipeline.step(ids, labels, doc_start, denom, mtp_labels, mtp_denom)
+        loss = self.pipeline.step(ids, labels, doc_start, denom, mtp_labels, mtp_denom,
+                                  vision=[b["vision"] or None for b in mbs])
         return loss.double(), self.pipeline.busy_s
 
     def _local_batch(self, b: dict) -> dict:
@@ -207,9 +212,6 @@ class Engine:
         ids, labels, cu = b["input_ids"].to(dev), b["labels"].to(dev), b.get("cu_seqlens")
         B, T = ids.shape
         vision = {k: b[k].to(dev) for k in VISION_KEYS if b.get(k) is not None}
-        if vision and (self.pipeline is not None or self.cp_plan is not None):
-            raise ValueError("image input runs in one pipeline stage without context parallelism; this layout has "
-                             f"pp={self.dims.pp}, cp={self.dims.cp}")
         mtp = None
         if self.mtp_weight is not None:  # from the whole rows, before context parallelism cuts them into pieces
             from k3train.models.k3.mtp import mtp_labels
@@ -222,7 +224,7 @@ class Engine:
                     "vision": vision}
         out = self.cp_plan.shard_batch({**b, "input_ids": ids, "labels": labels})
         out["mtp_labels"] = out["ctx"].cp.shard_rows(mtp) if mtp is not None else None
-        out["doc_start"], out["vision"] = None, {}
+        out["doc_start"], out["vision"] = None, vision  # global images: the model's CP handle spreads them
         if self.pipeline is not None:  # stages rebuild their handle from the pieces' document starts
             out["doc_start"] = out["ctx"].cp.shard_rows(Documents.from_cu_seqlens(cu, B, T, dev).start)
         return out
@@ -280,7 +282,7 @@ class Engine:
                 x = torch.empty(S, B, T, self.args.dim, device=self.device, dtype=self.boundary_dtype)
                 comm.send_recv(None, x, owner[s - 1], pp_group, "pp")
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-                y = local[s](x, ctx, return_hidden=s == n - 1)
+                y = local[s](x, ctx, return_hidden=s == n - 1, **(b["vision"] if s == 0 else {}))
                 if s == n - 1:
                     out = self._scores(local[s], y, b["labels"])
             if s < n - 1:

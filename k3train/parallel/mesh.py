@@ -33,6 +33,11 @@ SCHEDULES: dict[str, tuple[str, str, str]] = {
 }
 EP_DISPATCHERS = ("alltoall", "moonep")
 """Token dispatchers under expert parallelism (k3train.parallel.expert_parallel)."""
+VISION_PLACEMENTS = ("stage", "bubbles")
+"""Where the vision tower's work runs under pipeline parallelism (k3train.parallel.vision_schedule)."""
+BUBBLE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
+"""Schedules whose first-rank idle time takes vision work: a full backward per stage and micro-batch, so the tower's
+backward of a micro-batch can follow the first stage's (the zero-bubble schedules split it in two passes)."""
 CP_LAYOUTS = ("zigzag", "contiguous")
 """How a row is split over the context-parallel ranks (k3train.parallel.context_parallel)."""
 AUTO_SCHEDULE = "auto"
@@ -74,6 +79,9 @@ class ParallelDims:
     cp_layout: str = "zigzag"
     """How a row is split over the cp ranks: zigzag (2*cp pieces, rank r holds r and 2*cp-1-r: even causal work)
     or contiguous (cp pieces)."""
+    vision_placement: str = "stage"
+    """Where the vision tower's forward and backward run under pp > 1: stage (inside the first stage's forward and
+    backward of each micro-batch) or bubbles (actions of their own in the first pipeline rank's idle time)."""
 
     def __post_init__(self):
         self.schedule = resolve_schedule(self.schedule, self.vpp)
@@ -118,7 +126,8 @@ class ParallelDims:
         disp = getattr(cfg, "ep_dispatcher", "alltoall")
         return cls(pp=int(cfg.pp), vpp=int(cfg.vpp), ep=int(cfg.ep), cp=int(cfg.cp), dp=dp, zero=int(cfg.zero),
                    microbatches=int(cfg.microbatches), schedule=str(schedule), ep_dispatcher=str(disp),
-                   cp_layout=str(getattr(cfg, "cp_layout", "zigzag")))
+                   cp_layout=str(getattr(cfg, "cp_layout", "zigzag")),
+                   vision_placement=str(getattr(cfg, "vision_placement", "stage")))
 
     # ---- validation ---------------------------------------------------------------------------------------------
     def validate(self, world_size: int | None = None, model_args: K3ModelArgs | None = None) -> "ParallelDims":
@@ -137,6 +146,16 @@ class ParallelDims:
              f"unknown context-parallel layout {self.cp_layout!r}; choose one of {list(CP_LAYOUTS)}")
         need(self.ep_dispatcher in EP_DISPATCHERS, "ep_dispatcher",
              f"unknown dispatcher {self.ep_dispatcher!r}; choose one of {list(EP_DISPATCHERS)}")
+        need(self.vision_placement in VISION_PLACEMENTS, "vision_placement",
+             f"unknown placement {self.vision_placement!r}; choose one of {list(VISION_PLACEMENTS)}")
+        if self.vision_placement == "bubbles":
+            need(self.pp > 1, "vision_placement", "'bubbles' places vision work into pipeline idle time; it needs "
+                 f"pp > 1, got pp={self.pp} (use 'stage')")
+            need(self.schedule in BUBBLE_SCHEDULES, "vision_placement",
+                 f"'bubbles' runs with schedules {list(BUBBLE_SCHEDULES)}, not {self.schedule!r} (its backward is "
+                 "split into input and weight passes; use 'stage')")
+            need(self.cp == 1, "vision_placement", f"'bubbles' does not run under context parallelism (cp={self.cp}): "
+                 "there the tower's work is spread over the cp ranks inside the first stage; use 'stage'")
         if world_size is not None:
             need(self.world == world_size, "dp",
                  f"layout pp={self.pp} x dp={self.dp} x cp={self.cp} = {self.world} ranks, but the world has {world_size} "

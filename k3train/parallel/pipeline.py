@@ -44,6 +44,7 @@ from k3train.models.k3.loss import linear_cross_entropy
 from k3train.models.k3.model import K3Model, sources_after
 from k3train.parallel import comm
 from k3train.parallel.mesh import SCHEDULES, ParallelDims
+from k3train.parallel.pipeline_order import Act
 
 
 
@@ -169,6 +170,11 @@ class StageModule(nn.Module):
         self.autocast_dtype = autocast_dtype
         self.boundary_dtype = boundary_dtype
         self.cp = cp
+        self.vision_feed = None
+        """The first stage's k3train.parallel.vision_schedule.VisionFeed (set by Pipeline when the part has a vision
+        tower): the images of the micro-batch being run."""
+        self.chunk = 0
+        """The micro-batch being run (set by the pipeline stage before each forward)."""
 
     def forward(self, x: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
         if self.cp is not None:
@@ -181,8 +187,9 @@ class StageModule(nn.Module):
             ctx = BatchContext()
         dev = x.device.type
         mtp = self.last and self.part.mtp is not None
+        vision = self.vision_feed.stage_inputs(self.chunk) if self.vision_feed is not None else {}
         with torch.autocast(dev, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            out = self.part(x, ctx, return_hidden=self.last, mtp=mtp)
+            out = self.part(x, ctx, return_hidden=self.last, mtp=mtp, **vision)
         if mtp:  # one output tensor for the schedule: [final hidden ; MTP hidden] along the width
             out = torch.cat(out, dim=-1)
         # Fixed dtypes across boundaries so stage shapes can be declared statically.
@@ -275,14 +282,19 @@ def _pipeline_stage_cls():
         """PipelineStage that (1) has `grad_reducer.arm_part(its model part)` run as its last backward of the step
         begins (buckets are then reduced as their gradients complete) and `grad_reducer.reduce_part(its model
         part)` once per step right after that backward (the schedule's REDUCE_GRAD point: what is still missing is
-        launched and everything is waited for), (2) counts its point-to-point bytes, (3) measures its busy time."""
+        launched and everything is waited for), (2) counts its point-to-point bytes, (3) measures its busy time,
+        (4) on the first pipeline rank, runs the vision work a VisionFeed's plan places around its actions (after
+        an action's sends are posted when the work fills the idle time that follows it)."""
 
         grad_reducer = None
+        vision_feed = None
 
-        def _init_k3(self, grad_reducer):
+        def _init_k3(self, grad_reducer, vision_feed=None):
             self.grad_reducer = grad_reducer
+            self.vision_feed = vision_feed
             self.reduced = False
             self.clock = BusyClock(self.device)
+            self.early_sends: list = []
 
         @property
         def busy_s(self) -> float:
@@ -292,9 +304,17 @@ def _pipeline_stage_cls():
             self.reduced = False
             self.clock.reset()
 
+        def wait_early_sends(self):
+            for w in self.early_sends:
+                w.wait()
+            self.early_sends = []
+
         def reduce_once(self):
             if not self.reduced:
                 self.reduced = True
+                if self.vision_feed is not None and self.is_first:  # the tower's last gradients before the reduction
+                    with self.clock.span():
+                        self.vision_feed.finish()
                 if self.grad_reducer is not None:
                     self.grad_reducer.reduce_part(self.submod.part)
 
@@ -308,16 +328,42 @@ def _pipeline_stage_cls():
             if not self.reduced and self.grad_reducer is not None and hasattr(self.grad_reducer, "arm_part"):
                 self.grad_reducer.arm_part(self.submod.part)
 
-        def forward_one_chunk(self, *a, **k):
+        def forward_one_chunk(self, fwd_chunk_id, *a, **k):
+            feed = self.vision_feed
             with self.clock.span():
-                return super().forward_one_chunk(*a, **k)
+                if feed is not None:
+                    act = Act("F", self.stage_index, fwd_chunk_id)
+                    feed.run_before(act)
+                    feed.note(act.kind, act.stage, act.mb)
+                self.submod.chunk = fwd_chunk_id
+                return super().forward_one_chunk(fwd_chunk_id, *a, **k)
 
         def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            feed, act = self.vision_feed, Act("B", self.stage_index, bwd_chunk_id)
+            if feed is not None:
+                with self.clock.span():
+                    feed.run_before(act)
+                feed.note(act.kind, act.stage, act.mb)
             if last_backward and full_backward:  # an input-only pass (split backward) leaves weight gradients open
                 self.arm()
             with self.clock.span():
-                return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                                  last_backward=last_backward)
+                out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                                 last_backward=last_backward)
+                if feed is not None and self.is_first:  # the first stage sends nothing backward
+                    feed.run_after(act)
+            return out
+
+        def _send_then_vision(self, ops: list, act: Act) -> list:
+            """Vision work placed in the idle time after `act`: post act's sends first (so the next stage is not
+            kept waiting), run the work, and hand the schedule nothing left to send."""
+            feed = self.vision_feed
+            if feed is None or not feed.has_after(act):
+                return ops
+            self.early_sends += [op.op(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer)
+                                 for op in ops]
+            with self.clock.span():
+                feed.run_after(act)
+            return []
 
         def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
             if last_backward:
@@ -329,13 +375,15 @@ def _pipeline_stage_cls():
             ops = super().get_fwd_send_ops(fwd_chunk_id)
             for op in ops:
                 comm.record("pp", "send_fwd", op.tensor.numel() * op.tensor.element_size())
-            return ops
+            return self._send_then_vision(ops, Act("F", self.stage_index, fwd_chunk_id))
 
         def get_bwd_send_ops(self, bwd_chunk_id):
             ops = super().get_bwd_send_ops(bwd_chunk_id)
             for op in ops:
                 comm.record("pp", "send_bwd", op.tensor.numel() * op.tensor.element_size())
-            return ops
+            if self.is_first:
+                return ops
+            return self._send_then_vision(ops, Act("B", self.stage_index, bwd_chunk_id))
 
     return K3PipelineStage
 
@@ -354,6 +402,14 @@ class Pipeline:
         self.grad_reducer = grad_reducer
         self.boundary_dtype = boundary_dtype
         self.loss_fn = GlobalTokenLoss(modules.get(dims.n_stages - 1), mtp_weight)
+        self.vision_feed = None
+        first = modules.get(0)
+        if first is not None and getattr(first.part, "vision", None) is not None:
+            from k3train.parallel.vision_schedule import VisionFeed, plan_vision
+            plan = plan_vision(dims) if dims.vision_placement == "bubbles" else None
+            self.vision_feed = VisionFeed(first.part.vision, placement=dims.vision_placement, plan=plan,
+                                          autocast_dtype=first.autocast_dtype)
+            first.vision_feed = self.vision_feed
         self._key = None
         self.stages: list = []
         self.schedule = None
@@ -389,15 +445,18 @@ class Pipeline:
             st = Stage(self.modules[s], s, self.dims.n_stages, self.device,
                        input_args=self._example(s, mb, T, output=False),
                        output_args=self._example(s, mb, T, output=True), group=self.pp_group)
-            st._init_k3(self.grad_reducer)
+            st._init_k3(self.grad_reducer, self.vision_feed)
             self.stages.append(st)
         self.schedule = build_schedule(self.dims, self.stages, self.loss_fn)
         self._key = key
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, doc_start: torch.Tensor | None,
-             denominator: float, mtp_labels: torch.Tensor | None = None, mtp_denominator: float = 1.0) -> torch.Tensor:
+             denominator: float, mtp_labels: torch.Tensor | None = None, mtp_denominator: float = 1.0,
+             vision: list[dict | None] | None = None) -> torch.Tensor:
         """Run the schedule over the whole local batch [microbatches * mb, T]; returns [next-token, MTP] summed
-        normalised losses of this rank's micro-batches on the last stage (0 elsewhere; MTP 0 without it)."""
+        normalised losses of this rank's micro-batches on the last stage (0 elsewhere; MTP 0 without it).
+        vision: per micro-batch, its image inputs (vision_pixels, vision_grid, vision_mask) or None; the first stage
+        runs them through its tower."""
         m = self.dims.microbatches
         if input_ids.shape[0] % m:
             raise ValueError(f"local batch of {input_ids.shape[0]} rows does not split into {m} micro-batches")
@@ -407,6 +466,10 @@ class Pipeline:
         self.loss_fn.sums = []
         for st in self.stages:
             st.new_step()
+        if self.vision_feed is not None:
+            self.vision_feed.start_step(vision or [None] * m)
+        elif vision and any(vision) and self.has_first_stage:
+            raise ValueError("image input needs a model with a vision tower (model.overrides.vision)")
         kwargs = {} if doc_start is None else {"doc_start": doc_start}
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first_stage else ()
@@ -416,6 +479,7 @@ class Pipeline:
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         for st in self.stages:  # schedules that never issue REDUCE_GRAD still get their reduction
             st.reduce_once()
+            st.wait_early_sends()
         if self.has_last_stage:
             return torch.stack(self.loss_fn.sums).sum(0)
         return torch.zeros(2, device=self.device)

@@ -1,11 +1,7 @@
 """A pipeline schedule replayed in time and memory: torch's own action order, with stage costs.
 
-The actions come from the torch.distributed.pipelining schedule the run uses (its `pipeline_order`, built without
-any process group from stand-in stage descriptions); the single-stage schedules (gpipe, 1f1b) are written out here
-in torch's order. Each rank runs its actions in order; an action starts when its rank is free and its input is
-there: a forward needs the previous stage's forward of the micro-batch (plus the boundary transfer when that stage
-lives on another rank), a backward needs the next stage's backward (the last stage, its own forward). Zero-bubble
-schedules split backward into the input gradient (I) and the deferred weight gradient (W).
+The actions and their placement in time come from k3train.parallel.pipeline_order (torch's order of each rank's
+compute actions; an action starts when its rank is free and its input is there).
 
 Memory follows the same timeline per rank: a forward allocates the micro-batch's saved activations, a full backward
 frees them; under a split backward I frees the part only the input gradient needed and W the rest (the inputs of the
@@ -16,61 +12,9 @@ REDUCE_GRAD point (its last backward) under Pipeline ZeRO-2, and to the end of t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
-from k3train.parallel.mesh import SCHEDULES, ParallelDims, stages_of_rank
-
-
-@dataclass(frozen=True)
-class Act:
-    kind: str  # F, B, I, W
-    stage: int
-    mb: int
-
-
-def _single_stage_order(dims: ParallelDims, rank: int) -> list[Act]:
-    m, s = dims.microbatches, rank
-    if dims.pp == 1:  # gradient accumulation: each micro-batch's backward right after its forward
-        return [a for i in range(m) for a in (Act("F", s, i), Act("B", s, i))]
-    if dims.schedule == "gpipe":
-        return [Act("F", s, i) for i in range(m)] + [Act("B", s, i) for i in range(m)]
-    warm = min(m, dims.pp - rank)  # 1F1B: pp - rank forwards in flight, then one forward per backward
-    out = [Act("F", s, i) for i in range(warm)]
-    f, b = warm, 0
-    while b < m:
-        out.append(Act("B", s, b))
-        b += 1
-        if f < m:
-            out.append(Act("F", s, f))
-            f += 1
-    return out
-
-
-def schedule_order(dims: ParallelDims) -> dict[int, list[Act]]:
-    """{pipeline rank: its compute actions in order}."""
-    if dims.pp == 1 or SCHEDULES[dims.schedule][1] == "single":
-        return {r: _single_stage_order(dims, r) for r in range(dims.pp)}
-    import torch.distributed.pipelining as pipelining
-
-    cls = getattr(pipelining, SCHEDULES[dims.schedule][0])
-    n = dims.n_stages
-    stages = [SimpleNamespace(num_stages=n, group_size=dims.pp, group_rank=0, stage_index=s, is_first=s == 0,
-                              is_last=s == n - 1, stage_index_to_group_rank=None, submod=None)
-              for s in stages_of_rank(dims, 0)]
-    sched = cls(stages, n_microbatches=dims.microbatches, loss_fn=lambda out, target: out)
-    names = {"F": "F", "B": "B", "I": "I", "W": "W"}
-    orders: dict[int, list[Act]] = {}
-    for rank, actions in sched.pipeline_order.items():
-        flat = []
-        for a in actions:
-            if a is None:
-                continue
-            for sub in (a.sub_actions or (a,)):
-                kind = sub.computation_type.value
-                if kind in names:
-                    flat.append(Act(names[kind], sub.stage_index, sub.microbatch_index))
-        orders[rank] = flat
-    return orders
+from k3train.parallel.mesh import ParallelDims
+from k3train.parallel.pipeline_order import Act, replay, schedule_order
 
 
 @dataclass
@@ -95,51 +39,13 @@ class Timeline:
 def simulate(dims: ParallelDims, costs: dict[int, StageCost], *, zero: int, weight_share: float = 0.5,
              orders: dict[int, list[Act]] | None = None) -> Timeline:
     orders = orders or schedule_order(dims)
-    owner = {s: r for r, acts in orders.items() for s in {a.stage for a in acts}}
-    last = dims.n_stages - 1
-    done: dict[tuple[str, int, int], float] = {}
-    t_rank = {r: 0.0 for r in orders}
-    pos = {r: 0 for r in orders}
-    events: dict[int, list] = {r: [] for r in orders}
 
-    def ready(a: Act) -> float | None:
-        if a.kind == "F":
-            if a.stage == 0:
-                return 0.0
-            t = done.get(("F", a.stage - 1, a.mb))
-            if t is None:
-                return None
-            return t + (costs[a.stage - 1].send_s if owner[a.stage - 1] != owner[a.stage] else 0.0)
-        if a.kind == "W":
-            return done.get(("I", a.stage, a.mb))
-        if a.stage == last:
-            return done.get(("F", a.stage, a.mb))
-        t = done.get(("B", a.stage + 1, a.mb), done.get(("I", a.stage + 1, a.mb)))
-        if t is None:
-            return None
-        return t + (costs[a.stage + 1].send_s if owner[a.stage + 1] != owner[a.stage] else 0.0)
+    def duration(a: Act) -> float:
+        c = costs[a.stage]
+        return {"F": c.forward_s, "B": c.backward_s, "I": c.backward_s / 2, "W": c.backward_s / 2}[a.kind]
 
-    remaining = sum(len(v) for v in orders.values())
-    while remaining:
-        progressed = False
-        for r, acts in orders.items():
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                dep = ready(a)
-                if dep is None:
-                    break
-                c = costs[a.stage]
-                dur = {"F": c.forward_s, "B": c.backward_s, "I": c.backward_s / 2, "W": c.backward_s / 2}[a.kind]
-                start = max(t_rank[r], dep)
-                t_rank[r] = start + dur
-                done[(a.kind, a.stage, a.mb)] = t_rank[r]
-                events[r].append((start, t_rank[r], a))
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"pipeline schedule {dims.schedule} cannot proceed (actions left: {remaining})")
-
+    events = replay(dims, orders, duration, lambda stage: costs[stage].send_s)
+    makespan = max((evs[-1][1] for evs in events.values() if evs), default=0.0)
     peak, parts, busy = {}, {}, {}
     for r, evs in events.items():
         busy[r] = sum(e - s for s, e, _ in evs)
@@ -169,4 +75,4 @@ def simulate(dims: ParallelDims, costs: dict[int, StageCost], *, zero: int, weig
                 if backward_left[a.stage] == 0 and zero == 2:
                     grads[a.stage] = c.grad_shard_bytes
         peak[r], parts[r] = best, best_parts
-    return Timeline(makespan_s=max(t_rank.values()), busy_s=busy, peak_bytes=peak, peak_parts=parts, events=events)
+    return Timeline(makespan_s=makespan, busy_s=busy, peak_bytes=peak, peak_parts=parts, events=events)

@@ -341,6 +341,8 @@ class Trainer:
                "stop": rec["extra_sums"]}
         if "mtp_loss" in rec:
             out["mtp_loss"] = rec["mtp_loss"]
+        if "vision_cp_balance" in rec:
+            out["vision/cp_balance"] = rec["vision_cp_balance"]
         return out
 
     def evaluate(self) -> dict:

@@ -48,6 +48,15 @@ def tiny_args(**overrides):
     return get_preset("tiny", **overrides)
 
 
+def model_args(*, mtp: bool = False, vision: bool = False):
+    return get_preset("tiny_vision" if vision else "tiny", mtp_layers=int(mtp))
+
+
+def layout_data(step: int, *, seq: int = SEQ, vision: bool = False) -> dict:
+    data = step_data(step, seq=seq)
+    return add_images(data, step) if vision else data
+
+
 def optim_config(name: str = "adamw", qk_clip: float = 0.0) -> OptimConfig:
     # Clipping on (the global norm is part of what must agree); the warm-up lives in the trainer's scheduler.
     return OptimConfig(name=name, lr=3e-3, weight_decay=0.1, grad_clip=1.0, qk_clip=qk_clip)
@@ -72,12 +81,44 @@ def step_data(step: int, *, rows: int = GLOBAL_ROWS, seq: int = SEQ, vocab: int 
     return {"input_ids": ids, "labels": labels, "starts": starts}
 
 
+def add_images(data: dict, step: int, *, seed: int = SEED) -> dict:
+    """Image-text rows for the tiny tower (4-pixel patches, merge 2: an 8 x 8 pixel unit is one visual token): each
+    row gets one or two items (an image of 1 x 1 to 2 x 3 units, or a clip of 2 frames) at random positions, their
+    visual tokens marked in `vision_mask`. Drawn from a generator of their own, so the text of the rows is the same
+    with and without images."""
+    g = torch.Generator().manual_seed(seed * 1000 + step + 500)
+    rows, T = data["input_ids"].shape
+    items, mask = [], torch.zeros(rows, T, dtype=torch.bool)
+    for r in range(rows):
+        row_items, free = [], 0
+        for _ in range(1 + int(torch.randint(0, 2, (1,), generator=g))):
+            frames = 2 if float(torch.rand(1, generator=g)) < 0.3 else 1
+            h, w = (int(v) for v in torch.randint(1, 3, (2,), generator=g))
+            w += int(frames == 1 and h == 2)
+            n = frames * h * w
+            start = free + int(torch.randint(0, max(1, (T - free - n) // 2), (1,), generator=g))
+            if start + n > T:
+                break
+            row_items.append(torch.randn(frames, 3, 8 * h, 8 * w, generator=g))
+            mask[r, start:start + n] = True
+            free = start + n
+        items.append(row_items)
+    return {**data, "items": items, "vision_mask": mask}
+
+
 def rows_batch(data: dict, r0: int, r1: int) -> dict:
-    """Rows [r0, r1) as a micro-batch with its cu_seqlens."""
+    """Rows [r0, r1) as a micro-batch with its cu_seqlens (and its images, row by row, when the rows have them)."""
     T = data["input_ids"].shape[1]
     cu = [(r - r0) * T + s for r in range(r0, r1) for s in data["starts"][r]] + [(r1 - r0) * T]
-    return {"input_ids": data["input_ids"][r0:r1].clone(), "labels": data["labels"][r0:r1].clone(),
-            "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+    out = {"input_ids": data["input_ids"][r0:r1].clone(), "labels": data["labels"][r0:r1].clone(),
+           "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+    if "items" in data:
+        from k3train.models.k3.args import tiny_vision_args
+        from k3train.models.k3.vision import patchify
+        out["vision_pixels"], out["vision_grid"] = patchify(tiny_vision_args(),
+                                                            [x for r in range(r0, r1) for x in data["items"][r]])
+        out["vision_mask"] = data["vision_mask"][r0:r1].clone()
+    return out
 
 
 def local_microbatches(data: dict, *, dp: int, dp_rank: int, microbatches: int) -> list[dict]:
@@ -96,7 +137,7 @@ def local_microbatches(data: dict, *, dp: int, dp_rank: int, microbatches: int) 
 # The one-process reference (plain model, project optimizer, torch's clipping)
 # ---------------------------------------------------------------------------------------------------------------------
 def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, optim: str = "adamw", args=None,
-                  seq: int = SEQ, qk_clip: float = 0.0, mtp: bool = False) -> dict:
+                  seq: int = SEQ, qk_clip: float = 0.0, mtp: bool = False, vision: bool = False) -> dict:
     """Train one process on the same rows. Floating-point sums depend on their bracketing, and AdamW turns the
     rounding of near-zero gradient elements into parameter differences of order lr x 1e-2, so the reference sums
     gradients in the order a layout does: each data-parallel rank's micro-batches in sequence, then the ranks'
@@ -104,7 +145,8 @@ def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, opt
     every layout trains on (the chunked linear_cross_entropy, itself checked against full logits in
     tests/unit/test_loss.py), so the one-process engine matches this loop bit for bit. mtp: the tiny K3 with the MTP
     module, trained on loss + mtp_loss_weight x MTP loss (the MTP loss itself is checked against a per-document
-    reference in tests/unit/test_mtp.py)."""
+    reference in tests/unit/test_mtp.py). vision: the tiny K3 with its tiny tower on image-text rows (add_images),
+    the tower trained with the decoder."""
     from k3train.models.k3.context import BatchContext
     from k3train.models.k3.model import K3Model
     from k3train.models.k3.documents import Documents
@@ -112,7 +154,7 @@ def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, opt
     from k3train.models.k3.mtp import mtp_labels
     from k3train.parallel.zero import ShardedOptimizer
 
-    args = args or tiny_args(mtp_layers=int(mtp))
+    args = args or model_args(mtp=mtp, vision=vision)
     cfg = optim_config(optim, qk_clip)
     model = K3Model(args)
     model.init_weights(SEED)
@@ -125,7 +167,7 @@ def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, opt
         return mtp_labels(b["labels"], Documents.from_cu_seqlens(b["cu_seqlens"], B, T).start)
 
     for s in range(steps):
-        data = step_data(s, seq=seq)
+        data = layout_data(s, seq=seq, vision=vision)
         count = int((data["labels"] != -100).sum())
         if args.mtp_layers:
             mtp_count = int((mtp_targets(rows_batch(data, 0, data["input_ids"].shape[0])) != -100).sum())
@@ -133,6 +175,7 @@ def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, opt
         for r in range(dp):
             for b in local_microbatches(data, dp=dp, dp_rank=r, microbatches=microbatches):
                 ctx, w = BatchContext(b["cu_seqlens"]), model.output.weight
+                images = {k: b[k] for k in ("vision_pixels", "vision_grid", "vision_mask") if k in b}
                 if args.mtp_layers:
                     hidden, u = model(b["input_ids"], ctx, return_hidden=True, mtp=True)
                     loss = linear_cross_entropy(hidden, w, b["labels"])[0] / count
@@ -140,7 +183,7 @@ def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, opt
                     (loss + cfg.mtp_loss_weight * extra).backward()
                     mtp_sum += float(extra.detach())
                 else:
-                    hidden = model(b["input_ids"], ctx, return_hidden=True)
+                    hidden = model(b["input_ids"], ctx, return_hidden=True, **images)
                     loss = linear_cross_entropy(hidden, w, b["labels"])[0] / count
                     loss.backward()
                 loss_sum += float(loss.detach())
@@ -184,6 +227,11 @@ class Layout:
     """Record the first step's reduced gradients (owned rows, before the optimizer step) for cosine checks."""
     mtp: bool = False
     """The tiny K3 with the multi-token-prediction module (model.mtp_layers=1)."""
+    vision: bool = False
+    """The tiny K3 with its tiny vision tower, on image-text rows (add_images)."""
+    vision_placement: str = "stage"
+    record_vision_log: bool = False
+    """Keep the first pipeline rank's log of compute and vision actions of the last step."""
 
     @property
     def world(self) -> int:
@@ -192,7 +240,8 @@ class Layout:
     def dims(self):
         from k3train.parallel.mesh import ParallelDims
         return ParallelDims(pp=self.pp, vpp=self.vpp, dp=self.dp, ep=self.ep, cp=self.cp, cp_layout=self.cp_layout,
-                            zero=self.zero, microbatches=self.microbatches, schedule=self.schedule)
+                            zero=self.zero, microbatches=self.microbatches, schedule=self.schedule,
+                            vision_placement=self.vision_placement)
 
 
 def free_port() -> int:
@@ -209,8 +258,9 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
     from k3train.parallel.mesh import rank_coords
 
     dims = layout.dims()
-    engine = build_engine(tiny_args(mtp_layers=int(layout.mtp)), dims, optim_config(layout.optim, layout.qk_clip), seed=SEED, device="cpu",
-                          seq_len_hint=layout.seq, precision=layout.precision)
+    engine = build_engine(model_args(mtp=layout.mtp, vision=layout.vision), dims,
+                          optim_config(layout.optim, layout.qk_clip), seed=SEED, device="cpu",
+                          seq_len_hint=layout.seq, precision=layout.precision, train_vision=layout.vision)
     # The ranks of a CP group read the same rows (each runs its own pieces of them).
     dp_rank = rank_coords(dims, rank)["dp"] if dims.world > 1 else 0
     rec = {"losses": [], "grad_norms": [], "comm": [], "times": [], "memory": [], "stage_layers": engine.stage_layers,
@@ -220,12 +270,18 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
         capture_first_grads(engine, rec)
 
     def one_step(s: int):
-        mbs = local_microbatches(step_data(s, seq=layout.seq), dp=dims.dp, dp_rank=dp_rank, microbatches=dims.microbatches)
+        mbs = local_microbatches(layout_data(s, seq=layout.seq, vision=layout.vision), dp=dims.dp, dp_rank=dp_rank,
+                                 microbatches=dims.microbatches)
         out = engine.train_step(mbs)
+        feed = engine.pipeline.vision_feed if engine.pipeline is not None else None
+        if layout.record_vision_log and feed is not None:
+            rec["vision_log"] = list(feed.log)
         rec["losses"].append(out["loss"])
         rec["grad_norms"].append(out["grad_norm"])
         if "mtp_loss" in out:
             rec.setdefault("mtp_losses", []).append(out["mtp_loss"])
+        if "vision_cp_balance" in out:
+            rec.setdefault("vision_cp_balance", []).append(out["vision_cp_balance"])
         rec["comm"].append(engine.comm.snapshot())
         rec["times"].append((engine.times.step_s, engine.times.busy_s, engine.times.schedule_s))
         rec["memory_after_reduce"] = dict(engine.last_memory)
@@ -466,12 +522,26 @@ TWO = [
     _lay("mtp_pp2_1f1b", pp=2, microbatches=2, schedule="1f1b", mtp=True),
     _lay("mtp_cp2", cp=2, seq=64, microbatches=2, mtp=True),
     _lay("mtp_ep2_dp2", dp=2, ep=2, microbatches=2, mtp=True),
+    # Image-text rows with the tiny tower: data parallel (the tower's gradients reduced over dp, ZeRO-1 state),
+    # beside expert parallelism, on the first pipeline stage (inside its forward, or its work in the first rank's
+    # idle time under 1F1B and interleaved 1F1B).
+    _lay("vis_dp2_zero1", dp=2, zero=1, microbatches=2, vision=True, capture_grads=True),
+    _lay("vis_ep2_dp2", dp=2, ep=2, microbatches=2, vision=True),
+    _lay("vis_pp2_1f1b", pp=2, microbatches=4, schedule="1f1b", vision=True),
+    _lay("vis_pp2_1f1b_bubbles", pp=2, microbatches=4, schedule="1f1b", vision=True, vision_placement="bubbles",
+         record_vision_log=True),
+    _lay("vis_pp2_vpp2_bubbles", pp=2, vpp=2, microbatches=4, schedule="interleaved_1f1b", vision=True,
+         vision_placement="bubbles", record_vision_log=True),
+    # Dynamic vision CP: whole images assigned to the cp ranks by cost, tokens sent to the ranks holding them.
+    _lay("vis_cp2", cp=2, seq=64, microbatches=2, vision=True),
 ]
 FOUR = [
     _lay("pp2_dp2_zero2_vpp2", pp=2, vpp=2, dp=2, zero=2, microbatches=2),
     _lay("pp2_ep2_zero1", pp=2, dp=2, ep=2, zero=1, microbatches=2, schedule="1f1b"),
     # MTP on the last stage of a CP pipeline: the halo under the stages' own CP handles.
     _lay("mtp_cp2_pp2", pp=2, cp=2, seq=64, microbatches=2, schedule="1f1b", mtp=True),
+    # The tower on the first stage of a CP pipeline: its work spread over that stage's cp ranks.
+    _lay("vis_cp2_pp2", pp=2, cp=2, seq=64, microbatches=2, schedule="1f1b", vision=True),
 ]
 EIGHT = [
     # Everything at once: 2 pipeline ranks x 2 virtual stages, 4-way data parallel with experts over 2 of them
@@ -526,11 +596,11 @@ def reference_for(layout: Layout, steps: int | None = None) -> dict:
     steps = layout.steps if steps is None else steps
     if layout.precision != "fp32":
         raise ValueError("reference_run is the fp32 reference; a bf16 layout compares with a bf16 single process")
-    key = (layout.dp, layout.microbatches, layout.optim, steps, layout.seq, layout.qk_clip, layout.mtp)
+    key = (layout.dp, layout.microbatches, layout.optim, steps, layout.seq, layout.qk_clip, layout.mtp, layout.vision)
     if key not in _REFS:
         with one_thread():
             _REFS[key] = reference_run(steps, dp=layout.dp, microbatches=layout.microbatches, optim=layout.optim,
-                                       seq=layout.seq, qk_clip=layout.qk_clip, mtp=layout.mtp)
+                                       seq=layout.seq, qk_clip=layout.qk_clip, mtp=layout.mtp, vision=layout.vision)
     return _REFS[key]
 
 

@@ -130,3 +130,58 @@ def test_checkpoint_muon_pp2_ep2_to_one_process(workdir, four):
     back = H.single_process_run(H.Layout(name="back_muon", microbatches=2, optim="muon",
                                          checkpoint={"load": os.path.join(workdir, "S4M")}))
     assert _close(back["losses"][0], ref["losses"][STEPS])
+
+
+# ---- vision ---------------------------------------------------------------------------------------------------------
+def test_vision_tower_gets_the_gradients_of_one_process(two):
+    # The first step's reduced gradients of every tower parameter under dp=2 x ZeRO-1 against one process.
+    import torch
+
+    from k3train.models.k3.model import K3Model
+
+    one = H.single_process_run(H.Layout("vis_one", microbatches=2, vision=True, capture_grads=True, steps=1))
+    got, ref = H.merged_grads(two["vis_dp2_zero1"]), H.merged_grads([one])
+    tower = sorted(k for k in ref if k.startswith("vision."))
+    assert len(tower) > 10 and all(float(ref[k].abs().max()) > 0 for k in tower)
+    for k in tower:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-8, msg=k)
+    init = K3Model(H.model_args(vision=True))
+    init.init_weights(H.SEED)
+    start, after = init.state_dict(), H.merged_params(two["vis_dp2_zero1"])
+    assert [k for k in tower if torch.equal(after[k], start[k])] == []  # every tower parameter trained
+
+
+def test_vision_in_bubbles_equals_the_tower_inside_the_stage(two):
+    # Same micro-batches, same order of the tower's gradient sums: the same numbers.
+    plain, bubbles = two["vis_pp2_1f1b"], two["vis_pp2_1f1b_bubbles"]
+    assert [r["losses"] for r in plain] == [r["losses"] for r in bubbles]
+    a, b = H.merged_params(plain), H.merged_params(bubbles)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
+
+
+@pytest.mark.parametrize("name", ["vis_pp2_1f1b_bubbles", "vis_pp2_vpp2_bubbles"])
+def test_vision_actions_run_where_the_plan_puts_them(two, name):
+    from k3train.parallel.vision_schedule import VisionAct, plan_vision
+
+    layout = next(l for l in H.TWO if l.name == name)
+    plan = plan_vision(layout.dims())
+    assert plan.in_idle >= 2
+    planned = [(a.kind, 0 if isinstance(a, VisionAct) else a.stage, a.mb) for a, _ in plan.table]
+    assert two[name][0]["vision_log"] == planned  # the first pipeline rank's last step, in the order it ran
+
+
+def test_vision_cp_reports_the_balance_of_its_assignment(two):
+    # The step's max/mean tower load over the cp ranks, as the largest-first assignment of its images gives it.
+    from k3train.models.k3.args import tiny_vision_args
+    from k3train.parallel.vision_cp import assign_items, balance, item_costs
+
+    layout = next(l for l in H.TWO if l.name == "vis_cp2")
+    for rec in two["vis_cp2"]:
+        want = []
+        for s in range(layout.steps):
+            mbs = H.local_microbatches(H.layout_data(s, seq=layout.seq, vision=True), dp=1, dp_rank=0,
+                                       microbatches=layout.microbatches)
+            want.append(max(balance(assign_items(item_costs(tiny_vision_args(), b["vision_grid"].tolist()), 2)[1])
+                            for b in mbs))
+        assert rec["vision_cp_balance"] == want
+        assert all(1.0 <= x < 1.5 for x in want)

@@ -175,15 +175,18 @@ def test_sample_longer_than_a_row_is_refused():
         _source(_cfg("data.seq_len=16")).rows(0, 1)
 
 
-def test_missing_special_tokens_and_parallel_layouts_are_refused():
+def test_missing_special_tokens_and_misplaced_vision_settings_are_refused():
     with pytest.raises(ConfigError, match=r"data.special_tokens: .*missing \['<\|image_pad\|>', '<\|image_end\|>'\]"):
         validate_config(_cfg("data.special_tokens=['<|image_start|>']"))
     cfg = _cfg()
     cfg.data.special_tokens = ["<|image_start|>", "<|image_end|>"]
     with pytest.raises(DataError, match=r"missing \['<\|image_pad\|>'\]: add them to data.special_tokens"):
         _source(cfg)
-    with pytest.raises(ConfigError, match=r"parallel: data.source='builtin_vision' trains in one process"):
-        validate_config(_cfg("parallel.pp=2", "parallel.microbatches=2", world_size=2), world_size=2)
+    validate_config(_cfg("parallel.pp=2", "parallel.microbatches=2", "parallel.vision_placement=bubbles",
+                         world_size=2), world_size=2)  # images under a pipeline: accepted
+    with pytest.raises(ConfigError, match=r"parallel.vision_placement: 'bubbles' .* feeds no images"):
+        validate_config(load_config("tiny_cpu", ["parallel.pp=2", "parallel.microbatches=2",
+                                                 "parallel.vision_placement=bubbles"], world_size=2), world_size=2)
     with pytest.raises(ConfigError, match="has no vision tower"):
         validate_config(_cfg("model.preset=tiny"))
     with pytest.raises(ConfigError, match="data.blank_images"):

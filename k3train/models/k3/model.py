@@ -88,14 +88,19 @@ class K3Model(nn.Module):
         of the logits, for the loss to apply `output.weight` chunk by chunk (loss.linear_cross_entropy).
         mtp: the pair (final normed hidden, the MTP module's normed hidden [B, T, D]), both for the shared head.
         Images: vision_pixels (packed patches [L, C*p*p]) and vision_grid [N, 3] run through the tower, and its
-        tokens replace the positions vision_mask [B, T] marks, in row-major order (or give vision_embeds directly)."""
+        tokens replace the positions vision_mask [B, T] marks, in row-major order (or give vision_embeds directly).
+        Under context parallelism (ctx.cp) the images and vision_mask are the global rows': the handle's
+        encode_images spreads the tower's work over the group and returns the tokens of this rank's pieces."""
         ctx = ctx or BatchContext()
         if vision_pixels is not None:
             if self.vision is None:
                 raise ValueError("image input needs a model with a vision tower (model.overrides.vision)")
             if vision_embeds is not None:
                 raise ValueError("give vision_pixels or vision_embeds, not both")
-            vision_embeds, _ = self.vision(vision_pixels, vision_grid)
+            if ctx.cp is not None:
+                vision_embeds, vision_mask = ctx.cp.encode_images(self.vision, vision_pixels, vision_grid, vision_mask)
+            else:
+                vision_embeds, _ = self.vision(vision_pixels, vision_grid)
         if self.tok_embeddings is not None:
             if tokens.dim() != 2:
                 raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
