@@ -557,6 +557,43 @@ def _mixture_uniform(orig):
     return row_sources
 
 
+def _vision_forward_late(orig):
+    def plan_vision(dims, *, placement="bubbles", vision_cost=0.5):
+        plan = orig(dims, placement=placement, vision_cost=vision_cost)
+        table = list(plan.table)
+        for i in range(len(table) - 1):  # VF k swapped behind the first stage's forward of k
+            a, b = table[i][0], table[i + 1][0]
+            if getattr(a, "kind", "") == "VF" and getattr(b, "kind", "") == "F" and b.stage == 0 and b.mb == a.mb:
+                table[i], table[i + 1] = table[i + 1], table[i]
+        plan.table = table
+        return plan
+    return plan_vision
+
+
+def _vision_bubbles_unused(orig):
+    def plan_vision(dims, *, placement="bubbles", vision_cost=0.5):
+        return orig(dims, placement="stage", vision_cost=vision_cost)
+    return plan_vision
+
+
+def _vision_backward_skipped(orig):
+    def run(self, acts):
+        return orig(self, [a for a in acts if a.kind != "VB"])
+    return run
+
+
+def _vision_cp_smallest_first(orig):
+    def assign_items(costs, world):
+        owners, loads = orig([-c for c in costs], world)  # the order reversed: smallest images first
+        return owners, [sum(c for c, o in zip(costs, owners) if o == r) for r in range(world)]
+    return assign_items
+
+
+def _vision_cp_arrival_order(orig):
+    torch = __import__("torch")
+    return with_globals(orig, torch=Proxy(torch, argsort=lambda x: torch.arange(len(x))))
+
+
 def _resume_check_names_only(orig):
     def check_model_entries(model, meta, folder, what, *, show=3):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -988,6 +1025,22 @@ MUTATIONS: list[Mutation] = [
     M("resume_ignores_shapes", "k3train.train.checkpoint:check_model_entries",
       "resume compares tensor names but not shapes", _resume_check_names_only,
       ("tests/unit/test_run_dir.py::test_checkpoint_and_model_are_compared_both_ways",)),
+    # ---- vision under parallel layouts
+    M("vision_forward_after_stage", "k3train.parallel.vision_schedule:plan_vision",
+      "the tower's forward of a micro-batch planned after the first stage's forward of it", _vision_forward_late,
+      ("tests/unit/test_vision_schedule.py::test_vision_actions_follow_their_first_stage_actions",)),
+    M("vision_bubbles_unused", "k3train.parallel.vision_schedule:plan_vision",
+      "vision_placement=bubbles plans the tower's work next to the first stage's, never in idle time",
+      _vision_bubbles_unused, ("tests/unit/test_vision_schedule.py::test_bubble_actions_fit_the_idle_time_they_fill",)),
+    M("vision_backward_skipped", "k3train.parallel.vision_schedule:VisionFeed.run",
+      "the tower's backward actions never run: its gradients stay empty", _vision_backward_skipped,
+      ("tests/unit/test_vision_schedule.py::test_feed_gives_the_tower_the_gradients_of_one_graph",)),
+    M("vision_cp_smallest_first", "k3train.parallel.vision_cp:assign_items",
+      "images assigned to cp ranks smallest first", _vision_cp_smallest_first,
+      ("tests/unit/test_vision_cp.py::test_largest_first_is_within_graham_bound_of_the_best_assignment",)),
+    M("vision_cp_arrival_order", "k3train.parallel.vision_cp:encode_images",
+      "scattered visual tokens kept in arrival order, not the rank's position order", _vision_cp_arrival_order,
+      ("tests/unit/test_vision_cp.py::test_each_rank_receives_the_tokens_of_its_own_positions",)),
     # ---- planner
     M("plan_ignores_k3_defaults", "k3train.plan.activations:PolicyPlan.k3_defaults",
       "the planner predicts saved activations as if no storage policy applied", _plan_ignores_k3_defaults,

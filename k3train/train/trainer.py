@@ -419,7 +419,8 @@ class Trainer:
             tps = self.tokens_per_step / dt
             record = {"step": step, "loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": rec["lr"],
                       "tokens_per_s": tps, "tokens": step * self.tokens_per_step, "step_time_s": dt,
-                      "flops_per_token": self.flops_per_token, **{k: rec[k] for k in ("mtp_loss",) if k in rec}}
+                      "flops_per_token": self.flops_per_token,
+                      **{k: rec[k] for k in ("mtp_loss", "vision/cp_balance") if k in rec}}
             if self.peak_flops > 0:
                 record["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.env.world)
             record.update(self.train_loader.metrics())  # tokens drawn from each source of a data mixture

@@ -98,6 +98,9 @@ class RunRecord:
     pipeline_events: list = field(default_factory=list)
     """(stage, 'F' or 'B', micro-batch) in the order this rank ran them in the last step (pp > 1)."""
     stages: list = field(default_factory=list)
+    vision_log: list = field(default_factory=list)
+    """The first pipeline rank's compute and vision actions of the last step, in order (a pipeline with a vision
+    tower only; see k3train.parallel.vision_schedule.VisionFeed.log)."""
     wall_s: float = 0.0
 
 
@@ -167,6 +170,8 @@ def train(cfg, run_dir: str | os.PathLike) -> RunRecord:
         # Events of the last step only: the schedule runs every step the same way.
         per_step = len(events.events) // cfg.train.steps
         rec.pipeline_events = events.events[-per_step:] if per_step else []
+        feed = getattr(engine.pipeline, "vision_feed", None)
+        rec.vision_log = list(feed.log) if feed is not None else []
         for h in engine.activation_handles:
             st = h.stats()
             for k, v in st["total"].items():

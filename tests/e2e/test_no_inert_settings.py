@@ -469,6 +469,8 @@ LAYOUTS: dict[str, dict] = {
     "pp2_vpp2": {**PP2, "parallel.vpp": 2},  # schedule auto: interleaved_1f1b
     "cp2": CP2,  # zigzag
     "cp2_contiguous": {**CP2, "parallel.cp_layout": "contiguous"},
+    "pp2_vision": {**PP2, **VISION_DATA},
+    "pp2_vision_bubbles": {**PP2, **VISION_DATA, "parallel.vision_placement": "bubbles"},
 }
 # Settings of the math, each shown above to change one-process training: under a layout they must give the losses of
 # one process with the same settings, so no layout drops one on the way.
@@ -530,6 +532,17 @@ def reorders_pipeline(base, changed) -> str:
     return f"rank {r}: {fmt(orders[r][0])} -> {fmt(orders[r][1])}"
 
 
+def runs_vision_apart(base, changed) -> str:
+    """The tower's forward and backward of each micro-batch ran as actions of their own on the first rank (with
+    'stage' they run inside its stage), around the same stage actions in the same order."""
+    b, c = base[0].vision_log, changed[0].vision_log
+    assert b and not [e for e in b if e[0] in ("VF", "VB")], b
+    vision = [e for e in c if e[0] in ("VF", "VB")]
+    assert len(vision) == 2 * 2 and [e for e in c if e[0] in ("F", "B")] == b, c
+    fmt = lambda ev: " ".join(f"{k}{m}" for k, _, m in ev)  # noqa: E731
+    return f"rank 0: {fmt(b)} -> {fmt(c)}"
+
+
 def stores_remotely(base, changed) -> str:
     got = [r.activation.get("offload_remote", 0) for r in changed]
     assert all(g > 0 for g in got) and all(not r.activation for r in base), got
@@ -546,6 +559,8 @@ class ParallelCase:
     """The run it is compared with: another layout, or 'one' (the one-process reference)."""
     check: Callable
     inert: str = ""
+    reference: str = "one"
+    """The one-process run both layouts must reproduce."""
 
 
 PARALLEL: list[ParallelCase] = [
@@ -560,6 +575,8 @@ PARALLEL: list[ParallelCase] = [
     ParallelCase("parallel.cp", "cp2", "one", adds_bytes("cp")),
     ParallelCase("parallel.cp_layout", "cp2_contiguous", "cp2", other_bytes("cp")),
     ParallelCase("activation.policy", "dp2_offload_remote", "dp2", stores_remotely),
+    ParallelCase("parallel.vision_placement", "pp2_vision_bubbles", "pp2_vision", runs_vision_apart,
+                 reference="one_vision"),
 ]
 
 
@@ -627,11 +644,13 @@ def train_one(work):
 
 @pytest.fixture(scope="module")
 def parallel_runs(work):
-    """{'one': [the one-process reference], 'one_settings': [the same with MATH_SETTINGS], layout: [rank 0, rank 1]}:
+    """{'one': [the one-process reference], 'one_settings': [the same with MATH_SETTINGS], 'one_vision': [the same on
+    image-text rows with the tiny tower], layout: [rank 0, rank 1]}:
     the layouts of LAYOUTS and SETTINGS_LAYOUTS in one two-rank spawn."""
     base = runs.base_config(runs.PARALLEL_BASE)
     out = {"one": [runs.train(base, work / "runs" / "parallel_one")],
-           "one_settings": [runs.train(runs.with_changes(base, MATH_SETTINGS), work / "runs" / "parallel_one_s")]}
+           "one_settings": [runs.train(runs.with_changes(base, MATH_SETTINGS), work / "runs" / "parallel_one_s")],
+           "one_vision": [runs.train(runs.with_changes(base, VISION_DATA), work / "runs" / "parallel_one_v")]}
     layouts = {**LAYOUTS, **SETTINGS_LAYOUTS}
     out.update(runs.spawn_runs({name: runs.with_changes(base, ch) for name, ch in layouts.items()},
                                str(work / "runs"), str(work / "cache")))
@@ -711,7 +730,7 @@ def assert_same_training(rec, one, name: str) -> None:
                                   for c in PARALLEL])
 def test_parallel_setting_keeps_the_math_and_changes_what_runs(case, parallel_runs):
     for name in (case.layout, case.vs):
-        assert_same_training(parallel_runs[name][0], parallel_runs["one"][0], name)
+        assert_same_training(parallel_runs[name][0], parallel_runs[case.reference][0], name)
     print(f"{case.key} [{case.layout} vs {case.vs}]: {case.check(parallel_runs[case.vs], parallel_runs[case.layout])}")
 
 

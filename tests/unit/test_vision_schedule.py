@@ -84,3 +84,50 @@ def test_bubbles_take_more_idle_time_than_the_stage_placement():
 def test_bad_vision_placements_are_refused(kw, phrase):
     with pytest.raises(ConfigError, match=phrase):
         ParallelDims(**kw).validate()
+
+
+def test_feed_gives_the_tower_the_gradients_of_one_graph():
+    # VF k encodes micro-batch k apart, the stage reads a detached copy, VB k pushes that copy's gradient into the
+    # tower: the tower's (and every other) gradient equals the one autograd graph's.
+    import torch
+
+    from k3train.models.k3.args import get_preset
+    from k3train.models.k3.context import BatchContext
+    from k3train.models.k3.model import K3Model
+    from k3train.models.k3.vision import patchify
+    from k3train.parallel.vision_schedule import VisionFeed
+
+    torch.manual_seed(0)
+    args = get_preset("tiny_vision")
+    model = K3Model(args)
+    model.init_weights(3)
+    mbs = []
+    for k in range(2):
+        items = [torch.randn(1, 3, 16, 8), torch.randn(2, 3, 8, 8)][: k + 1]
+        pixels, grid = patchify(args.vision, items)
+        mask = torch.zeros(1, 32, dtype=torch.bool)
+        mask[0, 3:3 + int((grid.prod(1) // 4).sum())] = True
+        mbs.append({"vision_pixels": pixels, "vision_grid": grid, "vision_mask": mask})
+    ids = torch.randint(0, args.vocab_size, (2, 1, 32))
+
+    def grads(run):
+        model.zero_grad(set_to_none=True)
+        run()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    def one_graph():
+        for k in range(2):
+            model(ids[k], BatchContext(), **mbs[k]).square().mean().backward()
+
+    def bubbles():
+        feed = VisionFeed(model.vision, placement="bubbles", plan=None)
+        feed.start_step(mbs)
+        for k in range(2):
+            model(ids[k], BatchContext(), **feed.stage_inputs(k)).square().mean().backward()
+            feed.run([VisionAct("VB", k)])
+        assert [x for x in feed.log] == [("VF", 0, 0), ("VB", 0, 0), ("VF", 0, 1), ("VB", 0, 1)]
+
+    ref, got = grads(one_graph), grads(bubbles)
+    assert sorted(ref) == sorted(got) and any(n.startswith("vision.") for n in ref)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-6, atol=1e-7, msg=n)
