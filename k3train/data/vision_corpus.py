@@ -81,6 +81,8 @@ def load_image(data: bytes, name: str, *, unit: int, max_side: int, max_pixels: 
     try:
         img = Image.open(io.BytesIO(data))
         w, h = img.size  # the header only: the pixel limit is checked before decoding
+    except Image.UnidentifiedImageError:  # its message shows only an object address
+        raise BadSample(f"sample {name}: cannot read the image (not a format Pillow reads)") from None
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise BadSample(f"sample {name}: cannot read the image ({type(e).__name__}: {e})") from None
     if w * h > max_pixels:
