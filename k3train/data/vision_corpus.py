@@ -1,5 +1,6 @@
 """The built-in image-text corpus (data.source=builtin_vision): images drawn at run time with Pillow, captions that
-describe them, packed with placeholder spans into rows for the vision tower and the decoder.
+describe them, packed with placeholder spans into rows for the vision tower and the decoder. The packer (VisionRows)
+takes its samples from a pluggable source: the drawn samples here, or files (k3train.data.vision_files).
 
 A sample is one image and its caption: a number of one or two digits captioned by itself ("47"), or a shape or a
 short word in capitals captioned with its colour ("blue circle", "green SUN"), drawn on a light background of random
