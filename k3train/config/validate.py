@@ -12,15 +12,14 @@ import math
 import os
 from pathlib import Path
 
+from k3train.data.config import VISION_FORMATS, VISION_SOURCES
 from k3train.models.k3.args import K3ModelArgs, get_preset
 
 from .errors import ConfigError
 
 from .schema import K3TrainConfig
 
-DATA_SOURCES = ("builtin", "files", "recall", "builtin_vision")
-VISION_SOURCES = ("builtin_vision",)
-"""Data sources that feed images (the model needs a vision tower; the tower trains)."""
+DATA_SOURCES = ("builtin", "files", "recall", "builtin_vision", "vision_files")
 TOKENIZERS = ("byte", "hf", "tiktoken")
 
 
@@ -140,11 +139,23 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
     _need(0.0 <= d.vision_clips <= 1.0, "data.vision_clips", f"must lie in [0, 1], got {d.vision_clips}")
     _need(d.vision_clips == 0 or d.source == "builtin_vision", "data.vision_clips",
           f"draws clips for source 'builtin_vision', not {d.source!r}")
-    _need(not d.blank_images or d.source == "builtin_vision", "data.blank_images",
-          f"blanks the images of source 'builtin_vision'; source {d.source!r} has none")
-    if d.source == "builtin_vision":
+    _need(not d.blank_images or d.source in VISION_SOURCES, "data.blank_images",
+          f"blanks the images of the sources {list(VISION_SOURCES)}; source {d.source!r} has none")
+    if d.source == "vision_files":
+        _need(len(d.paths) > 0, "data.paths", "source 'vision_files' needs at least one folder, file or glob")
+        _need(d.format in ("auto", *VISION_FORMATS), "data.format",
+              f"unknown format {d.format!r} for source 'vision_files'; choose auto or one of {list(VISION_FORMATS)}")
+        _need(bool(d.image_field or d.video_field), "data.image_field",
+              "and data.video_field are both empty: source 'vision_files' needs the column of the images or videos")
+        _need(bool(d.text_field), "data.text_field", "is empty: source 'vision_files' needs the caption column")
+    else:
+        _need(d.image_field == "image", "data.image_field",
+              f"names the image column of source 'vision_files', not of {d.source!r}")
+        _need(not d.video_field, "data.video_field",
+              f"names the video column of source 'vision_files', not of {d.source!r}")
+    if d.source in VISION_SOURCES:
         _need(args.vision is not None, "data.source",
-              f"'builtin_vision' feeds images, but model {args.name} has no vision tower (set model.overrides.vision "
+              f"{d.source!r} feeds images, but model {args.name} has no vision tower (set model.overrides.vision "
               f"or use the tiny_vision preset)")
     _need(p.vision_placement == "stage" or d.source in VISION_SOURCES, "parallel.vision_placement",
           f"'{p.vision_placement}' places the vision tower's work, but data.source={d.source!r} feeds no images")
@@ -167,7 +178,7 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
             check_special_ids(tok, args.vocab_size)
         except DataError as e:
             raise ConfigError(f"data.tokenizer: {e}") from e
-        if d.source == "builtin_vision":
+        if d.source in VISION_SOURCES:
             from k3train.data.vision_corpus import image_token_ids
             try:
                 image_token_ids(tok)

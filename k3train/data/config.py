@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+VISION_SOURCES = ("builtin_vision", "vision_files")
+"""Sources of image-text rows, which need a model with a vision tower."""
+VISION_FORMATS = ("imagefolder", "parquet", "webdataset")
+"""data.format values of source 'vision_files' (besides 'auto'): HF datasets' builders of those names."""
+
 
 @dataclass(kw_only=True)
 class SourceConfig:
@@ -25,14 +30,23 @@ class SourceConfig:
 class DataConfig:
     source: str = "builtin"
     """'builtin' (corpus built from the Python standard library's sources and docs), 'files' (local text, JSONL,
-    Parquet via HF datasets), 'recall' (synthetic multi-query associative recall), or 'builtin_vision' (images
-    drawn at run time with captions that describe them, for a model with a vision tower; k3train.data.vision_corpus)."""
+    Parquet via HF datasets), 'recall' (synthetic multi-query associative recall), 'builtin_vision' (images
+    drawn at run time with captions that describe them, for a model with a vision tower; k3train.data.vision_corpus)
+    or 'vision_files' (image-text and video-text samples from local files; k3train.data.vision_files)."""
     paths: list[str] = field(default_factory=list)
-    """Files or globs for source='files' (a one-source shorthand of data.sources; give one or the other)."""
+    """Files, folders or globs for source='files' (a one-source shorthand of data.sources; give one or the other)
+    and source='vision_files'."""
     format: str = "auto"
-    """'text', 'json' (JSONL), 'parquet', or 'auto' (from the extension), for data.paths."""
+    """Format of data.paths: 'text', 'json' (JSONL), 'parquet' or 'auto' (from the extension) for source='files';
+    'imagefolder', 'parquet', 'webdataset' or 'auto' (a folder, *.parquet, *.tar) for source='vision_files'."""
     text_field: str = "text"
-    """Column holding the text in JSONL/Parquet, for data.paths."""
+    """Column holding the text in JSONL/Parquet for data.paths; the caption column for source='vision_files'."""
+    image_field: str = "image"
+    """Column holding the image (encoded bytes, a path, or datasets' Image struct) for source='vision_files';
+    empty: the data has videos only."""
+    video_field: str = ""
+    """Column holding the video (encoded bytes or a path) for source='vision_files'; empty: the data has images
+    only. A sample holds an image or a video."""
     sources: list[SourceConfig] = field(default_factory=list)
     """A weighted mixture of file sources for source='files': each row comes from one source, drawn with
     probability weight / sum of weights by a seeded counter-based sampler (exactly resumable)."""
@@ -55,7 +69,7 @@ class DataConfig:
     micro_batch: int = 8
     """Rows per micro-batch (per data-parallel rank)."""
     eval_fraction: float = 0.02
-    """Fraction of documents held out for eval loss."""
+    """Fraction of documents (of samples, for source='vision_files') held out for eval loss."""
     builtin_max_bytes: int = 8_000_000
     """Upper bound on the built-in corpus size."""
     recall_pairs: int = 8
@@ -65,17 +79,18 @@ class DataConfig:
     recall_vocab: int = 64
     """Distinct keys/values for associative recall."""
     on_bad_sample: str = "fail"
-    """What an unusable image-text sample does (an image that does not decode, one over image_max_pixels, a sample
-    longer than a row): 'fail' stops with an error naming it; 'skip' leaves it out and counts it in the
+    """What an unusable image-text sample does (an image or video that does not decode, one over image_max_pixels, a
+    missing file or caption, a sample longer than a row): 'fail' stops with an error naming it; 'skip' leaves it out and counts it in the
     data/skipped_samples metric."""
     image_max_pixels: int = 1 << 26
-    """Images with more pixels than this are refused before decoding (then handled by on_bad_sample)."""
+    """Images (and video frames) with more pixels than this are refused before decoding (then handled by
+    on_bad_sample)."""
     vision_clips: float = 0.0
     """Share of builtin_vision samples that are short clips (3 frames of a shape moving one way, captioned with
     the direction) instead of still images; 0 draws images only."""
     blank_images: bool = False
-    """Replace every image by a blank one of the same size (same visual token counts, no content): the baseline
-    that tools/bench_vision.py compares the caption loss with."""
+    """Replace every image (and video frame) of an image-text source by a blank one of the same size (same visual
+    token counts, no content): the baseline that tools/bench_vision.py compares the caption loss with."""
     seed: int = 0
     """Shuffle seed (document order and mixture draws)."""
 

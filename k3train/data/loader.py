@@ -1,7 +1,8 @@
 """build_dataloader: micro-batches of one data-parallel rank, with exact resume.
 
-Every source ('builtin', 'files', 'recall') defines a global sequence of rows: row g is a pure function of the data,
-the tokenizer, cfg.seed, cfg.seq_len and g, whatever the number of ranks. Sharding and resume only pick row indices:
+Every source ('builtin', 'files', 'recall', 'builtin_vision', 'vision_files') defines a global sequence of rows: row g
+is a pure function of the data, the tokenizer, cfg.seed, cfg.seq_len and g, whatever the number of ranks. Sharding
+and resume only pick row indices:
 
     G = micro_batch * dp_world                (rows per global micro-batch)
     rank r's k-th micro-batch = rows [k*G + r*micro_batch, k*G + (r+1)*micro_batch)
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 
 from k3train.data.builtin_corpus import build_builtin_corpus
-from k3train.data.config import DataConfig
+from k3train.data.config import VISION_SOURCES, DataConfig
 from k3train.data.datasets import DocStream, build_source_docs
 from k3train.data.packing import PackedStream, StreamPacker, batch_from_rows, check_vocab, overlapping_rows
 from k3train.data.recall import EVAL_ROWS, RecallSource
@@ -194,7 +195,7 @@ def build_dataloader(cfg: DataConfig, tok, *, split: str = "train", dp_rank: int
     """The loader of `split` ('train' or 'eval') for data-parallel rank `dp_rank` of `dp_world`.
 
     vocab_size: the model's vocabulary; DataError when the tokenizer or any token id does not fit it.
-    vision: the model's VisionArgs (patch size, merge, largest side), needed by source 'builtin_vision'.
+    vision: the model's VisionArgs (patch size, merge, largest side, frames), needed by the image-text sources.
     progress: tokenization progress bar (default: on rank 0 only).
     """
     if split not in ("train", "eval"):
@@ -216,11 +217,16 @@ def build_dataloader(cfg: DataConfig, tok, *, split: str = "train", dp_rank: int
         return MicroBatchLoader(source, split=split, micro_batch=cfg.micro_batch, dp_rank=dp_rank, dp_world=dp_world,
                           num_batches=n, state_tag=tag)
 
-    if cfg.source == "builtin_vision":
+    if cfg.source in VISION_SOURCES:
         if vision is None:
-            raise DataError("data.source='builtin_vision' needs a model with a vision tower (model.overrides.vision)")
+            raise DataError(f"data.source={cfg.source!r} needs a model with a vision tower (model.overrides.vision)")
         check_vocab(None, tok, vocab_size, "image-text data")
-        source = VisionRows(cfg, tok, vision, split=split)
+        samples = None  # builtin_vision: drawn samples
+        if cfg.source == "vision_files":
+            from k3train.data.vision_files import FileSamples
+            samples = FileSamples(cfg, vision, split=split, progress=progress)
+            tag["samples"] = len(samples.ids)  # a resume on other data is refused
+        source = VisionRows(cfg, tok, vision, split=split, samples=samples)
         n = None if split == "train" else max(1, source.rows_per_pass() // G)
         return MicroBatchLoader(source, split=split, micro_batch=cfg.micro_batch, dp_rank=dp_rank, dp_world=dp_world,
                                 num_batches=n, state_tag=tag)
@@ -229,8 +235,8 @@ def build_dataloader(cfg: DataConfig, tok, *, split: str = "train", dp_rank: int
         return _file_loader(cfg, tok, split=split, dp_rank=dp_rank, dp_world=dp_world, vocab_size=vocab_size,
                             progress=progress, tag=tag)
     if cfg.source != "builtin":
-        raise DataError(f"unknown data.source {cfg.source!r}; expected 'builtin', 'files', 'recall' or "
-                        f"'builtin_vision'")
+        raise DataError(f"unknown data.source {cfg.source!r}; expected 'builtin', 'files', 'recall', "
+                        f"'builtin_vision' or 'vision_files'")
     docs = build_builtin_corpus(cfg, tok, progress=progress)
     check_vocab(docs, tok, vocab_size, "built-in corpus")
     ids = docs.split_ids(split, cfg.eval_fraction)

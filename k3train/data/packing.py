@@ -52,25 +52,30 @@ class TokenizedDocs:
         fraction the document with the smallest hash goes to eval, and if all do, the largest stays in train.
         A single document always trains. Identical texts share a hash, so they always land on the same side.
         """
-        if split not in ("train", "eval"):
-            raise DataError(f"unknown split {split!r}; expected 'train' or 'eval'")
-        if not 0.0 <= eval_fraction < 1.0:
-            raise DataError(f"data.eval_fraction must be in [0, 1), got {eval_fraction}")
-        n = len(self)
-        u = hash_uniform(self.doc_hash)
-        is_eval = (u < eval_fraction) & (n >= 2)
-        if eval_fraction > 0 and n >= 2:
-            if not is_eval.any():
-                is_eval[np.argmin(u)] = True
-            if is_eval.all():
-                is_eval[np.argmax(u)] = False
-        ids = np.flatnonzero(is_eval if split == "eval" else ~is_eval)
-        if len(ids) == 0:
-            if split == "eval":
-                raise DataError(f"no eval documents: {n} document(s) with data.eval_fraction={eval_fraction}; "
-                                f"set eval_fraction > 0 and provide at least two documents")
-            raise DataError(f"no train documents among {n} document(s)")
-        return ids
+        return split_indices(self.doc_hash, split, eval_fraction)
+
+
+def split_indices(key_hash: np.ndarray, split: str, eval_fraction: float, what: str = "documents") -> np.ndarray:
+    """Indices of the items (documents, samples) in `split` from their 64-bit hashes; see TokenizedDocs.split_ids."""
+    if split not in ("train", "eval"):
+        raise DataError(f"unknown split {split!r}; expected 'train' or 'eval'")
+    if not 0.0 <= eval_fraction < 1.0:
+        raise DataError(f"data.eval_fraction must be in [0, 1), got {eval_fraction}")
+    n = len(key_hash)
+    u = hash_uniform(key_hash)
+    is_eval = (u < eval_fraction) & (n >= 2)
+    if eval_fraction > 0 and n >= 2:
+        if not is_eval.any():
+            is_eval[np.argmin(u)] = True
+        if is_eval.all():
+            is_eval[np.argmax(u)] = False
+    ids = np.flatnonzero(is_eval if split == "eval" else ~is_eval)
+    if len(ids) == 0:
+        if split == "eval":
+            raise DataError(f"no eval {what}: {n} {what[:-1]}(s) with data.eval_fraction={eval_fraction}; "
+                            f"set eval_fraction > 0 and provide at least two {what}")
+        raise DataError(f"no train {what} among {n} {what[:-1]}(s)")
+    return ids
 
 
 def hash_uniform(doc_hash: np.ndarray) -> np.ndarray:

@@ -1,5 +1,6 @@
 """The built-in image-text corpus (data.source=builtin_vision): images drawn at run time with Pillow, captions that
-describe them, packed with placeholder spans into rows for the vision tower and the decoder.
+describe them, packed with placeholder spans into rows for the vision tower and the decoder. The packer (VisionRows)
+takes its samples from a pluggable source: the drawn samples here, or files (k3train.data.vision_files).
 
 A sample is one image and its caption: a number of one or two digits captioned by itself ("47"), or a shape or a
 short word in capitals captioned with its colour ("blue circle", "green SUN"), drawn on a light background of random
@@ -27,8 +28,10 @@ that does not decode, one over the pixel limit, a sample longer than a row) rais
 
 from __future__ import annotations
 
+import functools
 import io
-from typing import Callable
+import itertools
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -79,6 +82,8 @@ def load_image(data: bytes, name: str, *, unit: int, max_side: int, max_pixels: 
     try:
         img = Image.open(io.BytesIO(data))
         w, h = img.size  # the header only: the pixel limit is checked before decoding
+    except Image.UnidentifiedImageError:  # its message shows only an object address
+        raise BadSample(f"sample {name}: cannot read the image (not a format Pillow reads)") from None
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise BadSample(f"sample {name}: cannot read the image ({type(e).__name__}: {e})") from None
     if w * h > max_pixels:
@@ -88,6 +93,14 @@ def load_image(data: bytes, name: str, *, unit: int, max_side: int, max_pixels: 
         img = img.convert("RGB")
     except (OSError, ValueError) as e:  # a truncated or corrupt body shows when the pixels are decoded
         raise BadSample(f"sample {name}: cannot decode the image ({type(e).__name__}: {e})") from None
+    return image_pixels(img, unit=unit, max_side=max_side)
+
+
+def image_pixels(img, *, unit: int, max_side: int) -> torch.Tensor:
+    """A decoded RGB Pillow image -> float32 [3, H, W] in [-1, 1], resized to fit_size's sides (bicubic)."""
+    from PIL import Image
+
+    w, h = img.size
     W, H = fit_size(w, h, unit, max_side)
     if (W, H) != (w, h):
         img = img.resize((W, H), Image.BICUBIC)
@@ -172,25 +185,27 @@ def render_clip(rng: np.random.Generator, unit: int, max_side: int) -> tuple[lis
 
 
 SampleFn = Callable[[np.random.Generator, int, int], tuple[bytes, str]]
+Fetch = Callable[[], tuple[torch.Tensor, str]]
+"""Loads one sample: (pixels [T, 3, H, W], caption); raises BadSample naming it."""
 
 
-class VisionRows:
-    """Rows of image-text samples for one split (see the module docstring). rows(first, n) is a pure function of
-    (seed, split, row index); `skipped` counts the samples skipped in the rows produced so far."""
+class DrawnSamples:
+    """The sample source of builtin_vision: row g's candidates are drawn, one after the other, from a generator
+    seeded with (data.seed, split, g); the stream is infinite, so a row takes candidates until one does not fit."""
 
-    def __init__(self, cfg, tok, vision, *, split: str, sample_fn: SampleFn = render_sample):
-        self.cfg, self.tok, self.vision, self.split = cfg, tok, vision, split
-        self.start_id, self.pad_img_id, self.end_id = image_token_ids(tok)
+    def __init__(self, cfg, vision, *, split: str, sample_fn: SampleFn = render_sample):
+        self.cfg, self.vision, self.split, self.sample_fn = cfg, vision, split, sample_fn
         self.unit = vision.patch_size * vision.merge
-        self.sample_fn = sample_fn
-        if cfg.on_bad_sample not in ("skip", "fail"):
-            raise DataError(f"data.on_bad_sample must be 'skip' or 'fail', got {cfg.on_bad_sample!r}")
-        self.skipped = 0
-        self._next_uncounted = 0
+        self.name = "builtin_vision"
 
-    def _sample(self, rng, name: str) -> tuple[torch.Tensor, list[int]]:
-        """(pixels [T, 3, H, W], the sample's tokens) of one drawn sample (T = 1 for an image)."""
+    def candidates(self, g: int) -> Iterator[tuple[str, Fetch]]:
+        rng = np.random.default_rng([self.cfg.seed, 0 if self.split == "train" else 1, g])
+        for k in itertools.count():
+            yield f"builtin_vision/{self.split}/row{g}/sample{k}", functools.partial(self._draw, rng, k, g)
+
+    def _draw(self, rng: np.random.Generator, k: int, g: int) -> tuple[torch.Tensor, str]:
         v, cfg = self.vision, self.cfg
+        name = f"builtin_vision/{self.split}/row{g}/sample{k}"
         # The draw for a clip happens only when clips are on, so image-only streams stay as they were.
         if cfg.vision_clips > 0 and rng.random() < cfg.vision_clips:
             frames, caption = render_clip(rng, self.unit, v.max_image_side)
@@ -199,8 +214,35 @@ class VisionRows:
             frames = [data]
         if len(frames) > v.max_frames:
             raise BadSample(f"sample {name}: {len(frames)} frames, over the tower's max_frames={v.max_frames}")
-        px = torch.stack([load_image(f, name, unit=self.unit, max_side=v.max_image_side,
-                                     max_pixels=cfg.image_max_pixels) for f in frames])
+        return torch.stack([load_image(f, name, unit=self.unit, max_side=v.max_image_side,
+                                       max_pixels=cfg.image_max_pixels) for f in frames]), caption
+
+    def rows_per_pass(self) -> int:
+        return EVAL_ROWS
+
+
+class VisionRows:
+    """Rows of image-text samples for one split (see the module docstring), packed from a sample source: drawn
+    samples (DrawnSamples, the default) or samples read from files (k3train.data.vision_files.FileSamples).
+    A source gives, for row g, its candidates in order as (name, fetch); the row takes them while they fit, so
+    rows(first, n) is a pure function of (seed, split, row index) whenever the source's candidates are.
+    `skipped` counts the samples skipped in the rows produced so far."""
+
+    def __init__(self, cfg, tok, vision, *, split: str, samples=None):
+        self.cfg, self.tok, self.vision, self.split = cfg, tok, vision, split
+        self.start_id, self.pad_img_id, self.end_id = image_token_ids(tok)
+        self.samples = samples if samples is not None else DrawnSamples(cfg, vision, split=split)
+        if cfg.on_bad_sample not in ("skip", "fail"):
+            raise DataError(f"data.on_bad_sample must be 'skip' or 'fail', got {cfg.on_bad_sample!r}")
+        self.skipped = 0
+        self._next_uncounted = 0
+
+    def _sample(self, name: str, fetch: Fetch) -> tuple[torch.Tensor, list[int]]:
+        """(pixels [T, 3, H, W], the sample's tokens) of one sample (T = 1 for an image)."""
+        v, cfg = self.vision, self.cfg
+        px, caption = fetch()
+        if px.shape[0] > v.max_frames:
+            raise BadSample(f"sample {name}: {px.shape[0]} frames, over the tower's max_frames={v.max_frames}")
         if cfg.blank_images:  # the ablation baseline: same sizes and token counts, no content
             px = torch.zeros_like(px)
         n = px.shape[0] * (px.shape[2] // v.patch_size) * (px.shape[3] // v.patch_size) // v.merge ** 2
@@ -215,27 +257,26 @@ class VisionRows:
         """(tokens of row g, padded to seq_len + 1; tokens before the padding; sample start positions; pixels;
         samples skipped)."""
         L = self.cfg.seq_len
-        rng = np.random.default_rng([self.cfg.seed, 0 if self.split == "train" else 1, g])
         ids: list[int] = []
         starts: list[int] = []
         pixels: list[torch.Tensor] = []
         skipped = 0
-        for k in range(4 * L):  # bounded: a row of bad samples only ends the search
-            name = f"builtin_vision/{self.split}/row{g}/sample{k}"
+        # bounded: a row of bad samples only ends the search
+        for name, fetch in itertools.islice(self.samples.candidates(g), 4 * L):
             try:
-                px, s = self._sample(rng, name)
+                px, s = self._sample(name, fetch)
             except BadSample:
                 if self.cfg.on_bad_sample == "fail":
                     raise
                 skipped += 1
                 continue
             if len(ids) + len(s) > L + 1:
-                break  # the row is full; the drawn sample is left out (the stream is infinite)
+                break  # the row is full; the candidate is left out (its source draws again for the next row)
             starts.append(len(ids))
             ids += s
             pixels.append(px)
         if not pixels:
-            raise DataError(f"builtin_vision: no usable sample for row {g} of {self.split} ({skipped} skipped)")
+            raise DataError(f"{self.samples.name}: no usable sample for row {g} of {self.split} ({skipped} skipped)")
         return ids + [self.tok.pad_id] * (L + 1 - len(ids)), len(ids), starts, pixels, skipped
 
     def rows(self, first: int, n: int) -> dict[str, torch.Tensor]:
@@ -270,7 +311,7 @@ class VisionRows:
         }
 
     def rows_per_pass(self) -> int:
-        return EVAL_ROWS
+        return self.samples.rows_per_pass()
 
     def metrics(self) -> dict:
         return {"data/skipped_samples": self.skipped}

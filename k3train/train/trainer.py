@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from k3train.config import ConfigError, K3TrainConfig, validate_config
 from k3train.data import DataError, build_dataloader, build_tokenizer
+from k3train.data.config import VISION_SOURCES
 from k3train.models.k3.counts import count_params, flops_per_token
 from k3train.models.k3.model import required_seq_multiple
 from k3train.parallel import comm
@@ -207,7 +208,7 @@ class Trainer:
         self.engine = build_engine(args, self.dims, cfg.optim, seed=t.seed, device=self.device,
                                    precision=t.precision,
                                    seq_len_hint=cfg.data.seq_len, activation_rules=rules, balancing=t.balancing,
-                                   train_vision=cfg.data.source == "builtin_vision")
+                                   train_vision=cfg.data.source in VISION_SOURCES)
         self.parts = self.engine.model_parts
         from k3train.ops.backend import Kernels, resolve_kernels, set_kernels
         self.kernels = resolve_kernels(cfg.model.kernels, self.device.type)  # validated with the config

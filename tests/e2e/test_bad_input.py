@@ -80,6 +80,53 @@ def converge(*argv: str):
     return run
 
 
+def _png() -> bytes:
+    from PIL import Image
+    import io
+    buf = io.BytesIO()
+    Image.new("RGB", (12, 10), (200, 30, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _video_without_frames() -> bytes:
+    """An AVI file with a video stream and no frames (PyAV)."""
+    import io
+
+    import av
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="avi") as c:
+        s = c.add_stream("mpeg4", rate=5)
+        s.width, s.height, s.pix_fmt = 16, 16, "yuv420p"
+        c.start_encoding()
+    return buf.getvalue()
+
+
+def _parquet(**columns) -> bytes:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    buf = io.BytesIO()
+    pq.write_table(pa.table(columns), buf)
+    return buf.getvalue()
+
+
+def vision_files(*overrides: str, files: dict[str, Callable[[], bytes] | str] | None = None):
+    """The first train micro-batch of tiny_vision reading data=vision_files with these overrides; `files` (bytes made
+    by a function, or text) are written into the working folder first ('{tmp}' in overrides is replaced by it)."""
+    def run(tmp: Path):
+        for name, content in (files or {}).items():
+            p = tmp / name
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(content.encode() if isinstance(content, str) else content())
+        return vision_batch("data=vision_files", "data.micro_batch=1", "data.seq_len=128",
+                            *[o.replace("{tmp}", str(tmp)) for o in overrides])
+    return run
+
+
+IMAGEFOLDER = {"imf/a.png": _png, "imf/metadata.jsonl": '{"file_name": "a.png", "text": "red"}\n'}
+
+
 def call_tmp(fn: Callable[[Path], object]):
     return fn
 
@@ -191,8 +238,19 @@ CASES = [
         config("data=builtin_vision")),
     Bad("vision-image-tokens", "config", "--config-name tiny_vision data.special_tokens=[]",
         r"needs the special tokens .* missing", config("data.special_tokens=[]", recipe="tiny_vision")),
-    Bad("vision-layout", "config", "--config-name tiny_vision parallel.dp=2 (world 2)", "trains in one process",
-        config("parallel.dp=2", world=2, recipe="tiny_vision")),
+    Bad("vision-placement-no-images", "config",
+        "--config-name tiny_cpu parallel.pp=2 parallel.microbatches=2 parallel.vision_placement=bubbles (world 2)",
+        r"parallel.vision_placement: 'bubbles' .* feeds no images",
+        config("parallel.pp=2", "parallel.microbatches=2", "parallel.vision_placement=bubbles", world=2)),
+    Bad("vision-placement-pp1", "config", "--config-name tiny_vision parallel.vision_placement=bubbles",
+        r"parallel.vision_placement: 'bubbles' .* needs pp > 1",
+        config("parallel.vision_placement=bubbles", recipe="tiny_vision")),
+    Bad("vision-files-format", "config", "--config-name tiny_vision data=vision_files data.format=tfrecord",
+        "data.format: unknown format 'tfrecord' for source 'vision_files'",
+        config("data=vision_files", "data.paths=[imf]", "data.format=tfrecord", recipe="tiny_vision")),
+    Bad("vision-files-field-other-source", "config", "--config-name tiny_vision data.video_field=video",
+        "data.video_field: names the video column of source 'vision_files', not of 'builtin_vision'",
+        config("data.video_field=video", recipe="tiny_vision")),
     # ---- data -----------------------------------------------------------------------------------------------------
     Bad("paths-empty", "data", "data.source=files without data.paths", "needs at least one path",
         data("data.source=files")),
@@ -226,6 +284,24 @@ CASES = [
     Bad("image-pixel-limit", "data", "--config-name tiny_vision data.image_max_pixels=100",
         r"sample builtin_vision/train/row0/sample0: image \d+x\d+ has \d+ pixels, over data.image_max_pixels=100",
         lambda tmp: vision_batch("data.image_max_pixels=100"), DataError),
+    Bad("vision-files-missing", "data", "--config-name tiny_vision data=vision_files data.paths=[missing]",
+        "data file not found", vision_files("data.paths=[{tmp}/missing]"), DataError),
+    Bad("vision-files-field", "data", "data=vision_files data.text_field=caption on an imagefolder with 'text'",
+        r"data.text_field='caption' is not a column of imagefolder data .*; it has \['image', 'text'\]",
+        vision_files("data.paths=[{tmp}/imf]", "data.text_field=caption", files=IMAGEFOLDER), DataError),
+    Bad("vision-files-corrupt-image", "data", "data=vision_files: an imagefolder image that is not an image",
+        r"sample .*/imf/a.png, row 0: cannot read the image",
+        vision_files("data.paths=[{tmp}/imf]", files={**IMAGEFOLDER, "imf/a.png": "not an image"}), DataError),
+    Bad("vision-files-missing-image", "data", "data=vision_files: metadata.jsonl naming an image that is not there",
+        r"sample .*/imf/b.png, row 0: cannot read '.*/imf/b.png' \(No such file",
+        vision_files("data.paths=[{tmp}/imf]", files={"imf/a.png": _png,
+                                                      "imf/metadata.jsonl": '{"file_name": "b.png", "text": "x"}\n'}),
+        DataError),
+    Bad("vision-files-video-no-frames", "data", "data=vision_files: a Parquet video with no frames",
+        r"sample .*/v.parquet, row 0: the video has no frames",
+        vision_files("data.paths=[{tmp}/v.parquet]", "data.image_field=''", "data.video_field=video",
+                     files={"v.parquet": lambda: _parquet(video=[_video_without_frames()], text=["nothing"])}),
+        DataError),
     Bad("recall-vocab", "data", "data=recall data.recall_vocab=2 data.recall_pairs=8", "recall_vocab",
         data("data.source=recall", "data.recall_vocab=2"), DataError),
     # ---- checkpoints, resume and run directories ------------------------------------------------------------------

@@ -41,6 +41,9 @@ SKIPPED = {
 
 CORPUS = 'my/corpus/*.jsonl'
 """The placeholder corpus glob of docs/training.md: a small JSONL file is written there before the command runs."""
+IMAGES = "my/images"
+"""The placeholder imagefolder of README.md and docs/training.md: captioned PNGs and a metadata.jsonl are written
+there before the command runs."""
 USER_RECIPES = "my_recipes"
 """The folder of docs/training.md's own recipe: mine.yaml (extending tiny_cpu) is written there before the command
 runs."""
@@ -110,6 +113,14 @@ def test_doc_command_runs(where, cmd, tmp_path):
         lines = [f'{{"text": "document {i}: ' + "the quick brown fox jumps over the lazy dog. " * 20 + '"}'
                  for i in range(40)]
         (tmp_path / "my" / "corpus" / "a.jsonl").write_text("\n".join(lines) + "\n")
+    if IMAGES in cmd:
+        from PIL import Image
+        folder = tmp_path / IMAGES
+        folder.mkdir(parents=True)
+        with open(folder / "metadata.jsonl", "w") as f:
+            for i, colour in enumerate(["red", "green", "blue", "navy"]):
+                Image.new("RGB", (16 + 8 * i, 24), colour).save(folder / f"{i}.png")
+                f.write(f'{{"file_name": "{i}.png", "text": "{colour}"}}\n')
     if USER_RECIPES in cmd:
         (tmp_path / USER_RECIPES).mkdir()
         (tmp_path / USER_RECIPES / "mine.yaml").write_text("defaults:\n  - tiny_cpu\n  - override optim: muon\n"

@@ -285,6 +285,10 @@ VISION_DATA = {"data.source": "builtin_vision", "model.overrides.vision": _tiny_
                "data.special_tokens": ["<|image_start|>", "<|image_pad|>", "<|image_end|>"]}
 
 
+VISION_FILES = {**VISION_DATA, "data.source": "vision_files", "data.paths": [InWork("vision.parquet")],
+                "data.eval_fraction": 0.1}
+
+
 def _rule(match: str, policy: str):
     from k3train.config.schema import ActivationRule
     return ActivationRule(match=match, policy=policy)
@@ -401,6 +405,10 @@ ONE_PROCESS: list[Case] = [
     Case("optim.vision_weight_decay", {"optim.vision_weight_decay": 1.0}, base={**VISION_DATA, **MUON}),
     Case("data.blank_images", {"data.blank_images": True}, base=VISION_DATA),
     Case("data.vision_clips", {"data.vision_clips": 0.5}, base=VISION_DATA),  # clips through temporal attention
+    # Image-text samples from files (Parquet): another image column, or the videos instead of the images.
+    Case("data.source", VISION_FILES),
+    Case("data.image_field", {"data.image_field": "alt"}, base=VISION_FILES),
+    Case("data.video_field", {"data.image_field": "", "data.video_field": "video"}, base=VISION_FILES),
     # Images over the limit are skipped: other samples fill the rows.
     Case("data.image_max_pixels", {"data.image_max_pixels": 600, "data.on_bad_sample": "skip"}, base=VISION_DATA),
 ]
@@ -604,6 +612,44 @@ def _write_inputs(work: Path) -> None:
                                   special_tokens=["<s>", "</s>", "<pad>"], show_progress=False)
     tok.train_from_iterator(["def run(self, value):\n    return self.value + value\n"] * 20, trainer)
     tok.save(str(work / "tokenizer.json"))
+    _write_vision_files(work / "vision.parquet")
+
+
+def _write_vision_files(path: Path) -> None:
+    """Parquet image-text samples for source vision_files: two image columns (different pictures of the same sizes),
+    a video column (4-frame clips) and captions."""
+    import io
+
+    import av
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+
+    def png(a):
+        buf = io.BytesIO()
+        Image.fromarray(a).save(buf, format="PNG")
+        return buf.getvalue()
+
+    def mp4(frames):
+        buf = io.BytesIO()
+        with av.open(buf, "w", format="mp4") as c:
+            s = c.add_stream("mpeg4", rate=5)
+            s.width, s.height, s.pix_fmt = 24, 16, "yuv420p"
+            for a in frames:
+                for packet in s.encode(av.VideoFrame.from_ndarray(a, format="rgb24")):
+                    c.mux(packet)
+            for packet in s.encode():
+                c.mux(packet)
+        return buf.getvalue()
+
+    noise = [rng.integers(0, 256, size=(16, 16, 3), dtype=np.uint8) for _ in range(24)]
+    pq.write_table(pa.table({
+        "image": [png(a) for a in noise], "alt": [png(255 - a) for a in noise],
+        "video": [mp4([np.roll(a, 4 * t, axis=1)[:, :16].repeat(2, axis=1)[:, :24] for t in range(4)]) for a in noise],
+        "text": [f"sample {i}" for i in range(24)]}), path)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import torch
 from k3train.config import ConfigError, load_config, validate_config
 from k3train.config.validate import model_args
 from k3train.data import IGNORE_INDEX, DataError, build_dataloader, build_tokenizer
-from k3train.data.vision_corpus import IMAGE_TOKENS, BadSample, VisionRows, fit_size, render_sample
+from k3train.data.vision_corpus import IMAGE_TOKENS, BadSample, DrawnSamples, VisionRows, fit_size, render_sample
 from k3train.models.k3.model import K3Model
 from k3train.models.k3.vision import moonvit_reference
 
@@ -26,9 +26,11 @@ def _cfg(*overrides: str, world_size: int = 1):
     return load_config("tiny_vision", [*SMALL, *overrides], world_size=world_size)
 
 
-def _source(cfg=None, split="train", **kw) -> VisionRows:
+def _source(cfg=None, split="train", sample_fn=render_sample) -> VisionRows:
     cfg = cfg or _cfg()
-    return VisionRows(cfg.data, build_tokenizer(cfg.data), model_args(cfg).vision, split=split, **kw)
+    vision = model_args(cfg).vision
+    return VisionRows(cfg.data, build_tokenizer(cfg.data), vision, split=split,
+                      samples=DrawnSamples(cfg.data, vision, split=split, sample_fn=sample_fn))
 
 
 def test_rows_hold_placeholder_spans_and_caption_labels():

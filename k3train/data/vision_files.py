@@ -1,0 +1,250 @@
+"""Image-text and video-text samples read from local files (data.source=vision_files), packed by VisionRows.
+
+Formats (data.format, or 'auto': a folder is an imagefolder, *.parquet / *.pq Parquet, *.tar WebDataset shards), each
+read by HF `datasets`' own builder through one `load_dataset` call over data.paths:
+- imagefolder: images beside a metadata.jsonl / metadata.csv / metadata.parquet whose `file_name` names the image
+  (column `image`) and whose other columns (the caption) ride along. A video file is named by a `video_file_name`
+  column, which the builder turns into the path column `video` (any `<name>_file_name` becomes `<name>`).
+- parquet: one sample per record; images and videos as encoded bytes (a binary column or the struct
+  {bytes, path} that `datasets`' Image feature writes) or as file paths.
+- webdataset: tar shards whose members share a key per sample (`0001.jpg`, `0001.txt`, `0001.mp4`); the columns are
+  the extensions, so a shard of jpg + txt is read with data.image_field=jpg data.text_field=txt.
+data.image_field, data.video_field and data.text_field name the columns; a sample holds an image or a video (one of
+the two) and a caption. A name that is not a column is refused when the loader is built, listing the columns.
+
+Images go through `load_image` (the pixel limit checked from the header, then decoded, resized keeping the aspect
+ratio to multiples of patch x merge, at most the tower's max_image_side). Videos are decoded with PyAV; one longer
+than the tower's max_frames is sampled at evenly spaced frames that include the first and the last (frame indices
+round(linspace(0, n - 1, max_frames))), so a clip covers its whole duration at a lower frame rate; every frame is
+resized as an image would be.
+
+Row g of a split is a function of (data.seed, split, g) only: its candidates are samples of the split drawn
+uniformly (with replacement) by a generator seeded with (data.seed, split, g), packed by VisionRows until one does not
+fit. So any number of data-parallel ranks and a resume read the same rows, with no position to store; over a run
+a sample is drawn (rows x samples per row) / samples times on average, with no epoch boundary. The split is fixed by a
+hash of each sample's position in the dataset (files in sorted order): data.eval_fraction of the samples are held
+out for eval, as for text files; an eval pass is min(64, eval samples) rows.
+
+Memory: `load_dataset` writes the dataset once into the Arrow cache ($K3TRAIN_CACHE/hf_datasets; image files of an
+imagefolder stay where they are, only their paths are stored), which is memory-mapped, not loaded; the loader holds
+the split's sample indices (8 bytes a sample) and the samples of the rows it is building. Nothing is decoded up front.
+
+Bad input: a sample whose image or video cannot be read, decoded or is over data.image_max_pixels, a missing file, a
+video without frames, an empty caption: BadSample naming the file and the row (data.on_bad_sample=fail), or skipped
+and counted in `data/skipped_samples` (skip).
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import io
+import os
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from k3train.data.config import VISION_FORMATS
+from k3train.data.datasets import load_files
+from k3train.data.packing import cache_key, cache_lock, split_indices, text_hash
+from k3train.data.tokenizers import DataError
+from k3train.data.vision_corpus import EVAL_ROWS, BadSample, Fetch, image_pixels, load_image
+
+_EXT_FORMAT = {".parquet": "parquet", ".pq": "parquet", ".tar": "webdataset"}
+"""Extensions of the one-file-per-shard formats; any other file (images, metadata) belongs to an imagefolder."""
+
+
+def vision_files(paths: list[str], fmt: str) -> tuple[list[str], str]:
+    """data.paths (folders, files, globs) as a sorted list of files and their one format; DataError for anything
+    missing, an unknown format or a mix of formats."""
+    if fmt not in ("auto", *VISION_FORMATS):
+        raise DataError(f"unknown data.format {fmt!r} for source 'vision_files'; expected 'auto', "
+                        f"{', '.join(repr(f) for f in VISION_FORMATS)}")
+    if not paths:
+        raise DataError("data.source='vision_files' needs data.paths (folders, files or globs); it is empty")
+    files: list[str] = []
+    kinds: dict[str, str] = {}
+    for p in paths:
+        p = os.path.expanduser(str(p))
+        if glob.has_magic(p):
+            hits = sorted(h for h in glob.glob(p, recursive=True) if os.path.isfile(h))
+            if not hits:
+                raise DataError(f"data.paths pattern {p!r} matches no files")
+        elif os.path.isdir(p):
+            hits = sorted(os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs)
+            if not hits:
+                raise DataError(f"data.paths folder {p!r} is empty")
+            kinds.setdefault("imagefolder", p)
+        elif os.path.isfile(p):
+            hits = [p]
+        else:
+            raise DataError(f"data file not found: {p!r}")
+        if not os.path.isdir(p):
+            for h in hits:
+                kinds.setdefault(_EXT_FORMAT.get(os.path.splitext(h)[1].lower(), "imagefolder"), h)
+        files += hits
+    if fmt == "auto":
+        if len(kinds) > 1:
+            raise DataError(f"data.paths mix formats ({', '.join(f'{k}: {v!r}' for k, v in sorted(kinds.items()))});"
+                            f" give the files of one format, or set data.format")
+        fmt = next(iter(kinds))
+    return list(dict.fromkeys(os.path.abspath(f) for f in files)), fmt
+
+
+def evenly_spaced(n: int, k: int) -> np.ndarray:
+    """Indices of min(n, k) of n frames, evenly spaced and including the first and the last."""
+    return np.linspace(0, n - 1, min(n, k)).round().astype(np.int64)
+
+
+def decode_video(src: bytes | str, name: str, *, max_frames: int, unit: int, max_side: int,
+                 max_pixels: int) -> torch.Tensor:
+    """A video (encoded bytes or a file path) -> float32 [T, 3, H, W] in [-1, 1], T = min(frames, max_frames) evenly
+    spaced frames (see the module docstring), each resized by fit_size; BadSample naming `name`."""
+    import av
+
+    def open_video():
+        return av.open(io.BytesIO(src) if isinstance(src, bytes) else src)
+
+    try:
+        with open_video() as container:
+            if not container.streams.video:
+                raise BadSample(f"sample {name}: no video stream in the video")
+            stream = container.streams.video[0]
+            w, h = stream.codec_context.width, stream.codec_context.height
+            if w * h > max_pixels:
+                raise BadSample(f"sample {name}: video frames {w}x{h} have {w * h:,} pixels, over "
+                                f"data.image_max_pixels={max_pixels:,}")
+            n = stream.frames  # from the container's header; 0 when it does not say
+        if n <= 0:
+            with open_video() as container:
+                n = sum(1 for _ in container.decode(video=0))
+        if n == 0:
+            raise BadSample(f"sample {name}: the video has no frames")
+        keep = set(evenly_spaced(n, max_frames).tolist())
+        frames: list[torch.Tensor] = []
+        with open_video() as container:
+            for k, frame in enumerate(container.decode(video=0)):  # a loop over frames, converting the kept ones
+                if k in keep:
+                    frames.append(image_pixels(frame.to_image(width=w, height=h), unit=unit, max_side=max_side))
+                    if len(frames) == len(keep):
+                        break
+    except BadSample:
+        raise
+    except (av.error.FFmpegError, OSError, ValueError, EOFError, IndexError) as e:
+        raise BadSample(f"sample {name}: cannot read the video ({type(e).__name__}: {e})") from None
+    if not frames:
+        raise BadSample(f"sample {name}: the video has no frames")
+    return torch.stack(frames)
+
+
+def _media(value) -> tuple[bytes | None, str | None]:
+    """(bytes, path) of a media cell: raw bytes, a path, or the {bytes, path} struct of datasets' Image/Video."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value), None
+    if isinstance(value, str):
+        return None, value
+    if isinstance(value, dict):
+        return value.get("bytes"), value.get("path")
+    return None, None
+
+
+class FileSamples:
+    """The sample source of vision_files for one split (see the module docstring): `candidates(g)` gives row g's
+    candidates; `load(i)` reads sample i of the dataset."""
+
+    def __init__(self, cfg, vision, *, split: str, progress: bool = False):
+        import datasets
+
+        self.cfg, self.vision, self.split = cfg, vision, split
+        self.unit = vision.patch_size * vision.merge
+        self.files, self.format = vision_files(list(cfg.paths), cfg.format)
+        shown = self.files[0] + (f" (+{len(self.files) - 1} more)" if len(self.files) > 1 else "")
+        self.what = f"{self.format} data {shown!r}"
+        with cache_lock("vision-" + cache_key(self.files)):  # one process per machine writes the Arrow cache
+            ds = load_files(self.files, self.format, streaming=False, progress=progress)
+        for key, column in (("data.image_field", cfg.image_field), ("data.video_field", cfg.video_field),
+                            ("data.text_field", cfg.text_field)):
+            if column and column not in ds.column_names:
+                raise DataError(f"{key}={column!r} is not a column of {self.what}; it has {sorted(ds.column_names)}")
+        self.fields = [c for c in (cfg.image_field, cfg.video_field) if c]
+        for column in self.fields:  # left encoded: load_image checks the pixel limit before decoding, PyAV decodes
+            feature = ds.features[column]
+            if isinstance(feature, (datasets.Image, datasets.Video)):
+                ds = ds.cast_column(column, type(feature)(decode=False))
+        keys = ["__url__", "__key__"] if self.format == "webdataset" else []
+        self.ds = ds.select_columns(self.fields + [cfg.text_field] + [k for k in keys if k in ds.column_names])
+        self.keys = ds.select_columns(keys) if keys and set(keys) <= set(ds.column_names) else None
+        self.file_starts = None
+        if self.format == "parquet":  # the first dataset row of each file, from the files' footers
+            import pyarrow.parquet as pq
+            counts = [pq.ParquetFile(f).metadata.num_rows for f in self.files]
+            self.file_starts = np.cumsum([0] + counts)
+        # The split key: a sample's position in the dataset (one string hash a sample: the cheap index pass).
+        hashes = np.array([text_hash(f"sample {i}") for i in range(len(ds))], dtype=np.uint64)
+        self.ids = split_indices(hashes, split, cfg.eval_fraction, what="samples")
+        self.name = f"vision_files {self.what}"
+
+    def where(self, i: int, row: dict | None = None) -> str:
+        """The file and row of dataset sample i, for messages."""
+        if self.file_starts is not None:
+            f = int(np.searchsorted(self.file_starts, i, side="right")) - 1
+            return f"{self.files[f]}, row {i - int(self.file_starts[f])}"
+        if self.keys is not None:
+            k = self.keys[i]
+            return f"{k['__url__']}, member {k['__key__']}"
+        row = self.ds[i] if row is None else row
+        paths = [p for c in self.fields for p in [_media(row.get(c))[1]] if p]
+        return f"{paths[0] if paths else self.what}, row {i}"
+
+    def candidates(self, g: int) -> Iterator[tuple[str, Fetch]]:
+        rng = np.random.default_rng([self.cfg.seed, 0 if self.split == "train" else 1, g])
+        while True:
+            i = int(self.ids[int(rng.integers(len(self.ids)))])
+            yield self.where(i), functools.partial(self.load, i)
+
+    def _read(self, value, name: str, *, whole: bool = True) -> bytes | str | None:
+        """A media cell's bytes, or (whole=False: a video, which PyAV reads in pieces) its checked file path."""
+        data, path = _media(value)
+        if data is not None:
+            return data
+        if path is None:
+            return None
+        if not whole:
+            if not os.path.isfile(path):
+                raise BadSample(f"sample {name}: cannot read {path!r} (No such file or directory)")
+            return path
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise BadSample(f"sample {name}: cannot read {path!r} ({e.strerror or e})") from None
+
+    def load(self, i: int) -> tuple[torch.Tensor, str]:
+        """(pixels [T, 3, H, W], caption) of dataset sample i; BadSample naming its file and row."""
+        cfg, v = self.cfg, self.vision
+        row = self.ds[i]
+        name = self.where(i, row)
+        caption = row[cfg.text_field]
+        if not isinstance(caption, str) or not caption.strip():
+            raise BadSample(f"sample {name}: no caption (column {cfg.text_field!r} is "
+                            f"{'empty' if isinstance(caption, str) or caption is None else type(caption).__name__})")
+        image = row.get(cfg.image_field) if cfg.image_field else None
+        video = row.get(cfg.video_field) if cfg.video_field else None
+        if image is not None and video is not None:
+            raise BadSample(f"sample {name}: holds an image ({cfg.image_field!r}) and a video ({cfg.video_field!r}); "
+                            f"a sample is one of them")
+        if image is not None:
+            data = self._read(image, name)
+            if data is not None:
+                return load_image(data, name, unit=self.unit, max_side=v.max_image_side,
+                                  max_pixels=cfg.image_max_pixels)[None], caption
+        if video is not None:
+            data = self._read(video, name, whole=False)
+            if data is not None:
+                return decode_video(data, name, max_frames=v.max_frames, unit=self.unit, max_side=v.max_image_side,
+                                    max_pixels=cfg.image_max_pixels), caption
+        raise BadSample(f"sample {name}: no image or video (columns {self.fields} are empty)")
+
+    def rows_per_pass(self) -> int:
+        return max(1, min(EVAL_ROWS, len(self.ids)))

@@ -1,0 +1,348 @@
+"""Image-text and video-text samples from local files (data.source=vision_files): each format read into the rows the
+packer gives for the same samples, videos sampled to the tower's frame limit, rows independent of ranks and resume,
+bad samples named, refused settings, and a short training run."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from k3train.config import ConfigError, load_config, validate_config
+from k3train.config.validate import model_args
+from k3train.data import IGNORE_INDEX, DataError, build_dataloader, build_tokenizer
+from k3train.data.vision_corpus import IMAGE_TOKENS, BadSample, VisionRows, fit_size
+from k3train.data.vision_files import FileSamples, evenly_spaced
+
+SMALL = ["+model.overrides.n_layers=2", "data.micro_batch=2", "train.device=cpu", "train.threads=1"]
+CAPTIONS = ["red fox", "blue sky", "a tall tree", "seven", "green SUN"]
+SIZES = [(20, 27), (64, 40), (9, 70), (33, 33), (48, 16)]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("K3TRAIN_CACHE", str(tmp_path / "cache"))
+
+
+def _png(i: int, size: tuple[int, int]) -> bytes:
+    """A noise image (every pixel matters when pixels are compared)."""
+    from PIL import Image
+    arr = np.random.default_rng(i).integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _video(levels: list[int], w: int = 24, h: int = 16, fmt: str = "mp4") -> bytes:
+    """A video whose frame t is a flat grey of levels[t] (PyAV, MPEG-4 part 2)."""
+    import av
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=fmt) as c:
+        s = c.add_stream("mpeg4", rate=5)
+        s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+        c.start_encoding()
+        for level in levels:
+            frame = av.VideoFrame.from_ndarray(np.full((h, w, 3), level, dtype=np.uint8), format="rgb24")
+            for packet in s.encode(frame):
+                c.mux(packet)
+        for packet in s.encode():
+            c.mux(packet)
+    return buf.getvalue()
+
+
+IMAGES = [_png(i, s) for i, s in enumerate(SIZES)]
+
+
+def write_imagefolder(d: Path, images=IMAGES, captions=CAPTIONS, extra=None) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / "metadata.jsonl", "w") as f:
+        for i, (img, cap) in enumerate(zip(images, captions)):
+            (d / f"{i:02d}.png").write_bytes(img)
+            f.write(json.dumps({"file_name": f"{i:02d}.png", "text": cap, **(extra or {})}) + "\n")
+    return d
+
+
+def write_parquet(path: Path, columns: dict) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def write_tar(path: Path, members: list[dict[str, bytes]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tf:
+        for i, sample in enumerate(members):
+            for ext, data in sample.items():
+                info = tarfile.TarInfo(f"s{i:04d}.{ext}")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+def _cfg(path, *overrides, world_size: int = 1):
+    return load_config("tiny_vision", [*SMALL, "data=vision_files", f"data.paths=[{path}]", *overrides],
+                       world_size=world_size)
+
+
+def _loader(cfg, **kw):
+    args = validate_config(cfg, world_size=1)
+    return build_dataloader(cfg.data, build_tokenizer(cfg.data), vocab_size=args.vocab_size, vision=args.vision,
+                            progress=False, **kw)
+
+
+def _captions(b, tok) -> set[str]:
+    """The captions a batch's labels spell (each ends with EOS)."""
+    kept = b["labels"][b["labels"] != IGNORE_INDEX].tolist()
+    out, cur = set(), []
+    for t in kept:
+        if t == tok.eos_id:
+            out.add(tok.decode(cur))
+            cur = []
+        else:
+            cur.append(t)
+    return out
+
+
+class _Originals(FileSamples):
+    """The same draws as FileSamples, but sample i decoded straight from the original bytes with Pillow."""
+
+    def __init__(self, cfg, vision, *, split, originals):
+        super().__init__(cfg, vision, split=split)
+        self.originals = originals
+
+    def load(self, i):
+        from PIL import Image
+        img = Image.open(io.BytesIO(IMAGES[i])).convert("RGB")
+        img = img.resize(fit_size(*img.size, self.unit, self.vision.max_image_side), Image.BICUBIC)
+        px = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).float() / 127.5 - 1.0
+        return px[None], self.originals[i]
+
+
+@pytest.mark.parametrize("fmt", ["imagefolder", "parquet", "webdataset"])
+def test_each_format_reads_the_rows_the_packer_gives(fmt, tmp_path):
+    overrides = ["data.eval_fraction=0"]
+    if fmt == "imagefolder":
+        path = write_imagefolder(tmp_path / "imf")
+    elif fmt == "parquet":  # two files: a sample's file and row come from the files' footers
+        write_parquet(tmp_path / "pq" / "a.parquet", {"image": IMAGES[:3], "caption": CAPTIONS[:3]})
+        write_parquet(tmp_path / "pq" / "b.parquet", {"image": IMAGES[3:], "caption": CAPTIONS[3:]})
+        path, overrides = tmp_path / "pq" / "*.parquet", overrides + ["data.text_field=caption"]
+    else:
+        path = write_tar(tmp_path / "shard-0.tar", [{"png": img, "txt": cap.encode()}
+                                                   for img, cap in zip(IMAGES, CAPTIONS)])
+        overrides += ["data.image_field=png", "data.text_field=txt"]
+    cfg = _cfg(path, *overrides, "data.seq_len=128")
+    loader = _loader(cfg)
+    assert loader.source.samples.format == fmt and len(loader.source.samples.ids) == 5
+    got = [next(loader) for _ in range(3)]
+
+    vision = model_args(cfg).vision
+    tok = build_tokenizer(cfg.data)
+    ref = VisionRows(cfg.data, tok, vision, split="train",
+                     samples=_Originals(cfg.data, vision, split="train", originals=CAPTIONS))
+    for k, b in enumerate(got):
+        want = ref.rows(2 * k, 2)
+        assert set(b) == set(want)
+        for key in want:
+            assert torch.equal(b[key], want[key]), (fmt, k, key)
+    # Real content: the labels spell the drawn captions, one per visual span, and only visual positions are masked.
+    b = got[0]
+    start, pad, end = (tok.special_ids[t] for t in IMAGE_TOKENS)
+    kept = b["labels"][b["labels"] != IGNORE_INDEX].tolist()
+    assert kept.count(tok.eos_id) == int((b["input_ids"] == start).sum()) and _captions(b, tok) <= set(CAPTIONS)
+    assert torch.equal(b["vision_mask"], b["input_ids"] == pad)
+    assert int(b["vision_mask"].sum()) == int((b["vision_grid"].prod(1) // vision.merge ** 2).sum())
+    where = loader.source.samples.where(4)
+    assert where == {"imagefolder": f"{tmp_path}/imf/04.png, row 4", "parquet": f"{tmp_path}/pq/b.parquet, row 1",
+                     "webdataset": f"{tmp_path}/shard-0.tar, member s0004"}[fmt]
+
+
+def test_evenly_spaced_frames():
+    assert evenly_spaced(7, 4).tolist() == [0, 2, 4, 6]
+    assert evenly_spaced(10, 4).tolist() == [0, 3, 6, 9]
+    assert evenly_spaced(3, 4).tolist() == [0, 1, 2]
+    assert evenly_spaced(1, 4).tolist() == [0]
+
+
+def test_videos_are_decoded_and_sampled_to_max_frames(tmp_path):
+    levels = [20 + 30 * t for t in range(7)]  # 7 frames; the tiny tower takes 4
+    long, short = _video(levels), _video(levels[:3], w=40, h=40)
+    (tmp_path / "imf").mkdir()
+    (tmp_path / "imf" / "clip.mp4").write_bytes(long)  # for the imagefolder below
+    pq_path = write_parquet(tmp_path / "v.parquet", {"video": [long, short], "text": ["rising grey", "short grey"]})
+    cfg = _cfg(pq_path, "data.image_field=''", "data.video_field=video", "data.eval_fraction=0", "data.seq_len=128")
+    samples = _loader(cfg).source.samples
+    px, caption = samples.load(0)
+    assert caption == "rising grey" and px.shape == (4, 3, 16, 24)  # 24x16 fits units of 8
+    means = ((px.mean(dim=(1, 2, 3)) + 1) * 127.5).tolist()
+    assert np.allclose(means, [levels[t] for t in (0, 2, 4, 6)], atol=6), means  # neighbours are 30 apart
+    px, _ = samples.load(1)
+    assert px.shape == (3, 3, 40, 40)
+    assert np.allclose(((px.mean(dim=(1, 2, 3)) + 1) * 127.5).tolist(), levels[:3], atol=6)
+    # In rows: a video is one visual span of frames x patches / merge^2 tokens.
+    b = next(_loader(cfg))
+    assert set(b["vision_grid"][:, 0].tolist()) <= {3, 4} and int(b["vision_mask"].sum()) == int(
+        (b["vision_grid"].prod(1) // 4).sum())
+    # The same videos named by an imagefolder's video_file_name (paths the builder resolves against the metadata).
+    d = tmp_path / "imf"
+    (d / "short.mp4").write_bytes(short)
+    with open(d / "metadata.jsonl", "w") as f:
+        for name, text in (("clip.mp4", "rising grey"), ("short.mp4", "short grey")):
+            f.write(json.dumps({"video_file_name": name, "text": text}) + "\n")
+    samples = _loader(_cfg(d, "data.image_field=''", "data.video_field=video", "data.eval_fraction=0",
+                           "data.seq_len=128")).source.samples
+    vid, cap = samples.load(0)
+    assert vid.shape == (4, 3, 16, 24) and cap == "rising grey" and samples.load(1)[0].shape == (3, 3, 40, 40)
+    assert samples.where(1) == f"{d}/short.mp4, row 1"
+
+
+def test_rows_do_not_depend_on_ranks_or_resume(tmp_path):
+    path = write_imagefolder(tmp_path / "imf")
+    one = _loader(_cfg(path, "data.micro_batch=4", "data.eval_fraction=0.4"))
+    whole = [next(one) for _ in range(2)]
+    ranks = [_loader(_cfg(path, "data.eval_fraction=0.4"), dp_rank=r, dp_world=2) for r in (0, 1)]
+    for k in range(2):
+        parts = [next(r) for r in ranks]
+        assert torch.equal(torch.cat([p["input_ids"] for p in parts]), whole[k]["input_ids"])
+        assert torch.equal(torch.cat([p["vision_pixels"] for p in parts]), whole[k]["vision_pixels"])
+    # Resume from the state after one micro-batch: the next one is the uninterrupted run's second.
+    state = _loader(_cfg(path, "data.micro_batch=4", "data.eval_fraction=0.4"))
+    next(state)
+    resumed = _loader(_cfg(path, "data.micro_batch=4", "data.eval_fraction=0.4"))
+    resumed.load_state_dict(state.state_dict())
+    assert torch.equal(next(resumed)["input_ids"], whole[1]["input_ids"])
+    # The split: held-out samples never train; the eval loader reads only them.
+    train_ids = set(one.source.samples.ids.tolist())
+    ev = _loader(_cfg(path, "data.micro_batch=4", "data.eval_fraction=0.4"), split="eval")
+    eval_ids = set(ev.source.samples.ids.tolist())
+    assert train_ids.isdisjoint(eval_ids) and train_ids | eval_ids == set(range(5)) and eval_ids
+    assert _captions(next(iter(ev)), ev.source.tok) <= {CAPTIONS[i] for i in eval_ids}
+    # A resume onto other data is refused.
+    other = write_imagefolder(tmp_path / "imf2", IMAGES[:4], CAPTIONS[:4])
+    saved = _loader(_cfg(path, "data.eval_fraction=0"))
+    next(saved)
+    with pytest.raises(DataError, match=r"saved with samples=5 but this loader has samples=4"):
+        _loader(_cfg(other, "data.eval_fraction=0")).load_state_dict(saved.state_dict())
+
+
+def _bad_case(kind: str, tmp_path: Path) -> tuple[Path, list[str], str]:
+    """(data path, overrides, message) of a dataset whose sample 1 is bad and sample 0 good."""
+    good = IMAGES[0]
+    if kind == "no-frames":
+        path = write_parquet(tmp_path / "v.parquet", {"video": [_video([50, 90]), _video([], fmt="avi")],
+                                                     "text": ["grey", "nothing"]})
+        return path, ["data.image_field=''", "data.video_field=video"], \
+            rf"sample {path}, row 1: the video has no frames"
+    if kind == "not-a-video":
+        path = write_parquet(tmp_path / "v.parquet", {"video": [_video([50, 90]), b"not a video"],
+                                                     "text": ["grey", "nothing"]})
+        return path, ["data.image_field=''", "data.video_field=video"], \
+            rf"sample {path}, row 1: cannot read the video \(InvalidDataError"
+    d = tmp_path / "imf"
+    images = {"corrupt": [good, b"not an image"], "oversized": [good, _png(1, (200, 100))],
+              "missing-file": [good, good], "no-caption": [good, good]}[kind]
+    write_imagefolder(d, images, ["good", "" if kind == "no-caption" else "bad"])
+    if kind == "missing-file":
+        (d / "01.png").unlink()
+    message = {"corrupt": "cannot read the image", "oversized": r"image 200x100 has 20,000 pixels, over "
+               r"data.image_max_pixels=10,000", "missing-file": rf"cannot read '{d}/01.png' \(No such file",
+               "no-caption": r"no caption \(column 'text' is empty\)"}[kind]
+    return d, ["data.image_max_pixels=10000"], rf"sample {d}/01.png, row 1: {message}"
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "oversized", "missing-file", "no-caption", "no-frames", "not-a-video"])
+def test_bad_samples_fail_naming_the_file_or_are_skipped_and_counted(kind, tmp_path):
+    path, overrides, message = _bad_case(kind, tmp_path)
+    cfg = _cfg(path, *overrides, "data.eval_fraction=0", "data.seq_len=128")
+    with pytest.raises(BadSample, match="^" + message):
+        _loader(cfg).source.samples.load(1)
+    with pytest.raises(BadSample, match="^" + message):  # the rows meet it too
+        loader = _loader(cfg)
+        for _ in range(8):
+            next(loader)
+    skip = _loader(_cfg(path, *overrides, "data.eval_fraction=0", "data.seq_len=128", "data.on_bad_sample=skip"))
+    batches = [next(skip) for _ in range(3)]
+    # The skips counted are the bad draws of the rows read: replay the draws with the good sample's token length.
+    src = skip.source
+    good_len = len(src._sample("good", lambda: src.samples.load(0))[1])
+    expected = 0
+    for g in range(6):
+        used = 0
+        for _, fetch in src.samples.candidates(g):
+            i = fetch.args[0]
+            if i == 1:
+                expected += 1
+            elif used + good_len > cfg.data.seq_len + 1:
+                break
+            else:
+                used += good_len
+    assert skip.metrics() == {"data/skipped_samples": expected} and expected > 0
+    assert all(int((b["input_ids"] == src.start_id).sum()) == 2 * ((cfg.data.seq_len + 1) // good_len)
+               for b in batches)
+
+
+def test_config_mistakes_are_refused(tmp_path):
+    path = write_imagefolder(tmp_path / "imf")
+    with pytest.raises(DataError, match=r"data.text_field='caption' is not a column of imagefolder data "
+                                        r".*; it has \['image', 'text'\]"):
+        _loader(_cfg(path, "data.text_field=caption"))
+    with pytest.raises(DataError, match=r"data.video_field='clip' is not a column"):
+        _loader(_cfg(path, "data.video_field=clip"))
+    with pytest.raises(DataError, match=r"data file not found: '.*/nowhere'"):
+        _loader(_cfg(tmp_path / "nowhere"))
+    with pytest.raises(DataError, match=r"data.paths mix formats \(imagefolder: .*, parquet: .*\)"):
+        write_parquet(tmp_path / "x.parquet", {"image": IMAGES[:1], "text": ["a"]})
+        _loader(load_config("tiny_vision", [*SMALL, "data=vision_files",
+                                            f"data.paths=[{path}/00.png,{tmp_path}/x.parquet]"]))
+    with pytest.raises(ConfigError, match=r"data.format: unknown format 'tfrecord' for source 'vision_files'"):
+        validate_config(_cfg(path, "data.format=tfrecord"))
+    with pytest.raises(ConfigError, match=r"data.paths: source 'vision_files' needs at least one"):
+        validate_config(load_config("tiny_vision", ["data=vision_files"]))
+    with pytest.raises(ConfigError, match=r"data.image_field: and data.video_field are both empty"):
+        validate_config(_cfg(path, "data.image_field=''"))
+    with pytest.raises(ConfigError, match=r"data.video_field: names the video column of source 'vision_files', "
+                                          r"not of 'builtin_vision'"):
+        validate_config(load_config("tiny_vision", ["data.video_field=video"]))
+    with pytest.raises(ConfigError, match=r"data.image_field: names the image column"):
+        validate_config(load_config("tiny_cpu", ["data.image_field=jpg"]))
+    with pytest.raises(ConfigError, match=r"data.source: 'vision_files' feeds images, but model tiny has no vision"):
+        validate_config(load_config("tiny_cpu", ["data=vision_files", f"data.paths=[{path}]"]))
+    validate_config(_cfg(path, "parallel.dp=2", world_size=2), world_size=2)  # images under data parallelism
+
+
+def test_explicit_format_and_blank_images_change_what_is_read(tmp_path):
+    path = write_imagefolder(tmp_path / "imf")
+    b = next(_loader(_cfg(path, "data.format=imagefolder", "data.eval_fraction=0")))
+    assert float(b["vision_pixels"].abs().sum()) > 0
+    blank = next(_loader(_cfg(path, "data.blank_images=true", "data.eval_fraction=0")))
+    assert torch.equal(blank["input_ids"], b["input_ids"]) and float(blank["vision_pixels"].abs().sum()) == 0
+    with pytest.raises(DataError, match="cannot read parquet"):  # the folder read as Parquet: not what it holds
+        _loader(_cfg(path, "data.format=parquet"))
+
+
+def test_training_from_files_runs(tmp_path):
+    """python -m k3train.train --config-name tiny_vision data=vision_files data.paths=[...] train.steps=2, in this
+    process, on an imagefolder with one missing image skipped and counted."""
+    from k3train.train.trainer import Trainer
+
+    path = write_imagefolder(tmp_path / "imf")
+    (path / "03.png").unlink()
+    cfg = _cfg(path, "train.steps=2", "train.eval_interval=0", "train.async_checkpoint=false",
+               "train.checkpoint_at_end=false", "logging.console=false", "logging.progress_bar=false",
+               "logging.tensorboard=false", "logging.peak_flops=1e12", "data.on_bad_sample=skip",
+               f"train.run_dir={tmp_path / 'run'}")
+    t = Trainer(cfg)
+    try:
+        t.train()
+    finally:
+        t.close()
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2] and all(np.isfinite(r["loss"]) for r in records)
+    assert records[-1]["data/skipped_samples"] > 0
