@@ -242,8 +242,10 @@ def test_errors():
     with pytest.raises(ConfigError, match="cp_layout"):
         apply_context_parallel(model, None, layout="ring")
     plan = apply_context_parallel(model, None, layout="zigzag")
-    with pytest.raises(ValueError, match="vision"):
-        plan.shard_batch({"input_ids": torch.zeros(1, 64, dtype=torch.long), "vision_embeds": torch.zeros(1)})
+    batch = plan.shard_batch({"input_ids": torch.zeros(1, 128, dtype=torch.long)})
+    with pytest.raises(ValueError, match="under context parallelism give the images"):
+        model(batch["input_ids"], batch["ctx"], vision_embeds=torch.zeros(1, args.dim),
+              vision_mask=torch.zeros(1, 128, dtype=torch.bool))
 
 
 def test_handle_rejects_wrong_local_layout():

@@ -101,6 +101,9 @@ class K3Model(nn.Module):
                 vision_embeds, vision_mask = ctx.cp.encode_images(self.vision, vision_pixels, vision_grid, vision_mask)
             else:
                 vision_embeds, _ = self.vision(vision_pixels, vision_grid)
+        elif vision_embeds is not None and ctx.cp is not None:
+            raise ValueError("under context parallelism give the images (vision_pixels, vision_grid and the global "
+                             "vision_mask); encoded vision_embeds cannot be split over the pieces")
         if self.tok_embeddings is not None:
             if tokens.dim() != 2:
                 raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
