@@ -18,20 +18,33 @@ than the tower's max_frames is sampled at evenly spaced frames that include the 
 round(linspace(0, n - 1, max_frames))), so a clip covers its whole duration at a lower frame rate; every frame is
 resized as an image would be.
 
-Row g of a split is a function of (data.seed, split, g) only: its candidates are samples of the split drawn
-uniformly (with replacement) by a generator seeded with (data.seed, split, g), packed by VisionRows until one does not
-fit. So any number of data-parallel ranks and a resume read the same rows, with no position to store; over a run
-a sample is drawn (rows x samples per row) / samples times on average, with no epoch boundary. The split is fixed by a
-hash of each sample's position in the dataset (files in sorted order): data.eval_fraction of the samples are held
-out for eval, as for text files; an eval pass is min(64, eval samples) rows.
+Epochs: an index pass (k3train.data.vision_index) measures every sample's tokens in a row without decoding pixels:
+an image's size from its header (Pillow opens lazily), resized by fit_size as load_image would; a video's frame
+count and size from PyAV's stream metadata (the container header's frame count; when it gives none, 0, the
+stream is decoded once, frames dropped as they come), sampled to max_frames; the caption by the tokenizer. It is
+cached by the dataset's fingerprint, the tokenizer, the columns, the tower's patch, merge, max_image_side and
+max_frames, data.image_max_pixels and data.seq_len; one process builds it under a file lock, the others (every rank,
+a second run) read it. Samples that cannot be used (an unreadable header, a missing file, a video without frames,
+an empty caption, over the pixel limit, longer than a row) are met there: BadSample naming the file and row
+(data.on_bad_sample=fail), or left out of every epoch and counted once in `data/skipped_samples` (skip).
+Epoch e of the train split visits each of its good samples once, in a permutation seeded by (data.seed, e), packed
+greedily into rows (consecutive samples while they fit in seq_len + 1 tokens; the one that does not starts the next
+row; the epoch's last row is padded), so row g is a function of (data.seed, split, g) and the index: any number
+of data-parallel ranks and a resume read the same rows. `data/epoch` gives the epochs read (fractional). A
+resume onto data whose index differs (another count of good samples, other token counts) is refused. The eval
+split packs its samples once, in the order seeded by (data.seed, 0), and a pass is the first min(64, rows) rows of
+it. The split is fixed by a hash of each sample's position in the dataset (files in sorted order):
+data.eval_fraction of the samples are held out for eval, as for text files.
 
 Memory: `load_dataset` writes the dataset once into the Arrow cache ($K3TRAIN_CACHE/hf_datasets; image files of an
 imagefolder stay where they are, only their paths are stored), which is memory-mapped, not loaded; the loader holds
-the split's sample indices (8 bytes a sample) and the samples of the rows it is building. Nothing is decoded up front.
+the index (two int64 a sample), the split's sample indices, the packings of the two epochs read last (O(samples)
+int64 each) and the samples of the rows it is building. No pixels are decoded up front.
 
-Bad input: a sample whose image or video cannot be read, decoded or is over data.image_max_pixels, a missing file, a
-video without frames, an empty caption: BadSample naming the file and the row (data.on_bad_sample=fail), or skipped
-and counted in `data/skipped_samples` (skip).
+Bad input found only when a row decodes the sample (a header that reads but a body that does not, a video that
+decodes to other frames than its metadata said): BadSample naming it (fail), or left out of that row, which stays
+shorter, and counted once in `data/skipped_samples` however many epochs meet it (skip); a row whose samples all
+fail so is a DataError.
 """
 
 from __future__ import annotations
