@@ -88,9 +88,10 @@ class MicroBatchLoader:
 
     def metrics(self) -> dict:
         """Tokens drawn from each source of a mixture by all ranks so far (`data/tokens/<name>`); the image-text
-        source's skipped samples (`data/skipped_samples`); {} otherwise."""
+        source's skipped samples (`data/skipped_samples`) and, reading files, the epochs read (`data/epoch`); {}
+        otherwise."""
         if isinstance(self.source, VisionRows):
-            return self.source.metrics()
+            return self.source.metrics(self._k * self.global_batch_rows)
         if not isinstance(self.source, MixedRows) or len(self.source.names) < 2:
             return {}
         return self.source.metrics(self._k * self.global_batch_rows)
@@ -224,8 +225,9 @@ def build_dataloader(cfg: DataConfig, tok, *, split: str = "train", dp_rank: int
         samples = None  # builtin_vision: drawn samples
         if cfg.source == "vision_files":
             from k3train.data.vision_files import FileSamples
-            samples = FileSamples(cfg, vision, split=split, progress=progress)
-            tag["samples"] = len(samples.ids)  # a resume on other data is refused
+            samples = FileSamples(cfg, vision, tok, split=split, progress=progress)
+            tag["samples"] = len(samples.good)  # a resume on other data (or another index of it) is refused
+            tag["sample_index"] = samples.index.fingerprint()
         source = VisionRows(cfg, tok, vision, split=split, samples=samples)
         n = None if split == "train" else max(1, source.rows_per_pass() // G)
         return MicroBatchLoader(source, split=split, micro_batch=cfg.micro_batch, dp_rank=dp_rank, dp_world=dp_world,

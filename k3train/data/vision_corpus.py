@@ -75,12 +75,13 @@ def fit_size(w: int, h: int, unit: int, max_side: int) -> tuple[int, int]:
     return tuple(min(top, max(unit, int(round(s * scale / unit)) * unit)) for s in (w, h))
 
 
-def load_image(data: bytes, name: str, *, unit: int, max_side: int, max_pixels: int) -> torch.Tensor:
-    """Encoded image bytes -> float32 [3, H, W] in [-1, 1], resized by fit_size; BadSample naming `name`."""
+def open_image(src: bytes | str, name: str, *, max_pixels: int):
+    """A lazily opened Pillow image (encoded bytes or a file path) whose header is read and within max_pixels; the
+    pixels are not decoded. BadSample naming `name`."""
     from PIL import Image
 
     try:
-        img = Image.open(io.BytesIO(data))
+        img = Image.open(io.BytesIO(src) if isinstance(src, bytes) else src)
         w, h = img.size  # the header only: the pixel limit is checked before decoding
     except Image.UnidentifiedImageError:  # its message shows only an object address
         raise BadSample(f"sample {name}: cannot read the image (not a format Pillow reads)") from None
@@ -89,6 +90,12 @@ def load_image(data: bytes, name: str, *, unit: int, max_side: int, max_pixels: 
     if w * h > max_pixels:
         raise BadSample(f"sample {name}: image {w}x{h} has {w * h:,} pixels, over data.image_max_pixels="
                         f"{max_pixels:,}")
+    return img
+
+
+def load_image(data: bytes, name: str, *, unit: int, max_side: int, max_pixels: int) -> torch.Tensor:
+    """Encoded image bytes -> float32 [3, H, W] in [-1, 1], resized by fit_size; BadSample naming `name`."""
+    img = open_image(data, name, max_pixels=max_pixels)
     try:
         img = img.convert("RGB")
     except (OSError, ValueError) as e:  # a truncated or corrupt body shows when the pixels are decoded
@@ -225,7 +232,8 @@ class VisionRows:
     """Rows of image-text samples for one split (see the module docstring), packed from a sample source: drawn
     samples (DrawnSamples, the default) or samples read from files (k3train.data.vision_files.FileSamples).
     A source gives, for row g, its candidates in order as (name, fetch); the row takes them while they fit, so
-    rows(first, n) is a pure function of (seed, split, row index) whenever the source's candidates are.
+    rows(first, n) is a pure function of (seed, split, row index) whenever the source's candidates are (the files'
+    source gives exactly the samples its epoch packing put in row g, which all fit).
     `skipped` counts the samples skipped in the rows produced so far."""
 
     def __init__(self, cfg, tok, vision, *, split: str, samples=None):
@@ -271,7 +279,7 @@ class VisionRows:
                 skipped += 1
                 continue
             if len(ids) + len(s) > L + 1:
-                break  # the row is full; the candidate is left out (its source draws again for the next row)
+                break  # the row is full; the candidate is left out (a drawn source draws again for the next row)
             starts.append(len(ids))
             ids += s
             pixels.append(px)
@@ -313,5 +321,10 @@ class VisionRows:
     def rows_per_pass(self) -> int:
         return self.samples.rows_per_pass()
 
-    def metrics(self) -> dict:
-        return {"data/skipped_samples": self.skipped}
+    def metrics(self, rows: int | None = None) -> dict:
+        """`data/skipped_samples`, and what the sample source adds (vision_files: its own skip count, each sample
+        once, and `data/epoch`) for the first `rows` global rows (default: the rows produced so far)."""
+        out = {"data/skipped_samples": self.skipped}
+        if hasattr(self.samples, "metrics"):
+            out.update(self.samples.metrics(self._next_uncounted if rows is None else rows))
+        return out

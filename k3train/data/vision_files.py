@@ -18,20 +18,33 @@ than the tower's max_frames is sampled at evenly spaced frames that include the 
 round(linspace(0, n - 1, max_frames))), so a clip covers its whole duration at a lower frame rate; every frame is
 resized as an image would be.
 
-Row g of a split is a function of (data.seed, split, g) only: its candidates are samples of the split drawn
-uniformly (with replacement) by a generator seeded with (data.seed, split, g), packed by VisionRows until one does not
-fit. So any number of data-parallel ranks and a resume read the same rows, with no position to store; over a run
-a sample is drawn (rows x samples per row) / samples times on average, with no epoch boundary. The split is fixed by a
-hash of each sample's position in the dataset (files in sorted order): data.eval_fraction of the samples are held
-out for eval, as for text files; an eval pass is min(64, eval samples) rows.
+Epochs: an index pass (k3train.data.vision_index) measures every sample's tokens in a row without decoding pixels:
+an image's size from its header (Pillow opens lazily), resized by fit_size as load_image would; a video's frame
+count and size from PyAV's stream metadata (the container header's frame count; when it gives none, 0, the
+stream is decoded once, frames dropped as they come), sampled to max_frames; the caption by the tokenizer. It is
+cached by the dataset's fingerprint, the tokenizer, the columns, the tower's patch, merge, max_image_side and
+max_frames, data.image_max_pixels and data.seq_len; one process builds it under a file lock, the others (every rank,
+a second run) read it. Samples that cannot be used (an unreadable header, a missing file, a video without frames,
+an empty caption, over the pixel limit, longer than a row) are met there: BadSample naming the file and row
+(data.on_bad_sample=fail), or left out of every epoch and counted once in `data/skipped_samples` (skip).
+Epoch e of the train split visits each of its good samples once, in a permutation seeded by (data.seed, e), packed
+greedily into rows (consecutive samples while they fit in seq_len + 1 tokens; the one that does not starts the next
+row; the epoch's last row is padded), so row g is a function of (data.seed, split, g) and the index: any number
+of data-parallel ranks and a resume read the same rows. `data/epoch` gives the epochs read (fractional). A
+resume onto data whose index differs (another count of good samples, other token counts) is refused. The eval
+split packs its samples once, in the order seeded by (data.seed, 0), and a pass is the first min(64, rows) rows of
+it. The split is fixed by a hash of each sample's position in the dataset (files in sorted order):
+data.eval_fraction of the samples are held out for eval, as for text files.
 
 Memory: `load_dataset` writes the dataset once into the Arrow cache ($K3TRAIN_CACHE/hf_datasets; image files of an
 imagefolder stay where they are, only their paths are stored), which is memory-mapped, not loaded; the loader holds
-the split's sample indices (8 bytes a sample) and the samples of the rows it is building. Nothing is decoded up front.
+the index (two int64 a sample), the split's sample indices, the packings of the two epochs read last (O(samples)
+int64 each) and the samples of the rows it is building. No pixels are decoded up front.
 
-Bad input: a sample whose image or video cannot be read, decoded or is over data.image_max_pixels, a missing file, a
-video without frames, an empty caption: BadSample naming the file and the row (data.on_bad_sample=fail), or skipped
-and counted in `data/skipped_samples` (skip).
+Bad input found only when a row decodes the sample (a header that reads but a body that does not, a video that
+decodes to other frames than its metadata said): BadSample naming it (fail), or left out of that row, which stays
+shorter, and counted once in `data/skipped_samples` however many epochs meet it (skip); a row whose samples all
+fail so is a DataError.
 """
 
 from __future__ import annotations
@@ -49,7 +62,8 @@ from k3train.data.config import VISION_FORMATS
 from k3train.data.datasets import load_files
 from k3train.data.packing import cache_key, cache_lock, split_indices, text_hash
 from k3train.data.tokenizers import DataError
-from k3train.data.vision_corpus import EVAL_ROWS, BadSample, Fetch, image_pixels, load_image
+from k3train.data.vision_corpus import EVAL_ROWS, BadSample, Fetch, fit_size, image_pixels, load_image, open_image
+from k3train.data.vision_index import INDEX_VERSION, EpochPacking, cached_index
 
 _EXT_FORMAT = {".parquet": "parquet", ".pq": "parquet", ".tar": "webdataset"}
 """Extensions of the one-file-per-shard formats; any other file (images, metadata) belongs to an imagefolder."""
@@ -97,10 +111,10 @@ def evenly_spaced(n: int, k: int) -> np.ndarray:
     return np.linspace(0, n - 1, min(n, k)).round().astype(np.int64)
 
 
-def decode_video(src: bytes | str, name: str, *, max_frames: int, unit: int, max_side: int,
-                 max_pixels: int) -> torch.Tensor:
-    """A video (encoded bytes or a file path) -> float32 [T, 3, H, W] in [-1, 1], T = min(frames, max_frames) evenly
-    spaced frames (see the module docstring), each resized by fit_size; BadSample naming `name`."""
+def video_header(src: bytes | str, name: str, *, max_pixels: int) -> tuple[int, int, int]:
+    """(frames, width, height) of a video (encoded bytes or a file path) without converting frames: the frame count
+    from the container's header, or, when the header does not say (0), by decoding the stream once; BadSample naming
+    `name` (no video stream, frames over max_pixels, no frames, unreadable)."""
     import av
 
     def open_video():
@@ -118,19 +132,32 @@ def decode_video(src: bytes | str, name: str, *, max_frames: int, unit: int, max
             n = stream.frames  # from the container's header; 0 when it does not say
         if n <= 0:
             with open_video() as container:
-                n = sum(1 for _ in container.decode(video=0))
-        if n == 0:
-            raise BadSample(f"sample {name}: the video has no frames")
-        keep = set(evenly_spaced(n, max_frames).tolist())
-        frames: list[torch.Tensor] = []
-        with open_video() as container:
+                n = sum(1 for _ in container.decode(video=0))  # a loop over frames, each dropped as decoded
+    except BadSample:
+        raise
+    except (av.error.FFmpegError, OSError, ValueError, EOFError, IndexError) as e:
+        raise BadSample(f"sample {name}: cannot read the video ({type(e).__name__}: {e})") from None
+    if n == 0:
+        raise BadSample(f"sample {name}: the video has no frames")
+    return n, w, h
+
+
+def decode_video(src: bytes | str, name: str, *, max_frames: int, unit: int, max_side: int,
+                 max_pixels: int) -> torch.Tensor:
+    """A video (encoded bytes or a file path) -> float32 [T, 3, H, W] in [-1, 1], T = min(frames, max_frames) evenly
+    spaced frames (see the module docstring), each resized by fit_size; BadSample naming `name`."""
+    import av
+
+    n, w, h = video_header(src, name, max_pixels=max_pixels)
+    keep = set(evenly_spaced(n, max_frames).tolist())
+    frames: list[torch.Tensor] = []
+    try:
+        with av.open(io.BytesIO(src) if isinstance(src, bytes) else src) as container:
             for k, frame in enumerate(container.decode(video=0)):  # a loop over frames, converting the kept ones
                 if k in keep:
                     frames.append(image_pixels(frame.to_image(width=w, height=h), unit=unit, max_side=max_side))
                     if len(frames) == len(keep):
                         break
-    except BadSample:
-        raise
     except (av.error.FFmpegError, OSError, ValueError, EOFError, IndexError) as e:
         raise BadSample(f"sample {name}: cannot read the video ({type(e).__name__}: {e})") from None
     if not frames:
@@ -150,13 +177,14 @@ def _media(value) -> tuple[bytes | None, str | None]:
 
 
 class FileSamples:
-    """The sample source of vision_files for one split (see the module docstring): `candidates(g)` gives row g's
-    candidates; `load(i)` reads sample i of the dataset."""
+    """The sample source of vision_files for one split (see the module docstring): `candidates(g)` gives the
+    samples of global row g from the epochs' packing; `load(i)` reads sample i of the dataset and `measure(i)` its
+    token counts without decoding pixels."""
 
-    def __init__(self, cfg, vision, *, split: str, progress: bool = False):
+    def __init__(self, cfg, vision, tok, *, split: str, progress: bool = False):
         import datasets
 
-        self.cfg, self.vision, self.split = cfg, vision, split
+        self.cfg, self.vision, self.tok, self.split = cfg, vision, tok, split
         self.unit = vision.patch_size * vision.merge
         self.files, self.format = vision_files(list(cfg.paths), cfg.format)
         shown = self.files[0] + (f" (+{len(self.files) - 1} more)" if len(self.files) > 1 else "")
@@ -185,6 +213,23 @@ class FileSamples:
         self.ids = split_indices(hashes, split, cfg.eval_fraction, what="samples")
         self.name = f"vision_files {self.what}"
 
+        # The index of the whole dataset (both splits share it): its key holds everything a count depends on.
+        key = cache_key(INDEX_VERSION, self.ds._fingerprint, tok.fingerprint, self.fields, cfg.text_field,
+                        vision.patch_size, vision.merge, vision.max_image_side, vision.max_frames,
+                        cfg.image_max_pixels, cfg.seq_len)
+        self.index = cached_index(key, len(self.ds), self.measure, fail=cfg.on_bad_sample == "fail",
+                                  progress=progress, desc=f"indexing {self.what}")
+        usable = np.ones(len(self.ds), dtype=bool)
+        usable[self.index.bad] = False
+        self.good = self.ids[usable[self.ids]]
+        self.skipped_in_index = len(self.ids) - len(self.good)  # counted once, whatever the epochs read
+        if len(self.good) == 0:
+            raise DataError(f"{self.name}: no usable {split} sample among {len(self.ids)} ({self.skipped_in_index} "
+                            f"skipped, the first: {self.index.reasons[0]})")
+        self.packing = EpochPacking(self.index.tokens[self.good], seq_len=cfg.seq_len, seed=cfg.seed,
+                                    shuffle_each_epoch=(split == "train"))
+        self.failed_at_load: set[int] = set()  # samples measured fine whose pixels then failed, counted once
+
     def where(self, i: int, row: dict | None = None) -> str:
         """The file and row of dataset sample i, for messages."""
         if self.file_starts is not None:
@@ -198,13 +243,11 @@ class FileSamples:
         return f"{paths[0] if paths else self.what}, row {i}"
 
     def candidates(self, g: int) -> Iterator[tuple[str, Fetch]]:
-        rng = np.random.default_rng([self.cfg.seed, 0 if self.split == "train" else 1, g])
-        while True:
-            i = int(self.ids[int(rng.integers(len(self.ids)))])
-            yield self.where(i), functools.partial(self.load, i)
+        for i in self.good[self.packing.row(g)].tolist():
+            yield self.where(i), functools.partial(self.load_measured, i)
 
     def _read(self, value, name: str, *, whole: bool = True) -> bytes | str | None:
-        """A media cell's bytes, or (whole=False: a video, which PyAV reads in pieces) its checked file path."""
+        """A media cell's bytes, or (whole=False: a file PyAV or Pillow opens itself) its checked file path."""
         data, path = _media(value)
         if data is not None:
             return data
@@ -220,9 +263,10 @@ class FileSamples:
         except OSError as e:
             raise BadSample(f"sample {name}: cannot read {path!r} ({e.strerror or e})") from None
 
-    def load(self, i: int) -> tuple[torch.Tensor, str]:
-        """(pixels [T, 3, H, W], caption) of dataset sample i; BadSample naming its file and row."""
-        cfg, v = self.cfg, self.vision
+    def _sample(self, i: int) -> tuple[str, str, str, object]:
+        """(name, caption, 'image' or 'video', media cell) of dataset sample i; BadSample for a missing caption or
+        media, or both an image and a video."""
+        cfg = self.cfg
         row = self.ds[i]
         name = self.where(i, row)
         caption = row[cfg.text_field]
@@ -234,17 +278,64 @@ class FileSamples:
         if image is not None and video is not None:
             raise BadSample(f"sample {name}: holds an image ({cfg.image_field!r}) and a video ({cfg.video_field!r}); "
                             f"a sample is one of them")
-        if image is not None:
-            data = self._read(image, name)
-            if data is not None:
-                return load_image(data, name, unit=self.unit, max_side=v.max_image_side,
-                                  max_pixels=cfg.image_max_pixels)[None], caption
-        if video is not None:
-            data = self._read(video, name, whole=False)
-            if data is not None:
-                return decode_video(data, name, max_frames=v.max_frames, unit=self.unit, max_side=v.max_image_side,
-                                    max_pixels=cfg.image_max_pixels), caption
+        if image is not None and _media(image) != (None, None):
+            return name, caption, "image", image
+        if video is not None and _media(video) != (None, None):
+            return name, caption, "video", video
         raise BadSample(f"sample {name}: no image or video (columns {self.fields} are empty)")
 
+    def load(self, i: int) -> tuple[torch.Tensor, str]:
+        """(pixels [T, 3, H, W], caption) of dataset sample i; BadSample naming its file and row."""
+        cfg, v = self.cfg, self.vision
+        name, caption, kind, value = self._sample(i)
+        if kind == "image":
+            return load_image(self._read(value, name), name, unit=self.unit, max_side=v.max_image_side,
+                              max_pixels=cfg.image_max_pixels)[None], caption
+        return decode_video(self._read(value, name, whole=False), name, max_frames=v.max_frames, unit=self.unit,
+                            max_side=v.max_image_side, max_pixels=cfg.image_max_pixels), caption
+
+    def measure(self, i: int) -> tuple[int, int]:
+        """(tokens in a row, visual tokens) of dataset sample i from the image's header or the video's metadata
+        (see video_header) and the caption's tokens, decoding no pixels; BadSample naming its file and row."""
+        cfg, v = self.cfg, self.vision
+        name, caption, kind, value = self._sample(i)
+        if kind == "image":
+            img = open_image(self._read(value, name, whole=False), name, max_pixels=cfg.image_max_pixels)
+            frames, (w, h) = 1, img.size
+            img.close()
+        else:
+            n, w, h = video_header(self._read(value, name, whole=False), name, max_pixels=cfg.image_max_pixels)
+            frames = min(n, v.max_frames)
+        W, H = fit_size(w, h, self.unit, v.max_image_side)
+        visual = frames * (H // v.patch_size) * (W // v.patch_size) // v.merge ** 2
+        tokens = 4 + visual + len(self.tok.encode(caption))  # BOS, image start, image end, EOS
+        if tokens > cfg.seq_len + 1:
+            raise BadSample(f"sample {name}: {tokens} tokens ({visual} visual) do not fit a row of data.seq_len="
+                            f"{cfg.seq_len}")
+        return tokens, visual
+
+    def load_measured(self, i: int) -> tuple[torch.Tensor, str]:
+        """load(i), checked against the index: a sample whose pixels fail, or decode to another size than its header
+        said (a video whose metadata misstates its frames), is a BadSample, remembered for the skip count."""
+        try:
+            px, caption = self.load(i)
+            v = self.vision
+            visual = px.shape[0] * (px.shape[2] // v.patch_size) * (px.shape[3] // v.patch_size) // v.merge ** 2
+            if visual != int(self.index.visual[i]):
+                raise BadSample(f"sample {self.where(i)}: decoded to {px.shape[0]} frame(s) of {px.shape[3]}x"
+                                f"{px.shape[2]} ({visual} visual tokens), but its header gave {self.index.visual[i]}")
+        except BadSample:
+            self.failed_at_load.add(i)
+            raise
+        return px, caption
+
     def rows_per_pass(self) -> int:
-        return max(1, min(EVAL_ROWS, len(self.ids)))
+        """Rows of one epoch; an eval pass reads at most EVAL_ROWS of them."""
+        rows = self.packing.rows_in(0)
+        return rows if self.split == "train" else min(EVAL_ROWS, rows)
+
+    def metrics(self, rows: int) -> dict:
+        """`data/skipped_samples` (unusable samples of the split, each counted once) and `data/epoch` (epochs
+        read by the first `rows` global rows)."""
+        return {"data/skipped_samples": self.skipped_in_index + len(self.failed_at_load),
+                "data/epoch": self.packing.epochs_done(rows)}

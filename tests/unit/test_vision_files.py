@@ -110,11 +110,24 @@ def _captions(b, tok) -> set[str]:
     return out
 
 
+def _caption_list(b, tok) -> list[str]:
+    """The captions a batch's labels spell, in row order (each ends with EOS)."""
+    kept = b["labels"][b["labels"] != IGNORE_INDEX].tolist()
+    out, cur = [], []
+    for t in kept:
+        if t == tok.eos_id:
+            out.append(tok.decode(cur))
+            cur = []
+        else:
+            cur.append(t)
+    return out
+
+
 class _Originals(FileSamples):
     """The same draws as FileSamples, but sample i decoded straight from the original bytes with Pillow."""
 
-    def __init__(self, cfg, vision, *, split, originals):
-        super().__init__(cfg, vision, split=split)
+    def __init__(self, cfg, vision, tok, *, split, originals):
+        super().__init__(cfg, vision, tok, split=split)
         self.originals = originals
 
     def load(self, i):
@@ -146,7 +159,7 @@ def test_each_format_reads_the_rows_the_packer_gives(fmt, tmp_path):
     vision = model_args(cfg).vision
     tok = build_tokenizer(cfg.data)
     ref = VisionRows(cfg.data, tok, vision, split="train",
-                     samples=_Originals(cfg.data, vision, split="train", originals=CAPTIONS))
+                     samples=_Originals(cfg.data, vision, tok, split="train", originals=CAPTIONS))
     for k, b in enumerate(got):
         want = ref.rows(2 * k, 2)
         assert set(b) == set(want)
@@ -232,6 +245,97 @@ def test_rows_do_not_depend_on_ranks_or_resume(tmp_path):
         _loader(_cfg(other, "data.eval_fraction=0")).load_state_dict(saved.state_dict())
 
 
+EPOCH_SIZES = [(8, 8), (64, 64), (16, 40), (40, 24), (24, 24), (64, 32), (8, 56), (32, 32), (48, 48)]
+"""Sides of 1 to 64 visual tokens: samples of 13 to 76 tokens, so rows hold one to four of them."""
+EPOCH_CAPTIONS = [f"sample {i}" for i in range(len(EPOCH_SIZES))]
+
+
+def _greedy_rows(lengths: list[int], limit: int) -> list[list[int]]:
+    """Positions of `lengths` packed greedily in order, a row while the sum stays within `limit`."""
+    rows, used = [[]], 0
+    for k, n in enumerate(lengths):
+        if used + n > limit:
+            rows.append([])
+            used = 0
+        rows[-1].append(k)
+        used += n
+    return rows
+
+
+def test_epochs_read_every_sample_once_in_a_fresh_order(tmp_path, monkeypatch):
+    d = write_imagefolder(tmp_path / "imf", [_png(10 + i, s) for i, s in enumerate(EPOCH_SIZES)], EPOCH_CAPTIONS)
+    measured = []
+    measure = FileSamples.measure
+    monkeypatch.setattr(FileSamples, "measure", lambda self, i: measured.append(i) or measure(self, i))
+    over = ["data.eval_fraction=0.25", "data.seq_len=96", "data.micro_batch=1", "data.seed=3"]
+    loader = _loader(_cfg(d, *over))
+    assert sorted(measured) == list(range(9))  # the index pass: once over the dataset, both splits
+    src = loader.source
+    samples, packing, tok = src.samples, src.samples.packing, src.tok
+    good = samples.good.tolist()
+    assert 4 <= len(good) < 9 and samples.index.tokens[good].tolist() == [
+        [13, 76, 22, 27, 21, 44, 19, 28, 48][i] for i in good]  # 4 + visual + caption tokens, from the headers
+    ends = [packing.first_row(e) for e in (1, 2, 3)]
+    read, epochs_done = [], []
+    for _ in range(ends[1] + 1):
+        read.append(next(loader))
+        epochs_done.append(loader.metrics()["data/epoch"])
+    by_caption = {c: i for i, c in enumerate(EPOCH_CAPTIONS)}
+    rows = [[by_caption[c] for c in _caption_list(b, tok)] for b in read]
+    for e, (lo, hi) in enumerate([(0, ends[0]), (ends[0], ends[1])]):
+        # The rows of epoch e: its seeded permutation packed greedily into rows of seq_len + 1 tokens.
+        order = np.random.default_rng([3, e]).permutation(len(good))
+        lengths = samples.index.tokens[good][order].tolist()
+        want = [[good[order[k]] for k in row] for row in _greedy_rows(lengths, 97)]
+        assert rows[lo:hi] == want, e
+        assert sorted(i for r in rows[lo:hi] for i in r) == sorted(good)  # every train sample exactly once
+    assert [i for r in rows[:ends[0]] for i in r] != [i for r in rows[ends[0]:ends[1]] for i in r]
+    for b, row in zip(read, rows):  # whole samples: each row's image spans and the tokens they take
+        used = int(samples.index.tokens[row].sum())
+        assert used <= 97 and int(b["vision_mask"].sum()) == int(samples.index.visual[row].sum())
+        assert int((b["input_ids"] == tok.bos_id).sum()) == len(row) and (b["input_ids"][0, used:] == tok.pad_id).all()
+    # data/epoch: fractional within an epoch, whole at its end.
+    r0 = ends[0]
+    assert epochs_done[0] == pytest.approx(1 / r0) and epochs_done[r0 - 1] == 1.0
+    assert epochs_done[r0] == pytest.approx(1 + 1 / (ends[1] - r0)) and epochs_done[-1] == pytest.approx(
+        2 + 1 / (ends[2] - ends[1]))
+
+    # Two data-parallel ranks read the same rows as one (rank r's k-th row is row 2k + r), across the boundary.
+    ranks = [_loader(_cfg(d, *over), dp_rank=r, dp_world=2) for r in (0, 1)]
+    for k in range(len(read) // 2):
+        for r in (0, 1):
+            b = next(ranks[r])
+            assert torch.equal(b["input_ids"], read[2 * k + r]["input_ids"])
+            assert torch.equal(b["vision_pixels"], read[2 * k + r]["vision_pixels"])
+    assert sorted(measured) == list(range(9))  # the ranks read the cached index
+
+    # A resume one row before the epoch boundary continues exactly, into the next epoch.
+    state = {"global_rows": r0 - 1, **{k: v for k, v in loader.state_dict().items() if k != "global_rows"}}
+    resumed = _loader(_cfg(d, *over))
+    resumed.load_state_dict(state)
+    for g in range(r0 - 1, r0 + 2):
+        b = next(resumed)
+        assert torch.equal(b["input_ids"], read[g]["input_ids"]) and torch.equal(b["labels"], read[g]["labels"])
+    assert resumed.metrics()["data/epoch"] == pytest.approx(1 + 2 / (ends[1] - r0))
+
+    # The eval split reuses the index too; another seq_len is another index.
+    ev = _loader(_cfg(d, *over), split="eval")
+    assert sorted(measured) == list(range(9)) and set(ev.source.samples.good.tolist()) == set(range(9)) - set(good)
+    _loader(_cfg(d, *over[:1], "data.seq_len=128", *over[2:]))
+    assert sorted(measured) == sorted(list(range(9)) * 2)
+
+
+def test_resume_onto_a_changed_index_is_refused(tmp_path):
+    """Same sample count, one image of another size: other token counts, other rows."""
+    a = write_imagefolder(tmp_path / "a")
+    b = write_imagefolder(tmp_path / "b", IMAGES[:4] + [_png(9, (32, 48))])
+    saved = _loader(_cfg(a, "data.eval_fraction=0"))
+    next(saved)
+    with pytest.raises(DataError, match=r"loader state was saved with sample_index='[0-9a-f]{32}' but this loader "
+                                        r"has sample_index='[0-9a-f]{32}'"):
+        _loader(_cfg(b, "data.eval_fraction=0")).load_state_dict(saved.state_dict())
+
+
 def _bad_case(kind: str, tmp_path: Path) -> tuple[Path, list[str], str]:
     """(data path, overrides, message) of a dataset whose sample 1 is bad and sample 0 good."""
     good = IMAGES[0]
@@ -268,24 +372,29 @@ def test_bad_samples_fail_naming_the_file_or_are_skipped_and_counted(kind, tmp_p
         for _ in range(8):
             next(loader)
     skip = _loader(_cfg(path, *overrides, "data.eval_fraction=0", "data.seq_len=128", "data.on_bad_sample=skip"))
+    assert skip.metrics()["data/skipped_samples"] == 1  # found by the index pass, before any row is read
     batches = [next(skip) for _ in range(3)]
-    # The skips counted are the bad draws of the rows read: replay the draws with the good sample's token length.
-    src = skip.source
-    good_len = len(src._sample("good", lambda: src.samples.load(0))[1])
-    expected = 0
-    for g in range(6):
-        used = 0
-        for _, fetch in src.samples.candidates(g):
-            i = fetch.args[0]
-            if i == 1:
-                expected += 1
-            elif used + good_len > cfg.data.seq_len + 1:
-                break
-            else:
-                used += good_len
-    assert skip.metrics() == {"data/skipped_samples": expected} and expected > 0
-    assert all(int((b["input_ids"] == src.start_id).sum()) == 2 * ((cfg.data.seq_len + 1) // good_len)
-               for b in batches)
+    # The one good sample is an epoch of one row: six epochs read, the bad sample counted once.
+    assert skip.metrics() == {"data/skipped_samples": 1, "data/epoch": 6.0}
+    assert all(b["input_ids"][:, 0].tolist() == [skip.source.tok.bos_id] * 2 for b in batches)
+    assert all(int((b["input_ids"] == skip.source.start_id).sum()) == 2 for b in batches)
+
+
+def test_pixels_that_fail_after_a_good_header_are_skipped_once_or_fail(tmp_path):
+    """A truncated PNG passes the index (its header reads) and fails when its row decodes it: with skip it is left
+    out of that row and counted once however many epochs meet it; with fail the row raises naming it."""
+    d = write_imagefolder(tmp_path / "imf", [IMAGES[0], IMAGES[3][:80], IMAGES[2]], ["red fox", "cut", "a tall tree"])
+    with pytest.raises(BadSample, match=rf"^sample {d}/01.png, row 1: cannot decode the image"):
+        loader = _loader(_cfg(d, "data.eval_fraction=0", "data.seq_len=64", "data.micro_batch=1"))
+        for _ in range(3):
+            next(loader)
+    skip = _loader(_cfg(d, "data.eval_fraction=0", "data.seq_len=64", "data.micro_batch=1", "data.on_bad_sample=skip"))
+    packing = skip.source.samples.packing
+    assert skip.metrics()["data/skipped_samples"] == 0  # the index found nothing wrong
+    rows = packing.first_row(2)  # two whole epochs
+    caps = [c for _ in range(rows) for c in _caption_list(next(skip), skip.source.tok)]
+    assert sorted(caps) == sorted(["red fox", "a tall tree"] * 2)
+    assert skip.metrics() == {"data/skipped_samples": 1, "data/epoch": 2.0}
 
 
 def test_config_mistakes_are_refused(tmp_path):
