@@ -594,6 +594,20 @@ def _vision_cp_arrival_order(orig):
     return with_globals(orig, torch=Proxy(torch, argsort=lambda x: torch.arange(len(x))))
 
 
+def _epochs_same_order(orig):
+    def __init__(self, lengths, *, seq_len, seed, shuffle_each_epoch=True):
+        orig(self, lengths, seq_len=seq_len, seed=seed, shuffle_each_epoch=False)
+    return __init__
+
+
+def _video_first_frames(orig):
+    np = __import__("numpy")
+
+    def evenly_spaced(n, k):
+        return np.arange(min(n, k), dtype=np.int64)  # the clip's start only
+    return evenly_spaced
+
+
 def _resume_check_names_only(orig):
     def check_model_entries(model, meta, folder, what, *, show=3):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -1041,6 +1055,12 @@ MUTATIONS: list[Mutation] = [
     M("vision_cp_arrival_order", "k3train.parallel.vision_cp:encode_images",
       "scattered visual tokens kept in arrival order, not the rank's position order", _vision_cp_arrival_order,
       ("tests/unit/test_vision_cp.py::test_each_rank_receives_the_tokens_of_its_own_positions",)),
+    M("vision_epochs_same_order", "k3train.data.vision_index:EpochPacking.__init__",
+      "every epoch of image-text files reads its samples in the first epoch's order", _epochs_same_order,
+      ("tests/unit/test_vision_files.py::test_epochs_read_every_sample_once_in_a_fresh_order",)),
+    M("video_first_frames", "k3train.data.vision_files:evenly_spaced",
+      "a video longer than max_frames keeps its first frames instead of frames across its duration",
+      _video_first_frames, ("tests/unit/test_vision_files.py::test_videos_are_decoded_and_sampled_to_max_frames",)),
     # ---- planner
     M("plan_ignores_k3_defaults", "k3train.plan.activations:PolicyPlan.k3_defaults",
       "the planner predicts saved activations as if no storage policy applied", _plan_ignores_k3_defaults,

@@ -39,28 +39,33 @@ _FORMATS = ("text", "json", "parquet")
 STREAM_JSON_CHUNK = 1 << 20
 
 
+def expand_path(p: str, *, folder_files=lambda name: True, folder_holds: str = "files") -> list[str]:
+    """One entry of data.paths as a sorted list of files: a glob's matches, the files under a folder for which
+    `folder_files(name)` holds, or the file itself; DataError naming what is missing or empty."""
+    p = os.path.expanduser(str(p))
+    if glob.has_magic(p):
+        hits = sorted(h for h in glob.glob(p, recursive=True) if os.path.isfile(h))
+        if not hits:
+            raise DataError(f"data.paths pattern {p!r} matches no files")
+        return hits
+    if os.path.isdir(p):
+        hits = sorted(os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs if folder_files(f))
+        if not hits:
+            raise DataError(f"data.paths folder {p!r} holds no {folder_holds}")
+        return hits
+    if os.path.isfile(p):
+        return [p]
+    raise DataError(f"data file not found: {p!r}")
+
+
 def resolve_paths(paths: list[str]) -> list[str]:
     """Expand globs and folders into a sorted, de-duplicated list of files; DataError for anything missing."""
     if not paths:
         raise DataError("data.source='files' needs data.paths (files, folders or globs); it is empty")
     out: list[str] = []
     for p in paths:
-        p = os.path.expanduser(str(p))
-        if glob.has_magic(p):
-            hits = sorted(h for h in glob.glob(p, recursive=True) if os.path.isfile(h))
-            if not hits:
-                raise DataError(f"data.paths pattern {p!r} matches no files")
-            out += hits
-        elif os.path.isdir(p):
-            hits = sorted(os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs
-                          if os.path.splitext(f)[1].lower() in _EXT_FORMAT)
-            if not hits:
-                raise DataError(f"data.paths folder {p!r} holds no .txt/.jsonl/.parquet (or similar) files")
-            out += hits
-        elif os.path.isfile(p):
-            out.append(p)
-        else:
-            raise DataError(f"data file not found: {p!r}")
+        out += expand_path(p, folder_files=lambda f: os.path.splitext(f)[1].lower() in _EXT_FORMAT,
+                           folder_holds=".txt/.jsonl/.parquet (or similar) files")
     return list(dict.fromkeys(os.path.abspath(f) for f in out))  # keeps first-seen order
 
 

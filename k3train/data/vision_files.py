@@ -50,7 +50,6 @@ fail so is a DataError.
 from __future__ import annotations
 
 import functools
-import glob
 import io
 import os
 from typing import Iterator
@@ -59,7 +58,7 @@ import numpy as np
 import torch
 
 from k3train.data.config import VISION_FORMATS
-from k3train.data.datasets import load_files
+from k3train.data.datasets import expand_path, load_files
 from k3train.data.packing import cache_key, cache_lock, split_indices, text_hash
 from k3train.data.tokenizers import DataError
 from k3train.data.vision_corpus import EVAL_ROWS, BadSample, Fetch, fit_size, image_pixels, load_image, open_image
@@ -81,19 +80,9 @@ def vision_files(paths: list[str], fmt: str) -> tuple[list[str], str]:
     kinds: dict[str, str] = {}
     for p in paths:
         p = os.path.expanduser(str(p))
-        if glob.has_magic(p):
-            hits = sorted(h for h in glob.glob(p, recursive=True) if os.path.isfile(h))
-            if not hits:
-                raise DataError(f"data.paths pattern {p!r} matches no files")
-        elif os.path.isdir(p):
-            hits = sorted(os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs)
-            if not hits:
-                raise DataError(f"data.paths folder {p!r} is empty")
+        hits = expand_path(p)
+        if os.path.isdir(p):
             kinds.setdefault("imagefolder", p)
-        elif os.path.isfile(p):
-            hits = [p]
-        else:
-            raise DataError(f"data file not found: {p!r}")
         if not os.path.isdir(p):
             for h in hits:
                 kinds.setdefault(_EXT_FORMAT.get(os.path.splitext(h)[1].lower(), "imagefolder"), h)
