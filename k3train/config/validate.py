@@ -148,11 +148,16 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
         _need(bool(d.image_field or d.video_field), "data.image_field",
               "and data.video_field are both empty: source 'vision_files' needs the column of the images or videos")
         _need(bool(d.text_field), "data.text_field", "is empty: source 'vision_files' needs the caption column")
+        _need(d.video_frames >= 0, "data.video_frames", f"must be >= 0, got {d.video_frames}")
+        _need(d.video_frames == 0 or bool(d.video_field), "data.video_frames",
+              "keeps frames of videos, but data.video_field is empty (the data has no videos)")
     else:
         _need(d.image_field == "image", "data.image_field",
               f"names the image column of source 'vision_files', not of {d.source!r}")
         _need(not d.video_field, "data.video_field",
               f"names the video column of source 'vision_files', not of {d.source!r}")
+        _need(d.video_frames == 0, "data.video_frames",
+              f"keeps frames of the videos of source 'vision_files', not of {d.source!r}")
     if d.source in VISION_SOURCES:
         _need(args.vision is not None, "data.source",
               f"{d.source!r} feeds images, but model {args.name} has no vision tower (set model.overrides.vision "

@@ -47,6 +47,11 @@ class DataConfig:
     video_field: str = ""
     """Column holding the video (encoded bytes or a path) for source='vision_files'; empty: the data has images
     only. A sample holds an image or a video."""
+    video_frames: int = 0
+    """Frames kept of each video (source='vision_files'), evenly spaced over its duration: 0 keeps the tower's
+    max_frames (one clip). More are cut into consecutive frame groups of at most max_frames, each a clip of its own
+    for the tower (temporal attention within a group; under context parallelism each group is assigned to a rank on
+    its own); their visual tokens fill the video's one placeholder span, group after group."""
     sources: list[SourceConfig] = field(default_factory=list)
     """A weighted mixture of file sources for source='files': each row comes from one source, drawn with
     probability weight / sum of weights by a seeded counter-based sampler (exactly resumable)."""

@@ -245,12 +245,12 @@ class VisionRows:
         self.skipped = 0
         self._next_uncounted = 0
 
-    def _sample(self, name: str, fetch: Fetch) -> tuple[torch.Tensor, list[int]]:
-        """(pixels [T, 3, H, W], the sample's tokens) of one sample (T = 1 for an image)."""
+    def _sample(self, name: str, fetch: Fetch) -> tuple[list[torch.Tensor], list[int]]:
+        """(the tower's items [T, 3, H, W], the sample's tokens) of one sample: an image (T = 1), a clip, or a video
+        of more frames than the tower's max_frames cut into consecutive frame groups of at most max_frames (each a
+        clip for the tower; their tokens fill the sample's one placeholder span in order)."""
         v, cfg = self.vision, self.cfg
         px, caption = fetch()
-        if px.shape[0] > v.max_frames:
-            raise BadSample(f"sample {name}: {px.shape[0]} frames, over the tower's max_frames={v.max_frames}")
         if cfg.blank_images:  # the ablation baseline: same sizes and token counts, no content
             px = torch.zeros_like(px)
         n = px.shape[0] * (px.shape[2] // v.patch_size) * (px.shape[3] // v.patch_size) // v.merge ** 2
@@ -259,7 +259,7 @@ class VisionRows:
         if len(ids) > cfg.seq_len + 1:
             raise BadSample(f"sample {name}: {len(ids)} tokens ({n} visual) do not fit a row of data.seq_len="
                             f"{cfg.seq_len}")
-        return px, ids
+        return list(px.split(v.max_frames)), ids
 
     def _row(self, g: int) -> tuple[list[int], int, list[int], list[torch.Tensor], int]:
         """(tokens of row g, padded to seq_len + 1; tokens before the padding; sample start positions; pixels;
@@ -282,7 +282,7 @@ class VisionRows:
                 break  # the row is full; the candidate is left out (a drawn source draws again for the next row)
             starts.append(len(ids))
             ids += s
-            pixels.append(px)
+            pixels += px
         if not pixels:
             raise DataError(f"{self.samples.name}: no usable sample for row {g} of {self.split} ({skipped} skipped)")
         return ids + [self.tok.pad_id] * (L + 1 - len(ids)), len(ids), starts, pixels, skipped

@@ -14,8 +14,9 @@ the two) and a caption. A name that is not a column is refused when the loader i
 
 Images go through `load_image` (the pixel limit checked from the header, then decoded, resized keeping the aspect
 ratio to multiples of patch x merge, at most the tower's max_image_side). Videos are decoded with PyAV; one longer
-than the tower's max_frames is sampled at evenly spaced frames that include the first and the last (frame indices
-round(linspace(0, n - 1, max_frames))), so a clip covers its whole duration at a lower frame rate; every frame is
+than data.video_frames (default: the tower's max_frames) is sampled at evenly spaced frames that include the first
+and the last (frame indices round(linspace(0, n - 1, k))), so it covers its whole duration at a lower frame rate;
+frames beyond max_frames are cut into consecutive frame groups by the packer, each a clip of its own; every frame is
 resized as an image would be.
 
 Epochs: an index pass (k3train.data.vision_index) measures every sample's tokens in a row without decoding pixels:
@@ -175,6 +176,7 @@ class FileSamples:
 
         self.cfg, self.vision, self.tok, self.split = cfg, vision, tok, split
         self.unit = vision.patch_size * vision.merge
+        self.video_frames = cfg.video_frames or vision.max_frames  # the packer cuts more into frame groups
         self.files, self.format = vision_files(list(cfg.paths), cfg.format)
         shown = self.files[0] + (f" (+{len(self.files) - 1} more)" if len(self.files) > 1 else "")
         self.what = f"{self.format} data {shown!r}"
@@ -204,7 +206,7 @@ class FileSamples:
 
         # The index of the whole dataset (both splits share it): its key holds everything a count depends on.
         key = cache_key(INDEX_VERSION, self.ds._fingerprint, tok.fingerprint, self.fields, cfg.text_field,
-                        vision.patch_size, vision.merge, vision.max_image_side, vision.max_frames,
+                        vision.patch_size, vision.merge, vision.max_image_side, self.video_frames,
                         cfg.image_max_pixels, cfg.seq_len)
         self.index = cached_index(key, len(self.ds), self.measure, fail=cfg.on_bad_sample == "fail",
                                   progress=progress, desc=f"indexing {self.what}")
@@ -280,7 +282,7 @@ class FileSamples:
         if kind == "image":
             return load_image(self._read(value, name), name, unit=self.unit, max_side=v.max_image_side,
                               max_pixels=cfg.image_max_pixels)[None], caption
-        return decode_video(self._read(value, name, whole=False), name, max_frames=v.max_frames, unit=self.unit,
+        return decode_video(self._read(value, name, whole=False), name, max_frames=self.video_frames, unit=self.unit,
                             max_side=v.max_image_side, max_pixels=cfg.image_max_pixels), caption
 
     def measure(self, i: int) -> tuple[int, int]:
@@ -294,7 +296,7 @@ class FileSamples:
             img.close()
         else:
             n, w, h = video_header(self._read(value, name, whole=False), name, max_pixels=cfg.image_max_pixels)
-            frames = min(n, v.max_frames)
+            frames = min(n, self.video_frames)
         W, H = fit_size(w, h, self.unit, v.max_image_side)
         visual = frames * (H // v.patch_size) * (W // v.patch_size) // v.merge ** 2
         tokens = 4 + visual + len(self.tok.encode(caption))  # BOS, image start, image end, EOS

@@ -409,6 +409,8 @@ ONE_PROCESS: list[Case] = [
     Case("data.source", VISION_FILES),
     Case("data.image_field", {"data.image_field": "alt"}, base=VISION_FILES),
     Case("data.video_field", {"data.image_field": "", "data.video_field": "video"}, base=VISION_FILES),
+    Case("data.video_frames", {"data.video_frames": 2},  # 2 of each 4-frame clip's frames
+         base={**VISION_FILES, "data.image_field": "", "data.video_field": "video"}),
     # Images over the limit are skipped: other samples fill the rows.
     Case("data.image_max_pixels", {"data.image_max_pixels": 600, "data.on_bad_sample": "skip"}, base=VISION_DATA),
 ]

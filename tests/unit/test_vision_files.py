@@ -216,6 +216,30 @@ def test_videos_are_decoded_and_sampled_to_max_frames(tmp_path):
     assert samples.where(1) == f"{d}/short.mp4, row 1"
 
 
+def test_more_video_frames_are_cut_into_frame_groups(tmp_path):
+    # data.video_frames=6 of a 7-frame video with a 4-frame tower: frames 0 1 2 4 5 6 (evenly spaced), as two clips
+    # of 4 and 2 frames whose tokens fill the video's one placeholder span in order.
+    levels = [20 + 30 * t for t in range(7)]
+    pq_path = write_parquet(tmp_path / "v.parquet", {"video": [_video(levels)], "text": ["rising grey"]})
+    cfg = _cfg(pq_path, "data.image_field=''", "data.video_field=video", "data.eval_fraction=0", "data.seq_len=128",
+               "data.video_frames=6", "data.micro_batch=1")
+    loader = _loader(cfg)
+    px, _ = loader.source.samples.load(0)
+    assert px.shape == (6, 3, 16, 24)
+    assert np.allclose(((px.mean(dim=(1, 2, 3)) + 1) * 127.5).tolist(), [levels[t] for t in (0, 1, 2, 4, 5, 6)],
+                       atol=6)
+    b = next(loader)
+    assert b["vision_grid"].tolist() == [[4, 4, 6], [2, 4, 6]]  # frame groups of 16x24-pixel frames, 4x6 patches
+    per_frame = 4 * 6 // 4
+    assert int(b["vision_mask"].sum()) == 6 * per_frame
+    row = b["vision_mask"][0].nonzero().squeeze(1)
+    assert torch.equal(row, torch.arange(int(row[0]), int(row[0]) + 6 * per_frame))  # one span
+    from k3train.models.k3.vision import patchify
+    torch.testing.assert_close(b["vision_pixels"], patchify(model_args(cfg).vision, [px[:4], px[4:]])[0])
+    with pytest.raises(ConfigError, match="data.video_frames: keeps frames of videos, but data.video_field is empty"):
+        validate_config(_cfg(pq_path, "data.video_frames=6"))
+
+
 def test_rows_do_not_depend_on_ranks_or_resume(tmp_path):
     path = write_imagefolder(tmp_path / "imf")
     one = _loader(_cfg(path, "data.micro_batch=4", "data.eval_fraction=0.4"))
