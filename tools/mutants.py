@@ -608,6 +608,12 @@ def _video_first_frames(orig):
     return evenly_spaced
 
 
+def _plan_tower_frozen(orig):
+    def _part_parameters(args, layers, first, last, optim_cfg, train_vision):
+        return orig(args, layers, first, last, optim_cfg, False)  # a trained tower's state left out
+    return _part_parameters
+
+
 def _resume_check_names_only(orig):
     def check_model_entries(model, meta, folder, what, *, show=3):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -1062,6 +1068,9 @@ MUTATIONS: list[Mutation] = [
       "a video longer than max_frames keeps its first frames instead of frames across its duration",
       _video_first_frames, ("tests/unit/test_vision_files.py::test_videos_are_decoded_and_sampled_to_max_frames",)),
     # ---- planner
+    M("plan_tower_frozen", "k3train.plan.state_memory:_part_parameters",
+      "the planner counts a tower trained on images as frozen (no gradients, no optimizer state)", _plan_tower_frozen,
+      ("tests/unit/test_vision_train.py::test_planner_counts_the_trained_towers_state",)),
     M("plan_ignores_k3_defaults", "k3train.plan.activations:PolicyPlan.k3_defaults",
       "the planner predicts saved activations as if no storage policy applied", _plan_ignores_k3_defaults,
       (f"{PLAN}::test_planner_matches_one_process_layouts",)),

@@ -148,6 +148,8 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
         world = p.pp * p.dp * p.cp
     args = model_args(cfg)
     dims = ParallelDims.from_config(p, world)
+    from k3train.data.config import VISION_SOURCES
+    train_vision = cfg.data.source in VISION_SOURCES  # the tower's gradients and optimizer state exist
     dims.validate(world_size=world, model_args=args)
     if world > gpus_per_node and world % gpus_per_node:
         raise ConfigError(f"plan.gpus_per_node: {world} ranks do not fill nodes of {gpus_per_node} GPUs")
@@ -210,7 +212,8 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
             cp_buf[s] = lat if n_mla else 0.0
         ep_time[s], cp_time[s] = a2a, cpt
         send = (sources_after(args, layers[-1]) * tokens * args.dim * act_bytes / pp_bw) if s < n - 1 else 0.0
-        full, shard = stage_grad_bytes(args, dims, stage_layers, s, cfg.optim, _params_cache=cache)
+        full, shard = stage_grad_bytes(args, dims, stage_layers, s, cfg.optim, train_vision=train_vision,
+                                       _params_cache=cache)
         costs[s] = StageCost(forward_s=fwd + (a2a + cpt) / 2, backward_s=bwd + (a2a + cpt) / 2, act_bytes=act,
                              grad_bytes=full, grad_shard_bytes=shard, send_s=send)
     timeline = simulate(dims, costs, zero=dims.zero)
@@ -218,7 +221,7 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
     ranks: list[RankPlan] = []
     for r in range(dims.pp):
         st = rank_state_bytes(args, dims, stage_layers, cfg.optim, pp_rank=r, dp_cp_rank=0, _params_cache=cache,
-                              precision=precision)
+                              precision=precision, train_vision=train_vision)
         mine = stages_of_rank(dims, r)
         boundary = max((sources_after(args, stage_layers[s][-1]) * tokens * args.dim * act_bytes
                         for s in mine if s < n - 1), default=0.0)

@@ -127,6 +127,30 @@ def test_tower_trains_with_its_own_weight_decay():
     assert all(not torch.equal(before[n], p) for n, p in tower.items())
 
 
+def test_planner_counts_the_trained_towers_state():
+    # The planner's state bytes of a run on images (the tower's gradients and optimizer state included) equal what
+    # the engine holds after a step on them; without images the frozen tower adds parameters only.
+    from k3train.parallel.engine import build_engine
+    from k3train.parallel.mesh import ParallelDims
+    from k3train.plan.gpus import GPUS
+    from k3train.plan.planner import plan_run
+
+    cfg = _cfg("optim.name=muon")
+    args = model_args(cfg)
+    loader = build_dataloader(cfg.data, build_tokenizer(cfg.data), vocab_size=args.vocab_size, vision=args.vision)
+    engine = build_engine(args, ParallelDims(), cfg.optim, device="cpu", seq_len_hint=cfg.data.seq_len,
+                          train_vision=True)
+    engine.train_step([next(loader)])
+    m = engine.last_memory
+    state = plan_run(cfg, next(iter(GPUS.values())), world=1).ranks[0].state
+    assert (state["params"], state["grads"], state["optim"]) == (m["param_bytes"], m["grad_bytes"], m["optim_bytes"])
+    text = plan_run(load_config("tiny_vision", [*SMALL, "optim.name=muon", "data=builtin"]),
+                    next(iter(GPUS.values())), world=1).ranks[0].state
+    tower = sum(p.numel() for p in engine.model_parts[0].vision.parameters()) * 4
+    assert text["params"] == state["params"] and state["grads"] - text["grads"] == tower
+    assert state["optim"] > text["optim"]
+
+
 def test_tower_without_images_is_frozen():
     from k3train.parallel.engine import build_engine
     from k3train.parallel.mesh import ParallelDims
