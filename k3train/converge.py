@@ -328,6 +328,13 @@ def converge(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> dict:
     window = cfg.window or exp.get("window") or 10
     if steps < 1 or window < 1:
         raise ConfigError(f"converge: steps ({steps}) and window ({window}) must be positive")
+    gcurve = golden.get("curve") or None
+    if gcurve and not cfg.update_golden and gcurve["steps"] != steps:
+        # The learning-rate schedule spans train.steps: a shorter run is not a prefix of a longer one.
+        raise ConfigError(f"golden file {gpath}: its curve has {gcurve['steps']} steps, this run {steps}; the "
+                          f"learning-rate schedule spans the run, so curves of different lengths differ from the "
+                          f"first step on: run converge.steps={gcurve['steps']}, or record a curve of {steps} steps "
+                          f"with converge.update_golden=true")
     base = list(exp.get("overrides", [])) + [f"train.steps={steps}"]
     user = list(overrides)
     for o in user:
@@ -355,7 +362,6 @@ def converge(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> dict:
             raise RuntimeError(f"layout {lay.name}: {len(curves[lay.name])} losses for {steps} steps")
 
     ref_name = layouts[0].name
-    gcurve = golden.get("curve") or None
     verdict = {"recipe": recipe, "steps": steps, "window": window, "rows": rows, "precision": precision,
                "overrides": user, "reference": ref_name, "golden": str(gpath),
                "statistic": "d_t = |loss_t - ref_t| / |ref_t|; window = mean of d_t over the last `window` steps; "
@@ -372,9 +378,6 @@ def converge(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> dict:
             verdict["pass"] &= entry["vs_reference"]["pass"]
         verdict["layouts"][name] = entry
     if gcurve and not cfg.update_golden:
-        if gcurve["steps"] < steps:
-            raise ConfigError(f"golden file {gpath}: its curve has {gcurve['steps']} steps, this run {steps}; "
-                              f"record a longer one with converge.update_golden=true")
         tol_g = tolerance([precision, gcurve["precision"]], cfg)
         for name, c in curves.items():
             s = compare(c, gcurve["losses"], window)

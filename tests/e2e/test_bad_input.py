@@ -342,6 +342,9 @@ CASES = [
         converge("parallel.dp=2")),
     Bad("converge-rows", "converge", "converge.layouts=[pp2xdp2xep2] converge.rows=6", "does not divide them",
         converge("converge.layouts=[pp2xdp2xep2]", "converge.rows=6")),
+    Bad("converge-steps-golden", "converge", "converge.steps=30 (the golden curve has 50)",
+        "its curve has 50 steps, this run 30; the learning-rate schedule spans the run",
+        converge("converge.steps=30")),
 ]
 
 
