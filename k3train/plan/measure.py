@@ -76,9 +76,30 @@ def _batch(args, T: int, seed: int) -> dict:
     return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
 
 
-def _worker(rank: int, layout: Layout, out_dir: str, init_file: str) -> None:
+def _worker(rank: int, layouts: list[Layout], out_dir: str, init_file: str) -> None:
+    """Measure layouts of one world size one after another in one process group (one start-up for all of them);
+    rank r writes `<i>.rank<r>.json` for layout i."""
     import torch.distributed as dist
 
+    torch.set_num_threads(1)
+    world = layouts[0].world
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for i, layout in enumerate(layouts):
+            result = _measure_rank(rank, layout)
+            with open(os.path.join(out_dir, f"{i}.rank{rank}.json"), "w") as f:
+                json.dump(result, f)
+            if dist.is_initialized():
+                dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _measure_rank(rank: int, layout: Layout) -> dict:
+    """This rank's measured state, communication and saved activations of one layout."""
     from k3train.activation import rules_from_config
     from k3train.models.k3.args import get_preset
     from k3train.models.k3.context import BatchContext
@@ -87,71 +108,71 @@ def _worker(rank: int, layout: Layout, out_dir: str, init_file: str) -> None:
     from k3train.parallel.mesh import rank_coords
     from k3train.plan.meter import SavedBytesMeter
 
-    torch.set_num_threads(1)
-    if layout.world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=layout.world)
-    try:
-        args = get_preset("tiny")
-        dims = _dims(layout)
-        acfg = _activation_cfg(layout)
-        rules = rules_from_config(acfg) if acfg.policy != "keep" or acfg.rules else []
-        result = {"rank": rank, "acts": {}}
-        low = torch.bfloat16 if layout.precision == "bf16" else None
-        for T in SEQS:
-            eng = build_engine(args, dims, _optim_cfg(layout), seed=0, device="cpu", seq_len_hint=T,
-                               activation_rules=rules, precision=layout.precision, autocast_dtype=low)
-            coords = rank_coords(dims, rank)
-            if T == SEQS[0]:
-                dp_index = coords["dp"]
-                for step in range(2):
-                    mbs = [_batch(args, T, 100 * step + 10 * dp_index + i) for i in range(dims.microbatches)]
-                    eng.train_step(mbs)
-                result["state"] = dict(eng.last_memory)
-                result["comm"] = {k: v["payload"] for k, v in eng.comm.snapshot().items()}  # the second step
-                result["pp_rank"], result["dp_cp_rank"] = coords["pp"], coords["dp"] * dims.cp + coords["cp"]
-            b = eng._local_batch(_batch(args, T, 7 + coords["dp"]))
-            for s, part in zip(eng.stage_ids, eng.model_parts):
-                if s == 0:
-                    x = b["input_ids"]
-                else:
-                    from k3train.models.k3.model import sources_after
-                    S = sources_after(args, eng.stage_layers[s][0] - 1)
-                    x = torch.randn(S, *b["input_ids"].shape, args.dim, dtype=low or torch.float32,
-                                    requires_grad=True)
-                ctx = b["ctx"] if dims.pp == 1 else BatchContext()
-                last = s == dims.n_stages - 1
-                with SavedBytesMeter(eng.model_parts, eng.activation_handles) as meter, \
-                        torch.autocast("cpu", dtype=low or torch.float32, enabled=low is not None):
-                    y = part(x, ctx, return_hidden=last)
-                    if last:  # the training loss: the head fused with the cross entropy
-                        y = linear_cross_entropy(y, part.output.weight, b["labels"])[0]
-                result["acts"][f"{s}:{T}"] = meter.bytes
-                del y
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-    finally:
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+    args = get_preset("tiny")
+    dims = _dims(layout)
+    acfg = _activation_cfg(layout)
+    rules = rules_from_config(acfg) if acfg.policy != "keep" or acfg.rules else []
+    result = {"rank": rank, "acts": {}}
+    low = torch.bfloat16 if layout.precision == "bf16" else None
+    for T in SEQS:
+        eng = build_engine(args, dims, _optim_cfg(layout), seed=0, device="cpu", seq_len_hint=T,
+                           activation_rules=rules, precision=layout.precision, autocast_dtype=low)
+        coords = rank_coords(dims, rank)
+        if T == SEQS[0]:
+            dp_index = coords["dp"]
+            for step in range(2):
+                mbs = [_batch(args, T, 100 * step + 10 * dp_index + i) for i in range(dims.microbatches)]
+                eng.train_step(mbs)
+            result["state"] = dict(eng.last_memory)
+            result["comm"] = {k: v["payload"] for k, v in eng.comm.snapshot().items()}  # the second step
+            result["pp_rank"], result["dp_cp_rank"] = coords["pp"], coords["dp"] * dims.cp + coords["cp"]
+        b = eng._local_batch(_batch(args, T, 7 + coords["dp"]))
+        for s, part in zip(eng.stage_ids, eng.model_parts):
+            if s == 0:
+                x = b["input_ids"]
+            else:
+                from k3train.models.k3.model import sources_after
+                S = sources_after(args, eng.stage_layers[s][0] - 1)
+                x = torch.randn(S, *b["input_ids"].shape, args.dim, dtype=low or torch.float32,
+                                requires_grad=True)
+            ctx = b["ctx"] if dims.pp == 1 else BatchContext()
+            last = s == dims.n_stages - 1
+            with SavedBytesMeter(eng.model_parts, eng.activation_handles) as meter, \
+                    torch.autocast("cpu", dtype=low or torch.float32, enabled=low is not None):
+                y = part(x, ctx, return_hidden=last)
+                if last:  # the training loss: the head fused with the cross entropy
+                    y = linear_cross_entropy(y, part.output.weight, b["labels"])[0]
+            result["acts"][f"{s}:{T}"] = meter.bytes
+            del y
+    return result
 
 
-def measure_layout(layout: Layout) -> list[dict]:
-    """Run one layout on CPU; per rank: the measured state and activations, with the planner's predictions."""
+def _run_layouts(layouts: list[Layout]) -> list[list[dict]]:
+    """Each layout's per-rank measurements; layouts of one world size share one spawn (world 1: this process)."""
     import torch.multiprocessing as mp
 
+    with tempfile.TemporaryDirectory() as d:
+        init = os.path.join(d, "init")
+        world = layouts[0].world
+        if world == 1:
+            _worker(0, layouts, d, init)
+        else:
+            mp.start_processes(_worker, args=(layouts, d, init), nprocs=world, start_method="spawn")
+        return [[json.load(open(os.path.join(d, f"{i}.rank{r}.json"))) for r in range(world)]
+                for i in range(len(layouts))]
+
+
+def measure_layout(layout: Layout, results: list[dict] | None = None) -> list[dict]:
+    """Run one layout on CPU (or take its ranks' `results`); per rank: the measured state and activations, with the
+    planner's predictions."""
     from k3train.models.k3.args import get_preset
     from k3train.models.k3.counts import analytic_step_bytes
     from k3train.parallel.pipeline import split_layers
     from k3train.plan.activations import policy_plan, stage_activation_bytes
     from k3train.plan.state_memory import rank_state_bytes
 
-    with tempfile.TemporaryDirectory() as d:
-        init = os.path.join(d, "init")
-        if layout.world == 1:
-            _worker(0, layout, d, init)
-        else:
-            mp.start_processes(_worker, args=(layout, d, init), nprocs=layout.world, start_method="spawn")
-        results = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(layout.world)]
+    if results is None:
+        results = _run_layouts([layout])[0]
     args = get_preset("tiny")
     dims = _dims(layout)
     optim = _optim_cfg(layout)
@@ -184,12 +205,15 @@ def measure_layout(layout: Layout) -> list[dict]:
 
 
 def measure_layouts(layouts=LAYOUTS) -> list[dict]:
+    """measure_layout of each layout, in order; the layouts of one world size run in one spawn."""
     from tqdm import tqdm
 
-    rows = []
-    for layout in tqdm(layouts, desc="measuring layouts", leave=False):
-        rows += measure_layout(layout)
-    return rows
+    results: dict[str, list[dict]] = {}
+    worlds = sorted({lay.world for lay in layouts})
+    for world in tqdm(worlds, desc="measuring layouts by world size", leave=False):
+        group = [lay for lay in layouts if lay.world == world]
+        results.update(zip((lay.name for lay in group), _run_layouts(group)))
+    return [row for layout in layouts for row in measure_layout(layout, results[layout.name])]
 
 
 def format_measurements(rows: list[dict]) -> str:

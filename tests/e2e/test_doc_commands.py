@@ -33,7 +33,7 @@ SKIPPED = {
     ".venv/bin/python -m k3train.converge --config-name tiny_cpu": "tests/e2e/test_converge.py runs it",
     "python -m k3train.converge --config-name small_8gpu": "needs one 8-GPU node",
     "python -m k3train.plan --config-name tiny_cpu plan.world=1 plan.measure=true":
-        "its measurement (k3train.plan.measure.measure_layouts, eight layouts) is what "
+        "its measurement (k3train.plan.measure.measure_layouts, every layout of LAYOUTS) is what "
         "tests/e2e/test_plan.py::test_planner_matches_measured_layouts runs and checks, and the same command without "
         "plan.measure runs here (test_plan.py::test_plan_command_prints_table_json_and_figure)",
 }
