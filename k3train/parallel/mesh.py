@@ -154,8 +154,6 @@ class ParallelDims:
             need(self.schedule in BUBBLE_SCHEDULES, "vision_placement",
                  f"'bubbles' runs with schedules {list(BUBBLE_SCHEDULES)}, not {self.schedule!r} (its backward is "
                  "split into input and weight passes; use 'stage')")
-            need(self.cp == 1, "vision_placement", f"'bubbles' does not run under context parallelism (cp={self.cp}): "
-                 "there the tower's work is spread over the cp ranks inside the first stage; use 'stage'")
         if world_size is not None:
             need(self.world == world_size, "dp",
                  f"layout pp={self.pp} x dp={self.dp} x cp={self.cp} = {self.world} ranks, but the world has {world_size} "

@@ -408,7 +408,7 @@ class Pipeline:
             from k3train.parallel.vision_schedule import VisionFeed, plan_vision
             plan = plan_vision(dims) if dims.vision_placement == "bubbles" else None
             self.vision_feed = VisionFeed(first.part.vision, placement=dims.vision_placement, plan=plan,
-                                          autocast_dtype=first.autocast_dtype)
+                                          autocast_dtype=first.autocast_dtype, cp=first.cp)
             first.vision_feed = self.vision_feed
         self._key = None
         self.stages: list = []

@@ -125,12 +125,16 @@ class VisionFeed:
     work on them under a placement. Shared by the stages of the first pipeline rank."""
 
     def __init__(self, tower: torch.nn.Module, *, placement: str, plan: VisionPlan | None,
-                 autocast_dtype: torch.dtype | None = None):
+                 autocast_dtype: torch.dtype | None = None, cp: tuple | None = None):
+        """cp: (group, layout) under context parallelism: VF k spreads micro-batch k's images over the cp ranks
+        (k3train.parallel.vision_cp; every rank of the group runs the same plan, so their collectives meet) and the
+        stage gets the tokens of its pieces."""
         self.tower, self.placement, self.plan = tower, placement, plan
         self.autocast_dtype = autocast_dtype
+        self.cp = cp
         self.inputs: list[dict | None] = []
         self.log: list[tuple] = []
-        self._tokens: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (tower output, its detached leaf)
+        self._tokens: dict[int, tuple] = {}  # mb -> (tower output, its detached leaf, the stage's vision mask)
         self._done: set[VisionAct] = set()
 
     def start_step(self, inputs: list[dict | None]) -> None:
@@ -149,7 +153,8 @@ class VisionFeed:
         if self.placement == "stage":
             return x
         self.run([VisionAct("VF", mb)])  # a no-op when the plan already ran it
-        return {"vision_embeds": self._tokens[mb][1], "vision_mask": x["vision_mask"]}
+        _, leaf, mask = self._tokens[mb]
+        return {"vision_embeds": leaf, "vision_mask": mask}
 
     def run_before(self, act: Act) -> None:
         if self.plan is not None:
@@ -179,12 +184,18 @@ class VisionFeed:
                 continue
             self.log.append((act.kind, 0, act.mb))
             if act.kind == "VF":
-                dev = x["vision_pixels"].device.type
+                dev, mask = x["vision_pixels"].device.type, x["vision_mask"]
                 with torch.autocast(dev, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-                    tokens, _ = self.tower(x["vision_pixels"], x["vision_grid"])
-                self._tokens[act.mb] = (tokens, tokens.detach().requires_grad_())
+                    if self.cp is None:
+                        tokens, _ = self.tower(x["vision_pixels"], x["vision_grid"])
+                    else:
+                        from k3train.parallel.context_parallel import ContextParallel
+                        group, layout = self.cp
+                        handle = ContextParallel(group, seq_len=mask.shape[1], layout=layout)
+                        tokens, mask = handle.encode_images(self.tower, x["vision_pixels"], x["vision_grid"], mask)
+                self._tokens[act.mb] = (tokens, tokens.detach().requires_grad_(), mask)
             else:
-                tokens, leaf = self._tokens.pop(act.mb)
+                tokens, leaf, _ = self._tokens.pop(act.mb)
                 if leaf.grad is None:
                     raise RuntimeError(f"vision backward of micro-batch {act.mb} before its first-stage backward")
                 tokens.backward(leaf.grad)

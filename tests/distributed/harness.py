@@ -540,8 +540,11 @@ FOUR = [
     _lay("pp2_ep2_zero1", pp=2, dp=2, ep=2, zero=1, microbatches=2, schedule="1f1b"),
     # MTP on the last stage of a CP pipeline: the halo under the stages' own CP handles.
     _lay("mtp_cp2_pp2", pp=2, cp=2, seq=64, microbatches=2, schedule="1f1b", mtp=True),
-    # The tower on the first stage of a CP pipeline: its work spread over that stage's cp ranks.
-    _lay("vis_cp2_pp2", pp=2, cp=2, seq=64, microbatches=2, schedule="1f1b", vision=True),
+    # The tower on the first stage of a CP pipeline: its work spread over that stage's cp ranks, inside the stage or
+    # in the first rank's idle time (the cp ranks of the first stage run the same plan, so their collectives meet).
+    _lay("vis_cp2_pp2", pp=2, cp=2, seq=64, microbatches=4, schedule="1f1b", vision=True),
+    _lay("vis_cp2_pp2_bubbles", pp=2, cp=2, seq=64, microbatches=4, schedule="1f1b", vision=True,
+         vision_placement="bubbles", record_vision_log=True),
 ]
 EIGHT = [
     # Everything at once: 2 pipeline ranks x 2 virtual stages, 4-way data parallel with experts over 2 of them

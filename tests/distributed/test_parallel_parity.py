@@ -151,23 +151,27 @@ def test_vision_tower_gets_the_gradients_of_one_process(two):
     assert [k for k in tower if torch.equal(after[k], start[k])] == []  # every tower parameter trained
 
 
-def test_vision_in_bubbles_equals_the_tower_inside_the_stage(two):
-    # Same micro-batches, same order of the tower's gradient sums: the same numbers.
-    plain, bubbles = two["vis_pp2_1f1b"], two["vis_pp2_1f1b_bubbles"]
-    assert [r["losses"] for r in plain] == [r["losses"] for r in bubbles]
-    a, b = H.merged_params(plain), H.merged_params(bubbles)
+@pytest.mark.parametrize("plain, bubbles", [("vis_pp2_1f1b", "vis_pp2_1f1b_bubbles"),
+                                             ("vis_cp2_pp2", "vis_cp2_pp2_bubbles")])
+def test_vision_in_bubbles_equals_the_tower_inside_the_stage(two, four, plain, bubbles):
+    # Same micro-batches, same order of the tower's gradient sums: the same numbers (with or without CP).
+    runs = {**two, **four}
+    assert [r["losses"] for r in runs[plain]] == [r["losses"] for r in runs[bubbles]]
+    a, b = H.merged_params(runs[plain]), H.merged_params(runs[bubbles])
     assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
 
 
-@pytest.mark.parametrize("name", ["vis_pp2_1f1b_bubbles", "vis_pp2_vpp2_bubbles"])
-def test_vision_actions_run_where_the_plan_puts_them(two, name):
+@pytest.mark.parametrize("name", ["vis_pp2_1f1b_bubbles", "vis_pp2_vpp2_bubbles", "vis_cp2_pp2_bubbles"])
+def test_vision_actions_run_where_the_plan_puts_them(two, four, name):
     from k3train.parallel.vision_schedule import VisionAct, plan_vision
 
-    layout = next(l for l in H.TWO if l.name == name)
+    layout = next(l for l in H.TWO + H.FOUR if l.name == name)
     plan = plan_vision(layout.dims())
     assert plan.in_idle >= 2
     planned = [(a.kind, 0 if isinstance(a, VisionAct) else a.stage, a.mb) for a, _ in plan.table]
-    assert two[name][0]["vision_log"] == planned  # the first pipeline rank's last step, in the order it ran
+    for rec in {**two, **four}[name]:
+        if rec["stage_ids"][0] == 0:  # every rank of the first stage (each cp rank) ran the plan's table
+            assert rec["vision_log"] == planned
 
 
 def test_vision_cp_reports_the_balance_of_its_assignment(two):

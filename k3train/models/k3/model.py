@@ -90,7 +90,8 @@ class K3Model(nn.Module):
         Images: vision_pixels (packed patches [L, C*p*p]) and vision_grid [N, 3] run through the tower, and its
         tokens replace the positions vision_mask [B, T] marks, in row-major order (or give vision_embeds directly).
         Under context parallelism (ctx.cp) the images and vision_mask are the global rows': the handle's
-        encode_images spreads the tower's work over the group and returns the tokens of this rank's pieces."""
+        encode_images spreads the tower's work over the group and returns the tokens of this rank's pieces (which
+        may also be given as vision_embeds, with vision_mask in the local rows' shape)."""
         ctx = ctx or BatchContext()
         if vision_pixels is not None:
             if self.vision is None:
@@ -101,9 +102,10 @@ class K3Model(nn.Module):
                 vision_embeds, vision_mask = ctx.cp.encode_images(self.vision, vision_pixels, vision_grid, vision_mask)
             else:
                 vision_embeds, _ = self.vision(vision_pixels, vision_grid)
-        elif vision_embeds is not None and ctx.cp is not None:
+        elif vision_embeds is not None and ctx.cp is not None and (
+                vision_mask is None or vision_mask.shape != tokens.shape):
             raise ValueError("under context parallelism give the images (vision_pixels, vision_grid and the global "
-                             "vision_mask); encoded vision_embeds cannot be split over the pieces")
+                             "vision_mask), or the tokens of this rank's pieces with the mask of its pieces")
         if self.tok_embeddings is not None:
             if tokens.dim() != 2:
                 raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
