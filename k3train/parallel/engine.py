@@ -162,7 +162,7 @@ class Engine:
         if self.mtp_weight is not None:  # the step trained on loss + mtp_loss_weight x mtp_loss
             out["mtp_loss"] = float(red[1])
         # Dynamic vision CP: the most uneven max/mean tower load of the step's micro-batches on this rank.
-        balance = [getattr(b["ctx"].cp, "vision_balance", None) for b in mbs if b.get("ctx") is not None]
+        balance = [getattr(b["ctx"].cp, "vision_balance", None) for b in mbs]
         if any(x is not None for x in balance):
             out["vision_cp_balance"] = max(x for x in balance if x is not None)
         return out

@@ -13,7 +13,7 @@ the first stage's backward of k produces.
   of the `stage` placement (the same micro-batches, summed in the same order).
 
 Plan (`plan_vision`). The text schedule's compute actions (k3train.parallel.pipeline_order) are replayed in time with
-unit costs: a stage forward 1, a backward 2 (a split backward's I and W 1 each), a vision forward `vision_cost`, a
+unit costs: a stage forward 1, a backward 2, a vision forward `vision_cost`, a
 vision backward twice that. Walking the first rank's idle intervals in time order, each takes the vision actions that
 fit in it: first the backward of a micro-batch whose first-stage backward is done (oldest first: it frees the tower's
 saved activations), then the forward of the next micro-batch not yet encoded (at most pp micro-batches ahead of the
@@ -75,7 +75,7 @@ def plan_vision(dims: ParallelDims, *, placement: str = "bubbles", vision_cost: 
         raise ValueError(f"vision work is placed for schedules {list(BUBBLE_SCHEDULES)}, not {dims.schedule!r}")
     m = dims.microbatches
     orders = schedule_order(dims)
-    cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+    cost = {"F": 1.0, "B": 2.0}  # BUBBLE_SCHEDULES run no split backward
     events = replay(dims, orders, lambda a: cost[a.kind])[0]
     vf_s, vb_s, eps = vision_cost, 2 * vision_cost, 1e-9
     plan = VisionPlan(table=[])

@@ -177,7 +177,7 @@ def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, opt
                 ctx, w = BatchContext(b["cu_seqlens"]), model.output.weight
                 images = {k: b[k] for k in ("vision_pixels", "vision_grid", "vision_mask") if k in b}
                 if args.mtp_layers:
-                    hidden, u = model(b["input_ids"], ctx, return_hidden=True, mtp=True)
+                    hidden, u = model(b["input_ids"], ctx, return_hidden=True, mtp=True, **images)
                     loss = linear_cross_entropy(hidden, w, b["labels"])[0] / count
                     extra = linear_cross_entropy(u, w, mtp_targets(b))[0] / mtp_count
                     (loss + cfg.mtp_loss_weight * extra).backward()
