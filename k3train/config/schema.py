@@ -150,7 +150,9 @@ class TrainConfig:
     precision: str = "fp32"
     """fp32: parameters, gradients and compute in float32. bf16 (mixed precision): parameters stored and computed
     in bfloat16 under autocast (the fp32 islands stay fp32), gradients accumulated and reduced in fp32, and fp32
-    master weights and optimizer states kept only on their ZeRO owners (k3train.parallel.zero)."""
+    master weights and optimizer states kept only on their ZeRO owners (k3train.parallel.zero). fp64: everything in
+    float64, meant for checks (a parallel layout then equals one process to rounding, 1e-10); the PyTorch ops run
+    (model.kernels=triton is refused), and the router scores in fp64 whatever model.router_score_dtype says."""
     balancing: str = "quantile"
     """MoE router balancing when the model has routers: quantile (Quantile Balancing), sign (DeepSeek-V3's
     sign-step bias) or none. The bias is updated after every optimizer step."""

@@ -716,9 +716,11 @@ class PerHeadMuon(Optimizer):
         O_mine = orthogonalise_bucketed(mats, steps, eps, bf16)
         device = plan["params"][0]["param"].device if plan["params"] else torch.device("cpu")
         # With masters the owners step their fp32 matrices and send the new weights in the weights' dtype; without,
-        # one all-gather of every rank's packed updates (padded to the longest), fp32 for exact replicas.
+        # one all-gather of every rank's packed updates (padded to the longest), in the weights' dtype (fp32, or fp64
+        # for fp64 weights: an fp32 wire would round fp64 updates) so replicas are exact.
         send_master = any(m is not None for m in masters)
-        wire = plan["params"][0]["param"].dtype if send_master else torch.float32
+        p_dtype = plan["params"][0]["param"].dtype if plan["params"] else torch.float32
+        wire = p_dtype if send_master else torch.promote_types(p_dtype, torch.float32)
         width = max(plan["sizes"]) if plan["sizes"] else 0
         send = torch.zeros(width, dtype=wire, device=device)
         for pc, O, m in zip(mine, O_mine, masters):

@@ -412,7 +412,7 @@ def build_engine(model_args: K3ModelArgs, parallel, optim_cfg, seed: int = 0, de
     if precision not in PARAM_DTYPES:
         raise ConfigError(f"train.precision must be one of {list(PARAM_DTYPES)}, got {precision!r}")
     param_dtype = PARAM_DTYPES[precision]
-    if param_dtype != torch.float32:
+    if precision == "bf16":
         autocast_dtype = param_dtype
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     dims = parallel if isinstance(parallel, ParallelDims) else ParallelDims.from_config(parallel, world)
@@ -433,7 +433,7 @@ def build_engine(model_args: K3ModelArgs, parallel, optim_cfg, seed: int = 0, de
     for s in stage_ids:
         part, handle = parallelize_part(stage_part_on_meta(model_args, stage_layers[s], first=s == 0, last=s == n - 1),
                                         setup)
-        if param_dtype != torch.float32:  # initialised in fp32 (same values in every layout), stored in bf16
+        if param_dtype != torch.float32:  # initialised in fp32 (same values in every layout), stored in bf16/fp64
             for p in part.parameters():
                 p.data = p.data.to(param_dtype)
         parts.append(part)

@@ -193,7 +193,7 @@ class StageModule(nn.Module):
         if mtp:  # one output tensor for the schedule: [final hidden ; MTP hidden] along the width
             out = torch.cat(out, dim=-1)
         # Fixed dtypes across boundaries so stage shapes can be declared statically.
-        return out.float() if self.last else out.to(self.boundary_dtype)
+        return out.to(torch.promote_types(self.boundary_dtype, torch.float32)) if self.last else out.to(self.boundary_dtype)
 
     def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(summed next-token loss, summed MTP loss or None) of the last stage's output [mb, T, D] (with MTP
@@ -429,7 +429,8 @@ class Pipeline:
             return torch.empty(mb, T, dtype=torch.long, device=meta)
         if output and stage == n - 1:  # final hidden (and the MTP hidden beside it)
             width = 2 * D if self.args.mtp_layers else D
-            return torch.empty(mb, T, width, dtype=torch.float32, device=meta, requires_grad=True)
+            return torch.empty(mb, T, width, dtype=torch.promote_types(self.boundary_dtype, torch.float32),
+                               device=meta, requires_grad=True)
         last_layer = self.stage_layers[stage][-1] if output else self.stage_layers[stage][0] - 1
         S = sources_after(self.args, last_layer)
         return torch.empty(S, mb, T, D, dtype=self.boundary_dtype, device=meta, requires_grad=True)

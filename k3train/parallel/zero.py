@@ -86,8 +86,14 @@ from torch import nn
 
 from k3train.parallel import comm
 
-PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-"""train.precision -> the dtype parameters are stored (and computed) in."""
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+"""train.precision -> the dtype parameters are stored (and computed) in. fp64 is for parity checks: every layout then
+agrees with one process to rounding (1e-10), so a wrong composition cannot hide inside an fp32 tolerance."""
+ELEMENT_BYTES = {"fp32": {"param": 4, "grad": 4, "master": 0, "state": 4},
+                 "bf16": {"param": 2, "grad": 4, "master": 4, "state": 4},
+                 "fp64": {"param": 8, "grad": 8, "master": 0, "state": 8}}
+"""train.precision -> bytes per element of parameters, gradients (as accumulated and reduced), master weights and
+optimizer states (the memory facts below; the planner and the communication counts read the same table)."""
 MASTER_DTYPE = torch.float32
 """Master weights (and, through them, optimizer states) under bf16."""
 

@@ -27,15 +27,22 @@ class GPU:
     """NVLink bandwidth per GPU, one direction (the intra-node links)."""
     network_bytes_s: float
     """Network bandwidth per GPU, one direction (the inter-node links)."""
+    fp64_flops: float = 0.0
+    """Dense FP64 tensor-core peak, FLOP/s (train.precision=fp64, the parity-check precision)."""
 
     def peak_flops(self, precision: str) -> float:
-        return self.fp8_flops if precision == "fp8" else self.bf16_flops
+        """The compute peak a run of train.precision (or fp8 GEMMs) is measured against: fp32 training counts half
+        the bf16 tensor-core peak (TF32 GEMMs with fp32 elementwise work)."""
+        peaks = {"fp8": self.fp8_flops, "bf16": self.bf16_flops, "fp32": self.bf16_flops / 2, "fp64": self.fp64_flops}
+        if precision not in peaks:
+            raise ValueError(f"no peak for precision {precision!r}; one of {list(peaks)}")
+        return peaks[precision]
 
 
 GPUS: dict[str, GPU] = {
-    "h100_80g": GPU("h100_80g", 80 * GB, 989.4e12, 1978.9e12, 450 * GB, 50 * GB),
-    "h200_141g": GPU("h200_141g", 141 * GB, 989.4e12, 1978.9e12, 450 * GB, 50 * GB),
-    "b200_192g": GPU("b200_192g", 192 * GB, 2250e12, 4500e12, 900 * GB, 100 * GB),
+    "h100_80g": GPU("h100_80g", 80 * GB, 989.4e12, 1978.9e12, 450 * GB, 50 * GB, 67e12),
+    "h200_141g": GPU("h200_141g", 141 * GB, 989.4e12, 1978.9e12, 450 * GB, 50 * GB, 67e12),
+    "b200_192g": GPU("b200_192g", 192 * GB, 2250e12, 4500e12, 900 * GB, 100 * GB, 40e12),
 }
 
 

@@ -135,6 +135,7 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
     from k3train.models.k3.model import sources_after
     from k3train.parallel.mesh import ParallelDims, stages_of_rank
     from k3train.parallel.pipeline import split_layers
+    from k3train.parallel.zero import ELEMENT_BYTES
     from k3train.plan.activations import policy_plan, stage_activation_bytes, stage_workspace_bytes
     from k3train.plan.schedule_sim import StageCost, simulate
     from k3train.plan.state_memory import rank_state_bytes, stage_grad_bytes
@@ -154,14 +155,14 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
     if world > gpus_per_node and world % gpus_per_node:
         raise ConfigError(f"plan.gpus_per_node: {world} ranks do not fill nodes of {gpus_per_node} GPUs")
     precision = precision_of(cfg)
-    act_bytes = 2 if precision == "bf16" else 4
+    act_bytes = ELEMENT_BYTES[precision]["param"]
     seq, mb = cfg.data.seq_len, cfg.data.micro_batch
     tokens = mb * seq // dims.cp  # one micro-batch on one rank
     stage_layers = split_layers(args, dims.n_stages, seq_len=seq)
     pplan = policy_plan(cfg.activation)
     n = dims.n_stages
     costs_tok = executed_flops(args, seq)
-    peak = gpu.bf16_flops * efficiency / (1 if precision == "bf16" else 2)
+    peak = gpu.peak_flops(precision) * efficiency
 
     def stage_flops(s: int) -> float:  # executed training FLOPs per token of stage s
         f = sum(costs_tok["layers"][i - 1] for i in stage_layers[s])
@@ -212,7 +213,7 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
             cp_buf[s] = lat if n_mla else 0.0
         ep_time[s], cp_time[s] = a2a, cpt
         send = (sources_after(args, layers[-1]) * tokens * args.dim * act_bytes / pp_bw) if s < n - 1 else 0.0
-        full, shard = stage_grad_bytes(args, dims, stage_layers, s, cfg.optim, train_vision=train_vision,
+        full, shard = stage_grad_bytes(args, dims, stage_layers, s, cfg.optim, train_vision=train_vision, precision=precision,
                                        _params_cache=cache)
         costs[s] = StageCost(forward_s=fwd + (a2a + cpt) / 2, backward_s=bwd + (a2a + cpt) / 2, act_bytes=act,
                              grad_bytes=full, grad_shard_bytes=shard, send_s=send)

@@ -16,7 +16,8 @@ parameter is placed the way the optimizer places it (k3train.parallel.zero's mod
   their own owners among their edp replicas.
 - master weights: none under fp32 (the parameters are their own master); under bf16 an fp32 copy of what the
   rank's optimizer steps (the owned chunk or matrices; everything under zero=0).
-- precision: bf16 parameters take 2 bytes; gradients, masters and states are fp32 either way.
+- precision: bf16 parameters take 2 bytes, gradients, masters and states are fp32; under fp64 everything is 8 bytes
+  (k3train.parallel.zero.ELEMENT_BYTES).
 
 Groups: non-expert parameters are replicated over the dp x cp ranks, home experts over the edp = dp x cp / ep ranks
 that hold the same experts (k3train.parallel.mesh).
@@ -126,7 +127,10 @@ def rank_state_bytes(args: K3ModelArgs, dims: ParallelDims, stage_layers: list[l
 
     cache = _params_cache if _params_cache is not None else {}
     out = StateBytes()
-    p_elem = 2 if precision == "bf16" else 4
+    from k3train.parallel.zero import ELEMENT_BYTES, PARAM_DTYPES
+
+    eb = ELEMENT_BYTES[precision]
+    p_elem, g_elem, m_elem, s_elem = eb["param"], eb["grad"], eb["master"], eb["state"]
     groups = {"dense": (dims.dp_cp, dp_cp_rank), "expert": (dims.edp, dp_cp_rank // dims.ep)}
     # Muon matrices of each group in optimizer order: (stage, rows, cols)
     mats: dict[str, list[tuple[int, int, int]]] = {"dense": [], "expert": []}
@@ -151,10 +155,9 @@ def rank_state_bytes(args: K3ModelArgs, dims: ParallelDims, stage_layers: list[l
             d0 = local[0] if local else 1
             row = numel // d0 if d0 else 0
             owned = _owned_rows(d0, n, q) * row
-            out.grads += ((-(-d0 // n)) * row if dims.zero == 2 else numel) * 4
-            out.optim += 2 * (owned if dims.zero >= 1 else numel) * 4
-            if precision == "bf16":
-                out.master += (owned if dims.zero >= 1 else numel) * 4
+            out.grads += ((-(-d0 // n)) * row if dims.zero == 2 else numel) * g_elem
+            out.optim += 2 * (owned if dims.zero >= 1 else numel) * s_elem
+            out.master += (owned if dims.zero >= 1 else numel) * m_elem
     for key, ms in mats.items():
         if not ms:
             continue
@@ -162,29 +165,33 @@ def rank_state_bytes(args: K3ModelArgs, dims: ParallelDims, stage_layers: list[l
         if dims.zero >= 1 and n > 1:  # owner-sharded: each matrix lives on the rank assign_owners picks
             owners = assign_owners([(r, c) for _, r, c in ms], n)
             mine = sum(r * c for (_, r, c), o in zip(ms, owners) if o == q)
-            out.optim += mine * 4
-            out.master += mine * 4 if precision == "bf16" else 0
+            out.optim += mine * s_elem
+            out.master += mine * m_elem
             if dims.zero == 2:  # one reduce-scatter per stage, each rank's segment padded to the longest
                 for s in sorted({m[0] for m in ms}):
                     seg = [0] * n
                     for (st, r, c), o in zip(ms, owners):
                         if st == s:
                             seg[o] += r * c
-                    out.grads += max(seg) * 4
+                    out.grads += max(seg) * g_elem
             else:
-                out.grads += sum(r * c for _, r, c in ms) * 4
+                out.grads += sum(r * c for _, r, c in ms) * g_elem
         else:
             total = sum(r * c for _, r, c in ms)
-            out.optim += total * 4
-            out.master += total * 4 if precision == "bf16" else 0
-            out.grads += total * 4
-    out.params_by_dtype = {"bfloat16" if precision == "bf16" else "float32": out.params}
+            out.optim += total * s_elem
+            out.master += total * m_elem
+            out.grads += total * g_elem
+    out.params_by_dtype = {str(PARAM_DTYPES[precision]).replace("torch.", ""): out.params}
     return out
 
 
 def stage_grad_bytes(args: K3ModelArgs, dims: ParallelDims, stage_layers: list[list[int]], stage: int, optim_cfg,
-                     *, train_vision: bool = False, _params_cache: dict | None = None) -> tuple[int, int]:
-    """(the stage's full fp32 gradient on a rank, what remains of it after its reduction) on dp_cp rank 0."""
+                     *, train_vision: bool = False, precision: str = "fp32",
+                     _params_cache: dict | None = None) -> tuple[int, int]:
+    """(the stage's full gradient on a rank, what remains of it after its reduction) on dp_cp rank 0."""
+    from k3train.parallel.zero import ELEMENT_BYTES
+
+    g_elem = ELEMENT_BYTES[precision]["grad"]
     cache = _params_cache if _params_cache is not None else {}
     if stage not in cache:
         cache[stage] = stage_parameters(args, stage_layers, stage, optim_cfg, train_vision=train_vision,
@@ -201,6 +208,6 @@ def stage_grad_bytes(args: K3ModelArgs, dims: ParallelDims, stage_layers: list[l
         n = dims.edp if expert else dims.dp_cp
         d0 = local[0] if local else 1
         owned = _owned_rows(d0, n, 0) * (numel // d0 if d0 else 0)
-        full += numel * 4
-        kept += (owned if dims.zero == 2 and kind != "muon" else numel) * 4
+        full += numel * g_elem
+        kept += (owned if dims.zero == 2 and kind != "muon" else numel) * g_elem
     return full, kept

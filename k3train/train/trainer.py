@@ -252,7 +252,7 @@ class Trainer:
         # an earlier start measured and wrote into config.yaml, else measured now (and written there below).
         self.peak_flops, measured = cfg.logging.peak_flops, 0.0
         if self.peak_flops <= 0 and self.gpu is not None:
-            self.peak_flops = self.gpu.bf16_flops if self.dtype != torch.float32 else self.gpu.bf16_flops / 2
+            self.peak_flops = self.gpu.peak_flops(t.precision)
         elif self.peak_flops <= 0 and env.rank == 0:
             self.peak_flops = measured = (rundir.recorded_peak_flops(self.run_dir)
                                           or measure_peak_flops(self.device, self.dtype))

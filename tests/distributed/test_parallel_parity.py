@@ -49,20 +49,19 @@ def eight(workdir):
 # ---- the one-process engine itself ----------------------------------------------------------------------------------
 def test_single_process_engine_equals_plain_loop(one_process):
     # STEPS + 1 steps (the checkpoint run takes one more); same micro-batching, so the parameters agree exactly.
-    worst = H.compare(H.reference_for(H.ONE, STEPS + 1), [one_process], param_atol=0.0)
-    assert worst["param_abs"] == 0.0
+    worst = H.compare(H.reference_for(H.ONE, STEPS + 1), [one_process], bound=0.0)
+    assert worst == {"loss": 0.0, "grad_norm": 0.0, "param": 0.0}
 
 
 # ---- parity ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", H.TWO, ids=lambda l: l.name)
 def test_two_process_layouts(two, layout):
-    # CP brackets the KDA sums differently (see test_cp_parity.py): parameters to 5e-5 there.
-    H.compare(H.reference_for(layout), two[layout.name], param_atol=5e-5 if layout.cp > 1 else 1e-5)
+    H.compare(H.reference_for(layout), two[layout.name])
 
 
 @pytest.mark.parametrize("layout", H.FOUR, ids=lambda l: l.name)
 def test_four_process_layouts(four, layout):
-    H.compare(H.reference_for(layout), four[layout.name], param_atol=5e-5 if layout.cp > 1 else 1e-5)
+    H.compare(H.reference_for(layout), four[layout.name])
 
 
 @pytest.mark.parametrize("layout", H.EIGHT, ids=lambda l: l.name)

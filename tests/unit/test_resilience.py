@@ -160,24 +160,30 @@ def test_run_directory_survives_requeues_and_restarts(tmp_path):
     assert rs.stable_run_dir("tiny_cpu", None, fresh, {}) == tmp_path / "b"
 
 
+# Bounds far apart against scheduling noise on a loaded machine: a peer's host work of HOST_WORK_S against a collective
+# bound of TIMEOUT_S and a host-work bound of HOST_TIMEOUT_S.
+TIMEOUT_S, HOST_WORK_S, HOST_TIMEOUT_S = 3.0, 6.0, 120.0
+
+
 def _host_work_worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    timeout_s, host_timeout_s = 0.5, 30.0  # train.timeout_s, train.host_work_timeout_s
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=dt.timedelta(seconds=timeout_s))
-    host = rs.host_work_group(host_timeout_s)
+    # The store gets a connect timeout of its own: the bound under test is the collectives', and a 2-core machine
+    # busy with other jobs may take longer than it to start the second process.
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=dt.timedelta(seconds=HOST_TIMEOUT_S))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=dt.timedelta(seconds=TIMEOUT_S))
+    host = rs.host_work_group(HOST_TIMEOUT_S)
     got = {}
-    # rank 0 works on the host for 1.5 s (tokenizing, checksumming) while rank 1 waits:
+    # rank 0 works on the host (tokenizing, checksumming) while rank 1 waits:
     if rank == 0:
-        time.sleep(1.5)
+        time.sleep(HOST_WORK_S)
     dist.broadcast_object_list([rank], src=0, group=host)  # in the group of host work, as the data is shared
     got["host_work_group"] = "ok"
-    with rs.long_waits(rs.Progress(rank=rank), host_timeout_s, timeout_s):  # a checkpoint on the default group
+    with rs.long_waits(rs.Progress(rank=rank), HOST_TIMEOUT_S, TIMEOUT_S):  # a checkpoint on the default group
         if rank == 0:
-            time.sleep(1.5)
+            time.sleep(HOST_WORK_S)
         dist.barrier()
     got["long_waits"] = "ok"
     if rank == 0:
-        time.sleep(1.5)
+        time.sleep(HOST_WORK_S)
     try:
         dist.barrier()  # the same wait under train.timeout_s
         got["plain"] = "ok"
@@ -189,8 +195,8 @@ def _host_work_worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_host_work_waits_use_their_own_bound(tmp_path):
-    """What train.host_work_timeout_s does: a 1.5 s wait for a peer's host work passes in the host-work group and on
-    the default group inside long_waits, and times out (train.timeout_s = 0.5 s) anywhere else."""
+    """What train.host_work_timeout_s does: a 6 s wait for a peer's host work passes in the host-work group and on
+    the default group inside long_waits, and times out (train.timeout_s = 3 s) anywhere else."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

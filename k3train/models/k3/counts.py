@@ -151,17 +151,19 @@ def analytic_step_bytes(args: K3ModelArgs, dims, stage_layers: list[list[int]], 
     """Expected {(dim, op): {"payload", "wire"}} of one step on a rank of pipeline rank `pp_rank`, in the terms of
     k3train.parallel.comm (AdamW; zero padding assumed, i.e. every parameter's first dim divisible by its group).
 
-    precision (train.precision): gradients are reduced in fp32 either way; parameters are all-gathered and
+    precision (train.precision): gradients are reduced in fp32 (fp64 under fp64); parameters are all-gathered and
     activations (pipeline boundaries, expert dispatch, context-parallel halos and latents) travel in the parameter
-    dtype, 4 bytes under fp32 and 2 under bf16 (`elem` overrides the activation element size).
+    dtype, 4 bytes under fp32, 2 under bf16 and 8 under fp64 (`elem` overrides the activation element size); the
+    KDA piece summaries are fp32 (fp64 under fp64).
 
     Expert all-to-all (payload only): per MoE layer and micro-batch a rank sends its N K token-expert rows of the
     latent (width L) forward and their gradients backward, plus the M rows its home experts received (outputs
     forward, gradients backward) and the [E] routing counts. M depends on routing but averages N K over an EP group,
     so the ("ep", "all_to_all") entry is the EP-group mean: 4 N K L elem + 8 E."""
-    param_elem = {"fp32": 4, "bf16": 2}[precision]
+    from k3train.parallel.zero import ELEMENT_BYTES
+
+    param_elem, grad_elem = ELEMENT_BYTES[precision]["param"], ELEMENT_BYTES[precision]["grad"]
     elem = param_elem if elem is None else elem
-    grad_elem = 4
     counts = stage_param_counts(args, stage_layers)
     owner = stage_to_rank(dims)
     mine = stages_of_rank(dims, pp_rank)
@@ -199,6 +201,7 @@ def analytic_step_bytes(args: K3ModelArgs, dims, stage_layers: list[list[int]], 
     tok = mb * seq // dims.cp
     if dims.cp > 1:
         _add_cp_bytes(add, args, dims, [i for s in mine for i in stage_layers[s]], mb=mb, seq=seq, elem=elem,
+                      summary_elem=8 if precision == "fp64" else 4,
                       mtp=bool(args.mtp_layers) and len(stage_layers) - 1 in mine)
         if dims.pp > 1:  # every stage rebuilds its handle from the pieces' document starts (1 byte per token)
             b = len(mine) * dims.microbatches * mb * seq
@@ -221,7 +224,7 @@ def analytic_step_bytes(args: K3ModelArgs, dims, stage_layers: list[list[int]], 
 
 
 def _add_cp_bytes(add, args: K3ModelArgs, dims, layers: list[int], *, mb: int, seq: int, elem: int,
-                  mtp: bool = False) -> None:
+                  summary_elem: int = 4, mtp: bool = False) -> None:
     """Context-parallel collectives of one step (forward all-gathers, their backward reduce-scatters of the same
     size) for these layers: per KDA layer the pieces' fp32 summaries [H, K, K+V] (independent of seq) and the
     conv halos (W-1 tokens of q, k and v per piece); per MLA layer the latent of every token, all-gathered in forward
@@ -233,7 +236,7 @@ def _add_cp_bytes(add, args: K3ModelArgs, dims, layers: list[int], *, mb: int, s
     H, K = args.kda_heads, args.kda_head_dim
     n_kda = sum(args.layer_kind(i) == "kda" for i in layers)
     n_mla = sum(args.layer_kind(i) == "mla" for i in layers) + int(mtp)
-    summary = n_kda * m * rows * H * K * 2 * K * 4
+    summary = n_kda * m * rows * H * K * 2 * K * summary_elem
     halo = n_kda * m * rows * (args.kda_conv_size - 1) * 3 * H * K * elem
     latent = n_mla * m * mb * seq * (args.mla_kv_rank + args.mla_shared_k_dim) * elem
     total = summary + halo + latent + (m * rows * args.dim * elem if mtp else 0)

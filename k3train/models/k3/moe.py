@@ -33,11 +33,13 @@ class Router(nn.Module):
         self.balancer = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D] -> (expert ids [N, K] int64, mixture weights [N, K] fp32)."""
+        """x [N, D] -> (expert ids [N, K] int64, mixture weights [N, K] fp32 (fp64 for fp64 x))."""
         # Autocast would recast F.linear to bf16, whose spacing near 1 (~0.004) hides small bias steps: keep the
         # scores, score + bias and the selection in score_dtype.
+        # fp64 inputs (train.precision=fp64) score in fp64 whatever score_dtype says.
+        dtype = torch.promote_types(self.score_dtype, x.dtype) if x.dtype == torch.float64 else self.score_dtype
         with torch.autocast(x.device.type, enabled=False):
-            scores = torch.sigmoid(F.linear(x.to(self.score_dtype), self.weight.to(self.score_dtype)))
+            scores = torch.sigmoid(F.linear(x.to(dtype), self.weight.to(dtype)))
             with torch.no_grad():
                 idx = torch.topk(scores + self.bias.to(scores.dtype), self.top_k, dim=-1, sorted=False).indices
                 if self.training:
@@ -46,7 +48,7 @@ class Router(nn.Module):
                     if self.balancer is not None:
                         self.balancer.observe(scores.detach().float(), self.bias)
             chosen = scores.gather(-1, idx)
-            return idx, (chosen / chosen.sum(-1, keepdim=True)).float()
+            return idx, chosen / chosen.sum(-1, keepdim=True)  # in score dtype: fp32, or fp64 for fp64 inputs
 
 
 class GroupedExperts(nn.Module):

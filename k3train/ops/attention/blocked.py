@@ -118,7 +118,7 @@ class _BlockAttention(torch.autograd.Function):
         ctx.save_for_backward(q, c, out, lse, q_pos, q_doc, k_pos, k_doc, *params)
         ctx.meta = (scale, q_spans, k_spans, visible, kv, source,
                     torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-        max_logit = m.amax(dim=(0, 2)).float()
+        max_logit = m.amax(dim=(0, 2)).to(acc)
         ctx.mark_non_differentiable(max_logit)
         return out, max_logit
 
