@@ -245,6 +245,12 @@ def _autocast_kept(orig):
     return with_globals(orig, torch=Proxy(torch, autocast=lambda *a, **kw: contextlib.nullcontext()))
 
 
+def _muon_updates_sent_in_fp32(orig):
+    """Owner-sharded Muon sends its orthogonalised updates in fp32 whatever the weights' dtype."""
+    torch = _torch()
+    return with_globals(orig, torch=Proxy(torch, promote_types=lambda a, b: torch.float32))
+
+
 def _autocast_kept_static(orig):
     """_autocast_kept for a staticmethod (an autograd.Function's forward)."""
     return staticmethod(_autocast_kept(orig.__func__))
@@ -1001,6 +1007,9 @@ MUTATIONS: list[Mutation] = [
     M("muon_owner_grads_averaged", "k3train.optim.muon:PerHeadMuon.reduce_scatter_owned",
       "Pipeline ZeRO-2 Muon reduce-scatter to matrix owners averages instead of summing", _muon_owner_grads_averaged,
       (f"{PIECES}::test_muon_gradients_reduce_scatter_to_matrix_owners",)),
+    M("muon_updates_sent_in_fp32", "k3train.optim.muon:PerHeadMuon._muon_step_sharded",
+      "owner-sharded Muon all-gathers its updates in fp32 (fp64 weights then take rounded updates)",
+      _muon_updates_sent_in_fp32, (f"{PIECES}::test_muon_owner_steps_equal_one_process_in_fp64",)),
     M("precision_weights_stale", "k3train.parallel.zero:ShardedOptimizer._refresh_weights",
       "the optimizer steps the fp32 masters but the bf16 weights are not refreshed from them",
       _weights_not_refreshed, (f"{PREC}::test_bf16_one_process_memory_and_masters",)),

@@ -68,7 +68,9 @@ def owned_sharded_tensor(opt, p: torch.Tensor, buf: torch.Tensor | None, *, bloc
                     metas.append(md)
                     if b == block and q == rank:
                         local.append(Shard(views[j][k].view(size), md))
-    props = TensorProperties(dtype=torch.float32, layout=torch.strided, requires_grad=False,
+    # Owned momentum and masters are fp32 for low-precision weights, else in the weights' dtype (fp64 under fp64).
+    dtype = buf.dtype if buf is not None else torch.promote_types(p.dtype, torch.float32)
+    props = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False,
                              memory_format=torch.contiguous_format, pin_memory=False)
     size = torch.Size((n_blocks * d0,) + tuple(p.shape[1:]))
     meta = ShardedTensorMetadata(shards_metadata=metas, size=size, tensor_properties=props)

@@ -341,6 +341,25 @@ def test_pipeline_step_equals_one_process(tmp_path):
                for rec, d in zip(records, ("fwd", "bwd")))
 
 
+MUON_DP = dict(name="muon_dp2_zero1", dp=2, zero=1, microbatches=2, optim="muon", steps=2)
+
+
+def _muon_dp_worker(rank: int) -> dict:
+    H = _harness()
+    return H.run_layout(H.Layout(**MUON_DP), "", rank)
+
+
+def test_muon_owner_steps_equal_one_process_in_fp64(tmp_path):
+    # Owner-sharded Muon over dp=2 (each matrix orthogonalised by one rank, the updates all-gathered): in float64
+    # the replicas equal one process to rounding, which an update sent in fp32 (1e-8) would not.
+    H = _harness()
+    layout = H.Layout(**MUON_DP)
+    records = run_forked(_muon_dp_worker, tmp_path)
+    with H.one_thread():
+        reference = H.reference_run(layout.steps, dp=2, microbatches=2, optim="muon")
+    H.compare(reference, records)
+
+
 def test_busy_clock_times_cuda_work_with_events(monkeypatch):
     """On CUDA the stage's busy time comes from event pairs around each chunk, read once after the step (host time
     around an asynchronous launch would measure the launch); on CPU it is host time."""
