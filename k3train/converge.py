@@ -47,8 +47,10 @@ __all__ = ["ConvergeConfig", "Layout", "TOLERANCES", "compare", "converge", "mai
 EXIT_REGRESSION = 1
 EXIT_BAD_INPUT = 2
 
-TOLERANCES = {"fp32": {"window": 1e-5, "max": 1e-4}, "bf16": {"window": 0.015, "max": 0.04}}
-"""Relative loss differences allowed per precision. fp32: parallel layouts on CPU reproduce one process to float
+TOLERANCES = {"fp64": {"window": 1e-10, "max": 1e-10}, "fp32": {"window": 1e-5, "max": 1e-4},
+              "bf16": {"window": 0.015, "max": 0.04}}
+"""Relative loss differences allowed per precision. fp64 (the check precision): every layout equals one process to
+rounding (docs/convergence.md). fp32: parallel layouts on CPU reproduce one process to float
 rounding (the parity tests measure ~1e-7). bf16: rounding of weights and activations moves the curve; the band is
 set from measured bf16-vs-fp32 differences on tiny_cpu (docs/convergence.md)."""
 
@@ -379,14 +381,17 @@ def converge(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> dict:
         verdict["layouts"][name] = entry
     if gcurve and not cfg.update_golden:
         tol_g = tolerance([precision, gcurve["precision"]], cfg)
+        # fp64 against a curve of another precision measures that precision's rounding, not a regression: an fp32
+        # curve drifts about 1e-3 from the exact one in 50 steps (docs/convergence.md). Shown, not judged.
+        judged = "fp64" not in (precision, gcurve["precision"]) or precision == gcurve["precision"]
         for name, c in curves.items():
             s = compare(c, gcurve["losses"], window)
             d = s.pop("diff")
             if name == ref_name:
                 diffs[f"{name} vs golden"] = d
             entry = verdict["layouts"][name]
-            entry["vs_golden"] = {**s, "tolerance": tol_g, "pass": within(s, tol_g)}
-            verdict["pass"] &= entry["vs_golden"]["pass"]
+            entry["vs_golden"] = {**s, "tolerance": tol_g, "pass": within(s, tol_g) if judged else None}
+            verdict["pass"] &= entry["vs_golden"]["pass"] is not False
     elif not gcurve:
         verdict["golden_status"] = golden.get("status", "no golden curve recorded")
     if cfg.update_golden:
@@ -421,7 +426,7 @@ def _summary(v: dict) -> str:
                 s = e[what]
                 lines.append(f"  {name:<20} {what:<13} window {s['window']:.2e} (<= {s['tolerance']['window']:.0e})"
                              f"  max {s['max']:.2e} (<= {s['tolerance']['max']:.0e})  "
-                             f"{'ok' if s['pass'] else 'REGRESSION'}")
+                             f"{'not judged (another precision)' if s['pass'] is None else 'ok' if s['pass'] else 'REGRESSION'}")
     return "\n".join(lines)
 
 

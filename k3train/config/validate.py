@@ -91,6 +91,9 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
     args = model_args(cfg)
 
     # ---- model.kernels: refused here, before any process group, where Triton cannot run ---------------------
+    _need(cfg.train.precision != "fp64" or cfg.model.kernels != "triton", "train.precision",
+          "fp64 cannot run model.kernels=triton (the Triton kernels compute in fp32); use model.kernels=torch or auto "
+          "(auto runs the PyTorch ops on fp64 tensors)")
     from k3train.ops.backend import resolve_kernels
     try:
         resolve_kernels(cfg.model.kernels, train_device_type(cfg.train.device))
@@ -236,9 +239,6 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
     _need(t.device in ("auto", "cpu", "cuda"), "train.device", f"must be auto, cpu or cuda, got {t.device!r}")
     _need(t.precision in ("fp32", "bf16", "fp64"), "train.precision",
           f"must be fp32, bf16 or fp64, got {t.precision!r}")
-    _need(t.precision != "fp64" or cfg.model.kernels != "triton", "train.precision",
-          "fp64 cannot run model.kernels=triton (the Triton kernels compute in fp32); use model.kernels=torch or auto "
-          "(auto runs the PyTorch ops on fp64 tensors)")
     from k3train.optim.quantile_balancing import BALANCING
     _need(t.balancing in BALANCING, "train.balancing",
           f"unknown balancing {t.balancing!r}; choose one of {list(BALANCING)}")

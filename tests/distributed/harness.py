@@ -596,7 +596,7 @@ ONE = _lay("one", microbatches=2)  # the one-process engine, micro-batched like 
 
 SAFETY = 4.0
 """The fp32 bounds' safety factor over the largest measured ratio (the policy allows at most 10)."""
-MEASURED_FP32_RATIO = {"dp2_zero1": 1.0, "vis_cp2": 1.0, "vis_cp2_pp2": 1.0}
+MEASURED_FP32_RATIO = {"dp2_zero1": 1.00, "vis_cp2": 0.94, "vis_cp2_pp2": 1.00}
 """The largest drift ratio (layout fp32 vs its fp64 run, over one process fp32 vs fp64; parameters) that
 `python tools/fp32_drift.py` printed over seeds 1234, 7 and 99."""
 FP32_RATIO = {k: SAFETY * v for k, v in MEASURED_FP32_RATIO.items()}

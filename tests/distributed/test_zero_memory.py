@@ -11,7 +11,7 @@ import torch
 
 import harness as H
 from k3train.models.k3.model import K3Model
-from k3train.parallel.zero import owned_numel
+from k3train.parallel.zero import ELEMENT_BYTES, owned_numel
 
 pytestmark = pytest.mark.slow
 
@@ -25,14 +25,15 @@ def test_memory_shares(runs):
     with torch.device("meta"):
         shapes = [(p.shape[0], p.numel()) for p in K3Model(H.tiny_args()).parameters()]
     P = sum(k for _, k in shapes)
-    f32 = 4
     for z in (0, 1, 2):
-        for r, rec in enumerate(runs[f"dp2_zero{z}"]):
+        layout = next(lay for lay in H.TWO if lay.name == f"dp2_zero{z}")
+        e = ELEMENT_BYTES[layout.precision]  # 8 bytes per element in fp64 (the parity layouts), 4 in fp32
+        for r, rec in enumerate(runs[layout.name]):
             mem = rec["memory_after_reduce"]
             owned = sum(owned_numel(d0, k, 2, r) for d0, k in shapes)
-            assert mem["param_bytes"] == f32 * P
-            assert mem["grad_bytes"] == f32 * (owned if z == 2 else P), (z, r, mem)
-            assert mem["optim_bytes"] == 2 * f32 * (owned if z >= 1 else P), (z, r, mem)  # exp_avg, exp_avg_sq
+            assert mem["param_bytes"] == e["param"] * P
+            assert mem["grad_bytes"] == e["grad"] * (owned if z == 2 else P), (z, r, mem)
+            assert mem["optim_bytes"] == 2 * e["state"] * (owned if z >= 1 else P), (z, r, mem)  # exp_avg, exp_avg_sq
             if z >= 1:
                 assert 2 * owned == P  # the tiny model's first dims are all even: exact halves
     losses = {z: runs[f"dp2_zero{z}"][0]["losses"] for z in (0, 1, 2)}

@@ -228,6 +228,8 @@ CASES = [
     Bad("zero-level", "config", "parallel.zero=3", "zero", config("parallel.zero=3")),
     Bad("kernels-name", "config", "model.kernels=fast", "unknown kernels 'fast'", config("model.kernels=fast")),
     Bad("precision", "config", "train.precision=fp8", "precision", config("train.precision=fp8")),
+    Bad("fp64-triton", "config", "train.precision=fp64 model.kernels=triton", "fp64 cannot run model.kernels=triton",
+        config("train.precision=fp64", "model.kernels=triton")),
     Bad("balancing", "config", "train.balancing=aux_loss", "balancing", config("train.balancing=aux_loss")),
     Bad("activation-policy", "config", "activation.policy=swap", "activation", config("activation.policy=swap")),
     Bad("optim-lr", "config", "optim.lr=-1", "optim.lr", config("optim.lr=-1")),

@@ -196,6 +196,13 @@ def rounds_differently(base, changed) -> str:
     return f"loss {lr:.1e} rel, weights differ by up to {wd:.1e} ({update_rel(changed, base):.1e} of the update)"
 
 
+def in_float64(base, changed) -> str:
+    """train.precision=fp64: the same math with every weight in float64 (the parity check's precision)."""
+    assert {v.dtype for v in base.params.values()} == {torch.float32}
+    assert {v.dtype for v in changed.params.values()} == {torch.float64}, {v.dtype for v in changed.params.values()}
+    return "float64 weights; " + rounds_differently(base, changed)
+
+
 def chunks_differently(base, changed) -> str:
     """The KDA chunk: same math, other FLOPs per token (the chunked form's cost) and other rounding."""
     text = rounds_differently(base, changed)
@@ -347,6 +354,7 @@ ONE_PROCESS: list[Case] = [
     Case("train.seed", {"train.seed": 1}),
     Case("train.precision", {"train.precision": "bf16"}),
     Case("train.precision", {"train.precision": "bf16"}, base=MUON),
+    Case("train.precision", {"train.precision": "fp64"}, in_float64),
     Case("train.balancing", {"train.balancing": "none"}),
     Case("train.balancing", {"train.balancing": "sign"}),
     # data

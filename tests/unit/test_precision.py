@@ -17,7 +17,7 @@ from k3train.parallel.zero import ShardGroup, ShardedOptimizer
 
 
 def test_precision_is_validated_and_recipes_choose_it():
-    with pytest.raises(ConfigError, match="train.precision: must be fp32 or bf16, got 'fp16'"):
+    with pytest.raises(ConfigError, match="train.precision: must be fp32, bf16 or fp64, got 'fp16'"):
         load_config("tiny_cpu", ["train.precision=fp16"])
     with pytest.raises(ConfigError, match="train.dtype"):  # the old key is gone, not silently ignored
         load_config("tiny_cpu", ["train.dtype=bfloat16"])
