@@ -529,6 +529,12 @@ def compare(reference: dict, records: list[dict], *, bound: float = FP64_BOUND) 
     return worst
 
 
+def report(layout: Layout, worst: dict) -> None:
+    """One line per compared layout (`pytest -s` shows the table of worst differences)."""
+    print(f"parity {layout.name:<28} {layout.precision}  loss {worst['loss']:.1e}  grad_norm {worst['grad_norm']:.1e}  "
+          f"params {worst['param']:.1e}")
+
+
 def params_drift(a: dict, b: dict) -> float:
     """The largest rel_inf over the parameters of two runs."""
     return max(rel_inf(a[k], b[k]) for k in b)

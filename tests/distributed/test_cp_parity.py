@@ -45,7 +45,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", TWO + FOUR, ids=lambda l: l.name)
 def test_cp_layout_equals_one_process(runs, layout):
-    H.compare(H.reference_for(layout), runs[layout.name])
+    H.report(layout, H.compare(H.reference_for(layout), runs[layout.name]))
 
 
 def test_cp_moves_summaries_not_sequences(runs):

@@ -57,17 +57,17 @@ def test_single_process_engine_equals_plain_loop(one_process):
 # ---- parity ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", H.TWO, ids=lambda l: l.name)
 def test_two_process_layouts(two, layout):
-    H.compare(H.reference_for(layout), two[layout.name])
+    H.report(layout, H.compare(H.reference_for(layout), two[layout.name]))
 
 
 @pytest.mark.parametrize("layout", H.FOUR, ids=lambda l: l.name)
 def test_four_process_layouts(four, layout):
-    H.compare(H.reference_for(layout), four[layout.name])
+    H.report(layout, H.compare(H.reference_for(layout), four[layout.name]))
 
 
 @pytest.mark.parametrize("layout", H.EIGHT, ids=lambda l: l.name)
 def test_eight_process_composition(eight, layout):
-    H.compare(H.reference_for(layout), eight[layout.name])
+    H.report(layout, H.compare(H.reference_for(layout), eight[layout.name]))
 
 
 def test_schedules_place_stages_as_declared(two):

@@ -39,7 +39,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("layout", [PP_DP_EP, CP2], ids=lambda l: l.name)
 def test_qk_clip_layout_equals_one_process(runs, layout):
     ref = H.reference_for(layout)
-    H.compare(ref, runs[layout.name])
+    H.report(layout, H.compare(ref, runs[layout.name]))
     got, want = _mla(H.merged_params(runs[layout.name])), _mla(ref["params"])
     assert len(want) == 4  # wq_b and wkv_b of both MLA layers (4 and 8), held by different stages under pp
     for k in want:

@@ -201,7 +201,6 @@ def moe_reference(moe: LatentMoE, args, x):
     for n in range(xf.shape[0]):
         chosen = topk_biased(s[n], moe.router.bias, args.top_k)
         p = s[n, chosen] / s[n, chosen].sum()  # unbiased scores: the bias only picks
-        p = p.float().double()  # Router.forward hands its mixture weights on in fp32 (a 7e-8 effect here)
         u.append(sum(p[j] * situ_glu(z[n], ex.w1[e], ex.w3[e], ex.w2[e], b1, b2) for j, e in enumerate(chosen)))
     y = rms_norm(torch.stack(u), moe.latent_norm.weight, args.norm_eps) @ moe.w_up.weight.T
     # The shared experts are fused: expert i owns hidden units [i*Hs, (i+1)*Hs) of w1, w3 and w2.
