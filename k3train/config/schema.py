@@ -186,8 +186,8 @@ class PlanConfig:
     """`python -m k3train.plan plan.measure=true`: run the tiny reference layouts on CPU and print predicted vs
     measured bytes for each kind."""
     png: str = ""
-    """Where the planner writes its figure (memory bars per stage, schedule timeline); empty: <recipe>_plan.png
-    in the current directory; 'none' writes no figure."""
+    """Where the planner writes its figure (memory bars per stage, schedule timeline); empty:
+    runs/plan/<recipe>_plan.png under the current directory; 'none' writes no figure."""
 
 
 @dataclass(kw_only=True)

@@ -1,11 +1,13 @@
 """python -m k3train.plan --config-name RECIPE [overrides] plan.gpu=NAME plan.gpus_per_node=8 [plan.measure=true]
 
 Prints the plan's table, then one line of JSON (ranks, max_rank_bytes, gpu_bytes, fits, step_s, tokens_per_s, mfu,
-by_kind, ...), and writes the figure (plan.png). With plan.measure=true it also runs the tiny reference layouts on
+by_kind, ...), and writes the figure (plan.png; default runs/plan/<recipe>_plan.png). With plan.measure=true it also runs the tiny reference layouts on
 CPU and prints predicted vs measured bytes per kind. Bad input exits with code 2 and a one-paragraph message.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 def _task(dcfg) -> None:
@@ -24,8 +26,10 @@ def _task(dcfg) -> None:
                         efficiency=cfg.plan.efficiency, recipe=recipe, world=cfg.plan.world or None)
         print(format_plan(plan), flush=True)
         if cfg.plan.png != "none":
-            path = cfg.plan.png or f"{recipe}_plan.png"
-            plot_plan(plan, path)
+            # Generated output goes under runs/ (ignored by git), never beside the user's files.
+            path = Path(cfg.plan.png or Path("runs") / "plan" / f"{recipe}_plan.png")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            plot_plan(plan, str(path))
             print(f"figure: {path}", flush=True)
         if cfg.plan.measure:
             from k3train.plan.measure import format_measurements, measure_layouts

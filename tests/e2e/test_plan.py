@@ -64,9 +64,9 @@ def test_mla_saved_bytes_exact(overrides, bf16):
         assert meter.bytes == mla_terms(args, T).bytes(2 if bf16 else 4) * 2 * T
 
 
-def _plan(*overrides, recipe="small_8gpu"):
+def _plan(*overrides, recipe="small_8gpu", cwd=None):
     return subprocess.run([sys.executable, "-m", "k3train.plan", "--config-name", recipe, *overrides],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
 @pytest.mark.slow
@@ -92,8 +92,10 @@ def test_context_extension_stages_in_the_docs_are_what_the_planner_prints():
 
 @pytest.mark.slow
 def test_plan_command_prints_table_json_and_figure(tmp_path):
-    png = tmp_path / "plan.png"
-    r = _plan("plan.gpu=h200_141g", f"plan.png={png}")
+    # The default figure goes under runs/ of the working directory (generated output never lands beside the
+    # user's files).
+    png = tmp_path / "runs" / "plan" / "small_8gpu_plan.png"
+    r = _plan("plan.gpu=h200_141g", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     for key in ("ranks", "max_rank_bytes", "gpu_bytes", "fits", "step_s", "tokens_per_s", "mfu", "by_kind"):
@@ -101,6 +103,7 @@ def test_plan_command_prints_table_json_and_figure(tmp_path):
     assert summary["ranks"] == 8 and summary["gpu_bytes"] == 141 * 10**9
     assert summary["max_rank_bytes"] == sum(summary["by_kind"].values())
     assert "memory per pipeline rank" in r.stdout and png.stat().st_size > 10_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"], sorted(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("overrides,message", [
