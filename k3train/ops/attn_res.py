@@ -13,6 +13,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from k3train.ops.dtypes import wide
+
 
 def attn_res(query: torch.Tensor | None, sources: Sequence[torch.Tensor] | torch.Tensor,
              key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
@@ -32,10 +34,10 @@ def attn_res(query: torch.Tensor | None, sources: Sequence[torch.Tensor] | torch
         raise ValueError(f"attn_res: key_norm_weight shape {tuple(key_norm_weight.shape)} != ({D},)")
     # Depth logits and softmax in fp32 with autocast off: autocast would run the matmul in bf16, which shifts the
     # mixture of fp32 sources by ~5e-3.
-    wide = torch.promote_types(V.dtype, torch.float32)  # fp64 sources stay fp64
     with torch.autocast(V.device.type, enabled=False):
-        keys = F.rms_norm(V.to(wide), (D,), None if key_norm_weight is None else key_norm_weight.to(wide), eps)
-        logits = keys @ query.to(wide)                      # [S, ...]
+        acc = wide(V.dtype)  # fp64 sources stay fp64
+        keys = F.rms_norm(V.to(acc), (D,), None if key_norm_weight is None else key_norm_weight.to(acc), eps)
+        logits = keys @ query.to(acc)                      # [S, ...]
         weights = torch.softmax(logits, dim=0).to(V.dtype)
     return torch.einsum("s...,s...d->...d", weights, V)
 

@@ -50,6 +50,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _adamw_functional
 
+from k3train.ops.dtypes import wide
 from k3train.models.structure import MatrixStructure
 from k3train.parallel import comm
 
@@ -720,7 +721,7 @@ class PerHeadMuon(Optimizer):
         # for fp64 weights: an fp32 wire would round fp64 updates) so replicas are exact.
         send_master = any(m is not None for m in masters)
         p_dtype = plan["params"][0]["param"].dtype if plan["params"] else torch.float32
-        wire = p_dtype if send_master else torch.promote_types(p_dtype, torch.float32)
+        wire = p_dtype if send_master else wide(p_dtype)
         width = max(plan["sizes"]) if plan["sizes"] else 0
         send = torch.zeros(width, dtype=wire, device=device)
         for pc, O, m in zip(mine, O_mine, masters):

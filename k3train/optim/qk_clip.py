@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from k3train.ops.dtypes import wide
 from k3train.parallel import comm
 
 
@@ -39,11 +40,11 @@ def qk_clip_scales(max_logits: Tensor, threshold: float, *, n_heads: int, q_rows
     if qk_dim + shared_dim != q_rows or qk_dim > k_rows or qk_dim < 1 or shared_dim < 0:
         raise ValueError(f"qk_dim={qk_dim}, shared_dim={shared_dim} do not fit q rows/head {q_rows}, "
                          f"k rows/head {k_rows}")
-    wide = torch.promote_types(max_logits.dtype, torch.float32)  # fp64 logits (fp64 runs) stay fp64
-    gamma = (threshold / max_logits.to(wide).clamp(min=1e-30)).clamp(max=1.0)
+    acc = wide(max_logits.dtype)  # fp64 logits (fp64 runs) stay fp64
+    gamma = (threshold / max_logits.to(acc).clamp(min=1e-30)).clamp(max=1.0)
     root = gamma.sqrt()
-    q = torch.ones(H, q_rows, dtype=wide, device=gamma.device)
-    k = torch.ones(H, k_rows, dtype=wide, device=gamma.device)
+    q = torch.ones(H, q_rows, dtype=acc, device=gamma.device)
+    k = torch.ones(H, k_rows, dtype=acc, device=gamma.device)
     q[:, :qk_dim] = root[:, None]
     q[:, qk_dim:] = gamma[:, None]
     k[:, :qk_dim] = root[:, None]
@@ -75,11 +76,11 @@ class QKClip:
             return {}
         per = []
         p0 = next((p for _, m in self.attn for p in m.parameters()), torch.zeros(()))
-        dev, wide = p0.device, torch.promote_types(p0.dtype, torch.float32)  # fp32, or fp64 in fp64 runs
+        dev, acc = p0.device, wide(p0.dtype)  # fp32, or fp64 in fp64 runs
         for _, m in self.attn:
             H = m.qk_clip_targets()["n_heads"]
             seen = m.max_logits
-            per.append(seen.detach().to(wide).reshape(H) if seen is not None else torch.zeros(H, dtype=wide))
+            per.append(seen.detach().to(acc).reshape(H) if seen is not None else torch.zeros(H, dtype=acc))
         logits = torch.cat([t.to(dev) for t in per])
         if self.group is not None:
             comm.all_reduce(logits, self.group, "dp_cp", op=dist.ReduceOp.MAX, what="qk_max_logits")
@@ -134,8 +135,7 @@ def apply_qk_clip(model: nn.Module, threshold: float, group: dist.ProcessGroup |
             if hasattr(m, "qk_clip_targets") and getattr(m, "max_logits", None) is not None]
     if not mods:
         return {}
-    logits = torch.cat([m.max_logits.detach().to(torch.promote_types(m.max_logits.dtype, torch.float32)).reshape(-1)
-                        for _, m in mods])
+    logits = torch.cat([m.max_logits.detach().to(wide(m.max_logits.dtype)).reshape(-1) for _, m in mods])
     if group is not None and dist.is_initialized():
         comm.all_reduce(logits, group, "dp_cp", op=dist.ReduceOp.MAX, what="qk_max_logits")
     out, off = {}, 0

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from k3train.ops.dtypes import wide
 from k3train.config.errors import ConfigError
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
@@ -247,8 +248,8 @@ def kda_pieces_kernel(q, k, v, g, beta, incoming: torch.Tensor, plan: PiecePlan,
     R, H, K, V = incoming.shape
     L = k.shape[1]
     flat = lambda t: t.reshape(1, R * L, *t.shape[2:])
-    wide = torch.promote_types(incoming.dtype, torch.float32)
-    S0 = incoming.to(wide) * plan.carry.to(incoming.device, wide).view(R, 1, 1, 1)
+    acc = wide(incoming.dtype)
+    S0 = incoming.to(acc) * plan.carry.to(incoming.device, acc).view(R, 1, 1, 1)
     n_seg = len(plan.cu_seqlens) - 1
     init = S0.new_zeros(n_seg, H, K, V).index_copy(0, plan.first_seg.to(S0.device), S0)
     o, _ = chunk_kda(flat(q), flat(k), flat(v), flat(g), flat(beta), initial_state=init, cu_seqlens=plan.cu_seqlens,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from k3train.ops.dtypes import wide
 from k3train.models.structure import MatrixStructure
 
 
@@ -69,7 +70,7 @@ def owned_sharded_tensor(opt, p: torch.Tensor, buf: torch.Tensor | None, *, bloc
                     if b == block and q == rank:
                         local.append(Shard(views[j][k].view(size), md))
     # Owned momentum and masters are fp32 for low-precision weights, else in the weights' dtype (fp64 under fp64).
-    dtype = buf.dtype if buf is not None else torch.promote_types(p.dtype, torch.float32)
+    dtype = buf.dtype if buf is not None else wide(p.dtype)
     props = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False,
                              memory_format=torch.contiguous_format, pin_memory=False)
     size = torch.Size((n_blocks * d0,) + tuple(p.shape[1:]))

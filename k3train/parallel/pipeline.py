@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from k3train.ops.dtypes import wide
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
 from k3train.models.k3.counts import layer_costs
@@ -193,7 +194,7 @@ class StageModule(nn.Module):
         if mtp:  # one output tensor for the schedule: [final hidden ; MTP hidden] along the width
             out = torch.cat(out, dim=-1)
         # Fixed dtypes across boundaries so stage shapes can be declared statically.
-        return out.to(torch.promote_types(self.boundary_dtype, torch.float32)) if self.last else out.to(self.boundary_dtype)
+        return out.to(wide(self.boundary_dtype)) if self.last else out.to(self.boundary_dtype)
 
     def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(summed next-token loss, summed MTP loss or None) of the last stage's output [mb, T, D] (with MTP
@@ -429,8 +430,8 @@ class Pipeline:
             return torch.empty(mb, T, dtype=torch.long, device=meta)
         if output and stage == n - 1:  # final hidden (and the MTP hidden beside it)
             width = 2 * D if self.args.mtp_layers else D
-            return torch.empty(mb, T, width, dtype=torch.promote_types(self.boundary_dtype, torch.float32),
-                               device=meta, requires_grad=True)
+            return torch.empty(mb, T, width, dtype=wide(self.boundary_dtype), device=meta,
+                               requires_grad=True)
         last_layer = self.stage_layers[stage][-1] if output else self.stage_layers[stage][0] - 1
         S = sources_after(self.args, last_layer)
         return torch.empty(S, mb, T, D, dtype=self.boundary_dtype, device=meta, requires_grad=True)

@@ -37,7 +37,7 @@ class Router(nn.Module):
         # Autocast would recast F.linear to bf16, whose spacing near 1 (~0.004) hides small bias steps: keep the
         # scores, score + bias and the selection in score_dtype.
         # fp64 inputs (train.precision=fp64) score in fp64 whatever score_dtype says.
-        dtype = torch.promote_types(self.score_dtype, x.dtype) if x.dtype == torch.float64 else self.score_dtype
+        dtype = torch.float64 if x.dtype == torch.float64 else self.score_dtype
         with torch.autocast(x.device.type, enabled=False):
             scores = torch.sigmoid(F.linear(x.to(dtype), self.weight.to(dtype)))
             with torch.no_grad():

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3train.ops.dtypes import wide
 from k3train.models.k3.args import VisionArgs
 from k3train.models.structure import MatrixStructure
 
@@ -251,7 +252,7 @@ class MoonViT(nn.Module):
         m, P = self.args.merge, self.args.pos_grid
         table = self.pos_embed.permute(2, 0, 1).unsqueeze(0)  # [1, width, P, P]
         if (h, w) != (P, P):  # bicubic in fp32 (low-precision CPU kernels are missing or coarse)
-            table = F.interpolate(table.to(torch.promote_types(table.dtype, torch.float32)), size=(h, w),
+            table = F.interpolate(table.to(wide(table.dtype)), size=(h, w),
                                   mode="bicubic", align_corners=False)
         table = table[0].to(self.pos_embed.dtype)
         return table.reshape(-1, h // m, m, w // m, m).permute(1, 3, 2, 4, 0).reshape(h * w, -1)
@@ -350,7 +351,7 @@ def moonvit_reference(model: MoonViT, pixels: Sequence[torch.Tensor]) -> tuple[t
         patches = torch.stack([torch.stack([torch.stack([clip[t, :, i * p:(i + 1) * p, j * p:(j + 1) * p].flatten()
                                                          for j in range(gw)]) for i in range(gh)]) for t in range(T)])
         x = model.patch_embed(patches)  # [T, gh, gw, width]
-        table = model.pos_embed.permute(2, 0, 1)[None].to(torch.promote_types(model.pos_embed.dtype, torch.float32))
+        table = model.pos_embed.permute(2, 0, 1)[None].to(wide(model.pos_embed.dtype))
         if (gh, gw) != (a.pos_grid, a.pos_grid):
             table = F.interpolate(table, size=(gh, gw), mode="bicubic", align_corners=False)
         x = x + table[0].permute(1, 2, 0) + model.temporal_embed[:T, None, None, :]

@@ -29,6 +29,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from k3train.ops.dtypes import wide
 from k3train.ops.attention.naive import allowed
 
 Q_BLOCK = 512
@@ -46,7 +47,7 @@ class KeySource(Protocol):
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)
+    return wide(t.dtype)
 
 
 def _scores(qt: torch.Tensor, kt: torch.Tensor, scale: float, acc: torch.dtype) -> torch.Tensor:
