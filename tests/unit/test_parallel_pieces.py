@@ -9,6 +9,7 @@ imported again) and run exactly the code this process holds. The full layout mat
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.util
 import multiprocessing
 import os
@@ -321,19 +322,27 @@ def test_muon_gradients_reduce_scatter_to_matrix_owners(tmp_path):
 # Pipeline: two stages, one per process
 # ---------------------------------------------------------------------------------------------------------------------
 PP = dict(name="pp2", pp=2, microbatches=2, schedule="gpipe", steps=2)
+MUON_DP = dict(name="muon_dp2_zero1", dp=2, zero=1, microbatches=2, optim="muon", steps=2)
 
 
-def _pipeline_worker(rank: int) -> dict:
+def _layout_worker(spec: dict, rank: int) -> dict:
     H = _harness()
-    return H.run_layout(H.Layout(**PP), "", rank)
+    return H.run_layout(H.Layout(**spec), "", rank)
+
+
+def _forked_run_and_reference(spec: dict, tmp_path) -> tuple:
+    """(the layout's records from WORLD forked ranks, the one-process loop for its data and bracketing)."""
+    H = _harness()
+    layout = H.Layout(**spec)
+    records = run_forked(functools.partial(_layout_worker, spec), tmp_path)
+    with H.one_thread():
+        reference = H.reference_run(layout.steps, dp=layout.dp, microbatches=layout.microbatches, optim=layout.optim)
+    return layout, records, reference
 
 
 def test_pipeline_step_equals_one_process(tmp_path):
     H = _harness()
-    layout = H.Layout(**PP)
-    records = run_forked(_pipeline_worker, tmp_path)
-    with H.one_thread():
-        reference = H.reference_run(layout.steps, microbatches=layout.microbatches)
+    layout, records, reference = _forked_run_and_reference(PP, tmp_path)
     H.compare(reference, records)
     H.check_analytic_bytes(layout, records)
     # both directions crossed the boundary
@@ -341,22 +350,11 @@ def test_pipeline_step_equals_one_process(tmp_path):
                for rec, d in zip(records, ("fwd", "bwd")))
 
 
-MUON_DP = dict(name="muon_dp2_zero1", dp=2, zero=1, microbatches=2, optim="muon", steps=2)
-
-
-def _muon_dp_worker(rank: int) -> dict:
-    H = _harness()
-    return H.run_layout(H.Layout(**MUON_DP), "", rank)
-
-
 def test_muon_owner_steps_equal_one_process_in_fp64(tmp_path):
     # Owner-sharded Muon over dp=2 (each matrix orthogonalised by one rank, the updates all-gathered): in float64
     # the replicas equal one process to rounding, which an update sent in fp32 (1e-8) would not.
     H = _harness()
-    layout = H.Layout(**MUON_DP)
-    records = run_forked(_muon_dp_worker, tmp_path)
-    with H.one_thread():
-        reference = H.reference_run(layout.steps, dp=2, microbatches=2, optim="muon")
+    _, records, reference = _forked_run_and_reference(MUON_DP, tmp_path)
     H.compare(reference, records)
 
 
