@@ -248,7 +248,7 @@ def _autocast_kept(orig):
 def _muon_updates_sent_in_fp32(orig):
     """Owner-sharded Muon sends its orthogonalised updates in fp32 whatever the weights' dtype."""
     torch = _torch()
-    return with_globals(orig, torch=Proxy(torch, promote_types=lambda a, b: torch.float32))
+    return with_globals(orig, wide=lambda dtype: torch.float32)
 
 
 def _autocast_kept_static(orig):
