@@ -47,16 +47,25 @@ __all__ = ["ConvergeConfig", "Layout", "TOLERANCES", "compare", "converge", "mai
 EXIT_REGRESSION = 1
 EXIT_BAD_INPUT = 2
 
-TOLERANCES = {"fp64": {"window": 1e-10, "max": 1e-10}, "fp32": {"window": 1e-5, "max": 1e-4},
-              "bf16": {"window": 0.015, "max": 0.04}}
+TOLERANCES = {
+    "fp64": {"window": 1e-10, "max": 1e-10},
+    "fp32": {"window": 1e-5, "max": 1e-4},
+    "bf16": {"window": 0.015, "max": 0.04},
+}
 """Relative loss differences allowed per precision. fp64 (the check precision): every layout equals one process to
 rounding (docs/convergence.md). fp32: parallel layouts on CPU reproduce one process to float
 rounding (the parity tests measure ~1e-7). bf16: rounding of weights and activations moves the curve; the band is
 set from measured bf16-vs-fp32 differences on tiny_cpu (docs/convergence.md)."""
 
 DIMS = ("pp", "vpp", "dp", "cp", "ep", "zero")
-OUTPUT_OVERRIDES = ["logging.progress_bar=false", "logging.tensorboard=false", "logging.wandb=false",
-                    "train.checkpoint_at_end=false", "train.checkpoint_interval=0", "train.resume=never"]
+OUTPUT_OVERRIDES = [
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+    "logging.wandb=false",
+    "train.checkpoint_at_end=false",
+    "train.checkpoint_interval=0",
+    "train.resume=never",
+]
 """What every convergence run writes: metrics only (no checkpoints; a fresh start even in a used directory)."""
 
 
@@ -109,15 +118,19 @@ class Layout:
         for part in name.split("x"):
             m = re.fullmatch(r"(pp|vpp|dp|cp|ep|zero)(\d+)", part)
             if m is None or m.group(1) in degrees:
-                raise ConfigError(f"converge.layouts: bad layout {name!r}: write 'single' or degrees joined by 'x' "
-                                  f"from {', '.join(DIMS)} (each once), e.g. pp2xdp2xep2")
+                raise ConfigError(
+                    f"converge.layouts: bad layout {name!r}: write 'single' or degrees joined by 'x' "
+                    f"from {', '.join(DIMS)} (each once), e.g. pp2xdp2xep2"
+                )
             degrees[m.group(1)] = int(m.group(2))
         lay = cls(name, **degrees)
         if min(lay.pp, lay.vpp, lay.dp, lay.cp, lay.ep) < 1 or lay.zero not in (0, 1, 2):
             raise ConfigError(f"converge.layouts: {name!r}: degrees must be >= 1 and zero 0, 1 or 2")
         if (lay.dp * lay.cp) % lay.ep:
-            raise ConfigError(f"converge.layouts: {name!r}: ep={lay.ep} must divide dp x cp = {lay.dp * lay.cp} "
-                              f"(experts are sharded over data- and context-parallel ranks)")
+            raise ConfigError(
+                f"converge.layouts: {name!r}: ep={lay.ep} must divide dp x cp = {lay.dp * lay.cp} "
+                f"(experts are sharded over data- and context-parallel ranks)"
+            )
         return lay
 
     @property
@@ -128,11 +141,15 @@ class Layout:
         """Settings that run this layout on `rows` global rows per step; microbatches: the recipe's own."""
         m = microbatches if self.pp == 1 else max(microbatches, self.pp * self.vpp)
         if rows % (self.dp * m):
-            raise ConfigError(f"converge: layout {self.name!r} splits each step's {rows} rows over dp={self.dp} "
-                              f"ranks x {m} micro-batches, which does not divide them; set converge.rows to a "
-                              f"multiple of {self.dp * m}")
+            raise ConfigError(
+                f"converge: layout {self.name!r} splits each step's {rows} rows over dp={self.dp} "
+                f"ranks x {m} micro-batches, which does not divide them; set converge.rows to a "
+                f"multiple of {self.dp * m}"
+            )
         return [f"parallel.{d}={getattr(self, d)}" for d in DIMS] + [
-            f"parallel.microbatches={m}", f"data.micro_batch={rows // (self.dp * m)}"]
+            f"parallel.microbatches={m}",
+            f"data.micro_batch={rows // (self.dp * m)}",
+        ]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -145,7 +162,7 @@ def compare(curve: list[float], ref: list[float], window: int) -> dict:
     if n == 0:
         raise ValueError("compare: empty curve")
     d = [abs(c - r) / max(abs(r), 1e-12) for c, r in zip(curve[:n], ref[:n])]
-    w = d[-min(window, n):]
+    w = d[-min(window, n) :]
     return {"window": sum(w) / len(w), "max": max(d), "steps": n, "diff": d}
 
 
@@ -174,10 +191,12 @@ def parse_args(argv: list[str]) -> tuple[str, ConvergeConfig, list[str]]:
     from omegaconf.errors import OmegaConfBaseException
 
     from k3train.config.app import config_name
+
     recipe = config_name(argv)
     if recipe is None:
-        raise ConfigError("name the recipe: python -m k3train.converge --config-name RECIPE [converge.*=...] "
-                          "[overrides]")
+        raise ConfigError(
+            "name the recipe: python -m k3train.converge --config-name RECIPE [converge.*=...] [overrides]"
+        )
     rest, conv = [], []
     skip = False
     for i, a in enumerate(argv):
@@ -189,7 +208,7 @@ def parse_args(argv: list[str]) -> tuple[str, ConvergeConfig, list[str]]:
         elif a.startswith(("--config-name=", "-cn=")):
             continue
         elif a.startswith("converge."):
-            conv.append(a[len("converge."):])
+            conv.append(a[len("converge.") :])
         else:
             rest.append(a)
     try:
@@ -197,12 +216,15 @@ def parse_args(argv: list[str]) -> tuple[str, ConvergeConfig, list[str]]:
         return recipe, OmegaConf.to_object(cfg), rest
     except OmegaConfBaseException as e:
         msg = str(e).splitlines()[0]
-        raise ConfigError(f"converge settings: {msg} (keys: "
-                          f"{', '.join(f.name for f in ConvergeConfig.__dataclass_fields__.values())})") from None
+        raise ConfigError(
+            f"converge settings: {msg} (keys: "
+            f"{', '.join(f.name for f in ConvergeConfig.__dataclass_fields__.values())})"
+        ) from None
 
 
 def golden_path(recipe: str, cfg: ConvergeConfig) -> Path:
     from k3train.config.store import recipes_dir
+
     return Path(cfg.golden) if cfg.golden else recipes_dir() / "golden" / f"{recipe}.json"
 
 
@@ -220,8 +242,13 @@ def load_golden(path: Path) -> dict:
 
 def _git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=Path(__file__).resolve().parent,
+        )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -229,8 +256,8 @@ def _git_commit() -> str:
 
 def _machine() -> dict:
     import torch
-    m = {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
-         "cores": os.cpu_count()}
+
+    m = {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
     if torch.cuda.is_available():
         m["gpu"] = torch.cuda.get_device_name(0)
     return m
@@ -238,9 +265,11 @@ def _machine() -> dict:
 
 def _versions() -> dict:
     import torch
+
     v = {"python": platform.python_version(), "torch": torch.__version__}
     try:
         import triton
+
         v["triton"] = triton.__version__
     except ImportError:
         pass
@@ -266,12 +295,23 @@ def read_losses(run_dir: Path) -> list[float]:
 def run_layout(recipe: str, layout: Layout, overrides: list[str], out: Path, timeout_s: float) -> list[float]:
     """Train the recipe under one layout (torchrun above one process); its losses, one per step."""
     run_dir = out / layout.name
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     cmd = [sys.executable]
     if layout.nproc > 1:
-        cmd += ["-m", "torch.distributed.run", "--nproc-per-node", str(layout.nproc), "--master-addr", "127.0.0.1",
-                "--master-port", str(_free_port())]
+        cmd += [
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(layout.nproc),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+        ]
     cmd += ["-m", "k3train.train", "--config-name", recipe, *overrides, f"train.run_dir={run_dir}"]
     log = out / f"{layout.name}.log"
     with open(log, "w") as f:
@@ -287,10 +327,12 @@ def run_layout(recipe: str, layout: Layout, overrides: list[str], out: Path, tim
     return read_losses(run_dir)
 
 
-def plot(path: Path, curves: dict[str, list[float]], golden: list[float] | None, diffs: dict[str, list[float]],
-         title: str) -> None:
+def plot(
+    path: Path, curves: dict[str, list[float]], golden: list[float] | None, diffs: dict[str, list[float]], title: str
+) -> None:
     """The curves over the golden one (top) and each layout's d_t against its reference (bottom, log scale)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -333,42 +375,65 @@ def converge(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> dict:
     gcurve = golden.get("curve") or None
     if gcurve and not cfg.update_golden and gcurve["steps"] != steps:
         # The learning-rate schedule spans train.steps: a shorter run is not a prefix of a longer one.
-        raise ConfigError(f"golden file {gpath}: its curve has {gcurve['steps']} steps, this run {steps}; the "
-                          f"learning-rate schedule spans the run, so curves of different lengths differ from the "
-                          f"first step on: run converge.steps={gcurve['steps']}, or record a curve of {steps} steps "
-                          f"with converge.update_golden=true")
+        raise ConfigError(
+            f"golden file {gpath}: its curve has {gcurve['steps']} steps, this run {steps}; the "
+            f"learning-rate schedule spans the run, so curves of different lengths differ from the "
+            f"first step on: run converge.steps={gcurve['steps']}, or record a curve of {steps} steps "
+            f"with converge.update_golden=true"
+        )
     base = list(exp.get("overrides", [])) + [f"train.steps={steps}"]
     user = list(overrides)
     for o in user:
         if o.lstrip("+~").split("=")[0].startswith(("parallel.", "train.run_dir", "train.steps")):
-            raise ConfigError(f"converge: {o!r}: the harness sets parallel.*, train.steps and train.run_dir itself "
-                              f"(use converge.layouts and converge.steps)")
+            raise ConfigError(
+                f"converge: {o!r}: the harness sets parallel.*, train.steps and train.run_dir itself "
+                f"(use converge.layouts and converge.steps)"
+            )
     # The recipe as it will run in one process: its rows per step and precision, and bad overrides refused now.
     one = load_config(recipe, base + user)
     rows = cfg.rows or one.data.micro_batch * one.parallel.microbatches * max(one.parallel.dp, 1)
     precision = one.train.precision
-    runs_over = {lay.name: base + user + OUTPUT_OVERRIDES + lay.overrides(rows, one.parallel.microbatches)
-                 + (["train.deterministic=true"] if cfg.deterministic else []) for lay in layouts}
+    runs_over = {
+        lay.name: base
+        + user
+        + OUTPUT_OVERRIDES
+        + lay.overrides(rows, one.parallel.microbatches)
+        + (["train.deterministic=true"] if cfg.deterministic else [])
+        for lay in layouts
+    }
     for lay in layouts:
         load_config(recipe, runs_over[lay.name], world_size=lay.nproc)  # every layout valid before any run
 
-    out = Path(cfg.out) if cfg.out else Path("runs") / "converge" / recipe / _dt.datetime.now().strftime(
-        "%Y%m%d-%H%M%S")
+    out = (
+        Path(cfg.out) if cfg.out else Path("runs") / "converge" / recipe / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    )
     out.mkdir(parents=True, exist_ok=True)
     curves: dict[str, list[float]] = {}
     for i, lay in enumerate(layouts):
-        print(f"k3train.converge: [{i + 1}/{len(layouts)}] {lay.name} ({lay.nproc} process"
-              f"{'es' if lay.nproc > 1 else ''}, {steps} steps)", flush=True)
+        print(
+            f"k3train.converge: [{i + 1}/{len(layouts)}] {lay.name} ({lay.nproc} process"
+            f"{'es' if lay.nproc > 1 else ''}, {steps} steps)",
+            flush=True,
+        )
         curves[lay.name] = run_layout(recipe, lay, runs_over[lay.name], out, cfg.timeout_s)
         if len(curves[lay.name]) != steps:
             raise RuntimeError(f"layout {lay.name}: {len(curves[lay.name])} losses for {steps} steps")
 
     ref_name = layouts[0].name
-    verdict = {"recipe": recipe, "steps": steps, "window": window, "rows": rows, "precision": precision,
-               "overrides": user, "reference": ref_name, "golden": str(gpath),
-               "statistic": "d_t = |loss_t - ref_t| / |ref_t|; window = mean of d_t over the last `window` steps; "
-                            "max = max of d_t over the run",
-               "layouts": {}, "pass": True}
+    verdict = {
+        "recipe": recipe,
+        "steps": steps,
+        "window": window,
+        "rows": rows,
+        "precision": precision,
+        "overrides": user,
+        "reference": ref_name,
+        "golden": str(gpath),
+        "statistic": "d_t = |loss_t - ref_t| / |ref_t|; window = mean of d_t over the last `window` steps; "
+        "max = max of d_t over the run",
+        "layouts": {},
+        "pass": True,
+    }
     diffs = {}
     tol_layouts = tolerance([precision], cfg)
     for name, c in curves.items():
@@ -396,23 +461,43 @@ def converge(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> dict:
         verdict["golden_status"] = golden.get("status", "no golden curve recorded")
     if cfg.update_golden:
         # The experiment keeps its layouts (a golden curve may be recorded from its first layout alone).
-        record = {"converge": {"layouts": exp.get("layouts") or [lay.name for lay in layouts], "steps": steps,
-                               "window": window, "overrides": list(exp.get("overrides", []))},
-                  "curve": {"losses": curves[ref_name], "steps": steps, "layout": ref_name, "precision": precision,
-                            "overrides": user, "commit": _git_commit(), "machine": _machine(),
-                            "versions": _versions(),
-                            "recorded": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}}
+        record = {
+            "converge": {
+                "layouts": exp.get("layouts") or [lay.name for lay in layouts],
+                "steps": steps,
+                "window": window,
+                "overrides": list(exp.get("overrides", [])),
+            },
+            "curve": {
+                "losses": curves[ref_name],
+                "steps": steps,
+                "layout": ref_name,
+                "precision": precision,
+                "overrides": user,
+                "commit": _git_commit(),
+                "machine": _machine(),
+                "versions": _versions(),
+                "recorded": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            },
+        }
         if not verdict["pass"]:
-            raise RuntimeError("converge: not recording a golden curve from layouts that disagree: "
-                               + json.dumps({n: e.get("vs_reference") for n, e in verdict["layouts"].items()}))
+            raise RuntimeError(
+                "converge: not recording a golden curve from layouts that disagree: "
+                + json.dumps({n: e.get("vs_reference") for n, e in verdict["layouts"].items()})
+            )
         gpath.parent.mkdir(parents=True, exist_ok=True)
         tmp = gpath.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(record, indent=1) + "\n")
         os.replace(tmp, gpath)
         verdict["golden_updated"] = True
     png = out / "curves.png"
-    plot(png, curves, gcurve["losses"][:steps] if gcurve else None, diffs,
-         f"{recipe}: {steps} steps, {precision}" + (f", {' '.join(user)}" if user else ""))
+    plot(
+        png,
+        curves,
+        gcurve["losses"][:steps] if gcurve else None,
+        diffs,
+        f"{recipe}: {steps} steps, {precision}" + (f", {' '.join(user)}" if user else ""),
+    )
     verdict["png"] = str(png)
     (out / "verdict.json").write_text(json.dumps(verdict, indent=1) + "\n")
     return verdict
@@ -424,9 +509,11 @@ def _summary(v: dict) -> str:
         for what in ("vs_reference", "vs_golden"):
             if what in e:
                 s = e[what]
-                lines.append(f"  {name:<20} {what:<13} window {s['window']:.2e} (<= {s['tolerance']['window']:.0e})"
-                             f"  max {s['max']:.2e} (<= {s['tolerance']['max']:.0e})  "
-                             f"{'not judged (another precision)' if s['pass'] is None else 'ok' if s['pass'] else 'REGRESSION'}")
+                lines.append(
+                    f"  {name:<20} {what:<13} window {s['window']:.2e} (<= {s['tolerance']['window']:.0e})"
+                    f"  max {s['max']:.2e} (<= {s['tolerance']['max']:.0e})  "
+                    f"{'not judged (another precision)' if s['pass'] is None else 'ok' if s['pass'] else 'REGRESSION'}"
+                )
     return "\n".join(lines)
 
 
@@ -444,8 +531,10 @@ def main(argv: list[str] | None = None) -> int:
     print(_summary(v))
     print(f"k3train.converge: {'pass' if v['pass'] else 'REGRESSION'}; plot {v['png']}")
     short = {k: v[k] for k in ("recipe", "steps", "precision", "pass", "png")}
-    short["layouts"] = {n: {w: {k: e[w][k] for k in ("window", "max", "pass")} for w in ("vs_reference", "vs_golden")
-                            if w in e} for n, e in v["layouts"].items()}
+    short["layouts"] = {
+        n: {w: {k: e[w][k] for k in ("window", "max", "pass")} for w in ("vs_reference", "vs_golden") if w in e}
+        for n, e in v["layouts"].items()
+    }
     print(json.dumps(short))
     return 0 if v["pass"] else EXIT_REGRESSION
 

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 128   # elements per scale (k3train.activation.fp8.FP8_BLOCK)
-ROWS = 16     # blocks per program
+BLOCK = 128  # elements per scale (k3train.activation.fp8.FP8_BLOCK)
+ROWS = 16  # blocks per program
 
 
 @triton.jit
@@ -23,11 +23,11 @@ def _round_to_e4m3(v):
     """v (fp32, |v| <= 448) rounded to the nearest e4m3fn value (ties to even), still in fp32."""
     a = tl.abs(v)
     bits = a.to(tl.uint32, bitcast=True)
-    bits = bits + 0x7FFFF + ((bits >> 20) & 1)          # round the 23-bit mantissa to 3 bits
+    bits = bits + 0x7FFFF + ((bits >> 20) & 1)  # round the 23-bit mantissa to 3 bits
     normal = ((bits >> 20) << 20).to(tl.float32, bitcast=True)
-    sub = (a + 16384.0) - 16384.0                        # multiples of 2^-9 below the smallest normal 2^-6
+    sub = (a + 16384.0) - 16384.0  # multiples of 2^-9 below the smallest normal 2^-6
     r = tl.where(a < 0.015625, sub, normal)
-    negative = (v.to(tl.uint32, bitcast=True) >> 31) != 0   # the sign bit, so -0.0 stays -0.0
+    negative = (v.to(tl.uint32, bitcast=True) >> 31) != 0  # the sign bit, so -0.0 stays -0.0
     return tl.where(negative, -r, r)
 
 
@@ -81,7 +81,7 @@ def dequantize_fp8_triton(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
         raise ValueError(f"dequantize_fp8_triton: {scales.numel()} scales do not fit {n} elements in blocks of {BLOCK}")
     y = torch.empty(n, dtype=dtype, device=q.device)
     if n:
-        _dequant_kernel[(triton.cdiv(triton.cdiv(n, BLOCK), ROWS),)](q.contiguous(), scales.contiguous(), y, n,
-                                                                   BLOCK=BLOCK, ROWS=ROWS,
-                                                                   ROUND_BF16=dtype == torch.bfloat16)
+        _dequant_kernel[(triton.cdiv(triton.cdiv(n, BLOCK), ROWS),)](
+            q.contiguous(), scales.contiguous(), y, n, BLOCK=BLOCK, ROWS=ROWS, ROUND_BF16=dtype == torch.bfloat16
+        )
     return y

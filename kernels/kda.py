@@ -56,6 +56,7 @@ CHUNK = 64
 # Token tensors [B*T, H, D] (contiguous): element (t, h, d) at (t * H + h) * D + d. Chunk buffers [n_chunks * 64, H, D]
 # use the same layout with row c * 64 + i for row i of chunk c (every row exists, so only columns are masked).
 
+
 @triton.jit
 def _offs(rows, h, H, D, cols):
     return (rows[:, None] * H + h) * D + cols[None, :]
@@ -154,6 +155,7 @@ def _row(x, i, R: tl.constexpr):
 
 # ------------------------------------------------------------------------------------------------------ forward
 
+
 @triton.jit
 def _kda_cumsum(g, Gc, bos_ptr, eos_ptr, H, K, BK: tl.constexpr):
     c = tl.program_id(0).to(tl.int64)
@@ -165,8 +167,23 @@ def _kda_cumsum(g, Gc, bos_ptr, eos_ptr, H, K, BK: tl.constexpr):
 
 
 @triton.jit
-def _score(r_ptr, k_ptr, Gc, bos, eos, c, h, H, K, scale, I: tl.constexpr, J: tl.constexpr, STRICT: tl.constexpr,
-           BK: tl.constexpr, PREC: tl.constexpr):
+def _score(
+    r_ptr,
+    k_ptr,
+    Gc,
+    bos,
+    eos,
+    c,
+    h,
+    H,
+    K,
+    scale,
+    I: tl.constexpr,
+    J: tl.constexpr,
+    STRICT: tl.constexpr,
+    BK: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """Sub-tile (I, J) (J <= I) of P[i,j] = sum_d R[i,d] K[j,d] e^{G[i,d]-G[j,d]}, R = scale * r, masked on the
     diagonal tile to j < i (STRICT) or j <= i. Factors go through the first row of tile I: the row factor is <= 1,
     the column factor <= 1 for J < I and <= e^75 for J == I."""
@@ -234,12 +251,19 @@ def _kda_intra(q, k, beta, Gc, Tm, Aqk, bos_ptr, eos_ptr, scale, H, K, BK: tl.co
     T10 = -tl.dot(T11, tl.dot(A10, T00, input_precision=PREC), input_precision=PREC)
     T21 = -tl.dot(T22, tl.dot(A21, T11, input_precision=PREC), input_precision=PREC)
     T32 = -tl.dot(T33, tl.dot(A32, T22, input_precision=PREC), input_precision=PREC)
-    T20 = -tl.dot(T22, tl.dot(A20, T00, input_precision=PREC) + tl.dot(A21, T10, input_precision=PREC),
-                  input_precision=PREC)
-    T31 = -tl.dot(T33, tl.dot(A31, T11, input_precision=PREC) + tl.dot(A32, T21, input_precision=PREC),
-                  input_precision=PREC)
-    T30 = -tl.dot(T33, tl.dot(A30, T00, input_precision=PREC) + tl.dot(A31, T10, input_precision=PREC)
-                  + tl.dot(A32, T20, input_precision=PREC), input_precision=PREC)
+    T20 = -tl.dot(
+        T22, tl.dot(A20, T00, input_precision=PREC) + tl.dot(A21, T10, input_precision=PREC), input_precision=PREC
+    )
+    T31 = -tl.dot(
+        T33, tl.dot(A31, T11, input_precision=PREC) + tl.dot(A32, T21, input_precision=PREC), input_precision=PREC
+    )
+    T30 = -tl.dot(
+        T33,
+        tl.dot(A30, T00, input_precision=PREC)
+        + tl.dot(A31, T10, input_precision=PREC)
+        + tl.dot(A32, T20, input_precision=PREC),
+        input_precision=PREC,
+    )
     z = tl.zeros([16, 16], dtype=tl.float32)
     _st_chk(Tm, T00, c, 0, h, H, 64, 0, 16, 16)
     _st_chk(Tm, z, c, 0, h, H, 64, 16, 16, 16)
@@ -260,8 +284,9 @@ def _kda_intra(q, k, beta, Gc, Tm, Aqk, bos_ptr, eos_ptr, scale, H, K, BK: tl.co
 
 
 @triton.jit
-def _kda_wu(k, v, beta, Gc, Tm, W, U, bos_ptr, eos_ptr, H, K, V, BK: tl.constexpr, BV: tl.constexpr,
-            PREC: tl.constexpr):
+def _kda_wu(
+    k, v, beta, Gc, Tm, W, U, bos_ptr, eos_ptr, H, K, V, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr
+):
     c = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     bos = tl.load(bos_ptr + c)
@@ -277,8 +302,30 @@ def _kda_wu(k, v, beta, Gc, Tm, W, U, bos_ptr, eos_ptr, H, K, V, BK: tl.constexp
 
 
 @triton.jit
-def _kda_fwd_state(q, k, Gc, W, U, Aqk, o, h0, hs, ht, bos_ptr, eos_ptr, c0_ptr, c1_ptr, scale, H, K, V,
-                   HAS_H0: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+def _kda_fwd_state(
+    q,
+    k,
+    Gc,
+    W,
+    U,
+    Aqk,
+    o,
+    h0,
+    hs,
+    ht,
+    bos_ptr,
+    eos_ptr,
+    c0_ptr,
+    c1_ptr,
+    scale,
+    H,
+    K,
+    V,
+    HAS_H0: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    PREC: tl.constexpr,
+):
     n, h, v0, c0, c1, offs, m = _state_program(c0_ptr, c1_ptr, H, K, V, BK, BV)
     S = _load_state(h0, offs, m, HAS_H0, BK, BV)
     for c in range(c0, c1):
@@ -290,8 +337,9 @@ def _kda_fwd_state(q, k, Gc, W, U, Aqk, o, h0, hs, ht, bos_ptr, eos_ptr, c0_ptr,
         Gl = _row(G, 63, 64)
         qg = _ld_tok(q, bos, eos, h, H, K, 0, BK, 64) * scale * tl.exp(G)
         kd = _ld_tok(k, bos, eos, h, H, K, 0, BK, 64) * tl.exp(Gl[None, :] - G)
-        Vn = _ld_chk(U, c, 0, h, H, V, v0, BV, 64) - tl.dot(_ld_chk(W, c, 0, h, H, K, 0, BK, 64), S,
-                                                             input_precision=PREC)
+        Vn = _ld_chk(U, c, 0, h, H, V, v0, BV, 64) - tl.dot(
+            _ld_chk(W, c, 0, h, H, K, 0, BK, 64), S, input_precision=PREC
+        )
         A = _ld_chk(Aqk, c, 0, h, H, 64, 0, 64, 64)
         out = tl.dot(qg, S, input_precision=PREC) + tl.dot(A, Vn, input_precision=PREC)
         _st_tok(o, out, bos, eos, h, H, V, v0, BV, 64)
@@ -301,9 +349,32 @@ def _kda_fwd_state(q, k, Gc, W, U, Aqk, o, h0, hs, ht, bos_ptr, eos_ptr, c0_ptr,
 
 # ----------------------------------------------------------------------------------------------------- backward
 
+
 @triton.jit
-def _kda_bwd_state(q, k, Gc, W, Aqk, do, dht, dhs, dU, dh0, bos_ptr, eos_ptr, c0_ptr, c1_ptr, scale, H, K, V,
-                   HAS_DHT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+def _kda_bwd_state(
+    q,
+    k,
+    Gc,
+    W,
+    Aqk,
+    do,
+    dht,
+    dhs,
+    dU,
+    dh0,
+    bos_ptr,
+    eos_ptr,
+    c0_ptr,
+    c1_ptr,
+    scale,
+    H,
+    K,
+    V,
+    HAS_DHT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    PREC: tl.constexpr,
+):
     n, h, v0, c0, c1, offs, m = _state_program(c0_ptr, c1_ptr, H, K, V, BK, BV)
     dS = _load_state(dht, offs, m, HAS_DHT, BK, BV)
     for i in range(0, c1 - c0):
@@ -311,7 +382,7 @@ def _kda_bwd_state(q, k, Gc, W, Aqk, do, dht, dhs, dU, dh0, bos_ptr, eos_ptr, c0
         bos = tl.load(bos_ptr + c)
         eos = tl.load(eos_ptr + c)
         offs_c, m_c = _state_offs(c, h, H, K, V, v0, BK, BV)
-        tl.store(dhs + offs_c, dS, mask=m_c)      # gradient of the state at the chunk's end
+        tl.store(dhs + offs_c, dS, mask=m_c)  # gradient of the state at the chunk's end
         G = _ld_chk(Gc, c, 0, h, H, K, 0, BK, 64)
         Gl = _row(G, 63, 64)
         qg = _ld_tok(q, bos, eos, h, H, K, 0, BK, 64) * scale * tl.exp(G)
@@ -321,14 +392,47 @@ def _kda_bwd_state(q, k, Gc, W, Aqk, do, dht, dhs, dU, dh0, bos_ptr, eos_ptr, c0
         dVn = tl.dot(tl.trans(A), dout, input_precision=PREC) + tl.dot(kd, dS, input_precision=PREC)
         _st_chk(dU, dVn, c, 0, h, H, V, v0, BV, 64)
         Wc = _ld_chk(W, c, 0, h, H, K, 0, BK, 64)
-        dS = (tl.dot(tl.trans(qg), dout, input_precision=PREC) + dS * tl.exp(Gl)[:, None]
-              - tl.dot(tl.trans(Wc), dVn, input_precision=PREC))
+        dS = (
+            tl.dot(tl.trans(qg), dout, input_precision=PREC)
+            + dS * tl.exp(Gl)[:, None]
+            - tl.dot(tl.trans(Wc), dVn, input_precision=PREC)
+        )
     tl.store(dh0 + offs, dS, mask=m)
 
 
 @triton.jit
-def _kda_bwd_dense(q, k, v, beta, Gc, Tm, W, U, hs, dhs, do, dU, dv, dqp, dkp, dGp, dGx, dbp, dGl, dAqk, dAkk,
-                   bos_ptr, eos_ptr, scale, H, K, V, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+def _kda_bwd_dense(
+    q,
+    k,
+    v,
+    beta,
+    Gc,
+    Tm,
+    W,
+    U,
+    hs,
+    dhs,
+    do,
+    dU,
+    dv,
+    dqp,
+    dkp,
+    dGp,
+    dGx,
+    dbp,
+    dGl,
+    dAqk,
+    dAkk,
+    bos_ptr,
+    eos_ptr,
+    scale,
+    H,
+    K,
+    V,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    PREC: tl.constexpr,
+):
     c = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     bos = tl.load(bos_ptr + c)
@@ -364,11 +468,11 @@ def _kda_bwd_dense(q, k, v, beta, Gc, Tm, W, U, hs, dhs, do, dU, dv, dqp, dkp, d
         dW -= tl.dot(dUc, tl.trans(S), input_precision=PREC)
         dKd += tl.dot(Vn, tl.trans(dS1), input_precision=PREC)
         dgl += tl.sum(S * dS1, 1)
-        dRU = tl.dot(tl.trans(T), dUc, input_precision=PREC)       # gradient of beta V
+        dRU = tl.dot(tl.trans(T), dUc, input_precision=PREC)  # gradient of beta V
         _st_tok(dv, b[:, None] * dRU, bos, eos, h, H, V, v0, BV, 64)
         db += tl.sum(dRU * vv, 1)
         dA += tl.dot(dRU, tl.trans(Uc), input_precision=PREC)
-    dRW = tl.dot(tl.trans(T), dW, input_precision=PREC)            # gradient of beta e^G K
+    dRW = tl.dot(tl.trans(T), dW, input_precision=PREC)  # gradient of beta e^G K
     i = tl.arange(0, 64)
     dA = tl.where(i[:, None] > i[None, :], -(dA + tl.dot(dRW, tl.trans(Wc), input_precision=PREC)), 0.0)
     dAq = tl.where(i[:, None] >= i[None, :], dAq, 0.0)
@@ -389,8 +493,28 @@ def _kda_bwd_dense(q, k, v, beta, Gc, Tm, W, U, hs, dhs, do, dU, dv, dqp, dkp, d
 
 
 @triton.jit
-def _kda_bwd_intra(q, k, beta, Gc, dAqk, dAkk, dqp, dkp, dGp, dbp, dq, dk, dbeta, bos_ptr, eos_ptr, scale, H, K,
-                   BK: tl.constexpr, PREC: tl.constexpr):
+def _kda_bwd_intra(
+    q,
+    k,
+    beta,
+    Gc,
+    dAqk,
+    dAkk,
+    dqp,
+    dkp,
+    dGp,
+    dbp,
+    dq,
+    dk,
+    dbeta,
+    bos_ptr,
+    eos_ptr,
+    scale,
+    H,
+    K,
+    BK: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """Score gradients. For P[i,j] = sum_d R[i,d] K[j,d] e^{G[i,d]-G[j,d]} with gradient dP: dR = (dP (K e^-G)) e^G
     (row side, through the first row of the row tile), dK = (dP^T (R e^G)) e^-G (column side, through the last row of
     the column tile), dG += R dR - K dK."""
@@ -442,8 +566,9 @@ def _kda_bwd_intra(q, k, beta, Gc, dAqk, dAkk, dqp, dkp, dGp, dbp, dq, dk, dbeta
                 if I == t:
                     dPq = tl.where(i[:, None] > i[None, :], dPq, 0.0)
                 dPk = _ld_chk(dAkk, c, I * 16, h, H, 64, t * 16, 16, 16) * bI[:, None]
-                dKc += (tl.dot(tl.trans(dPq), qI * eI, input_precision=PREC)
-                        + tl.dot(tl.trans(dPk), kI * eI, input_precision=PREC))
+                dKc += tl.dot(tl.trans(dPq), qI * eI, input_precision=PREC) + tl.dot(
+                    tl.trans(dPk), kI * eI, input_precision=PREC
+                )
         dKc = dKc * tl.exp(Gx[None, :] - Gt)
         dQt = _ld_chk(dqp, c, t * 16, h, H, K, 0, BK, 16) + dRq + dd[:, None] * kt
         dKt = _ld_chk(dkp, c, t * 16, h, H, K, 0, BK, 16) + dRk + dKc + dd[:, None] * qt
@@ -473,6 +598,7 @@ def _kda_bwd_dg(dGp, dGx, dGl, dg, bos_ptr, eos_ptr, H, K, BK: tl.constexpr):
 
 
 # ------------------------------------------------------------------------------------------------------- launch
+
 
 def _chunk_table(B: int, T: int, offsets: list[int] | None, device: torch.device):
     """(bos, eos) of every chunk and (first, end) chunk of every sequence, int64 on `device`. Batch rows are the
@@ -535,8 +661,29 @@ class _ChunkKDAFunction(torch.autograd.Function):
         hs = torch.empty(NC, H, K, V, device=k.device, dtype=torch.float32)
         ht = torch.empty(N, H, K, V, device=k.device, dtype=torch.float32)
         _kda_fwd_state[(N, H, triton.cdiv(V, BV))](
-            q, k, Gc, W, U, Aqk, o, h0c if h0c is not None else ht, hs, ht, bos, eos, c0, c1, scale, H, K, V,
-            HAS_H0=h0c is not None, BK=BK, BV=BV, PREC=prec)
+            q,
+            k,
+            Gc,
+            W,
+            U,
+            Aqk,
+            o,
+            h0c if h0c is not None else ht,
+            hs,
+            ht,
+            bos,
+            eos,
+            c0,
+            c1,
+            scale,
+            H,
+            K,
+            V,
+            HAS_H0=h0c is not None,
+            BK=BK,
+            BV=BV,
+            PREC=prec,
+        )
         ctx.save_for_backward(q, k, v, g, beta, h0c, hs, *table)
         ctx.scale, ctx.shape, ctx.prec = scale, (B, T, H, K, V), prec
         return o.view(B, T, H, V), ht
@@ -557,8 +704,29 @@ class _ChunkKDAFunction(torch.autograd.Function):
         dh0 = torch.empty(N, H, K, V, **f32)
         dhtc = dht.contiguous() if dht is not None else None
         _kda_bwd_state[(N, H, triton.cdiv(V, BV))](
-            q, k, Gc, W, Aqk, do, dhtc if dhtc is not None else dh0, dhs, dU, dh0, bos, eos, c0, c1, scale,
-            H, K, V, HAS_DHT=dhtc is not None, BK=BK, BV=BV, PREC=prec)
+            q,
+            k,
+            Gc,
+            W,
+            Aqk,
+            do,
+            dhtc if dhtc is not None else dh0,
+            dhs,
+            dU,
+            dh0,
+            bos,
+            eos,
+            c0,
+            c1,
+            scale,
+            H,
+            K,
+            V,
+            HAS_DHT=dhtc is not None,
+            BK=BK,
+            BV=BV,
+            PREC=prec,
+        )
         dqp = torch.empty(NC * CHUNK, H, K, **f32)
         dkp = torch.empty(NC * CHUNK, H, K, **f32)
         dGp = torch.empty(NC * CHUNK, H, K, **f32)
@@ -569,20 +737,68 @@ class _ChunkKDAFunction(torch.autograd.Function):
         dAkk = torch.empty(NC * CHUNK, H, CHUNK, **f32)
         dv = torch.empty_like(v)
         grid = (NC, H)
-        _kda_bwd_dense[grid](q, k, v, beta, Gc, Tm, W, U, hs, dhs, do, dU, dv, dqp, dkp, dGp, dGx, dbp, dGl, dAqk, dAkk,
-                             bos, eos, scale, H, K, V, BK=BK, BV=BV, PREC=prec)
+        _kda_bwd_dense[grid](
+            q,
+            k,
+            v,
+            beta,
+            Gc,
+            Tm,
+            W,
+            U,
+            hs,
+            dhs,
+            do,
+            dU,
+            dv,
+            dqp,
+            dkp,
+            dGp,
+            dGx,
+            dbp,
+            dGl,
+            dAqk,
+            dAkk,
+            bos,
+            eos,
+            scale,
+            H,
+            K,
+            V,
+            BK=BK,
+            BV=BV,
+            PREC=prec,
+        )
         dq, dk, dbeta, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(beta), torch.empty_like(g)
-        _kda_bwd_intra[grid](q, k, beta, Gc, dAqk, dAkk, dqp, dkp, dGp, dbp, dq, dk, dbeta, bos, eos, scale, H, K,
-                             BK=BK, PREC=prec)
+        _kda_bwd_intra[grid](
+            q, k, beta, Gc, dAqk, dAkk, dqp, dkp, dGp, dbp, dq, dk, dbeta, bos, eos, scale, H, K, BK=BK, PREC=prec
+        )
         _kda_bwd_dg[grid](dGp, dGx, dGl, dg, bos, eos, H, K, BK=BK)
         shape = lambda x: x.view(B, T, H, -1)
-        return (shape(dq), shape(dk), shape(dv), shape(dg), dbeta.view(B, T, H),
-                dh0.to(h0.dtype) if h0 is not None else None, None, None)
+        return (
+            shape(dq),
+            shape(dk),
+            shape(dv),
+            shape(dg),
+            dbeta.view(B, T, H),
+            dh0.to(h0.dtype) if h0 is not None else None,
+            None,
+            None,
+        )
 
 
-def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              scale: float | None = None, initial_state: torch.Tensor | None = None,
-              output_final_state: bool = False, cu_seqlens=None, chunk_size: int = 64):
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens=None,
+    chunk_size: int = 64,
+):
     """Chunked KDA with Triton kernels, forward and backward; same arguments and results as
     k3train.ops.kda.chunk_kda.
 
@@ -596,7 +812,7 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     if chunk_size != CHUNK:
         raise ValueError(f"the Triton chunk_kda supports chunk_size={CHUNK} only, got {chunk_size!r}")
     s = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    scale = s.K ** -0.5 if scale is None else float(scale)
+    scale = s.K**-0.5 if scale is None else float(scale)
     table = _chunk_table(s.B, s.T, s.offsets, k.device)
     o, ht = _ChunkKDAFunction.apply(q, k, v, g, beta, initial_state, scale, table)
     return o, (ht if output_final_state else None)

@@ -36,10 +36,12 @@ def _tile(n0, d0, N, K, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D
 
 
 @triton.jit
-def _permute_fwd(x_ptr, pos_ptr, rows_ptr, N, K, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
-    n, k, d, nk_mask, nkd_mask = _tile(tl.program_id(0) * BLOCK_N, tl.program_id(1) * BLOCK_D, N, K, D,
-                                       BLOCK_N, BLOCK_K, BLOCK_D)
+def _permute_fwd(
+    x_ptr, pos_ptr, rows_ptr, N, K, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    n, k, d, nk_mask, nkd_mask = _tile(
+        tl.program_id(0) * BLOCK_N, tl.program_id(1) * BLOCK_D, N, K, D, BLOCK_N, BLOCK_K, BLOCK_D
+    )
     pos = tl.load(pos_ptr + n[:, None] * K + k[None, :], mask=nk_mask, other=0)
     xd = tl.load(x_ptr + n[:, None] * D + d[None, :], mask=(n[:, None] < N) & (d[None, :] < D), other=0.0)
     out = tl.broadcast_to(xd[:, None, :], (BLOCK_N, BLOCK_K, BLOCK_D))
@@ -47,33 +49,51 @@ def _permute_fwd(x_ptr, pos_ptr, rows_ptr, N, K, D, BLOCK_N: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _permute_bwd(drows_ptr, pos_ptr, dx_ptr, N, K, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
-    n, k, d, nk_mask, nkd_mask = _tile(tl.program_id(0) * BLOCK_N, tl.program_id(1) * BLOCK_D, N, K, D,
-                                       BLOCK_N, BLOCK_K, BLOCK_D)
+def _permute_bwd(
+    drows_ptr, pos_ptr, dx_ptr, N, K, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    n, k, d, nk_mask, nkd_mask = _tile(
+        tl.program_id(0) * BLOCK_N, tl.program_id(1) * BLOCK_D, N, K, D, BLOCK_N, BLOCK_K, BLOCK_D
+    )
     pos = tl.load(pos_ptr + n[:, None] * K + k[None, :], mask=nk_mask, other=0)
     g = tl.load(drows_ptr + pos[:, :, None] * D + d[None, None, :], mask=nkd_mask, other=0.0).to(tl.float32)
     dx = tl.sum(g, axis=1)
-    tl.store(dx_ptr + n[:, None] * D + d[None, :], dx.to(dx_ptr.dtype.element_ty),
-             mask=(n[:, None] < N) & (d[None, :] < D))
+    tl.store(
+        dx_ptr + n[:, None] * D + d[None, :], dx.to(dx_ptr.dtype.element_ty), mask=(n[:, None] < N) & (d[None, :] < D)
+    )
 
 
 @triton.jit
-def _unpermute_fwd(y_ptr, w_ptr, pos_ptr, u_ptr, N, K, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
-    n, k, d, nk_mask, nkd_mask = _tile(tl.program_id(0) * BLOCK_N, tl.program_id(1) * BLOCK_D, N, K, D,
-                                       BLOCK_N, BLOCK_K, BLOCK_D)
+def _unpermute_fwd(
+    y_ptr, w_ptr, pos_ptr, u_ptr, N, K, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    n, k, d, nk_mask, nkd_mask = _tile(
+        tl.program_id(0) * BLOCK_N, tl.program_id(1) * BLOCK_D, N, K, D, BLOCK_N, BLOCK_K, BLOCK_D
+    )
     pos = tl.load(pos_ptr + n[:, None] * K + k[None, :], mask=nk_mask, other=0)
     w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nk_mask, other=0.0).to(tl.float32)
     y = tl.load(y_ptr + pos[:, :, None] * D + d[None, None, :], mask=nkd_mask, other=0.0).to(tl.float32)
     u = tl.sum(w[:, :, None] * y, axis=1)
-    tl.store(u_ptr + n[:, None] * D + d[None, :], u.to(u_ptr.dtype.element_ty),
-             mask=(n[:, None] < N) & (d[None, :] < D))
+    tl.store(
+        u_ptr + n[:, None] * D + d[None, :], u.to(u_ptr.dtype.element_ty), mask=(n[:, None] < N) & (d[None, :] < D)
+    )
 
 
 @triton.jit
-def _unpermute_bwd(du_ptr, y_ptr, w_ptr, pos_ptr, dy_ptr, dw_ptr, N, K, D, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+def _unpermute_bwd(
+    du_ptr,
+    y_ptr,
+    w_ptr,
+    pos_ptr,
+    dy_ptr,
+    dw_ptr,
+    N,
+    K,
+    D,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     # One program owns its tokens' whole rows: dw[n, k] sums over all of D here, without atomics.
     n, k, _, nk_mask, _ = _tile(tl.program_id(0) * BLOCK_N, 0, N, K, D, BLOCK_N, BLOCK_K, BLOCK_D)
     pos = tl.load(pos_ptr + n[:, None] * K + k[None, :], mask=nk_mask, other=0)
@@ -81,8 +101,9 @@ def _unpermute_bwd(du_ptr, y_ptr, w_ptr, pos_ptr, dy_ptr, dw_ptr, N, K, D, BLOCK
     dw = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
-        du = tl.load(du_ptr + n[:, None] * D + d[None, :], mask=(n[:, None] < N) & (d[None, :] < D),
-                     other=0.0).to(tl.float32)
+        du = tl.load(du_ptr + n[:, None] * D + d[None, :], mask=(n[:, None] < N) & (d[None, :] < D), other=0.0).to(
+            tl.float32
+        )
         rows = pos[:, :, None] * D + d[None, None, :]
         nkd_mask = nk_mask[:, :, None] & (d[None, None, :] < D)
         y = tl.load(y_ptr + rows, mask=nkd_mask, other=0.0).to(tl.float32)
@@ -152,8 +173,9 @@ class _Unpermute(torch.autograd.Function):
         return dy, dw, None
 
 
-def permute_triton(x: torch.Tensor, idx: torch.Tensor, n_experts: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def permute_triton(
+    x: torch.Tensor, idx: torch.Tensor, n_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [N, D], idx [N, K] expert ids -> (rows [N*K, D] grouped by expert, counts [n_experts], pos [N, K]), as
     k3train.ops.moe_permute.permute; differentiable in x."""
     if x.dim() != 2 or idx.dim() != 2 or x.shape[0] != idx.shape[0]:
@@ -176,6 +198,7 @@ def unpermute_triton(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor) 
     k3train.ops.moe_permute.unpermute (but the product and sum in fp32); differentiable in y and weights."""
     N, K = weights.shape
     if pos.shape != (N, K) or y.dim() != 2 or y.shape[0] != N * K:
-        raise ValueError(f"unpermute_triton: y {tuple(y.shape)}, weights {tuple(weights.shape)}, "
-                         f"pos {tuple(pos.shape)} do not fit")
+        raise ValueError(
+            f"unpermute_triton: y {tuple(y.shape)}, weights {tuple(weights.shape)}, pos {tuple(pos.shape)} do not fit"
+        )
     return _Unpermute.apply(y, weights, pos)

@@ -52,18 +52,34 @@ def build_command(a: argparse.Namespace, rest: list[str], python: str = sys.exec
         cmd += ["--standalone", "--nnodes", "1"]
     else:
         if not endpoint:
-            raise SystemExit("launch/torchrun.py: --nnodes > 1 needs --rdzv-endpoint HOST:PORT (or K3_RDZV_ENDPOINT, "
-                             "or MASTER_ADDR/MASTER_PORT): one address every node can reach")
+            raise SystemExit(
+                "launch/torchrun.py: --nnodes > 1 needs --rdzv-endpoint HOST:PORT (or K3_RDZV_ENDPOINT, "
+                "or MASTER_ADDR/MASTER_PORT): one address every node can reach"
+            )
         if ":" not in endpoint:
             endpoint = f"{endpoint}:{DEFAULT_PORT}"
-        cmd += ["--nnodes", a.nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                "--rdzv-id", a.rdzv_id or os.environ.get("SLURM_JOB_ID", "k3train")]
+        cmd += [
+            "--nnodes",
+            a.nnodes,
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            a.rdzv_id or os.environ.get("SLURM_JOB_ID", "k3train"),
+        ]
         if a.node_rank is not None:
             cmd += ["--node-rank", str(a.node_rank)]
     cmd += ["--nproc-per-node", str(a.nproc_per_node)]
     restarts = a.max_restarts if a.max_restarts is not None else (MULTI_NODE_RESTARTS if a.nnodes != "1" else 0)
-    cmd += ["--max-restarts", str(restarts), "--signals-to-handle", SIGNALS,
-            "--shutdown-timeout", str(a.shutdown_timeout)]
+    cmd += [
+        "--max-restarts",
+        str(restarts),
+        "--signals-to-handle",
+        SIGNALS,
+        "--shutdown-timeout",
+        str(a.shutdown_timeout),
+    ]
     if a.log_dir:
         cmd += ["--log-dir", a.log_dir]
     cmd += ["-m", a.module, *rest]
@@ -73,21 +89,31 @@ def build_command(a: argparse.Namespace, rest: list[str], python: str = sys.exec
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         i = argv.index("--")
-        argv, rest = argv[:i], argv[i + 1:]
+        argv, rest = argv[:i], argv[i + 1 :]
     else:
         rest = []
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nnodes", default="1", help="nodes (or a MIN:MAX range for elastic runs)")
-    p.add_argument("--nproc-per-node", default="gpu",
-                   help="processes per node: a number, or 'gpu' (one per visible GPU; torchrun's default rule)")
+    p.add_argument(
+        "--nproc-per-node",
+        default="gpu",
+        help="processes per node: a number, or 'gpu' (one per visible GPU; torchrun's default rule)",
+    )
     p.add_argument("--rdzv-endpoint", default="", help="HOST[:PORT] of the c10d rendezvous (multi-node)")
     p.add_argument("--rdzv-id", default="", help="job id shared by all nodes (default: $SLURM_JOB_ID or k3train)")
     p.add_argument("--node-rank", type=int, default=None, help="optional fixed node rank")
-    p.add_argument("--max-restarts", type=int, default=None,
-                   help=f"torchrun restarts of failed workers (default {MULTI_NODE_RESTARTS} with --nnodes > 1, "
-                        f"else 0)")
-    p.add_argument("--shutdown-timeout", type=int, default=SHUTDOWN_TIMEOUT_S,
-                   help="seconds a signalled worker gets to save a checkpoint and exit before torchrun kills it")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        help=f"torchrun restarts of failed workers (default {MULTI_NODE_RESTARTS} with --nnodes > 1, else 0)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=SHUTDOWN_TIMEOUT_S,
+        help="seconds a signalled worker gets to save a checkpoint and exit before torchrun kills it",
+    )
     p.add_argument("--log-dir", default="", help="torchrun per-worker log directory")
     p.add_argument("--module", default="k3train.train", help="python module to run on every rank")
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
@@ -95,6 +121,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if a.nproc_per_node == "gpu":
         try:
             import torch
+
             n = torch.cuda.device_count()
         except ImportError:
             n = 0

@@ -126,12 +126,15 @@ def build_engine_for(cfg: TinyRunConfig, device: torch.device) -> Engine:
     """The one-process engine of the run: model initialised from the seed, balancers attached, optimizer built."""
     args = get_preset(cfg.preset, **cfg.model_overrides)
     if cfg.seq_len % args.kda_chunk:
-        raise ValueError(f"seq_len={cfg.seq_len} must be a multiple of {args.kda_chunk} "
-                         f"(the KDA chunk of preset {cfg.preset!r})")
-    optim = OptimConfig(name=cfg.optim, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-                        warmup_steps=cfg.warmup_steps)
-    engine = build_engine(args, ParallelDims(), optim, seed=cfg.seed, device=device, seq_len_hint=cfg.seq_len,
-                          balancing=cfg.balancer)
+        raise ValueError(
+            f"seq_len={cfg.seq_len} must be a multiple of {args.kda_chunk} (the KDA chunk of preset {cfg.preset!r})"
+        )
+    optim = OptimConfig(
+        name=cfg.optim, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, warmup_steps=cfg.warmup_steps
+    )
+    engine = build_engine(
+        args, ParallelDims(), optim, seed=cfg.seed, device=device, seq_len_hint=cfg.seq_len, balancing=cfg.balancer
+    )
     model = engine.model_parts[0]
     if cfg.balancer == "sign":  # the run's own sign step
         attach_balancers(model, "sign", u=cfg.sign_u)
@@ -170,8 +173,13 @@ def train(cfg: TinyRunConfig) -> dict:
     device = _device(cfg.device)
     t_start = time.perf_counter()
 
-    data_cfg = DataConfig(source="builtin", seq_len=cfg.seq_len, micro_batch=cfg.micro_batch, seed=cfg.seed,
-                          builtin_max_bytes=cfg.builtin_max_bytes)
+    data_cfg = DataConfig(
+        source="builtin",
+        seq_len=cfg.seq_len,
+        micro_batch=cfg.micro_batch,
+        seed=cfg.seed,
+        builtin_max_bytes=cfg.builtin_max_bytes,
+    )
     tok = build_tokenizer(data_cfg)
     engine = build_engine_for(cfg, device)
     model = engine.model_parts[0]
@@ -189,15 +197,27 @@ def train(cfg: TinyRunConfig) -> dict:
             with torch.no_grad():
                 x = inputs[0]
                 scores = torch.sigmoid(F.linear(x.to(module.score_dtype), module.weight.to(module.score_dtype)))
-                counts = (rank_counts(output[0], cfg.micro_batch, cfg.trace_ranks, module.n_experts)
-                          if cfg.trace_ranks > 0 else None)
+                counts = (
+                    rank_counts(output[0], cfg.micro_batch, cfg.trace_ranks, module.n_experts)
+                    if cfg.trace_ranks > 0
+                    else None
+                )
             seen.append((scores, counts))
 
     router_mods = list(model.routers().values())
     hooks = [r.register_forward_hook(hook) for r in router_mods]
 
-    out = {"loss": [], "grad_norm": [], "lr": [], "maxvio_mean": [], "maxvio_max": [], "maxvio_layers": [],
-           "maxvio_own_batch_mean": [], "maxvio_own_batch_max": [], "loads": []}
+    out = {
+        "loss": [],
+        "grad_norm": [],
+        "lr": [],
+        "maxvio_mean": [],
+        "maxvio_max": [],
+        "maxvio_layers": [],
+        "maxvio_own_batch_mean": [],
+        "maxvio_own_batch_max": [],
+        "loads": [],
+    }
     traces = []
     for step in range(1, cfg.steps + 1):
         lr = opt.param_groups[0]["lr"]
@@ -209,10 +229,14 @@ def train(cfg: TinyRunConfig) -> dict:
         if len(seen) != len(router_mods):
             raise RuntimeError(f"expected one forward per router in a step, saw {len(seen)} for {len(router_mods)}")
         # The updated bias applied to this step's own tokens: what the next step would see on a stationary stream.
-        own = torch.stack([
-            torch.bincount(torch.topk(sc + r.bias.to(sc.dtype), r.top_k, dim=-1).indices.reshape(-1),
-                           minlength=r.n_experts).cpu()
-            for (sc, _), r in zip(seen, router_mods)])
+        own = torch.stack(
+            [
+                torch.bincount(
+                    torch.topk(sc + r.bias.to(sc.dtype), r.top_k, dim=-1).indices.reshape(-1), minlength=r.n_experts
+                ).cpu()
+                for (sc, _), r in zip(seen, router_mods)
+            ]
+        )
         v, v_own = maxvio(loads), maxvio(own)
         out["loss"].append(rec["loss"])
         out["grad_norm"].append(rec["grad_norm"])
@@ -230,9 +254,12 @@ def train(cfg: TinyRunConfig) -> dict:
             traces.append(counts)
         seen.clear()
         if cfg.log_every and (step % cfg.log_every == 0 or step == cfg.steps):
-            print(f"[{cfg.name or cfg.optim + '/' + cfg.balancer}] step {step:4d}  loss {out['loss'][-1]:.4f}  "
-                  f"MaxVio mean {out['maxvio_mean'][-1]:.3f} max {out['maxvio_max'][-1]:.3f}  "
-                  f"{time.perf_counter() - t_start:.0f}s", flush=True)
+            print(
+                f"[{cfg.name or cfg.optim + '/' + cfg.balancer}] step {step:4d}  loss {out['loss'][-1]:.4f}  "
+                f"MaxVio mean {out['maxvio_mean'][-1]:.3f} max {out['maxvio_max'][-1]:.3f}  "
+                f"{time.perf_counter() - t_start:.0f}s",
+                flush=True,
+            )
     for h in hooks:
         h.remove()
     out["routers"] = routers

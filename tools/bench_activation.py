@@ -32,17 +32,38 @@ import time
 import torch
 import torch.nn.functional as F
 
-from k3train.activation import (Rule, activation_groups, apply_activation_policies, default_rules,
-                                load_activation_group, rules_from_config)
+from k3train.activation import (
+    Rule,
+    activation_groups,
+    apply_activation_policies,
+    default_rules,
+    load_activation_group,
+    rules_from_config,
+)
 from k3train.models.k3.args import get_preset
 from k3train.models.k3.model import K3Model
 
 MODELS = {
     "tiny": {},
     # About 4x the width of tiny, same depth and layer pattern.
-    "wide": dict(dim=256, kda_heads=4, kda_head_dim=64, kda_decay_rank=32, mla_heads=4, mla_q_rank=128,
-                 mla_kv_rank=64, mla_k_head_dim=32, mla_shared_k_dim=16, mla_v_head_dim=64, dense_hidden=512,
-                 n_experts=16, top_k=4, moe_latent_dim=128, expert_hidden=128, shared_hidden=128),
+    "wide": dict(
+        dim=256,
+        kda_heads=4,
+        kda_head_dim=64,
+        kda_decay_rank=32,
+        mla_heads=4,
+        mla_q_rank=128,
+        mla_kv_rank=64,
+        mla_k_head_dim=32,
+        mla_shared_k_dim=16,
+        mla_v_head_dim=64,
+        dense_hidden=512,
+        n_experts=16,
+        top_k=4,
+        moe_latent_dim=128,
+        expert_hidden=128,
+        shared_hidden=128,
+    ),
 }
 
 PLANS = {
@@ -82,6 +103,7 @@ def peak_bytes(model, tok) -> int:
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step(model, tok)
     cur = peak = 0
@@ -96,8 +118,11 @@ def grad_error(g, ref) -> tuple[float, float, str]:
     parameter with that cosine)."""
     num = max(float((g[k] - ref[k]).abs().max()) for k in ref)
     den = max(float(ref[k].abs().max()) for k in ref)
-    cos = {k: float(F.cosine_similarity(g[k].double().flatten(), ref[k].double().flatten(), dim=0))
-           for k in ref if float(ref[k].abs().max()) > 0}
+    cos = {
+        k: float(F.cosine_similarity(g[k].double().flatten(), ref[k].double().flatten(), dim=0))
+        for k in ref
+        if float(ref[k].abs().max()) > 0
+    }
     worst = min(cos, key=cos.get)
     return num / den, cos[worst], worst
 
@@ -117,7 +142,7 @@ def group_plans(name: str) -> dict[str, list]:
 def measure(model, tok, rules, ref, steps: int, group=None) -> dict:
     handle = apply_activation_policies(model, rules, group=group)
     try:
-        step(model, tok)                                    # warm-up
+        step(model, tok)  # warm-up
         handle.reset_stats()
         step(model, tok)
         st = handle.stats()["total"]
@@ -134,14 +159,25 @@ def measure(model, tok, rules, ref, steps: int, group=None) -> dict:
         peak = peak_bytes(model, tok)
     finally:
         handle.remove()
-    return {"on_device": st["on_device"], "device": st["device"], "fp8": st["fp8"], "fp8_source": st["fp8_source"],
-            "recompute": st["recompute"], "offloaded": st["offloaded"], "saved": st["saved"], "peak": peak,
-            "step_ms": 1e3 * statistics.median(times), "grad_rel_err": err, "grad_min_cos": cos,
-            "grad_min_cos_param": worst}
+    return {
+        "on_device": st["on_device"],
+        "device": st["device"],
+        "fp8": st["fp8"],
+        "fp8_source": st["fp8_source"],
+        "recompute": st["recompute"],
+        "offloaded": st["offloaded"],
+        "saved": st["saved"],
+        "peak": peak,
+        "step_ms": 1e3 * statistics.median(times),
+        "grad_rel_err": err,
+        "grad_min_cos": cos,
+        "grad_min_cos_param": worst,
+    }
 
 
 def _remote_worker(rank: int, world: int, port: int, args, out: str) -> None:
     import torch.distributed as dist
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -162,6 +198,7 @@ def _remote_worker(rank: int, world: int, port: int, args, out: str) -> None:
 
 def run_remote(args) -> dict:
     import torch.multiprocessing as mp
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -174,8 +211,12 @@ def run_remote(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("groups", nargs="*", metavar="activation=NAME",
-                   help=f"run only these activation config groups (from {activation_groups()}), and keep")
+    p.add_argument(
+        "groups",
+        nargs="*",
+        metavar="activation=NAME",
+        help=f"run only these activation config groups (from {activation_groups()}), and keep",
+    )
     p.add_argument("--models", default="tiny,wide", help=f"comma-separated, from {list(MODELS)}")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=64, help="a multiple of the model's KDA chunk (16)")
@@ -207,8 +248,9 @@ def main() -> None:
         if name not in MODELS:
             raise SystemExit(f"unknown model {name!r}; choose from {list(MODELS)}")
         model = build(name, args.device)
-        tok = torch.randint(0, model.args.vocab_size, (args.batch, args.seq),
-                            generator=torch.Generator().manual_seed(0)).to(args.device)
+        tok = torch.randint(
+            0, model.args.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)
+        ).to(args.device)
         step(model, tok)
         ref = grads(model)
         results[name] = {}
@@ -221,16 +263,20 @@ def main() -> None:
             results[name]["offload_remote"] = r
 
     mib = lambda b: f"{b / 2**20:8.2f}"
-    head = (f"{'model':6} {'plan':25} {'on-dev MiB':>10} {'fp8 MiB':>8} {'offl MiB':>8} {'recomp MiB':>10} "
-            f"{'peak MiB':>8} {'step ms':>8} {'grad err':>9} {'min cos':>8}  worst parameter")
+    head = (
+        f"{'model':6} {'plan':25} {'on-dev MiB':>10} {'fp8 MiB':>8} {'offl MiB':>8} {'recomp MiB':>10} "
+        f"{'peak MiB':>8} {'step ms':>8} {'grad err':>9} {'min cos':>8}  worst parameter"
+    )
     print(f"B={args.batch} T={args.seq} device={args.device} threads={torch.get_num_threads()}")
     print(head)
     print("-" * len(head))
     for name, rows in results.items():
         for plan, r in rows.items():
-            print(f"{name:6} {plan:25} {mib(r['on_device']):>10} {mib(r['fp8']):>8} {mib(r['offloaded']):>8} "
-                  f"{mib(r['recompute']):>10} {mib(r['peak']):>8} {r['step_ms']:8.1f} {r['grad_rel_err']:9.2e} "
-                  f"{r['grad_min_cos']:8.5f}  {r['grad_min_cos_param'] if r['grad_rel_err'] > 0 else ''}")
+            print(
+                f"{name:6} {plan:25} {mib(r['on_device']):>10} {mib(r['fp8']):>8} {mib(r['offloaded']):>8} "
+                f"{mib(r['recompute']):>10} {mib(r['peak']):>8} {r['step_ms']:8.1f} {r['grad_rel_err']:9.2e} "
+                f"{r['grad_min_cos']:8.5f}  {r['grad_min_cos_param'] if r['grad_rel_err'] > 0 else ''}"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"batch": args.batch, "seq": args.seq, "device": args.device, "results": results}, f, indent=1)

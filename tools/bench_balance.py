@@ -40,8 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _tiny_train import TinyRunConfig, maxvio, train  # noqa: E402
 
 BALANCERS = ("quantile", "sign", "none")
-LABELS = {"adamw_quantile": "Quantile Balancing", "adamw_sign": "sign rule (u=1e-3)", "adamw_none": "no balancing",
-          "muon_quantile": "Per-Head Muon + QB"}
+LABELS = {
+    "adamw_quantile": "Quantile Balancing",
+    "adamw_sign": "sign rule (u=1e-3)",
+    "adamw_none": "no balancing",
+    "muon_quantile": "Per-Head Muon + QB",
+}
 
 
 def table_steps(n: int) -> list[int]:
@@ -50,12 +54,24 @@ def table_steps(n: int) -> list[int]:
 
 
 def run_configs(a: argparse.Namespace) -> dict[str, TinyRunConfig]:
-    common = dict(steps=a.steps, seq_len=a.seq_len, micro_batch=a.micro_batch, seed=a.seed, lr=a.adamw_lr,
-                  warmup_steps=a.warmup, sign_u=a.sign_u, router_skew=a.skew, threads=a.threads,
-                  builtin_max_bytes=a.builtin_max_bytes, log_every=a.log_every, device=a.device)
+    common = dict(
+        steps=a.steps,
+        seq_len=a.seq_len,
+        micro_batch=a.micro_batch,
+        seed=a.seed,
+        lr=a.adamw_lr,
+        warmup_steps=a.warmup,
+        sign_u=a.sign_u,
+        router_skew=a.skew,
+        threads=a.threads,
+        builtin_max_bytes=a.builtin_max_bytes,
+        log_every=a.log_every,
+        device=a.device,
+    )
     runs = {f"adamw_{b}": TinyRunConfig(optim="adamw", balancer=b, name=f"adamw_{b}", **common) for b in BALANCERS}
-    runs["muon_quantile"] = TinyRunConfig(optim="muon", muon_lr=a.muon_lr, balancer="quantile", name="muon_quantile",
-                                          **common)
+    runs["muon_quantile"] = TinyRunConfig(
+        optim="muon", muon_lr=a.muon_lr, balancer="quantile", name="muon_quantile", **common
+    )
     if a.trace:  # counting is cheap; the other balancers' counts are saved beside, for comparison
         for b in BALANCERS:
             runs[f"adamw_{b}"].trace_ranks = a.trace_ranks
@@ -88,29 +104,42 @@ def _check_trace_args(a: argparse.Namespace, n_experts: int) -> None:
 def print_tables(res: dict[str, dict], steps: list[int]) -> tuple[dict, dict]:
     n = len(res["adamw_quantile"]["loss"])
     balance_runs = [f"adamw_{b}" for b in BALANCERS]
-    mv_table = {r: {"mean": [res[r]["maxvio_mean"][s - 1] for s in steps],
-                    "max": [res[r]["maxvio_max"][s - 1] for s in steps],
-                    "mean_after_first_update": _avg(res[r]["maxvio_mean"][1:]),
-                    "max_after_first_update": _avg(res[r]["maxvio_max"][1:])} for r in balance_runs}
+    mv_table = {
+        r: {
+            "mean": [res[r]["maxvio_mean"][s - 1] for s in steps],
+            "max": [res[r]["maxvio_max"][s - 1] for s in steps],
+            "mean_after_first_update": _avg(res[r]["maxvio_mean"][1:]),
+            "max_after_first_update": _avg(res[r]["maxvio_max"][1:]),
+        }
+        for r in balance_runs
+    }
     print("\nMaxVio (max load / mean load - 1) of the tiny model's MoE layers: mean over layers / max over layers")
     head = f"{'step':>12} | " + " | ".join(f"{LABELS[r]:^21}" for r in balance_runs)
     print(head)
     print("-" * len(head))
     for i, s in enumerate(steps):
-        print(f"{s:>12} | " + " | ".join(f"{mv_table[r]['mean'][i]:>9.3f} / {mv_table[r]['max'][i]:<9.3f}"
-                                         for r in balance_runs))
+        print(
+            f"{s:>12} | "
+            + " | ".join(f"{mv_table[r]['mean'][i]:>9.3f} / {mv_table[r]['max'][i]:<9.3f}" for r in balance_runs)
+        )
     if n > 1:
-        print(f"{'mean 2..' + str(n):>12} | " + " | ".join(
-            f"{mv_table[r]['mean_after_first_update']:>9.3f} / {mv_table[r]['max_after_first_update']:<9.3f}"
-            for r in balance_runs))
+        print(
+            f"{'mean 2..' + str(n):>12} | "
+            + " | ".join(
+                f"{mv_table[r]['mean_after_first_update']:>9.3f} / {mv_table[r]['max_after_first_update']:<9.3f}"
+                for r in balance_runs
+            )
+        )
 
     # Per-step MaxVio mixes the balancer's accuracy with the drift between consecutive batches (different
     # documents) and weights (one optimizer step). Two views separate them, over each window of steps:
     #   own batch: the bias computed after step s applied to step s's own tokens (no drift);
     #   window:    MaxVio of the loads summed over the window (balance over many batches, not within one).
     windows = [(2, n), (n // 2 + 1, n)] if n >= 4 else [(min(2, n), n)]
-    print("\nMaxVio by view, mean over layers (per step: as routed; own batch: the updated bias on the same tokens;"
-          " window: loads summed over the steps)")
+    print(
+        "\nMaxVio by view, mean over layers (per step: as routed; own batch: the updated bias on the same tokens;"
+        " window: loads summed over the steps)"
+    )
     head = f"{'steps':>12} | " + " | ".join(f"{LABELS[r]:^26}" for r in balance_runs)
     print(head)
     print(f"{'':>12} | " + " | ".join(f"{'per step':>8}{'own batch':>10}{'window':>8}" for _ in balance_runs))
@@ -118,29 +147,35 @@ def print_tables(res: dict[str, dict], steps: list[int]) -> tuple[dict, dict]:
     for lo, hi in windows:
         cells = []
         for r in balance_runs:
-            per_step = _avg(res[r]["maxvio_mean"][lo - 1:hi])
-            own = _avg(res[r]["maxvio_own_batch_mean"][lo - 1:hi])
-            summed = torch.tensor(res[r]["loads"][lo - 1:hi]).sum(0)  # [layers, E]
+            per_step = _avg(res[r]["maxvio_mean"][lo - 1 : hi])
+            own = _avg(res[r]["maxvio_own_batch_mean"][lo - 1 : hi])
+            summed = torch.tensor(res[r]["loads"][lo - 1 : hi]).sum(0)  # [layers, E]
             window = float(maxvio(summed).mean())
             mv_table[r].setdefault("windows", []).append(
-                {"steps": [lo, hi], "per_step": per_step, "own_batch": own, "window": window})
+                {"steps": [lo, hi], "per_step": per_step, "own_batch": own, "window": window}
+            )
             cells.append(f"{per_step:>8.3f}{own:>10.3f}{window:>8.3f}")
         print(f"{f'{lo}..{hi}':>12} | " + " | ".join(cells))
 
     loss_runs = ["adamw_quantile", "muon_quantile", "adamw_sign", "adamw_none"]
     last = min(20, n)
-    loss_table = {r: {"loss": [res[r]["loss"][s - 1] for s in steps], f"mean_last_{last}": _avg(res[r]["loss"][-last:])}
-                  for r in loss_runs}
+    loss_table = {
+        r: {"loss": [res[r]["loss"][s - 1] for s in steps], f"mean_last_{last}": _avg(res[r]["loss"][-last:])}
+        for r in loss_runs
+    }
     lr = res["muon_quantile"]["config"]
     print(f"\nTraining loss (same batches in every run); AdamW lr {lr['lr']:g}, Muon matrices lr {lr['muon_lr']:g}")
-    head = f"{'step':>12} | " + " | ".join(f"{h:>14}" for h in ("AdamW + QB", "Muon + QB", "AdamW + sign",
-                                                                    "AdamW + none"))
+    head = f"{'step':>12} | " + " | ".join(
+        f"{h:>14}" for h in ("AdamW + QB", "Muon + QB", "AdamW + sign", "AdamW + none")
+    )
     print(head)
     print("-" * len(head))
     for i, s in enumerate(steps):
         print(f"{s:>12} | " + " | ".join(f"{loss_table[r]['loss'][i]:>14.4f}" for r in loss_runs))
-    print(f"{'last ' + str(last) + ' avg':>12} | " + " | ".join(f"{loss_table[r][f'mean_last_{last}']:>14.4f}"
-                                                            for r in loss_runs))
+    print(
+        f"{'last ' + str(last) + ' avg':>12} | "
+        + " | ".join(f"{loss_table[r][f'mean_last_{last}']:>14.4f}" for r in loss_runs)
+    )
     return mv_table, loss_table
 
 
@@ -165,7 +200,7 @@ def plot(res: dict[str, dict], out: Path) -> list[str]:
     x = range(1, len(res["adamw_quantile"]["loss"]) + 1)
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
     for r in (f"adamw_{b}" for b in BALANCERS):
-        line, = axes[0].plot(x, res[r]["maxvio_mean"], linewidth=0.6, alpha=0.3)
+        (line,) = axes[0].plot(x, res[r]["maxvio_mean"], linewidth=0.6, alpha=0.3)
         c = line.get_color()
         axes[0].plot(x, _ema(res[r]["maxvio_mean"]), label=LABELS[r], linewidth=1.4, color=c)
         axes[1].plot(x, res[r]["maxvio_max"], linewidth=0.6, alpha=0.3, color=c)
@@ -185,9 +220,11 @@ def plot(res: dict[str, dict], out: Path) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     cfg = res["muon_quantile"]["config"]
-    for r, label in (("adamw_quantile", f"AdamW (lr {cfg['lr']:g})"),
-                     ("muon_quantile", f"Per-Head Muon (matrices lr {cfg['muon_lr']:g}, rest AdamW {cfg['lr']:g})")):
-        line, = ax.plot(x, res[r]["loss"], linewidth=0.6, alpha=0.35)
+    for r, label in (
+        ("adamw_quantile", f"AdamW (lr {cfg['lr']:g})"),
+        ("muon_quantile", f"Per-Head Muon (matrices lr {cfg['muon_lr']:g}, rest AdamW {cfg['lr']:g})"),
+    ):
+        (line,) = ax.plot(x, res[r]["loss"], linewidth=0.6, alpha=0.35)
         ax.plot(x, _ema(res[r]["loss"]), linewidth=1.4, color=line.get_color(), label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (raw and EMA 0.9)")
@@ -210,13 +247,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--muon-lr", type=float, default=1e-2, help="Per-Head Muon lr of the matrices")
     ap.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
     ap.add_argument("--sign-u", type=float, default=1e-3, help="bias step of the sign rule")
-    ap.add_argument("--skew", type=float, default=0.0,
-                    help="initial router bias skew (a ramp of this total height over the experts); 0 = zero bias")
+    ap.add_argument(
+        "--skew",
+        type=float,
+        default=0.0,
+        help="initial router bias skew (a ramp of this total height over the experts); 0 = zero bias",
+    )
     ap.add_argument("--trace", type=str, default=None, help="save the QB run's per-rank router counts [steps, R, E]")
     ap.add_argument("--trace-ranks", type=int, default=4, help="simulated EP source ranks R of the trace")
     ap.add_argument("--trace-layer", type=int, default=0, help="which MoE layer (0 = the first) goes into --trace")
-    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
-                    help="runs in parallel processes (each with --threads threads)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="runs in parallel processes (each with --threads threads)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
     ap.add_argument("--builtin-max-bytes", type=int, default=8_000_000, help="size bound of the built-in corpus")
     ap.add_argument("--device", type=str, default="auto", help="auto, cpu or cuda")
@@ -235,6 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     runs = run_configs(a)
     from k3train.models.k3.args import get_preset
+
     model_args = get_preset(runs["adamw_quantile"].preset)
     if a.trace:
         _check_trace_args(a, model_args.n_experts)
@@ -251,8 +297,12 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "args": vars(a),
         "torch": torch.__version__,
-        "model": {"preset": model_args.name, "n_experts": model_args.n_experts, "top_k": model_args.top_k,
-                  "moe_layers": n_moe},
+        "model": {
+            "preset": model_args.name,
+            "n_experts": model_args.n_experts,
+            "top_k": model_args.top_k,
+            "moe_layers": n_moe,
+        },
         "runtime_s": runtime,
         "table_steps": steps,
         "maxvio_table": mv_table,
@@ -270,16 +320,25 @@ def main(argv: list[str] | None = None) -> dict:
         path = Path(a.trace)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(trace, path)
-        report["trace"] = {"path": str(path), "shape": list(trace.shape), "ranks": a.trace_ranks,
-                           "router": res["adamw_quantile"]["routers"][a.trace_layer],
-                           "all_layers": all_layers, "all_layers_shape": list(counts.shape)}
-        print(f"\nwrote trace {path} {list(trace.shape)} (router {report['trace']['router']}); next:\n"
-              f"  python tools/bench_moonep.py --traces --trace {path} --out {out}")
+        report["trace"] = {
+            "path": str(path),
+            "shape": list(trace.shape),
+            "ranks": a.trace_ranks,
+            "router": res["adamw_quantile"]["routers"][a.trace_layer],
+            "all_layers": all_layers,
+            "all_layers_shape": list(counts.shape),
+        }
+        print(
+            f"\nwrote trace {path} {list(trace.shape)} (router {report['trace']['router']}); next:\n"
+            f"  python tools/bench_moonep.py --traces --trace {path} --out {out}"
+        )
     if not a.no_plots:
         report["plots"] = plot(res, out)
     (out / "balance.json").write_text(json.dumps(report, indent=1, default=_json_default))
-    print(f"\nruntime {runtime:.0f} s ({a.workers} worker process(es), {a.threads} thread(s) each); "
-          f"wrote {out / 'balance.json'}" + ("" if a.no_plots else " and " + ", ".join(report["plots"])))
+    print(
+        f"\nruntime {runtime:.0f} s ({a.workers} worker process(es), {a.threads} thread(s) each); "
+        f"wrote {out / 'balance.json'}" + ("" if a.no_plots else " and " + ", ".join(report["plots"]))
+    )
     bad = [n for n, r in res.items() for v in r["maxvio_mean"] + r["maxvio_max"] if not (math.isfinite(v) and v >= 0)]
     if bad:
         raise SystemExit(f"non-finite or negative MaxVio in runs {sorted(set(bad))}")

@@ -157,8 +157,10 @@ def _step_worker(rank, world, port, out, tokens, steps, seed):
         if group is not None:
             dist.all_reduce(cpu_max, op=dist.ReduceOp.MAX, group=group)
         if rank == 0:
-            torch.save({"median_s": statistics.median(times), "times": times, "cpu_s": float(cpu_max)},
-                       os.path.join(out, f"step{world}.pt"))
+            torch.save(
+                {"median_s": statistics.median(times), "times": times, "cpu_s": float(cpu_max)},
+                os.path.join(out, f"step{world}.pt"),
+            )
     finally:
         if world > 1:
             dist.destroy_process_group()
@@ -173,8 +175,13 @@ def kda_overhead(T: int, repeats: int = 3) -> dict:
     H, K = args.kda_heads, args.kda_head_dim
     g = torch.Generator().manual_seed(0)
     unit = lambda: torch.nn.functional.normalize(torch.randn(1, T, H, K, generator=g), dim=-1)
-    ins = [unit(), unit(), torch.randn(1, T, H, K, generator=g),
-           -5 * torch.sigmoid(torch.randn(1, T, H, K, generator=g) - 3), torch.sigmoid(torch.randn(1, T, H, generator=g))]
+    ins = [
+        unit(),
+        unit(),
+        torch.randn(1, T, H, K, generator=g),
+        -5 * torch.sigmoid(torch.randn(1, T, H, K, generator=g) - 3),
+        torch.sigmoid(torch.randn(1, T, H, generator=g)),
+    ]
     ins = [t.requires_grad_() for t in ins]
     cu = torch.tensor([0, T // 3, T])
     cp = ContextParallel(None, 0, 1, seq_len=T, cu_seqlens_global=cu)
@@ -204,13 +211,34 @@ def _train_step(T: int, cp: int, activation: str, check: bool = True) -> dict | 
     import sys
 
     with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-port",
-               str(_free_port()), "-m", "k3train.train", "--config-name", "tiny_cpu", "train.steps=1",
-               f"parallel.cp={cp}", f"data.seq_len={T}", "data.micro_batch=1", f"+model.overrides.max_seq_len={T}",
-               f"activation={activation}", f"train.run_dir={d}/run", "logging.progress_bar=false",
-               "logging.tensorboard=false", "train.eval_interval=0", "train.checkpoint_at_end=false"]
-        wrapper = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
-                   "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(cp),
+            "--master-port",
+            str(_free_port()),
+            "-m",
+            "k3train.train",
+            "--config-name",
+            "tiny_cpu",
+            "train.steps=1",
+            f"parallel.cp={cp}",
+            f"data.seq_len={T}",
+            "data.micro_batch=1",
+            f"+model.overrides.max_seq_len={T}",
+            f"activation={activation}",
+            f"train.run_dir={d}/run",
+            "logging.progress_bar=false",
+            "logging.tensorboard=false",
+            "train.eval_interval=0",
+            "train.checkpoint_at_end=false",
+        ]
+        wrapper = (
+            "import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)"
+        )
         t0 = time.perf_counter()
         out = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True, cwd=d)
         wall = time.perf_counter() - t0
@@ -292,30 +320,39 @@ def longest_row(max_tokens: int, cp: int, activation: str) -> dict:
     b = (cal[2 * unit] - cal[unit]) / unit
     a = cal[unit] - b * unit
     avail = _available_mb()
-    print(f"tiny model, one training step on one row, cp = {cp}, activation={activation}; "
-          f"{os.cpu_count()} CPUs, {avail:,.0f} MB available")
-    print(f"calibration: peak per worker {cal[unit]:,.0f} MB at {unit:,} tokens, {cal[2 * unit]:,.0f} MB at "
-          f"{2 * unit:,}: {a:,.0f} MB + {1e3 * b:,.1f} MB per 1k tokens")
+    print(
+        f"tiny model, one training step on one row, cp = {cp}, activation={activation}; "
+        f"{os.cpu_count()} CPUs, {avail:,.0f} MB available"
+    )
+    print(
+        f"calibration: peak per worker {cal[unit]:,.0f} MB at {unit:,} tokens, {cal[2 * unit]:,.0f} MB at "
+        f"{2 * unit:,}: {a:,.0f} MB + {1e3 * b:,.1f} MB per 1k tokens"
+    )
     tries, T = [], max_tokens
     while T > 2 * unit:
         predicted = a + b * T
         if cp * predicted > 0.9 * avail:
             tries.append({"tokens": T, "predicted_peak_mb": predicted, "started": False})
-            print(f"  T={T:>9,}: predicted {predicted:,.0f} MB per worker x {cp} = {cp * predicted:,.0f} MB > 90% of "
-                  f"{avail:,.0f} MB available: not started")
+            print(
+                f"  T={T:>9,}: predicted {predicted:,.0f} MB per worker x {cp} = {cp * predicted:,.0f} MB > 90% of "
+                f"{avail:,.0f} MB available: not started"
+            )
             T //= 2
             continue
         r = _train_step(T, cp, activation, check=False)
         tries.append({"tokens": T, "predicted_peak_mb": predicted, "started": True, **(r or {"failed": True})})
-        print(f"  T={T:>9,}: predicted {predicted:,.0f} MB, " +
-              (f"measured {r['peak_mb']:,.0f} MB per worker, {r['wall_s']:.0f} s" if r else "failed"))
+        print(
+            f"  T={T:>9,}: predicted {predicted:,.0f} MB, "
+            + (f"measured {r['peak_mb']:,.0f} MB per worker, {r['wall_s']:.0f} s" if r else "failed")
+        )
         if r:
             break
         T //= 2
     ok = [t for t in tries if "peak_mb" in t]
     print(f"longest row that ran: {ok[0]['tokens']:,} tokens" if ok else "no row longer than the calibration ran")
-    return {"longest_row": {"calibration_mb": cal, "mb_fixed": a, "mb_per_token": b, "available_mb": avail,
-                            "tries": tries}}
+    return {
+        "longest_row": {"calibration_mb": cal, "mb_fixed": a, "mb_per_token": b, "available_mb": avail, "tries": tries}
+    }
 
 
 def main() -> None:
@@ -328,16 +365,39 @@ def main() -> None:
     ap.add_argument("--skip-steps", action="store_true")
     ap.add_argument("--skip-bytes", action="store_true")
     ap.add_argument("--overhead-tokens", type=int, default=16384, help="T of the KDA CP-overhead measurement")
-    ap.add_argument("--memory", type=int, nargs="+", default=None,
-                    help="instead: peak memory per worker of one cp=2 training step at these lengths")
-    ap.add_argument("--activation", nargs="+", default=["keep", "recompute"],
-                    help="activation policies of --memory and (the first) of --max-tokens")
-    ap.add_argument("--time-per-token", type=int, nargs="+", default=None,
-                    help="instead: CPU time per token of a cp=2 forward + backward at these lengths")
-    ap.add_argument("--mla-blocks", type=int, default=None, metavar="T",
-                    help="instead: one MLA layer's time at T tokens for several query x key block sizes")
-    ap.add_argument("--max-tokens", type=int, default=None,
-                    help="instead: a cp=4 training step on one row of this many tokens, halved until one runs")
+    ap.add_argument(
+        "--memory",
+        type=int,
+        nargs="+",
+        default=None,
+        help="instead: peak memory per worker of one cp=2 training step at these lengths",
+    )
+    ap.add_argument(
+        "--activation",
+        nargs="+",
+        default=["keep", "recompute"],
+        help="activation policies of --memory and (the first) of --max-tokens",
+    )
+    ap.add_argument(
+        "--time-per-token",
+        type=int,
+        nargs="+",
+        default=None,
+        help="instead: CPU time per token of a cp=2 forward + backward at these lengths",
+    )
+    ap.add_argument(
+        "--mla-blocks",
+        type=int,
+        default=None,
+        metavar="T",
+        help="instead: one MLA layer's time at T tokens for several query x key block sizes",
+    )
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="instead: a cp=4 training step on one row of this many tokens, halved until one runs",
+    )
     a = ap.parse_args()
     if a.memory or a.time_per_token or a.mla_blocks or a.max_tokens:
         out = {}
@@ -363,43 +423,58 @@ def main() -> None:
             mp.spawn(_bytes_worker, args=(2, _free_port(), d, a.lengths, a.mla_layer_max), nprocs=2, join=True)
             res = torch.load(os.path.join(d, "bytes.pt"))
     print(f"tiny widths: KDA H={H} K=V={K}; MLA latent {L}; fp32; cp=2 zigzag (4 pieces); bytes on rank 0 per layer")
-    print(f"{'T':>8} {'KDA summ. AG':>13} {'KDA summ. RS':>13} {'KDA halo AG':>12} {'MLA lat. AG':>12} "
-          f"{'MLA lat. RS':>12} {'MLA analytic':>13} {'KDA fwd+bwd s':>14}")
+    print(
+        f"{'T':>8} {'KDA summ. AG':>13} {'KDA summ. RS':>13} {'KDA halo AG':>12} {'MLA lat. AG':>12} "
+        f"{'MLA lat. RS':>12} {'MLA analytic':>13} {'KDA fwd+bwd s':>14}"
+    )
     for T, row in res.items():
         k, m = row["kda"], row["mla"]
         analytic = T * L * 4
-        print(f"{T:>8} {k['kda_summary/all_gather']:>13,} {k['kda_summary/reduce_scatter']:>13,} "
-              f"{k['conv_halo/all_gather']:>12,} {m['mla_latent/all_gather']:>12,} "
-              f"{m['mla_latent/reduce_scatter']:>12,} "
-              f"{analytic:>13,} {row['kda_s']:>14.2f}")
+        print(
+            f"{T:>8} {k['kda_summary/all_gather']:>13,} {k['kda_summary/reduce_scatter']:>13,} "
+            f"{k['conv_halo/all_gather']:>12,} {m['mla_latent/all_gather']:>12,} "
+            f"{m['mla_latent/reduce_scatter']:>12,} "
+            f"{analytic:>13,} {row['kda_s']:>14.2f}"
+        )
         if "mla_layer" in row and row["mla_layer"] != m:
             print(f"  WARNING: the MLA layer's collectives {row['mla_layer']} differ from the latent gather {m}")
         out["bytes"][T] = {"kda": k, "mla": m, "mla_layer": row.get("mla_layer"), "mla_analytic": analytic}
     summ = {T: r["kda"]["kda_summary/all_gather"] for T, r in res.items()}
-    print("KDA summary bytes independent of T:", len(set(summ.values())) <= 1,
-          f"(= 4 pieces x H*K*(K+V) x 4 B = {4 * H * K * 2 * K * 4:,})")
+    print(
+        "KDA summary bytes independent of T:",
+        len(set(summ.values())) <= 1,
+        f"(= 4 pieces x H*K*(K+V) x 4 B = {4 * H * K * 2 * K * 4:,})",
+    )
     full = get_preset("k3_full", vision=None)
     kda_piece = full.kda_heads * full.kda_head_dim * 2 * full.kda_head_dim * 4
     mla_tok = (full.mla_kv_rank + full.mla_shared_k_dim) * 2
-    print(f"K3 widths (analytic): KDA {kda_piece:,} B per piece per layer (fp32); MLA {mla_tok} B per token per layer "
-          f"(bf16) = {mla_tok * 2 ** 20 / 2 ** 30:.2f} GiB gathered at 1M tokens")
+    print(
+        f"K3 widths (analytic): KDA {kda_piece:,} B per piece per layer (fp32); MLA {mla_tok} B per token per layer "
+        f"(bf16) = {mla_tok * 2**20 / 2**30:.2f} GiB gathered at 1M tokens"
+    )
     out["k3_full"] = {"kda_bytes_per_piece": kda_piece, "mla_bytes_per_token": mla_tok}
 
     ov = kda_overhead(a.overhead_tokens)
-    print(f"\nKDA op forward + backward at T={a.overhead_tokens} (one thread, CPU s, best of 3): chunk_kda "
-          f"{ov['chunk_kda']:.3f}, CP path at world 1 {ov['cp_world1']:.3f} "
-          f"(+{100 * (ov['cp_world1'] / ov['chunk_kda'] - 1):.0f}%)")
+    print(
+        f"\nKDA op forward + backward at T={a.overhead_tokens} (one thread, CPU s, best of 3): chunk_kda "
+        f"{ov['chunk_kda']:.3f}, CP path at world 1 {ov['cp_world1']:.3f} "
+        f"(+{100 * (ov['cp_world1'] / ov['chunk_kda'] - 1):.0f}%)"
+    )
     out["kda_cp_overhead"] = ov
 
     if not a.skip_steps:
-        print(f"\ntiny model forward + backward, {a.step_tokens} global tokens, 1 thread per process "
-              f"({os.cpu_count()} CPUs here)")
+        print(
+            f"\ntiny model forward + backward, {a.step_tokens} global tokens, 1 thread per process "
+            f"({os.cpu_count()} CPUs here)"
+        )
         for cp in a.cps:
             with tempfile.TemporaryDirectory() as d:
                 mp.spawn(_step_worker, args=(cp, _free_port(), d, a.step_tokens, a.steps, 0), nprocs=cp, join=True)
                 r = torch.load(os.path.join(d, f"step{cp}.pt"))
-            print(f"  cp={cp}: {r['median_s']:.3f} s wall per step (median of {len(r['times'])}); "
-                  f"busiest rank {r['cpu_s']:.3f} CPU s")
+            print(
+                f"  cp={cp}: {r['median_s']:.3f} s wall per step (median of {len(r['times'])}); "
+                f"busiest rank {r['cpu_s']:.3f} CPU s"
+            )
             out["step_s"][cp] = {"wall": r["median_s"], "cpu_busiest_rank": r["cpu_s"]}
     print(json.dumps(out, default=str))
 

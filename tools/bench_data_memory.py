@@ -38,8 +38,9 @@ def _child(paths: list[str], streaming: bool, seq_len: int) -> list[dict]:
     from k3train.data import DataConfig, build_dataloader, build_tokenizer
 
     def one_pass(path: str, measure: bool) -> dict:
-        cfg = DataConfig(source="files", paths=[path], streaming=streaming, seq_len=seq_len, micro_batch=8,
-                         eval_fraction=0.0)
+        cfg = DataConfig(
+            source="files", paths=[path], streaming=streaming, seq_len=seq_len, micro_batch=8, eval_fraction=0.0
+        )
         tok = build_tokenizer(cfg)
         gc.collect()
         try:
@@ -91,22 +92,45 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as work:
         # Freed memory goes back to the system at once (fixed glibc thresholds, Arrow on malloc), so the peak RSS
         # measures what is held, not what an allocator keeps cached.
-        env = {**os.environ, "K3TRAIN_CACHE": os.path.join(work, "cache"), "MALLOC_MMAP_THRESHOLD_": "131072",
-               "MALLOC_TRIM_THRESHOLD_": "131072", "ARROW_DEFAULT_MEMORY_POOL": "system"}
+        env = {
+            **os.environ,
+            "K3TRAIN_CACHE": os.path.join(work, "cache"),
+            "MALLOC_MMAP_THRESHOLD_": "131072",
+            "MALLOC_TRIM_THRESHOLD_": "131072",
+            "ARROW_DEFAULT_MEMORY_POOL": "system",
+        }
         paths, sizes = [], []
         for i, mb in enumerate((0.05, args.mb, args.mb * args.factor)):
             paths.append(os.path.join(work, f"corpus{i}.jsonl"))
             sizes.append(write_corpus(paths[-1], int(mb * 1e6), seed=i))
         sizes = sizes[1:]
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--seq-len", str(args.seq_len),
-                              "--child", args.streaming, *paths], env=env, capture_output=True, text=True, check=False)
+        out = subprocess.run(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--seq-len",
+                str(args.seq_len),
+                "--child",
+                args.streaming,
+                *paths,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if out.returncode:
             raise SystemExit(f"child run failed:\n{out.stderr[-3000:]}")
         results = json.loads(out.stdout.strip().splitlines()[-1])
     growth = [r["peak_growth_bytes"] for r in results]
-    report = {"streaming": args.streaming == "true", "sizes_bytes": sizes, "peak_growth_bytes": growth,
-              "growth_ratio": max(growth[1], 1) / max(growth[0], 1), "corpus_ratio": sizes[1] / sizes[0],
-              "rows": [r["rows"] for r in results]}
+    report = {
+        "streaming": args.streaming == "true",
+        "sizes_bytes": sizes,
+        "peak_growth_bytes": growth,
+        "growth_ratio": max(growth[1], 1) / max(growth[0], 1),
+        "corpus_ratio": sizes[1] / sizes[0],
+        "rows": [r["rows"] for r in results],
+    }
     for s, g in zip(sizes, growth):
         print(f"corpus {s / 1e6:8.1f} MB: peak RSS growth over one pass {g / 1e6:8.1f} MB")
     print(json.dumps(report))

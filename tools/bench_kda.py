@@ -1,7 +1,7 @@
 """Forward + backward wall time of chunk_kda against the token-by-token reference.
 
-    python tools/bench_kda.py                      # B=1, H=4, K=V=128, T in {1024, 4096}, fp32, CPU
-    python tools/bench_kda.py --seqlens 512 2048 --heads 8 --device cuda
+python tools/bench_kda.py                      # B=1, H=4, K=V=128, T in {1024, 4096}, fp32, CPU
+python tools/bench_kda.py --seqlens 512 2048 --heads 8 --device cuda
 """
 
 from __future__ import annotations
@@ -63,13 +63,16 @@ def main() -> None:
     if a.threads is not None:
         torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
-    print(f"device={a.device} dtype={a.dtype} B={a.batch} H={a.heads} K=V={a.head_dim} C={a.chunk_size} "
-          f"threads={torch.get_num_threads()}")
+    print(
+        f"device={a.device} dtype={a.dtype} B={a.batch} H={a.heads} K=V={a.head_dim} C={a.chunk_size} "
+        f"threads={torch.get_num_threads()}"
+    )
     print(f"{'T':>7} {'chunk_kda s':>12} {'naive s':>10} {'speedup':>8} {'max|o-o_ref|':>13}")
     for T in a.seqlens:
         x = make_inputs(a.batch, T, a.heads, a.head_dim, a.head_dim, a.device, dtype)
-        t_chunk, o_chunk = time_fwd_bwd(lambda *t, **kw: chunk_kda(*t, chunk_size=a.chunk_size, **kw), x,
-                                        a.repeats, warmup=True)
+        t_chunk, o_chunk = time_fwd_bwd(
+            lambda *t, **kw: chunk_kda(*t, chunk_size=a.chunk_size, **kw), x, a.repeats, warmup=True
+        )
         if a.skip_naive:
             print(f"{T:>7} {t_chunk:>12.4f} {'-':>10} {'-':>8} {'-':>13}")
             continue

@@ -99,8 +99,10 @@ def main() -> None:
     print(f"T={T} H={a.heads} K=V={a.head_dim} C={C} threads={torch.get_num_threads()}")
     print(f"{'case':>28} {'chunk slots':>12} {'saved MB':>9} {'fwd+bwd s':>10}")
     rows = {}
-    for name, cu in (("one sequence", None),
-                     (f"{a.documents} documents, longest {a.longest}", document_offsets(T, a.documents, a.longest))):
+    for name, cu in (
+        ("one sequence", None),
+        (f"{a.documents} documents, longest {a.longest}", document_offsets(T, a.documents, a.longest)),
+    ):
         n_states = 1 if cu is None else len(cu) - 1
         x = make_inputs(T, a.heads, a.head_dim, a.head_dim, n_states)
         cu_t = None if cu is None else torch.tensor(cu)

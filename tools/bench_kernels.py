@@ -33,10 +33,16 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # (CUDA sizes: about the `small` preset's layers at 16k tokens per device; CPU sizes: seconds under the interpreter)
 SIZES = {
-    "cuda": {"situ": dict(N=16384, D=2048), "moe_permute": dict(N=16384, K=8, D=1024, E=64),
-             "chunk_kda": dict(B=2, T=8192, H=16, K=128, V=128)},
-    "cpu": {"situ": dict(N=64, D=96), "moe_permute": dict(N=48, K=2, D=40, E=8),
-            "chunk_kda": dict(B=1, T=128, H=2, K=32, V=32)},
+    "cuda": {
+        "situ": dict(N=16384, D=2048),
+        "moe_permute": dict(N=16384, K=8, D=1024, E=64),
+        "chunk_kda": dict(B=2, T=8192, H=16, K=128, V=128),
+    },
+    "cpu": {
+        "situ": dict(N=64, D=96),
+        "moe_permute": dict(N=48, K=2, D=40, E=8),
+        "chunk_kda": dict(B=1, T=128, H=2, K=32, V=32),
+    },
 }
 
 
@@ -85,7 +91,7 @@ def _leaf(t: torch.Tensor, dtype, grad: bool = True) -> torch.Tensor:
 def case_situ(device, dtype, N, D):
     gen = torch.Generator().manual_seed(0)
     g, u = (3 * torch.randn(N, D, generator=gen)).to(device), (3 * torch.randn(N, D, generator=gen)).to(device)
-    return [g, u], lambda k: (lambda g, u: k.situ(g, u, 4.0, 25.0)), [True, True]
+    return [g, u], lambda k: lambda g, u: k.situ(g, u, 4.0, 25.0), [True, True]
 
 
 def case_moe_permute(device, dtype, N, K, D, E):
@@ -93,13 +99,15 @@ def case_moe_permute(device, dtype, N, K, D, E):
     x = torch.randn(N, D, generator=gen).to(device)
     idx = torch.topk(torch.rand(N, E, generator=gen), K, dim=1).indices.to(device)
     w = torch.softmax(torch.randn(N, K, generator=gen), -1).to(device)
-    W = torch.randn(D, D, generator=gen).to(device) / D ** 0.5  # a stand-in expert between the two
+    W = torch.randn(D, D, generator=gen).to(device) / D**0.5  # a stand-in expert between the two
 
     def make(k):
         def fn(x, w):
             rows, _, pos = k.permute(x, idx, E)
             return k.unpermute(rows @ W.to(rows.dtype), w, pos)
+
         return fn
+
     return [x, w], make, [True, False]  # the mixture weights stay fp32, as the router gives them
 
 
@@ -113,6 +121,7 @@ def case_chunk_kda(device, dtype, B, T, H, K, V):
 
     def make(kern):
         return lambda q, k, v, g, beta: kern.chunk_kda(q, k, v, g, beta, chunk_size=64)[0]
+
     # g and beta stay fp32 (as the model gives them); q, k, v in the benchmark's dtype
     return tensors, make, [True, True, True, False, False]
 
@@ -146,23 +155,32 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        print("bench_kernels: on CPU the Triton kernels need TRITON_INTERPRET=1 (set it before Python starts)",
-              file=sys.stderr)
+        print(
+            "bench_kernels: on CPU the Triton kernels need TRITON_INTERPRET=1 (set it before Python starts)",
+            file=sys.stderr,
+        )
         return 2
     dtype = DTYPES[a.dtype or ("bf16" if device == "cuda" else "fp32")]
     repeats = a.repeats or (10 if device == "cuda" else 1)
-    print(f"bench_kernels: {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'interpreter'}), "
-          f"{dtype}, torch {torch.__version__}; err = max|x - ref| / max|ref| over output and input gradients "
-          f"(ref: PyTorch in {'fp64' if device == 'cpu' else 'fp32'}); time = forward + backward, median of {repeats}")
-    print(f"{'kernel':<12} {'sizes':<40} {'torch err':>10} {'triton err':>10} {'torch ms':>10} {'triton ms':>10} "
-          f"{'speedup':>8}")
+    print(
+        f"bench_kernels: {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'interpreter'}), "
+        f"{dtype}, torch {torch.__version__}; err = max|x - ref| / max|ref| over output and input gradients "
+        f"(ref: PyTorch in {'fp64' if device == 'cpu' else 'fp32'}); time = forward + backward, median of {repeats}"
+    )
+    print(
+        f"{'kernel':<12} {'sizes':<40} {'torch err':>10} {'triton err':>10} {'torch ms':>10} {'triton ms':>10} "
+        f"{'speedup':>8}"
+    )
     rows = []
     for name in a.kernels:
         row = bench(name, device, dtype, SIZES[device][name], repeats)
         rows.append(row)
         sizes = " ".join(f"{k}={v}" for k, v in row["sizes"].items())
-        print(f"{name:<12} {sizes:<40} {row['torch_err']:>10.2e} {row['triton_err']:>10.2e} "
-              f"{row['torch_ms']:>10.3f} {row['triton_ms']:>10.3f} {row['speedup']:>7.2f}x", flush=True)
+        print(
+            f"{name:<12} {sizes:<40} {row['torch_err']:>10.2e} {row['triton_err']:>10.2e} "
+            f"{row['torch_ms']:>10.3f} {row['triton_ms']:>10.3f} {row['speedup']:>7.2f}x",
+            flush=True,
+        )
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -47,39 +47,55 @@ def _saved_bytes_and_time(loss_fn, hidden, weight, repeats: int) -> tuple[int, f
 def run_case(n: int, v: int, d: int, chunk: int | None, repeats: int, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, d, generator=g).requires_grad_()
-    weight = (torch.randn(v, d, generator=g) / d ** 0.5).requires_grad_()
+    weight = (torch.randn(v, d, generator=g) / d**0.5).requires_grad_()
     labels = torch.randint(0, v, (n,), generator=g)
     labels[::16] = IGNORE_INDEX
-    ref_bytes, ref_s = _saved_bytes_and_time(lambda: token_loss_sum(hidden @ weight.t(), labels), hidden, weight,
-                                             repeats)
+    ref_bytes, ref_s = _saved_bytes_and_time(
+        lambda: token_loss_sum(hidden @ weight.t(), labels), hidden, weight, repeats
+    )
     chunk = chunk or default_chunk_tokens(v)
-    lce_bytes, lce_s = _saved_bytes_and_time(lambda: linear_cross_entropy(hidden, weight, labels, chunk)[0],
-                                             hidden, weight, repeats)
-    return {"tokens": n, "vocab": v, "dim": d, "chunk": chunk, "logits_MB": n * v * 4 / 2**20,
-            "reference_saved_MB": ref_bytes / 2**20, "chunked_saved_MB": lce_bytes / 2**20,
-            "chunk_transient_MB": min(chunk, n) * v * 4 / 2**20,
-            "reference_time_s": ref_s, "chunked_time_s": lce_s}
+    lce_bytes, lce_s = _saved_bytes_and_time(
+        lambda: linear_cross_entropy(hidden, weight, labels, chunk)[0], hidden, weight, repeats
+    )
+    return {
+        "tokens": n,
+        "vocab": v,
+        "dim": d,
+        "chunk": chunk,
+        "logits_MB": n * v * 4 / 2**20,
+        "reference_saved_MB": ref_bytes / 2**20,
+        "chunked_saved_MB": lce_bytes / 2**20,
+        "chunk_transient_MB": min(chunk, n) * v * 4 / 2**20,
+        "reference_time_s": ref_s,
+        "chunked_time_s": lce_s,
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--cases", nargs="+", default=["2048x16384", "4096x32768", "8192x65536"],
-                    help="NxV: tokens x vocabulary")
+    ap.add_argument(
+        "--cases", nargs="+", default=["2048x16384", "4096x32768", "8192x65536"], help="NxV: tokens x vocabulary"
+    )
     ap.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: the loss module's)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None, help="also write the rows here")
     a = ap.parse_args(argv)
     rows = []
-    print(f"{'N':>6} {'V':>7} {'chunk':>6} {'logits MB':>10} {'saved MB ref':>13} {'saved MB chunked':>17} "
-          f"{'chunk MB':>9} {'ref s':>7} {'chunked s':>10}")
+    print(
+        f"{'N':>6} {'V':>7} {'chunk':>6} {'logits MB':>10} {'saved MB ref':>13} {'saved MB chunked':>17} "
+        f"{'chunk MB':>9} {'ref s':>7} {'chunked s':>10}"
+    )
     for case in a.cases:
         n, v = (int(x) for x in case.lower().split("x"))
         r = run_case(n, v, a.dim, a.chunk, a.repeats)
         rows.append(r)
-        print(f"{n:>6} {v:>7} {r['chunk']:>6} {r['logits_MB']:>10.1f} {r['reference_saved_MB']:>13.1f} "
-              f"{r['chunked_saved_MB']:>17.3f} {r['chunk_transient_MB']:>9.1f} {r['reference_time_s']:>7.3f} "
-              f"{r['chunked_time_s']:>10.3f}", flush=True)
+        print(
+            f"{n:>6} {v:>7} {r['chunk']:>6} {r['logits_MB']:>10.1f} {r['reference_saved_MB']:>13.1f} "
+            f"{r['chunked_saved_MB']:>17.3f} {r['chunk_transient_MB']:>9.1f} {r['reference_time_s']:>7.3f} "
+            f"{r['chunked_time_s']:>10.3f}",
+            flush=True,
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -61,8 +61,10 @@ def synthetic_trace(
 def load_trace(path: str) -> torch.Tensor:
     trace = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(trace, torch.Tensor) or trace.dim() != 3:
-        raise ValueError(f"{path}: expected a tensor of router counts [steps, R, E], got {type(trace).__name__} "
-                         f"{tuple(getattr(trace, 'shape', ()))}")
+        raise ValueError(
+            f"{path}: expected a tensor of router counts [steps, R, E], got {type(trace).__name__} "
+            f"{tuple(getattr(trace, 'shape', ()))}"
+        )
     if trace.dtype.is_floating_point:
         raise ValueError(f"{path}: router counts must be integers, got {trace.dtype}")
     if trace.shape[0] < 2:
@@ -123,15 +125,19 @@ def evaluate(name: str, trace: torch.Tensor, *, eplb_slots: int | None, reps: in
 
 
 def print_table(results: list[dict]) -> None:
-    head = (f"{'trace':<10}{'R':>4}{'E':>5}{'S*K':>7} | {'no-rep':>7}{'EPLB':>7}{'MoonEP':>8} | "
-            f"{'EPLB red.':>9}{'Moon red. mean/max':>20}{'fills':>7} | {'plan us':>9}{'make_plan us':>13}")
+    head = (
+        f"{'trace':<10}{'R':>4}{'E':>5}{'S*K':>7} | {'no-rep':>7}{'EPLB':>7}{'MoonEP':>8} | "
+        f"{'EPLB red.':>9}{'Moon red. mean/max':>20}{'fills':>7} | {'plan us':>9}{'make_plan us':>13}"
+    )
     print(head)
     print("-" * len(head))
     for r in results:
-        print(f"{r['trace']:<10}{r['R']:>4}{r['E']:>5}{r['rows_per_rank']:>7} | "
-              f"{r['no_replication_max_over_mean']:>7.3f}{r['eplb_max_over_mean']:>7.3f}{r['moonep_max_over_mean']:>8.3f} | "
-              f"{r['eplb_redundant_per_rank']:>9}{r['moonep_remote_experts_mean']:>13.2f} / {r['moonep_remote_experts_max']:<4}"
-              f"{r['moonep_fills_mean']:>7.1f} | {r['plan_us_median']:>9.0f}{r['make_plan_us_median']:>13.0f}")
+        print(
+            f"{r['trace']:<10}{r['R']:>4}{r['E']:>5}{r['rows_per_rank']:>7} | "
+            f"{r['no_replication_max_over_mean']:>7.3f}{r['eplb_max_over_mean']:>7.3f}{r['moonep_max_over_mean']:>8.3f} | "
+            f"{r['eplb_redundant_per_rank']:>9}{r['moonep_remote_experts_mean']:>13.2f} / {r['moonep_remote_experts_max']:<4}"
+            f"{r['moonep_fills_mean']:>7.1f} | {r['plan_us_median']:>9.0f}{r['make_plan_us_median']:>13.0f}"
+        )
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -142,8 +148,11 @@ def plot(results: list[dict], path: Path) -> None:
 
     traces = list(dict.fromkeys(r["trace"] for r in results))
     fig, axes = plt.subplots(1, len(traces), figsize=(5 * len(traces), 4), squeeze=False)
-    methods = [("no_replication_max_over_mean", "no replication"), ("eplb_max_over_mean", "static EPLB (prev. step)"),
-               ("moonep_max_over_mean", "MoonEP")]
+    methods = [
+        ("no_replication_max_over_mean", "no replication"),
+        ("eplb_max_over_mean", "static EPLB (prev. step)"),
+        ("moonep_max_over_mean", "MoonEP"),
+    ]
     for ax, name in zip(axes[0], traces):
         rows = [r for r in results if r["trace"] == name]
         x = range(len(rows))
@@ -170,8 +179,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="measured steps per trace (one more seeds EPLB)")
     ap.add_argument("--zipf", type=float, default=1.15, help="Zipf exponent of the skewed trace")
     ap.add_argument("--drift", type=float, default=0.3, help="per-step log-weight noise of the skewed trace")
-    ap.add_argument("--traces", nargs="*", default=["uniform", "zipf"],
-                    help="synthetic traces to run (give none, `--traces`, to run only --trace)")
+    ap.add_argument(
+        "--traces",
+        nargs="*",
+        default=["uniform", "zipf"],
+        help="synthetic traces to run (give none, `--traces`, to run only --trace)",
+    )
     ap.add_argument("--trace", type=str, default=None, help="saved router counts [steps, R, E] (torch.save)")
     ap.add_argument("--eplb-slots", type=int, default=None, help="EPLB redundant slots per rank (default E/R)")
     ap.add_argument("--reps", type=int, default=40, help="timing repetitions of plan()")
@@ -187,14 +200,24 @@ def main() -> None:
             if args.experts % R:
                 raise SystemExit(f"EP degree R={R} does not divide the E={args.experts} experts")
             t0 = time.perf_counter()
-            trace = synthetic_trace(kind, steps=args.steps + 1, ranks=R, experts=args.experts, topk=args.topk,
-                                    tokens=args.tokens, zipf=args.zipf, drift=args.drift, seed=args.seed + R)
+            trace = synthetic_trace(
+                kind,
+                steps=args.steps + 1,
+                ranks=R,
+                experts=args.experts,
+                topk=args.topk,
+                tokens=args.tokens,
+                zipf=args.zipf,
+                drift=args.drift,
+                seed=args.seed + R,
+            )
             res = evaluate(kind, trace, eplb_slots=args.eplb_slots, reps=args.reps)
             res["seconds"] = round(time.perf_counter() - t0, 1)
             results.append(res)
     if args.trace:
-        results.append(evaluate(Path(args.trace).stem, load_trace(args.trace), eplb_slots=args.eplb_slots,
-                                reps=args.reps))
+        results.append(
+            evaluate(Path(args.trace).stem, load_trace(args.trace), eplb_slots=args.eplb_slots, reps=args.reps)
+        )
 
     print_table(results)
     out = Path(args.out)

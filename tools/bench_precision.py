@@ -26,9 +26,24 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-MEDIUM = dict(name="medium", vocab_size=4096, dim=256, kda_heads=4, kda_head_dim=64, kda_decay_rank=32,
-              mla_heads=4, mla_q_rank=192, mla_kv_rank=128, mla_k_head_dim=64, mla_shared_k_dim=32,
-              mla_v_head_dim=64, dense_hidden=512, moe_latent_dim=128, expert_hidden=128, shared_hidden=128)
+MEDIUM = dict(
+    name="medium",
+    vocab_size=4096,
+    dim=256,
+    kda_heads=4,
+    kda_head_dim=64,
+    kda_decay_rank=32,
+    mla_heads=4,
+    mla_q_rank=192,
+    mla_kv_rank=128,
+    mla_k_head_dim=64,
+    mla_shared_k_dim=32,
+    mla_v_head_dim=64,
+    dense_hidden=512,
+    moe_latent_dim=128,
+    expert_hidden=128,
+    shared_hidden=128,
+)
 LAYOUTS = {"dp2_zero1": dict(dp=2, zero=1), "dp2_zero2": dict(dp=2, zero=2), "pp2_dp2_zero2": dict(pp=2, dp=2, zero=2)}
 KINDS = ("param_bytes", "grad_bytes", "master_bytes", "optim_bytes")
 SEQ, ROWS = 32, 8
@@ -36,6 +51,7 @@ SEQ, ROWS = 32, 8
 
 def model_args(width: str):
     from k3train.models.k3.args import get_preset
+
     return get_preset("tiny") if width == "tiny" else get_preset("tiny", **MEDIUM)
 
 
@@ -52,8 +68,9 @@ def bigram_batch(step: int, vocab: int, rows: int = ROWS, seq: int = SEQ) -> dic
 
 def local_microbatches(batch: dict, dp: int, dp_rank: int, m: int) -> list[dict]:
     mb = batch["input_ids"].shape[0] // (dp * m)
-    return [{k: v[(k_ * dp + dp_rank) * mb:(k_ * dp + dp_rank + 1) * mb] for k, v in batch.items()}
-            for k_ in range(m)]
+    return [
+        {k: v[(k_ * dp + dp_rank) * mb : (k_ * dp + dp_rank + 1) * mb] for k, v in batch.items()} for k_ in range(m)
+    ]
 
 
 def run_one(width: str, layout: str, precision: str, optim: str, steps: int) -> dict:
@@ -63,8 +80,16 @@ def run_one(width: str, layout: str, precision: str, optim: str, steps: int) -> 
 
     args = model_args(width)
     lay = LAYOUTS[layout]
-    dims = ParallelDims(pp=lay.get("pp", 1), vpp=1, dp=lay["dp"], ep=1, cp=1, zero=lay["zero"], microbatches=2,
-                        schedule="1f1b" if lay.get("pp", 1) > 1 else "auto")
+    dims = ParallelDims(
+        pp=lay.get("pp", 1),
+        vpp=1,
+        dp=lay["dp"],
+        ep=1,
+        cp=1,
+        zero=lay["zero"],
+        microbatches=2,
+        schedule="1f1b" if lay.get("pp", 1) > 1 else "auto",
+    )
     cfg = OptimConfig(name=optim, lr=3e-3, weight_decay=0.1, grad_clip=1.0, warmup_steps=0)
     engine = build_engine(args, dims, cfg, seed=0, device="cpu", seq_len_hint=SEQ, precision=precision)
     dp_rank = rank_coords(dims, dist.get_rank())["dp"]
@@ -86,6 +111,7 @@ def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
     finally:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
         from spawn_worker import end_worker
+
         end_worker()
 
 
@@ -114,25 +140,39 @@ def main(argv=None) -> dict:
         for job, recs in zip(jobs, spawn(jobs, world)):
             for r, rec in enumerate(recs):
                 m = rec["memory"]
-                entry = {"width": job[0], "layout": job[1], "precision": job[2], "rank": r,
-                         **{k: m[k] for k in KINDS}, "total": sum(m[k] for k in KINDS)}
+                entry = {
+                    "width": job[0],
+                    "layout": job[1],
+                    "precision": job[2],
+                    "rank": r,
+                    **{k: m[k] for k in KINDS},
+                    "total": sum(m[k] for k in KINDS),
+                }
                 report["memory"].append(entry)
                 rows.append(entry)
-    hdr = f"{'width':<7} {'layout':<14} {'prec':<5} {'rank':>4} " + " ".join(f"{k:>13}" for k in KINDS) + \
-        f" {'total':>13}"
+    hdr = (
+        f"{'width':<7} {'layout':<14} {'prec':<5} {'rank':>4} "
+        + " ".join(f"{k:>13}" for k in KINDS)
+        + f" {'total':>13}"
+    )
     print(f"bytes per rank after the gradient reduction, before the optimizer step (optim {a.optim})")
     print(hdr)
     for e in rows:
-        print(f"{e['width']:<7} {e['layout']:<14} {e['precision']:<5} {e['rank']:>4} " +
-              " ".join(f"{e[k]:>13,}" for k in KINDS) + f" {e['total']:>13,}")
+        print(
+            f"{e['width']:<7} {e['layout']:<14} {e['precision']:<5} {e['rank']:>4} "
+            + " ".join(f"{e[k]:>13,}" for k in KINDS)
+            + f" {e['total']:>13,}"
+        )
     if a.steps > 0:
         jobs = [("tiny", "dp2_zero1", prec, a.optim, a.steps) for prec in ("fp32", "bf16")]
         res = spawn(jobs, 2)
         tail = {j[2]: sum(r[0]["losses"][-10:]) / len(r[0]["losses"][-10:]) for j, r in zip(jobs, res)}
         rel = abs(tail["bf16"] - tail["fp32"]) / tail["fp32"]
         first = res[0][0]["losses"][0]
-        print(f"{a.steps} steps, tiny, dp2 zero1: first loss {first:.4f}; last-10 mean fp32 {tail['fp32']:.4f}, "
-              f"bf16 {tail['bf16']:.4f} (relative difference {rel:.2%})")
+        print(
+            f"{a.steps} steps, tiny, dp2 zero1: first loss {first:.4f}; last-10 mean fp32 {tail['fp32']:.4f}, "
+            f"bf16 {tail['bf16']:.4f} (relative difference {rel:.2%})"
+        )
         report["loss"] = {"steps": a.steps, "first": first, "fp32": tail["fp32"], "bf16": tail["bf16"], "rel": rel}
     if a.json:
         with open(a.json, "w") as f:

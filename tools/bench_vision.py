@@ -27,12 +27,26 @@ def caption_loss(steps: int, blank: bool, *, seed: int, threads: int, extra: lis
     from k3train.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as run_dir:
-        overrides = [f"train.steps={steps}", f"train.seed={seed}", f"data.seed={seed}", f"train.run_dir={run_dir}",
-                     f"train.eval_interval={steps}", "train.eval_steps=8", "train.checkpoint_interval=0",
-                     "train.checkpoint_at_end=false", "train.resume=never", "train.device=cpu",
-                     f"train.threads={threads}", f"optim.warmup_steps={max(1, steps // 12)}",
-                     f"data.blank_images={str(blank).lower()}", "logging.console=false",
-                     "logging.progress_bar=false", "logging.tensorboard=false", "logging.peak_flops=1e12", *extra]
+        overrides = [
+            f"train.steps={steps}",
+            f"train.seed={seed}",
+            f"data.seed={seed}",
+            f"train.run_dir={run_dir}",
+            f"train.eval_interval={steps}",
+            "train.eval_steps=8",
+            "train.checkpoint_interval=0",
+            "train.checkpoint_at_end=false",
+            "train.resume=never",
+            "train.device=cpu",
+            f"train.threads={threads}",
+            f"optim.warmup_steps={max(1, steps // 12)}",
+            f"data.blank_images={str(blank).lower()}",
+            "logging.console=false",
+            "logging.progress_bar=false",
+            "logging.tensorboard=false",
+            "logging.peak_flops=1e12",
+            *extra,
+        ]
         trainer = Trainer(load_config("tiny_vision", overrides), recipe="bench_vision")
         try:
             out = trainer.train()
@@ -52,10 +66,17 @@ def main(argv=None) -> dict:
     for blank in (False, True):
         t0 = time.perf_counter()
         losses[blank] = caption_loss(a.steps, blank, seed=a.seed, threads=a.threads, extra=a.overrides)
-        print(f"{'blank images' if blank else 'drawn images':>13}: held-out caption loss {losses[blank]:.4f} "
-              f"nats/token after {a.steps} steps ({time.perf_counter() - t0:.0f} s)", flush=True)
-    out = {"steps": a.steps, "caption_loss_images": round(losses[False], 4),
-           "caption_loss_blank": round(losses[True], 4), "difference": round(losses[True] - losses[False], 4)}
+        print(
+            f"{'blank images' if blank else 'drawn images':>13}: held-out caption loss {losses[blank]:.4f} "
+            f"nats/token after {a.steps} steps ({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+    out = {
+        "steps": a.steps,
+        "caption_loss_images": round(losses[False], 4),
+        "caption_loss_blank": round(losses[True], 4),
+        "difference": round(losses[True] - losses[False], 4),
+    }
     print(json.dumps(out), flush=True)
     return out
 

@@ -38,17 +38,24 @@ def _rows(step: int, rows: int, seq: int, images: int, side: int, vision) -> lis
     from k3train.models.k3.vision import patchify
 
     g = torch.Generator().manual_seed(step)
-    n = (side // vision.patch_size) ** 2 // vision.merge ** 2
+    n = (side // vision.patch_size) ** 2 // vision.merge**2
     out = []
     for _ in range(rows):
         mask = torch.zeros(1, seq, dtype=torch.bool)
         for k in range(images):
             start = 1 + k * (seq // images)
-            mask[0, start:start + n] = True
+            mask[0, start : start + n] = True
         pixels, grid = patchify(vision, [torch.randn(1, 3, side, side, generator=g) for _ in range(images)])
-        out.append({"input_ids": torch.randint(0, 512, (1, seq), generator=g),
-                    "labels": torch.randint(0, 512, (1, seq), generator=g), "cu_seqlens": None,
-                    "vision_pixels": pixels, "vision_grid": grid, "vision_mask": mask})
+        out.append(
+            {
+                "input_ids": torch.randint(0, 512, (1, seq), generator=g),
+                "labels": torch.randint(0, 512, (1, seq), generator=g),
+                "cu_seqlens": None,
+                "vision_pixels": pixels,
+                "vision_grid": grid,
+                "vision_mask": mask,
+            }
+        )
     return out
 
 
@@ -66,10 +73,18 @@ def _worker(rank: int, port: int, out_dir: str, a) -> None:
     for schedule in a.schedules:
         vpp = 2 if schedule == "interleaved_1f1b" else 1
         for placement in ("stage", "bubbles"):
-            dims = ParallelDims(pp=2, vpp=vpp, microbatches=a.microbatches, schedule=schedule,
-                                vision_placement=placement)
-            engine = build_engine(args, dims, OptimConfig(name="adamw", lr=1e-3), seed=0, device="cpu",
-                                  seq_len_hint=a.seq, train_vision=True)
+            dims = ParallelDims(
+                pp=2, vpp=vpp, microbatches=a.microbatches, schedule=schedule, vision_placement=placement
+            )
+            engine = build_engine(
+                args,
+                dims,
+                OptimConfig(name="adamw", lr=1e-3),
+                seed=0,
+                device="cpu",
+                seq_len_hint=a.seq,
+                train_vision=True,
+            )
             idle, busy, sched = [], [], []
             for step in range(a.steps + 1):
                 engine.train_step(_rows(step, a.microbatches, a.seq, a.images, a.side, args.vision))
@@ -78,9 +93,11 @@ def _worker(rank: int, port: int, out_dir: str, a) -> None:
                     idle.append(t.schedule_s - t.busy_s)
                     busy.append(t.busy_s)
                     sched.append(t.schedule_s)
-            results[f"{schedule}/{placement}"] = {"idle_s": statistics.median(idle),
-                                                  "busy_s": statistics.median(busy),
-                                                  "schedule_s": statistics.median(sched)}
+            results[f"{schedule}/{placement}"] = {
+                "idle_s": statistics.median(idle),
+                "busy_s": statistics.median(busy),
+                "schedule_s": statistics.median(sched),
+            }
             dist.barrier()
     if rank == 0:
         with open(os.path.join(out_dir, "out.json"), "w") as f:
@@ -104,7 +121,7 @@ def main() -> None:
     v = get_preset("tiny_vision").vision
     if a.side % (v.patch_size * v.merge) or a.side > v.max_image_side:
         raise SystemExit(f"--side must be a multiple of {v.patch_size * v.merge} up to {v.max_image_side}")
-    if a.images * ((a.side // v.patch_size) ** 2 // v.merge ** 2) + a.images > a.seq:
+    if a.images * ((a.side // v.patch_size) ** 2 // v.merge**2) + a.images > a.seq:
         raise SystemExit("--images of --side pixels do not fit a row of --seq tokens")
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(_free_port(), d, a), nprocs=2, join=True)
@@ -115,12 +132,18 @@ def main() -> None:
         vpp = 2 if schedule == "interleaved_1f1b" else 1
         plan = plan_vision(ParallelDims(pp=2, vpp=vpp, microbatches=a.microbatches, schedule=schedule))
         s, b = res[f"{schedule}/stage"], res[f"{schedule}/bubbles"]
-        print(f"{schedule:17s} first-rank idle: stage {s['idle_s'] * 1e3:7.1f} ms, bubbles {b['idle_s'] * 1e3:7.1f} ms"
-              f" (schedule {s['schedule_s'] * 1e3:.1f} / {b['schedule_s'] * 1e3:.1f} ms; vision actions in idle "
-              f"time: {plan.in_idle} of {2 * a.microbatches})")
-        summary[schedule] = {"idle_s_stage": s["idle_s"], "idle_s_bubbles": b["idle_s"],
-                             "schedule_s_stage": s["schedule_s"], "schedule_s_bubbles": b["schedule_s"],
-                             "vision_actions_in_idle": plan.in_idle}
+        print(
+            f"{schedule:17s} first-rank idle: stage {s['idle_s'] * 1e3:7.1f} ms, bubbles {b['idle_s'] * 1e3:7.1f} ms"
+            f" (schedule {s['schedule_s'] * 1e3:.1f} / {b['schedule_s'] * 1e3:.1f} ms; vision actions in idle "
+            f"time: {plan.in_idle} of {2 * a.microbatches})"
+        )
+        summary[schedule] = {
+            "idle_s_stage": s["idle_s"],
+            "idle_s_bubbles": b["idle_s"],
+            "schedule_s_stage": s["schedule_s"],
+            "schedule_s_bubbles": b["schedule_s"],
+            "vision_actions_in_idle": plan.in_idle,
+        }
     print(json.dumps({"microbatches": a.microbatches, "steps": a.steps, **summary}))
 
 

@@ -78,8 +78,14 @@ def _run_k3(stage: int, a, rank: int) -> dict:
     from k3train.parallel.mesh import ParallelDims
 
     args = get_preset("tiny")
-    eng = build_engine(args, ParallelDims(dp=WORLD, zero=stage, microbatches=a.microbatches),
-                       OptimConfig(name="adamw", lr=3e-3, grad_clip=1.0), seed=0, device="cpu", seq_len_hint=a.seq)
+    eng = build_engine(
+        args,
+        ParallelDims(dp=WORLD, zero=stage, microbatches=a.microbatches),
+        OptimConfig(name="adamw", lr=3e-3, grad_clip=1.0),
+        seed=0,
+        device="cpu",
+        seq_len_hint=a.seq,
+    )
     probe = {}
     orig = eng.zero.step
 
@@ -96,16 +102,21 @@ def _run_k3(stage: int, a, rank: int) -> dict:
         mbs = []
         for k in range(a.microbatches):
             r0 = (k * WORLD + rank) * mb
-            mbs.append({"input_ids": ids[r0:r0 + mb], "labels": labels[r0:r0 + mb]})
+            mbs.append({"input_ids": ids[r0 : r0 + mb], "labels": labels[r0 : r0 + mb]})
         gc.collect()
         probe["start"] = live_tensor_bytes()
         t = time.perf_counter()
         out = eng.train_step(mbs)
         times.append(time.perf_counter() - t)
-    return {"impl": f"k3train zero={stage}", "optim_bytes": eng.zero.optimizer_state_bytes(),
-            "grad_bytes": probe["grad"],
-            "live_bytes": probe["live"], "step_s": statistics.median(times[1:]), "loss": out["loss"],
-            "engine_grad_bytes": eng.last_memory.get("grad_bytes")}
+    return {
+        "impl": f"k3train zero={stage}",
+        "optim_bytes": eng.zero.optimizer_state_bytes(),
+        "grad_bytes": probe["grad"],
+        "live_bytes": probe["live"],
+        "step_s": statistics.median(times[1:]),
+        "loss": out["loss"],
+        "engine_grad_bytes": eng.last_memory.get("grad_bytes"),
+    }
 
 
 def _run_ds(stage: int, a, rank: int) -> dict:
@@ -121,10 +132,19 @@ def _run_ds(stage: int, a, rank: int) -> dict:
     model.init_weights(0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     mb = a.rows // (WORLD * a.microbatches)
-    cfg = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": a.microbatches,
-           "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30,
-           "zero_optimization": {"stage": stage, "overlap_comm": False, "contiguous_gradients": True,
-                                 "reduce_scatter": True}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": mb,
+        "gradient_accumulation_steps": a.microbatches,
+        "gradient_clipping": 1.0,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "zero_optimization": {
+            "stage": stage,
+            "overlap_comm": False,
+            "contiguous_gradients": True,
+            "reduce_scatter": True,
+        },
+    }
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     times, probe = [], {}
     for s in range(a.steps):
@@ -136,9 +156,9 @@ def _run_ds(stage: int, a, rank: int) -> dict:
         total = 0.0
         for k in range(a.microbatches):
             r0 = (k * WORLD + rank) * mb
-            logits = engine(ids[r0:r0 + mb], BatchContext())
+            logits = engine(ids[r0 : r0 + mb], BatchContext())
             # DeepSpeed divides by the accumulation steps itself; undo it so the loss is the global token mean.
-            loss = token_loss_sum(logits, labels[r0:r0 + mb]) / count * a.microbatches * WORLD
+            loss = token_loss_sum(logits, labels[r0 : r0 + mb]) / count * a.microbatches * WORLD
             engine.backward(loss)
             total += float(loss.detach()) / (a.microbatches * WORLD)
             if k == a.microbatches - 1:
@@ -150,13 +170,26 @@ def _run_ds(stage: int, a, rank: int) -> dict:
     dist.all_reduce(total_t)  # the step's global mean token loss (each rank held its share)
     total = float(total_t)
     inner = getattr(optimizer, "optimizer", optimizer)
-    return {"impl": f"deepspeed zero={stage}", "optim_bytes": _adam_state_bytes(inner), "grad_bytes": probe["grad"],
-            "live_bytes": probe["live"], "step_s": statistics.median(times[1:]), "loss": total}
+    return {
+        "impl": f"deepspeed zero={stage}",
+        "optim_bytes": _adam_state_bytes(inner),
+        "grad_bytes": probe["grad"],
+        "live_bytes": probe["live"],
+        "step_s": statistics.median(times[1:]),
+        "loss": total,
+    }
 
 
 def _worker(rank: int, port: int, a, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD), DS_ACCELERATOR="cpu")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(WORLD),
+        DS_ACCELERATOR="cpu",
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     rows, ds_error = [], None
@@ -167,6 +200,7 @@ def _worker(rank: int, port: int, a, out: str) -> None:
         if not a.no_deepspeed:
             try:
                 import deepspeed  # noqa: F401
+
                 deepspeed.init_distributed(dist_backend="gloo")
                 for stage in (1, 2):
                     rows.append(_run_ds(stage, a, rank))
@@ -191,6 +225,7 @@ def main(argv=None) -> int:
         try:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
             import deepspeed
+
             print(f"deepspeed {deepspeed.__version__} (accelerator {os.environ['DS_ACCELERATOR']})")
         except Exception as e:
             print(f"DeepSpeed is not usable here, so only k3train is measured: {type(e).__name__}: {e}")
@@ -203,18 +238,24 @@ def main(argv=None) -> int:
     res = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
     if res[0]["ds_error"]:
         print(f"DeepSpeed failed to run on this machine: {res[0]['ds_error']}")
-    print(f"tiny K3, fp32, {WORLD} ranks, {a.rows} rows x {a.seq} tokens per step, {a.microbatches} micro-batches "
-          f"per rank; bytes per rank (rank 0 | rank 1)")
-    hdr = (f"{'implementation':<18} {'optimizer state':>23} {'gradients':>23} {'live tensors':>25} {'step s':>8} "
-           f"{'loss':>8}")
+    print(
+        f"tiny K3, fp32, {WORLD} ranks, {a.rows} rows x {a.seq} tokens per step, {a.microbatches} micro-batches "
+        f"per rank; bytes per rank (rank 0 | rank 1)"
+    )
+    hdr = (
+        f"{'implementation':<18} {'optimizer state':>23} {'gradients':>23} {'live tensors':>25} {'step s':>8} "
+        f"{'loss':>8}"
+    )
     print(hdr)
     print("-" * len(hdr))
     table = []
     for i, row in enumerate(res[0]["rows"]):
         r1 = res[1]["rows"][i]
-        print(f"{row['impl']:<18} {row['optim_bytes']:>11,}|{r1['optim_bytes']:<11,} {row['grad_bytes']:>11,}|"
-              f"{r1['grad_bytes']:<11,} {row['live_bytes']:>12,}|{r1['live_bytes']:<12,} "
-              f"{max(row['step_s'], r1['step_s']):>8.3f} {row['loss']:>8.4f}")
+        print(
+            f"{row['impl']:<18} {row['optim_bytes']:>11,}|{r1['optim_bytes']:<11,} {row['grad_bytes']:>11,}|"
+            f"{r1['grad_bytes']:<11,} {row['live_bytes']:>12,}|{r1['live_bytes']:<12,} "
+            f"{max(row['step_s'], r1['step_s']):>8.3f} {row['loss']:>8.4f}"
+        )
         table.append({"impl": row["impl"], "ranks": [row, r1]})
     if a.json:
         with open(a.json, "w") as f:

@@ -55,8 +55,17 @@ class Case:
 
     def dims(self):
         from k3train.parallel.mesh import ParallelDims
-        return ParallelDims(pp=self.pp, vpp=self.vpp, dp=self.dp, ep=self.ep, cp=self.cp, zero=self.zero,
-                            microbatches=self.microbatches, schedule=self.schedule)
+
+        return ParallelDims(
+            pp=self.pp,
+            vpp=self.vpp,
+            dp=self.dp,
+            ep=self.ep,
+            cp=self.cp,
+            zero=self.zero,
+            microbatches=self.microbatches,
+            schedule=self.schedule,
+        )
 
     @property
     def mb(self) -> int:
@@ -65,8 +74,10 @@ class Case:
 
 def _batch(step: int, rows: int, seq: int, vocab: int) -> dict:
     g = torch.Generator().manual_seed(step)
-    return {"input_ids": torch.randint(0, vocab, (rows, seq), generator=g),
-            "labels": torch.randint(0, vocab, (rows, seq), generator=g)}
+    return {
+        "input_ids": torch.randint(0, vocab, (rows, seq), generator=g),
+        "labels": torch.randint(0, vocab, (rows, seq), generator=g),
+    }
 
 
 def _worker(rank: int, world: int, port: int, cases: list[dict], out: str) -> None:
@@ -89,11 +100,21 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out: str) -> No
                 mbs = []
                 for k in range(c.microbatches):
                     r0 = (k * c.dp + co["dp"]) * c.mb
-                    mbs.append({"input_ids": full["input_ids"][r0:r0 + c.mb], "labels": full["labels"][r0:r0 + c.mb]})
+                    mbs.append(
+                        {"input_ids": full["input_ids"][r0 : r0 + c.mb], "labels": full["labels"][r0 : r0 + c.mb]}
+                    )
                 eng.train_step(mbs)
                 recs.append({"comm": eng.comm.snapshot(), "busy": eng.times.busy_s, "sched": eng.times.schedule_s})
-            torch.save({"recs": recs, "stage_layers": eng.stage_layers, "pp_rank": co["pp"], "ep": co["ep"],
-                        "edp_or_dp": co["edp"]}, os.path.join(out, f"{c.name}.{rank}.pt"))
+            torch.save(
+                {
+                    "recs": recs,
+                    "stage_layers": eng.stage_layers,
+                    "pp_rank": co["pp"],
+                    "ep": co["ep"],
+                    "edp_or_dp": co["edp"],
+                },
+                os.path.join(out, f"{c.name}.{rank}.pt"),
+            )
             dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -108,8 +129,10 @@ def _free_port() -> int:
 def run_cases(cases: list[Case], world: int) -> dict[str, list[dict]]:
     out = tempfile.mkdtemp(prefix="k3comm")
     mp.spawn(_worker, args=(world, _free_port(), [asdict(c) for c in cases], out), nprocs=world, join=True)
-    return {c.name: [torch.load(os.path.join(out, f"{c.name}.{r}.pt"), weights_only=False) for r in range(world)]
-            for c in cases}
+    return {
+        c.name: [torch.load(os.path.join(out, f"{c.name}.{r}.pt"), weights_only=False) for r in range(world)]
+        for c in cases
+    }
 
 
 def comm_table(cases: list[Case], results: dict) -> list[dict]:
@@ -127,13 +150,24 @@ def comm_table(cases: list[Case], results: dict) -> list[dict]:
             for dim, op in keys:
                 m = meas.get(f"{dim}/{op}", {"payload": 0, "wire": 0.0})
                 if (dim, op) == ("ep", "all_to_all"):  # routing-dependent per rank: compare the EP-group mean
-                    peers = [x for x in per_rank
-                             if x["pp_rank"] == rec["pp_rank"] and x["edp_or_dp"] == rec["edp_or_dp"]]
+                    peers = [
+                        x for x in per_rank if x["pp_rank"] == rec["pp_rank"] and x["edp_or_dp"] == rec["edp_or_dp"]
+                    ]
                     got = [x["recs"][-1]["comm"].get("ep/all_to_all", {"payload": 0})["payload"] for x in peers]
                     m = {"payload": statistics.mean(got), "wire": float("nan")}
                 a = an.get((dim, op), {"payload": 0, "wire": 0.0})
-                rows.append(dict(layout=c.name, rank=r, dim=dim, op=op, measured=m["payload"],
-                                 analytic=a["payload"], measured_wire=m["wire"], analytic_wire=a["wire"]))
+                rows.append(
+                    dict(
+                        layout=c.name,
+                        rank=r,
+                        dim=dim,
+                        op=op,
+                        measured=m["payload"],
+                        analytic=a["payload"],
+                        measured_wire=m["wire"],
+                        analytic_wire=a["wire"],
+                    )
+                )
     return rows
 
 
@@ -148,9 +182,18 @@ def bubble_table(results: dict, cases: list[Case]) -> list[dict]:
                 ratios.append(idle / x["busy"])
                 fracs.append(idle / x["sched"])
         ideal = (c.pp - 1) / (c.vpp * c.microbatches)
-        rows.append(dict(layout=c.name, pp=c.pp, vpp=c.vpp, microbatches=c.microbatches,
-                         measured_idle_over_busy=statistics.mean(ratios), ideal=ideal,
-                         measured_idle_fraction=statistics.mean(fracs), ideal_fraction=ideal / (1 + ideal)))
+        rows.append(
+            dict(
+                layout=c.name,
+                pp=c.pp,
+                vpp=c.vpp,
+                microbatches=c.microbatches,
+                measured_idle_over_busy=statistics.mean(ratios),
+                ideal=ideal,
+                measured_idle_fraction=statistics.mean(fracs),
+                ideal_fraction=ideal / (1 + ideal),
+            )
+        )
     return rows
 
 
@@ -161,25 +204,31 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default="", help="write the tables to this JSON file")
     a = ap.parse_args(argv)
 
-    two = [Case(name="dp2_zero0", dp=2, zero=0, microbatches=2),
-           Case(name="dp2_zero1", dp=2, zero=1, microbatches=2),
-           Case(name="dp2_zero2", dp=2, zero=2, microbatches=2),
-           Case(name="ep2_dp2_zero1", dp=2, ep=2, zero=1, microbatches=2),
-           Case(name="pp2_1f1b", pp=2, microbatches=4, schedule="1f1b"),
-           Case(name="pp2_vpp2", pp=2, vpp=2, microbatches=4),
-           Case(name="cp2_zigzag", cp=2, microbatches=2, seq=64)]
+    two = [
+        Case(name="dp2_zero0", dp=2, zero=0, microbatches=2),
+        Case(name="dp2_zero1", dp=2, zero=1, microbatches=2),
+        Case(name="dp2_zero2", dp=2, zero=2, microbatches=2),
+        Case(name="ep2_dp2_zero1", dp=2, ep=2, zero=1, microbatches=2),
+        Case(name="pp2_1f1b", pp=2, microbatches=4, schedule="1f1b"),
+        Case(name="pp2_vpp2", pp=2, vpp=2, microbatches=4),
+        Case(name="cp2_zigzag", cp=2, microbatches=2, seq=64),
+    ]
     t = time.perf_counter()
     results = run_cases(two, 2)
     cases = list(two)
     if a.four:
-        four = [Case(name="pp2_dp2_ep2_zero2_vpp2", pp=2, vpp=2, dp=2, ep=2, zero=2, microbatches=2),
-                Case(name="pp2_cp2_ep2_zero1", pp=2, cp=2, ep=2, zero=1, microbatches=2, seq=64)]
+        four = [
+            Case(name="pp2_dp2_ep2_zero2_vpp2", pp=2, vpp=2, dp=2, ep=2, zero=2, microbatches=2),
+            Case(name="pp2_cp2_ep2_zero1", pp=2, cp=2, ep=2, zero=1, microbatches=2, seq=64),
+        ]
         results.update(run_cases(four, 4))
         cases += four
     table = comm_table(cases, results)
     print(f"communication of one step, tiny K3, fp32 (bytes; {time.perf_counter() - t:.0f} s)")
-    hdr = (f"{'layout':<24} {'rank':>4} {'dim':<6} {'op':<15} {'measured':>12} {'analytic':>12} {'wire':>12} "
-           f"{'analytic':>12}")
+    hdr = (
+        f"{'layout':<24} {'rank':>4} {'dim':<6} {'op':<15} {'measured':>12} {'analytic':>12} {'wire':>12} "
+        f"{'analytic':>12}"
+    )
     print(hdr)
     print("-" * len(hdr))
     worst = 0.0
@@ -187,22 +236,30 @@ def main(argv=None) -> int:
         ok = r["measured"] == r["analytic"]
         worst = max(worst, abs(r["measured"] - r["analytic"]) / max(r["analytic"], 1))
         mw = "-" if r["measured_wire"] != r["measured_wire"] else f"{r['measured_wire']:.0f}"
-        print(f"{r['layout']:<24} {r['rank']:>4} {r['dim']:<6} {r['op']:<15} {r['measured']:>12,.0f} "
-              f"{r['analytic']:>12,} {mw:>12} {r['analytic_wire']:>12.0f}" + ("" if ok else "  <- differs"))
+        print(
+            f"{r['layout']:<24} {r['rank']:>4} {r['dim']:<6} {r['op']:<15} {r['measured']:>12,.0f} "
+            f"{r['analytic']:>12,} {mw:>12} {r['analytic_wire']:>12.0f}" + ("" if ok else "  <- differs")
+        )
     print(f"largest relative difference measured vs analytic: {worst:.2e}")
 
     bub = []
     if not a.no_bubble:
-        bcases = [Case(name=f"bubble_v{v}_m{m}", pp=2, vpp=v, microbatches=m, rows=2 * m, seq=128, steps=3)
-                  for v, m in ((1, 2), (1, 4), (2, 4), (2, 8))]
+        bcases = [
+            Case(name=f"bubble_v{v}_m{m}", pp=2, vpp=v, microbatches=m, rows=2 * m, seq=128, steps=3)
+            for v, m in ((1, 2), (1, 4), (2, 4), (2, 8))
+        ]
         results = run_cases(bcases, 2)
         bub = bubble_table(results, bcases)
         print("\ninterleaved 1F1B bubble on pp=2 (idle / busy of each rank's forward-backward phase, mean of ranks)")
-        print(f"{'layout':<16} {'vpp':>3} {'m':>3} {'measured':>9} {'(pp-1)/(vpp m)':>15} {'idle frac':>10} "
-              f"{'ideal frac':>10}")
+        print(
+            f"{'layout':<16} {'vpp':>3} {'m':>3} {'measured':>9} {'(pp-1)/(vpp m)':>15} {'idle frac':>10} "
+            f"{'ideal frac':>10}"
+        )
         for r in bub:
-            print(f"{r['layout']:<16} {r['vpp']:>3} {r['microbatches']:>3} {r['measured_idle_over_busy']:>9.3f} "
-                  f"{r['ideal']:>15.3f} {r['measured_idle_fraction']:>10.3f} {r['ideal_fraction']:>10.3f}")
+            print(
+                f"{r['layout']:<16} {r['vpp']:>3} {r['microbatches']:>3} {r['measured_idle_over_busy']:>9.3f} "
+                f"{r['ideal']:>15.3f} {r['measured_idle_fraction']:>10.3f} {r['ideal_fraction']:>10.3f}"
+            )
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"comm": table, "bubble": bub}, f, indent=1)

@@ -1,7 +1,7 @@
 """Count K3 parameters on the meta device: a per-component table, then one line of JSON.
 
-    python tools/count_params.py model=k3_full
-    python tools/count_params.py model=k3_full model.mtp_layers=1    # with the MTP module (its own row, and "mtp")
+python tools/count_params.py model=k3_full
+python tools/count_params.py model=k3_full model.mtp_layers=1    # with the MTP module (its own row, and "mtp")
 """
 
 from __future__ import annotations

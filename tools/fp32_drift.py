@@ -43,16 +43,20 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [n for n in args.layouts if n not in known]
     if unknown:
         ap.error(f"unknown layouts {unknown}; known: {sorted(known)}")
-    out: dict[str, dict] = {n: {"ratios": [], "fp32_diffs": [], "fp32_abs": [], "one_abs": [], "drift_one": []}
-                            for n in args.layouts}
-    print(f"{'layout':<26} {'seed':>6} {'drift_layout':>13} {'drift_one':>10} {'ratio':>7} {'fp32_diff':>10} "
-          f"{'fp32_abs':>9} {'one_abs':>9}")
+    out: dict[str, dict] = {
+        n: {"ratios": [], "fp32_diffs": [], "fp32_abs": [], "one_abs": [], "drift_one": []} for n in args.layouts
+    }
+    print(
+        f"{'layout':<26} {'seed':>6} {'drift_layout':>13} {'drift_one':>10} {'ratio':>7} {'fp32_diff':>10} "
+        f"{'fp32_abs':>9} {'one_abs':>9}"
+    )
     for seed in args.seeds:
         by_world: dict[int, list] = {}
         for n in args.layouts:
             lay = replace(known[n], seed=seed, checkpoint={}, record_vision_log=False, capture_grads=False)
             by_world.setdefault(lay.world, []).extend(
-                [replace(lay, name=f"{n}.fp64", precision="fp64"), replace(lay, name=f"{n}.fp32", precision="fp32")])
+                [replace(lay, name=f"{n}.fp64", precision="fp64"), replace(lay, name=f"{n}.fp32", precision="fp32")]
+            )
         runs = {}
         with tempfile.TemporaryDirectory() as d:
             for world, lays in sorted(by_world.items()):
@@ -72,8 +76,11 @@ def main(argv: list[str] | None = None) -> dict:
             rec["fp32_abs"].append(absd)
             rec["one_abs"].append(one_abs)
             rec["drift_one"].append(d_one)
-            print(f"{n:<26} {seed:>6} {d_lay:>13.2e} {d_one:>10.2e} {d_lay / d_one:>7.2f} {diff:>10.2e} {absd:>9.2e} "
-                  f"{one_abs:>9.2e}", flush=True)
+            print(
+                f"{n:<26} {seed:>6} {d_lay:>13.2e} {d_one:>10.2e} {d_lay / d_one:>7.2f} {diff:>10.2e} {absd:>9.2e} "
+                f"{one_abs:>9.2e}",
+                flush=True,
+            )
     print(json.dumps(out))
     return out
 

@@ -117,6 +117,7 @@ class Proxy:
 
 def _torch():
     import torch
+
     return torch
 
 
@@ -126,6 +127,7 @@ def _torch():
 def _gate_floor_doubled(orig):
     def kda_gate(f, A_log, dt_bias, g_min=-5.0):
         return orig(f, A_log, dt_bias, 2 * g_min)
+
     return kda_gate
 
 
@@ -143,25 +145,30 @@ def _kda_q_not_normalised(orig):
         def skip_first(t, eps=1e-6):  # qkvgb normalises q first, then k
             calls.append(t)
             return t if len(calls) == 1 else l2norm(t, eps)
+
         return with_globals(orig, l2norm=skip_first)(self, x, ctx)
+
     return qkvgb
 
 
 def _conv_ignores_documents(orig):
     def causal_conv1d(x, weight, pos_in_doc=None, halo=None):
         return orig(x, weight, None, halo)
+
     return causal_conv1d
 
 
 def _conv_taps_reversed(orig):
     def causal_conv1d(x, weight, pos_in_doc=None, halo=None):
         return orig(x, weight.flip(-1), pos_in_doc, halo)
+
     return causal_conv1d
 
 
 def _mla_not_causal(orig):
     def allowed(q_pos, q_doc, k_pos, k_doc):
         return k_doc[:, None, :] == q_doc[:, :, None]
+
     return allowed
 
 
@@ -170,8 +177,9 @@ def _tiles_need_whole_key_range(orig):
         # a key tile is visited only when its LAST key is not after the query tile's last query
         shifted = k_pos.clone()
         for a, b in k_tiles:
-            shifted[:, a:b] = k_pos[:, b - 1:b]
+            shifted[:, a:b] = k_pos[:, b - 1 : b]
         return orig(q_pos, q_doc, shifted, k_doc, q_tiles, k_tiles)
+
     return _visible_tiles
 
 
@@ -181,13 +189,15 @@ def _latent_weight_grads_dropped(orig):
     def backward(ctx, *grads):
         out = orig(ctx, *grads)
         return (*out[:12], *[None if g is None else torch.zeros_like(g) for g in out[12:]])
+
     return backward
 
 
 def _mla_scale_without_shared(orig):
     def __init__(self, args):
         orig(self, args)
-        self.scale = self.k_dim ** -0.5
+        self.scale = self.k_dim**-0.5
+
     return __init__
 
 
@@ -201,6 +211,7 @@ def _attn_res_temperature(orig):
         if query is not None:
             query = query / math.sqrt(query.shape[-1])
         return orig(query, sources, key_norm_weight, eps)
+
     return attn_res
 
 
@@ -213,6 +224,7 @@ def _router_weights_biased(orig):
         s = torch.sigmoid(F.linear(x.to(self.score_dtype), self.weight.to(self.score_dtype)))
         chosen = (s + self.bias.to(s.dtype)).gather(-1, idx)
         return idx, (chosen / chosen.sum(-1, keepdim=True)).float()
+
     return forward
 
 
@@ -229,18 +241,21 @@ def _router_selection_unbiased(orig):
             return orig(self, x)
         finally:
             self.bias.copy_(bias)
+
     return forward
 
 
 def _situ_betas_swapped(orig):
     def situ(g, u, beta1=4.0, beta2=25.0):
         return orig(g, u, beta2, beta1)
+
     return situ
 
 
 def _autocast_kept(orig):
     """The function's own `torch.autocast(..., enabled=False)` does nothing: the caller's autocast stays on."""
     import contextlib
+
     torch = _torch()
     return with_globals(orig, torch=Proxy(torch, autocast=lambda *a, **kw: contextlib.nullcontext()))
 
@@ -272,6 +287,7 @@ def _chunk_terms_bf16(orig):
         if k.dtype != torch.float32:
             return out
         return tuple(None if t is None else t.bfloat16().float() for t in out)
+
     return _chunk_terms
 
 
@@ -285,9 +301,10 @@ def _scores_drop_tile_row(orig):
         out = []
         for a in A:  # the second tile row no longer sees the first tile (the earlier-tile loop starting at 2)
             a = a.clone()
-            a[..., tile:2 * tile, :tile] = 0
+            a[..., tile : 2 * tile, :tile] = 0
             out.append(a)
         return out
+
     return _decayed_scores
 
 
@@ -297,12 +314,14 @@ def _naive_decay_late(orig):
     def _recurrence(q, k, v, g, beta, S):
         late = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)
         return orig(q, k, v, late, beta, S)
+
     return _recurrence
 
 
 def _fold_reversed(orig):
     def fold_summaries(M, B, dim):
         return orig(M.flip(dim), B.flip(dim), dim)
+
     return fold_summaries
 
 
@@ -314,6 +333,7 @@ def _prefix_scan_transposed(orig):
 
     def exclusive_prefix_states(summaries, K):
         return orig(torch.cat([summaries[..., :K].transpose(-1, -2), summaries[..., K:]], dim=-1), K)
+
     return exclusive_prefix_states
 
 
@@ -322,6 +342,7 @@ def _summary_keeps_m(orig):
 
     def kda_piece_summaries(chunks, plan):
         return orig(chunks, dataclasses.replace(plan, keep_m=torch.ones_like(plan.keep_m)))
+
     return kda_piece_summaries
 
 
@@ -330,6 +351,7 @@ def _pieces_always_carry(orig):
 
     def kda_pieces(chunks, incoming, plan):
         return orig(chunks, incoming, dataclasses.replace(plan, carry=torch.ones_like(plan.carry)))
+
     return kda_pieces
 
 
@@ -344,12 +366,14 @@ def _ns_coefficients_typo(orig):
 def _muon_plain_momentum(orig):
     def _nesterov_update(self, group, g, buf):
         return orig(self, {**group, "nesterov": False}, g, buf)
+
     return _nesterov_update
 
 
 def _muon_scale_min(orig):
     def muon_scale(rows, cols):
         return orig(min(rows, cols), min(rows, cols))
+
     return muon_scale
 
 
@@ -359,6 +383,7 @@ def _muon_decay_without_lr(orig):
         lr, wd = group["lr"], group["weight_decay"]
         p.mul_(1 - wd)
         p.add_(upd.to(p.dtype), alpha=-lr * scale)
+
     return _apply
 
 
@@ -373,6 +398,7 @@ def _grads_accumulated_in_bf16(orig):
             return
         it.grad32 = g.clone() if it.grad32 is None else it.grad32 + g  # stays bf16
         it.param.grad = None
+
     return _fold_bf16_grad
 
 
@@ -382,18 +408,21 @@ def _muon_owner_grads_averaged(orig):
         n = self.plan_of(params[0])["world"]
         for p in params:
             self.owned_grads[id(p)].div_(n)
+
     return reduce_scatter_owned
 
 
 def _weights_not_refreshed(orig):
     def _refresh_weights(self):
         return None
+
     return _refresh_weights
 
 
 def _adamw_default_betas(orig):
     def _adamw_step(self, group):
         return orig(self, {**group, "betas": (0.9, 0.999)})
+
     return _adamw_step
 
 
@@ -413,18 +442,21 @@ def _histogram_midpoint(orig):
         bin_ = torch.floor((b - lo.double()) / width - 1e-9).clamp(0, hist.shape[1] - 1)
         mid = lo.double() + (bin_ + 0.5) * width  # the bin's middle instead of the interpolated point
         return (mid - mid.mean() if centre else mid).float()
+
     return bias_from_histogram
 
 
 def _histogram_k_plus_one(orig):
     def bias_from_histogram(hist, lo, hi, k, *, centre=True):
         return orig(hist, lo, hi, k + 1, centre=centre)
+
     return bias_from_histogram
 
 
 def _quantile_not_centred(orig):
     def quantile_bias(scores, bias, k, *, centre=True):
         return orig(scores, bias, k, centre=False)
+
     return quantile_bias
 
 
@@ -433,6 +465,7 @@ def _sign_rule_flipped(orig):
         before = self.bias.clone()
         new = orig(self, buf)
         return 2 * before - new  # b - u sign(mean - load)
+
     return _finish
 
 
@@ -441,6 +474,7 @@ def _trainer_sign_for_quantile(orig):
         if setup.balancing == "quantile":
             setup = dataclasses.replace(setup, balancing="sign")
         return orig(part, setup)
+
     return parallelize_part
 
 
@@ -456,7 +490,9 @@ def _scheduler_with(**optim_changes):
                 return orig(self)
             finally:
                 self.cfg = cfg
+
         return _build_scheduler
+
     return patch
 
 
@@ -468,6 +504,7 @@ def _zero_reduce_scatter_mean(orig):
         orig(self, f)
         for it in f.bucket.items:
             self.shard_grads[id(it.param)].div_(self.n)
+
     return _finish_reduce_scatter
 
 
@@ -477,6 +514,7 @@ def _zero_all_reduce_mean(orig):
         if self.n > 1:
             for it in f.bucket.items:
                 self.full_grad(it).div_(self.n)
+
     return _finish_all_reduce
 
 
@@ -486,30 +524,36 @@ def _zero_bucket_launched_early(orig):
         if f is not None and not f.launched:
             f.waiting.clear()  # the first gradient of a bucket launches it, the others not yet arrived
         orig(self, it)
+
     return _grad_ready
 
 
 def _zero_overlap_never_armed(orig):
     def arm(self):
         return None  # the last micro-batch is not announced: every bucket waits for the reduction point
+
     return arm
 
 
 def _zero_gather_skipped(orig):
     def _all_gather_params(self, b):
         return None  # the other ranks' updated rows never arrive
+
     return _all_gather_params
 
 
 def _pp_stage_with(name, make):
     """Patch one method of the pipeline stage class that _pipeline_stage_cls builds (a new class per call).
     make(k3_method, torch_method) -> replacement: the stage's own override and PipelineStage's method."""
+
     def patch(orig):
         def _pipeline_stage_cls():
             cls = orig()
             setattr(cls, name, make(vars(cls)[name], getattr(cls.__mro__[1], name)))
             return cls
+
         return _pipeline_stage_cls
+
     return patch
 
 
@@ -520,6 +564,7 @@ def _send_zeros(k3_method, torch_method):
     def get_fwd_send_ops(self, fwd_chunk_id):
         ops = k3_method(self, fwd_chunk_id)  # counted as before, but the buffer sent is never filled
         return [dist.P2POp(op.op, torch.zeros_like(op.tensor), op.peer, op.group, op.tag) for op in ops]
+
     return get_fwd_send_ops
 
 
@@ -531,18 +576,21 @@ def _bwd_bytes_as_elements(k3_method, torch_method):
         for op in ops:
             comm.record("pp", "send_bwd", op.tensor.numel())  # elements, not bytes
         return ops
+
     return get_bwd_send_ops
 
 
 def _positions_are_the_order(orig):
     def send_positions(order, shape):
         return order.view(shape)  # the sort order itself, not its inverse
+
     return send_positions
 
 
 def _band_tightest(orig):
     def tolerance(precisions, cfg):
         return orig(sorted(precisions, key=lambda p: p != "fp32")[:1], cfg)  # the fp32 band whatever is compared
+
     return tolerance
 
 
@@ -551,6 +599,7 @@ def _mtp_labels_ignore_documents(orig):
 
     def mtp_labels(labels, start):
         return orig(labels, torch.zeros_like(start))  # predicts across document ends
+
     return mtp_labels
 
 
@@ -560,6 +609,7 @@ def _mixture_uniform(orig):
     def row_sources(seed, first, n, cum_weights):
         k = len(cum_weights)
         return orig(seed, first, n, np.arange(1, k + 1, dtype=np.float64) / k)  # weights ignored
+
     return row_sources
 
 
@@ -573,18 +623,21 @@ def _vision_forward_late(orig):
                 table[i], table[i + 1] = table[i + 1], table[i]
         plan.table = table
         return plan
+
     return plan_vision
 
 
 def _vision_bubbles_unused(orig):
     def plan_vision(dims, *, placement="bubbles", vision_cost=0.5):
         return orig(dims, placement="stage", vision_cost=vision_cost)
+
     return plan_vision
 
 
 def _vision_backward_skipped(orig):
     def run(self, acts):
         return orig(self, [a for a in acts if a.kind != "VB"])
+
     return run
 
 
@@ -592,6 +645,7 @@ def _vision_cp_smallest_first(orig):
     def assign_items(costs, world):
         owners, loads = orig([-c for c in costs], world)  # the order reversed: smallest images first
         return owners, [sum(c for c, o in zip(costs, owners) if o == r) for r in range(world)]
+
     return assign_items
 
 
@@ -603,6 +657,7 @@ def _vision_cp_arrival_order(orig):
 def _epochs_same_order(orig):
     def __init__(self, lengths, *, seq_len, seed, shuffle_each_epoch=True):
         orig(self, lengths, seq_len=seq_len, seed=seed, shuffle_each_epoch=False)
+
     return __init__
 
 
@@ -611,30 +666,35 @@ def _video_first_frames(orig):
 
     def evenly_spaced(n, k):
         return np.arange(min(n, k), dtype=np.int64)  # the clip's start only
+
     return evenly_spaced
 
 
 def _plan_tower_frozen(orig):
     def _part_parameters(args, layers, first, last, optim_cfg, train_vision):
         return orig(args, layers, first, last, optim_cfg, False)  # a trained tower's state left out
+
     return _part_parameters
 
 
 def _resume_check_names_only(orig):
     def check_model_entries(model, meta, folder, what, *, show=3):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
         prefix = "engine.model."
         same = {k: v for k, v in model.items()}
         for k, v in meta.items():
-            if k.startswith(prefix) and isinstance(v, TensorStorageMetadata) and k[len(prefix):] in same:
-                same[k[len(prefix):]] = _torch().empty(tuple(v.size), device="meta")  # shapes taken as they are
+            if k.startswith(prefix) and isinstance(v, TensorStorageMetadata) and k[len(prefix) :] in same:
+                same[k[len(prefix) :]] = _torch().empty(tuple(v.size), device="meta")  # shapes taken as they are
         return orig(same, meta, folder, what, show=show)
+
     return check_model_entries
 
 
 def _quota_transposed(orig):
     def _group_quotas(balance):
         return orig(balance).T.contiguous()
+
     return _group_quotas
 
 
@@ -643,6 +703,7 @@ def _split_smallest_first(orig):
 
     def sort(x, dim=-1, descending=False, stable=False):
         return torch.sort(x, dim=dim, descending=not descending, stable=stable)
+
     return with_globals(orig, torch=Proxy(torch, sort=sort))
 
 
@@ -657,18 +718,21 @@ def _ce_scores_ignored(orig):
     def targets(labels):
         target, valid = orig(labels)
         return target, valid.new_ones(valid.shape)  # ignored positions are scored as token 0
+
     return targets
 
 
 def _lce_chunk_drops_last_token(orig):
     def chunk_bounds(n, size):
         return [(s, e - 1) for s, e in orig(n, size)]  # the last token of every chunk is never scored
+
     return chunk_bounds
 
 
 def _lce_backward_lse_not_subtracted(orig):
     def chunk_logits_grad(logits, lse, labels, scale):
         return orig(logits, lse.new_zeros(lse.shape), labels, scale)  # exp(logits), not the softmax
+
     return chunk_logits_grad
 
 
@@ -677,18 +741,21 @@ def _per_microbatch_mean(orig):
         m = self.dims.microbatches
         # each micro-batch divided by its share of the step's targets: the accumulated gradient is m times too big
         return with_globals(orig, max=lambda *a: builtins.max(*a) / m)(self, microbatches, *args, **kwargs)
+
     return train_step
 
 
 def _clip_dropped(orig):
     def scale_grads(self, coef):
         return None  # the norm is measured and the coefficient computed, nothing is scaled
+
     return scale_grads
 
 
 def _stop_flags_dropped(orig):
     def train_step(self, microbatches, *args, **kwargs):
         return orig(self, microbatches)  # the stop requests never reach the step's all-reduce
+
     return train_step
 
 
@@ -701,11 +768,13 @@ def _stale_store_trusted(orig):
 # ---------------------------------------------------------------------------------------------------------------------
 def _qk_clip_shared_gets_root(orig):
     def qk_clip_scales(max_logits, threshold, *, n_heads, q_rows, k_rows, qk_dim, shared_dim=0):
-        q, k, gamma = orig(max_logits, threshold, n_heads=n_heads, q_rows=q_rows, k_rows=k_rows, qk_dim=qk_dim,
-                           shared_dim=shared_dim)
+        q, k, gamma = orig(
+            max_logits, threshold, n_heads=n_heads, q_rows=q_rows, k_rows=k_rows, qk_dim=qk_dim, shared_dim=shared_dim
+        )
         q = q.view(n_heads, q_rows).clone()
         q[:, qk_dim:] = gamma.sqrt()[:, None]  # the shared-key query rows scaled like the head's own rows
         return q.reshape(-1), k, gamma
+
     return qk_clip_scales
 
 
@@ -714,6 +783,7 @@ def _wkv_b_one_matrix_per_head(orig):
         s = orig(self)
         s["wkv_b.weight"] = type(s["wkv_b.weight"])("rows", self.n_heads)  # [K_h; V_h] as one matrix
         return s
+
     return muon_structure
 
 
@@ -725,12 +795,14 @@ def _documents_rows_only(orig):
         rows = torch.zeros_like(self.start)
         rows[:, 0] = True
         self.start = rows  # starts inside rows forgotten: positions and document ids span whole rows
+
     return __init__
 
 
 def _schedule_auto_always_1f1b(orig):
     def resolve_schedule(name, vpp):
         return "1f1b" if name == "auto" else orig(name, vpp)
+
     return resolve_schedule
 
 
@@ -743,24 +815,28 @@ def _evaluate_in_training_mode(orig):
         finally:
             for part in self.model_parts:
                 del part.eval
+
     return evaluate
 
 
 def _ns_bucket_uncapped(orig):
     def orthogonalise_bucketed(mats, steps=5, eps=1e-7, bf16=False, max_numel=None):
         return orig(mats, steps, eps, bf16, max_numel=1 << 62)  # one call per shape bucket again
+
     return orthogonalise_bucketed
 
 
 def _ns_calls_one_over(orig):
     def ns_calls(counts, numel, max_numel):
         return orig(counts, numel, max_numel + numel)  # one matrix more a call than the cap allows
+
     return ns_calls
 
 
 def _vision_trained_without_images(orig):
     def parallelize_part(part, setup):
         return orig(part, dataclasses.replace(setup, train_vision=True))  # the idle tower stays in the optimizer
+
     return parallelize_part
 
 
@@ -773,6 +849,7 @@ def _plan_kda_states_as_chains(orig):
     def kda_terms(args):
         t = orig(args)
         return type(t)(act=t.act / 2, fp32=t.fp32, i64=t.i64, bf16=None if t.bf16 is None else t.bf16 / 2)
+
     return kda_terms
 
 
@@ -810,282 +887,630 @@ RESIL = "tests/unit/test_resilience.py"
 M = Mutation
 MUTATIONS: list[Mutation] = [
     # ---- KDA layer
-    M("kda_gate_floor_doubled", "k3train.ops.kda.gate:kda_gate",
-      "log-decay bounded below by 2 g_min (-10) instead of g_min", _gate_floor_doubled,
-      (f"{KDA_OPS}::test_gate", f"{LAYERS}::test_kda_matches_reference")),
-    M("kda_output_gate_tanh", "k3train.models.k3.kda:KDA.forward",
-      "output gate tanh(W_g x) instead of sigmoid(W_g x)", _kda_output_gate_tanh,
-      (f"{LAYERS}::test_kda_matches_reference",)),
-    M("kda_q_not_normalised", "k3train.models.k3.kda:KDA.qkvgb",
-      "q is not L2-normalised (k still is)", _kda_q_not_normalised,
-      (f"{LAYERS}::test_kda_matches_reference",)),
-    M("conv_crosses_documents", "k3train.ops.short_conv:causal_conv1d",
-      "short conv ignores document starts (reads the previous document)", _conv_ignores_documents,
-      (f"{MODEL}::test_conv_does_not_cross_documents",)),
-    M("conv_taps_reversed", "k3train.ops.short_conv:causal_conv1d",
-      "short conv applies its taps in reverse order", _conv_taps_reversed,
-      (f"{LAYERS}::test_kda_matches_reference",)),
+    M(
+        "kda_gate_floor_doubled",
+        "k3train.ops.kda.gate:kda_gate",
+        "log-decay bounded below by 2 g_min (-10) instead of g_min",
+        _gate_floor_doubled,
+        (f"{KDA_OPS}::test_gate", f"{LAYERS}::test_kda_matches_reference"),
+    ),
+    M(
+        "kda_output_gate_tanh",
+        "k3train.models.k3.kda:KDA.forward",
+        "output gate tanh(W_g x) instead of sigmoid(W_g x)",
+        _kda_output_gate_tanh,
+        (f"{LAYERS}::test_kda_matches_reference",),
+    ),
+    M(
+        "kda_q_not_normalised",
+        "k3train.models.k3.kda:KDA.qkvgb",
+        "q is not L2-normalised (k still is)",
+        _kda_q_not_normalised,
+        (f"{LAYERS}::test_kda_matches_reference",),
+    ),
+    M(
+        "conv_crosses_documents",
+        "k3train.ops.short_conv:causal_conv1d",
+        "short conv ignores document starts (reads the previous document)",
+        _conv_ignores_documents,
+        (f"{MODEL}::test_conv_does_not_cross_documents",),
+    ),
+    M(
+        "conv_taps_reversed",
+        "k3train.ops.short_conv:causal_conv1d",
+        "short conv applies its taps in reverse order",
+        _conv_taps_reversed,
+        (f"{LAYERS}::test_kda_matches_reference",),
+    ),
     # ---- Gated MLA
-    M("mla_not_causal", "k3train.ops.attention.blocked:allowed",
-      "attention tiles see every key of the query's document, later ones too (no causal mask)", _mla_not_causal,
-      (f"{LAYERS}::test_mla_matches_reference", f"{LAYERS}::test_model_is_causal_without_documents")),
-    M("attention_skips_partial_tiles", "k3train.ops.attention.blocked:_visible_tiles",
-      "a key tile is skipped unless all its keys are at or before the query tile's last position", _tiles_need_whole_key_range,
-      (f"{BLOCK}::test_latent_blocked_equals_dense_fp64", f"{BLOCK}::test_blocked_equals_dense_fp64")),
-    M("latent_weight_grads_dropped", "k3train.ops.attention.blocked:_BlockAttention.backward",
-      "blocked attention returns zero gradients for the weights that rebuild keys and values from the latent",
-      _latent_weight_grads_dropped, (f"{BLOCK}::test_latent_blocked_equals_dense_fp64", f"{LAYERS}::test_mla_matches_reference")),
-    M("mla_scale_without_shared", "k3train.models.k3.mla:GatedMLA.__init__",
-      "softmax scale 128^-1/2 (the shared 64-wide key slice left out)", _mla_scale_without_shared,
-      (f"{LAYERS}::test_mla_matches_reference",)),
-    M("mla_output_gate_dropped", "k3train.models.k3.mla:GatedMLA.forward",
-      "attention output not gated by sigmoid(W_g x)", _mla_output_gate_dropped,
-      (f"{LAYERS}::test_mla_matches_reference",)),
+    M(
+        "mla_not_causal",
+        "k3train.ops.attention.blocked:allowed",
+        "attention tiles see every key of the query's document, later ones too (no causal mask)",
+        _mla_not_causal,
+        (f"{LAYERS}::test_mla_matches_reference", f"{LAYERS}::test_model_is_causal_without_documents"),
+    ),
+    M(
+        "attention_skips_partial_tiles",
+        "k3train.ops.attention.blocked:_visible_tiles",
+        "a key tile is skipped unless all its keys are at or before the query tile's last position",
+        _tiles_need_whole_key_range,
+        (f"{BLOCK}::test_latent_blocked_equals_dense_fp64", f"{BLOCK}::test_blocked_equals_dense_fp64"),
+    ),
+    M(
+        "latent_weight_grads_dropped",
+        "k3train.ops.attention.blocked:_BlockAttention.backward",
+        "blocked attention returns zero gradients for the weights that rebuild keys and values from the latent",
+        _latent_weight_grads_dropped,
+        (f"{BLOCK}::test_latent_blocked_equals_dense_fp64", f"{LAYERS}::test_mla_matches_reference"),
+    ),
+    M(
+        "mla_scale_without_shared",
+        "k3train.models.k3.mla:GatedMLA.__init__",
+        "softmax scale 128^-1/2 (the shared 64-wide key slice left out)",
+        _mla_scale_without_shared,
+        (f"{LAYERS}::test_mla_matches_reference",),
+    ),
+    M(
+        "mla_output_gate_dropped",
+        "k3train.models.k3.mla:GatedMLA.forward",
+        "attention output not gated by sigmoid(W_g x)",
+        _mla_output_gate_dropped,
+        (f"{LAYERS}::test_mla_matches_reference",),
+    ),
     # ---- Block AttnRes
-    M("attn_res_temperature", "k3train.ops.attn_res:attn_res",
-      "depth softmax logits divided by sqrt(D)", _attn_res_temperature,
-      (f"{MODEL}::test_attn_res_zero_query_is_mean_and_scale_invariant",)),
-    M("attn_res_logits_under_autocast", "k3train.ops.attn_res:attn_res",
-      "AttnRes depth logits (keys @ query) in the caller's bf16 autocast", _autocast_kept,
-      (f"{ISLANDS}::test_attn_res_depth_softmax_stays_fp32_under_autocast",)),
+    M(
+        "attn_res_temperature",
+        "k3train.ops.attn_res:attn_res",
+        "depth softmax logits divided by sqrt(D)",
+        _attn_res_temperature,
+        (f"{MODEL}::test_attn_res_zero_query_is_mean_and_scale_invariant",),
+    ),
+    M(
+        "attn_res_logits_under_autocast",
+        "k3train.ops.attn_res:attn_res",
+        "AttnRes depth logits (keys @ query) in the caller's bf16 autocast",
+        _autocast_kept,
+        (f"{ISLANDS}::test_attn_res_depth_softmax_stays_fp32_under_autocast",),
+    ),
     # ---- Stable LatentMoE
-    M("router_weights_biased", "k3train.models.k3.moe:Router.forward",
-      "mixture weights from the biased scores s + b", _router_weights_biased,
-      (f"{MODEL}::test_router_bias_changes_choice_not_weights_or_grads",)),
-    M("qk_max_logits_under_autocast", "k3train.ops.attention.blocked:_BlockAttention.forward",
-      "attention logits (and QK-Clip's max logits) computed in the caller's bf16 autocast", _autocast_kept_static,
-      (f"{ISLANDS}::test_qk_clip_max_logits_are_fp32_statistics_under_autocast",)),
-    M("router_scores_under_autocast", "k3train.models.k3.moe:Router.forward",
-      "router logits, sigmoid, score + bias and top-k run in the caller's bf16 autocast", _autocast_kept,
-      (f"{ISLANDS}::test_router_scores_and_selection_stay_fp32_under_autocast",)),
-    M("router_top_k_minus_one", "k3train.models.k3.moe:Router.forward",
-      "router selects top_k - 1 experts", _router_top_k_minus_one,
-      (f"{LAYERS}::test_latent_moe_matches_reference",)),
-    M("router_selection_unbiased", "k3train.models.k3.moe:Router.forward",
-      "top-k selection ignores the balancing bias", _router_selection_unbiased,
-      (f"{MODEL}::test_router_bias_changes_choice_not_weights_or_grads",)),
-    M("situ_betas_swapped", "k3train.ops.situ:situ_reference",
-      "SiTU-GLU caps swapped (beta1 = 25 on the gate, beta2 = 4 on the linear branch)", _situ_betas_swapped,
-      (f"{LAYERS}::test_latent_moe_matches_reference",)),
+    M(
+        "router_weights_biased",
+        "k3train.models.k3.moe:Router.forward",
+        "mixture weights from the biased scores s + b",
+        _router_weights_biased,
+        (f"{MODEL}::test_router_bias_changes_choice_not_weights_or_grads",),
+    ),
+    M(
+        "qk_max_logits_under_autocast",
+        "k3train.ops.attention.blocked:_BlockAttention.forward",
+        "attention logits (and QK-Clip's max logits) computed in the caller's bf16 autocast",
+        _autocast_kept_static,
+        (f"{ISLANDS}::test_qk_clip_max_logits_are_fp32_statistics_under_autocast",),
+    ),
+    M(
+        "router_scores_under_autocast",
+        "k3train.models.k3.moe:Router.forward",
+        "router logits, sigmoid, score + bias and top-k run in the caller's bf16 autocast",
+        _autocast_kept,
+        (f"{ISLANDS}::test_router_scores_and_selection_stay_fp32_under_autocast",),
+    ),
+    M(
+        "router_top_k_minus_one",
+        "k3train.models.k3.moe:Router.forward",
+        "router selects top_k - 1 experts",
+        _router_top_k_minus_one,
+        (f"{LAYERS}::test_latent_moe_matches_reference",),
+    ),
+    M(
+        "router_selection_unbiased",
+        "k3train.models.k3.moe:Router.forward",
+        "top-k selection ignores the balancing bias",
+        _router_selection_unbiased,
+        (f"{MODEL}::test_router_bias_changes_choice_not_weights_or_grads",),
+    ),
+    M(
+        "situ_betas_swapped",
+        "k3train.ops.situ:situ_reference",
+        "SiTU-GLU caps swapped (beta1 = 25 on the gate, beta2 = 4 on the linear branch)",
+        _situ_betas_swapped,
+        (f"{LAYERS}::test_latent_moe_matches_reference",),
+    ),
     # ---- KDA ops
-    M("chunk_kda_bf16_internals", "k3train.ops.kda.chunk:_chunk_terms",
-      "fp32 chunk terms (M, B, Q Gamma - Aqk W, Aqk U) rounded to bf16", _chunk_terms_bf16,
-      (f"{KDA_OPS}::test_chunk_matches_naive_fp32",)),
-    M("kda_state_bf16_between_chunks", "k3train.ops.kda.chunk:KDAChunks.run",
-      "under autocast the state pass runs in bf16: the state is rounded at every chunk", _autocast_kept,
-      (f"{ISLANDS}::test_kda_state_and_output_stay_fp32_under_autocast",)),
-    M("kda_chunk_maps_under_autocast", "k3train.ops.kda.chunk:KDAChunks.__init__",
-      "under autocast the per-chunk maps (M, B) and so the CP summaries come out of bf16 matmuls", _autocast_kept,
-      (f"{ISLANDS}::test_cp_summaries_stay_fp32_under_autocast",)),
-    M("chunk_kda_drops_tile_row", "k3train.ops.kda.chunk:_decayed_scores",
-      "intra-chunk scores: tokens 16-31 of a chunk do not see tokens 0-15", _scores_drop_tile_row,
-      (f"{KDA_OPS}::test_chunk_matches_naive_fp64",)),
-    M("naive_kda_decay_late", "k3train.ops.kda.naive:_recurrence",
-      "reference recurrence applies each token's decay one token late", _naive_decay_late,
-      (f"{KDA_OPS}::test_reference_matches_transition_form",)),
-    M("kda_summary_fold_reversed", "k3train.ops.kda.chunk:fold_summaries",
-      "affine summaries composed latest-first", _fold_reversed,
-      (f"{KDA_OPS}::test_summary_composes_with_the_initial_state",)),
+    M(
+        "chunk_kda_bf16_internals",
+        "k3train.ops.kda.chunk:_chunk_terms",
+        "fp32 chunk terms (M, B, Q Gamma - Aqk W, Aqk U) rounded to bf16",
+        _chunk_terms_bf16,
+        (f"{KDA_OPS}::test_chunk_matches_naive_fp32",),
+    ),
+    M(
+        "kda_state_bf16_between_chunks",
+        "k3train.ops.kda.chunk:KDAChunks.run",
+        "under autocast the state pass runs in bf16: the state is rounded at every chunk",
+        _autocast_kept,
+        (f"{ISLANDS}::test_kda_state_and_output_stay_fp32_under_autocast",),
+    ),
+    M(
+        "kda_chunk_maps_under_autocast",
+        "k3train.ops.kda.chunk:KDAChunks.__init__",
+        "under autocast the per-chunk maps (M, B) and so the CP summaries come out of bf16 matmuls",
+        _autocast_kept,
+        (f"{ISLANDS}::test_cp_summaries_stay_fp32_under_autocast",),
+    ),
+    M(
+        "chunk_kda_drops_tile_row",
+        "k3train.ops.kda.chunk:_decayed_scores",
+        "intra-chunk scores: tokens 16-31 of a chunk do not see tokens 0-15",
+        _scores_drop_tile_row,
+        (f"{KDA_OPS}::test_chunk_matches_naive_fp64",),
+    ),
+    M(
+        "naive_kda_decay_late",
+        "k3train.ops.kda.naive:_recurrence",
+        "reference recurrence applies each token's decay one token late",
+        _naive_decay_late,
+        (f"{KDA_OPS}::test_reference_matches_transition_form",),
+    ),
+    M(
+        "kda_summary_fold_reversed",
+        "k3train.ops.kda.chunk:fold_summaries",
+        "affine summaries composed latest-first",
+        _fold_reversed,
+        (f"{KDA_OPS}::test_summary_composes_with_the_initial_state",),
+    ),
     # ---- context parallelism
-    M("cp_prefix_scan_transposed", "k3train.parallel.context_parallel:exclusive_prefix_states",
-      "prefix scan applies M^T instead of M", _prefix_scan_transposed,
-      (f"{CP}::test_kda_pieces_equal_whole_sequence",)),
-    M("cp_summary_crosses_documents", "k3train.parallel.context_parallel:kda_piece_summaries",
-      "a piece that starts a document still passes the incoming state on (M kept)", _summary_keeps_m,
-      (f"{CP}::test_kda_pieces_equal_whole_sequence",)),
-    M("cp_piece_always_carries", "k3train.parallel.context_parallel:kda_pieces",
-      "a piece that starts with a document still takes the incoming state", _pieces_always_carry,
-      (f"{CP}::test_kda_pieces_equal_whole_sequence",)),
+    M(
+        "cp_prefix_scan_transposed",
+        "k3train.parallel.context_parallel:exclusive_prefix_states",
+        "prefix scan applies M^T instead of M",
+        _prefix_scan_transposed,
+        (f"{CP}::test_kda_pieces_equal_whole_sequence",),
+    ),
+    M(
+        "cp_summary_crosses_documents",
+        "k3train.parallel.context_parallel:kda_piece_summaries",
+        "a piece that starts a document still passes the incoming state on (M kept)",
+        _summary_keeps_m,
+        (f"{CP}::test_kda_pieces_equal_whole_sequence",),
+    ),
+    M(
+        "cp_piece_always_carries",
+        "k3train.parallel.context_parallel:kda_pieces",
+        "a piece that starts with a document still takes the incoming state",
+        _pieces_always_carry,
+        (f"{CP}::test_kda_pieces_equal_whole_sequence",),
+    ),
     # ---- optimizers
-    M("muon_ns_coefficients", "k3train.optim.muon:NS_COEFFICIENTS",
-      "Newton-Schulz c = 2.3315 instead of 2.0315", _ns_coefficients_typo,
-      (f"{MUON}::test_ns_maps_singular_values",)),
-    M("muon_not_nesterov", "k3train.optim.muon:PerHeadMuon._nesterov_update",
-      "plain momentum instead of Nesterov", _muon_plain_momentum,
-      (f"{MUON}::test_whole_matrix_step_matches_torch_muon",)),
-    M("muon_scale_min_side", "k3train.optim.muon:muon_scale",
-      "update scale 0.2 sqrt(min(A, B)) instead of 0.2 sqrt(max(A, B))", _muon_scale_min,
-      (f"{MUON}::test_whole_matrix_step_matches_torch_muon",)),
-    M("muon_decay_without_lr", "k3train.optim.muon:PerHeadMuon._apply",
-      "weight decay W (1 - wd) instead of W (1 - lr wd)", _muon_decay_without_lr,
-      (f"{MUON}::test_whole_matrix_step_matches_torch_muon",)),
-    M("adamw_default_betas", "k3train.optim.muon:PerHeadMuon._adamw_step",
-      "AdamW groups step with (0.9, 0.999) instead of optim.betas", _adamw_default_betas,
-      (f"{MUON}::test_build_optimizer_muon_and_adamw_groups",)),
-    M("adamw_decays_embeddings", "k3train.optim.param_groups:_embedding_params",
-      "embedding tables join the weight-decay group", _no_embedding_exemption,
-      (f"{MUON}::test_split_params_groups",)),
+    M(
+        "muon_ns_coefficients",
+        "k3train.optim.muon:NS_COEFFICIENTS",
+        "Newton-Schulz c = 2.3315 instead of 2.0315",
+        _ns_coefficients_typo,
+        (f"{MUON}::test_ns_maps_singular_values",),
+    ),
+    M(
+        "muon_not_nesterov",
+        "k3train.optim.muon:PerHeadMuon._nesterov_update",
+        "plain momentum instead of Nesterov",
+        _muon_plain_momentum,
+        (f"{MUON}::test_whole_matrix_step_matches_torch_muon",),
+    ),
+    M(
+        "muon_scale_min_side",
+        "k3train.optim.muon:muon_scale",
+        "update scale 0.2 sqrt(min(A, B)) instead of 0.2 sqrt(max(A, B))",
+        _muon_scale_min,
+        (f"{MUON}::test_whole_matrix_step_matches_torch_muon",),
+    ),
+    M(
+        "muon_decay_without_lr",
+        "k3train.optim.muon:PerHeadMuon._apply",
+        "weight decay W (1 - wd) instead of W (1 - lr wd)",
+        _muon_decay_without_lr,
+        (f"{MUON}::test_whole_matrix_step_matches_torch_muon",),
+    ),
+    M(
+        "adamw_default_betas",
+        "k3train.optim.muon:PerHeadMuon._adamw_step",
+        "AdamW groups step with (0.9, 0.999) instead of optim.betas",
+        _adamw_default_betas,
+        (f"{MUON}::test_build_optimizer_muon_and_adamw_groups",),
+    ),
+    M(
+        "adamw_decays_embeddings",
+        "k3train.optim.param_groups:_embedding_params",
+        "embedding tables join the weight-decay group",
+        _no_embedding_exemption,
+        (f"{MUON}::test_split_params_groups",),
+    ),
     # ---- balancing
-    M("qb_histogram_midpoint", "k3train.optim.quantile_balancing:bias_from_histogram",
-      "histogram quantile read at the bin midpoint, not interpolated", _histogram_midpoint,
-      (f"{TRAIN}::test_bias_from_histogram_interpolates_inside_the_bin",)),
-    M("qb_histogram_k_plus_one", "k3train.optim.quantile_balancing:bias_from_histogram",
-      "histogram quantile position q = m (k+1) / E", _histogram_k_plus_one,
-      (f"{QB}::test_histogram_within_one_bin_of_exact",)),
-    M("qb_exact_not_centred", "k3train.optim.quantile_balancing:quantile_bias",
-      "exact Quantile Balancing bias left uncentred", _quantile_not_centred,
-      (f"{QB}::test_exact_matches_reference_and_gives_exact_loads",)),
-    M("sign_rule_flipped", "k3train.optim.quantile_balancing:SignBalancer._finish",
-      "sign rule steps b - u sign(mean - load)", _sign_rule_flipped,
-      (f"{QB}::test_sign_balancer_rule",)),
-    M("trainer_quantile_runs_sign", "k3train.parallel.parallelize:parallelize_part",
-      "train.balancing=quantile attaches the sign rule", _trainer_sign_for_quantile,
-      (f"{TRAIN}::test_balancing_quantile_replaces_the_bias_in_one_step",)),
+    M(
+        "qb_histogram_midpoint",
+        "k3train.optim.quantile_balancing:bias_from_histogram",
+        "histogram quantile read at the bin midpoint, not interpolated",
+        _histogram_midpoint,
+        (f"{TRAIN}::test_bias_from_histogram_interpolates_inside_the_bin",),
+    ),
+    M(
+        "qb_histogram_k_plus_one",
+        "k3train.optim.quantile_balancing:bias_from_histogram",
+        "histogram quantile position q = m (k+1) / E",
+        _histogram_k_plus_one,
+        (f"{QB}::test_histogram_within_one_bin_of_exact",),
+    ),
+    M(
+        "qb_exact_not_centred",
+        "k3train.optim.quantile_balancing:quantile_bias",
+        "exact Quantile Balancing bias left uncentred",
+        _quantile_not_centred,
+        (f"{QB}::test_exact_matches_reference_and_gives_exact_loads",),
+    ),
+    M(
+        "sign_rule_flipped",
+        "k3train.optim.quantile_balancing:SignBalancer._finish",
+        "sign rule steps b - u sign(mean - load)",
+        _sign_rule_flipped,
+        (f"{QB}::test_sign_balancer_rule",),
+    ),
+    M(
+        "trainer_quantile_runs_sign",
+        "k3train.parallel.parallelize:parallelize_part",
+        "train.balancing=quantile attaches the sign rule",
+        _trainer_sign_for_quantile,
+        (f"{TRAIN}::test_balancing_quantile_replaces_the_bias_in_one_step",),
+    ),
     # ---- warmup-stable-decay
-    M("wsd_no_stable_phase", "k3train.train.trainer:Trainer._build_scheduler",
-      "decay starts right after warmup (no stable phase)", _scheduler_with(decay_ratio=1.0),
-      (f"{TRAIN}::test_lr_of_every_step_follows_warmup_stable_decay",)),
-    M("wsd_no_floor", "k3train.train.trainer:Trainer._build_scheduler",
-      "decay heads to 0 instead of min_lr_ratio x peak", _scheduler_with(min_lr_ratio=0.0),
-      (f"{TRAIN}::test_lr_of_every_step_follows_warmup_stable_decay",)),
+    M(
+        "wsd_no_stable_phase",
+        "k3train.train.trainer:Trainer._build_scheduler",
+        "decay starts right after warmup (no stable phase)",
+        _scheduler_with(decay_ratio=1.0),
+        (f"{TRAIN}::test_lr_of_every_step_follows_warmup_stable_decay",),
+    ),
+    M(
+        "wsd_no_floor",
+        "k3train.train.trainer:Trainer._build_scheduler",
+        "decay heads to 0 instead of min_lr_ratio x peak",
+        _scheduler_with(min_lr_ratio=0.0),
+        (f"{TRAIN}::test_lr_of_every_step_follows_warmup_stable_decay",),
+    ),
     # ---- ZeRO, pipeline, expert parallelism, MoonEP
-    M("zero_reduce_scatter_mean", "k3train.parallel.zero:ShardGroup._finish_reduce_scatter",
-      "ZeRO-2 reduce-scatter averages instead of summing", _zero_reduce_scatter_mean,
-      (f"{PIECES}::test_zero_reduce_and_gather",)),
-    M("zero_all_reduce_mean", "k3train.parallel.zero:ShardGroup._finish_all_reduce",
-      "ZeRO-0/1 gradient all-reduce averages instead of summing", _zero_all_reduce_mean,
-      (f"{PIECES}::test_zero_reduce_and_gather",)),
-    M("zero_bucket_launched_early", "k3train.parallel.zero:ShardGroup._grad_ready",
-      "a bucket's reduction launches on its first gradient, before the others arrive", _zero_bucket_launched_early,
-      (f"{PIECES}::test_bucket_reductions_overlap_the_last_backward",)),
-    M("zero_overlap_never_armed", "k3train.parallel.zero:ShardedOptimizer.arm",
-      "the engine never arms the reduction for the last micro-batch: no overlap with backward",
-      _zero_overlap_never_armed, (f"{PIECES}::test_engine_reduces_while_the_last_backward_runs",)),
-    M("zero_gather_skipped", "k3train.parallel.zero:ShardGroup._all_gather_params",
-      "ZeRO parameter all-gather skipped: replicas keep stale rows", _zero_gather_skipped,
-      (f"{PIECES}::test_zero_reduce_and_gather",)),
-    M("pp_sends_zeros", "k3train.parallel.pipeline:_pipeline_stage_cls",
-      "forward sends carry a zero buffer instead of the activations", _pp_stage_with("get_fwd_send_ops", _send_zeros),
-      (f"{PIECES}::test_pipeline_step_equals_one_process",)),
-    M("pp_bwd_bytes_as_elements", "k3train.parallel.pipeline:_pipeline_stage_cls",
-      "backward sends counted in elements, not bytes", _pp_stage_with("get_bwd_send_ops", _bwd_bytes_as_elements),
-      (f"{PIECES}::test_pipeline_step_equals_one_process",)),
-    M("ep_combine_sort_order", "k3train.parallel.ep_dispatch:send_positions",
-      "send and combine place rows by the sort order instead of its inverse", _positions_are_the_order,
-      (f"{EP}::test_alltoall_layout_end_to_end_in_one_process",)),
-    M("moonep_quota_transposed", "k3train.parallel.moonep:_group_quotas",
-      "group fills recorded as quota[receiver, giver]", _quota_transposed,
-      (f"{MOONEP}::test_hand_example_one_fill",)),
-    M("moonep_split_smallest_first", "k3train.parallel.moonep:_split_quotas",
-      "receivers take a group's smallest experts first", _split_smallest_first,
-      (f"{MOONEP}::test_vectorised_plan_matches_loop_reference",)),
+    M(
+        "zero_reduce_scatter_mean",
+        "k3train.parallel.zero:ShardGroup._finish_reduce_scatter",
+        "ZeRO-2 reduce-scatter averages instead of summing",
+        _zero_reduce_scatter_mean,
+        (f"{PIECES}::test_zero_reduce_and_gather",),
+    ),
+    M(
+        "zero_all_reduce_mean",
+        "k3train.parallel.zero:ShardGroup._finish_all_reduce",
+        "ZeRO-0/1 gradient all-reduce averages instead of summing",
+        _zero_all_reduce_mean,
+        (f"{PIECES}::test_zero_reduce_and_gather",),
+    ),
+    M(
+        "zero_bucket_launched_early",
+        "k3train.parallel.zero:ShardGroup._grad_ready",
+        "a bucket's reduction launches on its first gradient, before the others arrive",
+        _zero_bucket_launched_early,
+        (f"{PIECES}::test_bucket_reductions_overlap_the_last_backward",),
+    ),
+    M(
+        "zero_overlap_never_armed",
+        "k3train.parallel.zero:ShardedOptimizer.arm",
+        "the engine never arms the reduction for the last micro-batch: no overlap with backward",
+        _zero_overlap_never_armed,
+        (f"{PIECES}::test_engine_reduces_while_the_last_backward_runs",),
+    ),
+    M(
+        "zero_gather_skipped",
+        "k3train.parallel.zero:ShardGroup._all_gather_params",
+        "ZeRO parameter all-gather skipped: replicas keep stale rows",
+        _zero_gather_skipped,
+        (f"{PIECES}::test_zero_reduce_and_gather",),
+    ),
+    M(
+        "pp_sends_zeros",
+        "k3train.parallel.pipeline:_pipeline_stage_cls",
+        "forward sends carry a zero buffer instead of the activations",
+        _pp_stage_with("get_fwd_send_ops", _send_zeros),
+        (f"{PIECES}::test_pipeline_step_equals_one_process",),
+    ),
+    M(
+        "pp_bwd_bytes_as_elements",
+        "k3train.parallel.pipeline:_pipeline_stage_cls",
+        "backward sends counted in elements, not bytes",
+        _pp_stage_with("get_bwd_send_ops", _bwd_bytes_as_elements),
+        (f"{PIECES}::test_pipeline_step_equals_one_process",),
+    ),
+    M(
+        "ep_combine_sort_order",
+        "k3train.parallel.ep_dispatch:send_positions",
+        "send and combine place rows by the sort order instead of its inverse",
+        _positions_are_the_order,
+        (f"{EP}::test_alltoall_layout_end_to_end_in_one_process",),
+    ),
+    M(
+        "moonep_quota_transposed",
+        "k3train.parallel.moonep:_group_quotas",
+        "group fills recorded as quota[receiver, giver]",
+        _quota_transposed,
+        (f"{MOONEP}::test_hand_example_one_fill",),
+    ),
+    M(
+        "moonep_split_smallest_first",
+        "k3train.parallel.moonep:_split_quotas",
+        "receivers take a group's smallest experts first",
+        _split_smallest_first,
+        (f"{MOONEP}::test_vectorised_plan_matches_loop_reference",),
+    ),
     # ---- one training path
-    M("qk_clip_shared_gets_root", "k3train.optim.qk_clip:qk_clip_scales",
-      "query rows of the shared key scaled by sqrt(gamma) instead of gamma", _qk_clip_shared_gets_root,
-      (f"{MUON}::test_qk_clip", f"{MODEL}::test_mla_qk_clip_caps_max_logits")),
-    M("muon_wkv_b_one_matrix", "k3train.models.k3.mla:GatedMLA.muon_structure",
-      "MLA wkv_b orthogonalised as one [K_h; V_h] matrix per head", _wkv_b_one_matrix_per_head,
-      (f"{MUON}::test_mla_wkv_b_orthogonalises_each_key_and_value",)),
-    M("documents_rows_only", "k3train.models.k3.documents:Documents.__init__",
-      "document starts inside rows dropped from positions and document ids", _documents_rows_only,
-      (f"{LAYERS}::test_kda_matches_reference", f"{LAYERS}::test_mla_matches_reference")),
-    M("schedule_auto_always_1f1b", "k3train.parallel.mesh:resolve_schedule",
-      "parallel.schedule=auto picks 1f1b even with virtual stages", _schedule_auto_always_1f1b,
-      (f"{ENGINE}::test_schedule_auto_follows_virtual_stages",)),
-    M("eval_in_training_mode", "k3train.parallel.engine:Engine.evaluate",
-      "evaluation runs in training mode (routers count eval tokens, balancers observe them)",
-      _evaluate_in_training_mode, (f"{ENGINE}::test_evaluation_leaves_routers_and_balancers_alone",)),
-    M("muon_ns_bucket_uncapped", "k3train.optim.muon:orthogonalise_bucketed",
-      "every same-shape matrix in one Newton-Schulz call (NS_BUCKET_NUMEL ignored)", _ns_bucket_uncapped,
-      (f"{MUON}::test_ns_calls_obey_the_cap", f"{MUON}::test_matrix_over_the_cap_runs_alone")),
-    M("muon_ns_call_over_cap", "k3train.optim.muon:ns_calls",
-      "Newton-Schulz calls take one matrix more than the cap allows", _ns_calls_one_over,
-      (f"{MUON}::test_ns_calls_obey_the_cap",)),
-    M("vision_trained_without_images", "k3train.parallel.parallelize:parallelize_part",
-      "a vision tower that gets no images stays trainable (optimizer state, weight decay)",
-      _vision_trained_without_images, (f"{ENGINE}::test_a_vision_tower_without_images_is_frozen",)),
-    M("selective_recompute_reruns", "k3train.activation.policy:_Region.replaying",
-      "modules taken out of a recomputed layer run again in backward", _lifted_modules_rerun,
-      (f"{ACT}::test_selective_recompute_stores_the_inner_module_under_its_policy",)),
+    M(
+        "qk_clip_shared_gets_root",
+        "k3train.optim.qk_clip:qk_clip_scales",
+        "query rows of the shared key scaled by sqrt(gamma) instead of gamma",
+        _qk_clip_shared_gets_root,
+        (f"{MUON}::test_qk_clip", f"{MODEL}::test_mla_qk_clip_caps_max_logits"),
+    ),
+    M(
+        "muon_wkv_b_one_matrix",
+        "k3train.models.k3.mla:GatedMLA.muon_structure",
+        "MLA wkv_b orthogonalised as one [K_h; V_h] matrix per head",
+        _wkv_b_one_matrix_per_head,
+        (f"{MUON}::test_mla_wkv_b_orthogonalises_each_key_and_value",),
+    ),
+    M(
+        "documents_rows_only",
+        "k3train.models.k3.documents:Documents.__init__",
+        "document starts inside rows dropped from positions and document ids",
+        _documents_rows_only,
+        (f"{LAYERS}::test_kda_matches_reference", f"{LAYERS}::test_mla_matches_reference"),
+    ),
+    M(
+        "schedule_auto_always_1f1b",
+        "k3train.parallel.mesh:resolve_schedule",
+        "parallel.schedule=auto picks 1f1b even with virtual stages",
+        _schedule_auto_always_1f1b,
+        (f"{ENGINE}::test_schedule_auto_follows_virtual_stages",),
+    ),
+    M(
+        "eval_in_training_mode",
+        "k3train.parallel.engine:Engine.evaluate",
+        "evaluation runs in training mode (routers count eval tokens, balancers observe them)",
+        _evaluate_in_training_mode,
+        (f"{ENGINE}::test_evaluation_leaves_routers_and_balancers_alone",),
+    ),
+    M(
+        "muon_ns_bucket_uncapped",
+        "k3train.optim.muon:orthogonalise_bucketed",
+        "every same-shape matrix in one Newton-Schulz call (NS_BUCKET_NUMEL ignored)",
+        _ns_bucket_uncapped,
+        (f"{MUON}::test_ns_calls_obey_the_cap", f"{MUON}::test_matrix_over_the_cap_runs_alone"),
+    ),
+    M(
+        "muon_ns_call_over_cap",
+        "k3train.optim.muon:ns_calls",
+        "Newton-Schulz calls take one matrix more than the cap allows",
+        _ns_calls_one_over,
+        (f"{MUON}::test_ns_calls_obey_the_cap",),
+    ),
+    M(
+        "vision_trained_without_images",
+        "k3train.parallel.parallelize:parallelize_part",
+        "a vision tower that gets no images stays trainable (optimizer state, weight decay)",
+        _vision_trained_without_images,
+        (f"{ENGINE}::test_a_vision_tower_without_images_is_frozen",),
+    ),
+    M(
+        "selective_recompute_reruns",
+        "k3train.activation.policy:_Region.replaying",
+        "modules taken out of a recomputed layer run again in backward",
+        _lifted_modules_rerun,
+        (f"{ACT}::test_selective_recompute_stores_the_inner_module_under_its_policy",),
+    ),
     # ---- precision
-    M("precision_master_bf16", "k3train.parallel.zero:MASTER_DTYPE",
-      "bf16 training keeps its master weights (and so its AdamW moments) in bf16", _master_in_bf16,
-      (f"{PREC}::test_bf16_one_process_memory_and_masters",)),
-    M("precision_grads_bf16", "k3train.parallel.zero:_fold_bf16_grad",
-      "bf16 gradients accumulate (and are then reduced) in bf16", _grads_accumulated_in_bf16,
-      (f"{PREC}::test_bf16_gradients_accumulate_in_fp32",)),
-    M("muon_owner_grads_averaged", "k3train.optim.muon:PerHeadMuon.reduce_scatter_owned",
-      "Pipeline ZeRO-2 Muon reduce-scatter to matrix owners averages instead of summing", _muon_owner_grads_averaged,
-      (f"{PIECES}::test_muon_gradients_reduce_scatter_to_matrix_owners",)),
-    M("muon_updates_sent_in_fp32", "k3train.optim.muon:PerHeadMuon._muon_step_sharded",
-      "owner-sharded Muon all-gathers its updates in fp32 (fp64 weights then take rounded updates)",
-      _muon_updates_sent_in_fp32, (f"{PIECES}::test_muon_owner_steps_equal_one_process_in_fp64",)),
-    M("precision_weights_stale", "k3train.parallel.zero:ShardedOptimizer._refresh_weights",
-      "the optimizer steps the fp32 masters but the bf16 weights are not refreshed from them",
-      _weights_not_refreshed, (f"{PREC}::test_bf16_one_process_memory_and_masters",)),
+    M(
+        "precision_master_bf16",
+        "k3train.parallel.zero:MASTER_DTYPE",
+        "bf16 training keeps its master weights (and so its AdamW moments) in bf16",
+        _master_in_bf16,
+        (f"{PREC}::test_bf16_one_process_memory_and_masters",),
+    ),
+    M(
+        "precision_grads_bf16",
+        "k3train.parallel.zero:_fold_bf16_grad",
+        "bf16 gradients accumulate (and are then reduced) in bf16",
+        _grads_accumulated_in_bf16,
+        (f"{PREC}::test_bf16_gradients_accumulate_in_fp32",),
+    ),
+    M(
+        "muon_owner_grads_averaged",
+        "k3train.optim.muon:PerHeadMuon.reduce_scatter_owned",
+        "Pipeline ZeRO-2 Muon reduce-scatter to matrix owners averages instead of summing",
+        _muon_owner_grads_averaged,
+        (f"{PIECES}::test_muon_gradients_reduce_scatter_to_matrix_owners",),
+    ),
+    M(
+        "muon_updates_sent_in_fp32",
+        "k3train.optim.muon:PerHeadMuon._muon_step_sharded",
+        "owner-sharded Muon all-gathers its updates in fp32 (fp64 weights then take rounded updates)",
+        _muon_updates_sent_in_fp32,
+        (f"{PIECES}::test_muon_owner_steps_equal_one_process_in_fp64",),
+    ),
+    M(
+        "precision_weights_stale",
+        "k3train.parallel.zero:ShardedOptimizer._refresh_weights",
+        "the optimizer steps the fp32 masters but the bf16 weights are not refreshed from them",
+        _weights_not_refreshed,
+        (f"{PREC}::test_bf16_one_process_memory_and_masters",),
+    ),
     # ---- trainer
-    M("trainer_counts_ignored", "k3train.parallel.engine:Engine.train_step",
-      "loss denominator counts ignored (-100) positions", _count_ignored_targets,
-      (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),
-    M("trainer_scores_ignored", "k3train.models.k3.loss:targets",
-      "cross entropy scores ignored positions as token 0", _ce_scores_ignored,
-      (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),
-    M("lce_chunk_drops_last_token", "k3train.models.k3.loss:chunk_bounds",
-      "chunked cross entropy: chunk ends off by one, each chunk's last token is left out", _lce_chunk_drops_last_token,
-      (f"{LOSS}::test_fp64_equals_full_logits",)),
-    M("lce_backward_lse_not_subtracted", "k3train.models.k3.loss:chunk_logits_grad",
-      "chunked cross entropy backward: exp(logits) without subtracting the log-sum-exp",
-      _lce_backward_lse_not_subtracted, (f"{LOSS}::test_fp64_equals_full_logits",)),
-    M("trainer_microbatch_mean", "k3train.parallel.engine:Engine.train_step",
-      "gradient accumulation: each micro-batch normalised by its share of the targets", _per_microbatch_mean,
-      (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),
-    M("stop_flags_dropped", "k3train.parallel.engine:Engine.train_step",
-      "stop signals are not summed in the step's all-reduce: no rank learns of them", _stop_flags_dropped,
-      (f"{RESIL}::test_a_stop_request_ends_training_after_the_step_with_a_checkpoint",)),
-    M("restart_trusts_stale_store", "k3train.train.resilience:_answers",
-      "a restarted rank connects to the store address the previous round left in torchrun's store",
-      _stale_store_trusted, (f"{RESIL}::test_a_restart_round_skips_the_previous_rounds_store",)),
-    M("trainer_clip_dropped", "k3train.parallel.zero:ShardedOptimizer.scale_grads",
-      "global gradient-norm clip measured but not applied", _clip_dropped,
-      (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",)),
-    M("init_from_masters_stale", "k3train.parallel.zero:ShardedOptimizer.masters_from_weights",
-      "train.init_from loads the weights but leaves the fp32 masters at their initial values", _masters_not_reset,
-      ("tests/e2e/test_init_from.py::test_init_from_sets_bf16_masters_from_the_loaded_weights",)),
+    M(
+        "trainer_counts_ignored",
+        "k3train.parallel.engine:Engine.train_step",
+        "loss denominator counts ignored (-100) positions",
+        _count_ignored_targets,
+        (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",),
+    ),
+    M(
+        "trainer_scores_ignored",
+        "k3train.models.k3.loss:targets",
+        "cross entropy scores ignored positions as token 0",
+        _ce_scores_ignored,
+        (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",),
+    ),
+    M(
+        "lce_chunk_drops_last_token",
+        "k3train.models.k3.loss:chunk_bounds",
+        "chunked cross entropy: chunk ends off by one, each chunk's last token is left out",
+        _lce_chunk_drops_last_token,
+        (f"{LOSS}::test_fp64_equals_full_logits",),
+    ),
+    M(
+        "lce_backward_lse_not_subtracted",
+        "k3train.models.k3.loss:chunk_logits_grad",
+        "chunked cross entropy backward: exp(logits) without subtracting the log-sum-exp",
+        _lce_backward_lse_not_subtracted,
+        (f"{LOSS}::test_fp64_equals_full_logits",),
+    ),
+    M(
+        "trainer_microbatch_mean",
+        "k3train.parallel.engine:Engine.train_step",
+        "gradient accumulation: each micro-batch normalised by its share of the targets",
+        _per_microbatch_mean,
+        (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",),
+    ),
+    M(
+        "stop_flags_dropped",
+        "k3train.parallel.engine:Engine.train_step",
+        "stop signals are not summed in the step's all-reduce: no rank learns of them",
+        _stop_flags_dropped,
+        (f"{RESIL}::test_a_stop_request_ends_training_after_the_step_with_a_checkpoint",),
+    ),
+    M(
+        "restart_trusts_stale_store",
+        "k3train.train.resilience:_answers",
+        "a restarted rank connects to the store address the previous round left in torchrun's store",
+        _stale_store_trusted,
+        (f"{RESIL}::test_a_restart_round_skips_the_previous_rounds_store",),
+    ),
+    M(
+        "trainer_clip_dropped",
+        "k3train.parallel.zero:ShardedOptimizer.scale_grads",
+        "global gradient-norm clip measured but not applied",
+        _clip_dropped,
+        (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",),
+    ),
+    M(
+        "init_from_masters_stale",
+        "k3train.parallel.zero:ShardedOptimizer.masters_from_weights",
+        "train.init_from loads the weights but leaves the fp32 masters at their initial values",
+        _masters_not_reset,
+        ("tests/e2e/test_init_from.py::test_init_from_sets_bf16_masters_from_the_loaded_weights",),
+    ),
     # ---- convergence harness, MTP, data mixtures, resume
-    M("converge_band_tightest", "k3train.converge:tolerance",
-      "curves of two precisions are held to the fp32 band", _band_tightest,
-      ("tests/e2e/test_converge.py::test_statistics_and_bands",)),
-    M("mtp_across_documents", "k3train.models.k3.mtp:mtp_labels",
-      "the MTP target of a document's last tokens comes from the next document", _mtp_labels_ignore_documents,
-      ("tests/unit/test_mtp.py::test_mtp_labels_stay_inside_documents",)),
-    M("mixture_uniform", "k3train.data.loader:row_sources",
-      "a weighted mixture draws its sources uniformly", _mixture_uniform,
-      ("tests/unit/test_data_scale.py::test_mixture_proportions_within_binomial_error",)),
-    M("resume_ignores_shapes", "k3train.train.checkpoint:check_model_entries",
-      "resume compares tensor names but not shapes", _resume_check_names_only,
-      ("tests/unit/test_run_dir.py::test_checkpoint_and_model_are_compared_both_ways",)),
+    M(
+        "converge_band_tightest",
+        "k3train.converge:tolerance",
+        "curves of two precisions are held to the fp32 band",
+        _band_tightest,
+        ("tests/e2e/test_converge.py::test_statistics_and_bands",),
+    ),
+    M(
+        "mtp_across_documents",
+        "k3train.models.k3.mtp:mtp_labels",
+        "the MTP target of a document's last tokens comes from the next document",
+        _mtp_labels_ignore_documents,
+        ("tests/unit/test_mtp.py::test_mtp_labels_stay_inside_documents",),
+    ),
+    M(
+        "mixture_uniform",
+        "k3train.data.loader:row_sources",
+        "a weighted mixture draws its sources uniformly",
+        _mixture_uniform,
+        ("tests/unit/test_data_scale.py::test_mixture_proportions_within_binomial_error",),
+    ),
+    M(
+        "resume_ignores_shapes",
+        "k3train.train.checkpoint:check_model_entries",
+        "resume compares tensor names but not shapes",
+        _resume_check_names_only,
+        ("tests/unit/test_run_dir.py::test_checkpoint_and_model_are_compared_both_ways",),
+    ),
     # ---- vision under parallel layouts
-    M("vision_forward_after_stage", "k3train.parallel.vision_schedule:plan_vision",
-      "the tower's forward of a micro-batch planned after the first stage's forward of it", _vision_forward_late,
-      ("tests/unit/test_vision_schedule.py::test_vision_actions_follow_their_first_stage_actions",)),
-    M("vision_bubbles_unused", "k3train.parallel.vision_schedule:plan_vision",
-      "vision_placement=bubbles plans the tower's work next to the first stage's, never in idle time",
-      _vision_bubbles_unused, ("tests/unit/test_vision_schedule.py::test_bubble_actions_fit_the_idle_time_they_fill",)),
-    M("vision_backward_skipped", "k3train.parallel.vision_schedule:VisionFeed.run",
-      "the tower's backward actions never run: its gradients stay empty", _vision_backward_skipped,
-      ("tests/unit/test_vision_schedule.py::test_feed_gives_the_tower_the_gradients_of_one_graph",)),
-    M("vision_cp_smallest_first", "k3train.parallel.vision_cp:assign_items",
-      "images assigned to cp ranks smallest first", _vision_cp_smallest_first,
-      ("tests/unit/test_vision_cp.py::test_largest_first_is_within_graham_bound_of_the_best_assignment",)),
-    M("vision_cp_arrival_order", "k3train.parallel.vision_cp:encode_images",
-      "scattered visual tokens kept in arrival order, not the rank's position order", _vision_cp_arrival_order,
-      ("tests/unit/test_vision_cp.py::test_each_rank_receives_the_tokens_of_its_own_positions",)),
-    M("vision_epochs_same_order", "k3train.data.vision_index:EpochPacking.__init__",
-      "every epoch of image-text files reads its samples in the first epoch's order", _epochs_same_order,
-      ("tests/unit/test_vision_files.py::test_epochs_read_every_sample_once_in_a_fresh_order",)),
-    M("video_first_frames", "k3train.data.vision_files:evenly_spaced",
-      "a video longer than max_frames keeps its first frames instead of frames across its duration",
-      _video_first_frames, ("tests/unit/test_vision_files.py::test_videos_are_decoded_and_sampled_to_max_frames",)),
+    M(
+        "vision_forward_after_stage",
+        "k3train.parallel.vision_schedule:plan_vision",
+        "the tower's forward of a micro-batch planned after the first stage's forward of it",
+        _vision_forward_late,
+        ("tests/unit/test_vision_schedule.py::test_vision_actions_follow_their_first_stage_actions",),
+    ),
+    M(
+        "vision_bubbles_unused",
+        "k3train.parallel.vision_schedule:plan_vision",
+        "vision_placement=bubbles plans the tower's work next to the first stage's, never in idle time",
+        _vision_bubbles_unused,
+        ("tests/unit/test_vision_schedule.py::test_bubble_actions_fit_the_idle_time_they_fill",),
+    ),
+    M(
+        "vision_backward_skipped",
+        "k3train.parallel.vision_schedule:VisionFeed.run",
+        "the tower's backward actions never run: its gradients stay empty",
+        _vision_backward_skipped,
+        ("tests/unit/test_vision_schedule.py::test_feed_gives_the_tower_the_gradients_of_one_graph",),
+    ),
+    M(
+        "vision_cp_smallest_first",
+        "k3train.parallel.vision_cp:assign_items",
+        "images assigned to cp ranks smallest first",
+        _vision_cp_smallest_first,
+        ("tests/unit/test_vision_cp.py::test_largest_first_is_within_graham_bound_of_the_best_assignment",),
+    ),
+    M(
+        "vision_cp_arrival_order",
+        "k3train.parallel.vision_cp:encode_images",
+        "scattered visual tokens kept in arrival order, not the rank's position order",
+        _vision_cp_arrival_order,
+        ("tests/unit/test_vision_cp.py::test_each_rank_receives_the_tokens_of_its_own_positions",),
+    ),
+    M(
+        "vision_epochs_same_order",
+        "k3train.data.vision_index:EpochPacking.__init__",
+        "every epoch of image-text files reads its samples in the first epoch's order",
+        _epochs_same_order,
+        ("tests/unit/test_vision_files.py::test_epochs_read_every_sample_once_in_a_fresh_order",),
+    ),
+    M(
+        "video_first_frames",
+        "k3train.data.vision_files:evenly_spaced",
+        "a video longer than max_frames keeps its first frames instead of frames across its duration",
+        _video_first_frames,
+        ("tests/unit/test_vision_files.py::test_videos_are_decoded_and_sampled_to_max_frames",),
+    ),
     # ---- planner
-    M("plan_tower_frozen", "k3train.plan.state_memory:_part_parameters",
-      "the planner counts a tower trained on images as frozen (no gradients, no optimizer state)", _plan_tower_frozen,
-      ("tests/unit/test_vision_train.py::test_planner_counts_the_trained_towers_state",)),
-    M("plan_ignores_k3_defaults", "k3train.plan.activations:PolicyPlan.k3_defaults",
-      "the planner predicts saved activations as if no storage policy applied", _plan_ignores_k3_defaults,
-      (f"{PLAN}::test_planner_matches_one_process_layouts",)),
-    M("plan_kda_chains_halved", "k3train.plan.activations:kda_terms",
-      "the planner counts half of KDA's projection and convolution chains", _plan_kda_states_as_chains,
-      (f"{PLAN}::test_planner_matches_one_process_layouts",)),
+    M(
+        "plan_tower_frozen",
+        "k3train.plan.state_memory:_part_parameters",
+        "the planner counts a tower trained on images as frozen (no gradients, no optimizer state)",
+        _plan_tower_frozen,
+        ("tests/unit/test_vision_train.py::test_planner_counts_the_trained_towers_state",),
+    ),
+    M(
+        "plan_ignores_k3_defaults",
+        "k3train.plan.activations:PolicyPlan.k3_defaults",
+        "the planner predicts saved activations as if no storage policy applied",
+        _plan_ignores_k3_defaults,
+        (f"{PLAN}::test_planner_matches_one_process_layouts",),
+    ),
+    M(
+        "plan_kda_chains_halved",
+        "k3train.plan.activations:kda_terms",
+        "the planner counts half of KDA's projection and convolution chains",
+        _plan_kda_states_as_chains,
+        (f"{PLAN}::test_planner_matches_one_process_layouts",),
+    ),
 ]
 BY_NAME = {m.name: m for m in MUTATIONS}
 assert len(BY_NAME) == len(MUTATIONS), "mutation names must be unique"
@@ -1106,6 +1531,7 @@ def _counted(fn: Callable) -> Callable:
     def hit(*a, **kw):
         _HITS[0] += 1
         return fn(*a, **kw)
+
     return hit
 
 
@@ -1161,8 +1587,9 @@ def pytest_runtest_logreport(report):
 def pytest_unconfigure(config):
     path = os.environ.get(REPORT_ENV)
     if path:
-        Path(path).write_text(json.dumps({"applied": getattr(config, "_k3_mutant", None), "hits": _HITS[0],
-                                          "failed": _FAILED}))
+        Path(path).write_text(
+            json.dumps({"applied": getattr(config, "_k3_mutant", None), "hits": _HITS[0], "failed": _FAILED})
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1193,9 +1620,19 @@ def _preload() -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # Two pytest runs share the machine: one intra-op thread each (more only makes them spin-wait).
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    for name in ("numpy", "pytest", "torch", "torch.nn.functional", "torch.distributed.checkpoint",
-                 "torch.distributed.pipelining", "torch.distributed.tensor", "hydra", "omegaconf", "triton",
-                 "torchtitan.components.optimizer.lr_scheduler"):
+    for name in (
+        "numpy",
+        "pytest",
+        "torch",
+        "torch.nn.functional",
+        "torch.distributed.checkpoint",
+        "torch.distributed.pipelining",
+        "torch.distributed.tensor",
+        "hydra",
+        "omegaconf",
+        "triton",
+        "torchtitan.components.optimizer.lr_scheduler",
+    ):
         try:
             importlib.import_module(name)
         except ImportError:  # an optional library: the runs import what they need themselves
@@ -1218,11 +1655,20 @@ def _run_in_child(job: Job) -> None:
         os.chdir(REPO)
         sys.path.insert(0, str(REPO))  # what `python -m pytest` run from the repository puts first
         import pytest
-        args = ["-q", "-p", "no:cacheprovider", "--basetemp", str(job.workdir / "tmp"),
-                *(["-x"] if job.stop_first else []), *job.tests]
+
+        args = [
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--basetemp",
+            str(job.workdir / "tmp"),
+            *(["-x"] if job.stop_first else []),
+            *job.tests,
+        ]
         code = int(pytest.main(args, plugins=[sys.modules[__name__]]))
     except BaseException:
         import traceback
+
         traceback.print_exc()
     finally:
         sys.stdout.flush()
@@ -1237,8 +1683,9 @@ def _outcome(job: Job, rc: int | None, seconds: float) -> Outcome:
     info = json.loads(report.read_text()) if report.exists() else {}
     lines = text.strip().splitlines()
     # the most telling line of a failed run: the last exception raised, else the last line
-    tail = next((line.split("> ", 1)[-1].strip() for line in reversed(lines) if "Error" in line),
-                lines[-1] if lines else "")
+    tail = next(
+        (line.split("> ", 1)[-1].strip() for line in reversed(lines) if "Error" in line), lines[-1] if lines else ""
+    )
     if rc is None:
         return Outcome("error", seconds, f"timed out after {TIMEOUT_S} s")
     if job.mutation and info.get("applied") != job.mutation:
@@ -1341,16 +1788,20 @@ def main(argv: list[str] | None = None) -> int:
     control_out = outcomes.pop("", None)
 
     if control_out is not None:
-        print(f"control (no mutation, {len(control_tests)} test ids): {control_out.result} in "
-              f"{control_out.seconds:.1f} s" + (f": {control_out.detail}" if control_out.result != "passed" else ""))
+        print(
+            f"control (no mutation, {len(control_tests)} test ids): {control_out.result} in "
+            f"{control_out.seconds:.1f} s" + (f": {control_out.detail}" if control_out.result != "passed" else "")
+        )
         if control_out.result != "passed":
             bad = set(control_out.failed)
             for m in chosen:
                 # a kill proves nothing where the tests fail anyway
-                if not bad or any(f == t or f.startswith(t + "::") or f.startswith(t + "[") for f in bad
-                                  for t in m.tests):
-                    outcomes[m.name] = Outcome("error", outcomes[m.name].seconds,
-                                               "its tests fail without the mutation (control)")
+                if not bad or any(
+                    f == t or f.startswith(t + "::") or f.startswith(t + "[") for f in bad for t in m.tests
+                ):
+                    outcomes[m.name] = Outcome(
+                        "error", outcomes[m.name].seconds, "its tests fail without the mutation (control)"
+                    )
     rows = []
     for m in chosen:
         o = outcomes[m.name]

@@ -45,18 +45,31 @@ def main() -> None:
     from k3train.plan.planner import plan_run
 
     gpu = gpu_spec(a.gpu)
-    combos = list(itertools.product(a.pp, a.vpp, a.ep, a.cp, a.zero, a.microbatches, a.schedule, a.dispatcher,
-                                    a.activation, a.micro_batch))
+    combos = list(
+        itertools.product(
+            a.pp, a.vpp, a.ep, a.cp, a.zero, a.microbatches, a.schedule, a.dispatcher, a.activation, a.micro_batch
+        )
+    )
     results, refused = [], 0
     for pp, vpp, ep, cp, zero, m, sched, disp, act, mb in tqdm(combos, desc="layouts"):
         if a.world % (pp * cp):
             refused += 1
             continue
         dp = a.world // (pp * cp)
-        ov = [f"parallel.pp={pp}", f"parallel.vpp={vpp}", f"parallel.ep={ep}", f"parallel.cp={cp}",
-              f"parallel.dp={dp}", f"parallel.zero={zero}", f"parallel.microbatches={m}",
-              f"parallel.schedule={sched}", f"parallel.ep_dispatcher={disp}", f"data.micro_batch={mb}",
-              *ACTIVATIONS[act], *a.extra]
+        ov = [
+            f"parallel.pp={pp}",
+            f"parallel.vpp={vpp}",
+            f"parallel.ep={ep}",
+            f"parallel.cp={cp}",
+            f"parallel.dp={dp}",
+            f"parallel.zero={zero}",
+            f"parallel.microbatches={m}",
+            f"parallel.schedule={sched}",
+            f"parallel.ep_dispatcher={disp}",
+            f"data.micro_batch={mb}",
+            *ACTIVATIONS[act],
+            *a.extra,
+        ]
         try:
             cfg = from_omegaconf(compose_config(a.recipe, ov))
             plan = plan_run(cfg, gpu, gpus_per_node=a.gpus_per_node, recipe=a.recipe)
@@ -66,14 +79,18 @@ def main() -> None:
         results.append((plan, " ".join(ov)))
     fits = sorted([r for r in results if r[0].fits], key=lambda r: -r[0].tokens_per_s)
     misses = sorted([r for r in results if not r[0].fits], key=lambda r: r[0].max_rank.total)
-    print(f"{len(combos)} layouts: {len(fits)} fit {gpu.name}, {len(misses)} do not, {refused} refused by the layout "
-          f"rules")
-    for title, rows in (("fit (fastest first)", fits[:a.top]), ("closest misses", misses[:a.top])):
+    print(
+        f"{len(combos)} layouts: {len(fits)} fit {gpu.name}, {len(misses)} do not, {refused} refused by the layout "
+        f"rules"
+    )
+    for title, rows in (("fit (fastest first)", fits[: a.top]), ("closest misses", misses[: a.top])):
         print(f"\n{title}:")
         for plan, ov in rows:
             m = plan.max_rank
-            print(f"  {m.total / 2**30:7.1f} GiB  {plan.tokens_per_s:12,.0f} tok/s  MFU {100 * plan.mfu:5.1f}%  "
-                  f"biggest {plan.biggest_term(m)[0]:<11}  {ov}")
+            print(
+                f"  {m.total / 2**30:7.1f} GiB  {plan.tokens_per_s:12,.0f} tok/s  MFU {100 * plan.mfu:5.1f}%  "
+                f"biggest {plan.biggest_term(m)[0]:<11}  {ov}"
+            )
 
 
 if __name__ == "__main__":

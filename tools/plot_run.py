@@ -46,6 +46,7 @@ def _moe_layers(recs: list[dict], figure: str) -> list[str]:
 
 def plot_run(run_dir: Path, out: Path) -> list[Path]:
     import matplotlib
+
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
@@ -110,7 +111,7 @@ def plot_run(run_dir: Path, out: Path) -> list[Path]:
             ax.axvline(1.0, color="k", linewidth=0.8)
             ax.set_title(name, fontsize=9)
             ax.set_xlabel("load / mean", fontsize=8)
-        for ax in [a for row in axes for a in row][len(names):]:
+        for ax in [a for row in axes for a in row][len(names) :]:
             ax.axis("off")
         fig.suptitle(f"expert load at step {last['step']} — {run_dir.name}")
         save(fig, "expert_load.png")

@@ -33,25 +33,57 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = "tiny_cpu"
-FAST = ["data.seq_len=32", "data.micro_batch=2", "optim.warmup_steps=2", "optim.lr=1e-2", "train.eval_interval=0",
-        "train.keep_last_k=10", "logging.progress_bar=false", "logging.tensorboard=false", "logging.peak_flops=1e9",
-        "train.threads=1", "logging.console_interval=1"]
+FAST = [
+    "data.seq_len=32",
+    "data.micro_batch=2",
+    "optim.warmup_steps=2",
+    "optim.lr=1e-2",
+    "train.eval_interval=0",
+    "train.keep_last_k=10",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+    "logging.peak_flops=1e9",
+    "train.threads=1",
+    "logging.console_interval=1",
+]
 """Settings of a short, quick run of the tiny model (one thread per process)."""
 
 
 def env() -> dict:
     """This environment without Slurm's and torchrun's variables (a Slurm job would name the run directory)."""
-    out = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "K3_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    out = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "TORCHELASTIC_", "K3_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     out["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     out["OMP_NUM_THREADS"] = "1"
     return out
 
 
 def command(steps: int, interval: int, restarts: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", str(restarts),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "-m", "k3train.train", "--config-name",
-            RECIPE, f"train.steps={steps}", f"train.checkpoint_interval={interval}", *FAST, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        str(restarts),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "localhost:0",
+        "-m",
+        "k3train.train",
+        "--config-name",
+        RECIPE,
+        f"train.steps={steps}",
+        f"train.checkpoint_interval={interval}",
+        *FAST,
+        *extra,
+    ]
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -78,8 +110,11 @@ def workers(pid: int) -> dict[int, int]:
         try:
             if int((child / "stat").read_text().rsplit(")", 1)[1].split()[1]) != pid:
                 continue
-            env = dict(x.split("=", 1) for x in (child / "environ").read_bytes().decode(errors="replace").split("\0")
-                       if "=" in x)
+            env = dict(
+                x.split("=", 1)
+                for x in (child / "environ").read_bytes().decode(errors="replace").split("\0")
+                if "=" in x
+            )
             out[int(env["RANK"])] = int(child.name)
         except (OSError, KeyError, ValueError, IndexError):
             continue
@@ -89,11 +124,13 @@ def workers(pid: int) -> dict[int, int]:
 def reference(work: Path, steps: int, interval: int, time_limit: float) -> dict[int, float]:
     """The uninterrupted run's losses (the same command, no kill)."""
     work.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(command(steps, interval, 1), cwd=work, env=env(), capture_output=True, text=True,
-                       timeout=time_limit)
+    r = subprocess.run(
+        command(steps, interval, 1), cwd=work, env=env(), capture_output=True, text=True, timeout=time_limit
+    )
     if r.returncode != 0:
-        raise RuntimeError(f"the uninterrupted run failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n"
-                           f"{r.stderr[-3000:]}")
+        raise RuntimeError(
+            f"the uninterrupted run failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        )
     (rd,) = run_dirs(work)
     return losses(rd)
 
@@ -107,15 +144,22 @@ class Outcome:
     log: Path | None = None
 
 
-def one_run(work: Path, ref: dict[int, float], *, steps: int, interval: int, kill_after: int, kill_rank: int,
-            time_limit: float) -> Outcome:
+def one_run(
+    work: Path, ref: dict[int, float], *, steps: int, interval: int, kill_after: int, kill_rank: int, time_limit: float
+) -> Outcome:
     """One kill -9 and restart; compares with the reference losses."""
     work.mkdir(parents=True, exist_ok=True)
     log_path = work / "torchrun.log"
     t0 = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(command(steps, interval, 1), cwd=work, env=env(), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            command(steps, interval, 1),
+            cwd=work,
+            env=env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         killed_at = None
         try:
             while proc.poll() is None and time.monotonic() - t0 < time_limit:
@@ -124,8 +168,10 @@ def one_run(work: Path, ref: dict[int, float], *, steps: int, interval: int, kil
                     done = max(losses(dirs[0]), default=0) if dirs else 0
                     # checkpoints are written in the background: kill once one is published, so there is one to
                     # resume from
-                    published = dirs and any(re.fullmatch(r"step-\d+", m.parent.name)
-                                             for m in (dirs[0] / "checkpoints").glob("step-*/manifest.json"))
+                    published = dirs and any(
+                        re.fullmatch(r"step-\d+", m.parent.name)
+                        for m in (dirs[0] / "checkpoints").glob("step-*/manifest.json")
+                    )
                     if done >= kill_after and published:
                         pids = workers(proc.pid)
                         if kill_rank in pids:
@@ -176,11 +222,21 @@ def main(argv: list[str] | None = None) -> int:
         passed = 0
         for i in range(a.runs):
             rank = 1 if i % 2 == 0 else 0
-            out = one_run(root / f"run{i + 1:02d}", ref, steps=a.steps, interval=a.checkpoint_interval,
-                          kill_after=a.kill_after, kill_rank=rank, time_limit=a.time_limit)
+            out = one_run(
+                root / f"run{i + 1:02d}",
+                ref,
+                steps=a.steps,
+                interval=a.checkpoint_interval,
+                kill_after=a.kill_after,
+                kill_rank=rank,
+                time_limit=a.time_limit,
+            )
             passed += out.ok
-            print(f"run {i + 1:2d}: kill -9 rank {rank} after step {out.killed_at}: "
-                  f"{'ok' if out.ok else 'FAILED'}, {out.why} ({out.seconds:.0f} s)", flush=True)
+            print(
+                f"run {i + 1:2d}: kill -9 rank {rank} after step {out.killed_at}: "
+                f"{'ok' if out.ok else 'FAILED'}, {out.why} ({out.seconds:.0f} s)",
+                flush=True,
+            )
             if not out.ok and out.log is not None:
                 print("  " + "\n  ".join(out.log.read_text(errors="replace").splitlines()[-15:]), flush=True)
         print(f"{passed} of {a.runs} runs finished with the losses of the uninterrupted run", flush=True)

@@ -35,11 +35,26 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--steps must be at least 4 (accuracy is measured four times)")
     run_dir = Path(a.out or tempfile.mkdtemp(prefix="recall-"))
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    cmd = [sys.executable, "-m", "k3train.train", "--config-name", "tiny_cpu", "data=recall", "optim.lr=5e-3",
-           "optim.warmup_steps=20", f"train.steps={a.steps}", f"train.seed={a.seed}",
-           f"train.eval_interval={a.steps // 4}", "train.eval_steps=4", "train.checkpoint_at_end=false",
-           "train.resume=never", "logging.progress_bar=false", "logging.tensorboard=false",
-           "logging.console_interval=50", f"train.run_dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "k3train.train",
+        "--config-name",
+        "tiny_cpu",
+        "data=recall",
+        "optim.lr=5e-3",
+        "optim.warmup_steps=20",
+        f"train.steps={a.steps}",
+        f"train.seed={a.seed}",
+        f"train.eval_interval={a.steps // 4}",
+        "train.eval_steps=4",
+        "train.checkpoint_at_end=false",
+        "train.resume=never",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.console_interval=50",
+        f"train.run_dir={run_dir}",
+    ]
     r = subprocess.run(cmd, cwd=REPO, env=env)
     if r.returncode != 0:
         raise SystemExit(f"train_recall: training exited with code {r.returncode}")
@@ -47,8 +62,14 @@ def main(argv: list[str] | None = None) -> dict:
     acc = [[x["step"], x["eval_accuracy"]] for x in recs if "eval_accuracy" in x]
     for step, v in acc:
         print(f"step {step:5d}: eval accuracy {v:.3f}")
-    report = {"steps": a.steps, "seed": a.seed, "accuracies": acc, "final_accuracy": acc[-1][1],
-              "passed": acc[-1][1] >= a.min_accuracy, "run_dir": str(run_dir)}
+    report = {
+        "steps": a.steps,
+        "seed": a.seed,
+        "accuracies": acc,
+        "final_accuracy": acc[-1][1],
+        "passed": acc[-1][1] >= a.min_accuracy,
+        "run_dir": str(run_dir),
+    }
     print(json.dumps(report))
     return report
 

@@ -1,15 +1,46 @@
 """Activation storage policies: keep, recompute, block-wise FP8, local offload, remote offload, chosen per module
 and per saved tensor (see k3train.activation.policy and docs/activation.md)."""
 
-from k3train.activation.fp8 import (FP8_BLOCK, dequantize_fp8_blockwise, fp8_nbytes, fp8_supported,
-                                    quantize_fp8_blockwise)
-from k3train.activation.policy import (BUCKETS, KINDS, POLICIES, ROLES, ActivationHandle, Rule, activation_groups,
-                                       apply_activation_policies, as_rule, check_policy, default_rules,
-                                       load_activation_group, rules_from_config)
+from k3train.activation.fp8 import (
+    FP8_BLOCK,
+    dequantize_fp8_blockwise,
+    fp8_nbytes,
+    fp8_supported,
+    quantize_fp8_blockwise,
+)
+from k3train.activation.policy import (
+    BUCKETS,
+    KINDS,
+    POLICIES,
+    ROLES,
+    ActivationHandle,
+    Rule,
+    activation_groups,
+    apply_activation_policies,
+    as_rule,
+    check_policy,
+    default_rules,
+    load_activation_group,
+    rules_from_config,
+)
 
 __all__ = [
-    "FP8_BLOCK", "dequantize_fp8_blockwise", "fp8_nbytes", "fp8_supported", "quantize_fp8_blockwise",
-    "BUCKETS", "KINDS", "POLICIES", "ROLES", "ActivationHandle", "Rule", "activation_groups",
-    "apply_activation_policies", "as_rule", "check_policy", "default_rules", "load_activation_group",
+    "FP8_BLOCK",
+    "dequantize_fp8_blockwise",
+    "fp8_nbytes",
+    "fp8_supported",
+    "quantize_fp8_blockwise",
+    "BUCKETS",
+    "KINDS",
+    "POLICIES",
+    "ROLES",
+    "ActivationHandle",
+    "Rule",
+    "activation_groups",
+    "apply_activation_policies",
+    "as_rule",
+    "check_policy",
+    "default_rules",
+    "load_activation_group",
     "rules_from_config",
 ]

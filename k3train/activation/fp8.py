@@ -56,8 +56,9 @@ def quantize_fp8_blockwise(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[tor
     return q.view(-1)[:n].clone(), scales
 
 
-def dequantize_fp8_blockwise(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
-                             block: int = FP8_BLOCK) -> torch.Tensor:
+def dequantize_fp8_blockwise(
+    q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, block: int = FP8_BLOCK
+) -> torch.Tensor:
     """Inverse of quantize_fp8_blockwise: -> flat [n] tensor of `dtype` (reshape it to the original shape)."""
     n, nb = q.numel(), scales.numel()
     if nb != -(-n // block):
@@ -70,6 +71,7 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The fast path where there is one (the Triton kernel on CUDA), else the reference."""
     if x.is_cuda:
         from k3kernels.fp8_quant import quantize_fp8_triton
+
         return quantize_fp8_triton(x)
     return quantize_fp8_blockwise(x)
 
@@ -77,5 +79,6 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if q.is_cuda:
         from k3kernels.fp8_quant import dequantize_fp8_triton
+
         return dequantize_fp8_triton(q, scales, dtype)
     return dequantize_fp8_blockwise(q, scales, dtype)

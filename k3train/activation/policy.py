@@ -106,15 +106,22 @@ class Rule:
         if self.match is None and self.kind is None:
             raise ValueError(f"activation rule with policy {policy!r} needs a module pattern (match) or a kind")
         if policy == "recompute" and self.role is not None:
-            raise ValueError(f"recompute applies to a whole module; rule {self.describe()} must not name role={self.role!r}")
+            raise ValueError(
+                f"recompute applies to a whole module; rule {self.describe()} must not name role={self.role!r}"
+            )
 
     def matches(self, name: str, kinds: set[str]) -> bool:
-        return ((self.match is None or fnmatch.fnmatchcase(name, self.match))
-                and (self.kind is None or self.kind in kinds))
+        return (self.match is None or fnmatch.fnmatchcase(name, self.match)) and (
+            self.kind is None or self.kind in kinds
+        )
 
     def describe(self) -> str:
-        parts = [f"match={self.match!r}" if self.match is not None else "", f"kind={self.kind!r}" if self.kind else "",
-                 f"role={self.role!r}" if self.role else "", f"policy={self.policy!r}"]
+        parts = [
+            f"match={self.match!r}" if self.match is not None else "",
+            f"kind={self.kind!r}" if self.kind else "",
+            f"role={self.role!r}" if self.role else "",
+            f"policy={self.policy!r}",
+        ]
         return "(" + ", ".join(p for p in parts if p) + ")"
 
 
@@ -126,8 +133,10 @@ def check_policy(policy: Any) -> None:
 
 def default_rules() -> list[Rule]:
     """K3's storage plan for what the recipe does not say: AttnRes checkpointed, MoE dispatch recomputed."""
-    return [Rule(kind="attn_res", policy="recompute", optional=True),
-            Rule(kind="moe_experts", policy="recompute", optional=True)]
+    return [
+        Rule(kind="attn_res", policy="recompute", optional=True),
+        Rule(kind="moe_experts", policy="recompute", optional=True),
+    ]
 
 
 def as_rule(r: Any) -> Rule:
@@ -142,8 +151,13 @@ def as_rule(r: Any) -> Rule:
     if get("policy") is None:
         raise ValueError(f"activation rule {r!r} has no policy")
     match = get("match")
-    return Rule(policy=get("policy"), match=match if match not in ("", None) else None, kind=get("kind"),
-                role=get("role"), optional=bool(get("optional", False)))
+    return Rule(
+        policy=get("policy"),
+        match=match if match not in ("", None) else None,
+        kind=get("kind"),
+        role=get("role"),
+        optional=bool(get("optional", False)),
+    )
 
 
 def rules_from_config(cfg: Any) -> list[Rule]:
@@ -160,6 +174,7 @@ def rules_from_config(cfg: Any) -> list[Rule]:
 def activation_groups() -> list[str]:
     """Names of the shipped activation config groups (configs/activation/*.yaml), sorted."""
     from k3train.config.store import configs_dir
+
     return sorted(p.stem for p in (configs_dir() / "activation").glob("*.yaml"))
 
 
@@ -175,7 +190,7 @@ def load_activation_group(name: str):
     if not path.is_file():
         raise ValueError(f"unknown activation config {name!r}; choose one of {', '.join(activation_groups())}")
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ActivationConfig), OmegaConf.load(path)))
-    rules_from_config(cfg)      # the policy names
+    rules_from_config(cfg)  # the policy names
     return cfg
 
 
@@ -226,7 +241,7 @@ class _Region:
 
     def __init__(self):
         self.runs = 0
-        self.records: list[tuple[Any, list, Any]] = []   # per call: (pytree spec, packed leaves, remote stash)
+        self.records: list[tuple[Any, list, Any]] = []  # per call: (pytree spec, packed leaves, remote stash)
         self.next = 0
 
     @property
@@ -255,15 +270,17 @@ class _Region:
         spec, packed, remote = self.records[self.next]
         self.next += 1
         if remote is not None:
-            remote.fetch()          # needed before backward reaches the module: fetch its stash now (idempotent)
+            remote.fetch()  # needed before backward reaches the module: fetch its stash now (idempotent)
         leaves = []
         for p, requires_grad, version in packed:
             if requires_grad is None:
                 leaves.append(p)
                 continue
             if version is not None and p._version != version:
-                raise RuntimeError(f"an output of {name!r}, which is taken out of a recomputed module, was modified "
-                                   "in place after it returned; recomputation would see the changed values")
+                raise RuntimeError(
+                    f"an output of {name!r}, which is taken out of a recomputed module, was modified "
+                    "in place after it returned; recomputation would see the changed values"
+                )
             leaves.append(_unpack(p).detach().requires_grad_(requires_grad))
         return tree_unflatten(leaves, spec)
 
@@ -298,6 +315,7 @@ def _layer_of(name: str) -> str | None:
 def _quiet_routers(module: nn.Module):
     """Recomputation must not count a router's tokens twice or feed its balancer twice."""
     from k3train.models.k3.moe import Router
+
     saved = [(r, r.load.clone(), r.balancer) for r in module.modules() if isinstance(r, Router)]
     for r, _, _ in saved:
         r.balancer = None
@@ -320,8 +338,8 @@ class _Call:
         self.site, self.handle = site, site.handle
         self.input_ptrs = {_storage_ptr(t) for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)}
         self.param_ptrs = site.param_ptrs()
-        self.cache: dict = {}           # tensor key -> (original, packed): one packed copy per tensor per call
-        self.counted: dict = {}         # storage -> weakref of a kept tensor on it (kept storages count once)
+        self.cache: dict = {}  # tensor key -> (original, packed): one packed copy per tensor per call
+        self.counted: dict = {}  # storage -> weakref of a kept tensor on it (kept storages count once)
         self.host_items: list[HostSaved] = []
         self.remote = None
         if "offload_remote" in site.policy.values():
@@ -332,7 +350,7 @@ class _Call:
         return self.site.layer or self.handle.current_layer or self.site.name or "<root>"
 
     def _keep(self, t: torch.Tensor, ptr: int | None, bucket: str) -> torch.Tensor:
-        kept = t.detach()   # detached: holding the tensor itself would keep a saved output's grad_fn alive in a cycle
+        kept = t.detach()  # detached: holding the tensor itself would keep a saved output's grad_fn alive in a cycle
         seen = self.counted.get(ptr) if ptr is not None else None
         if seen is None or seen() is None:
             # A storage counts once per call; a dead earlier reference means the address was freed and reused.
@@ -355,8 +373,11 @@ class _Call:
                 return hit[1]
             layer = self._layer()
             if policy == "fp8":
-                if (not t.is_floating_point() or t.numel() < FP8_MIN_NUMEL
-                        or t.element_size() > self.handle.dtype.itemsize):
+                if (
+                    not t.is_floating_point()
+                    or t.numel() < FP8_MIN_NUMEL
+                    or t.element_size() > self.handle.dtype.itemsize
+                ):
                     return self._keep(t, ptr, "device")
                 packed = FP8Saved(t)
                 self.handle.add(layer, "fp8", packed.nbytes)
@@ -370,7 +391,7 @@ class _Call:
             else:  # offload_remote
                 packed = RemoteSaved(t, self.remote)
                 self.handle.add(layer, "offload_remote", packed.nbytes)
-            self.cache[key] = (t, packed)   # the original stays referenced until the call ends: no address reuse
+            self.cache[key] = (t, packed)  # the original stays referenced until the call ends: no address reuse
             return packed
 
     def finish(self, out) -> None:
@@ -435,7 +456,7 @@ class _Site:
             return fn(*args, **kwargs)
         region = _REGIONS[-1] if _REGIONS else None
         if self.recompute:
-            if region is not None:      # a recompute nested in a recomputed region: the outer one covers it
+            if region is not None:  # a recompute nested in a recomputed region: the outer one covers it
                 return fn(*args, **kwargs)
             self._account_inputs((args, kwargs))
             region = _Region()
@@ -449,8 +470,13 @@ class _Site:
                     _REGIONS.pop()
 
             module = self.module
-            return checkpoint(inner, *args, use_reentrant=False,
-                              context_fn=lambda: (contextlib.nullcontext(), _quiet_routers(module)), **kwargs)
+            return checkpoint(
+                inner,
+                *args,
+                use_reentrant=False,
+                context_fn=lambda: (contextlib.nullcontext(), _quiet_routers(module)),
+                **kwargs,
+            )
         if region is not None and region.replaying:
             return region.replay(self.name)
         call = _Call(self, (args, kwargs))
@@ -517,8 +543,10 @@ class ActivationHandle:
         for d in self._stats.values():
             for k, v in d.items():
                 total[k] += v
-        out = {"total": self._summarise(total),
-               "layers": {k: self._summarise(v) for k, v in sorted(self._stats.items())}}
+        out = {
+            "total": self._summarise(total),
+            "layers": {k: self._summarise(v) for k, v in sorted(self._stats.items())},
+        }
         out["hosted_for_peer"] = self.exchange.hosted_bytes if self.exchange is not None else 0
         return out
 
@@ -528,10 +556,15 @@ class ActivationHandle:
     def log_stats(self, step: int | None = None) -> dict:
         """Log one line of totals (MiB) and return them."""
         t = self.stats()["total"]
-        mib = {k: round(t[k] / 2**20, 3) for k in ("on_device", "device", "fp8", "recompute", "offload_local",
-                                                      "offload_remote", "saved")}
-        log.info("activation storage%s: %s", "" if step is None else f" step {step}",
-                 " ".join(f"{k}={v}MiB" for k, v in mib.items()))
+        mib = {
+            k: round(t[k] / 2**20, 3)
+            for k in ("on_device", "device", "fp8", "recompute", "offload_local", "offload_remote", "saved")
+        }
+        log.info(
+            "activation storage%s: %s",
+            "" if step is None else f" step {step}",
+            " ".join(f"{k}={v}MiB" for k, v in mib.items()),
+        )
         return mib
 
     # ---- offload prefetch (CUDA) ---------------------------------------------------------------------------------
@@ -575,9 +608,11 @@ class ActivationHandle:
             self.exchange.clear()
 
     def describe(self) -> str:
-        lines = [f"{name or '<root>'}: {p}" + (f" (taken out of {self.lifted[name]}'s recompute)"
-                                                if name in self.lifted else "")
-                 for name, p in self.plan.items()]
+        lines = [
+            f"{name or '<root>'}: {p}"
+            + (f" (taken out of {self.lifted[name]}'s recompute)" if name in self.lifted else "")
+            for name, p in self.plan.items()
+        ]
         return "\n".join(lines)
 
 
@@ -589,8 +624,9 @@ def _policy_text(pol: dict[str, str]) -> str:
     return f"input={pol['input']}, activation={pol['activation']}"
 
 
-def apply_activation_policies(model: nn.Module, rules: Iterable[Any], group=None, *,
-                              dtype: torch.dtype | None = None, account_all: bool = True) -> ActivationHandle:
+def apply_activation_policies(
+    model: nn.Module, rules: Iterable[Any], group=None, *, dtype: torch.dtype | None = None, account_all: bool = True
+) -> ActivationHandle:
     """Wrap the modules of `model` (a whole K3Model, a pipeline stage, or any module) that `rules` select.
 
     rules: Rule objects, mappings or config rules (see `as_rule`); first matching rule wins per module and role.
@@ -624,8 +660,10 @@ def apply_activation_policies(model: nn.Module, rules: Iterable[Any], group=None
         for role in ROLES:
             pick = next((rules[i] for i in matching if rules[i].role in (None, role)), None)
             if pick is not None and pick.policy == "recompute":
-                raise ValueError(f"module {name!r}: rule {pick.describe()} (recompute, a whole-module policy) conflicts "
-                                 f"with the earlier rule {first.describe()}; list the recompute rule first")
+                raise ValueError(
+                    f"module {name!r}: rule {pick.describe()} (recompute, a whole-module policy) conflicts "
+                    f"with the earlier rule {first.describe()}; list the recompute rule first"
+                )
             pol[role] = pick.policy if pick is not None else None
         resolved[name] = pol
 
@@ -642,14 +680,20 @@ def apply_activation_policies(model: nn.Module, rules: Iterable[Any], group=None
     for name, pol in resolved.items():
         if "fp8" in pol.values():
             if not dtype.is_floating_point:
-                raise ValueError(f"fp8 activation storage requested for {name or '<root>'!r}, but activations are {dtype}: "
-                                 "only floating tensors can be stored in fp8")
+                raise ValueError(
+                    f"fp8 activation storage requested for {name or '<root>'!r}, but activations are {dtype}: "
+                    "only floating tensors can be stored in fp8"
+                )
             if not fp8_supported(device):
-                raise ValueError(f"fp8 activation storage requested for {name or '<root>'!r}, but torch.float8_e4m3fn "
-                                 f"is not supported on device {device} by this torch build")
+                raise ValueError(
+                    f"fp8 activation storage requested for {name or '<root>'!r}, but torch.float8_e4m3fn "
+                    f"is not supported on device {device} by this torch build"
+                )
             if isinstance(mods[name], nn.Embedding) and pol["input"] == "fp8":
-                raise ValueError(f"fp8 activation storage requested for the inputs of embedding {name!r}: they are "
-                                 "integer token ids; give this module keep")
+                raise ValueError(
+                    f"fp8 activation storage requested for the inputs of embedding {name!r}: they are "
+                    "integer token ids; give this module keep"
+                )
 
     handle = ActivationHandle()
     handle.dtype = dtype
@@ -664,7 +708,7 @@ def apply_activation_policies(model: nn.Module, rules: Iterable[Any], group=None
         resolved[""] = {"input": "keep", "activation": "keep"}
     name_of = {id(m): n for n, m in named}
     keep_all = {"input": "keep", "activation": "keep"}
-    governor: dict[str, str] = {}        # resolved module -> the managed module whose wrapper handles it
+    governor: dict[str, str] = {}  # resolved module -> the managed module whose wrapper handles it
     effective: dict[str, dict[str, str]] = {}
     for name, m in named:
         if name not in resolved:
@@ -692,12 +736,16 @@ def apply_activation_policies(model: nn.Module, rules: Iterable[Any], group=None
     # and managed gets the wrapper around the region).
     from k3train.models.k3.model import K3Layer
     from k3train.models.k3.moe import LatentMoE
+
     for name in effective:
         site = _Site(handle, name, mods[name], effective[name])
         handle.sites[name] = site
         handle.plan[name] = _policy_text(site.policy)
-    region_sites = {n: s for n, s in handle.sites.items()
-                    if "moe_experts" in kinds[n] and isinstance(parent_of.get(id(mods[n])), LatentMoE)}
+    region_sites = {
+        n: s
+        for n, s in handle.sites.items()
+        if "moe_experts" in kinds[n] and isinstance(parent_of.get(id(mods[n])), LatentMoE)
+    }
     for n, s in region_sites.items():
         moe = parent_of[id(mods[n])]
         handle._install(moe, lambda orig, s=s, moe=moe: _moe_routed_with_region(s, moe), attr="routed")
@@ -706,14 +754,17 @@ def apply_activation_policies(model: nn.Module, rules: Iterable[Any], group=None
             handle._install(m, lambda orig, name=name: _tracked(handle, name, orig))
     for name, site in handle.sites.items():
         if name not in region_sites:
-            handle._install(site.module, lambda orig, site=site: (lambda *a, **k: site.run(orig, *a, **k)))
+            handle._install(site.module, lambda orig, site=site: lambda *a, **k: site.run(orig, *a, **k))
 
     counts: dict[str, int] = defaultdict(int)
     for text in handle.plan.values():
         counts[text] += 1
-    log.info("activation policies: %d managed modules (%s)%s", len(handle.sites),
-             ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())),
-             f", {len(handle.lifted)} taken out of a recomputed module" if handle.lifted else "")
+    log.info(
+        "activation policies: %d managed modules (%s)%s",
+        len(handle.sites),
+        ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())),
+        f", {len(handle.lifted)} taken out of a recomputed module" if handle.lifted else "",
+    )
     log.debug("activation plan:\n%s", handle.describe())
     return handle
 
@@ -725,6 +776,7 @@ def _tracked(handle: ActivationHandle, name: str, orig: Callable) -> Callable:
             return orig(*args, **kwargs)
         finally:
             handle.current_layer = prev
+
     return forward
 
 

@@ -38,7 +38,7 @@ class Layout:
         t = t.detach()
         for d in range(t.dim()):
             if t.stride(d) == 0 and t.shape[d] > 1:
-                t = t.narrow(d, 0, 1)          # broadcast dim: keep one copy, expand again on unpack
+                t = t.narrow(d, 0, 1)  # broadcast dim: keep one copy, expand again on unpack
         if not t.is_contiguous():
             # A dense permutation (e.g. a transposed weight-shaped activation) is stored in memory order.
             perm = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
@@ -99,7 +99,7 @@ class HostSaved:
         if event is not None:
             stream = torch.cuda.current_stream(self.layout.device)
             stream.wait_event(event)
-            base.record_stream(stream)      # the side stream allocated it; the compute stream now reads it
+            base.record_stream(stream)  # the side stream allocated it; the compute stream now reads it
         return self.layout.rebuild(base)
 
 
@@ -126,7 +126,7 @@ class LocalOffloader:
         host = torch.empty(base.shape, dtype=base.dtype, pin_memory=True)
         with torch.cuda.stream(side):
             host.copy_(base, non_blocking=True)
-            base.record_stream(side)           # the device buffer is not reused before the copy has read it
+            base.record_stream(side)  # the device buffer is not reused before the copy has read it
             event = torch.cuda.Event()
             event.record(side)
         return host, event
@@ -151,7 +151,7 @@ class RemoteCall:
 
     def __init__(self, key, exchange: "RemoteExchange"):
         self.key, self.exchange = key, exchange
-        self.pending: list[torch.Tensor] = []      # compact bases until the end of the forward
+        self.pending: list[torch.Tensor] = []  # compact bases until the end of the forward
         self.meta: list[tuple[torch.dtype, torch.Size, int]] = []  # (dtype, shape, byte offset) per base
         self.restored: list[torch.Tensor] | None = None
         self.device = None
@@ -169,7 +169,7 @@ class RemoteCall:
             self.meta.append((b.dtype, b.shape, offset))
             parts.append(raw)
             offset += raw.numel()
-            pad = -offset % 16       # every part starts 16-byte aligned, so it can be viewed as its dtype again
+            pad = -offset % 16  # every part starts 16-byte aligned, so it can be viewed as its dtype again
             if pad:
                 parts.append(raw.new_zeros(pad))
                 offset += pad
@@ -186,7 +186,7 @@ class RemoteCall:
         out = []
         for dtype, shape, off in self.meta:
             n = shape.numel() * torch.empty((), dtype=dtype).element_size()
-            out.append(payload[off:off + n].view(dtype).view(shape))
+            out.append(payload[off : off + n].view(dtype).view(shape))
         self.restored = out
 
 
@@ -203,7 +203,8 @@ class RemoteSaved:
         if self.call.restored is None:
             raise RuntimeError(
                 f"offload_remote: a saved tensor of {self.call.key[0]!r} was needed before that module's outputs "
-                "received their gradients (the fetch point); put this module under another policy")
+                "received their gradients (the fetch point); put this module under another policy"
+            )
         return self.layout.rebuild(self.call.restored[self.index])
 
 
@@ -227,10 +228,12 @@ class RemoteExchange:
         self.group = group if group is not None else dist.group.WORLD
         n = dist.get_world_size(self.group)
         if n < 2 or n % 2:
-            raise ValueError(f"offload_remote pairs rank r with (r + n/2) % n: the group needs an even size >= 2, got {n}")
+            raise ValueError(
+                f"offload_remote pairs rank r with (r + n/2) % n: the group needs an even size >= 2, got {n}"
+            )
         r = dist.get_rank(self.group)
-        self.peer = (r + n // 2) % n              # the peer's rank in the group
-        self.hosted: dict = {}                    # key -> the peer's payload I hold
+        self.peer = (r + n // 2) % n  # the peer's rank in the group
+        self.hosted: dict = {}  # key -> the peer's payload I hold
         self.on_cpu = dist.get_backend(self.group) == "gloo"
 
     @property

@@ -12,6 +12,7 @@ def check_recipe(name: str, user_dirs: list[str] | tuple[str, ...] = ()) -> None
     """ConfigError listing the available recipes when `name` is neither a package recipe nor a yaml file in one of
     `user_dirs` (folders given with --config-dir)."""
     from pathlib import Path
+
     names = available_recipes()
     if name in names or any((Path(d) / f"{name}.yaml").is_file() for d in user_dirs):
         return
@@ -23,14 +24,16 @@ def from_omegaconf(dcfg) -> K3TrainConfig:
     """Typed dataclass tree from a composed DictConfig (lists become tuples where the schema says tuple)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
+
     _reject_unknown_keys(dcfg, K3TrainConfig, "")
     try:
         cfg = OmegaConf.to_object(dcfg)
     except OmegaConfBaseException as e:
         raise ConfigError(_clean(e)) from None
     if not isinstance(cfg, K3TrainConfig):
-        raise ConfigError("the composed config is not a k3train config: list k3train_schema first in the recipe's "
-                          "defaults")
+        raise ConfigError(
+            "the composed config is not a k3train config: list k3train_schema first in the recipe's defaults"
+        )
     cfg.optim.betas = tuple(cfg.optim.betas)
     cfg.model.overrides = dict(cfg.model.overrides)
     return cfg
@@ -42,6 +45,7 @@ def _reject_unknown_keys(node, schema, prefix: str) -> None:
     import typing
 
     from omegaconf import DictConfig
+
     if not isinstance(node, DictConfig) or not dataclasses.is_dataclass(schema):
         return
     hints = typing.get_type_hints(schema)
@@ -49,8 +53,9 @@ def _reject_unknown_keys(node, schema, prefix: str) -> None:
     for key in node.keys():
         full = f"{prefix}{key}"
         if key not in names:
-            raise ConfigError(f"{full}: unknown key; {prefix.rstrip('.') or 'the config'} has "
-                              f"{', '.join(sorted(names))}")
+            raise ConfigError(
+                f"{full}: unknown key; {prefix.rstrip('.') or 'the config'} has {', '.join(sorted(names))}"
+            )
         sub = hints.get(key)
         if dataclasses.is_dataclass(sub):
             _reject_unknown_keys(node._get_node(key), sub, full + ".")
@@ -58,11 +63,17 @@ def _reject_unknown_keys(node, schema, prefix: str) -> None:
 
 def _clean(e: BaseException) -> str:
     """Hydra/OmegaConf messages carry the full key already; drop their noise lines."""
-    lines = [ln for ln in str(e).splitlines()
-             if ln.strip() and not ln.strip().startswith(("reference_type", "object_type", "Set the environment"))]
+    lines = [
+        ln
+        for ln in str(e).splitlines()
+        if ln.strip() and not ln.strip().startswith(("reference_type", "object_type", "Set the environment"))
+    ]
     if e.__cause__ is not None and str(e.__cause__) not in str(e):
-        lines += [ln for ln in str(e.__cause__).splitlines()
-                  if ln.strip() and not ln.strip().startswith(("reference_type", "object_type"))]
+        lines += [
+            ln
+            for ln in str(e.__cause__).splitlines()
+            if ln.strip() and not ln.strip().startswith(("reference_type", "object_type"))
+        ]
     return "\n".join(lines)
 
 
@@ -81,8 +92,9 @@ def compose_config(recipe: str, overrides: list[str] | tuple[str, ...] = ()):
         raise ConfigError(_clean(e)) from None
 
 
-def load_config(recipe: str, overrides: list[str] | tuple[str, ...] = (), *,
-                world_size: int | None = None) -> K3TrainConfig:
+def load_config(
+    recipe: str, overrides: list[str] | tuple[str, ...] = (), *, world_size: int | None = None
+) -> K3TrainConfig:
     """Compose, convert and validate a recipe; raises ConfigError naming the bad key. Builds no model."""
     cfg = from_omegaconf(compose_config(recipe, overrides))
     validate_config(cfg, world_size=world_size)

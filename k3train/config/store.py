@@ -67,6 +67,7 @@ def register_configs() -> None:
     # through an import hook that walk misses, so the search path is also registered by name here.
     from hydra.core.plugins import Plugins
     from hydra_plugins.k3train_searchpath import K3TrainSearchPath
+
     Plugins.instance().register(K3TrainSearchPath)
     if not OmegaConf.has_resolver("k3train_configs"):
         OmegaConf.register_new_resolver("k3train_configs", lambda: configs_dir().as_posix())

@@ -31,11 +31,17 @@ def _need(ok: bool, key: str, msg: str) -> None:
 def _overrides(cfg: K3TrainConfig) -> dict:
     """model.overrides with model.mtp_layers (the same field, settable either way) folded in."""
     out, mtp = dict(cfg.model.overrides), cfg.model.mtp_layers
-    _need(mtp in (0, 1) and not isinstance(mtp, bool), "model.mtp_layers",
-          f"must be 0 or 1 (one multi-token-prediction module at most), got {mtp!r}")
+    _need(
+        mtp in (0, 1) and not isinstance(mtp, bool),
+        "model.mtp_layers",
+        f"must be 0 or 1 (one multi-token-prediction module at most), got {mtp!r}",
+    )
     if mtp:
-        _need(out.get("mtp_layers", mtp) == mtp, "model.mtp_layers",
-              f"{mtp} contradicts model.overrides.mtp_layers={out.get('mtp_layers')}")
+        _need(
+            out.get("mtp_layers", mtp) == mtp,
+            "model.mtp_layers",
+            f"{mtp} contradicts model.overrides.mtp_layers={out.get('mtp_layers')}",
+        )
         out["mtp_layers"] = mtp
     return out
 
@@ -58,6 +64,7 @@ def required_seq_multiple(args: K3ModelArgs, cp: int = 1, cp_layout: str = "zigz
     not built."""
     try:
         from k3train.models.k3.model import required_seq_multiple as model_multiple
+
         m = int(model_multiple(args))
     except ImportError:  # the model module is optional for config checks; its rule is the KDA chunk
         m = args.kda_chunk
@@ -81,6 +88,7 @@ def train_device_type(device: str) -> str:
     """'cuda' or 'cpu': what train.device resolves to on this machine (auto: cuda when torch sees one)."""
     if device == "auto":
         import torch
+
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
 
@@ -91,10 +99,14 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
     args = model_args(cfg)
 
     # ---- model.kernels: refused here, before any process group, where Triton cannot run ---------------------
-    _need(cfg.train.precision != "fp64" or cfg.model.kernels != "triton", "train.precision",
-          "fp64 cannot run model.kernels=triton (the Triton kernels compute in fp32); use model.kernels=torch or auto "
-          "(auto runs the PyTorch ops on fp64 tensors)")
+    _need(
+        cfg.train.precision != "fp64" or cfg.model.kernels != "triton",
+        "train.precision",
+        "fp64 cannot run model.kernels=triton (the Triton kernels compute in fp32); use model.kernels=torch or auto "
+        "(auto runs the PyTorch ops on fp64 tensors)",
+    )
     from k3train.ops.backend import resolve_kernels
+
     try:
         resolve_kernels(cfg.model.kernels, train_device_type(cfg.train.device))
     except ValueError as e:
@@ -103,28 +115,43 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
     # ---- parallel: one parser and one set of rules for every layout (k3train.parallel.mesh) ----------------
     p = cfg.parallel
     from k3train.parallel.mesh import ParallelDims
+
     ParallelDims.from_config(p, world).validate(world_size=world, model_args=args)
 
     # ---- data ------------------------------------------------------------------------------------
     d = cfg.data
     _need(d.source in DATA_SOURCES, "data.source", f"unknown source {d.source!r}; choose one of {list(DATA_SOURCES)}")
-    _need(d.tokenizer in TOKENIZERS, "data.tokenizer",
-          f"unknown tokenizer {d.tokenizer!r}; choose one of {list(TOKENIZERS)}")
+    _need(
+        d.tokenizer in TOKENIZERS,
+        "data.tokenizer",
+        f"unknown tokenizer {d.tokenizer!r}; choose one of {list(TOKENIZERS)}",
+    )
     _need(d.seq_len >= 1, "data.seq_len", f"must be >= 1, got {d.seq_len}")
     _need(d.micro_batch >= 1, "data.micro_batch", f"must be >= 1, got {d.micro_batch}")
     mult = required_seq_multiple(args, p.cp, p.cp_layout)
     pieces = mult // max(1, required_seq_multiple(args))
-    _need(d.seq_len % mult == 0, "data.seq_len",
-          f"{d.seq_len} is not a multiple of {mult} (model {args.name}: KDA chunk {args.kda_chunk}"
-          + (f" x {pieces} {p.cp_layout} pieces for cp={p.cp}" if p.cp > 1 else "") + ")")
-    _need(d.seq_len <= args.max_seq_len, "data.seq_len",
-          f"{d.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
+    _need(
+        d.seq_len % mult == 0,
+        "data.seq_len",
+        f"{d.seq_len} is not a multiple of {mult} (model {args.name}: KDA chunk {args.kda_chunk}"
+        + (f" x {pieces} {p.cp_layout} pieces for cp={p.cp}" if p.cp > 1 else "")
+        + ")",
+    )
+    _need(
+        d.seq_len <= args.max_seq_len, "data.seq_len", f"{d.seq_len} exceeds the model's max_seq_len={args.max_seq_len}"
+    )
     _need(0.0 <= d.eval_fraction < 1.0, "data.eval_fraction", f"must lie in [0, 1), got {d.eval_fraction}")
     if d.source == "files":
-        _need(not (d.paths and d.sources), "data.sources",
-              "give data.paths (one source) or data.sources (a mixture), not both")
-        _need(len(d.paths) > 0 or len(d.sources) > 0, "data.paths",
-              "source 'files' needs at least one path or glob (or data.sources)")
+        _need(
+            not (d.paths and d.sources),
+            "data.sources",
+            "give data.paths (one source) or data.sources (a mixture), not both",
+        )
+        _need(
+            len(d.paths) > 0 or len(d.sources) > 0,
+            "data.paths",
+            "source 'files' needs at least one path or glob (or data.sources)",
+        )
         for i, s in enumerate(d.sources):
             _need(len(s.paths) > 0, f"data.sources[{i}].paths", "a source needs at least one path or glob")
             _need(s.weight > 0, f"data.sources[{i}].weight", f"must be > 0, got {s.weight}")
@@ -134,50 +161,90 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
         _need(not d.sources, "data.sources", f"a mixture needs data.source='files', not {d.source!r}")
         _need(not d.streaming, "data.streaming", f"streaming reads source 'files', not {d.source!r}")
     # A stream cannot know before reading it whether any document falls in eval; with a zero fraction none does.
-    _need(not (d.streaming and cfg.train.eval_interval > 0 and d.eval_fraction == 0), "data.eval_fraction",
-          "is 0 with data.streaming and train.eval_interval > 0: no document would reach eval (set a fraction > 0 "
-          "or train.eval_interval=0)")
+    _need(
+        not (d.streaming and cfg.train.eval_interval > 0 and d.eval_fraction == 0),
+        "data.eval_fraction",
+        "is 0 with data.streaming and train.eval_interval > 0: no document would reach eval (set a fraction > 0 "
+        "or train.eval_interval=0)",
+    )
     _need(d.on_bad_sample in ("skip", "fail"), "data.on_bad_sample", f"must be skip or fail, got {d.on_bad_sample!r}")
     _need(d.image_max_pixels >= 1, "data.image_max_pixels", f"must be >= 1, got {d.image_max_pixels}")
     _need(0.0 <= d.vision_clips <= 1.0, "data.vision_clips", f"must lie in [0, 1], got {d.vision_clips}")
-    _need(d.vision_clips == 0 or d.source == "builtin_vision", "data.vision_clips",
-          f"draws clips for source 'builtin_vision', not {d.source!r}")
-    _need(not d.blank_images or d.source in VISION_SOURCES, "data.blank_images",
-          f"blanks the images of the sources {list(VISION_SOURCES)}; source {d.source!r} has none")
+    _need(
+        d.vision_clips == 0 or d.source == "builtin_vision",
+        "data.vision_clips",
+        f"draws clips for source 'builtin_vision', not {d.source!r}",
+    )
+    _need(
+        not d.blank_images or d.source in VISION_SOURCES,
+        "data.blank_images",
+        f"blanks the images of the sources {list(VISION_SOURCES)}; source {d.source!r} has none",
+    )
     if d.source == "vision_files":
         _need(len(d.paths) > 0, "data.paths", "source 'vision_files' needs at least one folder, file or glob")
-        _need(d.format in ("auto", *VISION_FORMATS), "data.format",
-              f"unknown format {d.format!r} for source 'vision_files'; choose auto or one of {list(VISION_FORMATS)}")
-        _need(bool(d.image_field or d.video_field), "data.image_field",
-              "and data.video_field are both empty: source 'vision_files' needs the column of the images or videos")
+        _need(
+            d.format in ("auto", *VISION_FORMATS),
+            "data.format",
+            f"unknown format {d.format!r} for source 'vision_files'; choose auto or one of {list(VISION_FORMATS)}",
+        )
+        _need(
+            bool(d.image_field or d.video_field),
+            "data.image_field",
+            "and data.video_field are both empty: source 'vision_files' needs the column of the images or videos",
+        )
         _need(bool(d.text_field), "data.text_field", "is empty: source 'vision_files' needs the caption column")
         _need(d.video_frames >= 0, "data.video_frames", f"must be >= 0, got {d.video_frames}")
-        _need(d.video_frames == 0 or bool(d.video_field), "data.video_frames",
-              "keeps frames of videos, but data.video_field is empty (the data has no videos)")
+        _need(
+            d.video_frames == 0 or bool(d.video_field),
+            "data.video_frames",
+            "keeps frames of videos, but data.video_field is empty (the data has no videos)",
+        )
     else:
-        _need(d.image_field == "image", "data.image_field",
-              f"names the image column of source 'vision_files', not of {d.source!r}")
-        _need(not d.video_field, "data.video_field",
-              f"names the video column of source 'vision_files', not of {d.source!r}")
-        _need(d.video_frames == 0, "data.video_frames",
-              f"keeps frames of the videos of source 'vision_files', not of {d.source!r}")
+        _need(
+            d.image_field == "image",
+            "data.image_field",
+            f"names the image column of source 'vision_files', not of {d.source!r}",
+        )
+        _need(
+            not d.video_field,
+            "data.video_field",
+            f"names the video column of source 'vision_files', not of {d.source!r}",
+        )
+        _need(
+            d.video_frames == 0,
+            "data.video_frames",
+            f"keeps frames of the videos of source 'vision_files', not of {d.source!r}",
+        )
     if d.source in VISION_SOURCES:
-        _need(args.vision is not None, "data.source",
-              f"{d.source!r} feeds images, but model {args.name} has no vision tower (set model.overrides.vision "
-              f"or use the tiny_vision preset)")
-    _need(p.vision_placement == "stage" or d.source in VISION_SOURCES, "parallel.vision_placement",
-          f"'{p.vision_placement}' places the vision tower's work, but data.source={d.source!r} feeds no images")
+        _need(
+            args.vision is not None,
+            "data.source",
+            f"{d.source!r} feeds images, but model {args.name} has no vision tower (set model.overrides.vision "
+            f"or use the tiny_vision preset)",
+        )
+    _need(
+        p.vision_placement == "stage" or d.source in VISION_SOURCES,
+        "parallel.vision_placement",
+        f"'{p.vision_placement}' places the vision tower's work, but data.source={d.source!r} feeds no images",
+    )
     _need(d.num_proc >= 1, "data.num_proc", f"must be >= 1, got {d.num_proc}")
-    _need(not (d.num_proc > 1 and (d.streaming or d.source != "files")), "data.num_proc",
-          "tokenizing processes serve non-streaming source 'files' only")
-    _need(not d.tiktoken_pattern or d.tokenizer == "tiktoken", "data.tiktoken_pattern",
-          f"applies to tokenizer 'tiktoken', not {d.tokenizer!r}")
+    _need(
+        not (d.num_proc > 1 and (d.streaming or d.source != "files")),
+        "data.num_proc",
+        "tokenizing processes serve non-streaming source 'files' only",
+    )
+    _need(
+        not d.tiktoken_pattern or d.tokenizer == "tiktoken",
+        "data.tiktoken_pattern",
+        f"applies to tokenizer 'tiktoken', not {d.tokenizer!r}",
+    )
     if d.tokenizer in ("hf", "tiktoken"):
         _need(bool(d.tokenizer_path), "data.tokenizer_path", f"tokenizer {d.tokenizer!r} needs a local file path")
     # The special tokens must fit the model's vocabulary; checked here when the tokenizer file is at hand (a plan
     # for another machine may name a file this one lacks).
     if d.tokenizer == "byte" or (d.tokenizer_path and os.path.isfile(os.path.expanduser(d.tokenizer_path))):
         from k3train.data.tokenizers import DataError, build_tokenizer, check_special_ids
+
         try:
             tok = build_tokenizer(d)
         except DataError as e:
@@ -188,6 +255,7 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
             raise ConfigError(f"data.tokenizer: {e}") from e
         if d.source in VISION_SOURCES:
             from k3train.data.vision_corpus import image_token_ids
+
             try:
                 image_token_ids(tok)
             except DataError as e:
@@ -199,33 +267,49 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
     _need(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
     _need(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
     _need(o.vision_weight_decay >= 0, "optim.vision_weight_decay", f"must be >= 0, got {o.vision_weight_decay}")
-    _need(len(o.betas) == 2 and all(0.0 <= b < 1.0 for b in o.betas), "optim.betas",
-          f"must be two numbers in [0, 1), got {list(o.betas)}")
+    _need(
+        len(o.betas) == 2 and all(0.0 <= b < 1.0 for b in o.betas),
+        "optim.betas",
+        f"must be two numbers in [0, 1), got {list(o.betas)}",
+    )
     _need(o.eps > 0, "optim.eps", f"must be > 0, got {o.eps}")
     _need(o.grad_clip >= 0, "optim.grad_clip", f"must be >= 0 (0 disables clipping), got {o.grad_clip}")
     _need(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     _need(0.0 <= o.decay_ratio <= 1.0, "optim.decay_ratio", f"must lie in [0, 1], got {o.decay_ratio}")
     _need(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"must lie in [0, 1], got {o.min_lr_ratio}")
     _need(o.ns_steps >= 1, "optim.ns_steps", f"must be >= 1, got {o.ns_steps}")
-    _need(math.isfinite(o.mtp_loss_weight) and o.mtp_loss_weight >= 0, "optim.mtp_loss_weight",
-          f"must be a finite number >= 0, got {o.mtp_loss_weight}")
+    _need(
+        math.isfinite(o.mtp_loss_weight) and o.mtp_loss_weight >= 0,
+        "optim.mtp_loss_weight",
+        f"must be a finite number >= 0, got {o.mtp_loss_weight}",
+    )
 
     # ---- activation ------------------------------------------------------------------------------
-    from k3train.activation.policy import POLICIES as activation_policies   # one list of names, the policies' own
+    from k3train.activation.policy import POLICIES as activation_policies  # one list of names, the policies' own
+
     a = cfg.activation
-    _need(a.policy in activation_policies, "activation.policy",
-          f"unknown policy {a.policy!r}; choose one of {', '.join(activation_policies)}")
+    _need(
+        a.policy in activation_policies,
+        "activation.policy",
+        f"unknown policy {a.policy!r}; choose one of {', '.join(activation_policies)}",
+    )
     for i, r in enumerate(a.rules):
-        _need(r.policy in activation_policies, f"activation.rules[{i}].policy",
-              f"unknown policy {r.policy!r}; choose one of {', '.join(activation_policies)}")
+        _need(
+            r.policy in activation_policies,
+            f"activation.rules[{i}].policy",
+            f"unknown policy {r.policy!r}; choose one of {', '.join(activation_policies)}",
+        )
         _need(bool(r.match), f"activation.rules[{i}].match", "must be a non-empty pattern")
 
     # ---- logging ---------------------------------------------------------------------------------
     lg = cfg.logging
     _need(lg.log_interval >= 1, "logging.log_interval", f"must be >= 1, got {lg.log_interval}")
     _need(lg.console_interval >= 1, "logging.console_interval", f"must be >= 1, got {lg.console_interval}")
-    _need(lg.wandb_mode in ("auto", "offline", "online", "disabled"), "logging.wandb_mode",
-          f"must be auto, offline, online or disabled, got {lg.wandb_mode!r}")
+    _need(
+        lg.wandb_mode in ("auto", "offline", "online", "disabled"),
+        "logging.wandb_mode",
+        f"must be auto, offline, online or disabled, got {lg.wandb_mode!r}",
+    )
     _need(lg.peak_flops >= 0, "logging.peak_flops", f"must be >= 0 (0 measures it), got {lg.peak_flops}")
 
     # ---- train -----------------------------------------------------------------------------------
@@ -233,25 +317,42 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
     _need(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")
     _need(t.eval_interval >= 0, "train.eval_interval", f"must be >= 0 (0 disables eval), got {t.eval_interval}")
     _need(t.eval_steps >= 1, "train.eval_steps", f"must be >= 1, got {t.eval_steps}")
-    _need(t.checkpoint_interval >= 0, "train.checkpoint_interval",
-          f"must be >= 0 (0 saves only at the end), got {t.checkpoint_interval}")
+    _need(
+        t.checkpoint_interval >= 0,
+        "train.checkpoint_interval",
+        f"must be >= 0 (0 saves only at the end), got {t.checkpoint_interval}",
+    )
     _need(t.keep_last_k >= 1, "train.keep_last_k", f"must be >= 1, got {t.keep_last_k}")
     _need(t.device in ("auto", "cpu", "cuda"), "train.device", f"must be auto, cpu or cuda, got {t.device!r}")
-    _need(t.precision in ("fp32", "bf16", "fp64"), "train.precision",
-          f"must be fp32, bf16 or fp64, got {t.precision!r}")
+    _need(
+        t.precision in ("fp32", "bf16", "fp64"), "train.precision", f"must be fp32, bf16 or fp64, got {t.precision!r}"
+    )
     from k3train.optim.quantile_balancing import BALANCING
-    _need(t.balancing in BALANCING, "train.balancing",
-          f"unknown balancing {t.balancing!r}; choose one of {list(BALANCING)}")
-    _need(t.balancing == "none" or args.top_k < args.n_experts, "train.balancing",
-          f"{t.balancing} balancing needs top_k < n_experts (a token must be able to leave some expert out), got "
-          f"top_k={args.top_k}, n_experts={args.n_experts}; use train.balancing=none or a smaller top_k")
+
+    _need(
+        t.balancing in BALANCING,
+        "train.balancing",
+        f"unknown balancing {t.balancing!r}; choose one of {list(BALANCING)}",
+    )
+    _need(
+        t.balancing == "none" or args.top_k < args.n_experts,
+        "train.balancing",
+        f"{t.balancing} balancing needs top_k < n_experts (a token must be able to leave some expert out), got "
+        f"top_k={args.top_k}, n_experts={args.n_experts}; use train.balancing=none or a smaller top_k",
+    )
     _need(t.threads >= 0, "train.threads", f"must be >= 0 (0 = automatic), got {t.threads}")
     _need(t.timeout_s > 0, "train.timeout_s", f"must be > 0 seconds, got {t.timeout_s}")
-    _need(t.host_work_timeout_s >= t.timeout_s, "train.host_work_timeout_s",
-          f"must be >= train.timeout_s ({t.timeout_s}), got {t.host_work_timeout_s}")
+    _need(
+        t.host_work_timeout_s >= t.timeout_s,
+        "train.host_work_timeout_s",
+        f"must be >= train.timeout_s ({t.timeout_s}), got {t.host_work_timeout_s}",
+    )
     if t.resume not in ("auto", "never"):
-        _need(Path(t.resume).exists(), "train.resume",
-              f"must be auto, never or an existing checkpoint/run directory; {t.resume!r} does not exist")
+        _need(
+            Path(t.resume).exists(),
+            "train.resume",
+            f"must be auto, never or an existing checkpoint/run directory; {t.resume!r} does not exist",
+        )
     return args
 
 

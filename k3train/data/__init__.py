@@ -6,5 +6,12 @@ from k3train.data.packing import IGNORE_INDEX
 from k3train.data.recall import recall_accuracy
 from k3train.data.tokenizers import DataError, build_tokenizer
 
-__all__ = ["DataConfig", "DataError", "MicroBatchLoader", "IGNORE_INDEX", "build_dataloader", "build_tokenizer",
-           "recall_accuracy"]
+__all__ = [
+    "DataConfig",
+    "DataError",
+    "MicroBatchLoader",
+    "IGNORE_INDEX",
+    "build_dataloader",
+    "build_tokenizer",
+    "recall_accuracy",
+]

@@ -16,8 +16,7 @@ import sys
 import sysconfig
 
 from k3train.data.config import DataConfig
-from k3train.data.packing import (TokenizedDocs, cache_key, cache_lock, load_cached, save_cached,
-                                  tokenize_texts)
+from k3train.data.packing import TokenizedDocs, cache_key, cache_lock, load_cached, save_cached, tokenize_texts
 from k3train.data.tokenizers import DataError
 
 _EXTENSIONS = (".py", ".rst", ".txt")
@@ -55,8 +54,9 @@ def list_builtin_files(max_bytes: int) -> list[tuple[str, int]]:
             chosen.append((rel, size))
             total += size
     if not chosen:
-        raise DataError(f"no standard-library text files found under {root!r} within "
-                        f"data.builtin_max_bytes={max_bytes}")
+        raise DataError(
+            f"no standard-library text files found under {root!r} within data.builtin_max_bytes={max_bytes}"
+        )
     return chosen
 
 
@@ -80,8 +80,9 @@ def build_builtin_corpus(cfg: DataConfig, tok, *, progress: bool = True) -> Toke
     with cache_lock(f"builtin-{key}"):  # one process tokenizes; the others wait here, then read its cache
         docs = load_cached(key)
         if docs is None:
-            docs = tokenize_texts(_read_texts(root, files), tok, desc="tokenizing built-in corpus",
-                                  progress=progress, total=len(files))
+            docs = tokenize_texts(
+                _read_texts(root, files), tok, desc="tokenizing built-in corpus", progress=progress, total=len(files)
+            )
             if len(docs) == 0:
                 raise DataError(f"the built-in corpus under {root!r} holds no readable UTF-8 documents")
             save_cached(key, docs)

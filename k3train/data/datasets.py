@@ -27,13 +27,20 @@ import os
 import numpy as np
 
 from k3train.data.config import DataConfig, SourceConfig
-from k3train.data.packing import TokenizedDocs, cache_key, cache_lock, cache_root, in_eval_split, text_hash, \
-    token_dtype
+from k3train.data.packing import TokenizedDocs, cache_key, cache_lock, cache_root, in_eval_split, text_hash, token_dtype
 from k3train.data.tokenizers import DataError, build_tokenizer
+
 _EXT_FORMAT = {
-    ".txt": "text", ".text": "text", ".md": "text", ".rst": "text", ".py": "text",
-    ".jsonl": "json", ".json": "json", ".ndjson": "json",
-    ".parquet": "parquet", ".pq": "parquet",
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".rst": "text",
+    ".py": "text",
+    ".jsonl": "json",
+    ".json": "json",
+    ".ndjson": "json",
+    ".parquet": "parquet",
+    ".pq": "parquet",
 }
 _FORMATS = ("text", "json", "parquet")
 STREAM_JSON_CHUNK = 1 << 20
@@ -64,8 +71,11 @@ def resolve_paths(paths: list[str]) -> list[str]:
         raise DataError("data.source='files' needs data.paths (files, folders or globs); it is empty")
     out: list[str] = []
     for p in paths:
-        out += expand_path(p, folder_files=lambda f: os.path.splitext(f)[1].lower() in _EXT_FORMAT,
-                           folder_holds=".txt/.jsonl/.parquet (or similar) files")
+        out += expand_path(
+            p,
+            folder_files=lambda f: os.path.splitext(f)[1].lower() in _EXT_FORMAT,
+            folder_holds=".txt/.jsonl/.parquet (or similar) files",
+        )
     return list(dict.fromkeys(os.path.abspath(f) for f in out))  # keeps first-seen order
 
 
@@ -76,8 +86,10 @@ def file_format(path: str, fmt: str) -> str:
         raise DataError(f"unknown data.format {fmt!r}; expected 'auto', 'text', 'json' or 'parquet'")
     ext = os.path.splitext(path)[1].lower()
     if ext not in _EXT_FORMAT:
-        raise DataError(f"cannot tell the format of {path!r} from its extension {ext!r}; set data.format "
-                        f"to 'text', 'json' or 'parquet'")
+        raise DataError(
+            f"cannot tell the format of {path!r} from its extension {ext!r}; set data.format "
+            f"to 'text', 'json' or 'parquet'"
+        )
     return _EXT_FORMAT[ext]
 
 
@@ -86,8 +98,10 @@ def source_files(src: SourceConfig) -> tuple[list[str], str]:
     files = resolve_paths(list(src.paths))
     formats = sorted({file_format(f, src.format) for f in files})
     if len(formats) > 1:
-        raise DataError(f"data source {src.name!r} mixes formats {formats} in {files[:4]}: one source is one "
-                        f"load_dataset call, so give each format its own entry of data.sources")
+        raise DataError(
+            f"data source {src.name!r} mixes formats {formats} in {files[:4]}: one source is one "
+            f"load_dataset call, so give each format its own entry of data.sources"
+        )
     for f in files:
         if os.path.getsize(f) == 0:
             raise DataError(f"data file is empty: {f!r}")
@@ -105,8 +119,14 @@ def load_files(files: list[str], fmt: str, *, streaming: bool, progress: bool):
     if quiet:
         datasets.disable_progress_bars()
     try:
-        return datasets.load_dataset(fmt, data_files=list(files), split="train", streaming=streaming,
-                                     cache_dir=os.path.join(cache_root(), "hf_datasets"), **kwargs)
+        return datasets.load_dataset(
+            fmt,
+            data_files=list(files),
+            split="train",
+            streaming=streaming,
+            cache_dir=os.path.join(cache_root(), "hf_datasets"),
+            **kwargs,
+        )
     except Exception as e:  # datasets wraps parser errors in its own exception types
         shown = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} more)"
         raise DataError(f"cannot read {fmt} file(s) {shown!r}: {type(e).__name__}: {e}") from e
@@ -128,8 +148,9 @@ class Tokenize:
 
     def texts(self, batch: dict) -> tuple[list[str], np.ndarray]:
         if self.column not in batch:
-            raise DataError(f"text field {self.column!r} (data.text_field) not found in {self.what}; "
-                            f"it has {sorted(batch)}")
+            raise DataError(
+                f"text field {self.column!r} (data.text_field) not found in {self.what}; it has {sorted(batch)}"
+            )
         texts = []
         for value in batch[self.column]:
             if value is None:
@@ -165,15 +186,22 @@ def build_source_docs(cfg: DataConfig, src: SourceConfig, tok, *, progress: bool
     with cache_lock("files-" + cache_key(files)):
         ds = load_files(files, fmt, streaming=False, progress=progress)
         if column not in ds.column_names:
-            raise DataError(f"text field {column!r} (data.text_field) not found in {what}; it has "
-                            f"{sorted(ds.column_names)}")
+            raise DataError(
+                f"text field {column!r} (data.text_field) not found in {what}; it has {sorted(ds.column_names)}"
+            )
         # Our own fingerprint: datasets cannot hash a tokenizer object reliably. The dataset's fingerprint covers
         # the files (paths, sizes, modification times); the tokenizer's names everything its ids depend on.
         fingerprint = cache_key("tokenize-v1", ds._fingerprint, column, tok.fingerprint)
         try:
-            out = ds.map(Tokenize(cfg, column, what), batched=True, batch_size=256, remove_columns=ds.column_names,
-                         num_proc=cfg.num_proc if cfg.num_proc > 1 else None, new_fingerprint=fingerprint,
-                         desc=f"tokenizing {src.name or 'files'}")
+            out = ds.map(
+                Tokenize(cfg, column, what),
+                batched=True,
+                batch_size=256,
+                remove_columns=ds.column_names,
+                num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+                new_fingerprint=fingerprint,
+                desc=f"tokenizing {src.name or 'files'}",
+            )
         except DataError:
             raise
         except Exception as e:
@@ -193,8 +221,10 @@ def _docs_from_arrow(ds, tok) -> TokenizedDocs:
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     dtype = token_dtype(tok.vocab_size)
-    tokens = np.concatenate([pc.list_flatten(c).to_numpy(zero_copy_only=False).astype(dtype) for c in ids.chunks]
-                            + [np.zeros(0, dtype=dtype)])
+    tokens = np.concatenate(
+        [pc.list_flatten(c).to_numpy(zero_copy_only=False).astype(dtype) for c in ids.chunks]
+        + [np.zeros(0, dtype=dtype)]
+    )
     hashes = np.concatenate([c.to_numpy(zero_copy_only=False) for c in ds.data.column("hash").chunks])
     return TokenizedDocs(tokens=tokens, offsets=offsets, doc_hash=hashes.astype(np.uint64))
 
@@ -211,8 +241,9 @@ class DocStream:
     {"epoch", "hf": the IterableDataset's state_dict} and `seek(position)` goes back to it. At the end of the data the
     next epoch starts over in the same order."""
 
-    def __init__(self, cfg: DataConfig, src: SourceConfig, *, split: str, dp_rank: int, dp_world: int,
-                 batch_docs: int = 64):
+    def __init__(
+        self, cfg: DataConfig, src: SourceConfig, *, split: str, dp_rank: int, dp_world: int, batch_docs: int = 64
+    ):
         from datasets.distributed import split_dataset_by_node
 
         files, fmt = source_files(src)
@@ -241,5 +272,7 @@ class DocStream:
                     return position, out["ids"]
                 position = {"epoch": self.epoch, "hf": self.ds.state_dict()}  # a batch of blank documents only
             self.seek({"epoch": self.epoch + 1, "hf": self._start})
-        raise DataError(f"no {self.split} documents in {self.what} on this rank's shard of the stream "
-                        f"(data.eval_fraction={self.fn.keep[1]}; empty, blank or all in the other split)")
+        raise DataError(
+            f"no {self.split} documents in {self.what} on this rank's shard of the stream "
+            f"(data.eval_fraction={self.fn.keep[1]}; empty, blank or all in the other split)"
+        )

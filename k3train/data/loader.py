@@ -50,8 +50,17 @@ class MicroBatchLoader:
     """Micro-batches for one rank. Train: infinite; iterating continues from the current position (which
     state_dict/load_state_dict save and restore). Eval: `num_batches` micro-batches, every `iter()` from the start."""
 
-    def __init__(self, source, *, split: str, micro_batch: int, dp_rank: int, dp_world: int,
-                 num_batches: int | None, state_tag: dict):
+    def __init__(
+        self,
+        source,
+        *,
+        split: str,
+        micro_batch: int,
+        dp_rank: int,
+        dp_world: int,
+        num_batches: int | None,
+        state_tag: dict,
+    ):
         self.source, self.split = source, split
         self.micro_batch, self.dp_rank, self.dp_world = micro_batch, dp_rank, dp_world
         self.num_batches = num_batches
@@ -99,12 +108,16 @@ class MicroBatchLoader:
     def load_state_dict(self, sd: dict) -> None:
         for key, value in self._tag.items():
             if sd.get(key) != value:
-                raise DataError(f"loader state was saved with {key}={sd.get(key)!r} but this loader has "
-                                f"{key}={value!r}; resuming would not continue the same data stream")
+                raise DataError(
+                    f"loader state was saved with {key}={sd.get(key)!r} but this loader has "
+                    f"{key}={value!r}; resuming would not continue the same data stream"
+                )
         rows = int(sd["global_rows"])
         if rows % self.global_batch_rows:
-            raise DataError(f"loader state is at global row {rows}, not a multiple of micro_batch*dp_world="
-                            f"{self.global_batch_rows}: the global batch changed since the state was saved")
+            raise DataError(
+                f"loader state is at global row {rows}, not a multiple of micro_batch*dp_world="
+                f"{self.global_batch_rows}: the global batch changed since the state was saved"
+            )
         self._k = rows // self.global_batch_rows
         if isinstance(self.source, MixedRows):
             if "mixture" not in sd:
@@ -179,8 +192,9 @@ class MixedRows:
     def load_state_dict(self, sd: dict, global_rows: int) -> None:
         by_source = sd.get("rows_by_source", {})
         if sorted(by_source) != sorted(self.names):
-            raise DataError(f"loader state was saved for data sources {sorted(by_source)}, this run has "
-                            f"{sorted(self.names)}")
+            raise DataError(
+                f"loader state was saved for data sources {sorted(by_source)}, this run has {sorted(self.names)}"
+            )
         self._cursor, self._counts = global_rows, np.array([by_source[n] for n in self.names], dtype=np.int64)
         if self.streaming:
             for name, p in zip(self.names, self.parts):
@@ -191,8 +205,17 @@ class MixedRows:
         return {f"data/tokens/{name}": int(c) * self.seq_len for name, c in zip(self.names, self._counts)}
 
 
-def build_dataloader(cfg: DataConfig, tok, *, split: str = "train", dp_rank: int = 0, dp_world: int = 1,
-                     vocab_size: int | None = None, progress: bool | None = None, vision=None) -> MicroBatchLoader:
+def build_dataloader(
+    cfg: DataConfig,
+    tok,
+    *,
+    split: str = "train",
+    dp_rank: int = 0,
+    dp_world: int = 1,
+    vocab_size: int | None = None,
+    progress: bool | None = None,
+    vision=None,
+) -> MicroBatchLoader:
     """The loader of `split` ('train' or 'eval') for data-parallel rank `dp_rank` of `dp_world`.
 
     vocab_size: the model's vocabulary; DataError when the tokenizer or any token id does not fit it.
@@ -215,8 +238,15 @@ def build_dataloader(cfg: DataConfig, tok, *, split: str = "train", dp_rank: int
     if cfg.source == "recall":
         source = RecallSource(cfg, tok, split=split, vocab_size=vocab_size)
         n = None if split == "train" else max(1, EVAL_ROWS // G)
-        return MicroBatchLoader(source, split=split, micro_batch=cfg.micro_batch, dp_rank=dp_rank, dp_world=dp_world,
-                          num_batches=n, state_tag=tag)
+        return MicroBatchLoader(
+            source,
+            split=split,
+            micro_batch=cfg.micro_batch,
+            dp_rank=dp_rank,
+            dp_world=dp_world,
+            num_batches=n,
+            state_tag=tag,
+        )
 
     if cfg.source in VISION_SOURCES:
         if vision is None:
@@ -225,35 +255,61 @@ def build_dataloader(cfg: DataConfig, tok, *, split: str = "train", dp_rank: int
         samples = None  # builtin_vision: drawn samples
         if cfg.source == "vision_files":
             from k3train.data.vision_files import FileSamples
+
             samples = FileSamples(cfg, vision, tok, split=split, progress=progress)
             tag["samples"] = len(samples.good)  # a resume on other data (or another index of it) is refused
             tag["sample_index"] = samples.index.fingerprint()
         source = VisionRows(cfg, tok, vision, split=split, samples=samples)
         n = None if split == "train" else max(1, source.rows_per_pass() // G)
-        return MicroBatchLoader(source, split=split, micro_batch=cfg.micro_batch, dp_rank=dp_rank, dp_world=dp_world,
-                                num_batches=n, state_tag=tag)
+        return MicroBatchLoader(
+            source,
+            split=split,
+            micro_batch=cfg.micro_batch,
+            dp_rank=dp_rank,
+            dp_world=dp_world,
+            num_batches=n,
+            state_tag=tag,
+        )
 
     if cfg.source == "files":
-        return _file_loader(cfg, tok, split=split, dp_rank=dp_rank, dp_world=dp_world, vocab_size=vocab_size,
-                            progress=progress, tag=tag)
+        return _file_loader(
+            cfg, tok, split=split, dp_rank=dp_rank, dp_world=dp_world, vocab_size=vocab_size, progress=progress, tag=tag
+        )
     if cfg.source != "builtin":
-        raise DataError(f"unknown data.source {cfg.source!r}; expected 'builtin', 'files', 'recall', "
-                        f"'builtin_vision' or 'vision_files'")
+        raise DataError(
+            f"unknown data.source {cfg.source!r}; expected 'builtin', 'files', 'recall', "
+            f"'builtin_vision' or 'vision_files'"
+        )
     docs = build_builtin_corpus(cfg, tok, progress=progress)
     check_vocab(docs, tok, vocab_size, "built-in corpus")
     ids = docs.split_ids(split, cfg.eval_fraction)
-    stream = PackedStream(docs, ids, bos_id=tok.bos_id, eos_id=tok.eos_id, seq_len=cfg.seq_len, seed=cfg.seed,
-                          shuffle_each_epoch=(split == "train"))
+    stream = PackedStream(
+        docs,
+        ids,
+        bos_id=tok.bos_id,
+        eos_id=tok.eos_id,
+        seq_len=cfg.seq_len,
+        seed=cfg.seed,
+        shuffle_each_epoch=(split == "train"),
+    )
     tag["documents"] = len(ids)
     tag["tokens_per_epoch"] = stream.epoch_len
     # Eval reads one pass in whole global batches; a set smaller than one global batch is cycled to fill it.
     n = None if split == "train" else max(1, stream.rows_per_pass() // G)
-    return MicroBatchLoader(stream, split=split, micro_batch=cfg.micro_batch, dp_rank=dp_rank, dp_world=dp_world,
-                            num_batches=n, state_tag=tag)
+    return MicroBatchLoader(
+        stream,
+        split=split,
+        micro_batch=cfg.micro_batch,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        num_batches=n,
+        state_tag=tag,
+    )
 
 
-def _file_loader(cfg: DataConfig, tok, *, split: str, dp_rank: int, dp_world: int, vocab_size: int | None,
-                 progress: bool, tag: dict) -> MicroBatchLoader:
+def _file_loader(
+    cfg: DataConfig, tok, *, split: str, dp_rank: int, dp_world: int, vocab_size: int | None, progress: bool, tag: dict
+) -> MicroBatchLoader:
     """source='files': data.paths (one source) or data.sources (a mixture), read whole or streamed."""
     if cfg.paths and cfg.sources:
         raise DataError("give data.paths (one source) or data.sources (a mixture), not both")
@@ -268,8 +324,12 @@ def _file_loader(cfg: DataConfig, tok, *, split: str, dp_rank: int, dp_world: in
     kw = dict(bos_id=tok.bos_id, eos_id=tok.eos_id, seq_len=cfg.seq_len)
     if cfg.streaming:
         check_vocab(None, tok, vocab_size, "data files")  # the tokenizer itself; ids are checked as they come
-        parts = [StreamPacker(DocStream(cfg, s, split=split, dp_rank=dp_rank, dp_world=dp_world),
-                              vocab_size=vocab_size, **kw) for s in sources]
+        parts = [
+            StreamPacker(
+                DocStream(cfg, s, split=split, dp_rank=dp_rank, dp_world=dp_world), vocab_size=vocab_size, **kw
+            )
+            for s in sources
+        ]
         tag.update(streaming=True, dp_world=dp_world, dp_rank=dp_rank, micro_batch=cfg.micro_batch)
         n = None if split == "train" else max(1, EVAL_ROWS // G)
     else:
@@ -285,9 +345,15 @@ def _file_loader(cfg: DataConfig, tok, *, split: str, dp_rank: int, dp_world: in
     if len(parts) == 1 and not cfg.streaming:
         source = parts[0]  # one source read whole: the packed stream itself, as for the built-in corpus
     else:
-        source = MixedRows(parts, names=names, weights=[s.weight for s in sources], seq_len=cfg.seq_len,
-                           seed=cfg.seed)
+        source = MixedRows(parts, names=names, weights=[s.weight for s in sources], seq_len=cfg.seq_len, seed=cfg.seed)
         if len(parts) > 1:
             tag["sources"] = [[nm, float(s.weight)] for nm, s in zip(names, sources)]
-    return MicroBatchLoader(source, split=split, micro_batch=cfg.micro_batch, dp_rank=dp_rank, dp_world=dp_world,
-                            num_batches=n, state_tag=tag)
+    return MicroBatchLoader(
+        source,
+        split=split,
+        micro_batch=cfg.micro_batch,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        num_batches=n,
+        state_tag=tag,
+    )

@@ -72,8 +72,10 @@ def split_indices(key_hash: np.ndarray, split: str, eval_fraction: float, what: 
     ids = np.flatnonzero(is_eval if split == "eval" else ~is_eval)
     if len(ids) == 0:
         if split == "eval":
-            raise DataError(f"no eval {what}: {n} {what[:-1]}(s) with data.eval_fraction={eval_fraction}; "
-                            f"set eval_fraction > 0 and provide at least two {what}")
+            raise DataError(
+                f"no eval {what}: {n} {what[:-1]}(s) with data.eval_fraction={eval_fraction}; "
+                f"set eval_fraction > 0 and provide at least two {what}"
+            )
         raise DataError(f"no train {what} among {n} {what[:-1]}(s)")
     return ids
 
@@ -97,8 +99,9 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
-def tokenize_texts(texts: Iterable[str], tok, *, desc: str, progress: bool = True, total: int | None = None,
-                   batch: int = 256) -> TokenizedDocs:
+def tokenize_texts(
+    texts: Iterable[str], tok, *, desc: str, progress: bool = True, total: int | None = None, batch: int = 256
+) -> TokenizedDocs:
     """Encode documents (empty or whitespace-only ones are dropped) into a TokenizedDocs, with a progress bar."""
     from tqdm.auto import tqdm
 
@@ -131,6 +134,7 @@ def tokenize_texts(texts: Iterable[str], tok, *, desc: str, progress: bool = Tru
 
 
 # ------------------------------------------------------------------------------------------------ token cache
+
 
 def cache_root() -> str:
     """Cache folder: $K3TRAIN_CACHE, else ~/.cache/k3train."""
@@ -188,8 +192,10 @@ def check_vocab(docs: TokenizedDocs | None, tok, vocab_size: int | None, what: s
     if vocab_size is None:
         return
     if tok.vocab_size > vocab_size:
-        raise DataError(f"tokenizer vocabulary ({tok.vocab_size} ids, data.tokenizer={type(tok).__name__}) exceeds "
-                        f"the model vocab_size {vocab_size}: token ids would fall outside the embedding")
+        raise DataError(
+            f"tokenizer vocabulary ({tok.vocab_size} ids, data.tokenizer={type(tok).__name__}) exceeds "
+            f"the model vocab_size {vocab_size}: token ids would fall outside the embedding"
+        )
     if docs is not None and docs.tokens.size:
         top = int(docs.tokens.max())
         if top >= vocab_size:
@@ -198,11 +204,21 @@ def check_vocab(docs: TokenizedDocs | None, tok, vocab_size: int | None, what: s
 
 # ------------------------------------------------------------------------------------------------ packing
 
+
 class PackedStream:
     """The packed token stream of a subset of documents, cut into rows on demand (see the module docstring)."""
 
-    def __init__(self, docs: TokenizedDocs, doc_ids: np.ndarray, *, bos_id: int, eos_id: int, seq_len: int,
-                 seed: int, shuffle_each_epoch: bool = True):
+    def __init__(
+        self,
+        docs: TokenizedDocs,
+        doc_ids: np.ndarray,
+        *,
+        bos_id: int,
+        eos_id: int,
+        seq_len: int,
+        seed: int,
+        shuffle_each_epoch: bool = True,
+    ):
         if seq_len <= 0:
             raise DataError(f"data.seq_len must be positive, got {seq_len}")
         if len(doc_ids) == 0:
@@ -245,8 +261,8 @@ class PackedStream:
             src = np.clip(self.docs.offsets[doc] + within - 1, 0, len(self._src) - 1)
             tok = self._src[src].astype(np.int64)
             tok = np.where(within == 0, self.bos_id, np.where(within == length + 1, self.eos_id, tok))
-            ids[done:done + take] = tok
-            is_bos[done:done + take] = within == 0
+            ids[done : done + take] = tok
+            is_bos[done : done + take] = within == 0
             done += take
         return ids, is_bos
 
@@ -331,8 +347,10 @@ class StreamPacker:
         ids[body] = np.concatenate([np.asarray(d, dtype=np.int64) for d in docs])
         ids[starts], ids[starts + lengths - 1], is_bos[starts] = self.bos_id, self.eos_id, True
         if self.vocab_size is not None and len(ids) and int(ids.max()) >= self.vocab_size:
-            raise DataError(f"{self.stream.what}: token id {int(ids.max())} is outside the model vocabulary "
-                            f"(vocab_size {self.vocab_size})")
+            raise DataError(
+                f"{self.stream.what}: token id {int(ids.max())} is outside the model vocabulary "
+                f"(vocab_size {self.vocab_size})"
+            )
         if not self._batches:
             self._first_position = position
         self._batches.append((position, ids, is_bos))
@@ -342,8 +360,8 @@ class StreamPacker:
         need = self._offset + n_rows * self.seq_len + 1
         while sum(len(b[1]) for b in self._batches) < need:
             self._pull()
-        ids = np.concatenate([b[1] for b in self._batches])[self._offset:need]
-        is_bos = np.concatenate([b[2] for b in self._batches])[self._offset:need]
+        ids = np.concatenate([b[1] for b in self._batches])[self._offset : need]
+        is_bos = np.concatenate([b[2] for b in self._batches])[self._offset : need]
         self._offset += n_rows * self.seq_len
         # Drop batches wholly read; the last one always holds the next row's first token (need > offset).
         while len(self._batches[0][1]) <= self._offset:
@@ -361,8 +379,9 @@ class StreamPacker:
         self._reset({"epoch": 0, "hf": self.stream._start}, 0)
 
 
-def pack_rows_reference(documents: list[list[int]], order: list[int], *, bos_id: int, eos_id: int, seq_len: int,
-                        first_row: int, n_rows: int) -> dict[str, list]:
+def pack_rows_reference(
+    documents: list[list[int]], order: list[int], *, bos_id: int, eos_id: int, seq_len: int, first_row: int, n_rows: int
+) -> dict[str, list]:
     """Slow, per-token reference of one epoch's packing (for tests): plain lists, the same rules as PackedStream."""
     stream: list[int] = []
     starts: list[bool] = []

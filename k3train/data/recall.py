@@ -36,8 +36,9 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 
 def _uniform(seed: int, stream: int, draw: int, rows: np.ndarray, n_cols: int) -> np.ndarray:
     """[len(rows), n_cols] floats in [0, 1), a pure function of (seed, stream, draw, row, column)."""
-    base = _mix64(np.array([(seed * 0x9E3779B97F4A7C15 + stream * 0x632BE59BD9B4E019 + draw) % (1 << 64)],
-                           dtype=np.uint64))
+    base = _mix64(
+        np.array([(seed * 0x9E3779B97F4A7C15 + stream * 0x632BE59BD9B4E019 + draw) % (1 << 64)], dtype=np.uint64)
+    )
     r = _mix64(base + rows.astype(np.uint64)[:, None] * np.uint64(0xD6E8FEB86659FD93))
     x = _mix64(r + np.arange(n_cols, dtype=np.uint64)[None, :])
     return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
@@ -49,8 +50,10 @@ def symbol_ids(n_symbols: int, vocab: int, specials: tuple[int, ...]) -> np.ndar
     cand = np.arange(min(vocab, n_symbols + len(special)), dtype=np.int64)
     cand = cand[~np.isin(cand, special)]
     if len(cand) < n_symbols:
-        raise DataError(f"recall needs {n_symbols} token ids (data.recall_vocab keys/values + SEP) besides "
-                        f"BOS/EOS/PAD, but the vocabulary has only {vocab} ids")
+        raise DataError(
+            f"recall needs {n_symbols} token ids (data.recall_vocab keys/values + SEP) besides "
+            f"BOS/EOS/PAD, but the vocabulary has only {vocab} ids"
+        )
     return cand[:n_symbols]
 
 
@@ -73,14 +76,18 @@ class RecallSource:
         if n <= 0 or m <= 0:
             raise DataError(f"data.recall_pairs and data.recall_queries must be positive, got {n} and {m}")
         if m > n:
-            raise DataError(f"data.recall_queries ({m}) cannot exceed data.recall_pairs ({n}): queries are "
-                            f"distinct keys of the example")
+            raise DataError(
+                f"data.recall_queries ({m}) cannot exceed data.recall_pairs ({n}): queries are "
+                f"distinct keys of the example"
+            )
         if V < n:
             raise DataError(f"data.recall_vocab ({V}) must be at least data.recall_pairs ({n}): keys are distinct")
         self.example_len = 2 * n + 1 + 2 * m
         if self.example_len > L:
-            raise DataError(f"a recall example takes {self.example_len} tokens (2*recall_pairs + 1 + "
-                            f"2*recall_queries) but data.seq_len is {L}")
+            raise DataError(
+                f"a recall example takes {self.example_len} tokens (2*recall_pairs + 1 + "
+                f"2*recall_queries) but data.seq_len is {L}"
+            )
         vocab = tok.vocab_size if vocab_size is None else min(tok.vocab_size, vocab_size)
         if tok.pad_id >= vocab:
             raise DataError(f"tokenizer PAD id {tok.pad_id} is outside the model vocabulary ({vocab_size})")
@@ -95,16 +102,21 @@ class RecallSource:
         qk = np.take_along_axis(keys, qpos, axis=1)
         qa = np.take_along_axis(values, qpos, axis=1)
         sep = np.full((n_rows, 1), V, dtype=np.int64)
-        sym = np.concatenate([np.stack([keys, values], 2).reshape(n_rows, 2 * n), sep,
-                              np.stack([qk, qa], 2).reshape(n_rows, 2 * m)], axis=1)
+        sym = np.concatenate(
+            [np.stack([keys, values], 2).reshape(n_rows, 2 * n), sep, np.stack([qk, qa], 2).reshape(n_rows, 2 * m)],
+            axis=1,
+        )
         inputs = np.full((n_rows, L), self.pad_id, dtype=np.int64)
-        inputs[:, :self.example_len] = self.ids[sym]
+        inputs[:, : self.example_len] = self.ids[sym]
         labels = np.full((n_rows, L), IGNORE_INDEX, dtype=np.int64)
         q_cols = 2 * n + 1 + 2 * np.arange(m)  # the query positions; their next token is the answer
         labels[:, q_cols] = self.ids[qa]
         cu = np.arange(0, n_rows * L + 1, L, dtype=np.int32)
-        return {"input_ids": torch.from_numpy(inputs), "labels": torch.from_numpy(labels),
-                "cu_seqlens": torch.from_numpy(cu)}
+        return {
+            "input_ids": torch.from_numpy(inputs),
+            "labels": torch.from_numpy(labels),
+            "cu_seqlens": torch.from_numpy(cu),
+        }
 
 
 def recall_row_reference(keys, values, qpos, *, ids, pad_id: int, seq_len: int) -> tuple[list[int], list[int]]:

@@ -50,8 +50,10 @@ def _added_ids(names: Sequence[str], first: int) -> dict[str, int]:
     names = [str(n) for n in names]
     dup = sorted({n for n in names if names.count(n) > 1} | ({"bos", "eos", "pad"} & set(names)))
     if dup or not all(names):
-        raise DataError(f"data.special_tokens must be distinct non-empty spellings other than the role names "
-                        f"bos/eos/pad; got {names}")
+        raise DataError(
+            f"data.special_tokens must be distinct non-empty spellings other than the role names "
+            f"bos/eos/pad; got {names}"
+        )
     return {n: first + i for i, n in enumerate(names)}
 
 
@@ -59,12 +61,16 @@ def check_special_ids(tok, vocab_size: int) -> None:
     """DataError unless the model's vocabulary (vocab_size ids) holds the tokenizer and every special token."""
     outside = {name: i for name, i in tok.special_ids.items() if i >= vocab_size}
     if outside:
-        raise DataError(f"special tokens {outside} have ids outside the model vocabulary (vocab_size {vocab_size}); "
-                        f"raise model vocab_size to at least {max(outside.values()) + 1} or declare fewer "
-                        f"data.special_tokens")
+        raise DataError(
+            f"special tokens {outside} have ids outside the model vocabulary (vocab_size {vocab_size}); "
+            f"raise model vocab_size to at least {max(outside.values()) + 1} or declare fewer "
+            f"data.special_tokens"
+        )
     if tok.vocab_size > vocab_size:
-        raise DataError(f"tokenizer vocabulary ({tok.vocab_size} ids, data.tokenizer={type(tok).__name__}) exceeds "
-                        f"the model vocab_size {vocab_size}: token ids would fall outside the embedding")
+        raise DataError(
+            f"tokenizer vocabulary ({tok.vocab_size} ids, data.tokenizer={type(tok).__name__}) exceeds "
+            f"the model vocab_size {vocab_size}: token ids would fall outside the embedding"
+        )
 
 
 class ByteTokenizer:
@@ -151,8 +157,11 @@ class HFTokenizer:
         _added_ids(extra, 0)  # the same checks as the other tokenizers (ids come from the vocabulary below)
         vocab = self._tok.get_vocab(with_added_tokens=True)
         names = {}
-        for role, conventional, fallback in (("bos", _HF_BOS, "<|bos|>"), ("eos", _HF_EOS, "<|eos|>"),
-                                             ("pad", _HF_PAD, "<|pad|>")):
+        for role, conventional, fallback in (
+            ("bos", _HF_BOS, "<|bos|>"),
+            ("eos", _HF_EOS, "<|eos|>"),
+            ("pad", _HF_PAD, "<|pad|>"),
+        ):
             names[role] = declared.get(role) or next((n for n in conventional if n in vocab), fallback)
         # A role's spelling already in the vocabulary keeps its kind; the added tokens all become special.
         new = [n for n in names.values() if n not in vocab] + extra
@@ -212,8 +221,12 @@ class TiktokenTokenizer:
                 name=f"k3train-{digest[:12]}",
                 pat_str=pattern,
                 mergeable_ranks=ranks,
-                special_tokens={"<|bos|>": n, "<|eos|>": n + 1, "<|pad|>": n + 2,
-                                **{t: i for t, i in self.special_ids.items() if i >= n + 3}},
+                special_tokens={
+                    "<|bos|>": n,
+                    "<|eos|>": n + 1,
+                    "<|pad|>": n + 2,
+                    **{t: i for t, i in self.special_ids.items() if i >= n + 3},
+                },
             )
         except ValueError as e:  # the regex engine rejects the pattern
             raise DataError(f"tiktoken cannot use data.tiktoken_pattern {pattern!r}: {e}") from e
@@ -238,8 +251,10 @@ def build_tokenizer(cfg: DataConfig) -> Tokenizer:
     """The tokenizer named by `cfg.tokenizer` ('byte', 'hf' or 'tiktoken'), read from `cfg.tokenizer_path`."""
     specials = list(cfg.special_tokens)
     if cfg.tiktoken_pattern and cfg.tokenizer != "tiktoken":
-        raise DataError(f"data.tiktoken_pattern is set but data.tokenizer is {cfg.tokenizer!r}: the pattern applies "
-                        f"to the 'tiktoken' tokenizer only")
+        raise DataError(
+            f"data.tiktoken_pattern is set but data.tokenizer is {cfg.tokenizer!r}: the pattern applies "
+            f"to the 'tiktoken' tokenizer only"
+        )
     if cfg.tokenizer == "byte":
         return ByteTokenizer(specials)
     if cfg.tokenizer == "hf":

@@ -42,8 +42,16 @@ from k3train.data.tokenizers import DataError
 IMAGE_TOKENS = ("<|image_start|>", "<|image_pad|>", "<|image_end|>")
 """Spellings of the image start, visual-token placeholder and image end tokens in the tokenizer's table."""
 
-COLOURS = {"red": (215, 25, 28), "green": (26, 150, 65), "blue": (43, 60, 220), "yellow": (230, 190, 0),
-           "orange": (245, 120, 10), "cyan": (0, 170, 190), "magenta": (200, 0, 160), "navy": (10, 20, 90)}
+COLOURS = {
+    "red": (215, 25, 28),
+    "green": (26, 150, 65),
+    "blue": (43, 60, 220),
+    "yellow": (230, 190, 0),
+    "orange": (245, 120, 10),
+    "cyan": (0, 170, 190),
+    "magenta": (200, 0, 160),
+    "navy": (10, 20, 90),
+}
 """Colours with distinct first letters: the first caption token names the colour."""
 SHAPES = ("circle", "square", "triangle", "cross")
 WORDS = ("SUN", "CAT", "BOX", "MAP", "KEY", "EGG")
@@ -61,9 +69,11 @@ def image_token_ids(tok) -> tuple[int, int, int]:
     """(image start, image pad, image end) ids from the tokenizer's special-token table; DataError when missing."""
     missing = [t for t in IMAGE_TOKENS if t not in tok.special_ids]
     if missing:
-        raise DataError(f"image-text data needs the special tokens {list(IMAGE_TOKENS)} in the tokenizer; missing "
-                        f"{missing}: add them to data.special_tokens (an hf tokenizer may also declare them as "
-                        f"additional special tokens)")
+        raise DataError(
+            f"image-text data needs the special tokens {list(IMAGE_TOKENS)} in the tokenizer; missing "
+            f"{missing}: add them to data.special_tokens (an hf tokenizer may also declare them as "
+            f"additional special tokens)"
+        )
     return tuple(tok.special_ids[t] for t in IMAGE_TOKENS)
 
 
@@ -88,8 +98,7 @@ def open_image(src: bytes | str, name: str, *, max_pixels: int):
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise BadSample(f"sample {name}: cannot read the image ({type(e).__name__}: {e})") from None
     if w * h > max_pixels:
-        raise BadSample(f"sample {name}: image {w}x{h} has {w * h:,} pixels, over data.image_max_pixels="
-                        f"{max_pixels:,}")
+        raise BadSample(f"sample {name}: image {w}x{h} has {w * h:,} pixels, over data.image_max_pixels={max_pixels:,}")
     return img
 
 
@@ -221,8 +230,12 @@ class DrawnSamples:
             frames = [data]
         if len(frames) > v.max_frames:
             raise BadSample(f"sample {name}: {len(frames)} frames, over the tower's max_frames={v.max_frames}")
-        return torch.stack([load_image(f, name, unit=self.unit, max_side=v.max_image_side,
-                                       max_pixels=cfg.image_max_pixels) for f in frames]), caption
+        return torch.stack(
+            [
+                load_image(f, name, unit=self.unit, max_side=v.max_image_side, max_pixels=cfg.image_max_pixels)
+                for f in frames
+            ]
+        ), caption
 
     def rows_per_pass(self) -> int:
         return EVAL_ROWS
@@ -253,12 +266,18 @@ class VisionRows:
         px, caption = fetch()
         if cfg.blank_images:  # the ablation baseline: same sizes and token counts, no content
             px = torch.zeros_like(px)
-        n = px.shape[0] * (px.shape[2] // v.patch_size) * (px.shape[3] // v.patch_size) // v.merge ** 2
-        ids = ([self.tok.bos_id, self.start_id] + [self.pad_img_id] * n + [self.end_id]
-               + list(self.tok.encode(caption)) + [self.tok.eos_id])
+        n = px.shape[0] * (px.shape[2] // v.patch_size) * (px.shape[3] // v.patch_size) // v.merge**2
+        ids = (
+            [self.tok.bos_id, self.start_id]
+            + [self.pad_img_id] * n
+            + [self.end_id]
+            + list(self.tok.encode(caption))
+            + [self.tok.eos_id]
+        )
         if len(ids) > cfg.seq_len + 1:
-            raise BadSample(f"sample {name}: {len(ids)} tokens ({n} visual) do not fit a row of data.seq_len="
-                            f"{cfg.seq_len}")
+            raise BadSample(
+                f"sample {name}: {len(ids)} tokens ({n} visual) do not fit a row of data.seq_len={cfg.seq_len}"
+            )
         return list(px.split(v.max_frames)), ids
 
     def _row(self, g: int) -> tuple[list[int], int, list[int], list[torch.Tensor], int]:

@@ -73,8 +73,10 @@ def vision_files(paths: list[str], fmt: str) -> tuple[list[str], str]:
     """data.paths (folders, files, globs) as a sorted list of files and their one format; DataError for anything
     missing, an unknown format or a mix of formats."""
     if fmt not in ("auto", *VISION_FORMATS):
-        raise DataError(f"unknown data.format {fmt!r} for source 'vision_files'; expected 'auto', "
-                        f"{', '.join(repr(f) for f in VISION_FORMATS)}")
+        raise DataError(
+            f"unknown data.format {fmt!r} for source 'vision_files'; expected 'auto', "
+            f"{', '.join(repr(f) for f in VISION_FORMATS)}"
+        )
     if not paths:
         raise DataError("data.source='vision_files' needs data.paths (folders, files or globs); it is empty")
     files: list[str] = []
@@ -90,8 +92,10 @@ def vision_files(paths: list[str], fmt: str) -> tuple[list[str], str]:
         files += hits
     if fmt == "auto":
         if len(kinds) > 1:
-            raise DataError(f"data.paths mix formats ({', '.join(f'{k}: {v!r}' for k, v in sorted(kinds.items()))});"
-                            f" give the files of one format, or set data.format")
+            raise DataError(
+                f"data.paths mix formats ({', '.join(f'{k}: {v!r}' for k, v in sorted(kinds.items()))});"
+                f" give the files of one format, or set data.format"
+            )
         fmt = next(iter(kinds))
     return list(dict.fromkeys(os.path.abspath(f) for f in files)), fmt
 
@@ -117,8 +121,10 @@ def video_header(src: bytes | str, name: str, *, max_pixels: int) -> tuple[int, 
             stream = container.streams.video[0]
             w, h = stream.codec_context.width, stream.codec_context.height
             if w * h > max_pixels:
-                raise BadSample(f"sample {name}: video frames {w}x{h} have {w * h:,} pixels, over "
-                                f"data.image_max_pixels={max_pixels:,}")
+                raise BadSample(
+                    f"sample {name}: video frames {w}x{h} have {w * h:,} pixels, over "
+                    f"data.image_max_pixels={max_pixels:,}"
+                )
             n = stream.frames  # from the container's header; 0 when it does not say
         if n <= 0:
             with open_video() as container:
@@ -132,8 +138,9 @@ def video_header(src: bytes | str, name: str, *, max_pixels: int) -> tuple[int, 
     return n, w, h
 
 
-def decode_video(src: bytes | str, name: str, *, max_frames: int, unit: int, max_side: int,
-                 max_pixels: int) -> torch.Tensor:
+def decode_video(
+    src: bytes | str, name: str, *, max_frames: int, unit: int, max_side: int, max_pixels: int
+) -> torch.Tensor:
     """A video (encoded bytes or a file path) -> float32 [T, 3, H, W] in [-1, 1], T = min(frames, max_frames) evenly
     spaced frames (see the module docstring), each resized by fit_size; BadSample naming `name`."""
     import av
@@ -182,8 +189,11 @@ class FileSamples:
         self.what = f"{self.format} data {shown!r}"
         with cache_lock("vision-" + cache_key(self.files)):  # one process per machine writes the Arrow cache
             ds = load_files(self.files, self.format, streaming=False, progress=progress)
-        for key, column in (("data.image_field", cfg.image_field), ("data.video_field", cfg.video_field),
-                            ("data.text_field", cfg.text_field)):
+        for key, column in (
+            ("data.image_field", cfg.image_field),
+            ("data.video_field", cfg.video_field),
+            ("data.text_field", cfg.text_field),
+        ):
             if column and column not in ds.column_names:
                 raise DataError(f"{key}={column!r} is not a column of {self.what}; it has {sorted(ds.column_names)}")
         self.fields = [c for c in (cfg.image_field, cfg.video_field) if c]
@@ -197,6 +207,7 @@ class FileSamples:
         self.file_starts = None
         if self.format == "parquet":  # the first dataset row of each file, from the files' footers
             import pyarrow.parquet as pq
+
             counts = [pq.ParquetFile(f).metadata.num_rows for f in self.files]
             self.file_starts = np.cumsum([0] + counts)
         # The split key: a sample's position in the dataset (one string hash a sample: the cheap index pass).
@@ -205,20 +216,39 @@ class FileSamples:
         self.name = f"vision_files {self.what}"
 
         # The index of the whole dataset (both splits share it): its key holds everything a count depends on.
-        key = cache_key(INDEX_VERSION, self.ds._fingerprint, tok.fingerprint, self.fields, cfg.text_field,
-                        vision.patch_size, vision.merge, vision.max_image_side, self.video_frames,
-                        cfg.image_max_pixels, cfg.seq_len)
-        self.index = cached_index(key, len(self.ds), self.measure, fail=cfg.on_bad_sample == "fail",
-                                  progress=progress, desc=f"indexing {self.what}")
+        key = cache_key(
+            INDEX_VERSION,
+            self.ds._fingerprint,
+            tok.fingerprint,
+            self.fields,
+            cfg.text_field,
+            vision.patch_size,
+            vision.merge,
+            vision.max_image_side,
+            self.video_frames,
+            cfg.image_max_pixels,
+            cfg.seq_len,
+        )
+        self.index = cached_index(
+            key,
+            len(self.ds),
+            self.measure,
+            fail=cfg.on_bad_sample == "fail",
+            progress=progress,
+            desc=f"indexing {self.what}",
+        )
         usable = np.ones(len(self.ds), dtype=bool)
         usable[self.index.bad] = False
         self.good = self.ids[usable[self.ids]]
         self.skipped_in_index = len(self.ids) - len(self.good)  # counted once, whatever the epochs read
         if len(self.good) == 0:
-            raise DataError(f"{self.name}: no usable {split} sample among {len(self.ids)} ({self.skipped_in_index} "
-                            f"skipped, the first: {self.index.reasons[0]})")
-        self.packing = EpochPacking(self.index.tokens[self.good], seq_len=cfg.seq_len, seed=cfg.seed,
-                                    shuffle_each_epoch=(split == "train"))
+            raise DataError(
+                f"{self.name}: no usable {split} sample among {len(self.ids)} ({self.skipped_in_index} "
+                f"skipped, the first: {self.index.reasons[0]})"
+            )
+        self.packing = EpochPacking(
+            self.index.tokens[self.good], seq_len=cfg.seq_len, seed=cfg.seed, shuffle_each_epoch=(split == "train")
+        )
         self.failed_at_load: set[int] = set()  # samples measured fine whose pixels then failed, counted once
 
     def where(self, i: int, row: dict | None = None) -> str:
@@ -262,13 +292,17 @@ class FileSamples:
         name = self.where(i, row)
         caption = row[cfg.text_field]
         if not isinstance(caption, str) or not caption.strip():
-            raise BadSample(f"sample {name}: no caption (column {cfg.text_field!r} is "
-                            f"{'empty' if isinstance(caption, str) or caption is None else type(caption).__name__})")
+            raise BadSample(
+                f"sample {name}: no caption (column {cfg.text_field!r} is "
+                f"{'empty' if isinstance(caption, str) or caption is None else type(caption).__name__})"
+            )
         image = row.get(cfg.image_field) if cfg.image_field else None
         video = row.get(cfg.video_field) if cfg.video_field else None
         if image is not None and video is not None:
-            raise BadSample(f"sample {name}: holds an image ({cfg.image_field!r}) and a video ({cfg.video_field!r}); "
-                            f"a sample is one of them")
+            raise BadSample(
+                f"sample {name}: holds an image ({cfg.image_field!r}) and a video ({cfg.video_field!r}); "
+                f"a sample is one of them"
+            )
         if image is not None and _media(image) != (None, None):
             return name, caption, "image", image
         if video is not None and _media(video) != (None, None):
@@ -280,10 +314,21 @@ class FileSamples:
         cfg, v = self.cfg, self.vision
         name, caption, kind, value = self._sample(i)
         if kind == "image":
-            return load_image(self._read(value, name), name, unit=self.unit, max_side=v.max_image_side,
-                              max_pixels=cfg.image_max_pixels)[None], caption
-        return decode_video(self._read(value, name, whole=False), name, max_frames=self.video_frames, unit=self.unit,
-                            max_side=v.max_image_side, max_pixels=cfg.image_max_pixels), caption
+            return load_image(
+                self._read(value, name),
+                name,
+                unit=self.unit,
+                max_side=v.max_image_side,
+                max_pixels=cfg.image_max_pixels,
+            )[None], caption
+        return decode_video(
+            self._read(value, name, whole=False),
+            name,
+            max_frames=self.video_frames,
+            unit=self.unit,
+            max_side=v.max_image_side,
+            max_pixels=cfg.image_max_pixels,
+        ), caption
 
     def measure(self, i: int) -> tuple[int, int]:
         """(tokens in a row, visual tokens) of dataset sample i from the image's header or the video's metadata
@@ -298,11 +343,12 @@ class FileSamples:
             n, w, h = video_header(self._read(value, name, whole=False), name, max_pixels=cfg.image_max_pixels)
             frames = min(n, self.video_frames)
         W, H = fit_size(w, h, self.unit, v.max_image_side)
-        visual = frames * (H // v.patch_size) * (W // v.patch_size) // v.merge ** 2
+        visual = frames * (H // v.patch_size) * (W // v.patch_size) // v.merge**2
         tokens = 4 + visual + len(self.tok.encode(caption))  # BOS, image start, image end, EOS
         if tokens > cfg.seq_len + 1:
-            raise BadSample(f"sample {name}: {tokens} tokens ({visual} visual) do not fit a row of data.seq_len="
-                            f"{cfg.seq_len}")
+            raise BadSample(
+                f"sample {name}: {tokens} tokens ({visual} visual) do not fit a row of data.seq_len={cfg.seq_len}"
+            )
         return tokens, visual
 
     def load_measured(self, i: int) -> tuple[torch.Tensor, str]:
@@ -311,10 +357,12 @@ class FileSamples:
         try:
             px, caption = self.load(i)
             v = self.vision
-            visual = px.shape[0] * (px.shape[2] // v.patch_size) * (px.shape[3] // v.patch_size) // v.merge ** 2
+            visual = px.shape[0] * (px.shape[2] // v.patch_size) * (px.shape[3] // v.patch_size) // v.merge**2
             if visual != int(self.index.visual[i]):
-                raise BadSample(f"sample {self.where(i)}: decoded to {px.shape[0]} frame(s) of {px.shape[3]}x"
-                                f"{px.shape[2]} ({visual} visual tokens), but its header gave {self.index.visual[i]}")
+                raise BadSample(
+                    f"sample {self.where(i)}: decoded to {px.shape[0]} frame(s) of {px.shape[3]}x"
+                    f"{px.shape[2]} ({visual} visual tokens), but its header gave {self.index.visual[i]}"
+                )
         except BadSample:
             self.failed_at_load.add(i)
             raise
@@ -328,5 +376,7 @@ class FileSamples:
     def metrics(self, rows: int) -> dict:
         """`data/skipped_samples` (unusable samples of the split, each counted once) and `data/epoch` (epochs
         read by the first `rows` global rows)."""
-        return {"data/skipped_samples": self.skipped_in_index + len(self.failed_at_load),
-                "data/epoch": self.packing.epochs_done(rows)}
+        return {
+            "data/skipped_samples": self.skipped_in_index + len(self.failed_at_load),
+            "data/epoch": self.packing.epochs_done(rows),
+        }

@@ -75,8 +75,9 @@ def build_index(n: int, measure: Measure, *, fail: bool, progress: bool, desc: s
                 raise
             bad.append(i)
             reasons.append(str(e))
-    return SampleIndex(tokens=tokens, visual=visual, bad=np.array(bad, dtype=np.int64),
-                       reasons=np.array(reasons, dtype=str))
+    return SampleIndex(
+        tokens=tokens, visual=visual, bad=np.array(bad, dtype=np.int64), reasons=np.array(reasons, dtype=str)
+    )
 
 
 def _path(key: str) -> str:
@@ -131,8 +132,10 @@ class EpochPacking:
         if len(self.lengths) == 0:
             raise DataError("no samples to pack")
         if int(self.lengths.max()) > seq_len + 1 or int(self.lengths.min()) <= 0:
-            raise DataError(f"samples of {int(self.lengths.min())}..{int(self.lengths.max())} tokens cannot all be "
-                            f"packed into rows of {seq_len + 1}")
+            raise DataError(
+                f"samples of {int(self.lengths.min())}..{int(self.lengths.max())} tokens cannot all be "
+                f"packed into rows of {seq_len + 1}"
+            )
         self.seq_len, self.seed, self.shuffle_each_epoch = seq_len, seed, shuffle_each_epoch
         self._packed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._first_rows = [0]  # first global row of epochs 0, 1, ...: grows as epochs are packed
@@ -175,7 +178,7 @@ class EpochPacking:
         """Positions into lengths of global row g's samples, in row order."""
         e, r = self.locate(g)
         order, starts = self.epoch(e)
-        return order[starts[r]:starts[r + 1]]
+        return order[starts[r] : starts[r + 1]]
 
     def epochs_done(self, rows: int) -> float:
         """Epochs read by the first `rows` global rows, fractional within the current one."""

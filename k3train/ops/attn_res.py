@@ -16,8 +16,12 @@ import torch.nn.functional as F
 from k3train.ops.dtypes import wide
 
 
-def attn_res(query: torch.Tensor | None, sources: Sequence[torch.Tensor] | torch.Tensor,
-             key_norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+def attn_res(
+    query: torch.Tensor | None,
+    sources: Sequence[torch.Tensor] | torch.Tensor,
+    key_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
     """Mix `sources` ([..., D] each, or one stacked [S, ..., D] tensor) with pseudo-query `query` [D].
 
     query=None mixes uniformly (the mean); key_norm_weight=None uses a weightless RMSNorm.
@@ -37,7 +41,7 @@ def attn_res(query: torch.Tensor | None, sources: Sequence[torch.Tensor] | torch
     with torch.autocast(V.device.type, enabled=False):
         acc = wide(V.dtype)  # fp64 sources stay fp64
         keys = F.rms_norm(V.to(acc), (D,), None if key_norm_weight is None else key_norm_weight.to(acc), eps)
-        logits = keys @ query.to(acc)                      # [S, ...]
+        logits = keys @ query.to(acc)  # [S, ...]
         weights = torch.softmax(logits, dim=0).to(V.dtype)
     return torch.einsum("s...,s...d->...d", weights, V)
 

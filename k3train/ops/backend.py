@@ -60,8 +60,10 @@ def triton_unavailable(device_type: str) -> str:
         return err
     if device_type == "cuda" or interpreter_on():
         return ""
-    return (f"the Triton kernels need CUDA tensors or the Triton interpreter, and this run's device is "
-            f"{device_type!r} with TRITON_INTERPRET unset (set TRITON_INTERPRET=1 to run them on CPU, slowly)")
+    return (
+        f"the Triton kernels need CUDA tensors or the Triton interpreter, and this run's device is "
+        f"{device_type!r} with TRITON_INTERPRET unset (set TRITON_INTERPRET=1 to run them on CPU, slowly)"
+    )
 
 
 def resolve_kernels(name: str, device_type: str) -> str:
@@ -116,6 +118,7 @@ class Kernels:
         if self.triton_for(g, u):
             return _kernel("situ", "situ_triton")(g, u, beta1, beta2)
         from k3train.ops.situ import situ_reference
+
         return situ_reference(g, u, beta1, beta2)
 
     def chunk_kda(self, q, k, v, g, beta, *, chunk_size: int = 64, g_min: float | None = None, **kwargs):
@@ -124,6 +127,7 @@ class Kernels:
         if self.kda_on_triton(q, k, v, g, beta, chunk_size=chunk_size, g_min=g_min):
             return _kernel("kda", "chunk_kda")(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
         from k3train.ops.kda import chunk_kda
+
         return chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
 
     def permute(self, x: torch.Tensor, idx: torch.Tensor, n_experts: int):
@@ -131,6 +135,7 @@ class Kernels:
         if self.triton_for(x):
             return _kernel("moe_permute", "permute_triton")(x, idx, n_experts)
         from k3train.ops.moe_permute import permute
+
         return permute(x, idx, n_experts)
 
     def permute_rows(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -138,6 +143,7 @@ class Kernels:
         if self.triton_for(x):
             return _kernel("moe_permute", "permute_rows_triton")(x, pos)
         from k3train.ops.moe_permute import permute_rows
+
         return permute_rows(x, pos)
 
     def unpermute(self, y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -145,6 +151,7 @@ class Kernels:
         if self.triton_for(y, weights):
             return _kernel("moe_permute", "unpermute_triton")(y, weights, pos)
         from k3train.ops.moe_permute import unpermute
+
         return unpermute(y, weights, pos)
 
 

@@ -32,6 +32,7 @@ def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
 
 if _HAS_GMM:  # torch.utils.flop_counter has no formula for it: FlopCounterMode would count the experts as free
     from torch.utils.flop_counter import flop_registry, register_flop_formula
+
     if torch.ops.aten._grouped_mm not in flop_registry:  # keyed by the op packet
         register_flop_formula(torch.ops.aten._grouped_mm)(_grouped_mm_flops)
 
@@ -118,6 +119,6 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, capacity:
 def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     out, start = [], 0
     for e, c in enumerate(counts.tolist()):
-        out.append(x[start:start + c] @ w[e])
+        out.append(x[start : start + c] @ w[e])
         start += c
     return torch.cat(out) if out else x.new_zeros(0, w.shape[-1])

@@ -106,6 +106,7 @@ def unpermute(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor) -> torc
     differentiable in y and weights. The product is formed in y's dtype."""
     N, K = weights.shape
     if pos.shape != (N, K) or y.dim() != 2 or y.shape[0] != N * K:
-        raise ValueError(f"unpermute: y {tuple(y.shape)}, weights {tuple(weights.shape)}, pos {tuple(pos.shape)} "
-                         "do not fit")
+        raise ValueError(
+            f"unpermute: y {tuple(y.shape)}, weights {tuple(weights.shape)}, pos {tuple(pos.shape)} do not fit"
+        )
     return _Unpermute.apply(y, weights, pos)

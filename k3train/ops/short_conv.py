@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, pos_in_doc: torch.Tensor | None = None,
-                  halo: torch.Tensor | None = None) -> torch.Tensor:
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, pos_in_doc: torch.Tensor | None = None, halo: torch.Tensor | None = None
+) -> torch.Tensor:
     """y[t] = sum_j weight[:, W-1-j] * x[t-j] over taps j whose token t-j lies in t's document.
 
     x [B, T, C]; weight [C, W] (the layout of nn.Conv1d's [C, 1, W] without the middle dim);
@@ -28,5 +29,5 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, pos_in_doc: torch.Tenso
     y = x * weight[:, W - 1]
     for j in range(1, W):  # W-1 taps (3 for K3): a constant, not a loop over tokens
         keep = (pos >= j).unsqueeze(-1).to(x.dtype)
-        y = y + xp[:, W - 1 - j: W - 1 - j + T] * keep * weight[:, W - 1 - j]
+        y = y + xp[:, W - 1 - j : W - 1 - j + T] * keep * weight[:, W - 1 - j]
     return y

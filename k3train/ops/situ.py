@@ -15,6 +15,7 @@ def situ(g: torch.Tensor, u: torch.Tensor, beta1: float = 4.0, beta2: float = 25
     On CUDA it runs the fused Triton kernel (k3kernels.situ); elsewhere the reference below."""
     if g.is_cuda:
         from k3kernels.situ import situ_triton
+
         return situ_triton(g, u, beta1, beta2)
     return situ_reference(g, u, beta1, beta2)
 

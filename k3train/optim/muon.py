@@ -254,8 +254,9 @@ def muon_scale(rows: int, cols: int) -> float:
     return MUON_RMS_SCALE * math.sqrt(max(rows, cols))
 
 
-def repack_scaled(O: Sequence[Tensor], shape: Sequence[int], s: MatrixStructure,
-                  per_head: bool = True) -> tuple[Tensor, float]:
+def repack_scaled(
+    O: Sequence[Tensor], shape: Sequence[int], s: MatrixStructure, per_head: bool = True
+) -> tuple[Tensor, float]:
     """Orthogonalised pieces -> (update of `shape`, scale still to apply): each matrix gets its own shape's scale.
 
     When all pieces share one scale (always without splits) it is returned for the caller to fold into the learning
@@ -292,8 +293,9 @@ def ns_calls(counts: Sequence[int], numel: int, max_numel: int) -> list[list[tup
     return calls
 
 
-def orthogonalise_bucketed(mats: Sequence[Tensor], steps: int = 5, eps: float = 1e-7, bf16: bool = False,
-                           max_numel: int | None = None) -> list[Tensor]:
+def orthogonalise_bucketed(
+    mats: Sequence[Tensor], steps: int = 5, eps: float = 1e-7, bf16: bool = False, max_numel: int | None = None
+) -> list[Tensor]:
     """NS5 of matrix stacks [N_i, r_i, c_i]: the matrices of one shape batched into calls of <= `max_numel` elements.
 
     Tall stacks are transposed first so [r, c] and [c, r] matrices share a bucket (NS5 is transpose-equivariant).
@@ -375,8 +377,9 @@ def new_owned_momentum(entry: dict, rank: int, p: Tensor) -> Tensor:
     pieces = entry["pieces"]
     if len(pieces) == 1:
         pc = pieces[0]
-        return torch.zeros(pc["by_rank"][rank][0].numel(), pc["rows"], pc["cols"], dtype=_state_dtype(p),
-                           device=p.device)
+        return torch.zeros(
+            pc["by_rank"][rank][0].numel(), pc["rows"], pc["cols"], dtype=_state_dtype(p), device=p.device
+        )
     return torch.zeros(sum(pc["by_rank"][rank][2] for pc in pieces), dtype=_state_dtype(p), device=p.device)
 
 
@@ -385,7 +388,7 @@ def owned_piece_views(entry: dict, rank: int, buf: Tensor) -> list[Tensor]:
     flat, off, out = buf.view(-1), 0, []
     for pc in entry["pieces"]:
         idx, _, numel = pc["by_rank"][rank]
-        out.append(flat[off:off + numel].view(idx.numel(), pc["rows"], pc["cols"]))
+        out.append(flat[off : off + numel].view(idx.numel(), pc["rows"], pc["cols"]))
         off += numel
     return out
 
@@ -406,11 +409,23 @@ class PerHeadMuon(Optimizer):
     home experts). Each named group has its own ownership plan.
     """
 
-    def __init__(self, params: Iterable, *, lr: float = 3e-3, momentum: float = 0.95, weight_decay: float = 0.1,
-                 nesterov: bool = True, ns_steps: int = 5, per_head: bool = True, ns_eps: float = 1e-7,
-                 ns_bf16: bool = False, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 process_group: dist.ProcessGroup | None = None,
-                 process_groups: dict[str, dist.ProcessGroup | None] | None = None):
+    def __init__(
+        self,
+        params: Iterable,
+        *,
+        lr: float = 3e-3,
+        momentum: float = 0.95,
+        weight_decay: float = 0.1,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        per_head: bool = True,
+        ns_eps: float = 1e-7,
+        ns_bf16: bool = False,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        process_group: dist.ProcessGroup | None = None,
+        process_groups: dict[str, dist.ProcessGroup | None] | None = None,
+    ):
         if not lr >= 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
         if not 0 <= momentum < 1:
@@ -425,9 +440,21 @@ class PerHeadMuon(Optimizer):
         self._plans: dict[str, dict] = {}  # shard_over name -> ZeRO-1 ownership plan, built when first needed
         self.full_grads: dict[int, Tensor] = {}  # id(p) -> reduced fp32 gradient standing in for p.grad
         self.owned_grads: dict[int, Tensor] = {}  # id(p) -> reduced gradient of the owned matrices only (flat)
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, ns_steps=ns_steps,
-                        per_head=per_head, ns_eps=ns_eps, ns_bf16=ns_bf16, betas=betas, eps=eps, algorithm="muon",
-                        sharded=True, shard_over="dp_cp")
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            per_head=per_head,
+            ns_eps=ns_eps,
+            ns_bf16=ns_bf16,
+            betas=betas,
+            eps=eps,
+            algorithm="muon",
+            sharded=True,
+            shard_over="dp_cp",
+        )
         super().__init__(params, defaults)
 
     # -- groups ---------------------------------------------------------------------------------------------------
@@ -565,7 +592,7 @@ class PerHeadMuon(Optimizer):
                 mats.extend(pieces)
         O_all, k = orthogonalise_bucketed(mats, steps, eps, bf16), 0
         for group, p, s, n in items:
-            upd, scale = repack_scaled(O_all[k:k + n], p.shape, s, group["per_head"])
+            upd, scale = repack_scaled(O_all[k : k + n], p.shape, s, group["per_head"])
             k += n
             self._apply(group, p, upd, scale)
 
@@ -595,7 +622,7 @@ class PerHeadMuon(Optimizer):
         for gi, p, pieces, start in params:
             entry = []
             for n, r, c in pieces:
-                own = owners[start:start + n]
+                own = owners[start : start + n]
                 start += n
                 by_rank = []
                 for q in range(world):
@@ -678,14 +705,14 @@ class PerHeadMuon(Optimizer):
             for pc, G in zip(e["pieces"], to_pieces(g, self._structure[id(p)], group["per_head"])):
                 for q, (idx, _, n) in enumerate(pc["by_rank"]):
                     if n:
-                        buf[q, off[q]:off[q] + n] = G.index_select(0, idx).reshape(-1)
+                        buf[q, off[q] : off[q] + n] = G.index_select(0, idx).reshape(-1)
                         off[q] += n
         out = torch.empty(width, dtype=dtype, device=device)
         comm.reduce_scatter(out, buf.view(-1), plan["pg"], dim, what="muon_grads")
         del buf
         for e, start in zip(entries, starts):
             n = sum(pc["by_rank"][rank][2] for pc in e["pieces"])
-            self.owned_grads[id(e["param"])] = out[start[rank]:start[rank] + n]
+            self.owned_grads[id(e["param"])] = out[start[rank] : start[rank] + n]
 
     def _muon_step_sharded(self, name: str = "dp_cp") -> None:
         plan = self.plan(name)
@@ -708,8 +735,9 @@ class PerHeadMuon(Optimizer):
                 full = to_pieces(self._grad_of(p), self._structure[id(p)], group["per_head"])
                 grads = [g.index_select(0, pc["by_rank"][rank][0]) for pc, g in zip(e["pieces"], full)]
             master = owned_piece_views(e, rank, state["master_owned"]) if "master_owned" in state else None
-            for j, (pc, g, buf) in enumerate(zip(e["pieces"], grads, owned_piece_views(e, rank,
-                                                                                  state["momentum_owned"]))):
+            for j, (pc, g, buf) in enumerate(
+                zip(e["pieces"], grads, owned_piece_views(e, rank, state["momentum_owned"]))
+            ):
                 if pc["by_rank"][rank][0].numel():
                     mine.append(pc)
                     mats.append(self._nesterov_update(group, g, buf))
@@ -733,7 +761,7 @@ class PerHeadMuon(Optimizer):
                     W.mul_(1 - lr * wd)
                 W.add_(O.to(W.dtype), alpha=-lr * muon_scale(pc["rows"], pc["cols"]))
                 O = W
-            send[off:off + n] = O.reshape(-1).to(wire)
+            send[off : off + n] = O.reshape(-1).to(wire)
         flat = torch.empty(world * width, dtype=send.dtype, device=send.device)
         comm.all_gather(flat, send, plan["pg"], name, what="muon_weights" if send_master else "muon_updates")
         recv = flat.chunk(world)
@@ -745,7 +773,7 @@ class PerHeadMuon(Optimizer):
                 O = torch.empty(pc["n"], r, c, dtype=wire, device=p.device)
                 for q, (idx, off, n) in enumerate(pc["by_rank"]):
                     if n:
-                        O.index_copy_(0, idx, recv[q][off:off + n].view(-1, r, c))
+                        O.index_copy_(0, idx, recv[q][off : off + n].view(-1, r, c))
                 Os.append(O)
             if send_master:  # every matrix has one owner: the gathered matrices are the whole new weight
                 p.copy_(from_pieces(Os, p.shape, self._structure[id(p)], group["per_head"]))
@@ -766,8 +794,11 @@ class PerHeadMuon(Optimizer):
         e, rank = self.entry_of(p), self.plan_of(p)["rank"]
         group = self.param_groups[e["group"]]
         full = row_scale.to(torch.float32).view(-1, *([1] * (p.dim() - 1))).expand(p.shape)
-        for pc, s, W in zip(e["pieces"], to_pieces(full, self._structure[id(p)], group["per_head"]),
-                            owned_piece_views(e, rank, st["master_owned"])):
+        for pc, s, W in zip(
+            e["pieces"],
+            to_pieces(full, self._structure[id(p)], group["per_head"]),
+            owned_piece_views(e, rank, st["master_owned"]),
+        ):
             idx = pc["by_rank"][rank][0]
             if idx.numel():
                 W.mul_(s.index_select(0, idx))
@@ -792,7 +823,25 @@ class PerHeadMuon(Optimizer):
         if not params:
             return
         beta1, beta2 = group["betas"]
-        _adamw_functional(params, grads, m1, m2, [], steps, foreach=None, capturable=False, differentiable=False,
-                          fused=None, grad_scale=None, found_inf=None, has_complex=False, amsgrad=False,
-                          beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                          eps=group["eps"], maximize=False)
+        _adamw_functional(
+            params,
+            grads,
+            m1,
+            m2,
+            [],
+            steps,
+            foreach=None,
+            capturable=False,
+            differentiable=False,
+            fused=None,
+            grad_scale=None,
+            found_inf=None,
+            has_complex=False,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )

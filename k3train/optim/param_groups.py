@@ -30,8 +30,9 @@ def _embedding_params(model: nn.Module) -> set[int]:
     return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
 
 
-def split_params(model: nn.Module, cfg: OptimConfig
-                 ) -> dict[str, list[tuple[str, nn.Parameter, MatrixStructure | None]]]:
+def split_params(
+    model: nn.Module, cfg: OptimConfig
+) -> dict[str, list[tuple[str, nn.Parameter, MatrixStructure | None]]]:
     """{"muon": [(name, param, structure)], "adamw": [...], "adamw_no_decay": [...]} in model order."""
     if cfg.name not in ("adamw", "muon"):
         raise ValueError(f"optim.name must be 'adamw' or 'muon', got {cfg.name!r}")
@@ -39,8 +40,9 @@ def split_params(model: nn.Module, cfg: OptimConfig
     structure: dict[str, MatrixStructure] = {}
     if cfg.name == "muon":
         if not hasattr(model, "muon_structure"):
-            raise ValueError(f"optim.name='muon' needs {type(model).__name__}.muon_structure() "
-                             "(FQN -> MatrixStructure)")
+            raise ValueError(
+                f"optim.name='muon' needs {type(model).__name__}.muon_structure() (FQN -> MatrixStructure)"
+            )
         structure = dict(model.muon_structure())
         all_names = {n for n, _ in model.named_parameters()}
         unknown = sorted(set(structure) - all_names)
@@ -90,9 +92,14 @@ def describe_groups(model: nn.Module, cfg: OptimConfig) -> str:
             acc[1] += n
             acc[2] += p.numel()
     order = ["muon per-head", "muon per-expert", "muon whole", "adamw", "adamw_no_decay"]
-    lines = [f"optimizer {cfg.name}: lr {cfg.lr:g}, weight decay {cfg.weight_decay:g}"
-             + (f", momentum {cfg.momentum:g}, {cfg.ns_steps} Newton-Schulz steps, per_head={cfg.per_head}"
-                if cfg.name == "muon" else "")]
+    lines = [
+        f"optimizer {cfg.name}: lr {cfg.lr:g}, weight decay {cfg.weight_decay:g}"
+        + (
+            f", momentum {cfg.momentum:g}, {cfg.ns_steps} Newton-Schulz steps, per_head={cfg.per_head}"
+            if cfg.name == "muon"
+            else ""
+        )
+    ]
     header = f"{'update':<16} {'parameter':<44} {'tensors':>7} {'matrices':>9} {'matrix':>11} {'elements':>15}"
     lines += [header, "-" * len(header)]
     totals: OrderedDict[str, list[int]] = OrderedDict()

@@ -26,8 +26,9 @@ from k3train.ops.dtypes import wide
 from k3train.parallel import comm
 
 
-def qk_clip_scales(max_logits: Tensor, threshold: float, *, n_heads: int, q_rows: int, k_rows: int, qk_dim: int,
-                   shared_dim: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+def qk_clip_scales(
+    max_logits: Tensor, threshold: float, *, n_heads: int, q_rows: int, k_rows: int, qk_dim: int, shared_dim: int = 0
+) -> tuple[Tensor, Tensor, Tensor]:
     """(row scales of q_weight [H * q_rows], of k_weight [H * k_rows], gamma [H]; 1 where nothing is clipped).
 
     Per head, q rows [0, qk_dim) pair with the head's own key rows [0, qk_dim); q rows [qk_dim, qk_dim + shared_dim)
@@ -38,8 +39,9 @@ def qk_clip_scales(max_logits: Tensor, threshold: float, *, n_heads: int, q_rows
     if max_logits.shape != (H,):
         raise ValueError(f"max_logits must have shape [{H}], got {tuple(max_logits.shape)}")
     if qk_dim + shared_dim != q_rows or qk_dim > k_rows or qk_dim < 1 or shared_dim < 0:
-        raise ValueError(f"qk_dim={qk_dim}, shared_dim={shared_dim} do not fit q rows/head {q_rows}, "
-                         f"k rows/head {k_rows}")
+        raise ValueError(
+            f"qk_dim={qk_dim}, shared_dim={shared_dim} do not fit q rows/head {q_rows}, k rows/head {k_rows}"
+        )
     acc = wide(max_logits.dtype)  # fp64 logits (fp64 runs) stay fp64
     gamma = (threshold / max_logits.to(acc).clamp(min=1e-30)).clamp(max=1.0)
     root = gamma.sqrt()
@@ -88,7 +90,7 @@ class QKClip:
         for (name, m), t in zip(self.attn, per):
             tg = m.qk_clip_targets()
             H = tg["n_heads"]
-            qs, ks, gamma = _target_scales(logits[off:off + H], self.threshold, **tg)
+            qs, ks, gamma = _target_scales(logits[off : off + H], self.threshold, **tg)
             if bool((gamma < 1).any()):
                 scale_rows(tg["q_weight"], qs)
                 scale_rows(tg["k_weight"], ks)
@@ -98,13 +100,28 @@ class QKClip:
         return out
 
 
-def _target_scales(max_logits: Tensor, threshold: float, *, q_weight: Tensor, k_weight: Tensor, n_heads: int,
-                   qk_dim: int | None = None, shared_dim: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+def _target_scales(
+    max_logits: Tensor,
+    threshold: float,
+    *,
+    q_weight: Tensor,
+    k_weight: Tensor,
+    n_heads: int,
+    qk_dim: int | None = None,
+    shared_dim: int = 0,
+) -> tuple[Tensor, Tensor, Tensor]:
     """qk_clip_scales for a module's qk_clip_targets(): the rows per head come from the weights' shapes."""
     q_rows = _rows_per_head(q_weight, n_heads, "q_weight")
     k_rows = _rows_per_head(k_weight, n_heads, "k_weight")
-    return qk_clip_scales(max_logits, threshold, n_heads=n_heads, q_rows=q_rows, k_rows=k_rows,
-                          qk_dim=q_rows - shared_dim if qk_dim is None else qk_dim, shared_dim=shared_dim)
+    return qk_clip_scales(
+        max_logits,
+        threshold,
+        n_heads=n_heads,
+        q_rows=q_rows,
+        k_rows=k_rows,
+        qk_dim=q_rows - shared_dim if qk_dim is None else qk_dim,
+        shared_dim=shared_dim,
+    )
 
 
 def _scale_rows(weight: Tensor, row_scale: Tensor) -> None:
@@ -112,15 +129,30 @@ def _scale_rows(weight: Tensor, row_scale: Tensor) -> None:
 
 
 @torch.no_grad()
-def qk_clip_(q_weight: Tensor, k_weight: Tensor, max_logits: Tensor, threshold: float, *, n_heads: int,
-             qk_dim: int | None = None, shared_dim: int = 0) -> Tensor:
+def qk_clip_(
+    q_weight: Tensor,
+    k_weight: Tensor,
+    max_logits: Tensor,
+    threshold: float,
+    *,
+    n_heads: int,
+    qk_dim: int | None = None,
+    shared_dim: int = 0,
+) -> Tensor:
     """Rescale whole query/key weights in place (see qk_clip_scales for the rows); returns gamma [H].
 
     q_weight [H * q_rows, in]: per head, rows [0, qk_dim) pair with the head's own key rows, rows
       [qk_dim, qk_dim + shared_dim) pair with the shared key slice; q_rows = qk_dim + shared_dim.
     k_weight [H * k_rows, in]: per head, rows [0, qk_dim) are the key; further rows are untouched."""
-    qs, ks, gamma = _target_scales(max_logits, threshold, q_weight=q_weight, k_weight=k_weight, n_heads=n_heads,
-                                   qk_dim=qk_dim, shared_dim=shared_dim)
+    qs, ks, gamma = _target_scales(
+        max_logits,
+        threshold,
+        q_weight=q_weight,
+        k_weight=k_weight,
+        n_heads=n_heads,
+        qk_dim=qk_dim,
+        shared_dim=shared_dim,
+    )
     _scale_rows(q_weight, qs)
     _scale_rows(k_weight, ks)
     return gamma
@@ -131,8 +163,11 @@ def apply_qk_clip(model: nn.Module, threshold: float, group: dist.ProcessGroup |
     """QK-Clip every attention module of `model` that reported max logits, on whole weights (one process, or
     replicas that all hold the whole model); MAX-reduces over `group` when it has several ranks. Returns gamma per
     module name ({} when nothing was reported). Training uses QKClip through the optimizer instead."""
-    mods = [(n, m) for n, m in model.named_modules()
-            if hasattr(m, "qk_clip_targets") and getattr(m, "max_logits", None) is not None]
+    mods = [
+        (n, m)
+        for n, m in model.named_modules()
+        if hasattr(m, "qk_clip_targets") and getattr(m, "max_logits", None) is not None
+    ]
     if not mods:
         return {}
     logits = torch.cat([m.max_logits.detach().to(wide(m.max_logits.dtype)).reshape(-1) for _, m in mods])
@@ -141,7 +176,7 @@ def apply_qk_clip(model: nn.Module, threshold: float, group: dist.ProcessGroup |
     out, off = {}, 0
     for name, m in mods:
         H = m.max_logits.numel()
-        out[name] = qk_clip_(max_logits=logits[off:off + H], threshold=threshold, **m.qk_clip_targets())
+        out[name] = qk_clip_(max_logits=logits[off : off + H], threshold=threshold, **m.qk_clip_targets())
         off += H
         m.max_logits = None
     return out

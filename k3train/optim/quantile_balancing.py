@@ -164,7 +164,7 @@ class QuantileBalancer(_Balancer):
 
     def _finish(self, buf: Tensor) -> Tensor:
         E, B = self.n_experts, self.bins
-        hist, self.last_loads = buf[:E * B].view(E, B), buf[E * B:].clone()
+        hist, self.last_loads = buf[: E * B].view(E, B), buf[E * B :].clone()
         new = bias_from_histogram(hist, self.lo, self.hi, self.top_k)
         # No tokens anywhere (possible only in degenerate runs): keep the bias.
         new = torch.where(hist.sum() > 0, new, self.bias)
@@ -260,8 +260,9 @@ def attach_balancers(model: nn.Module, kind: str, **kw) -> dict[str, _Balancer]:
 
 def _routers(model_or_balancers) -> list[tuple[str, nn.Module, _Balancer]]:
     if isinstance(model_or_balancers, nn.Module):
-        return [(n, m, m.balancer) for n, m in model_or_balancers.named_modules()
-                if is_router(m) and m.balancer is not None]
+        return [
+            (n, m, m.balancer) for n, m in model_or_balancers.named_modules() if is_router(m) and m.balancer is not None
+        ]
     out = []
     for name, bal in model_or_balancers.items():
         router = bal.router
@@ -300,9 +301,13 @@ def balance_stats(loads: Tensor) -> dict[str, float]:
         x = x[None]
     mean = x.mean(-1).clamp(min=1e-12)
     maxvio = x.max(-1).values / mean - 1
-    return {"maxvio": float(maxvio.max()), "maxvio_mean": float(maxvio.mean()),
-            "min_load": float(x.min()), "min_over_mean": float((x.min(-1).values / mean).min()),
-            "max_over_mean": float((x.max(-1).values / mean).max())}
+    return {
+        "maxvio": float(maxvio.max()),
+        "maxvio_mean": float(maxvio.mean()),
+        "min_load": float(x.min()),
+        "min_over_mean": float((x.min(-1).values / mean).min()),
+        "max_over_mean": float((x.max(-1).values / mean).max()),
+    }
 
 
 def bias_range(model_or_balancers) -> dict[str, float]:
@@ -311,5 +316,8 @@ def bias_range(model_or_balancers) -> dict[str, float]:
     if not biases:
         return {}
     b = torch.stack([torch.stack([x.min(), x.max()]) for x in biases])
-    return {"bias_min": float(b[:, 0].min()), "bias_max": float(b[:, 1].max()),
-            "bias_spread": float((b[:, 1] - b[:, 0]).max())}
+    return {
+        "bias_min": float(b[:, 0].min()),
+        "bias_max": float(b[:, 1].max()),
+        "bias_spread": float((b[:, 1] - b[:, 0]).max()),
+    }

@@ -22,5 +22,6 @@ __all__ = sorted(_LAZY)
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib
+
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'k3train.parallel' has no attribute {name!r}")

@@ -227,8 +227,9 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, dim: str, *, what: s
     return out
 
 
-def all_to_all(out: torch.Tensor, inp: torch.Tensor, group, dim: str, out_splits=None, in_splits=None, *,
-               what: str | None = None) -> torch.Tensor:
+def all_to_all(
+    out: torch.Tensor, inp: torch.Tensor, group, dim: str, out_splits=None, in_splits=None, *, what: str | None = None
+) -> torch.Tensor:
     """Rows of inp go to the ranks in order (in_splits[r] rows to rank r; even without splits); out receives
     out_splits[r] rows from rank r."""
     n = _size(group)
@@ -257,8 +258,16 @@ def broadcast(t: torch.Tensor, src_group_rank: int, group, dim: str, *, what: st
     return t
 
 
-def send_recv(send: torch.Tensor | None, recv: torch.Tensor | None, peer: int, group, dim: str, *, op: str = "send",
-              what: str | None = None) -> None:
+def send_recv(
+    send: torch.Tensor | None,
+    recv: torch.Tensor | None,
+    peer: int,
+    group,
+    dim: str,
+    *,
+    op: str = "send",
+    what: str | None = None,
+) -> None:
     """Point-to-point with one peer (its rank in the group): send, receive, or both at once (a swap). The operations
     go out as one batch (dist.batch_isend_irecv): NCCL can deadlock on large payloads when a pair's isend and irecv
     are posted as separate operations; gloo runs the batch as its isend and irecv. Counts the bytes sent."""
@@ -305,8 +314,16 @@ class _AllToAllRows(torch.autograd.Function):
         return gin, None, None, None, None, None, None
 
 
-def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, dim: str, *,
-                    what: str | None = None, grad_what: str | None = None) -> torch.Tensor:
+def all_to_all_rows(
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group,
+    dim: str,
+    *,
+    what: str | None = None,
+    grad_what: str | None = None,
+) -> torch.Tensor:
     """Differentiable uneven all-to-all of the rows of x: in_splits[r] rows go to rank r, out_splits[r] rows arrive
     from rank r (source-major). Backward is the reverse all-to-all of the gradient, labelled `grad_what`."""
     if x.shape[0] != sum(in_splits):

@@ -84,8 +84,10 @@ class SequenceLayout:
         self.world, self.seq_len, self.layout = world, int(seq_len), layout
         self.n_pieces = layout_pieces(layout, world)
         if self.seq_len < 1 or self.seq_len % self.n_pieces:
-            raise ValueError(f"sequence length {seq_len} is not divisible by the {self.n_pieces} pieces of the "
-                             f"{layout} layout over {world} context-parallel ranks")
+            raise ValueError(
+                f"sequence length {seq_len} is not divisible by the {self.n_pieces} pieces of the "
+                f"{layout} layout over {world} context-parallel ranks"
+            )
         self.piece_len = self.seq_len // self.n_pieces
         self.per_rank = len(rank_pieces(layout, 0, world))
         # gathered slot (rank * per_rank + p) of every piece, in sequence order
@@ -174,8 +176,13 @@ def piece_plan(doc_start: torch.Tensor) -> PiecePlan:
     starts = torch.nonzero(flat).squeeze(1)
     cu = starts.tolist() + [R * L]
     sid = seg_id.view(R, L)
-    return PiecePlan(cu_seqlens=cu, first_seg=sid[:, 0].clone(), carry=~doc_start[:, 0],
-                     keep_m=~doc_start.any(1), last_seg=sid[:, -1].clone())
+    return PiecePlan(
+        cu_seqlens=cu,
+        first_seg=sid[:, 0].clone(),
+        carry=~doc_start[:, 0],
+        keep_m=~doc_start.any(1),
+        last_seg=sid[:, -1].clone(),
+    )
 
 
 def kda_piece_chunks(q, k, v, g, beta, plan: PiecePlan, chunk: int) -> KDAChunks:
@@ -234,8 +241,9 @@ def kda_piece_summaries_kernel(q, k, v, g, beta, plan: PiecePlan, chunk: int, ch
     _, Bm = chunk_kda(fq, fk, flat(v), fg, fb, output_final_state=True, cu_seqlens=plan.cu_seqlens, chunk_size=chunk)
     eye = torch.eye(K, device=k.device, dtype=Bm.dtype).expand(n_seg, H, K, K)
     zero_v = fk.new_zeros(fk.shape[:-1] + (K,)).to(v.dtype)
-    _, M = chunk_kda(fq, fk, zero_v, fg, fb, initial_state=eye, output_final_state=True, cu_seqlens=plan.cu_seqlens,
-                     chunk_size=chunk)
+    _, M = chunk_kda(
+        fq, fk, zero_v, fg, fb, initial_state=eye, output_final_state=True, cu_seqlens=plan.cu_seqlens, chunk_size=chunk
+    )
     last = plan.last_seg.to(k.device)
     M = M.index_select(0, last) * plan.keep_m.to(M.device, M.dtype).view(-1, 1, 1, 1)
     return torch.cat([M, Bm.index_select(0, last)], dim=-1)
@@ -252,8 +260,9 @@ def kda_pieces_kernel(q, k, v, g, beta, incoming: torch.Tensor, plan: PiecePlan,
     S0 = incoming.to(acc) * plan.carry.to(incoming.device, acc).view(R, 1, 1, 1)
     n_seg = len(plan.cu_seqlens) - 1
     init = S0.new_zeros(n_seg, H, K, V).index_copy(0, plan.first_seg.to(S0.device), S0)
-    o, _ = chunk_kda(flat(q), flat(k), flat(v), flat(g), flat(beta), initial_state=init, cu_seqlens=plan.cu_seqlens,
-                     chunk_size=chunk)
+    o, _ = chunk_kda(
+        flat(q), flat(k), flat(v), flat(g), flat(beta), initial_state=init, cu_seqlens=plan.cu_seqlens, chunk_size=chunk
+    )
     return o.view(R, L, H, V)
 
 
@@ -289,8 +298,17 @@ class ContextParallel:
     the first call otherwise).
     """
 
-    def __init__(self, group=None, rank: int | None = None, world: int | None = None, *, seq_len: int,
-                 layout: str = "zigzag", cu_seqlens_global=None, batch: int | None = None):
+    def __init__(
+        self,
+        group=None,
+        rank: int | None = None,
+        world: int | None = None,
+        *,
+        seq_len: int,
+        layout: str = "zigzag",
+        cu_seqlens_global=None,
+        batch: int | None = None,
+    ):
         if world is None:
             world = dist.get_world_size(group) if group is not None else 1
         if rank is None:
@@ -308,8 +326,9 @@ class ContextParallel:
             if total % seq_len:
                 raise ValueError(f"cu_seqlens_global ends at {total}, not a multiple of seq_len={seq_len}")
             if batch is not None and batch * seq_len != total:
-                raise ValueError(f"batch={batch} rows of seq_len={seq_len} do not match cu_seqlens_global "
-                                 f"(ends at {total})")
+                raise ValueError(
+                    f"batch={batch} rows of seq_len={seq_len} do not match cu_seqlens_global (ends at {total})"
+                )
             batch = total // seq_len
         self.batch = batch
         self._plans: dict = {}
@@ -342,12 +361,14 @@ class ContextParallel:
         """Global [B, T, ...] -> what the model runs on here: [B*pieces_per_rank, piece_len, ...]."""
         return self.seq.rows(self.seq.shard(x, self.rank, 1))
 
-    def encode_images(self, tower: nn.Module, pixels: torch.Tensor, grid: torch.Tensor,
-                      mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_images(
+        self, tower: nn.Module, pixels: torch.Tensor, grid: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The global rows' images, each encoded by one rank of the group and its tokens sent to the ranks that hold
         their positions (k3train.parallel.vision_cp): (tokens at this rank's positions, the local vision mask).
         The assignment's max/mean load is kept in `vision_balance`."""
         from k3train.parallel.vision_cp import encode_images
+
         tokens, local_mask, self.vision_balance = encode_images(self, tower, pixels, grid, mask)
         return tokens, local_mask
 
@@ -380,14 +401,18 @@ class ContextParallel:
     def _rows_check(self, R: int, L: int, where: str) -> int:
         P = self.pieces_per_rank
         if L != self.piece_len or R % P:
-            raise ValueError(f"context parallel ({where}): the model must run on the local pieces as rows, "
-                             f"[B*{P}, {self.piece_len}] (ContextParallel.shard_rows), got [{R}, {L}]")
+            raise ValueError(
+                f"context parallel ({where}): the model must run on the local pieces as rows, "
+                f"[B*{P}, {self.piece_len}] (ContextParallel.shard_rows), got [{R}, {L}]"
+            )
         B = R // P
         if self.batch is None:
             self.batch = B
         elif B != self.batch:
-            raise ValueError(f"context parallel ({where}): {R} local rows imply {B} global rows, but this handle "
-                             f"was built for {self.batch}")
+            raise ValueError(
+                f"context parallel ({where}): {R} local rows imply {B} global rows, but this handle "
+                f"was built for {self.batch}"
+            )
         return B
 
     def _plan(self, what: str, device):
@@ -409,16 +434,22 @@ class ContextParallel:
         elif what == "kda":
             out = piece_plan(loc(start))
             out.first_seg, out.carry, out.keep_m, out.last_seg = (
-                t.to(device) for t in (out.first_seg, out.carry, out.keep_m, out.last_seg))
+                t.to(device) for t in (out.first_seg, out.carry, out.keep_m, out.last_seg)
+            )
         else:
             # The local queries (pieces in local order) at their positions in the row, against every key of the row;
             # the attention skips the tiles the causal and document mask hide, so zigzag's two pieces cost the same
             # on every rank.
             T = self.seq.seq_len
             q_index = loc(torch.arange(T)[None]).reshape(1, -1)
-            out = LatentKeys(self, q_pos=q_index.to(device), q_doc=loc(doc).reshape(self.batch, -1).to(device),
-                             k_pos=torch.arange(T, device=device)[None], k_doc=doc.to(device),
-                             q_segments=[self.piece_len] * self.pieces_per_rank)
+            out = LatentKeys(
+                self,
+                q_pos=q_index.to(device),
+                q_doc=loc(doc).reshape(self.batch, -1).to(device),
+                k_pos=torch.arange(T, device=device)[None],
+                k_doc=doc.to(device),
+                q_segments=[self.piece_len] * self.pieces_per_rank,
+            )
         self._plans[key] = out
         return out
 
@@ -438,7 +469,7 @@ class ContextParallel:
             return y.new_zeros(R, 0, C)
         if h > L:
             raise ValueError(f"context parallel: conv width {W} needs pieces of at least {h} tokens, got {L}")
-        tails = self.seq.to_sequence_order(self._gather(y[:, L - h:], "conv_halo"), B)   # [B, n, h, C]
+        tails = self.seq.to_sequence_order(self._gather(y[:, L - h :], "conv_halo"), B)  # [B, n, h, C]
         # slot c of the padded list holds the tail of piece c-1
         padded = torch.cat([tails.new_zeros(B, 1, h, C), tails], dim=1)
         idx = torch.tensor(self.local_pieces(), device=y.device)
@@ -450,7 +481,7 @@ class ContextParallel:
         token of the next piece: a one-token halo, all-gathered (its gradient returns by reduce-scatter)."""
         R, L, C = y.shape
         B = self._rows_check(R, L, "next_in_document")
-        heads = self.seq.to_sequence_order(self._gather(y[:, :1].contiguous(), "mtp_halo"), B)   # [B, n, 1, C]
+        heads = self.seq.to_sequence_order(self._gather(y[:, :1].contiguous(), "mtp_halo"), B)  # [B, n, 1, C]
         # slot c of the padded list holds the head of piece c + 1 (zeros after the row's last piece)
         padded = torch.cat([heads[:, 1:], heads.new_zeros(B, 1, 1, C)], dim=1)
         idx = torch.tensor(self.local_pieces(), device=y.device)
@@ -470,18 +501,19 @@ class ContextParallel:
         plan = self._plan("kda", k.device)
         if kernels is not None and kernels.kda_on_triton(q, k, v, g, beta, chunk_size=chunk, g_min=g_min):
             from k3kernels.kda import chunk_kda as triton_chunk_kda
+
             mine = kda_piece_summaries_kernel(q, k, v, g, beta, plan, chunk, triton_chunk_kda)
             incoming = self._kda_incoming(mine, B, R, H, K, v.shape[-1])
             return kda_pieces_kernel(q, k, v, g, beta, incoming, plan, chunk, triton_chunk_kda)
         chunks = kda_piece_chunks(q, k, v, g, beta, plan, chunk)
-        mine = kda_piece_summaries(chunks, plan)                                         # [R, H, K, K+V]
+        mine = kda_piece_summaries(chunks, plan)  # [R, H, K, K+V]
         return kda_pieces(chunks, self._kda_incoming(mine, B, R, H, K, v.shape[-1]), plan)
 
     def _kda_incoming(self, mine: torch.Tensor, B: int, R: int, H: int, K: int, V: int) -> torch.Tensor:
         """This rank's piece summaries [R, H, K, K+V] -> the states entering its pieces [R, H, K, V] (all-gather,
         then the prefix over every row's pieces in sequence order)."""
-        every = self.seq.to_sequence_order(self._gather(mine, "kda_summary"), B)         # [B, n, H, K, K+V]
-        S_in = exclusive_prefix_states(every, K)                                          # [B, n, H, K, V]
+        every = self.seq.to_sequence_order(self._gather(mine, "kda_summary"), B)  # [B, n, H, K, K+V]
+        S_in = exclusive_prefix_states(every, K)  # [B, n, H, K, V]
         idx = torch.tensor(self.local_pieces(), device=mine.device)
         return S_in.index_select(1, idx).reshape(R, H, K, V)
 
@@ -514,7 +546,7 @@ class ContextParallel:
         by_piece = d_full.view(B, self.seq.n_pieces, L, W)
         slots = torch.empty(self.seq.n_pieces, dtype=torch.long)
         slots[torch.tensor(self.seq.slot_of_piece)] = torch.arange(self.seq.n_pieces)
-        ranked = by_piece.index_select(1, slots.to(d_full.device))            # [B, world*P, L, W]: rank-major slots
+        ranked = by_piece.index_select(1, slots.to(d_full.device))  # [B, world*P, L, W]: rank-major slots
         ranked = ranked.view(B, self.world, P, L, W).transpose(0, 1).reshape(self.world * B * P, L, W)
         if self.world == 1:
             return ranked
@@ -525,8 +557,15 @@ class ContextParallel:
 
     # ---- construction from local information -------------------------------------------------------------------------
     @classmethod
-    def from_local_doc_start(cls, doc_start_rows: torch.Tensor, group=None, *, layout: str = "zigzag",
-                             world: int | None = None, rank: int | None = None) -> "ContextParallel":
+    def from_local_doc_start(
+        cls,
+        doc_start_rows: torch.Tensor,
+        group=None,
+        *,
+        layout: str = "zigzag",
+        world: int | None = None,
+        rank: int | None = None,
+    ) -> "ContextParallel":
         """Build the handle on every CP rank from the local document-start marks [B*P, L] (bool; what a pipeline
         stage receives), by all-gathering them over the group (1 byte per token, once per batch)."""
         if world is None:
@@ -544,10 +583,9 @@ class ContextParallel:
         else:
             parts = marks
         seq = SequenceLayout(world, L * layout_pieces(layout, world), layout)
-        full = seq.to_sequence_order(parts, R // P).reshape(R // P, -1).bool().cpu()    # [B, T]
+        full = seq.to_sequence_order(parts, R // P).reshape(R // P, -1).bool().cpu()  # [B, T]
         full[:, 0] = True
-        return cls(group, rank, world, seq_len=seq.seq_len, layout=layout,
-                   cu_seqlens_global=Documents(full).cu_seqlens)
+        return cls(group, rank, world, seq_len=seq.seq_len, layout=layout, cu_seqlens_global=Documents(full).cu_seqlens)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -570,20 +608,26 @@ def check_context_parallel(model_or_args, *, cp: int, seq_len: int, layout: str 
     if isinstance(args, K3ModelArgs):
         mult = cp_seq_multiple(args, cp, layout)
         if seq_len % mult:
-            raise ConfigError(f"data.seq_len: {seq_len} is not a multiple of {mult} = {n} {layout} pieces x KDA chunk "
-                              f"{args.kda_chunk} (cp={cp})")
+            raise ConfigError(
+                f"data.seq_len: {seq_len} is not a multiple of {mult} = {n} {layout} pieces x KDA chunk "
+                f"{args.kda_chunk} (cp={cp})"
+            )
     if seq_len % n:
-        raise ConfigError(f"data.seq_len: {seq_len} is not divisible into the {n} pieces of the {layout} layout "
-                          f"(cp={cp})")
+        raise ConfigError(
+            f"data.seq_len: {seq_len} is not divisible into the {n} pieces of the {layout} layout (cp={cp})"
+        )
     L = seq_len // n
     if isinstance(model_or_args, nn.Module):
         from k3train.models.k3.kda import KDA
         from k3train.models.k3.mla import GatedMLA
+
         for name, m in model_or_args.named_modules():
             if isinstance(m, KDA):
                 if L % m.chunk:
-                    raise ConfigError(f"{name}: KDA chunk {m.chunk} does not divide the context-parallel piece "
-                                      f"length {L} (seq_len {seq_len} / {n} pieces)")
+                    raise ConfigError(
+                        f"{name}: KDA chunk {m.chunk} does not divide the context-parallel piece "
+                        f"length {L} (seq_len {seq_len} / {n} pieces)"
+                    )
                 W = m.q_conv.shape[1]
                 if W - 1 > L:
                     raise ConfigError(f"{name}: conv width {W} needs pieces of at least {W - 1} tokens, got {L}")
@@ -612,8 +656,15 @@ class ContextParallelPlan:
 
     def handle(self, seq_len: int, cu_seqlens=None, batch: int | None = None) -> ContextParallel:
         self.check(seq_len)
-        return ContextParallel(self.group, self.rank, self.world, seq_len=seq_len, layout=self.layout,
-                               cu_seqlens_global=cu_seqlens, batch=batch)
+        return ContextParallel(
+            self.group,
+            self.rank,
+            self.world,
+            seq_len=seq_len,
+            layout=self.layout,
+            cu_seqlens_global=cu_seqlens,
+            batch=batch,
+        )
 
     def shard_batch(self, batch: dict) -> dict:
         """{'input_ids' [B, T], 'labels' [B, T], optional 'cu_seqlens'} (the SAME global batch on every CP rank)
@@ -631,8 +682,9 @@ class ContextParallelPlan:
         return out
 
 
-def apply_context_parallel(model: nn.Module | list[nn.Module], group=None, *, layout: str = "zigzag",
-                           seq_len: int | None = None) -> ContextParallelPlan:
+def apply_context_parallel(
+    model: nn.Module | list[nn.Module], group=None, *, layout: str = "zigzag", seq_len: int | None = None
+) -> ContextParallelPlan:
     """Check that the model (or a pipeline rank's list of model parts) can run under CP over `group` (and, given
     seq_len, that the length fits) and return the plan that shards each batch. The model itself is not changed: its
     KDA and MLA layers reach the handle through BatchContext.cp."""

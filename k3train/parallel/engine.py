@@ -71,10 +71,23 @@ class Engine:
     """Trains one step at a time with collaborators built by `build_engine`: this rank's model parts (already
     parallelized), the sharded optimizer, the pipeline (pp > 1) and the context-parallel plan (cp > 1)."""
 
-    def __init__(self, *, args: K3ModelArgs, dims: ParallelDims, mesh: ParallelMesh | None, device: torch.device,
-                 autocast_dtype: torch.dtype | None, stage_layers: list[list[int]], stage_ids: list[int],
-                 model_parts: list[nn.Module], optimizer: ShardedOptimizer, pipeline: Pipeline | None,
-                 cp_plan=None, activation_handles: list | None = None, boundary_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        *,
+        args: K3ModelArgs,
+        dims: ParallelDims,
+        mesh: ParallelMesh | None,
+        device: torch.device,
+        autocast_dtype: torch.dtype | None,
+        stage_layers: list[list[int]],
+        stage_ids: list[int],
+        model_parts: list[nn.Module],
+        optimizer: ShardedOptimizer,
+        pipeline: Pipeline | None,
+        cp_plan=None,
+        activation_handles: list | None = None,
+        boundary_dtype: torch.dtype = torch.float32,
+    ):
         self.args, self.dims, self.mesh = args, dims, mesh
         self.boundary_dtype = boundary_dtype  # what crosses a pipeline boundary (bf16 under train.precision=bf16)
         self.device, self.autocast_dtype = device, autocast_dtype
@@ -157,8 +170,14 @@ class Engine:
             self.zero.step()
         self.step_count += 1
         self.times = StepTimes(step_s=time.perf_counter() - t0, busy_s=busy, schedule_s=sched)
-        out = {"loss": loss, "grad_norm": norm, "tokens": int(counts[1]), "target_tokens": int(counts[0]),
-               "clip_coef": coef, "extra_sums": red[n_loss + 1:].tolist()}
+        out = {
+            "loss": loss,
+            "grad_norm": norm,
+            "tokens": int(counts[1]),
+            "target_tokens": int(counts[0]),
+            "clip_coef": coef,
+            "extra_sums": red[n_loss + 1 :].tolist(),
+        }
         if self.mtp_weight is not None:  # the step trained on loss + mtp_loss_weight x mtp_loss
             out["mtp_loss"] = float(red[1])
         # Dynamic vision CP: the most uneven max/mean tower load of the step's micro-batches on this rank.
@@ -167,8 +186,9 @@ class Engine:
             out["vision_cp_balance"] = max(x for x in balance if x is not None)
         return out
 
-    def _forward_backward_local(self, mbs: list[dict], denom: float, mtp_denom: float = 1.0,
-                                ) -> tuple[torch.Tensor, float]:
+    def _forward_backward_local(
+        self, mbs: list[dict], denom: float, mtp_denom: float = 1.0
+    ) -> tuple[torch.Tensor, float]:
         """[next-token, MTP] normalised loss sums of the micro-batches (MTP 0 without it), and the busy time."""
         part = self.model_parts[0]
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -182,8 +202,10 @@ class Engine:
                     terms = [linear_cross_entropy(hidden, w, b["labels"])[0] / denom]
                 else:
                     hidden, u = part(b["input_ids"], b["ctx"], return_hidden=True, mtp=True, **b["vision"])
-                    terms = [linear_cross_entropy(hidden, w, b["labels"])[0] / denom,
-                             linear_cross_entropy(u, w, b["mtp_labels"])[0] / mtp_denom]
+                    terms = [
+                        linear_cross_entropy(hidden, w, b["labels"])[0] / denom,
+                        linear_cross_entropy(u, w, b["mtp_labels"])[0] / mtp_denom,
+                    ]
             loss = terms[0] if len(terms) == 1 else terms[0] + self.mtp_weight * terms[1]
             if k == len(mbs) - 1:  # the last backward: buckets are reduced as their gradients complete
                 self.zero.arm()
@@ -191,8 +213,9 @@ class Engine:
             total[: len(terms)] += torch.stack([x.detach().double() for x in terms])
         return total, time.perf_counter() - t
 
-    def _forward_backward_pipeline(self, mbs: list[dict], denom: float, mtp_denom: float = 1.0,
-                                   ) -> tuple[torch.Tensor, float]:
+    def _forward_backward_pipeline(
+        self, mbs: list[dict], denom: float, mtp_denom: float = 1.0
+    ) -> tuple[torch.Tensor, float]:
         ids = torch.cat([b["input_ids"] for b in mbs])
         labels = torch.cat([b["labels"] for b in mbs])
         doc_start = None
@@ -201,8 +224,9 @@ class Engine:
             row_starts[:, 0] = True
             doc_start = torch.cat([row_starts if b["doc_start"] is None else b["doc_start"] for b in mbs])
         mtp_labels = torch.cat([b["mtp_labels"] for b in mbs]) if self.mtp_weight is not None else None
-        loss = self.pipeline.step(ids, labels, doc_start, denom, mtp_labels, mtp_denom,
-                                  vision=[b["vision"] or None for b in mbs])
+        loss = self.pipeline.step(
+            ids, labels, doc_start, denom, mtp_labels, mtp_denom, vision=[b["vision"] or None for b in mbs]
+        )
         return loss.double(), self.pipeline.busy_s
 
     def _local_batch(self, b: dict) -> dict:
@@ -215,13 +239,20 @@ class Engine:
         mtp = None
         if self.mtp_weight is not None:  # from the whole rows, before context parallelism cuts them into pieces
             from k3train.models.k3.mtp import mtp_labels
+
             mtp = mtp_labels(labels, Documents.from_cu_seqlens(cu, B, T, dev).start)
         if self.cp_plan is None:
             ctx = BatchContext(cu)
             # Pipeline stages receive the document starts (a micro-batch without documents: None).
             doc_start = ctx.documents(B, T, dev).start if cu is not None and self.pipeline is not None else None
-            return {"input_ids": ids, "labels": labels, "ctx": ctx, "doc_start": doc_start, "mtp_labels": mtp,
-                    "vision": vision}
+            return {
+                "input_ids": ids,
+                "labels": labels,
+                "ctx": ctx,
+                "doc_start": doc_start,
+                "mtp_labels": mtp,
+                "vision": vision,
+            }
         out = self.cp_plan.shard_batch({**b, "input_ids": ids, "labels": labels})
         out["mtp_labels"] = out["ctx"].cp.shard_rows(mtp) if mtp is not None else None
         out["doc_start"], out["vision"] = None, vision  # global images: the model's CP handle spreads them
@@ -297,8 +328,9 @@ class Engine:
         balancers' histograms or loads are summed over the dp x cp ranks, which hold distinct tokens."""
         from k3train.optim.quantile_balancing import update_biases
 
-        balancers = {n: r.balancer for part in self.model_parts for n, r in part.routers().items()
-                     if r.balancer is not None}
+        balancers = {
+            n: r.balancer for part in self.model_parts for n, r in part.routers().items() if r.balancer is not None
+        }
         if balancers:  # one all-reduce for every router of every local stage
             update_biases(balancers, self._group("dp_cp"))
 
@@ -316,8 +348,11 @@ class Engine:
         model: dict[str, torch.Tensor] = {}
         for part in self.model_parts:
             model.update(part.state_dict())
-        return {"model": model, "optim": self.zero.state_dict(self._present_state, self._rank_table),
-                "meta": {"step": torch.tensor(self.step_count)}}
+        return {
+            "model": model,
+            "optim": self.zero.state_dict(self._present_state, self._rank_table),
+            "meta": {"step": torch.tensor(self.step_count)},
+        }
 
     def _rank_table(self, key: str) -> list[list[int]] | None:
         """Global ranks [EP block][rank in the group] of the ranks sharding a group's state (owner-sharded Muon)."""
@@ -341,13 +376,21 @@ class Engine:
         sharded = self.dims.zero >= 1 and self.zero.shard_groups[key].n > 1 and not whole
         if key == "expert":  # home blocks over ep, then ZeRO chunks over edp
             if sharded:
-                return DTensor.from_local(local, self.mesh.submesh("ep_edp"), [Shard(0), Shard(0)], run_check=False,
-                                          shape=shape, stride=stride)
-            return DTensor.from_local(local, self.mesh.submesh("ep"), [Shard(0)], run_check=False, shape=shape,
-                                      stride=stride)
+                return DTensor.from_local(
+                    local,
+                    self.mesh.submesh("ep_edp"),
+                    [Shard(0), Shard(0)],
+                    run_check=False,
+                    shape=shape,
+                    stride=stride,
+                )
+            return DTensor.from_local(
+                local, self.mesh.submesh("ep"), [Shard(0)], run_check=False, shape=shape, stride=stride
+            )
         if sharded:
-            return DTensor.from_local(local, self.mesh.submesh("dp_cp"), [Shard(0)], run_check=False, shape=shape,
-                                      stride=stride)
+            return DTensor.from_local(
+                local, self.mesh.submesh("dp_cp"), [Shard(0)], run_check=False, shape=shape, stride=stride
+            )
         return local
 
     def load_state_dict(self, sd: dict) -> None:
@@ -381,20 +424,35 @@ class Engine:
             for p in part.parameters():
                 k = str(p.dtype).replace("torch.", "")
                 by_dtype[k] = by_dtype.get(k, 0) + p.untyped_storage().nbytes()
-        return {"param_bytes": sum(by_dtype.values()), "param_bytes_by_dtype": by_dtype,
-                "grad_bytes": self.zero.grad_bytes(), "master_bytes": self.zero.master_bytes(),
-                "optim_bytes": self.zero.optimizer_state_bytes()}
+        return {
+            "param_bytes": sum(by_dtype.values()),
+            "param_bytes_by_dtype": by_dtype,
+            "grad_bytes": self.zero.grad_bytes(),
+            "master_bytes": self.zero.master_bytes(),
+            "optim_bytes": self.zero.optimizer_state_bytes(),
+        }
 
     def named_parameters(self):
         for part in self.model_parts:
             yield from part.named_parameters()
 
 
-def build_engine(model_args: K3ModelArgs, parallel, optim_cfg, seed: int = 0, device: torch.device | str | None = None,
-                 *, precision: str = "fp32", autocast_dtype: torch.dtype | None = None, seq_len_hint: int = 4096,
-                 activation_rules=(),
-                 balancing: str = "none", bucket_numel: int = 1 << 25,
-                 stage_layers: list[list[int]] | None = None, train_vision: bool = False) -> Engine:
+def build_engine(
+    model_args: K3ModelArgs,
+    parallel,
+    optim_cfg,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+    *,
+    precision: str = "fp32",
+    autocast_dtype: torch.dtype | None = None,
+    seq_len_hint: int = 4096,
+    activation_rules=(),
+    balancing: str = "none",
+    bucket_numel: int = 1 << 25,
+    stage_layers: list[list[int]] | None = None,
+    train_vision: bool = False,
+) -> Engine:
     """Validate the layout (before touching any process group), build the mesh, this rank's parallelized model
     parts (k3train.parallel.parallelize), the optimizer, the pipeline and the CP plan, and the engine over them.
 
@@ -426,13 +484,22 @@ def build_engine(model_args: K3ModelArgs, parallel, optim_cfg, seed: int = 0, de
         raise ConfigError(f"parallel: {len(stage_layers)} stage layer lists for pp*vpp={dims.n_stages}")
     stage_ids = stages_of_rank(dims, mesh.coords["pp"] if mesh is not None else 0)
     n = dims.n_stages
-    setup = PartSetup(dims=dims, mesh=mesh, device=device, seed=seed, seq_len=seq_len_hint,
-                      activation_rules=list(activation_rules), balancing=balancing, compute_dtype=autocast_dtype,
-                      train_vision=train_vision)
+    setup = PartSetup(
+        dims=dims,
+        mesh=mesh,
+        device=device,
+        seed=seed,
+        seq_len=seq_len_hint,
+        activation_rules=list(activation_rules),
+        balancing=balancing,
+        compute_dtype=autocast_dtype,
+        train_vision=train_vision,
+    )
     parts, handles = [], []
     for s in stage_ids:
-        part, handle = parallelize_part(stage_part_on_meta(model_args, stage_layers[s], first=s == 0, last=s == n - 1),
-                                        setup)
+        part, handle = parallelize_part(
+            stage_part_on_meta(model_args, stage_layers[s], first=s == 0, last=s == n - 1), setup
+        )
         if param_dtype != torch.float32:  # initialised in fp32 (same values in every layout), stored in bf16/fp64
             for p in part.parameters():
                 p.data = p.data.to(param_dtype)
@@ -443,6 +510,7 @@ def build_engine(model_args: K3ModelArgs, parallel, optim_cfg, seed: int = 0, de
     expert_blocks: dict[str, tuple[int, int]] = {}
     if dims.ep > 1:
         from k3train.parallel.expert_parallel import expert_parameters
+
         groups["expert"] = (mesh.group("edp"), "edp")
         for part in parts:  # home experts: replicated (and reduced, and ZeRO-sharded) over the edp ranks only
             expert_blocks.update(expert_parameters(part))
@@ -451,22 +519,53 @@ def build_engine(model_args: K3ModelArgs, parallel, optim_cfg, seed: int = 0, de
         reduce_groups = {"dense": mesh.reduce_group("dp_cp")}
         if dims.ep > 1:
             reduce_groups["expert"] = mesh.reduce_group("edp")
-    optimizer = ShardedOptimizer(parts, optim_cfg, zero=dims.zero, groups=groups, expert_blocks=expert_blocks,
-                                 bucket_numel=bucket_numel, precision=precision, reduce_groups=reduce_groups)
+    optimizer = ShardedOptimizer(
+        parts,
+        optim_cfg,
+        zero=dims.zero,
+        groups=groups,
+        expert_blocks=expert_blocks,
+        bucket_numel=bucket_numel,
+        precision=precision,
+        reduce_groups=reduce_groups,
+    )
     cp_plan = None
     if dims.cp > 1:
         from k3train.parallel.context_parallel import apply_context_parallel
+
         cp_plan = apply_context_parallel(parts, mesh.group("cp"), layout=dims.cp_layout, seq_len=seq_len_hint)
     pipeline = None
     if dims.pp > 1:
         cp = (mesh.group("cp"), dims.cp_layout) if dims.cp > 1 else None
-        modules = {s: StageModule(p, first=s == 0, last=s == n - 1, autocast_dtype=autocast_dtype,
-                                  boundary_dtype=param_dtype, cp=cp) for s, p in zip(stage_ids, parts)}
-        pipeline = Pipeline(args=model_args, dims=dims, stage_layers=stage_layers, modules=modules,
-                            pp_group=mesh.group("pp"), device=device, grad_reducer=optimizer,
-                            boundary_dtype=param_dtype,
-                            mtp_weight=float(optimizer.cfg.mtp_loss_weight) if model_args.mtp_layers else 0.0)
-    return Engine(args=model_args, dims=dims, mesh=mesh, device=device, autocast_dtype=autocast_dtype,
-                  boundary_dtype=param_dtype,
-                  stage_layers=stage_layers, stage_ids=stage_ids, model_parts=parts, optimizer=optimizer,
-                  pipeline=pipeline, cp_plan=cp_plan, activation_handles=handles)
+        modules = {
+            s: StageModule(
+                p, first=s == 0, last=s == n - 1, autocast_dtype=autocast_dtype, boundary_dtype=param_dtype, cp=cp
+            )
+            for s, p in zip(stage_ids, parts)
+        }
+        pipeline = Pipeline(
+            args=model_args,
+            dims=dims,
+            stage_layers=stage_layers,
+            modules=modules,
+            pp_group=mesh.group("pp"),
+            device=device,
+            grad_reducer=optimizer,
+            boundary_dtype=param_dtype,
+            mtp_weight=float(optimizer.cfg.mtp_loss_weight) if model_args.mtp_layers else 0.0,
+        )
+    return Engine(
+        args=model_args,
+        dims=dims,
+        mesh=mesh,
+        device=device,
+        autocast_dtype=autocast_dtype,
+        boundary_dtype=param_dtype,
+        stage_layers=stage_layers,
+        stage_ids=stage_ids,
+        model_parts=parts,
+        optimizer=optimizer,
+        pipeline=pipeline,
+        cp_plan=cp_plan,
+        activation_handles=handles,
+    )

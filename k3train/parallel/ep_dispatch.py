@@ -65,8 +65,10 @@ __all__ = [
 def home_range(ep_rank: int, ep_size: int, n_experts: int) -> tuple[int, int]:
     """[lo, hi): the home experts of `ep_rank`. Raises ValueError when ep_size does not divide n_experts."""
     if ep_size <= 0 or n_experts % ep_size != 0:
-        raise ValueError(f"EP degree {ep_size} does not divide n_experts={n_experts} "
-                         f"(n_experts % ep = {n_experts % ep_size if ep_size > 0 else 'n/a'})")
+        raise ValueError(
+            f"EP degree {ep_size} does not divide n_experts={n_experts} "
+            f"(n_experts % ep = {n_experts % ep_size if ep_size > 0 else 'n/a'})"
+        )
     if not 0 <= ep_rank < ep_size:
         raise ValueError(f"ep_rank={ep_rank} outside [0, {ep_size})")
     g = n_experts // ep_size
@@ -157,9 +159,16 @@ class CommStats:
 
         # The dispatch all-to-all's wire bytes are exactly the rows it sends to other ranks.
         remote = int(ledger.entry("ep", "all_to_all", "dispatch")["wire"])
-        return cls(routes=routes, calls=calls, dispatch_bytes=payload("dispatch"), dispatch_remote_bytes=remote,
-                   combine_bytes=payload("combine"), backward_bytes=payload("backward"),
-                   meta_bytes=payload("counts"), weight_bytes=payload("weights"))
+        return cls(
+            routes=routes,
+            calls=calls,
+            dispatch_bytes=payload("dispatch"),
+            dispatch_remote_bytes=remote,
+            combine_bytes=payload("combine"),
+            backward_bytes=payload("backward"),
+            meta_bytes=payload("counts"),
+            weight_bytes=payload("weights"),
+        )
 
     def add(self, other: "CommStats") -> "CommStats":
         for f in fields(self):
@@ -192,8 +201,9 @@ class EPDispatcher:
         """This dispatcher's traffic since it was built (read-only: a fresh summary on every read)."""
         return CommStats.from_ledger(self.ledger, routes=self.routes, calls=self.calls)
 
-    def _send_rows(self, x: Tensor, out_splits: list[int], in_splits: list[int], what: str,
-                   grad_what: str = "backward") -> Tensor:
+    def _send_rows(
+        self, x: Tensor, out_splits: list[int], in_splits: list[int], what: str, grad_what: str = "backward"
+    ) -> Tensor:
         """Differentiable uneven all_to_all of rows over the EP group, counted here and in the enclosing scopes."""
         with comm.counting(self.ledger):
             return comm.all_to_all_rows(x, out_splits, in_splits, self.group, "ep", what=what, grad_what=grad_what)
@@ -219,7 +229,7 @@ class EPGroupedExperts(GroupedExperts):
         self.ep_rank, self.ep_size, self.group = ep_rank, ep_size, group
         for name in ("w1", "w3", "w2"):
             p = getattr(full, name)
-            setattr(self, name, nn.Parameter(p.detach()[self.lo:hi].clone(), requires_grad=p.requires_grad))
+            setattr(self, name, nn.Parameter(p.detach()[self.lo : hi].clone(), requires_grad=p.requires_grad))
         self._mesh = None
 
     def extra_repr(self) -> str:
@@ -240,19 +250,24 @@ class EPGroupedExperts(GroupedExperts):
     def device_mesh(self):
         if self._mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
-            self._mesh = DeviceMesh.from_group(self.group if self.group is not None else dist.group.WORLD,
-                                               device_type=self.w1.device.type)
+
+            self._mesh = DeviceMesh.from_group(
+                self.group if self.group is not None else dist.group.WORLD, device_type=self.w1.device.type
+            )
         return self._mesh
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         from torch.distributed.tensor import DTensor, Shard
+
         for name, p in self._parameters.items():
             t = p if keep_vars else p.detach()
             destination[prefix + name] = DTensor.from_local(t, self.device_mesh(), [Shard(0)], run_check=False)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         from torch.distributed.tensor import DTensor, Shard
+
         for name, p in self._parameters.items():
             key = prefix + name
             if key not in state_dict:
@@ -260,14 +275,17 @@ class EPGroupedExperts(GroupedExperts):
             v = state_dict[key]
             if isinstance(v, DTensor):
                 # A DTensor laid out like ours gives its local rows; any other layout is gathered first.
-                ours = (v.device_mesh == self.device_mesh() and v.placements == (Shard(0),)
-                        and v.shape[0] == self.n_total)
+                ours = (
+                    v.device_mesh == self.device_mesh() and v.placements == (Shard(0),) and v.shape[0] == self.n_total
+                )
                 v = v.to_local() if ours else v.full_tensor()
             if v.shape[0] == self.n_total and self.n_total != p.shape[0]:
                 v = shard_experts(v, self.ep_rank, self.ep_size)
             state_dict[key] = v
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # All-to-all dispatcher

@@ -44,8 +44,9 @@ __all__ = [
 DISPATCHERS = EP_DISPATCHERS
 
 
-def apply_expert_parallel(model: nn.Module, ep_group=None, dispatcher: str = "alltoall", *,
-                          tokens_per_rank: int | None = None) -> nn.Module:
+def apply_expert_parallel(
+    model: nn.Module, ep_group=None, dispatcher: str = "alltoall", *, tokens_per_rank: int | None = None
+) -> nn.Module:
     """Shard every LatentMoE's routed experts over `ep_group` and swap in an EP dispatcher, in place.
 
     ep_group: a ProcessGroup (None: the default group) or a 1-D DeviceMesh.
@@ -112,6 +113,7 @@ def gather_full_experts(model: nn.Module) -> dict[str, Tensor]:
     """The model's full state dict as plain tensors (home-expert shards all-gathered over the EP group: a
     collective, every EP rank must call it). Keys are the usual FQNs, loadable into a model without EP."""
     from torch.distributed.tensor import DTensor
+
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()}
 
 
@@ -120,6 +122,7 @@ def optimizer_state_to_dtensor(model: nn.Module, osd: dict) -> dict:
     home expert's per-parameter state made a Shard(0) DTensor like the parameter, so DCP saves one full tensor per key
     instead of keeping one rank's shard. In place; returns osd."""
     from torch.distributed.tensor import DTensor, Shard
+
     owners = {n: m for n, m in _ep_modules(model)}
     for fqn, st in osd.get("state", {}).items():
         mod_name, _, leaf = fqn.rpartition(".")
@@ -136,6 +139,7 @@ def optimizer_state_to_dtensor(model: nn.Module, osd: dict) -> dict:
 def optimizer_state_to_local(model: nn.Module, osd: dict) -> dict:
     """The inverse of optimizer_state_to_dtensor (for set_optimizer_state_dict after a DCP load). In place."""
     from torch.distributed.tensor import DTensor, Shard
+
     owners = {n: m for n, m in _ep_modules(model)}
     for fqn, st in osd.get("state", {}).items():
         m = owners.get(fqn.rpartition(".")[0])

@@ -119,19 +119,30 @@ class ParallelDims:
                 raise ConfigError("parallel.dp: -1 (fill from WORLD_SIZE) needs the world size")
             pp_cp = int(cfg.pp) * int(cfg.cp)
             if pp_cp < 1 or world_size % pp_cp:
-                raise ConfigError(f"parallel.dp: cannot fill dp: WORLD_SIZE={world_size} is not divisible by "
-                                  f"pp*cp={pp_cp}")
+                raise ConfigError(
+                    f"parallel.dp: cannot fill dp: WORLD_SIZE={world_size} is not divisible by pp*cp={pp_cp}"
+                )
             dp = world_size // pp_cp
         schedule = getattr(cfg, "schedule", AUTO_SCHEDULE)
         disp = getattr(cfg, "ep_dispatcher", "alltoall")
-        return cls(pp=int(cfg.pp), vpp=int(cfg.vpp), ep=int(cfg.ep), cp=int(cfg.cp), dp=dp, zero=int(cfg.zero),
-                   microbatches=int(cfg.microbatches), schedule=str(schedule), ep_dispatcher=str(disp),
-                   cp_layout=str(getattr(cfg, "cp_layout", "zigzag")),
-                   vision_placement=str(getattr(cfg, "vision_placement", "stage")))
+        return cls(
+            pp=int(cfg.pp),
+            vpp=int(cfg.vpp),
+            ep=int(cfg.ep),
+            cp=int(cfg.cp),
+            dp=dp,
+            zero=int(cfg.zero),
+            microbatches=int(cfg.microbatches),
+            schedule=str(schedule),
+            ep_dispatcher=str(disp),
+            cp_layout=str(getattr(cfg, "cp_layout", "zigzag")),
+            vision_placement=str(getattr(cfg, "vision_placement", "stage")),
+        )
 
     # ---- validation ---------------------------------------------------------------------------------------------
     def validate(self, world_size: int | None = None, model_args: K3ModelArgs | None = None) -> "ParallelDims":
         """Raise ConfigError naming the first key that does not fit. Touches no process group."""
+
         def need(ok: bool, key: str, msg: str) -> None:
             if not ok:
                 raise ConfigError(f"parallel.{key}: {msg}")
@@ -140,32 +151,60 @@ class ParallelDims:
             v = getattr(self, f)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f, f"must be an integer >= 1, got {v!r}")
         need(self.zero in (0, 1, 2), "zero", f"must be 0, 1 or 2, got {self.zero!r}")
-        need(self.schedule in SCHEDULES, "schedule",
-             f"unknown schedule {self.schedule!r}; choose auto or one of {sorted(SCHEDULES)}")
-        need(self.cp_layout in CP_LAYOUTS, "cp_layout",
-             f"unknown context-parallel layout {self.cp_layout!r}; choose one of {list(CP_LAYOUTS)}")
-        need(self.ep_dispatcher in EP_DISPATCHERS, "ep_dispatcher",
-             f"unknown dispatcher {self.ep_dispatcher!r}; choose one of {list(EP_DISPATCHERS)}")
-        need(self.vision_placement in VISION_PLACEMENTS, "vision_placement",
-             f"unknown placement {self.vision_placement!r}; choose one of {list(VISION_PLACEMENTS)}")
+        need(
+            self.schedule in SCHEDULES,
+            "schedule",
+            f"unknown schedule {self.schedule!r}; choose auto or one of {sorted(SCHEDULES)}",
+        )
+        need(
+            self.cp_layout in CP_LAYOUTS,
+            "cp_layout",
+            f"unknown context-parallel layout {self.cp_layout!r}; choose one of {list(CP_LAYOUTS)}",
+        )
+        need(
+            self.ep_dispatcher in EP_DISPATCHERS,
+            "ep_dispatcher",
+            f"unknown dispatcher {self.ep_dispatcher!r}; choose one of {list(EP_DISPATCHERS)}",
+        )
+        need(
+            self.vision_placement in VISION_PLACEMENTS,
+            "vision_placement",
+            f"unknown placement {self.vision_placement!r}; choose one of {list(VISION_PLACEMENTS)}",
+        )
         if self.vision_placement == "bubbles":
-            need(self.pp > 1, "vision_placement", "'bubbles' places vision work into pipeline idle time; it needs "
-                 f"pp > 1, got pp={self.pp} (use 'stage')")
-            need(self.schedule in BUBBLE_SCHEDULES, "vision_placement",
-                 f"'bubbles' runs with schedules {list(BUBBLE_SCHEDULES)}, not {self.schedule!r} (its backward is "
-                 "split into input and weight passes; use 'stage')")
+            need(
+                self.pp > 1,
+                "vision_placement",
+                "'bubbles' places vision work into pipeline idle time; it needs "
+                f"pp > 1, got pp={self.pp} (use 'stage')",
+            )
+            need(
+                self.schedule in BUBBLE_SCHEDULES,
+                "vision_placement",
+                f"'bubbles' runs with schedules {list(BUBBLE_SCHEDULES)}, not {self.schedule!r} (its backward is "
+                "split into input and weight passes; use 'stage')",
+            )
         if world_size is not None:
-            need(self.world == world_size, "dp",
-                 f"layout pp={self.pp} x dp={self.dp} x cp={self.cp} = {self.world} ranks, but the world has {world_size} "
-                 f"(WORLD_SIZE={world_size}; parallel: pp * dp * cp must equal it)")
+            need(
+                self.world == world_size,
+                "dp",
+                f"layout pp={self.pp} x dp={self.dp} x cp={self.cp} = {self.world} ranks, but the world has {world_size} "
+                f"(WORLD_SIZE={world_size}; parallel: pp * dp * cp must equal it)",
+            )
         need(self.dp_cp % self.ep == 0, "ep", f"ep={self.ep} must divide dp*cp={self.dp}*{self.cp}={self.dp_cp}")
         need(self.vpp == 1 or self.pp > 1, "vpp", f"virtual stages (vpp={self.vpp}) need pp > 1")
         if model_args is not None:
-            need(model_args.n_experts % self.ep == 0, "ep",
-                 f"ep={self.ep} must divide the model's n_experts={model_args.n_experts}")
-            need(self.n_stages <= model_args.n_layers, "pp",
-                 f"pp*vpp={self.pp}*{self.vpp}={self.n_stages} stages exceed the model's {model_args.n_layers} "
-                 "layers (every stage needs at least one layer)")
+            need(
+                model_args.n_experts % self.ep == 0,
+                "ep",
+                f"ep={self.ep} must divide the model's n_experts={model_args.n_experts}",
+            )
+            need(
+                self.n_stages <= model_args.n_layers,
+                "pp",
+                f"pp*vpp={self.pp}*{self.vpp}={self.n_stages} stages exceed the model's {model_args.n_layers} "
+                "layers (every stage needs at least one layer)",
+            )
         if self.pp > 1:
             self._validate_schedule(need)
         return self
@@ -175,26 +214,39 @@ class ParallelDims:
         name, placement, _ = SCHEDULES[self.schedule]
         m, pp, vpp = self.microbatches, self.pp, self.vpp
         if placement == "single":
-            need(vpp == 1, "vpp", f"schedule {self.schedule!r} runs one stage per rank; got vpp={vpp} "
-                 "(use interleaved_1f1b, looped_bfs, interleaved_zb, zbv or dualpipev for virtual stages)")
+            need(
+                vpp == 1,
+                "vpp",
+                f"schedule {self.schedule!r} runs one stage per rank; got vpp={vpp} "
+                "(use interleaved_1f1b, looped_bfs, interleaved_zb, zbv or dualpipev for virtual stages)",
+            )
         if placement == "v":
-            need(vpp == 2, "vpp",
-                 f"schedule {self.schedule!r} needs exactly 2 stages per rank (V shape), got vpp={vpp}")
+            need(
+                vpp == 2, "vpp", f"schedule {self.schedule!r} needs exactly 2 stages per rank (V shape), got vpp={vpp}"
+            )
         if self.schedule == "1f1b":
             need(m >= pp, "microbatches", f"schedule '1f1b' needs microbatches >= pp={pp} stages, got {m}")
         if self.schedule in ("interleaved_1f1b", "interleaved_zb"):
             # torch's flexible interleaving: rounds = max(1, m // pp) must divide m.
             rounds = max(1, m // pp)
-            need(m % rounds == 0, "microbatches",
-                 f"schedule {self.schedule!r} with pp={pp} needs microbatches divisible by max(1, microbatches // pp)"
-                 f"={rounds} (e.g. {pp} or a multiple of {pp}), got {m}")
+            need(
+                m % rounds == 0,
+                "microbatches",
+                f"schedule {self.schedule!r} with pp={pp} needs microbatches divisible by max(1, microbatches // pp)"
+                f"={rounds} (e.g. {pp} or a multiple of {pp}), got {m}",
+            )
         if self.schedule == "dualpipev":
-            need(m >= 2 * pp, "microbatches",
-                 f"schedule 'dualpipev' needs microbatches >= pp*vpp={2 * pp} stages, got {m}")
+            need(
+                m >= 2 * pp,
+                "microbatches",
+                f"schedule 'dualpipev' needs microbatches >= pp*vpp={2 * pp} stages, got {m}",
+            )
 
     def describe(self) -> str:
-        s = f"pp={self.pp} vpp={self.vpp} dp={self.dp} cp={self.cp} ep={self.ep} zero={self.zero} " \
+        s = (
+            f"pp={self.pp} vpp={self.vpp} dp={self.dp} cp={self.cp} ep={self.ep} zero={self.zero} "
             f"microbatches={self.microbatches}"
+        )
         return s + (f" schedule={self.schedule}" if self.pp > 1 else "")
 
 
@@ -307,5 +359,13 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> ParallelMesh:
                 g = dist.new_group(members)
                 if rank in members:
                     reduce_groups[name] = g
-    return ParallelMesh(dims=dims, mesh=mesh, ep_mesh=ep_mesh, expert_mesh=expert_mesh, dp_cp_mesh=dp_cp_mesh,
-                        rank=rank, coords=rank_coords(dims, rank), reduce_groups=reduce_groups)
+    return ParallelMesh(
+        dims=dims,
+        mesh=mesh,
+        ep_mesh=ep_mesh,
+        expert_mesh=expert_mesh,
+        dp_cp_mesh=dp_cp_mesh,
+        rank=rank,
+        coords=rank_coords(dims, rank),
+        reduce_groups=reduce_groups,
+    )

@@ -450,9 +450,10 @@ def check_plan(p: MoonEPPlan, tokens_per_expert: Tensor, rows_per_rank: int) -> 
     starts = p.recv_offsets.reshape(R, E * R)
     if (starts[:, 0] != 0).any() or not torch.equal(starts[:, 1:], (starts + sizes)[:, :-1]):
         fail("recv_offsets are not the exclusive prefix sums of the (expert, source) block sizes")
-    if not torch.equal(p.recv_expert_offsets[:, :-1], p.recv_offsets[:, :, 0]) or (
-        p.recv_expert_offsets[:, -1] != rows_per_rank
-    ).any():
+    if (
+        not torch.equal(p.recv_expert_offsets[:, :-1], p.recv_offsets[:, :, 0])
+        or (p.recv_expert_offsets[:, -1] != rows_per_rank).any()
+    ):
         fail("recv_expert_offsets do not match recv_offsets or do not end at rows_per_rank")
 
 
@@ -561,7 +562,9 @@ def eplb_placement(expert_loads: Tensor, num_ranks: int, redundant_per_rank: int
     rank_load = [0.0] * R
     for neg_w, e in items:
         open_ranks = [r for r in range(R) if free[r] > 0]
-        fresh = [r for r in open_ranks if placement[e][r] == 0] or open_ranks  # a second copy on one rank is a last resort
+        fresh = [
+            r for r in open_ranks if placement[e][r] == 0
+        ] or open_ranks  # a second copy on one rank is a last resort
         r = min(fresh, key=rank_load.__getitem__)
         placement[e][r] += 1
         free[r] -= 1

@@ -46,8 +46,14 @@ from k3train.ops.moe_permute import expert_counts
 from k3train.parallel import comm, host_copy
 from k3train.ops.moe_permute import inverse_permutation
 from k3train.parallel.ep_dispatch import EPDispatcher, EPGroupedExperts, send_positions
-from k3train.parallel.moonep import (MoonEPPlan, assign_rows, expert_major_index, interval_overlap, make_plan,
-                                     plan_alloc_sync_free)
+from k3train.parallel.moonep import (
+    MoonEPPlan,
+    assign_rows,
+    expert_major_index,
+    interval_overlap,
+    make_plan,
+    plan_alloc_sync_free,
+)
 
 __all__ = ["MoonEPDispatcher", "hosted_weight_routes", "moonep_send_layout"]
 
@@ -101,16 +107,27 @@ class _RankPlan:
         lo = rank * G
         home = torch.arange(E, device=dev) // G
         remote = (alloc > 0) & (home[:, None] != torch.arange(R, device=dev)[None, :])  # [E, R]
-        send_w = remote[lo:lo + G].T.reshape(-1)  # [R_dst · G]: home expert g goes to receiver u (u-major)
+        send_w = remote[lo : lo + G].T.reshape(-1)  # [R_dst · G]: home expert g goes to receiver u (u-major)
         hosted = remote[:, rank]  # [E]
         before = mine[:lo].sum().view(1)
-        host = host_copy.host_counts(torch.cat([
-            counts.sum(1), send.sum(0), recv.sum(0), send_w.view(R, G).sum(1), hosted.view(R, G).sum(1),
-            before, before + mine[lo:lo + G].sum().view(1), remote.sum().view(1)]))
+        host = host_copy.host_counts(
+            torch.cat(
+                [
+                    counts.sum(1),
+                    send.sum(0),
+                    recv.sum(0),
+                    send_w.view(R, G).sum(1),
+                    hosted.view(R, G).sum(1),
+                    before,
+                    before + mine[lo : lo + G].sum().view(1),
+                    remote.sum().view(1),
+                ]
+            )
+        )
         self.rows_routed = host[:R]
-        self.send_splits, self.recv_splits = host[R:2 * R], host[2 * R:3 * R]
-        self.weight_send_splits, self.weight_recv_splits = host[3 * R:4 * R], host[4 * R:5 * R]
-        self.a, self.b, self.replicas = host[5 * R:]
+        self.send_splits, self.recv_splits = host[R : 2 * R], host[2 * R : 3 * R]
+        self.weight_send_splits, self.weight_recv_splits = host[3 * R : 4 * R], host[4 * R : 5 * R]
+        self.a, self.b, self.replicas = host[5 * R :]
         self.counts, self.alloc, self.recv, self.mine = counts, alloc, recv, mine
         self.rank, self.rows_per_rank, self.G = rank, rows_per_rank, G
         self._send_w, self._hosted = send_w, hosted
@@ -134,8 +151,9 @@ class MoonEPDispatcher(EPDispatcher):
     backward needs nothing but that call's own arguments (no communication is repeated).
     """
 
-    def __init__(self, group, ep_rank: int, ep_size: int, experts: EPGroupedExperts, *,
-                 tokens_per_rank: int | None = None):
+    def __init__(
+        self, group, ep_rank: int, ep_size: int, experts: EPGroupedExperts, *, tokens_per_rank: int | None = None
+    ):
         if not isinstance(experts, EPGroupedExperts):
             raise ValueError(f"MoonEPDispatcher needs EPGroupedExperts, got {type(experts).__name__}")
         if tokens_per_rank is not None and (not isinstance(tokens_per_rank, int) or tokens_per_rank <= 0):
@@ -158,8 +176,9 @@ class MoonEPDispatcher(EPDispatcher):
             comm.all_gather(out, counts, self.group, "ep", what="counts")
         return out.view(self.ep_size, -1)
 
-    def _fetch_hosted(self, rp: _RankPlan,
-                      dtype: torch.dtype) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor], Tensor] | None:
+    def _fetch_hosted(
+        self, rp: _RankPlan, dtype: torch.dtype
+    ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor], Tensor] | None:
         """(hosted expert ids [n] ascending, their (w1, w3, w2) stacks in `dtype`, the raw received rows), or None when
         the plan replicates nothing (the same on every rank, so either every rank joins the all_to_all or none does).
         Only the home experts a peer needs are indexed and cast, then packed."""
@@ -184,11 +203,15 @@ class MoonEPDispatcher(EPDispatcher):
         rows_per_rank = rp.rows_routed
         budget = self.tokens_per_rank
         if budget is not None and any(r != budget * K for r in rows_per_rank):
-            raise ValueError(f"MoonEP: the static token budget is tokens_per_rank={budget} (S·K = {budget * K} rows "
-                             f"per EP rank, K={K}), but the EP ranks route {rows_per_rank} rows this micro-batch")
+            raise ValueError(
+                f"MoonEP: the static token budget is tokens_per_rank={budget} (S·K = {budget * K} rows "
+                f"per EP rank, K={K}), but the EP ranks route {rows_per_rank} rows this micro-batch"
+            )
         if len(set(rows_per_rank)) != 1:
-            raise ValueError(f"MoonEP: every EP rank must route the same S·K rows, but the EP ranks route "
-                             f"{rows_per_rank} rows (K={K}); no plan can give each rank exactly S·K rows")
+            raise ValueError(
+                f"MoonEP: every EP rank must route the same S·K rows, but the EP ranks route "
+                f"{rows_per_rank} rows (K={K}); no plan can give each rank exactly S·K rows"
+            )
         self._last = (all_counts, N * K)
         self.replicated_calls += int(rp.replicas > 0)
         fetched = self._fetch_hosted(rp, z.dtype)
@@ -206,7 +229,7 @@ class MoonEPDispatcher(EPDispatcher):
         G = rp.G
         lo = me * G
         a, b = rp.a, rp.b
-        return grouped[a:b], alloc[lo:lo + G], (pos, em, send_splits, recv_splits, grouped, a, b, alloc, fetched)
+        return grouped[a:b], alloc[lo : lo + G], (pos, em, send_splits, recv_splits, grouped, a, b, alloc, fetched)
 
     def combine(self, y: Tensor, weights: Tensor, state) -> Tensor:
         """y [rows of the home experts, L] -> u [N, L]: hosted experts computed here, then the trip home."""

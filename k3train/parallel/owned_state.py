@@ -19,8 +19,9 @@ from k3train.ops.dtypes import wide
 from k3train.models.structure import MatrixStructure
 
 
-def matrix_region(shape, s: MatrixStructure, per_head: bool, piece: int, i: int,
-                  rows: int, cols: int) -> tuple[list[int], list[int]]:
+def matrix_region(
+    shape, s: MatrixStructure, per_head: bool, piece: int, i: int, rows: int, cols: int
+) -> tuple[list[int], list[int]]:
     """(offsets, sizes) in a tensor of `shape` of matrix i of piece `piece` (see muon.to_pieces): leading dims of
     size 1, then its rows and columns."""
     *lead, R, C = shape
@@ -37,8 +38,15 @@ def matrix_region(shape, s: MatrixStructure, per_head: bool, piece: int, i: int,
     return lead_idx + [row0, col0], [1] * len(lead) + [rows, cols]
 
 
-def owned_sharded_tensor(opt, p: torch.Tensor, buf: torch.Tensor | None, *, block: int = 0, n_blocks: int = 1,
-                         rank_table: list[list[int]] | None = None):
+def owned_sharded_tensor(
+    opt,
+    p: torch.Tensor,
+    buf: torch.Tensor | None,
+    *,
+    block: int = 0,
+    n_blocks: int = 1,
+    rank_table: list[list[int]] | None = None,
+):
     """A ShardedTensor (over the default group) of p's shape, or of n_blocks blocks of p's rows of which p is
     block `block`: this rank's shards are views of `buf` (a "momentum_owned"/"master_owned" state, None when the
     rank owns no matrix of p). rank_table[b][q]: global rank of plan rank q of block b (default: one block, the
@@ -71,8 +79,9 @@ def owned_sharded_tensor(opt, p: torch.Tensor, buf: torch.Tensor | None, *, bloc
                         local.append(Shard(views[j][k].view(size), md))
     # Owned momentum and masters are fp32 for low-precision weights, else in the weights' dtype (fp64 under fp64).
     dtype = buf.dtype if buf is not None else wide(p.dtype)
-    props = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
+    props = TensorProperties(
+        dtype=dtype, layout=torch.strided, requires_grad=False, memory_format=torch.contiguous_format, pin_memory=False
+    )
     size = torch.Size((n_blocks * d0,) + tuple(p.shape[1:]))
     meta = ShardedTensorMetadata(shards_metadata=metas, size=size, tensor_properties=props)
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
@@ -105,7 +114,7 @@ def load_owned(opt, p: torch.Tensor, v, buf: torch.Tensor | None, *, row0: int =
     if isinstance(v, DTensor):
         v = v.full_tensor()
     if v.shape[0] != p.shape[0]:  # the logical tensor: our block of rows
-        v = v[row0:row0 + p.shape[0]]
+        v = v[row0 : row0 + p.shape[0]]
     per_head = opt.param_groups[e["group"]]["per_head"]
     pieces = to_pieces(v.to(device=buf.device, dtype=buf.dtype), opt.structure_of(p), per_head)
     for pc, src, dst in zip(e["pieces"], pieces, owned_piece_views(e, rank, buf)):

@@ -55,6 +55,7 @@ def parallelize_part(part: nn.Module, setup: PartSetup):
     dims, mesh = setup.dims, setup.mesh
     if dims.ep > 1:
         from k3train.parallel.expert_parallel import apply_expert_parallel
+
         apply_expert_parallel(part, mesh.group("ep"), dims.ep_dispatcher)
     part.to_empty(device=setup.device)
     part.init_weights(setup.seed)
@@ -63,14 +64,18 @@ def parallelize_part(part: nn.Module, setup: PartSetup):
         part.vision.requires_grad_(False)
     if dims.cp > 1:
         from k3train.parallel.context_parallel import check_context_parallel
+
         check_context_parallel(part, cp=dims.cp, seq_len=setup.seq_len, layout=dims.cp_layout)
     handle = None
     if setup.activation_rules:
         from k3train.activation import apply_activation_policies
+
         # Remote offload pairs ranks that run the same layers: the dp x cp replicas of this stage.
-        handle = apply_activation_policies(part, setup.activation_rules, group=mesh.group("dp_cp") if mesh else None,
-                                  dtype=setup.compute_dtype)
+        handle = apply_activation_policies(
+            part, setup.activation_rules, group=mesh.group("dp_cp") if mesh else None, dtype=setup.compute_dtype
+        )
     if setup.balancing != "none" and part.routers():
         from k3train.optim.quantile_balancing import attach_balancers
+
         attach_balancers(part, setup.balancing)
     return part, handle

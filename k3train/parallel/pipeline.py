@@ -48,7 +48,6 @@ from k3train.parallel.mesh import SCHEDULES, ParallelDims
 from k3train.parallel.pipeline_order import Act
 
 
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Split
 # ---------------------------------------------------------------------------------------------------------------------
@@ -56,7 +55,7 @@ def _stage_costs(costs: dict, cuts: list[int]) -> list[float]:
     """Cost of each stage for cut points (layer counts per stage)."""
     out, start = [], 0
     for k, n in enumerate(cuts):
-        c = sum(costs["layers"][start:start + n])
+        c = sum(costs["layers"][start : start + n])
         if k == 0:
             c += costs["embed"]
         if k == len(cuts) - 1:
@@ -66,8 +65,9 @@ def _stage_costs(costs: dict, cuts: list[int]) -> list[float]:
     return out
 
 
-def split_layers(args: K3ModelArgs, n_stages: int, *, seq_len: int = 4096,
-                 costs: dict | None = None) -> list[list[int]]:
+def split_layers(
+    args: K3ModelArgs, n_stages: int, *, seq_len: int = 4096, costs: dict | None = None
+) -> list[list[int]]:
     """Contiguous 1-based layer ids of each of n_stages stages, every stage non-empty, minimising the most expensive
     stage (embedding on the first, head on the last). Ties go to the split that puts more layers early."""
     n = args.n_layers
@@ -148,8 +148,9 @@ def stage_part_on_meta(args: K3ModelArgs, layer_ids: list[int], *, first: bool, 
     return model
 
 
-def build_stage_part(args: K3ModelArgs, layer_ids: list[int], *, first: bool, last: bool,
-                     device: torch.device | str, seed: int) -> nn.Module:
+def build_stage_part(
+    args: K3ModelArgs, layer_ids: list[int], *, first: bool, last: bool, device: torch.device | str, seed: int
+) -> nn.Module:
     """A stage part materialised on `device` and initialised by name (the values the full model gives them)."""
     model = stage_part_on_meta(args, layer_ids, first=first, last=last)
     model.to_empty(device=device)
@@ -161,8 +162,16 @@ class StageModule(nn.Module):
     """What a PipelineStage runs: one K3Model part, fed (tokens or stacked sources, doc_start). The part is a child
     named `part`; parameters keep their full-model names inside it (engine.model_parts hands out the parts)."""
 
-    def __init__(self, part: nn.Module, *, first: bool, last: bool, autocast_dtype: torch.dtype | None = None,
-                 boundary_dtype: torch.dtype = torch.float32, cp: tuple | None = None):
+    def __init__(
+        self,
+        part: nn.Module,
+        *,
+        first: bool,
+        last: bool,
+        autocast_dtype: torch.dtype | None = None,
+        boundary_dtype: torch.dtype = torch.float32,
+        cp: tuple | None = None,
+    ):
         """cp: (group, layout) under context parallelism: rows are this rank's sequence pieces and doc_start
         (always given then) marks the documents that begin inside them."""
         super().__init__()
@@ -180,6 +189,7 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
         if self.cp is not None:
             from k3train.parallel.context_parallel import ContextParallel
+
             group, layout = self.cp
             ctx = BatchContext(cp=ContextParallel.from_local_doc_start(doc_start, group, layout=layout))
         elif doc_start is not None:
@@ -348,8 +358,9 @@ def _pipeline_stage_cls():
             if last_backward and full_backward:  # an input-only pass (split backward) leaves weight gradients open
                 self.arm()
             with self.clock.span():
-                out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                                 last_backward=last_backward)
+                out = super().backward_one_chunk(
+                    bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+                )
                 if feed is not None and self.is_first:  # the first stage sends nothing backward
                     feed.run_after(act)
             return out
@@ -360,8 +371,7 @@ def _pipeline_stage_cls():
             feed = self.vision_feed
             if feed is None or not feed.has_after(act):
                 return ops
-            self.early_sends += [op.op(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer)
-                                 for op in ops]
+            self.early_sends += [op.op(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer) for op in ops]
             with self.clock.span():
                 feed.run_after(act)
             return []
@@ -392,9 +402,19 @@ def _pipeline_stage_cls():
 class Pipeline:
     """The stages of this pipeline rank and a schedule, built for one micro-batch shape (rebuilt when it changes)."""
 
-    def __init__(self, *, args: K3ModelArgs, dims: ParallelDims, stage_layers: list[list[int]],
-                 modules: dict[int, StageModule], pp_group, device: torch.device,
-                 grad_reducer=None, boundary_dtype: torch.dtype = torch.float32, mtp_weight: float = 0.0):
+    def __init__(
+        self,
+        *,
+        args: K3ModelArgs,
+        dims: ParallelDims,
+        stage_layers: list[list[int]],
+        modules: dict[int, StageModule],
+        pp_group,
+        device: torch.device,
+        grad_reducer=None,
+        boundary_dtype: torch.dtype = torch.float32,
+        mtp_weight: float = 0.0,
+    ):
         """grad_reducer: an object with reduce_part(part) (k3train.parallel.zero.ShardedOptimizer), called for each
         stage's model part right after its last backward of the step. mtp_weight: optim.mtp_loss_weight."""
         self.args, self.dims, self.stage_layers = args, dims, stage_layers
@@ -407,9 +427,15 @@ class Pipeline:
         first = modules.get(0)
         if first is not None and getattr(first.part, "vision", None) is not None:
             from k3train.parallel.vision_schedule import VisionFeed, plan_vision
+
             plan = plan_vision(dims) if dims.vision_placement == "bubbles" else None
-            self.vision_feed = VisionFeed(first.part.vision, placement=dims.vision_placement, plan=plan,
-                                          autocast_dtype=first.autocast_dtype, cp=first.cp)
+            self.vision_feed = VisionFeed(
+                first.part.vision,
+                placement=dims.vision_placement,
+                plan=plan,
+                autocast_dtype=first.autocast_dtype,
+                cp=first.cp,
+            )
             first.vision_feed = self.vision_feed
         self._key = None
         self.stages: list = []
@@ -430,8 +456,7 @@ class Pipeline:
             return torch.empty(mb, T, dtype=torch.long, device=meta)
         if output and stage == n - 1:  # final hidden (and the MTP hidden beside it)
             width = 2 * D if self.args.mtp_layers else D
-            return torch.empty(mb, T, width, dtype=wide(self.boundary_dtype), device=meta,
-                               requires_grad=True)
+            return torch.empty(mb, T, width, dtype=wide(self.boundary_dtype), device=meta, requires_grad=True)
         last_layer = self.stage_layers[stage][-1] if output else self.stage_layers[stage][0] - 1
         S = sources_after(self.args, last_layer)
         return torch.empty(S, mb, T, D, dtype=self.boundary_dtype, device=meta, requires_grad=True)
@@ -444,17 +469,30 @@ class Pipeline:
         Stage = _pipeline_stage_cls()
         self.stages = []
         for s in sorted(self.modules):
-            st = Stage(self.modules[s], s, self.dims.n_stages, self.device,
-                       input_args=self._example(s, mb, T, output=False),
-                       output_args=self._example(s, mb, T, output=True), group=self.pp_group)
+            st = Stage(
+                self.modules[s],
+                s,
+                self.dims.n_stages,
+                self.device,
+                input_args=self._example(s, mb, T, output=False),
+                output_args=self._example(s, mb, T, output=True),
+                group=self.pp_group,
+            )
             st._init_k3(self.grad_reducer, self.vision_feed)
             self.stages.append(st)
         self.schedule = build_schedule(self.dims, self.stages, self.loss_fn)
         self._key = key
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, doc_start: torch.Tensor | None,
-             denominator: float, mtp_labels: torch.Tensor | None = None, mtp_denominator: float = 1.0,
-             vision: list[dict | None] | None = None) -> torch.Tensor:
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        doc_start: torch.Tensor | None,
+        denominator: float,
+        mtp_labels: torch.Tensor | None = None,
+        mtp_denominator: float = 1.0,
+        vision: list[dict | None] | None = None,
+    ) -> torch.Tensor:
         """Run the schedule over the whole local batch [microbatches * mb, T]; returns [next-token, MTP] summed
         normalised losses of this rank's micro-batches on the last stage (0 elsewhere; MTP 0 without it).
         vision: per micro-batch, its image inputs (vision_pixels, vision_grid, vision_mask) or None; the first stage

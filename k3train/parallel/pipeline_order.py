@@ -53,9 +53,19 @@ def schedule_order(dims: ParallelDims) -> dict[int, list[Act]]:
 
     cls = getattr(pipelining, SCHEDULES[dims.schedule][0])
     n = dims.n_stages
-    stages = [SimpleNamespace(num_stages=n, group_size=dims.pp, group_rank=0, stage_index=s, is_first=s == 0,
-                              is_last=s == n - 1, stage_index_to_group_rank=None, submod=None)
-              for s in stages_of_rank(dims, 0)]
+    stages = [
+        SimpleNamespace(
+            num_stages=n,
+            group_size=dims.pp,
+            group_rank=0,
+            stage_index=s,
+            is_first=s == 0,
+            is_last=s == n - 1,
+            stage_index_to_group_rank=None,
+            submod=None,
+        )
+        for s in stages_of_rank(dims, 0)
+    ]
     sched = cls(stages, n_microbatches=dims.microbatches, loss_fn=lambda out, target: out)
     names = {"F": "F", "B": "B", "I": "I", "W": "W"}
     orders: dict[int, list[Act]] = {}
@@ -64,7 +74,7 @@ def schedule_order(dims: ParallelDims) -> dict[int, list[Act]]:
         for a in actions:
             if a is None:
                 continue
-            for sub in (a.sub_actions or (a,)):
+            for sub in a.sub_actions or (a,):
                 kind = sub.computation_type.value
                 if kind in names:
                     flat.append(Act(names[kind], sub.stage_index, sub.microbatch_index))
@@ -76,8 +86,12 @@ Events = dict[int, list[tuple[float, float, Act]]]
 """Per rank: (start, end, action) in the order the rank runs them."""
 
 
-def replay(dims: ParallelDims, orders: dict[int, list[Act]], duration: Callable[[Act], float],
-           send_s: Callable[[int], float] = lambda stage: 0.0) -> Events:
+def replay(
+    dims: ParallelDims,
+    orders: dict[int, list[Act]],
+    duration: Callable[[Act], float],
+    send_s: Callable[[int], float] = lambda stage: 0.0,
+) -> Events:
     """Each rank's actions placed in time (see the module docstring). duration(action): its seconds; send_s(stage):
     moving that stage's output (or input gradient) to a stage on another rank."""
     owner = {s: r for r, acts in orders.items() for s in {a.stage for a in acts}}

@@ -36,8 +36,10 @@ def item_costs(args: VisionArgs, grid: list[tuple[int, int, int]]) -> list[float
     """Estimated tower multiply-adds of each (frames, patch rows, patch columns) item (see the module docstring)."""
     hd = args.heads * args.head_dim
     linear = 8 * args.width * hd + 3 * args.width * args.mlp_hidden
-    return [float(args.layers * (t * h * w * linear + t * (h * w) ** 2 * 2 * hd + h * w * t * t * 2 * hd))
-            for t, h, w in grid]
+    return [
+        float(args.layers * (t * h * w * linear + t * (h * w) ** 2 * 2 * hd + h * w * t * t * 2 * hd))
+        for t, h, w in grid
+    ]
 
 
 def assign_items(costs: list[float], world: int) -> tuple[list[int], list[float]]:
@@ -69,8 +71,9 @@ def position_owners(seq, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rank_of, local
 
 
-def encode_images(cp, tower: torch.nn.Module, pixels: torch.Tensor, grid: torch.Tensor,
-                  mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+def encode_images(
+    cp, tower: torch.nn.Module, pixels: torch.Tensor, grid: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(visual tokens at this rank's positions [n_local, D] in local row-major order, this rank's vision mask in the
     model's local layout, the assignment's max/mean load) for one micro-batch's items. cp: the batch's
     ContextParallel handle; pixels, grid: every item of the global rows (patchify's packing); mask [B, T]: the
@@ -82,7 +85,7 @@ def encode_images(cp, tower: torch.nn.Module, pixels: torch.Tensor, grid: torch.
     owners, loads = assign_items(item_costs(args, items), cp.world)
     owner_t = torch.tensor(owners, dtype=torch.long, device=dev)
     patches = grid.prod(1).to(dev)
-    tokens_per_item = patches // args.merge ** 2
+    tokens_per_item = patches // args.merge**2
     mine = owner_t == cp.rank
     if bool(mine.any()):
         own_rows = mine.repeat_interleave(patches)
@@ -104,8 +107,9 @@ def encode_images(cp, tower: torch.nn.Module, pixels: torch.Tensor, grid: torch.
     out_splits = torch.bincount(token_owner[recv_j], minlength=cp.world).tolist()
     send = tokens[send_order.to(dev)]
     if cp.world > 1:
-        recv = comm.all_to_all_rows(send, out_splits, in_splits, cp.group, "cp", what="vision_tokens",
-                                    grad_what="vision_token_grads")
+        recv = comm.all_to_all_rows(
+            send, out_splits, in_splits, cp.group, "cp", what="vision_tokens", grad_what="vision_token_grads"
+        )
     else:
         recv = send
     local_order = torch.argsort(local[pos[recv_j]])

@@ -124,8 +124,15 @@ class VisionFeed:
     """A step's vision inputs of the first stage, one dict (or None: no images) per micro-batch, and the tower's
     work on them under a placement. Shared by the stages of the first pipeline rank."""
 
-    def __init__(self, tower: torch.nn.Module, *, placement: str, plan: VisionPlan | None,
-                 autocast_dtype: torch.dtype | None = None, cp: tuple | None = None):
+    def __init__(
+        self,
+        tower: torch.nn.Module,
+        *,
+        placement: str,
+        plan: VisionPlan | None,
+        autocast_dtype: torch.dtype | None = None,
+        cp: tuple | None = None,
+    ):
         """cp: (group, layout) under context parallelism: VF k spreads micro-batch k's images over the cp ranks
         (k3train.parallel.vision_cp; every rank of the group runs the same plan, so their collectives meet) and the
         stage gets the tokens of its pieces."""
@@ -190,6 +197,7 @@ class VisionFeed:
                         tokens, _ = self.tower(x["vision_pixels"], x["vision_grid"])
                     else:
                         from k3train.parallel.context_parallel import ContextParallel
+
                         group, layout = self.cp
                         handle = ContextParallel(group, seq_len=mask.shape[1], layout=layout)
                         tokens, mask = handle.encode_images(self.tower, x["vision_pixels"], x["vision_grid"], mask)

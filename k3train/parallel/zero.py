@@ -89,9 +89,11 @@ from k3train.parallel import comm
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 """train.precision -> the dtype parameters are stored (and computed) in. fp64 is for parity checks: every layout then
 agrees with one process to rounding (1e-10), so a wrong composition cannot hide inside an fp32 tolerance."""
-ELEMENT_BYTES = {"fp32": {"param": 4, "grad": 4, "master": 0, "state": 4},
-                 "bf16": {"param": 2, "grad": 4, "master": 4, "state": 4},
-                 "fp64": {"param": 8, "grad": 8, "master": 0, "state": 8}}
+ELEMENT_BYTES = {
+    "fp32": {"param": 4, "grad": 4, "master": 0, "state": 4},
+    "bf16": {"param": 2, "grad": 4, "master": 4, "state": 4},
+    "fp64": {"param": 8, "grad": 8, "master": 0, "state": 8},
+}
 """train.precision -> bytes per element of parameters, gradients (as accumulated and reduced), master weights and
 optimizer states (the memory facts below; the planner and the communication counts read the same table)."""
 MASTER_DTYPE = torch.float32
@@ -134,8 +136,9 @@ class ShardedParam:
         return t.reshape(self.d0, self.row_numel)[a:b].reshape(-1)
 
 
-def make_sharded(name: str, p: nn.Parameter, n: int, rank: int, muon: bool = False,
-                 block: tuple[int, int] | None = None) -> ShardedParam:
+def make_sharded(
+    name: str, p: nn.Parameter, n: int, rank: int, muon: bool = False, block: tuple[int, int] | None = None
+) -> ShardedParam:
     """block: (first row, rows in all) when p holds a block of rows of a larger logical tensor (home experts)."""
     d0 = p.shape[0] if p.dim() > 0 else 1
     row = p.numel() // d0 if d0 else 0
@@ -160,6 +163,7 @@ def _grad_hook(group: "ShardGroup", it: ShardedParam):
             _fold_bf16_grad(it)
         if g._armed:
             g._grad_ready(it)
+
     return hook
 
 
@@ -222,10 +226,10 @@ def _chunk_pairs(it: ShardedParam, rows: torch.Tensor, buf: torch.Tensor, off: i
     full = d0 // c
     pairs = []
     if full:
-        pairs.append((rows[:full * c].reshape(full, c * R), buf[:full, off:off + c * R]))
+        pairs.append((rows[: full * c].reshape(full, c * R), buf[:full, off : off + c * R]))
     rest = d0 - full * c
     if rest:
-        pairs.append((rows[full * c:].reshape(-1), buf[full, off:off + rest * R]))
+        pairs.append((rows[full * c :].reshape(-1), buf[full, off : off + rest * R]))
     return pairs
 
 
@@ -237,9 +241,17 @@ def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 class ShardGroup:
     """The parameters replicated over one process group, in buckets, with the reduce/gather collectives."""
 
-    def __init__(self, named: list[tuple[str, nn.Parameter, bool]], group, dim: str, zero: int,
-                 bucket_numel: int = 1 << 25, blocks: dict[str, tuple[int, int]] | None = None,
-                 precision: str = "fp32", reduce_group=None):
+    def __init__(
+        self,
+        named: list[tuple[str, nn.Parameter, bool]],
+        group,
+        dim: str,
+        zero: int,
+        bucket_numel: int = 1 << 25,
+        blocks: dict[str, tuple[int, int]] | None = None,
+        precision: str = "fp32",
+        reduce_group=None,
+    ):
         """blocks: FQN -> (first row, rows in all) of parameters that hold a block of a larger tensor.
         reduce_group: a process group over the same ranks as `group` that carries only the gradient reductions.
         Given one, buckets are reduced while the last backward runs (`arm`); without one they are all launched at
@@ -255,8 +267,11 @@ class ShardGroup:
         self.rank = dist.get_rank(group) if distributed else 0
         self.items = [make_sharded(nm, p, self.n, self.rank, muon, (blocks or {}).get(nm)) for nm, p, muon in named]
         for it in self.items:
-            it.shard = it.param.detach().reshape(it.d0, it.row_numel)[it.start:it.stop].view(
-                (it.stop - it.start,) + tuple(it.param.shape[1:]))
+            it.shard = (
+                it.param.detach()
+                .reshape(it.d0, it.row_numel)[it.start : it.stop]
+                .view((it.stop - it.start,) + tuple(it.param.shape[1:]))
+            )
         # Buckets in reverse registration order, roughly the order backward produces the gradients, so the first
         # buckets are complete (and launched) first.
         rev = self.items[::-1]
@@ -264,8 +279,11 @@ class ShardGroup:
         self.muon_buckets = self._make_buckets([it for it in rev if it.muon], bucket_numel)
         self._position = {id(it.param): k for k, it in enumerate(rev)}
         self.shard_grads: dict[int, torch.Tensor] = {}  # id(param) -> reduced gradient of the owned rows
-        if reduce_group is not None and distributed and (dist.get_world_size(reduce_group), dist.get_rank(
-                reduce_group)) != (self.n, self.rank):
+        if (
+            reduce_group is not None
+            and distributed
+            and (dist.get_world_size(reduce_group), dist.get_rank(reduce_group)) != (self.n, self.rank)
+        ):
             raise ValueError(f"{dim}: the gradient-reduction group must rank its members as the group does")
         self.reduce_group = reduce_group if reduce_group is not None else group
         self.overlap = reduce_group is not None and self.n > 1
@@ -345,8 +363,10 @@ class ShardGroup:
         if f is None:
             return
         if f.launched:
-            raise RuntimeError(f"{it.name}: a gradient arrived after its bucket's reduction was launched (the "
-                               "parameter received gradients twice in the last backward)")
+            raise RuntimeError(
+                f"{it.name}: a gradient arrived after its bucket's reduction was launched (the "
+                "parameter received gradients twice in the last backward)"
+            )
         f.waiting.discard(id(it.param))
         if not f.waiting:
             self._launch_ready()
@@ -446,7 +466,7 @@ class ShardGroup:
         out, off = f.out, 0
         for it in f.bucket.items:
             k = (it.stop - it.start) * it.row_numel
-            self.shard_grads[id(it.param)] = out[off:off + k].view_as(it.shard)
+            self.shard_grads[id(it.param)] = out[off : off + k].view_as(it.shard)
             off += it.padded_chunk_numel
         f.work = f.buf = f.out = None
 
@@ -456,7 +476,7 @@ class ShardGroup:
         if id(it.param) in self.shard_grads:
             return self.shard_grads[id(it.param)]
         g = self.full_grad(it)
-        return g.reshape(it.d0, it.row_numel)[it.start:it.stop].view(it.shard.shape)
+        return g.reshape(it.d0, it.row_numel)[it.start : it.stop].view(it.shard.shape)
 
     def local_sq_norm(self) -> torch.Tensor:
         """Sum of squares of the owned rows' (Muon under ZeRO-2: owned matrices') gradients: summed over the group
@@ -505,7 +525,7 @@ class ShardGroup:
         for it in b.items:
             k = it.shard.numel()
             if k:
-                dst.append(send[off:off + k])
+                dst.append(send[off : off + k])
                 src.append(it.shard.reshape(-1))
             off += it.padded_chunk_numel
         _copy_all(dst, src)
@@ -544,9 +564,18 @@ class ShardedOptimizer:
     model parts, with the gradient synchronisation of `zero`. Exposes `.optimizer` (param_groups with 'lr' for a
     scheduler) and FQN-keyed, DCP-ready state."""
 
-    def __init__(self, parts: list[nn.Module], optim_cfg, *, zero: int = 0, groups: dict[str, tuple] | None = None,
-                 expert_blocks: dict[str, tuple[int, int]] | None = None, bucket_numel: int = 1 << 25,
-                 precision: str = "fp32", reduce_groups: dict | None = None):
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        optim_cfg,
+        *,
+        zero: int = 0,
+        groups: dict[str, tuple] | None = None,
+        expert_blocks: dict[str, tuple[int, int]] | None = None,
+        bucket_numel: int = 1 << 25,
+        precision: str = "fp32",
+        reduce_groups: dict | None = None,
+    ):
         """groups: {"dense": (process_group, dim_name), "expert": (process_group, dim_name)} (default: one process);
         expert_blocks: FQN -> (first expert, experts in all) of the home-expert parameters, which are replicated over
         the expert group instead of the dense one and hold a block of the full bank. optim_cfg.qk_clip > 0 clips
@@ -583,15 +612,28 @@ class ShardedOptimizer:
             pg, dim = groups[key]
             sel = [(n, named[n], kinds[n][0] == "muon") for n in order if (n in expert_blocks) == (key == "expert")]
             if sel:
-                self.shard_groups[key] = ShardGroup(sel, pg, dim, zero, bucket_numel, expert_blocks, precision,
-                                                    reduce_group=(reduce_groups or {}).get(key))
+                self.shard_groups[key] = ShardGroup(
+                    sel,
+                    pg,
+                    dim,
+                    zero,
+                    bucket_numel,
+                    expert_blocks,
+                    precision,
+                    reduce_group=(reduce_groups or {}).get(key),
+                )
         self.items = {it.name: it for g in self.shard_groups.values() for it in g.items}
         self._by_param = {id(it.param): it for it in self.items.values()}
         # Muon matrices under ZeRO >= 1 live with their owners (PerHeadMuon's plan per group: dense over dp x cp, home
         # experts over their edp replicas): momentum and, under bf16, master; everything else is stepped by whoever
         # holds the optimizer tensor of _tensor_for.
-        self._matrix_owned = {it.name for g in self.shard_groups.values() if optim_cfg.name == "muon" and zero >= 1
-                              and g.n > 1 for it in g.items if it.muon}
+        self._matrix_owned = {
+            it.name
+            for g in self.shard_groups.values()
+            if optim_cfg.name == "muon" and zero >= 1 and g.n > 1
+            for it in g.items
+            if it.muon
+        }
         if self.low:
             for it in self.items.values():
                 if it.name not in self._matrix_owned:
@@ -610,10 +652,12 @@ class ShardedOptimizer:
 
     def _muon_reducer(self, g: ShardGroup):
         def reduce_scatter_muon(items: list[ShardedParam]) -> None:
-            self.optimizer.reduce_scatter_owned([it.param for it in items],
-                                                lambda p: g.full_grad(self._by_param[id(p)]), dim=g.dim)
+            self.optimizer.reduce_scatter_owned(
+                [it.param for it in items], lambda p: g.full_grad(self._by_param[id(p)]), dim=g.dim
+            )
             for it in items:
                 g.set_full_grad(it, None)
+
         return reduce_scatter_muon
 
     def _tensor_for(self, name: str) -> torch.Tensor:
@@ -633,9 +677,15 @@ class ShardedOptimizer:
         no_decay = [self._tensor_for(n) for n in no_decay_names]
         self._order = text_decay + vision_decay + no_decay_names
         if cfg.name == "adamw":
-            gs = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay, "name": "adamw"},
-                              {"params": decay_v, "weight_decay": cfg.vision_weight_decay, "name": "adamw_vision"},
-                              {"params": no_decay, "weight_decay": 0.0, "name": "adamw_no_decay"}) if g["params"]]
+            gs = [
+                g
+                for g in (
+                    {"params": decay, "weight_decay": cfg.weight_decay, "name": "adamw"},
+                    {"params": decay_v, "weight_decay": cfg.vision_weight_decay, "name": "adamw_vision"},
+                    {"params": no_decay, "weight_decay": 0.0, "name": "adamw_no_decay"},
+                )
+                if g["params"]
+            ]
             return torch.optim.AdamW(gs, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
         from k3train.optim.muon import PerHeadMuon
 
@@ -650,20 +700,46 @@ class ShardedOptimizer:
         self._order = dense + dense_v + experts + self._order
         pg = groups["dense"][0] if self.zero >= 1 else None
         extra = {"edp": groups["expert"][0]} if self.zero >= 1 and "expert" in groups else {}
-        gs = [{"params": [self._tensor_for(n) for n in dense], "structures": [kinds[n][1] for n in dense],
-               "algorithm": "muon", "weight_decay": cfg.weight_decay, "name": "muon"},
-              {"params": [self._tensor_for(n) for n in dense_v], "structures": [kinds[n][1] for n in dense_v],
-               "algorithm": "muon", "weight_decay": cfg.vision_weight_decay, "name": "muon_vision"},
-              {"params": [self._tensor_for(n) for n in experts], "structures": [kinds[n][1] for n in experts],
-               "algorithm": "muon", "weight_decay": cfg.weight_decay, "name": "muon_experts", "shard_over": "edp",
-               "sharded": bool(extra)},
-              {"params": decay, "algorithm": "adamw", "weight_decay": cfg.weight_decay, "name": "adamw"},
-              {"params": decay_v, "algorithm": "adamw", "weight_decay": cfg.vision_weight_decay,
-               "name": "adamw_vision"},
-              {"params": no_decay, "algorithm": "adamw", "weight_decay": 0.0, "name": "adamw_no_decay"}]
-        return PerHeadMuon([g for g in gs if g["params"]], lr=cfg.lr, momentum=cfg.momentum,
-                           weight_decay=cfg.weight_decay, ns_steps=cfg.ns_steps, per_head=cfg.per_head,
-                           betas=tuple(cfg.betas), eps=cfg.eps, process_group=pg, process_groups=extra)
+        gs = [
+            {
+                "params": [self._tensor_for(n) for n in dense],
+                "structures": [kinds[n][1] for n in dense],
+                "algorithm": "muon",
+                "weight_decay": cfg.weight_decay,
+                "name": "muon",
+            },
+            {
+                "params": [self._tensor_for(n) for n in dense_v],
+                "structures": [kinds[n][1] for n in dense_v],
+                "algorithm": "muon",
+                "weight_decay": cfg.vision_weight_decay,
+                "name": "muon_vision",
+            },
+            {
+                "params": [self._tensor_for(n) for n in experts],
+                "structures": [kinds[n][1] for n in experts],
+                "algorithm": "muon",
+                "weight_decay": cfg.weight_decay,
+                "name": "muon_experts",
+                "shard_over": "edp",
+                "sharded": bool(extra),
+            },
+            {"params": decay, "algorithm": "adamw", "weight_decay": cfg.weight_decay, "name": "adamw"},
+            {"params": decay_v, "algorithm": "adamw", "weight_decay": cfg.vision_weight_decay, "name": "adamw_vision"},
+            {"params": no_decay, "algorithm": "adamw", "weight_decay": 0.0, "name": "adamw_no_decay"},
+        ]
+        return PerHeadMuon(
+            [g for g in gs if g["params"]],
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+            ns_steps=cfg.ns_steps,
+            per_head=cfg.per_head,
+            betas=tuple(cfg.betas),
+            eps=cfg.eps,
+            process_group=pg,
+            process_groups=extra,
+        )
 
     def _init_state(self) -> None:
         """Create AdamW state eagerly (zeros, step 0: what the first step would create), so state_dict() is a
@@ -761,7 +837,7 @@ class ShardedOptimizer:
         it = self._by_param[id(param)]
         t, scale = self._tensor_for(it.name), row_scale
         if not (it.muon or self.zero == 0):  # ZeRO: the owner's rows; the all-gather that follows spreads them
-            scale = row_scale[it.start:it.stop]
+            scale = row_scale[it.start : it.stop]
         t.mul_(scale.to(t.dtype).view(-1, *([1] * (t.dim() - 1))))
         if it.master is not None:
             self._stepped(it).copy_(t)
@@ -775,8 +851,14 @@ class ShardedOptimizer:
     # ---- memory facts -------------------------------------------------------------------------------------------
     def optimizer_state_bytes(self) -> int:
         """Bytes of moments and momenta (the step counters and the owners' Muon masters excluded)."""
-        return _storage_bytes([v for st in self.optimizer.state.values() for k, v in st.items()
-                               if torch.is_tensor(v) and k not in ("step", "master_owned")])
+        return _storage_bytes(
+            [
+                v
+                for st in self.optimizer.state.values()
+                for k, v in st.items()
+                if torch.is_tensor(v) and k not in ("step", "master_owned")
+            ]
+        )
 
     def master_bytes(self) -> int:
         owned = [st["master_owned"] for st in self.optimizer.state.values() if "master_owned" in st]
@@ -863,6 +945,7 @@ class ShardedOptimizer:
                 st = self.optimizer.state[it.param]
                 if "master_owned" in st:
                     from k3train.parallel.owned_state import load_owned
+
                     load_owned(self.optimizer, it.param, it.param.detach(), st["master_owned"])
 
     def _whole(self, it: ShardedParam, v) -> torch.Tensor:
@@ -872,7 +955,7 @@ class ShardedOptimizer:
         if isinstance(v, DTensor):  # an expert-parallel block (or, replicated, the whole tensor)
             v = v.to_local() if v.to_local().shape == it.param.shape else v.full_tensor()
         if v.shape[0] == it.global_d0 and it.global_d0 != it.d0:  # the logical tensor: our block
-            v = v[it.global_offset:it.global_offset + it.d0]
+            v = v[it.global_offset : it.global_offset + it.d0]
         return v
 
     def _load_owned_matrices(self, it: ShardedParam, entry: dict) -> None:
@@ -896,13 +979,15 @@ class ShardedOptimizer:
         if v.shape == like.shape:
             return v
         if v.shape[0] == it.global_d0 and it.global_d0 != it.d0:  # the logical full tensor: our EP block first
-            v = v[it.global_offset:it.global_offset + it.d0]
+            v = v[it.global_offset : it.global_offset + it.d0]
         if v.shape == like.shape:
             return v
         if v.shape == it.param.shape:
-            return v.reshape(it.d0, -1)[it.start:it.stop].view_as(like)
-        raise ValueError(f"optimizer state for {it.name}: cannot place a tensor of shape {tuple(v.shape)} into "
-                         f"owned rows of shape {tuple(like.shape)}")
+            return v.reshape(it.d0, -1)[it.start : it.stop].view_as(like)
+        raise ValueError(
+            f"optimizer state for {it.name}: cannot place a tensor of shape {tuple(v.shape)} into "
+            f"owned rows of shape {tuple(like.shape)}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -924,12 +1009,13 @@ def _gather_owned_momentum(opt, p: torch.Tensor) -> torch.Tensor:
     group, rank = opt.param_groups[e["group"]], opt._plan["rank"]
     # Every piece's matrices in one flat buffer, so one all-reduce assembles the whole parameter; in the state's
     # dtype (fp32 for low-precision weights), so a full momentum round-trips exactly.
-    flat = torch.zeros(sum(pc["n"] * pc["rows"] * pc["cols"] for pc in e["pieces"]), dtype=_state_dtype(p),
-                       device=p.device)
+    flat = torch.zeros(
+        sum(pc["n"] * pc["rows"] * pc["cols"] for pc in e["pieces"]), dtype=_state_dtype(p), device=p.device
+    )
     mats, off = [], 0
     for pc in e["pieces"]:
         k = pc["n"] * pc["rows"] * pc["cols"]
-        mats.append(flat[off:off + k].view(pc["n"], pc["rows"], pc["cols"]))
+        mats.append(flat[off : off + k].view(pc["n"], pc["rows"], pc["cols"]))
         off += k
     st = opt.state.get(p, {})
     if "momentum_owned" in st:

@@ -18,8 +18,15 @@ def startup_check(cfg, gpu: GPU, *, world: int, gpus_per_node: int, recipe: str 
     from k3train.config.errors import ConfigError
     from k3train.plan.planner import plan_run, refusal
 
-    plan = plan_run(cfg, gpu, gpus_per_node=max(1, gpus_per_node), headroom=cfg.plan.headroom,
-                    efficiency=cfg.plan.efficiency, recipe=recipe, world=world)
+    plan = plan_run(
+        cfg,
+        gpu,
+        gpus_per_node=max(1, gpus_per_node),
+        headroom=cfg.plan.headroom,
+        efficiency=cfg.plan.efficiency,
+        recipe=recipe,
+        world=world,
+    )
     if not plan.fits:
         raise ConfigError(f"plan: {refusal(plan)}")
 

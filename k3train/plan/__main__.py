@@ -21,9 +21,17 @@ def _task(dcfg) -> None:
         recipe = HydraConfig.get().job.config_name or DEFAULT_RECIPE
         from k3train.plan.gpus import gpu_spec
         from k3train.plan.planner import format_plan, plan_json, plan_run, plot_plan
+
         gpu = gpu_spec(cfg.plan.gpu)
-        plan = plan_run(cfg, gpu, gpus_per_node=cfg.plan.gpus_per_node, headroom=cfg.plan.headroom,
-                        efficiency=cfg.plan.efficiency, recipe=recipe, world=cfg.plan.world or None)
+        plan = plan_run(
+            cfg,
+            gpu,
+            gpus_per_node=cfg.plan.gpus_per_node,
+            headroom=cfg.plan.headroom,
+            efficiency=cfg.plan.efficiency,
+            recipe=recipe,
+            world=cfg.plan.world or None,
+        )
         print(format_plan(plan), flush=True)
         if cfg.plan.png != "none":
             # Generated output goes under runs/ (ignored by git), never beside the user's files.
@@ -33,6 +41,7 @@ def _task(dcfg) -> None:
             print(f"figure: {path}", flush=True)
         if cfg.plan.measure:
             from k3train.plan.measure import format_measurements, measure_layouts
+
             print(format_measurements(measure_layouts()), flush=True)
         print(plan_json(plan), flush=True)
     except ConfigError as e:

@@ -102,8 +102,12 @@ def moe_terms(args: K3ModelArgs) -> tuple[Terms, Terms]:
     """(everything but the routed-expert block, the routed-expert block)."""
     D, E, k, L = args.dim, args.n_experts, args.top_k, args.moe_latent_dim
     nF = args.n_shared_experts * args.shared_hidden
-    other = Terms(act=D + 3 * L + 8 * nF + k * L, fp32=E + 2 + k, i64=3 * k,
-                  bf16=5 * D + 6 * E + 10 * L + 2 * k * L + 28 * k + 16 * nF + 14)
+    other = Terms(
+        act=D + 3 * L + 8 * nF + k * L,
+        fp32=E + 2 + k,
+        i64=3 * k,
+        bf16=5 * D + 6 * E + 10 * L + 2 * k * L + 28 * k + 16 * nF + 14,
+    )
     experts = Terms(act=k * L + 8 * k * args.expert_hidden, bf16=2.0 * (k * L + 8 * k * args.expert_hidden))
     return other, experts
 
@@ -121,8 +125,13 @@ def mtp_terms(args: K3ModelArgs, seq_len: int) -> Terms:
         return Terms()
     D = args.dim
     norms = norm_terms(D) + norm_terms(D) + norm_terms(D) + norm_terms(D) + norm_terms(D)
-    return (norms + Terms(act=2 * D, bf16=4.0 * D) + mla_terms(args, seq_len) + dense_ffn_terms(args)
-            + Terms(act=D, fp32=1, i64=1, bf16=2.0 * D + 13))
+    return (
+        norms
+        + Terms(act=2 * D, bf16=4.0 * D)
+        + mla_terms(args, seq_len)
+        + dense_ffn_terms(args)
+        + Terms(act=D, fp32=1, i64=1, bf16=2.0 * D + 13)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -148,8 +157,9 @@ class PolicyPlan:
 
 
 def policy_plan(activation_cfg) -> PolicyPlan:
-    return PolicyPlan(default=activation_cfg.policy,
-                      rules=tuple((r.match, r.policy) for r in getattr(activation_cfg, "rules", ())))
+    return PolicyPlan(
+        default=activation_cfg.policy, rules=tuple((r.match, r.policy) for r in getattr(activation_cfg, "rules", ()))
+    )
 
 
 def _device_bytes(t: Terms, policy: str, act_bytes: int) -> float:
@@ -161,8 +171,9 @@ def _device_bytes(t: Terms, policy: str, act_bytes: int) -> float:
     return t.bytes(act_bytes)
 
 
-def layer_bytes_per_token(args: K3ModelArgs, layer_id: int, seq_len: int, plan: PolicyPlan, act_bytes: int,
-                          n_sources_in: int) -> float:
+def layer_bytes_per_token(
+    args: K3ModelArgs, layer_id: int, seq_len: int, plan: PolicyPlan, act_bytes: int, n_sources_in: int
+) -> float:
     """Device bytes one token's saved activations of decoder layer `layer_id` take under `plan`."""
     name = f"layers.{layer_id}"
     S_attn = n_sources_in
@@ -206,8 +217,17 @@ def layer_bytes_per_token(args: K3ModelArgs, layer_id: int, seq_len: int, plan: 
     return total
 
 
-def stage_activation_bytes(args: K3ModelArgs, layers: list[int], *, first: bool, last: bool, tokens: int,
-                           seq_len: int, plan: PolicyPlan, act_bytes: int) -> float:
+def stage_activation_bytes(
+    args: K3ModelArgs,
+    layers: list[int],
+    *,
+    first: bool,
+    last: bool,
+    tokens: int,
+    seq_len: int,
+    plan: PolicyPlan,
+    act_bytes: int,
+) -> float:
     """Device bytes of one micro-batch's saved activations on a stage (tokens = rows x local sequence length)."""
     S = 1 if first else sources_after(args, layers[0] - 1)
     total = 0.0
@@ -224,8 +244,17 @@ def stage_activation_bytes(args: K3ModelArgs, layers: list[int], *, first: bool,
     return total
 
 
-def stage_workspace_bytes(args: K3ModelArgs, layers: list[int], *, first: bool, tokens: int, rows: int,
-                          seq_len: int, plan: PolicyPlan, act_bytes: int) -> float:
+def stage_workspace_bytes(
+    args: K3ModelArgs,
+    layers: list[int],
+    *,
+    first: bool,
+    tokens: int,
+    rows: int,
+    seq_len: int,
+    plan: PolicyPlan,
+    act_bytes: int,
+) -> float:
     """Transient device bytes of the stage's most expensive layer while it runs backward (one layer at a time):
 
     - a recomputed layer rebuilds everything it saves under keep for its own backward (one micro-batch);
@@ -233,6 +262,7 @@ def stage_workspace_bytes(args: K3ModelArgs, layers: list[int], *, first: bool, 
       [rows, H, q_block, k_block] each, and one key block's keys and values with their gradients
       (k3train.ops.attention.blocked)."""
     from k3train.ops.attention.blocked import K_BLOCK, Q_BLOCK
+
     keep = PolicyPlan()
     S = 1 if first else sources_after(args, layers[0] - 1)
     worst = 0.0

@@ -38,8 +38,11 @@ LAYOUTS = (
     Layout("dp2 zero1", {"dp": 2, "zero": 1}, world=2),
     Layout("dp2 zero2", {"dp": 2, "zero": 2}, world=2),
     Layout("pp2 vpp2 interleaved", {"pp": 2, "vpp": 2, "microbatches": 2, "schedule": "interleaved_1f1b"}, world=2),
-    Layout("pp2 x ep2 moonep", {"pp": 2, "dp": 2, "ep": 2, "zero": 1, "microbatches": 2, "ep_dispatcher": "moonep"},
-           world=4),
+    Layout(
+        "pp2 x ep2 moonep",
+        {"pp": 2, "dp": 2, "ep": 2, "zero": 1, "microbatches": 2, "ep_dispatcher": "moonep"},
+        world=4,
+    ),
     Layout("cp2", {"cp": 2}, world=2),
     Layout("recompute", {}, policy="recompute"),
     Layout("fp8", {}, policy="fp8"),
@@ -47,8 +50,13 @@ LAYOUTS = (
     Layout("pp2 x dp2 zero1 bf16", {"pp": 2, "dp": 2, "zero": 1, "microbatches": 2}, world=4, precision="bf16"),
     Layout("recompute bf16", {}, policy="recompute", precision="bf16"),
     # AdamW: the analytic communication bytes (k3train.models.k3.counts.analytic_step_bytes) are AdamW's.
-    Layout("pp2 x dp2 ep2 zero2 adamw", {"pp": 2, "dp": 2, "ep": 2, "zero": 2, "microbatches": 2}, optim="adamw",
-           world=4, precision="bf16"),
+    Layout(
+        "pp2 x dp2 ep2 zero2 adamw",
+        {"pp": 2, "dp": 2, "ep": 2, "zero": 2, "microbatches": 2},
+        optim="adamw",
+        world=4,
+        precision="bf16",
+    ),
 )
 
 
@@ -115,8 +123,17 @@ def _measure_rank(rank: int, layout: Layout) -> dict:
     result = {"rank": rank, "acts": {}}
     low = torch.bfloat16 if layout.precision == "bf16" else None
     for T in SEQS:
-        eng = build_engine(args, dims, _optim_cfg(layout), seed=0, device="cpu", seq_len_hint=T,
-                           activation_rules=rules, precision=layout.precision, autocast_dtype=low)
+        eng = build_engine(
+            args,
+            dims,
+            _optim_cfg(layout),
+            seed=0,
+            device="cpu",
+            seq_len_hint=T,
+            activation_rules=rules,
+            precision=layout.precision,
+            autocast_dtype=low,
+        )
         coords = rank_coords(dims, rank)
         if T == SEQS[0]:
             dp_index = coords["dp"]
@@ -132,13 +149,15 @@ def _measure_rank(rank: int, layout: Layout) -> dict:
                 x = b["input_ids"]
             else:
                 from k3train.models.k3.model import sources_after
+
                 S = sources_after(args, eng.stage_layers[s][0] - 1)
-                x = torch.randn(S, *b["input_ids"].shape, args.dim, dtype=low or torch.float32,
-                                requires_grad=True)
+                x = torch.randn(S, *b["input_ids"].shape, args.dim, dtype=low or torch.float32, requires_grad=True)
             ctx = b["ctx"] if dims.pp == 1 else BatchContext()
             last = s == dims.n_stages - 1
-            with SavedBytesMeter(eng.model_parts, eng.activation_handles) as meter, \
-                    torch.autocast("cpu", dtype=low or torch.float32, enabled=low is not None):
+            with (
+                SavedBytesMeter(eng.model_parts, eng.activation_handles) as meter,
+                torch.autocast("cpu", dtype=low or torch.float32, enabled=low is not None),
+            ):
                 y = part(x, ctx, return_hidden=last)
                 if last:  # the training loss: the head fused with the cross entropy
                     y = linear_cross_entropy(y, part.output.weight, b["labels"])[0]
@@ -158,8 +177,9 @@ def _run_layouts(layouts: list[Layout]) -> list[list[dict]]:
             _worker(0, layouts, d, init)
         else:
             mp.start_processes(_worker, args=(layouts, d, init), nprocs=world, start_method="spawn")
-        return [[json.load(open(os.path.join(d, f"{i}.rank{r}.json"))) for r in range(world)]
-                for i in range(len(layouts))]
+        return [
+            [json.load(open(os.path.join(d, f"{i}.rank{r}.json"))) for r in range(world)] for i in range(len(layouts))
+        ]
 
 
 def measure_layout(layout: Layout, results: list[dict] | None = None) -> list[dict]:
@@ -183,24 +203,46 @@ def measure_layout(layout: Layout, results: list[dict] | None = None) -> list[di
         for key in res["acts"]:
             s, T = map(int, key.split(":"))
             layers = split_layers(args, dims.n_stages, seq_len=T)
-            predicted_acts[key] = stage_activation_bytes(args, layers[s], first=s == 0, last=s == dims.n_stages - 1,
-                                                         tokens=MICRO_BATCH * T // dims.cp, seq_len=T, plan=pplan,
-                                                         act_bytes=2 if layout.precision == "bf16" else 4)
+            predicted_acts[key] = stage_activation_bytes(
+                args,
+                layers[s],
+                first=s == 0,
+                last=s == dims.n_stages - 1,
+                tokens=MICRO_BATCH * T // dims.cp,
+                seq_len=T,
+                plan=pplan,
+                act_bytes=2 if layout.precision == "bf16" else 4,
+            )
         layers = split_layers(args, dims.n_stages, seq_len=SEQS[0])
-        st = rank_state_bytes(args, dims, layers, optim, pp_rank=res["pp_rank"], dp_cp_rank=res["dp_cp_rank"],
-                              precision=layout.precision)
-        measured = {"params": res["state"]["param_bytes"], "grads": res["state"]["grad_bytes"],
-                    "master": res["state"].get("master_bytes", 0), "optim": res["state"]["optim_bytes"]}
-        comm = analytic_step_bytes(args, dims, layers, pp_rank=res["pp_rank"], mb=MICRO_BATCH, seq=SEQS[0],
-                                   precision=layout.precision)
+        st = rank_state_bytes(
+            args, dims, layers, optim, pp_rank=res["pp_rank"], dp_cp_rank=res["dp_cp_rank"], precision=layout.precision
+        )
+        measured = {
+            "params": res["state"]["param_bytes"],
+            "grads": res["state"]["grad_bytes"],
+            "master": res["state"].get("master_bytes", 0),
+            "optim": res["state"]["optim_bytes"],
+        }
+        comm = analytic_step_bytes(
+            args, dims, layers, pp_rank=res["pp_rank"], mb=MICRO_BATCH, seq=SEQS[0], precision=layout.precision
+        )
         comm_measured = dict(res["comm"])
         if "ep/all_to_all" in comm_measured:  # routing decides a rank's rows: the EP group's mean is predicted
             peers = [x for x in results if x["pp_rank"] == res["pp_rank"]]
             comm_measured["ep/all_to_all"] = sum(x["comm"]["ep/all_to_all"] for x in peers) / len(peers)
-        rows.append({"layout": layout.name, "rank": res["rank"], "predicted": st.as_dict(), "measured": measured,
-                     "acts_measured": res["acts"], "acts_predicted": predicted_acts, "optim": layout.optim,
-                     "comm_predicted": {f"{d}/{o}": v["payload"] for (d, o), v in comm.items()},
-                     "comm_measured": comm_measured})
+        rows.append(
+            {
+                "layout": layout.name,
+                "rank": res["rank"],
+                "predicted": st.as_dict(),
+                "measured": measured,
+                "acts_measured": res["acts"],
+                "acts_predicted": predicted_acts,
+                "optim": layout.optim,
+                "comm_predicted": {f"{d}/{o}": v["payload"] for (d, o), v in comm.items()},
+                "comm_measured": comm_measured,
+            }
+        )
     return rows
 
 
@@ -217,22 +259,29 @@ def measure_layouts(layouts=LAYOUTS) -> list[dict]:
 
 
 def format_measurements(rows: list[dict]) -> str:
-    lines = ["predicted vs measured on CPU (tiny model; state in bytes must match exactly, saved activations per "
-             "micro-batch within 10%)",
-             f"{'layout':>22} {'rank':>4} {'kind':>16} {'predicted':>12} {'measured':>12} {'ratio':>7}"]
+    lines = [
+        "predicted vs measured on CPU (tiny model; state in bytes must match exactly, saved activations per "
+        "micro-batch within 10%)",
+        f"{'layout':>22} {'rank':>4} {'kind':>16} {'predicted':>12} {'measured':>12} {'ratio':>7}",
+    ]
     for r in rows:
         for k in ("params", "grads", "master", "optim"):
             p, m = r["predicted"][k], r["measured"][k]
-            lines.append(f"{r['layout']:>22} {r['rank']:>4} {k:>16} {p:>12,} {m:>12,} "
-                         f"{(p / m if m else (1.0 if p == 0 else float('inf'))):7.3f}")
+            lines.append(
+                f"{r['layout']:>22} {r['rank']:>4} {k:>16} {p:>12,} {m:>12,} "
+                f"{(p / m if m else (1.0 if p == 0 else float('inf'))):7.3f}"
+            )
         for key, m in r["acts_measured"].items():
             p = r["acts_predicted"][key]
             s, T = key.split(":")
-            lines.append(f"{r['layout']:>22} {r['rank']:>4} {f'acts s{s} T{T}':>16} {int(p):>12,} {m:>12,} "
-                         f"{p / m:7.3f}")
+            lines.append(
+                f"{r['layout']:>22} {r['rank']:>4} {f'acts s{s} T{T}':>16} {int(p):>12,} {m:>12,} {p / m:7.3f}"
+            )
         if r["optim"] == "adamw":
             for key in sorted(set(r["comm_predicted"]) | set(r["comm_measured"])):
                 p, m = r["comm_predicted"].get(key, 0), r["comm_measured"].get(key, 0)
-                lines.append(f"{r['layout']:>22} {r['rank']:>4} {key:>16} {int(p):>12,} {int(m):>12,} "
-                             f"{(p / m if m else float(p == 0)):7.3f}")
+                lines.append(
+                    f"{r['layout']:>22} {r['rank']:>4} {key:>16} {int(p):>12,} {int(m):>12,} "
+                    f"{(p / m if m else float(p == 0)):7.3f}"
+                )
     return "\n".join(lines)

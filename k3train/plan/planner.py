@@ -51,9 +51,17 @@ class RankPlan:
     total: float = 0.0
 
     def by_kind(self) -> dict[str, float]:
-        return {"params": self.state["params"], "master": self.state["master"], "optim": self.state["optim"],
-                "grads": self.peak_gradients, "activations": self.peak_activations, "pp_buffers": self.boundary,
-                "ep_buffers": self.ep_buffers, "cp_buffers": self.cp_buffers, "workspace": self.workspace}
+        return {
+            "params": self.state["params"],
+            "master": self.state["master"],
+            "optim": self.state["optim"],
+            "grads": self.peak_gradients,
+            "activations": self.peak_activations,
+            "pp_buffers": self.boundary,
+            "ep_buffers": self.ep_buffers,
+            "cp_buffers": self.cp_buffers,
+            "workspace": self.workspace,
+        }
 
 
 @dataclass
@@ -98,15 +106,29 @@ class Plan:
 
     def summary(self) -> dict:
         m = self.max_rank
-        return {"recipe": self.recipe, "gpu": self.gpu.name, "ranks": self.dims.world,
-                "layout": self.dims.describe(), "precision": self.precision,
-                "max_rank_bytes": int(m.total), "max_rank": m.pp_rank, "gpu_bytes": self.gpu.memory_bytes,
-                "headroom": self.headroom, "fits": self.fits, "step_s": self.step_s,
-                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
-                "by_kind": {k: int(v) for k, v in m.by_kind().items()},
-                "per_rank_bytes": [int(r.total) for r in self.ranks],
-                "time": {"compute_s": self.compute_s, "bubble_s": self.bubble_s, "optimizer_s": self.optimizer_s,
-                         **{f"{k}_s": v for k, v in self.comm_s.items()}}}
+        return {
+            "recipe": self.recipe,
+            "gpu": self.gpu.name,
+            "ranks": self.dims.world,
+            "layout": self.dims.describe(),
+            "precision": self.precision,
+            "max_rank_bytes": int(m.total),
+            "max_rank": m.pp_rank,
+            "gpu_bytes": self.gpu.memory_bytes,
+            "headroom": self.headroom,
+            "fits": self.fits,
+            "step_s": self.step_s,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "by_kind": {k: int(v) for k, v in m.by_kind().items()},
+            "per_rank_bytes": [int(r.total) for r in self.ranks],
+            "time": {
+                "compute_s": self.compute_s,
+                "bubble_s": self.bubble_s,
+                "optimizer_s": self.optimizer_s,
+                **{f"{k}_s": v for k, v in self.comm_s.items()},
+            },
+        }
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -126,8 +148,16 @@ def precision_of(cfg) -> str:
     return "fp32" if d == "float32" or (d == "auto" and cfg.train.device == "cpu") else "bf16"
 
 
-def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, efficiency: float = 0.45,
-             recipe: str = "custom", world: int | None = None) -> Plan:
+def plan_run(
+    cfg,
+    gpu: GPU,
+    *,
+    gpus_per_node: int = 8,
+    headroom: float = 0.10,
+    efficiency: float = 0.45,
+    recipe: str = "custom",
+    world: int | None = None,
+) -> Plan:
     """The plan of config `cfg` (a K3TrainConfig) on `gpu`. Raises ConfigError for a layout that does not divide
     the world or the model."""
     from k3train.config.validate import model_args
@@ -150,6 +180,7 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
     args = model_args(cfg)
     dims = ParallelDims.from_config(p, world)
     from k3train.data.config import VISION_SOURCES
+
     train_vision = cfg.data.source in VISION_SOURCES  # the tower's gradients and optimizer state exist
     dims.validate(world_size=world, model_args=args)
     if world > gpus_per_node and world % gpus_per_node:
@@ -173,8 +204,10 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
     ep_bw = _bandwidth(gpu, _intra(dims.ep, 1, gpus_per_node))
     cp_bw = _bandwidth(gpu, _intra(dims.cp, 1, gpus_per_node))
     pp_bw = _bandwidth(gpu, _intra(2, dims.dp_cp, gpus_per_node))
-    pp_bytes = {r: analytic_step_bytes(args, dims, stage_layers, pp_rank=r, mb=mb, seq=seq, precision=precision)
-                for r in range(dims.pp)}
+    pp_bytes = {
+        r: analytic_step_bytes(args, dims, stage_layers, pp_rank=r, mb=mb, seq=seq, precision=precision)
+        for r in range(dims.pp)
+    }
     G = args.n_experts // dims.ep if dims.ep > 1 else 0
     expert_numel = 3 * args.moe_latent_dim * args.expert_hidden
 
@@ -189,10 +222,12 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
         layers = stage_layers[s]
         n_moe = sum(args.ffn_kind(i) == "moe" for i in layers)
         n_mla = sum(args.layer_kind(i) == "mla" for i in layers)
-        act = stage_activation_bytes(args, layers, first=s == 0, last=s == n - 1, tokens=tokens, seq_len=seq,
-                                     plan=pplan, act_bytes=act_bytes)
-        work[s] = stage_workspace_bytes(args, layers, first=s == 0, tokens=tokens, rows=mb, seq_len=seq,
-                                        plan=pplan, act_bytes=act_bytes)
+        act = stage_activation_bytes(
+            args, layers, first=s == 0, last=s == n - 1, tokens=tokens, seq_len=seq, plan=pplan, act_bytes=act_bytes
+        )
+        work[s] = stage_workspace_bytes(
+            args, layers, first=s == 0, tokens=tokens, rows=mb, seq_len=seq, plan=pplan, act_bytes=act_bytes
+        )
         if s > 0:  # the received sources a micro-batch holds until its backward
             act += sources_after(args, layers[0] - 1) * tokens * args.dim * act_bytes
         if dims.ep > 1 and dims.ep_dispatcher == "moonep":  # hosted experts' weights are saved for backward
@@ -213,26 +248,51 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
             cp_buf[s] = lat if n_mla else 0.0
         ep_time[s], cp_time[s] = a2a, cpt
         send = (sources_after(args, layers[-1]) * tokens * args.dim * act_bytes / pp_bw) if s < n - 1 else 0.0
-        full, shard = stage_grad_bytes(args, dims, stage_layers, s, cfg.optim, train_vision=train_vision, precision=precision,
-                                       _params_cache=cache)
-        costs[s] = StageCost(forward_s=fwd + (a2a + cpt) / 2, backward_s=bwd + (a2a + cpt) / 2, act_bytes=act,
-                             grad_bytes=full, grad_shard_bytes=shard, send_s=send)
+        full, shard = stage_grad_bytes(
+            args, dims, stage_layers, s, cfg.optim, train_vision=train_vision, precision=precision, _params_cache=cache
+        )
+        costs[s] = StageCost(
+            forward_s=fwd + (a2a + cpt) / 2,
+            backward_s=bwd + (a2a + cpt) / 2,
+            act_bytes=act,
+            grad_bytes=full,
+            grad_shard_bytes=shard,
+            send_s=send,
+        )
     timeline = simulate(dims, costs, zero=dims.zero)
 
     ranks: list[RankPlan] = []
     for r in range(dims.pp):
-        st = rank_state_bytes(args, dims, stage_layers, cfg.optim, pp_rank=r, dp_cp_rank=0, _params_cache=cache,
-                              precision=precision, train_vision=train_vision)
+        st = rank_state_bytes(
+            args,
+            dims,
+            stage_layers,
+            cfg.optim,
+            pp_rank=r,
+            dp_cp_rank=0,
+            _params_cache=cache,
+            precision=precision,
+            train_vision=train_vision,
+        )
         mine = stages_of_rank(dims, r)
-        boundary = max((sources_after(args, stage_layers[s][-1]) * tokens * args.dim * act_bytes
-                        for s in mine if s < n - 1), default=0.0)
-        rp = RankPlan(pp_rank=r, stages=mine, layers=[stage_layers[s] for s in mine], state=st.as_dict(),
-                      params_by_dtype=st.params_by_dtype, activations_per_mb={s: costs[s].act_bytes for s in mine},
-                      peak_activations=timeline.peak_parts[r]["activations"],
-                      peak_gradients=max(timeline.peak_parts[r]["gradients"], st.grads),
-                      boundary=boundary, ep_buffers=max((ep_buf.get(s, 0.0) for s in mine), default=0.0),
-                      cp_buffers=max((cp_buf.get(s, 0.0) for s in mine), default=0.0),
-                      workspace=max((work[s] for s in mine), default=0.0))
+        boundary = max(
+            (sources_after(args, stage_layers[s][-1]) * tokens * args.dim * act_bytes for s in mine if s < n - 1),
+            default=0.0,
+        )
+        rp = RankPlan(
+            pp_rank=r,
+            stages=mine,
+            layers=[stage_layers[s] for s in mine],
+            state=st.as_dict(),
+            params_by_dtype=st.params_by_dtype,
+            activations_per_mb={s: costs[s].act_bytes for s in mine},
+            peak_activations=timeline.peak_parts[r]["activations"],
+            peak_gradients=max(timeline.peak_parts[r]["gradients"], st.grads),
+            boundary=boundary,
+            ep_buffers=max((ep_buf.get(s, 0.0) for s in mine), default=0.0),
+            cp_buffers=max((cp_buf.get(s, 0.0) for s in mine), default=0.0),
+            workspace=max((work[s] for s in mine), default=0.0),
+        )
         rp.total = sum(rp.by_kind().values())
         ranks.append(rp)
 
@@ -255,17 +315,33 @@ def plan_run(cfg, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, e
 
     comm = {"dp": max(dim_time(r, "dp_cp") + dim_time(r, "edp") + dim_time(r, "world") for r in range(dims.pp))}
     for key, per_stage in (("ep_in_stages", ep_time), ("cp_in_stages", cp_time)):  # part of the stages' time
-        comm[key] = max(sum(per_stage[s] for s in stages_of_rank(dims, r)) * dims.microbatches
-                        for r in range(dims.pp))
-    compute = max(sum((costs[s].forward_s + costs[s].backward_s) * dims.microbatches
-                      for s in stages_of_rank(dims, r)) for r in range(dims.pp))
+        comm[key] = max(sum(per_stage[s] for s in stages_of_rank(dims, r)) * dims.microbatches for r in range(dims.pp))
+    compute = max(
+        sum((costs[s].forward_s + costs[s].backward_s) * dims.microbatches for s in stages_of_rank(dims, r))
+        for r in range(dims.pp)
+    )
     optimizer_s = _muon_seconds(args, dims, stage_layers, cfg.optim, peak, cache)
     step = timeline.makespan_s + comm["dp"] + optimizer_s
     global_tokens = dims.dp * dims.microbatches * mb * seq
-    return Plan(recipe=recipe, gpu=gpu, gpus_per_node=gpus_per_node, dims=dims, precision=precision, seq_len=seq,
-                micro_batch=mb, ranks=ranks, headroom=headroom, compute_s=compute,
-                bubble_s=timeline.makespan_s - compute, comm_s=comm, optimizer_s=optimizer_s, step_s=step,
-                tokens_per_step=global_tokens, flops_per_token=flops_per_token(args, seq), timeline=timeline)
+    return Plan(
+        recipe=recipe,
+        gpu=gpu,
+        gpus_per_node=gpus_per_node,
+        dims=dims,
+        precision=precision,
+        seq_len=seq,
+        micro_batch=mb,
+        ranks=ranks,
+        headroom=headroom,
+        compute_s=compute,
+        bubble_s=timeline.makespan_s - compute,
+        comm_s=comm,
+        optimizer_s=optimizer_s,
+        step_s=step,
+        tokens_per_step=global_tokens,
+        flops_per_token=flops_per_token(args, seq),
+        timeline=timeline,
+    )
 
 
 def _muon_seconds(args, dims, stage_layers, optim_cfg, peak: float, cache: dict) -> float:
@@ -281,8 +357,9 @@ def _muon_seconds(args, dims, stage_layers, optim_cfg, peak: float, cache: dict)
         shapes, expert_flops = [], 0.0
         for s in stages_of_rank(dims, r):
             if s not in cache:
-                cache[s] = stage_parameters(args, stage_layers, s, optim_cfg,
-                                            _layer_cache=cache.setdefault("layers", {}))
+                cache[s] = stage_parameters(
+                    args, stage_layers, s, optim_cfg, _layer_cache=cache.setdefault("layers", {})
+                )
             for name, shape, kind, structure, trainable in cache[s]:
                 if kind != "muon" or not trainable:
                     continue
@@ -311,30 +388,36 @@ def _gib(x: float) -> str:
 
 def format_plan(plan: Plan) -> str:
     d = plan.dims
-    lines = [f"k3train plan: {plan.recipe} on {d.world} x {plan.gpu.name} ({plan.gpus_per_node} per node), "
-             f"{d.describe()}, {plan.precision}, {plan.micro_batch} x {plan.seq_len} tokens per micro-batch",
-             "",
-             "memory per pipeline rank (GiB; worst data-parallel rank)",
-             f"{'rank':>4} {'stages':>10} {'layers':>7} {'params':>8} {'master':>8} {'optim':>8} {'grads':>8} "
-             f"{'acts':>8} {'pp_buf':>8} {'ep_buf':>8} {'cp_buf':>8} {'work':>8} {'total':>8} {'of GPU':>7}"]
+    lines = [
+        f"k3train plan: {plan.recipe} on {d.world} x {plan.gpu.name} ({plan.gpus_per_node} per node), "
+        f"{d.describe()}, {plan.precision}, {plan.micro_batch} x {plan.seq_len} tokens per micro-batch",
+        "",
+        "memory per pipeline rank (GiB; worst data-parallel rank)",
+        f"{'rank':>4} {'stages':>10} {'layers':>7} {'params':>8} {'master':>8} {'optim':>8} {'grads':>8} "
+        f"{'acts':>8} {'pp_buf':>8} {'ep_buf':>8} {'cp_buf':>8} {'work':>8} {'total':>8} {'of GPU':>7}",
+    ]
     for r in plan.ranks:
         k = r.by_kind()
-        lines.append(f"{r.pp_rank:>4} {','.join(map(str, r.stages)):>10} {sum(len(x) for x in r.layers):>7} "
-                     f"{_gib(k['params'])} {_gib(k['master'])} {_gib(k['optim'])} {_gib(k['grads'])} "
-                     f"{_gib(k['activations'])} {_gib(k['pp_buffers'])} {_gib(k['ep_buffers'])} "
-                     f"{_gib(k['cp_buffers'])} {_gib(k['workspace'])} {_gib(r.total)} "
-                     f"{100 * r.total / plan.gpu.memory_bytes:6.1f}%")
+        lines.append(
+            f"{r.pp_rank:>4} {','.join(map(str, r.stages)):>10} {sum(len(x) for x in r.layers):>7} "
+            f"{_gib(k['params'])} {_gib(k['master'])} {_gib(k['optim'])} {_gib(k['grads'])} "
+            f"{_gib(k['activations'])} {_gib(k['pp_buffers'])} {_gib(k['ep_buffers'])} "
+            f"{_gib(k['cp_buffers'])} {_gib(k['workspace'])} {_gib(r.total)} "
+            f"{100 * r.total / plan.gpu.memory_bytes:6.1f}%"
+        )
     m = plan.max_rank
     kind, val = plan.biggest_term(m)
-    lines += ["",
-              f"step time {plan.step_s:.3f} s = pipeline {plan.compute_s + plan.bubble_s:.3f} s (compute "
-              f"{plan.compute_s:.3f} s incl. EP/CP exchanges, bubble {plan.bubble_s:.3f} s) + data-parallel "
-              f"communication {plan.comm_s['dp']:.3f} s + optimizer {plan.optimizer_s:.3f} s",
-              f"tokens/s {plan.tokens_per_s:,.0f}  MFU {100 * plan.mfu:.1f}%  ({plan.tokens_per_step:,} tokens per step)",
-              f"verdict: {'FITS' if plan.fits else 'DOES NOT FIT'}: largest rank {m.pp_rank} needs "
-              f"{m.total / GiB:.1f} GiB of {plan.gpu.memory_bytes / GiB:.1f} GiB "
-              f"(limit {(1 - plan.headroom) * plan.gpu.memory_bytes / GiB:.1f} GiB with {100 * plan.headroom:.0f}% "
-              f"headroom); biggest term there: {kind} {val / GiB:.1f} GiB"]
+    lines += [
+        "",
+        f"step time {plan.step_s:.3f} s = pipeline {plan.compute_s + plan.bubble_s:.3f} s (compute "
+        f"{plan.compute_s:.3f} s incl. EP/CP exchanges, bubble {plan.bubble_s:.3f} s) + data-parallel "
+        f"communication {plan.comm_s['dp']:.3f} s + optimizer {plan.optimizer_s:.3f} s",
+        f"tokens/s {plan.tokens_per_s:,.0f}  MFU {100 * plan.mfu:.1f}%  ({plan.tokens_per_step:,} tokens per step)",
+        f"verdict: {'FITS' if plan.fits else 'DOES NOT FIT'}: largest rank {m.pp_rank} needs "
+        f"{m.total / GiB:.1f} GiB of {plan.gpu.memory_bytes / GiB:.1f} GiB "
+        f"(limit {(1 - plan.headroom) * plan.gpu.memory_bytes / GiB:.1f} GiB with {100 * plan.headroom:.0f}% "
+        f"headroom); biggest term there: {kind} {val / GiB:.1f} GiB",
+    ]
     return "\n".join(lines + plan.notes)
 
 
@@ -345,16 +428,19 @@ def plan_json(plan: Plan) -> str:
 def refusal(plan: Plan) -> str:
     m = plan.max_rank
     kind, val = plan.biggest_term(m)
-    return (f"the layout does not fit {plan.gpu.name}: pipeline rank {m.pp_rank} (stages {m.stages}) needs "
-            f"{m.total / GiB:.1f} GiB, more than {(1 - plan.headroom) * plan.gpu.memory_bytes / GiB:.1f} GiB "
-            f"({100 * (1 - plan.headroom):.0f}% of {plan.gpu.memory_bytes / GiB:.1f} GiB); its biggest term is "
-            f"{kind} ({val / GiB:.1f} GiB). See `python -m k3train.plan` for the full table; plan.check=false skips "
-            f"this check")
+    return (
+        f"the layout does not fit {plan.gpu.name}: pipeline rank {m.pp_rank} (stages {m.stages}) needs "
+        f"{m.total / GiB:.1f} GiB, more than {(1 - plan.headroom) * plan.gpu.memory_bytes / GiB:.1f} GiB "
+        f"({100 * (1 - plan.headroom):.0f}% of {plan.gpu.memory_bytes / GiB:.1f} GiB); its biggest term is "
+        f"{kind} ({val / GiB:.1f} GiB). See `python -m k3train.plan` for the full table; plan.check=false skips "
+        f"this check"
+    )
 
 
 def plot_plan(plan: Plan, path: str) -> None:
     """A PNG: stacked memory bars per pipeline rank, and the schedule's timeline."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -378,8 +464,10 @@ def plot_plan(plan: Plan, path: str) -> None:
     ax2.invert_yaxis()
     ax2.set_xlabel("seconds")
     ax2.set_ylabel("pipeline rank")
-    ax2.set_title(f"{plan.dims.schedule} timeline ({plan.dims.microbatches} micro-batches): F forward, "
-                  f"B backward, I/W input/weight gradient")
+    ax2.set_title(
+        f"{plan.dims.schedule} timeline ({plan.dims.microbatches} micro-batches): F forward, "
+        f"B backward, I/W input/weight gradient"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

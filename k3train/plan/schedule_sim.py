@@ -36,8 +36,14 @@ class Timeline:
     events: dict[int, list[tuple[float, float, Act]]] = field(default_factory=dict)  # (start, end, action)
 
 
-def simulate(dims: ParallelDims, costs: dict[int, StageCost], *, zero: int, weight_share: float = 0.5,
-             orders: dict[int, list[Act]] | None = None) -> Timeline:
+def simulate(
+    dims: ParallelDims,
+    costs: dict[int, StageCost],
+    *,
+    zero: int,
+    weight_share: float = 0.5,
+    orders: dict[int, list[Act]] | None = None,
+) -> Timeline:
     orders = orders or schedule_order(dims)
 
     def duration(a: Act) -> float:
@@ -51,8 +57,9 @@ def simulate(dims: ParallelDims, costs: dict[int, StageCost], *, zero: int, weig
         busy[r] = sum(e - s for s, e, _ in evs)
         live_act, best, best_parts = 0.0, 0.0, {"activations": 0.0, "gradients": 0.0}
         grads: dict[int, float] = {}
-        backward_left = {s: sum(1 for a in orders[r] if a.stage == s and a.kind in ("B", "W")) for s in
-                         {a.stage for a in orders[r]}}
+        backward_left = {
+            s: sum(1 for a in orders[r] if a.stage == s and a.kind in ("B", "W")) for s in {a.stage for a in orders[r]}
+        }
         for _, _, a in sorted(evs, key=lambda e: e[0]):
             c = costs[a.stage]
             if a.kind == "F":

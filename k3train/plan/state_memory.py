@@ -60,8 +60,9 @@ def _local_shape(name: str, shape: tuple, ep: int) -> tuple:
     return tuple(shape)
 
 
-def _part_parameters(args: K3ModelArgs, layers: list[int], first: bool, last: bool, optim_cfg,
-                     train_vision: bool) -> list[tuple[str, tuple, str, object, bool]]:
+def _part_parameters(
+    args: K3ModelArgs, layers: list[int], first: bool, last: bool, optim_cfg, train_vision: bool
+) -> list[tuple[str, tuple, str, object, bool]]:
     from k3train.optim.param_groups import split_params
     from k3train.parallel.pipeline import stage_part_on_meta
 
@@ -83,9 +84,15 @@ def _signature(args: K3ModelArgs, layer_id: int) -> tuple:
     return (args.layer_kind(layer_id), args.ffn_kind(layer_id))
 
 
-def stage_parameters(args: K3ModelArgs, stage_layers: list[list[int]], stage: int, optim_cfg, *,
-                     train_vision: bool = False, _layer_cache: dict | None = None
-                     ) -> list[tuple[str, tuple, str, object, bool]]:
+def stage_parameters(
+    args: K3ModelArgs,
+    stage_layers: list[list[int]],
+    stage: int,
+    optim_cfg,
+    *,
+    train_vision: bool = False,
+    _layer_cache: dict | None = None,
+) -> list[tuple[str, tuple, str, object, bool]]:
     """[(name, full shape, optimizer kind, Muon structure, trainable)] of one stage part, in model order.
 
     Layers of the same kind (attention x feed-forward) hold the same parameters under their own names, so one
@@ -113,14 +120,23 @@ def stage_parameters(args: K3ModelArgs, stage_layers: list[list[int]], stage: in
         if sig not in cache:
             rows = _part_parameters(args, [i], False, False, optim_cfg, train_vision)
             pre = f"layers.{i}."
-            cache[sig] = [(r[0][len(pre):],) + r[1:] for r in rows if r[0].startswith(pre)]
+            cache[sig] = [(r[0][len(pre) :],) + r[1:] for r in rows if r[0].startswith(pre)]
         out += [(f"layers.{i}.{row[0]}",) + row[1:] for row in cache[sig]]
     return out + list(after)
 
 
-def rank_state_bytes(args: K3ModelArgs, dims: ParallelDims, stage_layers: list[list[int]], optim_cfg, *,
-                     pp_rank: int, dp_cp_rank: int = 0, train_vision: bool = False,
-                     precision: str = "fp32", _params_cache: dict | None = None) -> StateBytes:
+def rank_state_bytes(
+    args: K3ModelArgs,
+    dims: ParallelDims,
+    stage_layers: list[list[int]],
+    optim_cfg,
+    *,
+    pp_rank: int,
+    dp_cp_rank: int = 0,
+    train_vision: bool = False,
+    precision: str = "fp32",
+    _params_cache: dict | None = None,
+) -> StateBytes:
     """Exact bytes of parameters, gradients, master weights and optimizer states on the rank at (pp_rank,
     dp_cp_rank) of the layout: the formulas of k3train.parallel.zero's module doc."""
     from k3train.optim.muon import assign_owners, piece_shapes
@@ -136,8 +152,9 @@ def rank_state_bytes(args: K3ModelArgs, dims: ParallelDims, stage_layers: list[l
     mats: dict[str, list[tuple[int, int, int]]] = {"dense": [], "expert": []}
     for s in stages_of_rank(dims, pp_rank):
         if s not in cache:
-            cache[s] = stage_parameters(args, stage_layers, s, optim_cfg, train_vision=train_vision,
-                                        _layer_cache=cache.setdefault("layers", {}))
+            cache[s] = stage_parameters(
+                args, stage_layers, s, optim_cfg, train_vision=train_vision, _layer_cache=cache.setdefault("layers", {})
+            )
         for name, shape, kind, structure, trainable in cache[s]:
             key = "expert" if dims.ep > 1 and ".ffn.experts." in name else "dense"
             local = _local_shape(name, shape, dims.ep)
@@ -185,17 +202,26 @@ def rank_state_bytes(args: K3ModelArgs, dims: ParallelDims, stage_layers: list[l
     return out
 
 
-def stage_grad_bytes(args: K3ModelArgs, dims: ParallelDims, stage_layers: list[list[int]], stage: int, optim_cfg,
-                     *, train_vision: bool = False, precision: str = "fp32",
-                     _params_cache: dict | None = None) -> tuple[int, int]:
+def stage_grad_bytes(
+    args: K3ModelArgs,
+    dims: ParallelDims,
+    stage_layers: list[list[int]],
+    stage: int,
+    optim_cfg,
+    *,
+    train_vision: bool = False,
+    precision: str = "fp32",
+    _params_cache: dict | None = None,
+) -> tuple[int, int]:
     """(the stage's full gradient on a rank, what remains of it after its reduction) on dp_cp rank 0."""
     from k3train.parallel.zero import ELEMENT_BYTES
 
     g_elem = ELEMENT_BYTES[precision]["grad"]
     cache = _params_cache if _params_cache is not None else {}
     if stage not in cache:
-        cache[stage] = stage_parameters(args, stage_layers, stage, optim_cfg, train_vision=train_vision,
-                                        _layer_cache=cache.setdefault("layers", {}))
+        cache[stage] = stage_parameters(
+            args, stage_layers, stage, optim_cfg, train_vision=train_vision, _layer_cache=cache.setdefault("layers", {})
+        )
     full = kept = 0
     for name, shape, kind, _, trainable in cache[stage]:
         if not trainable:

@@ -75,9 +75,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, StorageMeta, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.futures import Future
 
 FORMAT_VERSION = 2
@@ -90,8 +96,9 @@ _DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 _RANK_FILE_RE = re.compile(r"^rank-(\d+)\.json$")
 
 # dcp.save / async_save warn when they run without a process group, which is how one process is meant to save.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-                        category=UserWarning)
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning
+)
 
 
 class CheckpointError(RuntimeError):
@@ -191,10 +198,17 @@ def rng_state() -> dict:
     """This process's random states (torch CPU, numpy, python, and CUDA when initialised) as JSON values."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     version, internal, gauss_next = random.getstate()
-    st = {"torch": _b64(torch.get_rng_state()),
-          "numpy": {"kind": str(kind), "keys": [int(k) for k in keys], "pos": int(pos), "has_gauss": int(has_gauss),
-                    "cached_gaussian": float(cached)},
-          "python": {"version": int(version), "internal": [int(x) for x in internal], "gauss_next": gauss_next}}
+    st = {
+        "torch": _b64(torch.get_rng_state()),
+        "numpy": {
+            "kind": str(kind),
+            "keys": [int(k) for k in keys],
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "python": {"version": int(version), "internal": [int(x) for x in internal], "gauss_next": gauss_next},
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         st["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
     return st
@@ -379,16 +393,25 @@ def _check_metadata(md: Any, files: set[str], *, allow_bytes_entries: bool) -> N
             continue  # a version-1 non-tensor entry: never read (see _TensorsOnlyPlanner)
         if not isinstance(entry, TensorStorageMetadata):
             raise ValueError(f"entry {key!r} is not a tensor ({type(entry).__name__})")
-        if not (isinstance(entry.properties, TensorProperties) and isinstance(entry.properties.dtype, torch.dtype)
-                and isinstance(entry.size, torch.Size) and isinstance(entry.chunks, list)):
+        if not (
+            isinstance(entry.properties, TensorProperties)
+            and isinstance(entry.properties.dtype, torch.dtype)
+            and isinstance(entry.size, torch.Size)
+            and isinstance(entry.chunks, list)
+        ):
             raise ValueError(f"entry {key!r} is malformed")
         for c in entry.chunks:
-            if not (isinstance(c, ChunkStorageMetadata) and isinstance(c.offsets, torch.Size)
-                    and isinstance(c.sizes, torch.Size) and len(c.offsets) == len(c.sizes) == len(entry.size)):
+            if not (
+                isinstance(c, ChunkStorageMetadata)
+                and isinstance(c.offsets, torch.Size)
+                and isinstance(c.sizes, torch.Size)
+                and len(c.offsets) == len(c.sizes) == len(entry.size)
+            ):
                 raise ValueError(f"entry {key!r} has a malformed chunk")
     if not isinstance(md.storage_data, dict):
         raise ValueError("no storage data")
     from torch.distributed.checkpoint.filesystem import _StorageInfo
+
     for index, info in md.storage_data.items():
         if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
             raise ValueError("a storage index is malformed")
@@ -444,8 +467,9 @@ class _CheckedReader(FileSystemReader):
             try:
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
             except pickle.UnpicklingError as e:
-                raise CheckpointError(f"{self.path / name} holds more than plain tensors; refused ({str(e)[:300]})") \
-                    from e
+                raise CheckpointError(
+                    f"{self.path / name} holds more than plain tensors; refused ({str(e)[:300]})"
+                ) from e
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -490,10 +514,13 @@ def _dcp_load(state: dict, folder: Path, metadata: Metadata, what: str) -> None:
         if isinstance(refused, CheckpointError):
             raise CheckpointError(f"{what}checkpoint {folder}: {refused}") from e
         if refused is not None:
-            raise CheckpointError(f"{what}checkpoint {folder}: a data file holds more than plain tensors; refused "
-                                  f"({str(refused)[:300]})") from e
-        raise CheckpointError(f"{what}checkpoint {folder} passed its checksums but does not fit this run (model or "
-                              f"layout changed?): {_describe(e)}") from e
+            raise CheckpointError(
+                f"{what}checkpoint {folder}: a data file holds more than plain tensors; refused ({str(refused)[:300]})"
+            ) from e
+        raise CheckpointError(
+            f"{what}checkpoint {folder} passed its checksums but does not fit this run (model or "
+            f"layout changed?): {_describe(e)}"
+        ) from e
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -518,11 +545,13 @@ def format_version(folder: Path) -> int | None:
 
 def _version_problem(folder: Path, version: int) -> str:
     if version == 1:
-        return (f"checkpoint {folder} has format version 1 (its manifest records none); this k3train reads version "
-                f"{FORMAT_VERSION}. Version 1 kept each rank's state as a pickle, which loading would run, so it "
-                f"is not resumed. Resume it with the k3train release that wrote it, or start a new run from its "
-                f"weights with train.init_from={folder} (that reads its tensors only) and let that run save version "
-                f"{FORMAT_VERSION}.")
+        return (
+            f"checkpoint {folder} has format version 1 (its manifest records none); this k3train reads version "
+            f"{FORMAT_VERSION}. Version 1 kept each rank's state as a pickle, which loading would run, so it "
+            f"is not resumed. Resume it with the k3train release that wrote it, or start a new run from its "
+            f"weights with train.init_from={folder} (that reads its tensors only) and let that run save version "
+            f"{FORMAT_VERSION}."
+        )
     return f"checkpoint {folder} has format version {version}; this k3train reads version {FORMAT_VERSION}"
 
 
@@ -574,10 +603,15 @@ class SavedCheckpoint:
     """Host bytes of this rank's staging copy (0 for a synchronous save)."""
 
     def metrics(self) -> dict:
-        return {"checkpoint/step": self.step, "checkpoint/blocking_s": self.blocking_s,
-                "checkpoint/save_s": self.save_s, "checkpoint/bytes": sum(self.rank_bytes),
-                "checkpoint/bytes_rank_max": max(self.rank_bytes), "checkpoint/bytes_rank_min": min(self.rank_bytes),
-                "checkpoint/staging_bytes": self.staging_bytes}
+        return {
+            "checkpoint/step": self.step,
+            "checkpoint/blocking_s": self.blocking_s,
+            "checkpoint/save_s": self.save_s,
+            "checkpoint/bytes": sum(self.rank_bytes),
+            "checkpoint/bytes_rank_max": max(self.rank_bytes),
+            "checkpoint/bytes_rank_min": min(self.rank_bytes),
+            "checkpoint/staging_bytes": self.staging_bytes,
+        }
 
 
 @dataclass
@@ -608,8 +642,15 @@ class Checkpointer:
     """Saves to and resumes from <run_dir>/checkpoints (see the module docstring). async_save: write in the
     background (dcp.async_save) or before save() returns (dcp.save)."""
 
-    def __init__(self, run_dir: Path, *, keep_last_k: int, warn=None, async_save: bool = True,
-                 group_timeout_s: float | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        keep_last_k: int,
+        warn=None,
+        async_save: bool = True,
+        group_timeout_s: float | None = None,
+    ):
         self.root = Path(run_dir) / "checkpoints"
         self.group_timeout_s = group_timeout_s  # a save's collectives wait this long (writing takes its time)
         self.keep_last_k = keep_last_k
@@ -647,8 +688,15 @@ class Checkpointer:
                     shutil.rmtree(stale)
             tmp.mkdir()
         _barrier(group)
-        own = {"format_version": FORMAT_VERSION, "rank": rank, "world_size": world, "step": step,
-               "scheduler": scheduler.state_dict(), "data": data_state, "rng": rng_state()}
+        own = {
+            "format_version": FORMAT_VERSION,
+            "rank": rank,
+            "world_size": world,
+            "step": step,
+            "scheduler": scheduler.state_dict(),
+            "data": data_state,
+            "rng": rng_state(),
+        }
         try:
             text = json.dumps(own, sort_keys=True, allow_nan=False)
         except (TypeError, ValueError) as e:
@@ -657,13 +705,13 @@ class Checkpointer:
         state = {"engine": engine.state_dict()}
         _tensors_only(state)
         writer = _HashingWriter(tmp)
-        p = _Pending(step=step, tmp=tmp, final=final, writer=writer, own_files=own_files, group=group, t0=t0,
-                     staging_bytes=0)
+        p = _Pending(
+            step=step, tmp=tmp, final=final, writer=writer, own_files=own_files, group=group, t0=t0, staging_bytes=0
+        )
         if self.async_save:
             p.staging_bytes = sum(_local_tensor_bytes(v) for _, v in _leaves(state))
             p.future = dcp.async_save(state, storage_writer=writer, process_group=group)
-            p.thread = threading.Thread(target=self._complete, args=(p,), name=f"k3train-publish-{step}",
-                                        daemon=True)
+            p.thread = threading.Thread(target=self._complete, args=(p,), name=f"k3train-publish-{step}", daemon=True)
             p.thread.start()
             p.blocking_s = time.perf_counter() - t0
             self._pending = p
@@ -691,8 +739,9 @@ class Checkpointer:
             gathered = _all_gather_object((err, files), p.group)
             failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e]
             if failed:
-                raise CheckpointError(f"checkpoint {p.final} was not saved ({failed[0]}); its {p.tmp.name} folder "
-                                      f"is never resumed from")
+                raise CheckpointError(
+                    f"checkpoint {p.final} was not saved ({failed[0]}); its {p.tmp.name} folder is never resumed from"
+                )
             all_files: dict[str, dict] = {}
             for _, f in gathered:
                 all_files.update(f)
@@ -715,10 +764,16 @@ class Checkpointer:
     def _publish(self, p: _Pending, files: dict[str, dict]) -> None:
         on_disk = {q.name for q in p.tmp.iterdir()} - {MANIFEST}
         if on_disk != set(files):
-            raise CheckpointError(f"checkpoint {p.final}: files written {sorted(on_disk)} but checksummed "
-                                  f"{sorted(files)}")
-        manifest = {"format_version": FORMAT_VERSION, "step": p.step, "world_size": len(p.rank_bytes),
-                    "rank_bytes": p.rank_bytes, "files": files}
+            raise CheckpointError(
+                f"checkpoint {p.final}: files written {sorted(on_disk)} but checksummed {sorted(files)}"
+            )
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "step": p.step,
+            "world_size": len(p.rank_bytes),
+            "rank_bytes": p.rank_bytes,
+            "files": files,
+        }
         _write_synced(p.tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         _fsync_dir(p.tmp)
         if p.final.exists():  # a corrupt checkpoint of the same step that a resume fell back from
@@ -733,10 +788,18 @@ class Checkpointer:
         if p.error is not None:
             if isinstance(p.error, CheckpointError):
                 raise p.error
-            raise CheckpointError(f"checkpoint {p.final} was not saved ({_describe(p.error)}); its {p.tmp.name} "
-                                  f"folder is never resumed from") from p.error
-        return SavedCheckpoint(step=p.step, path=p.final, blocking_s=p.blocking_s, save_s=p.save_s,
-                               rank_bytes=p.rank_bytes, staging_bytes=p.staging_bytes)
+            raise CheckpointError(
+                f"checkpoint {p.final} was not saved ({_describe(p.error)}); its {p.tmp.name} "
+                f"folder is never resumed from"
+            ) from p.error
+        return SavedCheckpoint(
+            step=p.step,
+            path=p.final,
+            blocking_s=p.blocking_s,
+            save_s=p.save_s,
+            rank_bytes=p.rank_bytes,
+            staging_bytes=p.staging_bytes,
+        )
 
     def poll(self) -> list[SavedCheckpoint]:
         """The save in flight if it has been published since (no waiting, no collective); a failed one is kept for
@@ -759,7 +822,7 @@ class Checkpointer:
 
     def _prune(self) -> None:
         ckpts = list_checkpoints(self.root)
-        for _, p in ckpts[:-self.keep_last_k]:
+        for _, p in ckpts[: -self.keep_last_k]:
             shutil.rmtree(p, ignore_errors=True)
 
     # ---- load --------------------------------------------------------------------------------------------------
@@ -808,25 +871,35 @@ class Checkpointer:
         meta = read_metadata(folder, files)
         state = {"engine": engine.state_dict()}
         saved = set(meta.state_dict_metadata)
-        check_model_entries(state["engine"]["model"], meta.state_dict_metadata, folder, "",
-                            job_names=job_model_names(state["engine"]["model"]))
+        check_model_entries(
+            state["engine"]["model"],
+            meta.state_dict_metadata,
+            folder,
+            "",
+            job_names=job_model_names(state["engine"]["model"]),
+        )
         other = _drop_unsaved_optimizer_state(state["engine"]["optim"], saved, "engine.optim.")
         if other:
-            self.warn(f"checkpoint {folder}: the optimizer state of {len(other)} parameters (e.g. {other[0]}) was "
-                      f"saved by another optimizer; they start with fresh state")
+            self.warn(
+                f"checkpoint {folder}: the optimizer state of {len(other)} parameters (e.g. {other[0]}) was "
+                f"saved by another optimizer; they start with fresh state"
+            )
         _dcp_load(state, folder, meta, "")
         try:
             engine.load_state_dict(state["engine"])
         except Exception as e:
-            raise CheckpointError(f"checkpoint {folder} passed its checksums but does not fit this run (model or "
-                                  f"layout changed?): {type(e).__name__}: {e}") from e
+            raise CheckpointError(
+                f"checkpoint {folder} passed its checksums but does not fit this run (model or "
+                f"layout changed?): {type(e).__name__}: {e}"
+            ) from e
         try:
             _load_scheduler(scheduler, own["scheduler"])
             if mine == rank_file(rank):
                 set_rng_state(own["rng"])
         except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as e:
-            raise CheckpointError(f"checkpoint {folder}: {mine} holds an unusable state ({type(e).__name__}: "
-                                  f"{e})") from e
+            raise CheckpointError(
+                f"checkpoint {folder}: {mine} holds an unusable state ({type(e).__name__}: {e})"
+            ) from e
         return LoadedState(step=own["step"], data_state=own["data"], path=folder)
 
 
@@ -837,14 +910,15 @@ def job_model_names(model: dict) -> set[str]:
     return set().union(*_all_gather_object(sorted(model)))
 
 
-def check_model_entries(model: dict, meta: dict, folder: Path, what: str, *, show: int = 3,
-                        job_names: set[str] | None = None) -> None:
+def check_model_entries(
+    model: dict, meta: dict, folder: Path, what: str, *, show: int = 3, job_names: set[str] | None = None
+) -> None:
     """Refuse a checkpoint whose model is not this one, before anything is loaded (resume and train.init_from alike):
     compared both ways, the tensors this model has that the checkpoint lacks, the checkpoint's model tensors the
     job's model lacks (job_names: every rank's names, from job_model_names; this rank's when None), and the tensors
     of another shape. CheckpointError names the first `show` of each kind."""
     prefix = "engine.model."
-    saved = {k[len(prefix):]: v for k, v in meta.items() if k.startswith(prefix)}
+    saved = {k[len(prefix) :]: v for k, v in meta.items() if k.startswith(prefix)}
     missing = [k for k in model if k not in saved]
     everyone = model if job_names is None else job_names
     extra = [k for k in saved if k not in everyone]
@@ -869,8 +943,10 @@ def check_model_entries(model: dict, meta: dict, folder: Path, what: str, *, sho
     if not_tensor:
         problems.append(f"entries that are not tensors: {', '.join(not_tensor[:show])}")
     if problems:
-        raise CheckpointError(f"{what}checkpoint {folder} holds another model: {'; '.join(problems)} (model, "
-                              f"model.overrides or model.mtp_layers changed?)")
+        raise CheckpointError(
+            f"{what}checkpoint {folder} holds another model: {'; '.join(problems)} (model, "
+            f"model.overrides or model.mtp_layers changed?)"
+        )
 
 
 def _read_rank_state(folder: Path, name: str, files: set[str]) -> dict:
@@ -880,9 +956,15 @@ def _read_rank_state(folder: Path, name: str, files: set[str]) -> dict:
     path = folder / name
     try:
         own = json.loads(path.read_text())
-        ok = (isinstance(own, dict) and own.get("format_version") == FORMAT_VERSION and type(own.get("step")) is int
-              and own["step"] >= 0 and isinstance(own.get("scheduler"), dict) and isinstance(own.get("rng"), dict)
-              and isinstance(own.get("data"), (dict, type(None))))
+        ok = (
+            isinstance(own, dict)
+            and own.get("format_version") == FORMAT_VERSION
+            and type(own.get("step")) is int
+            and own["step"] >= 0
+            and isinstance(own.get("scheduler"), dict)
+            and isinstance(own.get("rng"), dict)
+            and isinstance(own.get("data"), (dict, type(None)))
+        )
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {folder}: {path} is unreadable ({type(e).__name__}: {e})") from e
     if not ok:
@@ -949,6 +1031,7 @@ def init_weights_from(path: str, engine, warn=None) -> Path:
     try:
         engine.load_weights(state["engine"]["model"])
     except Exception as e:
-        raise CheckpointError(f"train.init_from: checkpoint {folder} does not fit this model: {type(e).__name__}: "
-                              f"{e}") from e
+        raise CheckpointError(
+            f"train.init_from: checkpoint {folder} does not fit this model: {type(e).__name__}: {e}"
+        ) from e
     return folder

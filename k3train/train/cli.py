@@ -37,6 +37,7 @@ def _task(dcfg) -> None:
         validate_config(cfg)
         recipe = hc.job.config_name or DEFAULT_RECIPE
         from k3train.train.trainer import run
+
         run(cfg, recipe=recipe, output_dir=hc.runtime.output_dir, output_dir_named=output_dir_named(hc))
     except ConfigError as e:
         _fail("config error", e)
@@ -62,6 +63,7 @@ def output_dir_named(hc) -> bool:
     default with ${now:...}, which each process (and a requeued submitit task) resolves on its own clock: rank 0's
     choice decides then (k3train.train.rundir.choose; under Slurm runs/<recipe>/slurm-<job id>)."""
     from hydra.types import RunMode
+
     if any(o.split("=", 1)[0].lstrip("+~") in ("hydra.run.dir", "hydra.sweep.dir") for o in hc.overrides.hydra):
         return True
     return hc.mode == RunMode.MULTIRUN and not os.environ.get("SUBMITIT_EXECUTOR")

@@ -23,6 +23,7 @@ class ConsoleHandler(logging.StreamHandler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             from tqdm import tqdm
+
             tqdm.write(self.format(record), file=self.stream)
             self.flush()
         except Exception:

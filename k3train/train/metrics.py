@@ -30,8 +30,13 @@ from .logs import log
 REQUIRED_FIELDS = ("step", "loss", "grad_norm", "lr", "tokens_per_s")
 
 
-def measure_peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
-                       n: int | None = None, seconds: float = 0.5) -> float:
+def measure_peak_flops(
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    n: int | None = None,
+    seconds: float = 0.5,
+) -> float:
     """Dense matmul FLOP/s this device reaches in `dtype` (square n x n products, best of repeated timings).
 
     The denominator of MFU when no peak is configured: an achievable peak, so MFU reads as a fraction of what the
@@ -57,7 +62,7 @@ def measure_peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = 
         best = min(best, dt)
         spent += dt * reps
         reps = min(reps * 2, 64)
-    return 2.0 * n ** 3 / best
+    return 2.0 * n**3 / best
 
 
 def _wandb_api_key(env=os.environ) -> bool:
@@ -65,6 +70,7 @@ def _wandb_api_key(env=os.environ) -> bool:
     if env.get("WANDB_API_KEY"):
         return True
     import netrc
+
     host = env.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
     try:
         return netrc.netrc(env.get("NETRC") or None).authenticators(host) is not None
@@ -86,8 +92,17 @@ def wandb_mode(cfg: LoggingConfig, env=os.environ) -> str:
 class MetricsLogger:
     """Writes metrics of rank 0; on other ranks every method is a no-op."""
 
-    def __init__(self, run_dir: Path, cfg: LoggingConfig, *, rank: int, total_steps: int, start_step: int,
-                 config: dict[str, Any], run_name: str):
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: LoggingConfig,
+        *,
+        rank: int,
+        total_steps: int,
+        start_step: int,
+        config: dict[str, Any],
+        run_name: str,
+    ):
         self.cfg, self.rank, self.active = cfg, rank, rank == 0
         self.path = Path(run_dir) / "metrics.jsonl"
         self.tb = self.wandb_run = self.bar = None
@@ -97,13 +112,22 @@ class MetricsLogger:
         self._file = open(self.path, "a")
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
+
             self.tb = SummaryWriter(log_dir=str(Path(run_dir) / "tb"), purge_step=start_step + 1)
         if cfg.wandb:
             self.wandb_run = self._init_wandb(run_dir, config, run_name)
         if cfg.progress_bar:
             from tqdm import tqdm
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
-                            file=sys.stderr, mininterval=0.5)
+
+            self.bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+                mininterval=0.5,
+            )
 
     def _truncate_after(self, step: int) -> None:
         """On resume, drop records of steps after the checkpoint: they are about to be recomputed."""
@@ -120,11 +144,20 @@ class MetricsLogger:
 
     def _init_wandb(self, run_dir: Path, config: dict, run_name: str):
         import wandb
+
         mode = wandb_mode(self.cfg)
-        log.info(f"W&B {mode} (logging.wandb_mode={self.cfg.wandb_mode}, WANDB_MODE="
-                 f"{os.environ.get('WANDB_MODE', '')!r}) under {run_dir / 'wandb'}")
-        return wandb.init(project=self.cfg.wandb_project or "k3train", name=run_name, mode=mode, dir=str(run_dir),
-                          config=config, settings=wandb.Settings(silent=True, console="off"))
+        log.info(
+            f"W&B {mode} (logging.wandb_mode={self.cfg.wandb_mode}, WANDB_MODE="
+            f"{os.environ.get('WANDB_MODE', '')!r}) under {run_dir / 'wandb'}"
+        )
+        return wandb.init(
+            project=self.cfg.wandb_project or "k3train",
+            name=run_name,
+            mode=mode,
+            dir=str(run_dir),
+            config=config,
+            settings=wandb.Settings(silent=True, console="off"),
+        )
 
     # ---- per step ---------------------------------------------------------------------------------------------
     def log(self, record: dict[str, Any]) -> None:
@@ -159,8 +192,11 @@ class MetricsLogger:
             parts.append(f"eval_loss {record['eval_loss']:.4f}")
         if "eval_accuracy" in record:
             parts.append(f"eval_acc {record['eval_accuracy']:.3f}")
-        parts += [f"grad_norm {record['grad_norm']:.3f}", f"lr {record['lr']:.2e}",
-                  f"tok/s {record['tokens_per_s']:,.0f}"]
+        parts += [
+            f"grad_norm {record['grad_norm']:.3f}",
+            f"lr {record['lr']:.2e}",
+            f"tok/s {record['tokens_per_s']:,.0f}",
+        ]
         if "mfu" in record:
             parts.append(f"mfu {100 * record['mfu']:.2f}%")
         self.write(" | ".join(parts))

@@ -102,8 +102,12 @@ class StopRequest:
         sig = signal.Signals(signum)
         if sig not in self.received:
             self.received.append(sig)
-            print(f"k3train: [rank {self.rank}] got {sig.name}: the ranks finish the current step, save a checkpoint "
-                  f"and stop", file=sys.stderr, flush=True)
+            print(
+                f"k3train: [rank {self.rank}] got {sig.name}: the ranks finish the current step, save a checkpoint "
+                f"and stop",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def flags(self) -> list[float]:
         return [1.0 if s in self.received else 0.0 for s in self.FLAGS]
@@ -186,9 +190,11 @@ def failure_kind(e: BaseException) -> str | None:
     if isinstance(e, CommFailure):
         return None
     text = str(e).lower()
-    if isinstance(e, TimeoutError) or (isinstance(e, (dist.DistError, RuntimeError))
-                                       and any(w in text for w in _TIMEOUT_WORDS)
-                                       and (isinstance(e, dist.DistError) or any(w in text for w in _COMM_WORDS))):
+    if isinstance(e, TimeoutError) or (
+        isinstance(e, (dist.DistError, RuntimeError))
+        and any(w in text for w in _TIMEOUT_WORDS)
+        and (isinstance(e, dist.DistError) or any(w in text for w in _COMM_WORDS))
+    ):
         return "timeout"
     if any(w in text for w in _PEER_WORDS) and isinstance(e, (dist.DistError, RuntimeError, OSError)):
         return "peer"
@@ -206,8 +212,11 @@ def describe(e: BaseException, progress: Progress) -> CommFailure | None:
     where = f"{op} during {progress.phase}" if op else progress.phase
     step = f", at step {progress.step}" if progress.step is not None else ""
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    what = {"timeout": f"timeout: no answer from the other ranks within {progress.timeout_s:g} s",
-            "peer": "peer lost: a connection to another rank closed", "error": "collective failed"}[kind]
+    what = {
+        "timeout": f"timeout: no answer from the other ranks within {progress.timeout_s:g} s",
+        "peer": "peer lost: a connection to another rank closed",
+        "error": "collective failed",
+    }[kind]
     return CommFailure(f"[rank {progress.rank}] {what} in {where}{step} ({first})")
 
 
@@ -218,6 +227,7 @@ def set_new_group_timeout(timeout: _dt.timedelta) -> None:
     """Make `timeout` torch's default for process groups created from now on (DeviceMesh creates its groups without
     passing one)."""
     import torch.distributed.distributed_c10d as c10d
+
     c10d.default_pg_timeout = timeout
     if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), _dt.timedelta):
         c10d.default_pg_nccl_timeout = timeout
@@ -226,6 +236,7 @@ def set_new_group_timeout(timeout: _dt.timedelta) -> None:
 def set_group_timeout(timeout: _dt.timedelta, group=None) -> None:
     """Set the timeout of an existing group's collectives (the default group when None)."""
     from torch.distributed.distributed_c10d import _set_pg_timeout
+
     _set_pg_timeout(timeout, group)
 
 
@@ -292,13 +303,16 @@ def round_store(agent: dist.Store, rank: int, timeout: _dt.timedelta, host: str)
                     return store
             stale = value
         if time.monotonic() > deadline:
-            raise TimeoutError(f"store of this round's rank 0 not published within {timeout.total_seconds():g} s "
-                               f"(the last one published, {stale}, does not answer)")
+            raise TimeoutError(
+                f"store of this round's rank 0 not published within {timeout.total_seconds():g} s "
+                f"(the last one published, {stale}, does not answer)"
+            )
         time.sleep(0.05)
 
 
-def init_process_group(backend: str, *, rank: int, world: int, timeout_s: float,
-                       device: torch.device | None = None) -> dist.Store | None:
+def init_process_group(
+    backend: str, *, rank: int, world: int, timeout_s: float, device: torch.device | None = None
+) -> dist.Store | None:
     """Create the default process group with a timeout, on a store of this round's own under torchrun; returns the
     agent's store (None outside torchrun's agent store). On CUDA the group is bound to the rank's device
     (`device_id`): NCCL then creates its communicator eagerly on the right GPU instead of guessing at the first

@@ -31,8 +31,14 @@ from k3train.config import ConfigError
 
 LOCK = "run.lock"
 HISTORY = "config_history"
-SCHEDULE_KEYS = ("train.steps", "optim.name", "optim.lr", "optim.warmup_steps", "optim.decay_ratio",
-                 "optim.min_lr_ratio")
+SCHEDULE_KEYS = (
+    "train.steps",
+    "optim.name",
+    "optim.lr",
+    "optim.warmup_steps",
+    "optim.decay_ratio",
+    "optim.min_lr_ratio",
+)
 """Settings that shape the learning-rate schedule; a resume that changes one is warned about and recorded."""
 
 _held: set[Path] = set()
@@ -112,8 +118,12 @@ def drop_unused_output_dir(output_dir: str | None, run_dir: Path | None = None) 
 # Lock
 # ---------------------------------------------------------------------------------------------------------------------
 def _me() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "slurm_job": os.environ.get("SLURM_JOB_ID", ""),
-            "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "slurm_job": os.environ.get("SLURM_JOB_ID", ""),
+        "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 def holder(run_dir: Path) -> dict | None:
@@ -156,7 +166,8 @@ def acquire(run_dir: Path) -> None:
                     raise ConfigError(
                         f"run directory {run_dir} is in use by a live run (pid {held['pid']} on {held['host']} since "
                         f"{held.get('since', '?')}); choose another directory (hydra.run.dir or train.run_dir), or "
-                        f"delete {lock} if that run is gone") from None
+                        f"delete {lock} if that run is gone"
+                    ) from None
                 lock.unlink(missing_ok=True)  # stale: a dead process's
     finally:
         tmp.unlink(missing_ok=True)
@@ -192,6 +203,7 @@ def _write_atomic(path: Path, text: str) -> None:
 def config_yaml(cfg, *, peak_flops: float = 0.0) -> str:
     """The config as YAML; a measured MFU peak is written into logging.peak_flops, so later starts reuse it."""
     from omegaconf import OmegaConf
+
     if peak_flops > 0 and cfg.logging.peak_flops <= 0:
         cfg = copy.deepcopy(cfg)
         cfg.logging.peak_flops = float(peak_flops)
@@ -214,6 +226,7 @@ def record_config(run_dir: Path, cfg, step: int, *, peak_flops: float = 0.0) -> 
 
 def _recorded(run_dir: Path):
     from omegaconf import OmegaConf
+
     try:
         return OmegaConf.load(Path(run_dir) / "config.yaml")
     except Exception:  # absent, or not YAML: nothing recorded
@@ -223,6 +236,7 @@ def _recorded(run_dir: Path):
 def recorded_peak_flops(run_dir: Path) -> float:
     """logging.peak_flops of the run's config.yaml (a peak measured at an earlier start), or 0."""
     from omegaconf import OmegaConf
+
     prev = _recorded(run_dir)
     value = OmegaConf.select(prev, "logging.peak_flops", default=0.0) if prev is not None else 0.0
     try:
@@ -234,6 +248,7 @@ def recorded_peak_flops(run_dir: Path) -> float:
 def schedule_changes(run_dir: Path, cfg) -> dict[str, list]:
     """{key: [recorded, now]} for the SCHEDULE_KEYS whose value differs from the run's config.yaml."""
     from omegaconf import OmegaConf
+
     prev = _recorded(run_dir)
     if prev is None:
         return {}

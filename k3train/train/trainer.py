@@ -80,8 +80,12 @@ def dist_env(env=None) -> DistEnv:
     env = os.environ if env is None else env
     _from_slurm_step(env)
     world = int(env.get("WORLD_SIZE", "1"))
-    return DistEnv(rank=int(env.get("RANK", "0")), world=world, local_rank=int(env.get("LOCAL_RANK", "0")),
-                   local_world=int(env.get("LOCAL_WORLD_SIZE", str(world))))
+    return DistEnv(
+        rank=int(env.get("RANK", "0")),
+        world=world,
+        local_rank=int(env.get("LOCAL_RANK", "0")),
+        local_world=int(env.get("LOCAL_WORLD_SIZE", str(world))),
+    )
 
 
 def resolve_device(name: str, local_rank: int) -> torch.device:
@@ -122,9 +126,16 @@ class Trainer:
     output_dir, output_dir_named: Hydra's output directory of this process and whether the command line named it
     (k3train.train.rundir.choose)."""
 
-    def __init__(self, cfg: K3TrainConfig, *, recipe: str = "custom", stop: resilience.StopRequest | None = None,
-                 progress: resilience.Progress | None = None, output_dir: str | None = None,
-                 output_dir_named: bool = False):
+    def __init__(
+        self,
+        cfg: K3TrainConfig,
+        *,
+        recipe: str = "custom",
+        stop: resilience.StopRequest | None = None,
+        progress: resilience.Progress | None = None,
+        output_dir: str | None = None,
+        output_dir_named: bool = False,
+    ):
         self.cfg, self.recipe = cfg, recipe
         env = self.env = dist_env()
         self.stop = stop or resilience.StopRequest(env.rank)
@@ -148,6 +159,7 @@ class Trainer:
         if self.device.type == "cpu":
             torch.set_num_threads(t.threads or max(1, _cpu_cores() // env.local_world))
         from k3train.plan import detect_gpu, startup_check
+
         self.gpu = detect_gpu(self.device)
         if cfg.plan.check and self.gpu is not None:  # refuse a layout that cannot fit, before any process group
             startup_check(cfg, self.gpu, world=env.world, gpus_per_node=env.local_world, recipe=recipe)
@@ -156,8 +168,12 @@ class Trainer:
             self.progress.phase = "process-group creation"
             if not dist.is_initialized():
                 self._agent_store = resilience.init_process_group(
-                    "nccl" if self.device.type == "cuda" else "gloo", rank=env.rank, world=env.world,
-                    timeout_s=t.timeout_s, device=self.device)
+                    "nccl" if self.device.type == "cuda" else "gloo",
+                    rank=env.rank,
+                    world=env.world,
+                    timeout_s=t.timeout_s,
+                    device=self.device,
+                )
             else:  # a caller's group: the groups made from now on (the mesh's) still get train.timeout_s
                 resilience.set_new_group_timeout(_dt.timedelta(seconds=t.timeout_s))
             # Ranks wait for a peer's long host work (rank 0 tokenizing the corpus) here, not in a group that
@@ -171,9 +187,11 @@ class Trainer:
         # builds the token cache, the others read it.
         self.tok = build_tokenizer(cfg.data)
         if self.tok.vocab_size > args.vocab_size:
-            raise DataError(f"tokenizer {cfg.data.tokenizer!r} has {self.tok.vocab_size} ids but the model's "
-                            f"vocab_size is {args.vocab_size}: token ids would fall outside the embedding "
-                            f"(raise model vocab_size or use a smaller tokenizer)")
+            raise DataError(
+                f"tokenizer {cfg.data.tokenizer!r} has {self.tok.vocab_size} ids but the model's "
+                f"vocab_size is {args.vocab_size}: token ids would fall outside the embedding "
+                f"(raise model vocab_size or use a smaller tokenizer)"
+            )
         self.train_loader, self.eval_loader = self._build_loaders()
 
         # ---- run directory: rank 0 decides and locks it, everyone uses the same (k3train.train.rundir) ------
@@ -204,13 +222,23 @@ class Trainer:
         rules = []
         if cfg.activation.policy != "keep" or cfg.activation.rules:
             from k3train.activation import rules_from_config
+
             rules = rules_from_config(cfg.activation)
-        self.engine = build_engine(args, self.dims, cfg.optim, seed=t.seed, device=self.device,
-                                   precision=t.precision,
-                                   seq_len_hint=cfg.data.seq_len, activation_rules=rules, balancing=t.balancing,
-                                   train_vision=cfg.data.source in VISION_SOURCES)
+        self.engine = build_engine(
+            args,
+            self.dims,
+            cfg.optim,
+            seed=t.seed,
+            device=self.device,
+            precision=t.precision,
+            seq_len_hint=cfg.data.seq_len,
+            activation_rules=rules,
+            balancing=t.balancing,
+            train_vision=cfg.data.source in VISION_SOURCES,
+        )
         self.parts = self.engine.model_parts
         from k3train.ops.backend import Kernels, resolve_kernels, set_kernels
+
         self.kernels = resolve_kernels(cfg.model.kernels, self.device.type)  # validated with the config
         set_kernels(self.parts, Kernels(self.kernels))
         self._print(f"kernels {self.kernels} (model.kernels={cfg.model.kernels})")
@@ -219,8 +247,13 @@ class Trainer:
 
         # ---- resume --------------------------------------------------------------------------------------------
         self.last_checkpoint = None
-        self.ckpt = Checkpointer(self.run_dir, keep_last_k=t.keep_last_k, warn=self._warn,
-                                 async_save=t.async_checkpoint, group_timeout_s=t.host_work_timeout_s)
+        self.ckpt = Checkpointer(
+            self.run_dir,
+            keep_last_k=t.keep_last_k,
+            warn=self._warn,
+            async_save=t.async_checkpoint,
+            group_timeout_s=t.host_work_timeout_s,
+        )
         self.step = 0
         loaded = None
         self.resume_changes: dict = {}
@@ -236,11 +269,14 @@ class Trainer:
             self.resume_changes = rundir.schedule_changes(self.run_dir, cfg) if env.rank == 0 else {}
             if self.resume_changes:
                 said = ", ".join(f"{k} {a} -> {b}" for k, a, b in ((k, *v) for k, v in self.resume_changes.items()))
-                self._warn(f"resuming at step {self.step} with another schedule than the run's config.yaml ({said}); "
-                           f"the learning rate follows the new schedule from here (recorded in metrics.jsonl as "
-                           f"resume/changed)")
+                self._warn(
+                    f"resuming at step {self.step} with another schedule than the run's config.yaml ({said}); "
+                    f"the learning rate follows the new schedule from here (recorded in metrics.jsonl as "
+                    f"resume/changed)"
+                )
         elif t.init_from:  # a new run from another run's weights (nothing of its own to resume yet)
             from .checkpoint import init_weights_from
+
             with _quiet_checkpoint_warnings():
                 source = init_weights_from(t.init_from, self.engine)
             self._print(f"weights from {source}; step, schedule, optimizer and data start fresh")
@@ -254,16 +290,26 @@ class Trainer:
         if self.peak_flops <= 0 and self.gpu is not None:
             self.peak_flops = self.gpu.peak_flops(t.precision)
         elif self.peak_flops <= 0 and env.rank == 0:
-            self.peak_flops = measured = (rundir.recorded_peak_flops(self.run_dir)
-                                          or measure_peak_flops(self.device, self.dtype))
+            self.peak_flops = measured = rundir.recorded_peak_flops(self.run_dir) or measure_peak_flops(
+                self.device, self.dtype
+            )
         n_params = count_params(args)["total"]
-        self._print(f"model {args.name} ({n_params:,} parameters), {self.device.type} {self.dtype}, "
-                    f"world {env.world} (pp {self.dims.pp} x dp {self.dp} x cp {self.dims.cp}, ep {self.dims.ep}, "
-                    f"zero {self.dims.zero}), "
-                    f"{self.tokens_per_step:,} tokens/step, "
-                    f"peak {self.peak_flops / 1e9:,.1f} GFLOP/s per device for MFU")
-        self.metrics = MetricsLogger(self.run_dir, cfg.logging, rank=env.rank, total_steps=t.steps,
-                                     start_step=self.step, config=asdict(cfg), run_name=self.run_dir.name)
+        self._print(
+            f"model {args.name} ({n_params:,} parameters), {self.device.type} {self.dtype}, "
+            f"world {env.world} (pp {self.dims.pp} x dp {self.dp} x cp {self.dims.cp}, ep {self.dims.ep}, "
+            f"zero {self.dims.zero}), "
+            f"{self.tokens_per_step:,} tokens/step, "
+            f"peak {self.peak_flops / 1e9:,.1f} GFLOP/s per device for MFU"
+        )
+        self.metrics = MetricsLogger(
+            self.run_dir,
+            cfg.logging,
+            rank=env.rank,
+            total_steps=t.steps,
+            start_step=self.step,
+            config=asdict(cfg),
+            run_name=self.run_dir.name,
+        )
         # The start's checks passed: its config becomes the run's latest and joins the history.
         if env.rank == 0:
             rundir.record_config(self.run_dir, cfg, self.step, peak_flops=measured)
@@ -293,8 +339,7 @@ class Trainer:
         cfg, env = self.cfg, self.env
 
         def build():
-            kw = dict(dp_rank=self.dp_rank, dp_world=self.dp, vocab_size=self.args.vocab_size,
-                      vision=self.args.vision)
+            kw = dict(dp_rank=self.dp_rank, dp_world=self.dp, vocab_size=self.args.vocab_size, vision=self.args.vision)
             train = build_dataloader(cfg.data, self.tok, split="train", **kw)
             evl = build_dataloader(cfg.data, self.tok, split="eval", **kw) if cfg.train.eval_interval > 0 else None
             return train, evl
@@ -323,11 +368,18 @@ class Trainer:
             from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
         except Exception as e:  # ImportError, or AttributeError from a torch API torchtitan expects
             from k3train.optim.schedule import WarmupStableDecay
+
             self._warn(f"torchtitan does not import ({type(e).__name__}: {e}); using k3train.optim.schedule")
-            return WarmupStableDecay([self.optimizer], steps=self.cfg.train.steps, warmup_steps=o.warmup_steps,
-                                     decay_ratio=o.decay_ratio, min_lr_ratio=o.min_lr_ratio)
-        conf = LRSchedulersContainer.Config(warmup_steps=o.warmup_steps, decay_ratio=o.decay_ratio,
-                                            decay_type="linear", min_lr_factor=o.min_lr_ratio)
+            return WarmupStableDecay(
+                [self.optimizer],
+                steps=self.cfg.train.steps,
+                warmup_steps=o.warmup_steps,
+                decay_ratio=o.decay_ratio,
+                min_lr_ratio=o.min_lr_ratio,
+            )
+        conf = LRSchedulersContainer.Config(
+            warmup_steps=o.warmup_steps, decay_ratio=o.decay_ratio, decay_type="linear", min_lr_factor=o.min_lr_ratio
+        )
         return conf.build(optimizers=[self.optimizer], training_steps=self.cfg.train.steps)
 
     # ---- one optimizer step ------------------------------------------------------------------------------------
@@ -338,8 +390,13 @@ class Trainer:
         rec = self.engine.train_step(batches, extra_sums=self.stop.flags)
         self.scheduler.step()
         self.engine.update_biases()
-        out = {"loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": float(lr), "targets": rec["target_tokens"],
-               "stop": rec["extra_sums"]}
+        out = {
+            "loss": rec["loss"],
+            "grad_norm": rec["grad_norm"],
+            "lr": float(lr),
+            "targets": rec["target_tokens"],
+            "stop": rec["extra_sums"],
+        }
         if "mtp_loss" in rec:
             out["mtp_loss"] = rec["mtp_loss"]
         if "vision_cp_balance" in rec:
@@ -363,7 +420,7 @@ class Trainer:
         if not layers:
             return {}
         names = list(layers)
-        stacked = torch.stack([layers[n][0].to(torch.float64) for n in names])   # [layers, E]
+        stacked = torch.stack([layers[n][0].to(torch.float64) for n in names])  # [layers, E]
         if self.engine.mesh is not None:
             comm.all_reduce(stacked, self.engine.mesh.group("dp_cp"), "dp_cp", what="moe_load")
         mean = stacked.mean(1).clamp(min=1e-12)
@@ -373,8 +430,15 @@ class Trainer:
             m = re.search(r"layers\.(\d+)\.", n)
             key = f"moe/L{m.group(1) if m else n}"
             bias = layers[n][1].detach()
-            out.update({f"{key}/load_max_over_mean": r, f"{key}/maxvio": r - 1.0, f"{key}/min_over_mean": lo,
-                        f"{key}/bias_min": float(bias.min()), f"{key}/bias_max": float(bias.max())})
+            out.update(
+                {
+                    f"{key}/load_max_over_mean": r,
+                    f"{key}/maxvio": r - 1.0,
+                    f"{key}/min_over_mean": lo,
+                    f"{key}/bias_min": float(bias.min()),
+                    f"{key}/bias_max": float(bias.max()),
+                }
+            )
             if per_expert:
                 out[f"{key}/expert_load"] = [round(x, 4) for x in (stacked[i] / mean[i]).tolist()]
         out["moe/load_max_over_mean"] = float(ratio.max())
@@ -401,8 +465,10 @@ class Trainer:
         if done:
             self.last_checkpoint = done[-1].path
         for c in done:
-            self._print(f"saved checkpoint {c.path} ({sum(c.rank_bytes):,} bytes; the loop waited "
-                        f"{c.blocking_s:.2f} s of {c.save_s:.2f} s)")
+            self._print(
+                f"saved checkpoint {c.path} ({sum(c.rank_bytes):,} bytes; the loop waited "
+                f"{c.blocking_s:.2f} s of {c.save_s:.2f} s)"
+            )
         return done[-1].metrics() if done else {}
 
     # ---- the loop ----------------------------------------------------------------------------------------------
@@ -418,10 +484,17 @@ class Trainer:
             stop = resilience.decide(rec["stop"]) if step < t.steps else None  # the last step ends the run anyway
             first_loss = rec["loss"] if first_loss is None else first_loss
             tps = self.tokens_per_step / dt
-            record = {"step": step, "loss": rec["loss"], "grad_norm": rec["grad_norm"], "lr": rec["lr"],
-                      "tokens_per_s": tps, "tokens": step * self.tokens_per_step, "step_time_s": dt,
-                      "flops_per_token": self.flops_per_token,
-                      **{k: rec[k] for k in ("mtp_loss", "vision/cp_balance") if k in rec}}
+            record = {
+                "step": step,
+                "loss": rec["loss"],
+                "grad_norm": rec["grad_norm"],
+                "lr": rec["lr"],
+                "tokens_per_s": tps,
+                "tokens": step * self.tokens_per_step,
+                "step_time_s": dt,
+                "flops_per_token": self.flops_per_token,
+                **{k: rec[k] for k in ("mtp_loss", "vision/cp_balance") if k in rec},
+            }
             if self.peak_flops > 0:
                 record["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.env.world)
             record.update(self.train_loader.metrics())  # tokens drawn from each source of a data mixture
@@ -448,8 +521,13 @@ class Trainer:
         self.metrics.close()
         if stopped is None:
             self._print(f"done, {self.step} steps; run directory {self.run_dir}")
-        return {"run_dir": str(self.run_dir), "steps": self.step, "first_loss": first_loss,
-                "last": last, "stopped": stopped}
+        return {
+            "run_dir": str(self.run_dir),
+            "steps": self.step,
+            "first_loss": first_loss,
+            "last": last,
+            "stopped": stopped,
+        }
 
     def _stopped(self, stop: resilience.StopDecision, path: Path) -> str:
         """After the stop checkpoint (every rank has finished it): rank 0 requeues the Slurm job when the signal was
@@ -459,8 +537,9 @@ class Trainer:
             then = "the same command resumes from it"
             if stop.time_limit and resilience.slurm_job_id():
                 then = resilience.requeue()
-            log.info(f"stopped on {signals} after step {self.step} of {self.cfg.train.steps}; checkpoint {path}; "
-                     f"{then}")
+            log.info(
+                f"stopped on {signals} after step {self.step} of {self.cfg.train.steps}; checkpoint {path}; {then}"
+            )
         return signals
 
     def close(self, *, clean: bool = True) -> None:
@@ -484,21 +563,29 @@ def _quiet_checkpoint_warnings():
         yield
 
 
-def run(cfg: K3TrainConfig, *, recipe: str = "custom", output_dir: str | None = None,
-        output_dir_named: bool = False) -> dict:
+def run(
+    cfg: K3TrainConfig, *, recipe: str = "custom", output_dir: str | None = None, output_dir_named: bool = False
+) -> dict:
     """Train to cfg.train.steps, or until a stop signal (SIGTERM, SIGUSR1) and its checkpoint; returns {'run_dir',
     'steps', 'first_loss', 'last' (the final record), 'stopped' (the signals' names, or None)}. A collective that
     times out or loses a peer raises resilience.CommFailure naming the rank, the operation and the step.
     output_dir, output_dir_named: Hydra's output directory (see Trainer)."""
     from .logs import ensure_console
+
     ensure_console()
     env = dist_env()
     progress = resilience.Progress(rank=env.rank, timeout_s=cfg.train.timeout_s)
     trainer = None
     with resilience.stop_requests(env.rank) as stop:
         try:
-            trainer = Trainer(cfg, recipe=recipe, stop=stop, progress=progress, output_dir=output_dir,
-                              output_dir_named=output_dir_named)
+            trainer = Trainer(
+                cfg,
+                recipe=recipe,
+                stop=stop,
+                progress=progress,
+                output_dir=output_dir,
+                output_dir_named=output_dir_named,
+            )
             out = trainer.train()
             trainer.close()
         except BaseException as e:

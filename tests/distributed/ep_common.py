@@ -24,8 +24,9 @@ def token_batch(rows: int, seq: int, seed: int, vocab: int = 512) -> tuple[torch
     return data[:, :-1], data[:, 1:]
 
 
-def train_sgd(model, tokens, targets, n_global: int, *, steps: int, lr: float, sync=lambda m: None,
-              reduce_loss=lambda x: x):
+def train_sgd(
+    model, tokens, targets, n_global: int, *, steps: int, lr: float, sync=lambda m: None, reduce_loss=lambda x: x
+):
     """SGD with momentum; the loss is each rank's token sum over the global token count (a global mean).
     Returns (losses, optimizer)."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -45,6 +46,7 @@ def ep_grad_sync(experts: list[str], dp_group):
     """sync(model) for train_sgd: non-expert gradients are summed over every rank (one flat all-reduce), home
     experts' only over their data-parallel replicas (dp_group; None: no replicas). `experts` is a list so that every
     rank reduces in the same order."""
+
     def sync(m):
         dense = [p.grad for n, p in m.named_parameters() if n not in experts and p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in dense])
@@ -54,6 +56,7 @@ def ep_grad_sync(experts: list[str], dp_group):
         if dp_group is not None:
             for n in experts:
                 dist.all_reduce(m.get_parameter(n).grad, group=dp_group)
+
     return sync
 
 

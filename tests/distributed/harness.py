@@ -114,7 +114,7 @@ def add_images(data: dict, step: int, *, seed: int = SEED) -> dict:
             if start + n > T:
                 break
             row_items.append(torch.randn(frames, 3, 8 * h, 8 * w, generator=g))
-            mask[r, start:start + n] = True
+            mask[r, start : start + n] = True
             free = start + n
         items.append(row_items)
     return {**data, "items": items, "vision_mask": mask}
@@ -124,13 +124,18 @@ def rows_batch(data: dict, r0: int, r1: int) -> dict:
     """Rows [r0, r1) as a micro-batch with its cu_seqlens (and its images, row by row, when the rows have them)."""
     T = data["input_ids"].shape[1]
     cu = [(r - r0) * T + s for r in range(r0, r1) for s in data["starts"][r]] + [(r1 - r0) * T]
-    out = {"input_ids": data["input_ids"][r0:r1].clone(), "labels": data["labels"][r0:r1].clone(),
-           "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+    out = {
+        "input_ids": data["input_ids"][r0:r1].clone(),
+        "labels": data["labels"][r0:r1].clone(),
+        "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
+    }
     if "items" in data:
         from k3train.models.k3.args import tiny_vision_args
         from k3train.models.k3.vision import patchify
-        out["vision_pixels"], out["vision_grid"] = patchify(tiny_vision_args(),
-                                                            [x for r in range(r0, r1) for x in data["items"][r]])
+
+        out["vision_pixels"], out["vision_grid"] = patchify(
+            tiny_vision_args(), [x for r in range(r0, r1) for x in data["items"][r]]
+        )
         out["vision_mask"] = data["vision_mask"][r0:r1].clone()
     return out
 
@@ -150,9 +155,20 @@ def local_microbatches(data: dict, *, dp: int, dp_rank: int, microbatches: int) 
 # ---------------------------------------------------------------------------------------------------------------------
 # The one-process reference (plain model, project optimizer, torch's clipping)
 # ---------------------------------------------------------------------------------------------------------------------
-def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, optim: str = "adamw", args=None,
-                  seq: int = SEQ, qk_clip: float = 0.0, mtp: bool = False, vision: bool = False,
-                  precision: str = "fp64", seed: int = SEED) -> dict:
+def reference_run(
+    steps: int = STEPS,
+    *,
+    dp: int = 1,
+    microbatches: int = 1,
+    optim: str = "adamw",
+    args=None,
+    seq: int = SEQ,
+    qk_clip: float = 0.0,
+    mtp: bool = False,
+    vision: bool = False,
+    precision: str = "fp64",
+    seed: int = SEED,
+) -> dict:
     """Train one process on the same rows. Floating-point sums depend on their bracketing, and AdamW turns the
     rounding of near-zero gradient elements into parameter differences of order lr x 1e-2, so the reference sums
     gradients in the order a layout does: each data-parallel rank's micro-batches in sequence, then the ranks'
@@ -176,7 +192,9 @@ def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, opt
     dtype = PARAM_DTYPES[precision]
     for p in model.parameters():  # initialised in fp32 (as the engine does), stored and computed in `precision`
         p.data = p.data.to(dtype)
-    opt = ShardedOptimizer([model], cfg, precision=precision)  # one process: the project's optimizer (and QK-Clip) without a group
+    opt = ShardedOptimizer(
+        [model], cfg, precision=precision
+    )  # one process: the project's optimizer (and QK-Clip) without a group
     params = list(model.parameters())
     losses, norms, mtp_losses = [], [], []
 
@@ -215,8 +233,12 @@ def reference_run(steps: int = STEPS, *, dp: int = 1, microbatches: int = 1, opt
         opt.step()  # drops the gradients
         losses.append(loss_sum)
         mtp_losses.append(mtp_sum)
-    return {"losses": losses, "grad_norms": norms, **({"mtp_losses": mtp_losses} if args.mtp_layers else {}),
-            "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        **({"mtp_losses": mtp_losses} if args.mtp_layers else {}),
+        "params": {k: v.detach().clone() for k, v in model.named_parameters()},
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -260,9 +282,19 @@ class Layout:
 
     def dims(self):
         from k3train.parallel.mesh import ParallelDims
-        return ParallelDims(pp=self.pp, vpp=self.vpp, dp=self.dp, ep=self.ep, cp=self.cp, cp_layout=self.cp_layout,
-                            zero=self.zero, microbatches=self.microbatches, schedule=self.schedule,
-                            vision_placement=self.vision_placement)
+
+        return ParallelDims(
+            pp=self.pp,
+            vpp=self.vpp,
+            dp=self.dp,
+            ep=self.ep,
+            cp=self.cp,
+            cp_layout=self.cp_layout,
+            zero=self.zero,
+            microbatches=self.microbatches,
+            schedule=self.schedule,
+            vision_placement=self.vision_placement,
+        )
 
 
 def free_port() -> int:
@@ -279,21 +311,38 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
     from k3train.parallel.mesh import rank_coords
 
     dims = layout.dims()
-    engine = build_engine(model_args(mtp=layout.mtp, vision=layout.vision), dims,
-                          optim_config(layout.optim, layout.qk_clip), seed=layout.seed, device="cpu",
-                          seq_len_hint=layout.seq, precision=layout.precision, train_vision=layout.vision)
+    engine = build_engine(
+        model_args(mtp=layout.mtp, vision=layout.vision),
+        dims,
+        optim_config(layout.optim, layout.qk_clip),
+        seed=layout.seed,
+        device="cpu",
+        seq_len_hint=layout.seq,
+        precision=layout.precision,
+        train_vision=layout.vision,
+    )
     # The ranks of a CP group read the same rows (each runs its own pieces of them).
     dp_rank = rank_coords(dims, rank)["dp"] if dims.world > 1 else 0
-    rec = {"losses": [], "grad_norms": [], "comm": [], "times": [], "memory": [], "stage_layers": engine.stage_layers,
-           "stage_ids": engine.stage_ids}
+    rec = {
+        "losses": [],
+        "grad_norms": [],
+        "comm": [],
+        "times": [],
+        "memory": [],
+        "stage_layers": engine.stage_layers,
+        "stage_ids": engine.stage_ids,
+    }
 
     if layout.capture_grads:
         capture_first_grads(engine, rec)
 
     def one_step(s: int):
-        mbs = local_microbatches(layout_data(s, seq=layout.seq, vision=layout.vision, seed=layout.seed), dp=dims.dp,
-                                 dp_rank=dp_rank,
-                                 microbatches=dims.microbatches)
+        mbs = local_microbatches(
+            layout_data(s, seq=layout.seq, vision=layout.vision, seed=layout.seed),
+            dp=dims.dp,
+            dp_rank=dp_rank,
+            microbatches=dims.microbatches,
+        )
         out = engine.train_step(mbs)
         feed = engine.pipeline.vision_feed if engine.pipeline is not None else None
         if layout.record_vision_log and feed is not None:
@@ -325,6 +374,7 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
     rec["params"] = {k: v.detach().clone() for k, v in engine.named_parameters()}
     # Expert-parallel parameters hold a block of rows of the logical tensor: (first row, rows in all).
     from k3train.parallel.expert_parallel import expert_parameters
+
     rec["ep_shards"] = {k: v for part in engine.model_parts for k, v in expert_parameters(part).items()}
     rec["memory"] = engine.memory_report()
     return rec
@@ -350,11 +400,13 @@ def capture_first_grads(engine, rec: dict) -> None:
                         e, rank = opt.entry_of(it.param), opt.plan_of(it.param)["rank"]
                         per_head = opt.param_groups[e["group"]]["per_head"]
                         blocks = []
-                        for j, (pc, v) in enumerate(zip(e["pieces"], owned_piece_views(e, rank, g.muon_owned[
-                                id(it.param)]))):
+                        for j, (pc, v) in enumerate(
+                            zip(e["pieces"], owned_piece_views(e, rank, g.muon_owned[id(it.param)]))
+                        ):
                             for k, i in enumerate(pc["by_rank"][rank][0].tolist()):
-                                off, size = matrix_region(it.param.shape, opt.structure_of(it.param), per_head, j, i,
-                                                          pc["rows"], pc["cols"])
+                                off, size = matrix_region(
+                                    it.param.shape, opt.structure_of(it.param), per_head, j, i, pc["rows"], pc["cols"]
+                                )
                                 off[0] += it.global_offset
                                 blocks.append((off, v[k].reshape(size).clone()))
                         out[it.name] = (shape, blocks)
@@ -438,8 +490,13 @@ def spawn_layouts(layouts: list[Layout], out_dir: str, world: int, timeout_s: fl
     for lay in layouts:
         if lay.world != world:
             raise ValueError(f"layout {lay.name} needs {lay.world} ranks, the spawn has {world}")
-    ctx = mp.start_processes(_worker, args=(world, free_port(), [asdict(l) for l in layouts], out_dir), nprocs=world,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _worker,
+        args=(world, free_port(), [asdict(l) for l in layouts], out_dir),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
@@ -447,8 +504,12 @@ def spawn_layouts(layouts: list[Layout], out_dir: str, world: int, timeout_s: fl
                 if p.is_alive():
                     p.kill()
             raise TimeoutError(f"{world}-process run of {[l.name for l in layouts]} exceeded {timeout_s:.0f} s")
-    return {lay.name: [torch.load(os.path.join(out_dir, f"{lay.name}.rank{r}.pt"), weights_only=False)
-                       for r in range(world)] for lay in layouts}
+    return {
+        lay.name: [
+            torch.load(os.path.join(out_dir, f"{lay.name}.rank{r}.pt"), weights_only=False) for r in range(world)
+        ]
+        for lay in layouts
+    }
 
 
 def merged_params(records: list[dict]) -> dict[str, torch.Tensor]:
@@ -463,11 +524,11 @@ def merged_params(records: list[dict]) -> dict[str, torch.Tensor]:
                 if k not in out:
                     out[k] = torch.zeros((total,) + tuple(v.shape[1:]), dtype=v.dtype)
                     filled[k] = torch.zeros(total, dtype=torch.bool)
-                block = out[k][lo:lo + v.shape[0]]
-                if bool(filled[k][lo:lo + v.shape[0]].any()) and not torch.equal(block, v):
+                block = out[k][lo : lo + v.shape[0]]
+                if bool(filled[k][lo : lo + v.shape[0]].any()) and not torch.equal(block, v):
                     raise AssertionError(f"replicas of {k} rows [{lo}, {lo + v.shape[0]}) differ across ranks")
                 block.copy_(v)
-                filled[k][lo:lo + v.shape[0]] = True
+                filled[k][lo : lo + v.shape[0]] = True
             elif k in out:
                 if not torch.equal(out[k], v):
                     raise AssertionError(f"replicas of {k} differ across ranks")
@@ -531,8 +592,10 @@ def compare(reference: dict, records: list[dict], *, bound: float = FP64_BOUND) 
 
 def report(layout: Layout, worst: dict) -> None:
     """One line per compared layout (`pytest -s` shows the table of worst differences)."""
-    print(f"parity {layout.name:<28} {layout.precision}  loss {worst['loss']:.1e}  grad_norm {worst['grad_norm']:.1e}  "
-          f"params {worst['param']:.1e}")
+    print(
+        f"parity {layout.name:<28} {layout.precision}  loss {worst['loss']:.1e}  grad_norm {worst['grad_norm']:.1e}  "
+        f"params {worst['param']:.1e}"
+    )
 
 
 def params_drift(a: dict, b: dict) -> float:
@@ -575,10 +638,25 @@ TWO = [
     _lay("vis_dp2_zero1", dp=2, zero=1, microbatches=2, vision=True, capture_grads=True),
     _lay("vis_ep2_dp2", dp=2, ep=2, microbatches=2, vision=True),
     _lay("vis_pp2_1f1b", pp=2, microbatches=4, schedule="1f1b", vision=True),
-    _lay("vis_pp2_1f1b_bubbles", pp=2, microbatches=4, schedule="1f1b", vision=True, vision_placement="bubbles",
-         record_vision_log=True),
-    _lay("vis_pp2_vpp2_bubbles", pp=2, vpp=2, microbatches=4, schedule="interleaved_1f1b", vision=True,
-         vision_placement="bubbles", record_vision_log=True),
+    _lay(
+        "vis_pp2_1f1b_bubbles",
+        pp=2,
+        microbatches=4,
+        schedule="1f1b",
+        vision=True,
+        vision_placement="bubbles",
+        record_vision_log=True,
+    ),
+    _lay(
+        "vis_pp2_vpp2_bubbles",
+        pp=2,
+        vpp=2,
+        microbatches=4,
+        schedule="interleaved_1f1b",
+        vision=True,
+        vision_placement="bubbles",
+        record_vision_log=True,
+    ),
     # Dynamic vision CP: whole images assigned to the cp ranks by cost, tokens sent to the ranks holding them.
     _lay("vis_cp2", cp=2, seq=64, microbatches=2, vision=True),
 ]
@@ -590,13 +668,22 @@ FOUR = [
     # The tower on the first stage of a CP pipeline: its work spread over that stage's cp ranks, inside the stage or
     # in the first rank's idle time (the cp ranks of the first stage run the same plan, so their collectives meet).
     _lay("vis_cp2_pp2", pp=2, cp=2, seq=64, microbatches=4, schedule="1f1b", vision=True),
-    _lay("vis_cp2_pp2_bubbles", pp=2, cp=2, seq=64, microbatches=4, schedule="1f1b", vision=True,
-         vision_placement="bubbles", record_vision_log=True),
+    _lay(
+        "vis_cp2_pp2_bubbles",
+        pp=2,
+        cp=2,
+        seq=64,
+        microbatches=4,
+        schedule="1f1b",
+        vision=True,
+        vision_placement="bubbles",
+        record_vision_log=True,
+    ),
 ]
 EIGHT = [
     # Everything at once: 2 pipeline ranks x 2 virtual stages, 4-way data parallel with experts over 2 of them
     # (so expert replicas are reduced and ZeRO-sharded over the other 2), Pipeline ZeRO-2.
-    _lay("pp2_vpp2_dp4_ep2_zero2", pp=2, vpp=2, dp=4, ep=2, zero=2, microbatches=2, steps=2),
+    _lay("pp2_vpp2_dp4_ep2_zero2", pp=2, vpp=2, dp=4, ep=2, zero=2, microbatches=2, steps=2)
 ]
 ONE = _lay("one", microbatches=2)  # the one-process engine, micro-batched like the pp=2 layouts
 
@@ -611,23 +698,45 @@ FP32_RATIO = {k: SAFETY * v for k, v in MEASURED_FP32_RATIO.items()}
 
 def fp32_twin(layout: Layout) -> Layout:
     from dataclasses import replace
-    return replace(layout, name=f"fp32_{layout.name}", precision="fp32", record_vision_log=False,
-                   capture_grads=False)
+
+    return replace(layout, name=f"fp32_{layout.name}", precision="fp32", record_vision_log=False, capture_grads=False)
 
 
 def checkpoint_layouts(world: int, workdir: str) -> list[Layout]:
     """Save after STEPS steps then take one more; or load the one-process checkpoint P and take that step."""
     P = os.path.join(workdir, "P")
     if world == 2:
-        return [_lay("ckpt_pp2_save", pp=2, vpp=2, microbatches=2, checkpoint={"save": os.path.join(workdir, "S2")}),
-                _lay("ckpt_pp2_load", pp=2, microbatches=2, schedule="1f1b", checkpoint={"load": P})]
+        return [
+            _lay("ckpt_pp2_save", pp=2, vpp=2, microbatches=2, checkpoint={"save": os.path.join(workdir, "S2")}),
+            _lay("ckpt_pp2_load", pp=2, microbatches=2, schedule="1f1b", checkpoint={"load": P}),
+        ]
     if world == 4:
-        return [_lay("ckpt_pp2_ep2_save", pp=2, dp=2, ep=2, zero=2, microbatches=2, schedule="gpipe",
-                     checkpoint={"save": os.path.join(workdir, "S4")}),
-                _lay("ckpt_pp2_ep2_load", pp=2, dp=2, ep=2, zero=1, microbatches=2, schedule="gpipe",
-                     checkpoint={"load": P}),
-                _lay("ckpt_muon_pp2_ep2_save", pp=2, dp=2, ep=2, zero=2, microbatches=2, schedule="1f1b",
-                     optim="muon", checkpoint={"save": os.path.join(workdir, "S4M")})]
+        return [
+            _lay(
+                "ckpt_pp2_ep2_save",
+                pp=2,
+                dp=2,
+                ep=2,
+                zero=2,
+                microbatches=2,
+                schedule="gpipe",
+                checkpoint={"save": os.path.join(workdir, "S4")},
+            ),
+            _lay(
+                "ckpt_pp2_ep2_load", pp=2, dp=2, ep=2, zero=1, microbatches=2, schedule="gpipe", checkpoint={"load": P}
+            ),
+            _lay(
+                "ckpt_muon_pp2_ep2_save",
+                pp=2,
+                dp=2,
+                ep=2,
+                zero=2,
+                microbatches=2,
+                schedule="1f1b",
+                optim="muon",
+                checkpoint={"save": os.path.join(workdir, "S4M")},
+            ),
+        ]
     return []
 
 
@@ -637,8 +746,9 @@ _SESSIONS: dict = {}
 def one_process_session(workdir: str) -> dict:
     """The one-process engine: STEPS steps, checkpoint P, one more step (cached per pytest process)."""
     if "one" not in _SESSIONS:
-        _SESSIONS["one"] = single_process_run(Layout(**{**asdict(ONE), "checkpoint": {
-            "save": os.path.join(workdir, "P")}}))
+        _SESSIONS["one"] = single_process_run(
+            Layout(**{**asdict(ONE), "checkpoint": {"save": os.path.join(workdir, "P")}})
+        )
         _SESSIONS["workdir"] = workdir
     return _SESSIONS["one"]
 
@@ -662,13 +772,32 @@ def reference_for(layout: Layout, steps: int | None = None) -> dict:
     steps = layout.steps if steps is None else steps
     if layout.precision not in ("fp64", "fp32"):
         raise ValueError("reference_run runs fp64 or fp32; a bf16 layout compares with a bf16 single process")
-    key = (layout.dp, layout.microbatches, layout.optim, steps, layout.seq, layout.qk_clip, layout.mtp, layout.vision,
-           layout.precision, layout.seed)
+    key = (
+        layout.dp,
+        layout.microbatches,
+        layout.optim,
+        steps,
+        layout.seq,
+        layout.qk_clip,
+        layout.mtp,
+        layout.vision,
+        layout.precision,
+        layout.seed,
+    )
     if key not in _REFS:
         with one_thread():
-            _REFS[key] = reference_run(steps, dp=layout.dp, microbatches=layout.microbatches, optim=layout.optim,
-                                       seq=layout.seq, qk_clip=layout.qk_clip, mtp=layout.mtp, vision=layout.vision,
-                                       precision=layout.precision, seed=layout.seed)
+            _REFS[key] = reference_run(
+                steps,
+                dp=layout.dp,
+                microbatches=layout.microbatches,
+                optim=layout.optim,
+                seq=layout.seq,
+                qk_clip=layout.qk_clip,
+                mtp=layout.mtp,
+                vision=layout.vision,
+                precision=layout.precision,
+                seed=layout.seed,
+            )
     return _REFS[key]
 
 
@@ -681,8 +810,15 @@ def check_analytic_bytes(layout: Layout, records: list[dict]) -> None:
     dims = layout.dims()
     mb = GLOBAL_ROWS // (layout.dp * layout.microbatches)
     for r, rec in enumerate(records):
-        an = analytic_step_bytes(tiny_args(mtp_layers=int(layout.mtp)), dims, rec["stage_layers"], pp_rank=rank_coords(dims, r)["pp"],
-                                 mb=mb, seq=layout.seq, precision=layout.precision)
+        an = analytic_step_bytes(
+            tiny_args(mtp_layers=int(layout.mtp)),
+            dims,
+            rec["stage_layers"],
+            pp_rank=rank_coords(dims, r)["pp"],
+            mb=mb,
+            seq=layout.seq,
+            precision=layout.precision,
+        )
         meas = rec["comm"][-1]
         assert {tuple(k.split("/")) for k in meas} == set(an), (r, sorted(meas), sorted(an))
         for (dim, op), a in an.items():

@@ -39,8 +39,15 @@ def _train(rank: int, rules) -> dict:
     from k3train.parallel.mesh import rank_coords
 
     dims = LAYOUT.dims()
-    engine = build_engine(H.tiny_args(), dims, H.optim_config(LAYOUT.optim), seed=H.SEED, device="cpu",
-                          seq_len_hint=H.SEQ, activation_rules=rules or ())
+    engine = build_engine(
+        H.tiny_args(),
+        dims,
+        H.optim_config(LAYOUT.optim),
+        seed=H.SEED,
+        device="cpu",
+        seq_len_hint=H.SEQ,
+        activation_rules=rules or (),
+    )
     handles = engine.activation_handles
     dp_rank = rank_coords(dims, rank)["dp_cp"]
     rec = {"losses": [], "grad_norms": [], "stage_layers": engine.stage_layers, "stage_ids": engine.stage_ids}
@@ -79,8 +86,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("act_parallel")
     t = time.perf_counter()
-    ctx = mp.start_processes(_worker, args=(WORLD, H.free_port(), str(out)), nprocs=WORLD, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(
+        _worker, args=(WORLD, H.free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + 300
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
@@ -88,8 +96,9 @@ def runs(tmp_path_factory):
                 if p.is_alive():
                     p.kill()
             raise TimeoutError("4-process activation-policy run exceeded 300 s")
-    res = {n: [torch.load(out / f"{n}.rank{r}.pt", weights_only=False) for r in range(WORLD)]
-           for n in ("plain", "mixed")}
+    res = {
+        n: [torch.load(out / f"{n}.rank{r}.pt", weights_only=False) for r in range(WORLD)] for n in ("plain", "mixed")
+    }
     res["spawn_s"] = time.perf_counter() - t
     return res
 
@@ -132,5 +141,7 @@ def test_mixed_policies_equal_no_policy_pp2_dp2(runs):
     init.init_weights(H.SEED)
     moved = max(float((pa[k] - v.detach()).abs().max()) for k, v in init.named_parameters() if k in pa)
     assert moved > 1e-3, moved
-    print(f"\nspawn {runs['spawn_s']:.1f} s; steps plain {plain[0]['wall_s']:.1f} s mixed {mixed[0]['wall_s']:.1f} s;"
-          f" max |param diff| {worst:.3e}; moved {moved:.3e}; stats rank0 {mixed[0]['stats'][0]}")
+    print(
+        f"\nspawn {runs['spawn_s']:.1f} s; steps plain {plain[0]['wall_s']:.1f} s mixed {mixed[0]['wall_s']:.1f} s;"
+        f" max |param diff| {worst:.3e}; moved {moved:.3e}; stats rank0 {mixed[0]['stats'][0]}"
+    )

@@ -45,17 +45,20 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     try:
         model = K3Model(get_preset("tiny"))
         model.init_weights(0)
-        g = torch.Generator().manual_seed(100 + rank)   # different data per rank: a mixed-up stash would show
+        g = torch.Generator().manual_seed(100 + rank)  # different data per rank: a mixed-up stash would show
         batches = [torch.randint(0, model.args.vocab_size, (2, 16), generator=g) for _ in range(2)]
         ref_losses, ref = _grads(model, batches)
-        batched = []   # every point-to-point exchange goes out as one batch_isend_irecv (NCCL-safe pairing)
+        batched = []  # every point-to-point exchange goes out as one batch_isend_irecv (NCCL-safe pairing)
         orig_batch = dist.batch_isend_irecv
         dist.batch_isend_irecv = lambda ops: batched.append(sorted(o.op.__name__ for o in ops)) or orig_batch(ops)
         results = {}
         plans = {
             "layers": [Rule(kind="layer", policy="offload_remote")],
-            "mixed": [Rule(kind="attn", role="activation", policy="offload_remote"),
-                      Rule(kind="ffn", role="input", policy="offload_remote")] + default_rules(),
+            "mixed": [
+                Rule(kind="attn", role="activation", policy="offload_remote"),
+                Rule(kind="ffn", role="input", policy="offload_remote"),
+            ]
+            + default_rules(),
             # Selective recompute: the attention is taken out of its recomputed layer; the layer's recomputation
             # needs the attention's output before backward reaches it, so that stash comes back early.
             "selective": [Rule(kind="attn", policy="offload_remote"), Rule(kind="layer", policy="recompute")]
@@ -70,8 +73,10 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 "loss_equal": losses == ref_losses,
                 "grads_equal": sorted(got) == sorted(ref) and all(torch.equal(got[k], ref[k]) for k in ref),
                 "max_diff": max((got[k] - ref[k]).abs().max().item() for k in ref),
-                "remote": st["total"]["offload_remote"], "saved": st["total"]["saved"],
-                "on_device": st["total"]["on_device"], "hosted_after": st["hosted_for_peer"],
+                "remote": st["total"]["offload_remote"],
+                "saved": st["total"]["saved"],
+                "on_device": st["total"]["on_device"],
+                "hosted_after": st["hosted_for_peer"],
             }
         dist.batch_isend_irecv = orig_batch
         results["batches"] = batched
@@ -87,10 +92,10 @@ def test_offload_remote_gradients_equal_no_policy(tmp_path):
     for rank in range(world):
         res = torch.load(tmp_path / f"rank{rank}.pt")
         batches = res.pop("batches")
-        assert batches and ["irecv", "isend"] in batches, batches[:5]   # swaps are one paired batch
+        assert batches and ["irecv", "isend"] in batches, batches[:5]  # swaps are one paired batch
         for name, r in res.items():
             assert r["loss_equal"] and r["grads_equal"], (rank, name, r["max_diff"])
             assert r["remote"] > 0, (rank, name)
-            assert r["hosted_after"] == 0, (rank, name)     # every stash went back to its owner
+            assert r["hosted_after"] == 0, (rank, name)  # every stash went back to its owner
         # Whole layers offloaded: only what lies outside the layers (the head) stays on the device.
         assert res["layers"]["on_device"] <= 0.1 * res["layers"]["saved"], res["layers"]

@@ -25,7 +25,7 @@ from k3train.parallel.context_parallel import ContextParallel, apply_context_par
 from spawn_worker import end_worker
 
 B, T = 2, 128
-CU = [0, 37, 40, 128, 192, 256]   # 37, 40: starts inside a piece; 128: row start; 192: exactly on a piece start
+CU = [0, 37, 40, 128, 192, 256]  # 37, 40: starts inside a piece; 128: row start; 192: exactly on a piece start
 DIM = get_preset("tiny").dim
 
 
@@ -107,12 +107,17 @@ def _cp_layer(kind, layout, group):
     xl = cp.shard_rows(x).requires_grad_()
     out = m(xl, BatchContext(cp=cp))
     (out * cp.shard_rows(w)).sum().backward()
-    return {"out": cp.gather_rows(out.detach()), "dx": cp.gather_rows(xl.grad), "grads": _sum_grads(m, group),
-            "stats": {f"{a}/{b}": v for (a, b), v in cp.stats.items()}}
+    return {
+        "out": cp.gather_rows(out.detach()),
+        "dx": cp.gather_rows(xl.grad),
+        "grads": _sum_grads(m, group),
+        "stats": {f"{a}/{b}": v for (a, b), v in cp.stats.items()},
+    }
 
 
 def _cp_model(layout, group, ep=False):
     from k3train.parallel.expert_parallel import apply_expert_parallel, expert_parameters
+
     m = _model()
     skip = ()
     if ep:
@@ -153,6 +158,7 @@ def _kda_triton(group):
     from layer_init import kda_inputs
 
     from k3train.ops.backend import Kernels
+
     seq, cu = 256, [0, 30, 100, 192, 256]  # 192: exactly on a piece start
     x = kda_inputs(1, seq, 1, 16, 16, seed=7)
     w = torch.randn(1, seq, 1, 16, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
@@ -201,9 +207,11 @@ def _spawn(world: int, jobs: list[str], tmp) -> list[dict]:
     return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
 
 
-JOBS = {2: ["kda", "mla", "kda_contiguous", "model", "model_ep", "bytes", "doc_start"]
-         + (["kda_triton"] if CAN_RUN_TRITON else []),
-        4: ["kda", "mla", "model", "doc_start"]}
+JOBS = {
+    2: ["kda", "mla", "kda_contiguous", "model", "model_ep", "bytes", "doc_start"]
+    + (["kda_triton"] if CAN_RUN_TRITON else []),
+    4: ["kda", "mla", "model", "doc_start"],
+}
 
 
 _RUNS: dict = {}
@@ -296,7 +304,7 @@ def test_collective_bytes(cp_run):
     world, results = cp_run
     args = get_preset("tiny")
     H, K = args.kda_heads, args.kda_head_dim
-    n = 2 * world   # zigzag: two pieces per rank
+    n = 2 * world  # zigzag: two pieces per rank
     stats = results[0]["kda"]["stats"]
     # KDA summaries: every piece's [M | B] (H*K*(K+V) fp64 numbers) gathered once; the same bytes reduce-scattered back
     per_piece = H * K * (K + K) * 8
@@ -310,7 +318,7 @@ def test_collective_bytes(cp_run):
     row = B * T * (args.mla_kv_rank + args.mla_shared_k_dim) * 8
     assert mla == {"mla_latent/all_gather": [2, 2 * row], "mla_latent/reduce_scatter": [1, row]}
     if world == 2:
-        short, long = results[0]["bytes"]   # 128 and 512 tokens per row
+        short, long = results[0]["bytes"]  # 128 and 512 tokens per row
         assert short == long and short["kda_summary/all_gather"][1] == 2 * world * per_piece
 
 
@@ -321,6 +329,7 @@ def test_kda_on_triton_over_two_ranks(cp2_run):
     scan join them across ranks): the output and every input gradient within 1e-4 relative RMS of the whole-sequence
     fp64 chunked KDA."""
     from k3train.ops.kda import chunk_kda
+
     results = cp2_run[1]
     got = results[0]["kda_triton"]
     x, w, cu = got["x"], got["w"], got["cu"]

@@ -24,11 +24,7 @@ def _cp(name: str, **kw) -> H.Layout:
     return H.Layout(name=name, **kw)
 
 
-TWO = [
-    _cp("cp2", cp=2),
-    _cp("cp2_contiguous", cp=2, cp_layout="contiguous"),
-    _cp("cp2_ep2_zero1", cp=2, ep=2, zero=1),
-]
+TWO = [_cp("cp2", cp=2), _cp("cp2_contiguous", cp=2, cp_layout="contiguous"), _cp("cp2_ep2_zero1", cp=2, ep=2, zero=1)]
 FOUR = [
     _cp("cp2_pp2_1f1b", cp=2, pp=2, schedule="1f1b"),
     _cp("cp2_pp2_vpp2_ep2_zero2", cp=2, pp=2, vpp=2, ep=2, zero=2),

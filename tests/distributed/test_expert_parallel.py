@@ -15,8 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict
 
 from ep_common import ep_grad_sync, init_gloo, sum_over_ranks, token_batch, train_sgd
 from k3train.models.k3.args import get_preset
@@ -65,18 +64,30 @@ def _reference():
 
 # ---- the EP ranks ----------------------------------------------------------------------------------------------------
 
+
 def _ep_run(rank, ep_group, dp_group, ckpt=None):
-    from k3train.parallel.expert_parallel import (apply_expert_parallel, ep_comm_stats, expert_parameters,
-                                                  gather_full_experts, optimizer_state_to_dtensor)
+    from k3train.parallel.expert_parallel import (
+        apply_expert_parallel,
+        ep_comm_stats,
+        expert_parameters,
+        gather_full_experts,
+        optimizer_state_to_dtensor,
+    )
+
     tokens, targets = _batch()
     mine = slice(rank * ROWS, (rank + 1) * ROWS)
     model = apply_expert_parallel(_model(), ep_group, "alltoall")
     experts = list(expert_parameters(model))  # a list: every rank must reduce in the same order
 
-    losses, opt = _train(model, tokens[mine], targets[mine], targets.numel(),
-                         ep_grad_sync(experts, dp_group), sum_over_ranks)
-    out = {"losses": losses, "full": gather_full_experts(model), "stats": ep_comm_stats(model),
-           "local_shape": tuple(model.get_parameter("layers.2.ffn.experts.w1").shape)}
+    losses, opt = _train(
+        model, tokens[mine], targets[mine], targets.numel(), ep_grad_sync(experts, dp_group), sum_over_ranks
+    )
+    out = {
+        "losses": losses,
+        "full": gather_full_experts(model),
+        "stats": ep_comm_stats(model),
+        "local_shape": tuple(model.get_parameter("layers.2.ffn.experts.w1").shape),
+    }
     if ckpt is not None:
         osd = optimizer_state_to_dtensor(model, get_optimizer_state_dict(model, opt))
         dcp.save({"model": get_model_state_dict(model), "optim": osd}, checkpoint_id=ckpt)
@@ -87,6 +98,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     init_gloo(rank, world, port)
     try:
         from k3train.parallel.expert_parallel import apply_expert_parallel, gather_full_experts
+
         ckpt = os.path.join(out_dir, "ckpt")
         res = {"ep4": _ep_run(rank, None, None, ckpt)}
         # EP = 2 inside DP = 2: ranks {0, 1} and {2, 3} each hold all experts; {0, 2} and {1, 3} are replicas.
@@ -104,8 +116,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         # A full FQN-keyed state dict (plain tensors) loads into the EP model too.
         m3 = apply_expert_parallel(_model(), None, "alltoall")
         m3.load_state_dict(res["ep4"]["full"])
-        assert torch.equal(m3.get_parameter("layers.5.ffn.experts.w2"),
-                           res["ep4"]["full"]["layers.5.ffn.experts.w2"][rank * 2:(rank + 1) * 2])
+        assert torch.equal(
+            m3.get_parameter("layers.5.ffn.experts.w2"),
+            res["ep4"]["full"]["layers.5.ffn.experts.w2"][rank * 2 : (rank + 1) * 2],
+        )
         try:
             apply_expert_parallel(_model(n_experts=6), None, "alltoall")
             raise AssertionError("EP=4 over 6 experts was accepted")
@@ -126,8 +140,12 @@ def test_expert_parallel_matches_one_process(tmp_path):
     assert ref_losses[-1] < ref_losses[0]  # the steps do train
     for name in ("ep4", "ep2"):
         r = res[name]
-        torch.testing.assert_close(torch.tensor(r["losses"], dtype=torch.float64),
-                                   torch.tensor(ref_losses, dtype=torch.float64), rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(r["losses"], dtype=torch.float64),
+            torch.tensor(ref_losses, dtype=torch.float64),
+            rtol=1e-6,
+            atol=0,
+        )
         assert set(r["full"]) == set(want)
         for k, v in want.items():
             torch.testing.assert_close(r["full"][k], v, rtol=1e-5, atol=1e-5, msg=f"{name}: {k}")

@@ -52,18 +52,25 @@ def _train(model, tokens, targets, n_global: int, sync=lambda m: None, reduce_lo
 
 
 def _ep_run(rank, ep_group, dp_group, dispatcher, recompute=False):
-    from k3train.parallel.expert_parallel import (apply_expert_parallel, ep_comm_stats, expert_parameters,
-                                                  gather_full_experts)
+    from k3train.parallel.expert_parallel import (
+        apply_expert_parallel,
+        ep_comm_stats,
+        expert_parameters,
+        gather_full_experts,
+    )
+
     tokens, targets = _batch()
     mine = slice(rank * ROWS, (rank + 1) * ROWS)
     model = apply_expert_parallel(_model(), ep_group, dispatcher)
     if recompute:  # K3's default storage plan: the routed experts are recomputed in backward (after EP is applied)
         from k3train.activation.policy import apply_activation_policies, default_rules
+
         apply_activation_policies(model, default_rules())
     experts = list(expert_parameters(model))  # a list: every rank must reduce in the same order
 
-    losses = _train(model, tokens[mine], targets[mine], targets.numel(),
-                    ep_grad_sync(experts, dp_group), sum_over_ranks)
+    losses = _train(
+        model, tokens[mine], targets[mine], targets.numel(), ep_grad_sync(experts, dp_group), sum_over_ranks
+    )
     out = {"losses": losses, "full": gather_full_experts(model), "stats": ep_comm_stats(model)}
     if dispatcher == "moonep":
         moes = [m for m in model.modules() if isinstance(m, LatentMoE)]
@@ -73,8 +80,10 @@ def _ep_run(rank, ep_group, dp_group, dispatcher, recompute=False):
         out["replicas"] = [p.replicas.shape[0] for p in plans]
         out["max_remote"] = max(int(p.remote_experts.max()) for p in plans)
         from k3train.parallel.moonep import max_over_mean, no_replication_loads
-        out["no_replication_max_over_mean"] = min(max_over_mean(no_replication_loads(p.tokens_per_expert))
-                                                  for p in plans)
+
+        out["no_replication_max_over_mean"] = min(
+            max_over_mean(no_replication_loads(p.tokens_per_expert)) for p in plans
+        )
     return out
 
 
@@ -82,6 +91,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     init_gloo(rank, world, port)
     try:
         from k3train.parallel.expert_parallel import apply_expert_parallel
+
         res = {"moonep4": _ep_run(rank, None, None, "moonep"), "alltoall4": _ep_run(rank, None, None, "alltoall")}
         ep_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -125,8 +135,12 @@ def test_moonep_matches_alltoall_and_one_process(tmp_path):
     S, K = ROWS * SEQ, args.top_k
     for name in ("moonep4", "alltoall4", "moonep2"):
         r = res[name]
-        torch.testing.assert_close(torch.tensor(r["losses"], dtype=torch.float64),
-                                   torch.tensor(ref_losses, dtype=torch.float64), rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(r["losses"], dtype=torch.float64),
+            torch.tensor(ref_losses, dtype=torch.float64),
+            rtol=1e-6,
+            atol=0,
+        )
         for k, v in want.items():
             torch.testing.assert_close(r["full"][k], v, rtol=1e-5, atol=1e-5, msg=f"{name}: {k}")
             if v.is_floating_point():  # the updates agree, the replicated experts' included
@@ -146,5 +160,6 @@ def test_moonep_matches_alltoall_and_one_process(tmp_path):
         assert r["stats"].weight_bytes > 0
     assert res["alltoall4"]["stats"].weight_bytes == 0
     # MoonEP and all-to-all agree with each other as closely as each agrees with one process.
-    torch.testing.assert_close(torch.tensor(res["moonep4"]["losses"]), torch.tensor(res["alltoall4"]["losses"]),
-                               rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(res["moonep4"]["losses"]), torch.tensor(res["alltoall4"]["losses"]), rtol=1e-6, atol=0
+    )

@@ -15,11 +15,13 @@ from k3train.models.structure import MatrixStructure
 from k3train.optim.muon import PerHeadMuon
 from spawn_worker import end_worker
 
-SPECS = [((3 * 4 * 8, 32), MatrixStructure("rows", 12)),   # fused QKV: 12 matrices 8x32
-         ((32, 4 * 8), MatrixStructure("cols", 4)),        # output projection: 4 matrices 32x8
-         ((6, 16, 24), MatrixStructure("batch")),          # expert bank: 6 matrices 16x24
-         ((48, 32), MatrixStructure()),                    # whole matrix
-         ((2 * 8, 32), MatrixStructure("rows", 2))]        # shares the 8x32 bucket with the QKV heads
+SPECS = [
+    ((3 * 4 * 8, 32), MatrixStructure("rows", 12)),  # fused QKV: 12 matrices 8x32
+    ((32, 4 * 8), MatrixStructure("cols", 4)),  # output projection: 4 matrices 32x8
+    ((6, 16, 24), MatrixStructure("batch")),  # expert bank: 6 matrices 16x24
+    ((48, 32), MatrixStructure()),  # whole matrix
+    ((2 * 8, 32), MatrixStructure("rows", 2)),
+]  # shares the 8x32 bucket with the QKV heads
 ADAM_SHAPES = [(32,), (50, 32)]
 
 
@@ -31,9 +33,16 @@ def make_params(seed: int = 0):
 
 
 def make_opt(muon, adam, group=None):
-    return PerHeadMuon([{"params": muon, "structures": [s for _, s in SPECS]},
-                        {"params": adam, "algorithm": "adamw", "weight_decay": 0.0}],
-                       lr=0.02, weight_decay=0.1, momentum=0.95, process_group=group)
+    return PerHeadMuon(
+        [
+            {"params": muon, "structures": [s for _, s in SPECS]},
+            {"params": adam, "algorithm": "adamw", "weight_decay": 0.0},
+        ],
+        lr=0.02,
+        weight_decay=0.1,
+        momentum=0.95,
+        process_group=group,
+    )
 
 
 def grads_for(step: int, params):
@@ -56,10 +65,15 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
             sharded.step()
             single.step()
         owned = sum(sharded.state[p]["momentum_owned"].shape[0] for p in m_sh if "momentum_owned" in sharded.state[p])
-        torch.save({"sharded": [p.detach() for p in m_sh + a_sh], "single": [p.detach() for p in m_1 + a_1],
-                    "owned": owned, "full_momentum": [k for p in m_sh for k in sharded.state[p]
-                                                      if k == "momentum_buffer"]},
-                   os.path.join(out, f"rank{rank}.pt"))
+        torch.save(
+            {
+                "sharded": [p.detach() for p in m_sh + a_sh],
+                "single": [p.detach() for p in m_1 + a_1],
+                "owned": owned,
+                "full_momentum": [k for p in m_sh for k in sharded.state[p] if k == "momentum_buffer"],
+            },
+            os.path.join(out, f"rank{rank}.pt"),
+        )
     finally:
         end_worker()  # tests/spawn_worker.py
 
@@ -85,9 +99,11 @@ def test_sharded_muon_matches_single_process(tmp_path):
 
 # MLA's key/value up-projection: per head [K_h; V_h] split into two matrices (tiny preset's k 16, v 32, rank 32), one
 # whose K_h and V_h get different scales (rank 8), and a plain per-head param sharing the K_h bucket.
-SPLIT_SPECS = [((2 * (16 + 32), 32), MatrixStructure("rows", 2, splits=(16, 32))),
-               ((2 * (16 + 32), 8), MatrixStructure("rows", 2, splits=(16, 32))),
-               ((3 * 16, 32), MatrixStructure("rows", 3))]
+SPLIT_SPECS = [
+    ((2 * (16 + 32), 32), MatrixStructure("rows", 2, splits=(16, 32))),
+    ((2 * (16 + 32), 8), MatrixStructure("rows", 2, splits=(16, 32))),
+    ((3 * 16, 32), MatrixStructure("rows", 3)),
+]
 
 
 def _split_worker(rank: int, world: int, store: str, out: str) -> None:
@@ -96,11 +112,17 @@ def _split_worker(rank: int, world: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
+
         def build(group):
             g = torch.Generator().manual_seed(0)
             ps = [nn.Parameter(torch.randn(*shape, generator=g)) for shape, _ in SPLIT_SPECS]
-            return ps, PerHeadMuon([{"params": ps, "structures": [s for _, s in SPLIT_SPECS]}], lr=0.02,
-                                   weight_decay=0.1, momentum=0.95, process_group=group)
+            return ps, PerHeadMuon(
+                [{"params": ps, "structures": [s for _, s in SPLIT_SPECS]}],
+                lr=0.02,
+                weight_decay=0.1,
+                momentum=0.95,
+                process_group=group,
+            )
 
         (p_sh, sharded), (p_1, single), (p_re, resumed) = build(dist.group.WORLD), build(None), build(dist.group.WORLD)
         for step in range(3):
@@ -122,12 +144,20 @@ def _split_worker(rank: int, world: int, store: str, out: str) -> None:
                 p.grad = gr
         for opt in (sharded, single, resumed):
             opt.step()
-        torch.save({"sharded": [p.detach() for p in p_sh], "single": [p.detach() for p in p_1],
-                    "resumed": [p.detach() for p in p_re], "full": full,
-                    "single_momentum": single_momentum,
-                    "owned": [sharded.state[p]["momentum_owned"].numel() if "momentum_owned" in sharded.state[p]
-                              else 0 for p in p_sh]},
-                   os.path.join(out, f"rank{rank}.pt"))
+        torch.save(
+            {
+                "sharded": [p.detach() for p in p_sh],
+                "single": [p.detach() for p in p_1],
+                "resumed": [p.detach() for p in p_re],
+                "full": full,
+                "single_momentum": single_momentum,
+                "owned": [
+                    sharded.state[p]["momentum_owned"].numel() if "momentum_owned" in sharded.state[p] else 0
+                    for p in p_sh
+                ],
+            },
+            os.path.join(out, f"rank{rank}.pt"),
+        )
     finally:
         end_worker()  # tests/spawn_worker.py
 

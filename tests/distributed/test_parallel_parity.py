@@ -79,8 +79,9 @@ def test_schedules_place_stages_as_declared(two):
 
 
 # ---- communication accounting ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["dp2_zero1", "dp2_zero2", "pp2_vpp2_interleaved_1f1b", "ep2_dp2", "mtp_pp2_1f1b",
-                                  "mtp_cp2", "mtp_ep2_dp2"])
+@pytest.mark.parametrize(
+    "name", ["dp2_zero1", "dp2_zero2", "pp2_vpp2_interleaved_1f1b", "ep2_dp2", "mtp_pp2_1f1b", "mtp_cp2", "mtp_ep2_dp2"]
+)
 def test_measured_bytes_equal_analytic(two, name):
     H.check_analytic_bytes(next(l for l in H.TWO if l.name == name), two[name])
 
@@ -98,8 +99,7 @@ def test_checkpoint_pp2_to_one_process_and_back(workdir, one_process, two):
     loss4 = one_process["losses"][STEPS]
     assert _close(two["ckpt_pp2_save"][-1]["losses"][STEPS], loss4)
     # One process resumes the pp=2 checkpoint ...
-    back = H.single_process_run(H.Layout(name="back", microbatches=2,
-                                         checkpoint={"load": os.path.join(workdir, "S2")}))
+    back = H.single_process_run(H.Layout(name="back", microbatches=2, checkpoint={"load": os.path.join(workdir, "S2")}))
     assert _close(back["losses"][0], loss4)
     for k, v in back["params"].items():
         assert H.rel_inf(v, one_process["params"][k]) <= H.FP64_BOUND, k
@@ -114,8 +114,9 @@ def test_checkpoint_pp2_ep2_to_one_process_and_back(workdir, one_process, four):
     loss4 = one_process["losses"][STEPS]
     saved = four["ckpt_pp2_ep2_save"]
     assert _close(saved[-1]["losses"][STEPS], loss4)
-    back = H.single_process_run(H.Layout(name="back_ep", microbatches=2,
-                                         checkpoint={"load": os.path.join(workdir, "S4")}))
+    back = H.single_process_run(
+        H.Layout(name="back_ep", microbatches=2, checkpoint={"load": os.path.join(workdir, "S4")})
+    )
     assert _close(back["losses"][0], loss4)
     assert _close(four["ckpt_pp2_ep2_load"][-1]["losses"][0], loss4)
 
@@ -127,8 +128,9 @@ def test_checkpoint_muon_pp2_ep2_to_one_process(workdir, four):
     ref = H.reference_for(layout, STEPS + 1)
     saved = four["ckpt_muon_pp2_ep2_save"]
     assert _close(saved[-1]["losses"][STEPS], ref["losses"][STEPS])
-    back = H.single_process_run(H.Layout(name="back_muon", microbatches=2, optim="muon",
-                                         checkpoint={"load": os.path.join(workdir, "S4M")}))
+    back = H.single_process_run(
+        H.Layout(name="back_muon", microbatches=2, optim="muon", checkpoint={"load": os.path.join(workdir, "S4M")})
+    )
     assert _close(back["losses"][0], ref["losses"][STEPS])
 
 
@@ -151,8 +153,9 @@ def test_vision_tower_gets_the_gradients_of_one_process(two):
     assert [k for k in tower if torch.equal(after[k], start[k])] == []  # every tower parameter trained
 
 
-@pytest.mark.parametrize("plain, bubbles", [("vis_pp2_1f1b", "vis_pp2_1f1b_bubbles"),
-                                             ("vis_cp2_pp2", "vis_cp2_pp2_bubbles")])
+@pytest.mark.parametrize(
+    "plain, bubbles", [("vis_pp2_1f1b", "vis_pp2_1f1b_bubbles"), ("vis_cp2_pp2", "vis_cp2_pp2_bubbles")]
+)
 def test_vision_in_bubbles_equals_the_tower_inside_the_stage(two, four, plain, bubbles):
     # Same micro-batches, same order of the tower's gradient sums: the same numbers (with or without CP).
     runs = {**two, **four}
@@ -183,10 +186,12 @@ def test_vision_cp_reports_the_balance_of_its_assignment(two):
     for rec in two["vis_cp2"]:
         want = []
         for s in range(layout.steps):
-            mbs = H.local_microbatches(H.layout_data(s, seq=layout.seq, vision=True), dp=1, dp_rank=0,
-                                       microbatches=layout.microbatches)
-            want.append(max(balance(assign_items(item_costs(tiny_vision_args(), b["vision_grid"].tolist()), 2)[1])
-                            for b in mbs))
+            mbs = H.local_microbatches(
+                H.layout_data(s, seq=layout.seq, vision=True), dp=1, dp_rank=0, microbatches=layout.microbatches
+            )
+            want.append(
+                max(balance(assign_items(item_costs(tiny_vision_args(), b["vision_grid"].tolist()), 2)[1]) for b in mbs)
+            )
         assert rec["vision_cp_balance"] == want
         assert all(1.0 <= x < 1.5 for x in want)
 
@@ -206,6 +211,8 @@ def test_fp32_drift_stays_within_its_measured_ratio(two, four, name):
     ref32 = H.reference_for(replace(layout, precision="fp32"))
     d_layout, d_one = H.params_drift(p32, p64), H.params_drift(ref32["params"], r64)
     diff = H.params_drift(p32, ref32["params"])
-    print(f"{name}: fp32 drift {d_layout:.2e}, one process {d_one:.2e}, ratio {d_layout / d_one:.2f} "
-          f"(bound {H.FP32_RATIO[name]:.2f}); fp32 layout vs fp32 one process {diff:.2e}")
+    print(
+        f"{name}: fp32 drift {d_layout:.2e}, one process {d_one:.2e}, ratio {d_layout / d_one:.2f} "
+        f"(bound {H.FP32_RATIO[name]:.2f}); fp32 layout vs fp32 one process {diff:.2e}"
+    )
     assert 0 < d_one and d_layout <= H.FP32_RATIO[name] * d_one

@@ -33,8 +33,10 @@ LAYOUTS = [
 
 def _ckpt_layouts(workdir: str) -> list[H.Layout]:
     path = os.path.join(workdir, "B2")
-    return [_lay("bf16_ckpt_save", dp=2, zero=2, microbatches=2, optim="muon", checkpoint={"save": path}),
-            _lay("bf16_ckpt_load", dp=2, zero=2, microbatches=2, optim="muon", checkpoint={"load": path})]
+    return [
+        _lay("bf16_ckpt_save", dp=2, zero=2, microbatches=2, optim="muon", checkpoint={"save": path}),
+        _lay("bf16_ckpt_load", dp=2, zero=2, microbatches=2, optim="muon", checkpoint={"load": path}),
+    ]
 
 
 # Home experts over 2 EP ranks, each replicated on 2 edp ranks: their Muon matrices have owners among the replicas.
@@ -57,8 +59,7 @@ _REFS: dict = {}
 def reference(optim: str) -> dict:
     """One bf16 process, STEPS + 1 steps (the checkpoint layouts take one more)."""
     if optim not in _REFS:
-        _REFS[optim] = H.single_process_run(_lay(f"one_bf16_{optim}", microbatches=2, optim=optim,
-                                                 steps=H.STEPS + 1))
+        _REFS[optim] = H.single_process_run(_lay(f"one_bf16_{optim}", microbatches=2, optim=optim, steps=H.STEPS + 1))
     return _REFS[optim]
 
 
@@ -122,8 +123,15 @@ def test_bf16_checkpoint_saves_owned_views_and_resumes_exactly(runs):
     ok = {k: torch.equal(v, H.merged_params(loaded)[k]) for k, v in H.merged_params(saved).items()}
     assert all(ok.values()), [k for k, v in ok.items() if not v][:5]
     # one bf16 process resumes the owner-sharded checkpoint (its masters and momenta reassembled)
-    back = H.single_process_run(H.Layout(name="back_bf16", microbatches=2, optim="muon", precision="bf16",
-                                         checkpoint={"load": os.path.join(runs["workdir"], "B2")}))
+    back = H.single_process_run(
+        H.Layout(
+            name="back_bf16",
+            microbatches=2,
+            optim="muon",
+            precision="bf16",
+            checkpoint={"load": os.path.join(runs["workdir"], "B2")},
+        )
+    )
     ref = saved[0]["losses"][H.STEPS]
     assert abs(back["losses"][0] - ref) <= 1e-2 * abs(ref)
 
@@ -140,7 +148,14 @@ def test_bf16_expert_muon_state_is_owned_across_replicas_and_resumes(runs):
     # each parameter element has exactly one fp32 master in the world: a dense one on one of the 4 dp_cp ranks, an
     # expert row on one of the 2 replicas of its EP block
     assert sum(rec["memory_after_reduce"]["master_bytes"] for rec in recs) == 4 * P
-    back = H.single_process_run(H.Layout(name="back_bf16_ep", microbatches=2, optim="muon", precision="bf16",
-                                         checkpoint={"load": os.path.join(runs["workdir"], "B4")}))
+    back = H.single_process_run(
+        H.Layout(
+            name="back_bf16_ep",
+            microbatches=2,
+            optim="muon",
+            precision="bf16",
+            checkpoint={"load": os.path.join(runs["workdir"], "B4")},
+        )
+    )
     ref = recs[0]["losses"][FOUR.steps]
     assert abs(back["losses"][0] - ref) <= 1e-2 * abs(ref)

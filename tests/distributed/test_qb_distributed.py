@@ -65,10 +65,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank must create every group
-        res = {
-            "two": run_model(2, rank % 2, pairs[rank // 2]),
-            "four": run_model(4, rank, dist.group.WORLD),
-        }
+        res = {"two": run_model(2, rank % 2, pairs[rank // 2]), "four": run_model(4, rank, dist.group.WORLD)}
         # a single balancer's compute() reduces over its group the same way
         qb = QuantileBalancer(E, K)
         qb.observe(all_scores(0).chunk(4)[rank], current_bias(0))

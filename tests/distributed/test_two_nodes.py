@@ -15,8 +15,17 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMON = ["--config-name", "tiny_cpu", "train.steps=2", "train.eval_interval=0", "train.checkpoint_at_end=false",
-          "logging.progress_bar=false", "logging.tensorboard=false", "data.seq_len=64", "train.threads=1"]
+COMMON = [
+    "--config-name",
+    "tiny_cpu",
+    "train.steps=2",
+    "train.eval_interval=0",
+    "train.checkpoint_at_end=false",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+    "data.seq_len=64",
+    "train.threads=1",
+]
 
 
 def _port() -> int:
@@ -26,8 +35,12 @@ def _port() -> int:
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "K3_"))
-           and k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "K3_"))
+        and k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    }
     env["TRITON_INTERPRET"] = "1"
     return env
 
@@ -41,9 +54,22 @@ def test_two_nodes_train_like_one_process(tmp_path):
     run = tmp_path / "two"
     procs = []
     for node in range(2):
-        cmd = [sys.executable, str(ROOT / "launch" / "torchrun.py"), "--nnodes", "2", "--nproc-per-node", "1",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes-test", "--",
-               *COMMON, "data.micro_batch=2", f"train.run_dir={run}"]
+        cmd = [
+            sys.executable,
+            str(ROOT / "launch" / "torchrun.py"),
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "two-nodes-test",
+            "--",
+            *COMMON,
+            "data.micro_batch=2",
+            f"train.run_dir={run}",
+        ]
         log = open(tmp_path / f"node{node}.log", "w")
         procs.append((subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=log, stderr=subprocess.STDOUT), log))
     for p, log in procs:
@@ -58,9 +84,14 @@ def test_two_nodes_train_like_one_process(tmp_path):
     two = _metrics(run)
 
     one_dir = tmp_path / "one"
-    r = subprocess.run([sys.executable, "-m", "k3train.train", *COMMON, "data.micro_batch=4",
-                        f"train.run_dir={one_dir}"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "k3train.train", *COMMON, "data.micro_batch=4", f"train.run_dir={one_dir}"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     one = _metrics(one_dir)
 

@@ -28,11 +28,25 @@ from spawn_worker import end_worker
 # (decay_ratio 0.5), so step 3 runs at a rate that depends on steps, decay_ratio and min_lr_ratio. A small built-in
 # corpus keeps tokenization (into a per-test cache) fast.
 BASE = [
-    "+model.overrides.n_layers=3", "data.seq_len=32", "data.micro_batch=2", "data.builtin_max_bytes=200000",
-    "train.steps=3", "optim.warmup_steps=1", "optim.decay_ratio=0.5", "optim.min_lr_ratio=0.1",
-    "train.device=cpu", "train.threads=1", "train.resume=never", "train.eval_interval=0",
-    "train.checkpoint_interval=0", "train.checkpoint_at_end=false", "logging.log_interval=1",
-    "logging.console=false", "logging.progress_bar=false", "logging.tensorboard=false", "logging.wandb=false",
+    "+model.overrides.n_layers=3",
+    "data.seq_len=32",
+    "data.micro_batch=2",
+    "data.builtin_max_bytes=200000",
+    "train.steps=3",
+    "optim.warmup_steps=1",
+    "optim.decay_ratio=0.5",
+    "optim.min_lr_ratio=0.1",
+    "train.device=cpu",
+    "train.threads=1",
+    "train.resume=never",
+    "train.eval_interval=0",
+    "train.checkpoint_interval=0",
+    "train.checkpoint_at_end=false",
+    "logging.log_interval=1",
+    "logging.console=false",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+    "logging.wandb=false",
     "logging.peak_flops=1e12",  # a fixed peak: no matmul benchmark at start-up
 ]
 # Parallel layouts need 4 layers (pp 2 x vpp 2 stages) and 64-token rows (zigzag cp 2: 4 pieces of a 16-token chunk).
@@ -42,6 +56,7 @@ ENV_KEYS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR
 
 def base_config(overrides=BASE, world_size: int = 1):
     from k3train.config import load_config
+
     # A key given twice keeps its last value (Hydra refuses the same `+key` twice).
     last = {o.split("=", 1)[0]: o for o in overrides}
     return load_config("tiny_cpu", list(last.values()), world_size=world_size)
@@ -128,6 +143,7 @@ class _PipelineEvents:
 
     def __init__(self):
         from torch.distributed.pipelining.stage import _PipelineStageBase
+
         self.cls, self.events, self.saved = _PipelineStageBase, [], {}
 
     def __enter__(self):
@@ -138,6 +154,7 @@ class _PipelineEvents:
             def wrapped(stage, chunk, *a, _orig=orig, _kind=kind, **k):
                 events.append((stage.stage_index, _kind, int(chunk)))
                 return _orig(stage, chunk, *a, **k)
+
             setattr(self.cls, name, wrapped)
         return self
 
@@ -163,10 +180,16 @@ def train(cfg, run_dir: str | os.PathLike) -> RunRecord:
         events = _PipelineEvents()
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), events:
             trainer.train()
-        rec = RunRecord(params={k: v.detach().clone() for k, v in engine.named_parameters()}, init_params=init,
-                        comm=engine.comm.snapshot(), memory=engine.memory_report(),
-                        step_memory=dict(engine.last_memory), autograd_bytes=saved.bytes,
-                        stages=list(engine.stage_ids), flops_per_token=trainer.flops_per_token)
+        rec = RunRecord(
+            params={k: v.detach().clone() for k, v in engine.named_parameters()},
+            init_params=init,
+            comm=engine.comm.snapshot(),
+            memory=engine.memory_report(),
+            step_memory=dict(engine.last_memory),
+            autograd_bytes=saved.bytes,
+            stages=list(engine.stage_ids),
+            flops_per_token=trainer.flops_per_token,
+        )
         # Events of the last step only: the schedule runs every step the same way.
         per_step = len(events.events) // cfg.train.steps
         rec.pipeline_events = events.events[-per_step:] if per_step else []
@@ -177,8 +200,9 @@ def train(cfg, run_dir: str | os.PathLike) -> RunRecord:
             for k, v in st["total"].items():
                 rec.activation[k] = rec.activation.get(k, 0) + v
             for layer, d in st["layers"].items():
-                rec.activation_layers[layer] = {k: rec.activation_layers.get(layer, {}).get(k, 0) + v
-                                                for k, v in d.items()}
+                rec.activation_layers[layer] = {
+                    k: rec.activation_layers.get(layer, {}).get(k, 0) + v for k, v in d.items()
+                }
     finally:
         torch.set_num_threads(threads)
     if trainer.env.rank == 0:
@@ -202,8 +226,15 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, runs: list[tuple[str, object]], out_dir: str, cache: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), K3TRAIN_CACHE=cache)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        K3TRAIN_CACHE=cache,
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -218,13 +249,19 @@ def _worker(rank: int, world: int, port: int, runs: list[tuple[str, object]], ou
         end_worker()  # tests/spawn_worker.py
 
 
-def spawn_runs(runs: dict[str, object], out_dir: str, cache: str, world: int = 2,
-               timeout_s: float = 300.0) -> dict[str, list[RunRecord]]:
+def spawn_runs(
+    runs: dict[str, object], out_dir: str, cache: str, world: int = 2, timeout_s: float = 300.0
+) -> dict[str, list[RunRecord]]:
     """Train each named config on `world` spawned ranks, one after another; {name: [record of rank 0, 1, ...]}."""
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), list(runs.items()), out_dir, cache), nprocs=world,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _worker,
+        args=(world, _free_port(), list(runs.items()), out_dir, cache),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=2):
         if time.monotonic() > deadline:
@@ -232,5 +269,10 @@ def spawn_runs(runs: dict[str, object], out_dir: str, cache: str, world: int = 2
                 if p.is_alive():
                     p.kill()
             raise TimeoutError(f"{world}-rank runs {list(runs)} exceeded {timeout_s:.0f} s")
-    return {name: [RunRecord(**torch.load(os.path.join(out_dir, f"{name}.rank{r}.pt"), weights_only=False))
-                   for r in range(world)] for name in runs}
+    return {
+        name: [
+            RunRecord(**torch.load(os.path.join(out_dir, f"{name}.rank{r}.pt"), weights_only=False))
+            for r in range(world)
+        ]
+        for name in runs
+    }

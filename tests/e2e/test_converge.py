@@ -28,8 +28,13 @@ def test_layouts_parse_and_keep_the_global_rows():
     assert Layout.parse("cp2").overrides(4, 1)[-1] == "data.micro_batch=4"  # CP ranks read the same rows
     assert Layout.parse("pp2xvpp2").overrides(8, 1)[-2:] == ["parallel.microbatches=4", "data.micro_batch=2"]
     assert Layout.parse("dp8xep8xzero1").nproc == 8
-    for bad, match in (("dp2xdp2", "each once"), ("tp2", "degrees joined"), ("dp0", ">= 1"), ("zero3", "zero 0"),
-                       ("ep2", "must divide dp x cp")):
+    for bad, match in (
+        ("dp2xdp2", "each once"),
+        ("tp2", "degrees joined"),
+        ("dp0", ">= 1"),
+        ("zero3", "zero 0"),
+        ("ep2", "must divide dp x cp"),
+    ):
         with pytest.raises(ConfigError, match=match):
             Layout.parse(bad)
     with pytest.raises(ConfigError, match="multiple of 4"):
@@ -47,8 +52,9 @@ def test_statistics_and_bands():
 
 
 def test_arguments():
-    recipe, cfg, rest = parse_args(["--config-name", "tiny_cpu", "converge.layouts=[single,dp2]", "converge.steps=7",
-                                    "optim.lr=1e-3"])
+    recipe, cfg, rest = parse_args(
+        ["--config-name", "tiny_cpu", "converge.layouts=[single,dp2]", "converge.steps=7", "optim.lr=1e-3"]
+    )
     assert (recipe, cfg.layouts, cfg.steps, rest) == ("tiny_cpu", ["single", "dp2"], 7, ["optim.lr=1e-3"])
     with pytest.raises(ConfigError, match="name the recipe"):
         parse_args(["converge.steps=3"])
@@ -60,6 +66,7 @@ def test_arguments():
 
 def test_refused_before_any_run(tmp_path):
     from k3train.converge import converge
+
     for over, match in ((["parallel.dp=2"], "sets parallel"), (["train.steps=3"], "sets parallel")):
         with pytest.raises(ConfigError, match=match):
             converge("tiny_cpu", ConvergeConfig(out=str(tmp_path)), over)
@@ -77,9 +84,19 @@ def test_deterministic_switch(tmp_path, monkeypatch):
     and sets cuBLAS's workspace; the process's setting is restored afterwards."""
     from k3train.config import load_config
     from k3train.train.trainer import Trainer
+
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    cfg = load_config("tiny_cpu", ["train.steps=1", "train.deterministic=true", f"train.run_dir={tmp_path}",
-                                   "logging.progress_bar=false", "logging.tensorboard=false", "data.seq_len=64"])
+    cfg = load_config(
+        "tiny_cpu",
+        [
+            "train.steps=1",
+            "train.deterministic=true",
+            f"train.run_dir={tmp_path}",
+            "logging.progress_bar=false",
+            "logging.tensorboard=false",
+            "data.seq_len=64",
+        ],
+    )
     before = torch.are_deterministic_algorithms_enabled()
     trainer = Trainer(cfg, recipe="tiny_cpu")
     try:
@@ -94,8 +111,14 @@ def test_deterministic_switch(tmp_path, monkeypatch):
 def _converge(tmp_path: Path, name: str, *args: str) -> tuple[int, dict]:
     out = tmp_path / name
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    p = subprocess.run([sys.executable, "-m", "k3train.converge", "--config-name", "tiny_cpu", f"converge.out={out}",
-                        *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [sys.executable, "-m", "k3train.converge", "--config-name", "tiny_cpu", f"converge.out={out}", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode in (0, 1), p.stdout[-2000:] + p.stderr[-3000:]
     verdict = json.loads((out / "verdict.json").read_text())
     assert json.loads(p.stdout.strip().splitlines()[-1])["pass"] == verdict["pass"]

@@ -25,21 +25,20 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 SKIPPED = {
     "make train": "sets up the virtual environment, then runs `python -m k3train.train --config-name tiny_cpu`, "
-                  "which runs here",
+    "which runs here",
     "sbatch launch/slurm.sbatch": "needs a Slurm cluster; `bash launch/slurm.sbatch --dry-run` runs here",
     "sbatch --nodes=N launch/slurm.sbatch": "needs a Slurm cluster; `bash launch/slurm.sbatch --dry-run` runs here",
     "python -m k3train.converge --config-name tiny_cpu": "tests/e2e/test_converge.py runs these convergence "
-                                                         "commands (several launches of 50 steps each)",
+    "commands (several launches of 50 steps each)",
     ".venv/bin/python -m k3train.converge --config-name tiny_cpu": "tests/e2e/test_converge.py runs it",
     "python -m k3train.converge --config-name small_8gpu": "needs one 8-GPU node",
-    "python -m k3train.plan --config-name tiny_cpu plan.world=1 plan.measure=true":
-        "its measurement (k3train.plan.measure.measure_layouts, every layout of LAYOUTS) is what "
-        "tests/e2e/test_plan.py::test_planner_matches_measured_layouts runs and checks, and the same command without "
-        "plan.measure runs here (test_plan.py::test_plan_command_prints_table_json_and_figure)",
+    "python -m k3train.plan --config-name tiny_cpu plan.world=1 plan.measure=true": "its measurement (k3train.plan.measure.measure_layouts, every layout of LAYOUTS) is what "
+    "tests/e2e/test_plan.py::test_planner_matches_measured_layouts runs and checks, and the same command without "
+    "plan.measure runs here (test_plan.py::test_plan_command_prints_table_json_and_figure)",
 }
 """Command prefixes that are not run, with the reason."""
 
-CORPUS = 'my/corpus/*.jsonl'
+CORPUS = "my/corpus/*.jsonl"
 """The placeholder corpus glob of docs/training.md: a small JSONL file is written there before the command runs."""
 IMAGES = "my/images"
 """The placeholder imagefolder of README.md and docs/training.md: captioned PNGs and a metadata.jsonl are written
@@ -58,7 +57,9 @@ def doc_commands() -> list[tuple[str, str]]:
             joined = re.sub(r"\\\n\s*", " ", block)
             for line in joined.splitlines():
                 cmd = line.split(" #", 1)[0].strip()
-                if re.search(r"k3train\.train|k3train\.plan|k3train\.converge|launch/|make train|^(\S*/)?k3train ", cmd):
+                if re.search(
+                    r"k3train\.train|k3train\.plan|k3train\.converge|launch/|make train|^(\S*/)?k3train ", cmd
+                ):
                     out.append((doc.name, cmd))
     seen, unique = set(), []
     for where, cmd in out:
@@ -105,16 +106,22 @@ def test_every_command_is_run_or_skipped_with_a_reason():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where, cmd", [c for c in COMMANDS if not any(c[1].startswith(p) for p in SKIPPED)],
-                         ids=lambda x: x if len(x) < 20 else x[:90])
+@pytest.mark.parametrize(
+    "where, cmd",
+    [c for c in COMMANDS if not any(c[1].startswith(p) for p in SKIPPED)],
+    ids=lambda x: x if len(x) < 20 else x[:90],
+)
 def test_doc_command_runs(where, cmd, tmp_path):
     if CORPUS in cmd:
         (tmp_path / "my" / "corpus").mkdir(parents=True)
-        lines = [f'{{"text": "document {i}: ' + "the quick brown fox jumps over the lazy dog. " * 20 + '"}'
-                 for i in range(40)]
+        lines = [
+            f'{{"text": "document {i}: ' + "the quick brown fox jumps over the lazy dog. " * 20 + '"}'
+            for i in range(40)
+        ]
         (tmp_path / "my" / "corpus" / "a.jsonl").write_text("\n".join(lines) + "\n")
     if IMAGES in cmd:
         from PIL import Image
+
         folder = tmp_path / IMAGES
         folder.mkdir(parents=True)
         with open(folder / "metadata.jsonl", "w") as f:
@@ -123,16 +130,23 @@ def test_doc_command_runs(where, cmd, tmp_path):
                 f.write(f'{{"file_name": "{i}.png", "text": "{colour}"}}\n')
     if USER_RECIPES in cmd:
         (tmp_path / USER_RECIPES).mkdir()
-        (tmp_path / USER_RECIPES / "mine.yaml").write_text("defaults:\n  - tiny_cpu\n  - override optim: muon\n"
-                                                           "  - _self_\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "K3_NODELIST": "node01 node02", "SLURM_JOB_NUM_NODES": "2"}
+        (tmp_path / USER_RECIPES / "mine.yaml").write_text(
+            "defaults:\n  - tiny_cpu\n  - override optim: muon\n  - _self_\n"
+        )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "K3_NODELIST": "node01 node02",
+        "SLURM_JOB_NUM_NODES": "2",
+    }
     argv = runnable(cmd)
-    proc = subprocess.run(argv, cwd=tmp_path if "launch/" not in cmd else REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        argv, cwd=tmp_path if "launch/" not in cmd else REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, f"{where}: {cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     if "k3train.plan" in argv:  # the table, then the summary line
         import json
+
         assert "memory per pipeline rank" in proc.stdout
         assert "fits" in json.loads(proc.stdout.strip().splitlines()[-1])
     if "k3train.train" in argv and not {"--cfg", "--dry-run", "--help"} & set(argv):
@@ -143,7 +157,8 @@ def test_doc_command_runs(where, cmd, tmp_path):
         # The cluster recipe itself validates at the world size of its layout (placeholder corpus and tokenizer
         # paths where the recipe leaves them to the user).
         from k3train.config import compose_config, from_omegaconf, validate_config
-        after = argv[argv.index("--config-name") + 1:]
+
+        after = argv[argv.index("--config-name") + 1 :]
         cfg = from_omegaconf(compose_config(after[0], after[1:]))
         if cfg.data.source == "files" and not cfg.data.paths:
             cfg.data.paths = ["corpus/*.jsonl"]

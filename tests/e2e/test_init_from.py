@@ -11,8 +11,13 @@ from k3train.config import load_config
 from k3train.train.checkpoint import CheckpointError
 from k3train.train.trainer import Trainer
 
-FAST = ["data.seq_len=64", "logging.tensorboard=false", "logging.progress_bar=false", "logging.console=false",
-        "train.eval_interval=0"]
+FAST = [
+    "data.seq_len=64",
+    "logging.tensorboard=false",
+    "logging.progress_bar=false",
+    "logging.console=false",
+    "train.eval_interval=0",
+]
 
 
 def _trainer(run_dir, *overrides) -> Trainer:
@@ -37,8 +42,9 @@ def test_init_from_takes_weights_only_and_then_resumes_itself(source, tmp_path):
     for n, p in t.engine.named_parameters():
         assert torch.equal(p.detach(), src_weights[n]), n  # ... with the source's weights
     fresh = _trainer(tmp_path / "fresh", "train.steps=3", "data.seq_len=128")
-    assert [g["lr"] for g in t.optimizer.param_groups] == \
-        [g["lr"] for g in fresh.optimizer.param_groups]  # the new schedule, at its start
+    assert [g["lr"] for g in t.optimizer.param_groups] == [
+        g["lr"] for g in fresh.optimizer.param_groups
+    ]  # the new schedule, at its start
     for st in t.optimizer.state.values():  # fresh optimizer state
         for k, v in st.items():
             if torch.is_tensor(v) and k != "step":
@@ -59,8 +65,11 @@ def test_init_from_refuses_bad_checkpoints(source, tmp_path):
     victim.write_bytes(victim.read_bytes()[:-8] + b"\0" * 8)
     with pytest.raises(CheckpointError, match="is corrupt"):
         _trainer(tmp_path / "b", f"train.init_from={step}")
-    with pytest.raises(CheckpointError, match=r"another shape \(first: tok_embeddings.weight \(512, 64\) in the "
-                                              r"checkpoint, \(512, 32\) here"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"another shape \(first: tok_embeddings.weight \(512, 64\) in the "
+        r"checkpoint, \(512, 32\) here",
+    ):
         _trainer(tmp_path / "c", f"train.init_from={src_dir}", "+model.overrides.dim=32")
 
 

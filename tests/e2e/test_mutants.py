@@ -18,12 +18,19 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_every_mutation_is_killed():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, str(REPO / "tools" / "mutants.py")], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "mutants.py")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     lines = r.stdout.strip().splitlines()
     assert lines, f"no output (exit code {r.returncode}):\n{r.stderr[-3000:]}"
     summary = json.loads(lines[-1])
     assert summary["total"] >= 30
-    assert summary["killed"] == summary["total"], (
-        f"mutations not killed: {summary['survivors']}\n" + "\n".join(lines[-summary["total"] - 4:]))
+    assert summary["killed"] == summary["total"], f"mutations not killed: {summary['survivors']}\n" + "\n".join(
+        lines[-summary["total"] - 4 :]
+    )
     assert r.returncode == 0, r.stderr[-3000:]

@@ -83,57 +83,57 @@ REASONS: dict[str, str] = {
     "logging.wandb_mode": OUTPUTS_ONLY + " (W&B online or offline)",
     "logging.peak_flops": OUTPUTS_ONLY + " (the denominator of the mfu metric)",
     "train.eval_interval": "eval runs forward only, without gradients, in eval mode (routers neither count load "
-                           "nor feed their balancers): it measures training, it does not change it",
+    "nor feed their balancers): it measures training, it does not change it",
     "train.eval_steps": "how many eval micro-batches a measurement reads: eval only (see train.eval_interval)",
     "train.checkpoint_interval": OUTPUTS_ONLY + " (checkpoint files)",
     "train.checkpoint_at_end": OUTPUTS_ONLY + " (a checkpoint file)",
     "train.keep_last_k": OUTPUTS_ONLY + " (which checkpoints are kept)",
     "train.async_checkpoint": "how a checkpoint is written (in the background from a host copy, or before the loop "
-                              "goes on): the same checkpoint either way; tests/unit/test_checkpoint.py::"
-                              "test_async_save_writes_in_the_background_from_a_copy shows the difference",
+    "goes on): the same checkpoint either way; tests/unit/test_checkpoint.py::"
+    "test_async_save_writes_in_the_background_from_a_copy shows the difference",
     "train.run_dir": OUTPUTS_ONLY + " (where everything goes)",
     "train.resume": "where a run starts; a resumed run reproduces the uninterrupted run's losses exactly "
-                    "(tests/e2e/test_resume.py), so it changes no result",
+    "(tests/e2e/test_resume.py), so it changes no result",
     "train.device": "which hardware runs the same math; its numerical consequence, the precision, is covered "
-                    "by train.precision (this machine has no CUDA to compare with)",
+    "by train.precision (this machine has no CUDA to compare with)",
     "train.deterministic": "which kernels may run (deterministic ones only) and how uninitialised memory is filled: "
-                           "the same math, repeatable on GPUs; on CPU runs are deterministic without it. "
-                           "tests/e2e/test_converge.py::test_deterministic_switch shows the switch in the run",
+    "the same math, repeatable on GPUs; on CPU runs are deterministic without it. "
+    "tests/e2e/test_converge.py::test_deterministic_switch shows the switch in the run",
     "train.threads": "CPU threads per process: speed only (results agree up to the rounding of parallel reductions)",
     "train.timeout_s": "how long a rank waits for the others before it gives up: it changes what happens only when "
-                       "a rank stops answering (tests/e2e/test_preemption.py stops one rank with SIGSTOP; the other "
-                       "exits after train.timeout_s naming the collective and the step)",
+    "a rank stops answering (tests/e2e/test_preemption.py stops one rank with SIGSTOP; the other "
+    "exits after train.timeout_s naming the collective and the step)",
     "train.host_work_timeout_s": "how long ranks wait for a peer's long host work (tokenizing, checkpoint checksums): "
-                                 "it changes what happens only when that work outlasts train.timeout_s "
-                                 "(tests/unit/test_resilience.py::test_host_work_waits_use_their_own_bound)",
+    "it changes what happens only when that work outlasts train.timeout_s "
+    "(tests/unit/test_resilience.py::test_host_work_waits_use_their_own_bound)",
     "data.num_proc": "processes that tokenize the files with Dataset.map: the same tokens (tests/unit/"
-                     "test_data_scale.py::test_map_cache_is_read_on_the_second_run compares them)",
+    "test_data_scale.py::test_map_cache_is_read_on_the_second_run compares them)",
     "data.special_tokens": "declares added tokens (ids after BOS/EOS/PAD); the text sources never yield them, so "
-                           "a text run is unchanged (the case below), and a vocabulary that cannot hold them is "
-                           "refused before any process group (tests/unit/test_data_scale.py::test_mixture_refusals, "
-                           "test_tiktoken_pattern_and_special_tokens); source builtin_vision needs its three image "
-                           "tokens declared and is refused without them (tests/unit/test_vision_train.py::"
-                           "test_missing_special_tokens_and_parallel_layouts_are_refused)",
+    "a text run is unchanged (the case below), and a vocabulary that cannot hold them is "
+    "refused before any process group (tests/unit/test_data_scale.py::test_mixture_refusals, "
+    "test_tiktoken_pattern_and_special_tokens); source builtin_vision needs its three image "
+    "tokens declared and is refused without them (tests/unit/test_vision_train.py::"
+    "test_missing_special_tokens_and_parallel_layouts_are_refused)",
     "data.sources[].name": OUTPUTS_ONLY + " (the source's label in the data/tokens/<name> metrics)",
     "model.overrides.name": "a label for logs (the preset's name)",
     "model.overrides.max_seq_len": "an upper bound checked against data.seq_len at validation; the model has no "
-                                   "position table (NoPE MLA, KDA), so nothing it computes depends on it",
+    "position table (NoPE MLA, KDA), so nothing it computes depends on it",
     "train.init_from": "where a new run's weights come from (another run's checkpoint): tests/e2e/test_init_from.py "
-                       "shows the weights taken and everything else starting fresh",
+    "shows the weights taken and everything else starting fresh",
     "plan.gpu": "the planner's GPU (python -m k3train.plan; tests/e2e/test_plan.py shows its table and errors); "
-                "at training start-up the GPU found is used, and a CPU run has none",
+    "at training start-up the GPU found is used, and a CPU run has none",
     "plan.gpus_per_node": "the planner's intra- vs inter-node bandwidth (tests/e2e/test_plan.py): planning only",
     "plan.world": "the planner's rank count when parallel.dp is -1: planning only",
     "plan.headroom": "the fit limit of the planner and of the start-up check, which runs on a GPU only "
-                     "(tests/e2e/test_plan.py refuses a layout that does not fit)",
+    "(tests/e2e/test_plan.py refuses a layout that does not fit)",
     "plan.efficiency": "the planner's assumed fraction of peak FLOP/s: step-time predictions only",
     "plan.check": "whether a GPU run refuses a layout predicted not to fit; this machine has no GPU, so training "
-                  "never runs the check (the check itself: tests/e2e/test_plan.py)",
+    "never runs the check (the check itself: tests/e2e/test_plan.py)",
     "plan.measure": "python -m k3train.plan runs the measured CPU layouts (tests/e2e/test_plan.py): planning only",
     "plan.png": OUTPUTS_ONLY + " (the planner's figure)",
     "data.on_bad_sample": "what an unusable image does (fail or skip and count); the built-in images all decode and "
-                          "fit, so no run here meets one: tests/unit/test_vision_train.py::"
-                          "test_bad_images_fail_or_are_skipped_and_counted shows both choices",
+    "fit, so no run here meets one: tests/unit/test_vision_train.py::"
+    "test_bad_images_fail_or_are_skipped_and_counted shows both choices",
 }
 
 
@@ -184,8 +184,9 @@ def schedule_differs(base, changed) -> str:
 
 def same_math(base, changed) -> float:
     lr, ur = loss_rel(changed, base), update_rel(changed, base)
-    assert lr <= LOSS_RTOL and ur <= UPDATE_RTOL, \
+    assert lr <= LOSS_RTOL and ur <= UPDATE_RTOL, (
         f"loss {lr:.2e} relative, weights {ur:.2e} of the update: this setting must not change the math"
+    )
     return lr
 
 
@@ -213,23 +214,26 @@ def chunks_differently(base, changed) -> str:
 def stores_activations(bucket: str, *, math: bool) -> Callable:
     """An activation-storage setting: `bucket` bytes appear in the storage accounting, fewer bytes stay with autograd
     as they are, and the loss changes (math=True: FP8) or does not (recompute, offload)."""
+
     def check(base, changed) -> str:
         got = changed.activation.get(bucket, 0)
         assert got > 0 and base.activation.get(bucket, 0) == 0, (bucket, base.activation, changed.activation)
         assert changed.autograd_bytes < base.autograd_bytes, (changed.autograd_bytes, base.autograd_bytes)
         effect = trains_differently(base, changed) if math else f"loss {same_math(base, changed):.1e} rel"
-        return (f"{bucket} {got:,} B; autograd-kept {base.autograd_bytes:,} -> {changed.autograd_bytes:,} B; "
-                f"{effect}")
+        return f"{bucket} {got:,} B; autograd-kept {base.autograd_bytes:,} -> {changed.autograd_bytes:,} B; {effect}"
+
     return check
 
 
 def moves_fp8_bytes(src: str, dst: str) -> Callable:
     """FP8 bytes move from layer `src` to layer `dst` (per-layer accounting), and training changes."""
+
     def check(base, changed) -> str:
         b, c = base.activation_layers, changed.activation_layers
         assert b.get(src, {}).get("fp8", 0) > 0 and c.get(src, {}).get("fp8", 0) == 0, (b.get(src), c.get(src))
         assert c.get(dst, {}).get("fp8", 0) > 0 and b.get(dst, {}).get("fp8", 0) == 0, (b.get(dst), c.get(dst))
         return f"fp8 bytes {src} -> {dst} ({c[dst]['fp8']:,} B); {trains_differently(base, changed)}"
+
     return check
 
 
@@ -237,8 +241,11 @@ def changes_bucket(old: str, new: str) -> Callable:
     def check(base, changed) -> str:
         assert base.activation.get(old, 0) > 0 and changed.activation.get(old, 0) == 0
         assert changed.activation.get(new, 0) > 0 and base.activation.get(new, 0) == 0
-        return f"{old} {base.activation[old]:,} B -> {new} {changed.activation[new]:,} B; " \
-               f"{trains_differently(base, changed)}"
+        return (
+            f"{old} {base.activation[old]:,} B -> {new} {changed.activation[new]:,} B; "
+            f"{trains_differently(base, changed)}"
+        )
+
     return check
 
 
@@ -274,6 +281,7 @@ FILES = {"data.source": "files", "data.paths": [InWork("docs.jsonl")]}
 def _sources(*specs: tuple) -> list:
     """data.sources entries from (file in the work folder, SourceConfig fields)."""
     from k3train.data.config import SourceConfig
+
     return [SourceConfig(name=f"s{i}", paths=[InWork(f)], **kw) for i, (f, kw) in enumerate(specs)]
 
 
@@ -284,20 +292,30 @@ KDA64 = {"model.overrides.kda_chunk": 64, "data.seq_len": 64}
 
 def _tiny_vision(**changes) -> dict:
     from k3train.models.k3.args import tiny_vision_args
+
     return {**dataclasses.asdict(tiny_vision_args()), **changes}
 
 
 # The drawn-image corpus with the tiny tower; rows of 64 tokens hold one or more image-caption samples.
-VISION_DATA = {"data.source": "builtin_vision", "model.overrides.vision": _tiny_vision(), "data.seq_len": 64,
-               "data.special_tokens": ["<|image_start|>", "<|image_pad|>", "<|image_end|>"]}
+VISION_DATA = {
+    "data.source": "builtin_vision",
+    "model.overrides.vision": _tiny_vision(),
+    "data.seq_len": 64,
+    "data.special_tokens": ["<|image_start|>", "<|image_pad|>", "<|image_end|>"],
+}
 
 
-VISION_FILES = {**VISION_DATA, "data.source": "vision_files", "data.paths": [InWork("vision.parquet")],
-                "data.eval_fraction": 0.1}
+VISION_FILES = {
+    **VISION_DATA,
+    "data.source": "vision_files",
+    "data.paths": [InWork("vision.parquet")],
+    "data.eval_fraction": 0.1,
+}
 
 
 def _rule(match: str, policy: str):
     from k3train.config.schema import ActivationRule
+
     return ActivationRule(match=match, policy=policy)
 
 
@@ -308,24 +326,52 @@ def _preset_case() -> Case:
     from k3train.models.k3.args import get_preset
 
     mine, small = model_args(runs.base_config()), get_preset("small")
-    same = {f"model.overrides.{f.name}": getattr(mine, f.name) for f in dataclasses.fields(mine)
-            if f.name not in ("name", "n_experts") and getattr(mine, f.name) != getattr(small, f.name)}
+    same = {
+        f"model.overrides.{f.name}": getattr(mine, f.name)
+        for f in dataclasses.fields(mine)
+        if f.name not in ("name", "n_experts") and getattr(mine, f.name) != getattr(small, f.name)
+    }
     return Case("model.preset", {"model.preset": "small"}, base=same)
 
 
 def _model_cases() -> list[Case]:
     m = "model.overrides."
     changes = {  # the tiny preset's value -> another valid one
-        "vocab_size": 300, "dim": 48, "n_layers": 2, "mla_every": 2, "norm_eps": 0.1,
-        "kda_heads": 1, "kda_head_dim": 16, "kda_conv_size": 2, "kda_decay_rank": 8, "kda_g_min": -1.0,
-        "mla_heads": 1, "mla_q_rank": 24, "mla_kv_rank": 16, "mla_k_head_dim": 8, "mla_shared_k_dim": 0,
-        "mla_v_head_dim": 16, "n_dense_layers": 2, "dense_hidden": 64, "n_experts": 4, "top_k": 1,
-        "moe_latent_dim": 16, "expert_hidden": 16, "n_shared_experts": 0, "shared_hidden": 16, "situ_beta1": 0.1,
-        "situ_beta2": 0.1, "attnres_block_layers": 1, "attnres_final_query": True, "init_std": 0.05,
+        "vocab_size": 300,
+        "dim": 48,
+        "n_layers": 2,
+        "mla_every": 2,
+        "norm_eps": 0.1,
+        "kda_heads": 1,
+        "kda_head_dim": 16,
+        "kda_conv_size": 2,
+        "kda_decay_rank": 8,
+        "kda_g_min": -1.0,
+        "mla_heads": 1,
+        "mla_q_rank": 24,
+        "mla_kv_rank": 16,
+        "mla_k_head_dim": 8,
+        "mla_shared_k_dim": 0,
+        "mla_v_head_dim": 16,
+        "n_dense_layers": 2,
+        "dense_hidden": 64,
+        "n_experts": 4,
+        "top_k": 1,
+        "moe_latent_dim": 16,
+        "expert_hidden": 16,
+        "n_shared_experts": 0,
+        "shared_hidden": 16,
+        "situ_beta1": 0.1,
+        "situ_beta2": 0.1,
+        "attnres_block_layers": 1,
+        "attnres_final_query": True,
+        "init_std": 0.05,
     }
     cases = [Case(m + k, {m + k: v}) for k, v in changes.items()]
-    cases += [Case(m + "kda_chunk", {m + "kda_chunk": 32}, chunks_differently),
-              Case(m + "router_score_dtype", {m + "router_score_dtype": "float64"}, rounds_differently)]
+    cases += [
+        Case(m + "kda_chunk", {m + "kda_chunk": 32}, chunks_differently),
+        Case(m + "router_score_dtype", {m + "router_score_dtype": "float64"}, rounds_differently),
+    ]
     return cases
 
 
@@ -371,20 +417,30 @@ ONE_PROCESS: list[Case] = [
     Case("data.builtin_max_bytes", {"data.builtin_max_bytes": 150_000}),
     Case("data.tokenizer", {"data.tokenizer": "tiktoken", "data.tokenizer_path": InWork("a.tiktoken")}),
     Case("data.tokenizer", {"data.tokenizer": "hf", "data.tokenizer_path": InWork("tokenizer.json")}),
-    Case("data.tokenizer_path", {"data.tokenizer_path": InWork("b.tiktoken")},
-         base={"data.tokenizer": "tiktoken", "data.tokenizer_path": InWork("a.tiktoken")}),
+    Case(
+        "data.tokenizer_path",
+        {"data.tokenizer_path": InWork("b.tiktoken")},
+        base={"data.tokenizer": "tiktoken", "data.tokenizer_path": InWork("a.tiktoken")},
+    ),
     Case("data.paths", {"data.paths": [InWork("docs.txt")]}, base=FILES),
     Case("data.format", {"data.format": "text"}, base=FILES),  # the JSONL file read as one text document
     Case("data.text_field", {"data.text_field": "body"}, base=FILES),
     Case("data.streaming", {"data.streaming": True}, base=FILES),  # file order instead of a shuffled one
     Case("data.sources", {"data.paths": [], **MIX}, base=FILES),
-    Case("data.sources[].weight", {"data.sources": _sources(("docs.jsonl", {"weight": 4.0}), ("docs.txt", {}))},
-         base=MIX),
+    Case(
+        "data.sources[].weight", {"data.sources": _sources(("docs.jsonl", {"weight": 4.0}), ("docs.txt", {}))}, base=MIX
+    ),
     Case("data.sources[].paths", {"data.sources": _sources(("docs.jsonl", {}), ("docs.jsonl", {}))}, base=MIX),
-    Case("data.sources[].format", {"data.sources": _sources(("docs.jsonl", {"format": "text"}), ("docs.txt", {}))},
-         base=MIX),
-    Case("data.sources[].text_field",
-         {"data.sources": _sources(("docs.jsonl", {"text_field": "body"}), ("docs.txt", {}))}, base=MIX),
+    Case(
+        "data.sources[].format",
+        {"data.sources": _sources(("docs.jsonl", {"format": "text"}), ("docs.txt", {}))},
+        base=MIX,
+    ),
+    Case(
+        "data.sources[].text_field",
+        {"data.sources": _sources(("docs.jsonl", {"text_field": "body"}), ("docs.txt", {}))},
+        base=MIX,
+    ),
     Case("data.tiktoken_pattern", {"data.tiktoken_pattern": r"[\s\S]"}, base=TIKTOKEN),  # no merges apply
     # parallel, in one process
     Case("parallel.microbatches", {"parallel.microbatches": 2}),  # accumulation: twice the rows per step
@@ -392,18 +448,29 @@ ONE_PROCESS: list[Case] = [
     Case("activation.policy", {"activation.policy": "recompute"}, stores_activations("recompute", math=False)),
     Case("activation.policy", {"activation.policy": "fp8"}, stores_activations("fp8", math=True)),
     Case("activation.policy", {"activation.policy": "offload_local"}, stores_activations("offload_local", math=False)),
-    Case("activation.rules", {"activation.rules": [_rule("layers.2.attn", "fp8")]},
-         stores_activations("fp8", math=True)),
-    Case("activation.rules[].match", {"activation.rules": [_rule("layers.3.attn", "fp8")]},
-         moves_fp8_bytes("layers.2", "layers.3"), base={"activation.rules": [_rule("layers.2.attn", "fp8")]}),
-    Case("activation.rules[].policy", {"activation.rules": [_rule("layers.2.attn", "offload_local")]},
-         changes_bucket("fp8", "offload_local"), base={"activation.rules": [_rule("layers.2.attn", "fp8")]}),
+    Case(
+        "activation.rules", {"activation.rules": [_rule("layers.2.attn", "fp8")]}, stores_activations("fp8", math=True)
+    ),
+    Case(
+        "activation.rules[].match",
+        {"activation.rules": [_rule("layers.3.attn", "fp8")]},
+        moves_fp8_bytes("layers.2", "layers.3"),
+        base={"activation.rules": [_rule("layers.2.attn", "fp8")]},
+    ),
+    Case(
+        "activation.rules[].policy",
+        {"activation.rules": [_rule("layers.2.attn", "offload_local")]},
+        changes_bucket("fp8", "offload_local"),
+        base={"activation.rules": [_rule("layers.2.attn", "fp8")]},
+    ),
     _preset_case(),
     *_model_cases(),
     # The Triton kernels (under TRITON_INTERPRET=1 on CPU): same math, other arithmetic. The KDA chunk of 64 (and rows
     # of 64) so the Triton KDA runs too; tests/unit/test_kernel_backend.py counts the kernels' calls.
     Case("model.kernels", {"model.kernels": "triton"}, rounds_differently, base=KDA64),
-    Case("model.kernels", {"model.kernels": "torch"}, rounds_differently, base={**KDA64, "model.kernels": "triton"}),    # The MTP module: its loss joins the gradient (the logged loss stays the next-token loss), either key.
+    Case(
+        "model.kernels", {"model.kernels": "torch"}, rounds_differently, base={**KDA64, "model.kernels": "triton"}
+    ),  # The MTP module: its loss joins the gradient (the logged loss stays the next-token loss), either key.
     Case("model.mtp_layers", {"model.mtp_layers": 1}, trains_and_logs_mtp),
     Case("model.overrides.mtp_layers", {"model.overrides.mtp_layers": 1}, trains_and_logs_mtp),
     # Image-text data: the tower gets images and trains with the decoder.
@@ -417,8 +484,11 @@ ONE_PROCESS: list[Case] = [
     Case("data.source", VISION_FILES),
     Case("data.image_field", {"data.image_field": "alt"}, base=VISION_FILES),
     Case("data.video_field", {"data.image_field": "", "data.video_field": "video"}, base=VISION_FILES),
-    Case("data.video_frames", {"data.video_frames": 2},  # 2 of each 4-frame clip's frames
-         base={**VISION_FILES, "data.image_field": "", "data.video_field": "video"}),
+    Case(
+        "data.video_frames",
+        {"data.video_frames": 2},  # 2 of each 4-frame clip's frames
+        base={**VISION_FILES, "data.image_field": "", "data.video_field": "video"},
+    ),
     # Images over the limit are skipped: other samples fill the rows.
     Case("data.image_max_pixels", {"data.image_max_pixels": 600, "data.on_bad_sample": "skip"}, base=VISION_DATA),
 ]
@@ -438,8 +508,10 @@ def only_decayed(init, final) -> float:
 
 def leaves_training_alone(base, changed) -> str:
     logged = dict(zip(base.steps, base.losses))
-    assert changed.steps and all(logged[s] == x for s, x in zip(changed.steps, changed.losses)), \
-        (base.losses, changed.losses)
+    assert changed.steps and all(logged[s] == x for s, x in zip(changed.steps, changed.losses)), (
+        base.losses,
+        changed.losses,
+    )
     assert weight_diff(changed, base) == 0.0
     text = "same losses and weights bit for bit"
     extra = sorted(set(changed.params) - set(base.params))
@@ -449,16 +521,18 @@ def leaves_training_alone(base, changed) -> str:
     return text
 
 
-
-
 LEAVES_ALONE: list[Case] = [
     Case("train.eval_interval", {"train.eval_interval": 1}, leaves_training_alone),
     Case("train.eval_steps", {"train.eval_interval": 1, "train.eval_steps": 4}, leaves_training_alone),
     Case("train.checkpoint_interval", {"train.checkpoint_interval": 1}, leaves_training_alone),
     Case("train.checkpoint_at_end", {"train.checkpoint_at_end": True}, leaves_training_alone),
     Case("train.keep_last_k", {"train.checkpoint_interval": 1, "train.keep_last_k": 1}, leaves_training_alone),
-    Case("train.async_checkpoint", {"train.async_checkpoint": False}, leaves_training_alone,
-         base={"train.checkpoint_interval": 1}),
+    Case(
+        "train.async_checkpoint",
+        {"train.async_checkpoint": False},
+        leaves_training_alone,
+        base={"train.checkpoint_interval": 1},
+    ),
     Case("logging.console", {"logging.console": True, "logging.console_interval": 1}, leaves_training_alone),
     Case("logging.progress_bar", {"logging.progress_bar": True}, leaves_training_alone),
     Case("logging.log_interval", {"logging.log_interval": 2}, leaves_training_alone),  # steps 2 and 3 logged
@@ -492,8 +566,14 @@ LAYOUTS: dict[str, dict] = {
 }
 # Settings of the math, each shown above to change one-process training: under a layout they must give the losses of
 # one process with the same settings, so no layout drops one on the way.
-MATH_SETTINGS = {"optim.name": "muon", "optim.weight_decay": 1.0, "optim.grad_clip": 0.01, "optim.qk_clip": 1e-3,
-                 "train.balancing": "sign", "activation.policy": "recompute"}
+MATH_SETTINGS = {
+    "optim.name": "muon",
+    "optim.weight_decay": 1.0,
+    "optim.grad_clip": 0.01,
+    "optim.qk_clip": 1e-3,
+    "train.balancing": "sign",
+    "activation.policy": "recompute",
+}
 SETTINGS_LAYOUTS = {
     "pp2_vpp2_settings": {**PP2, "parallel.vpp": 2, **MATH_SETTINGS},
     "dp2_ep2_zero1_settings": {**DP2, "parallel.ep": 2, "parallel.zero": 1, **MATH_SETTINGS},
@@ -510,6 +590,7 @@ def adds_bytes(dim: str) -> Callable:
         got = sum(_bytes(r, dim) for r in changed)
         assert got > 0 and all(_bytes(r, dim) == 0 for r in base), (dim, changed[0].comm)
         return f"{dim} bytes 0 -> {got:,} (both ranks, last step)"
+
     return check
 
 
@@ -518,6 +599,7 @@ def other_bytes(dim: str) -> Callable:
         old, new = sum(_bytes(r, dim) for r in base), sum(_bytes(r, dim) for r in changed)
         assert old > 0 and new > 0 and old != new, (dim, base[0].comm, changed[0].comm)
         return f"{dim} bytes {old:,} -> {new:,} (both ranks, last step)"
+
     return check
 
 
@@ -565,8 +647,10 @@ def stores_remotely(base, changed) -> str:
     got = [r.activation.get("offload_remote", 0) for r in changed]
     assert all(g > 0 for g in got) and all(not r.activation for r in base), got
     assert all(c.autograd_bytes < b.autograd_bytes for b, c in zip(base, changed))
-    return f"offload_remote {got[0]:,} B per rank; autograd-kept {base[0].autograd_bytes:,} -> " \
-           f"{changed[0].autograd_bytes:,} B"
+    return (
+        f"offload_remote {got[0]:,} B per rank; autograd-kept {base[0].autograd_bytes:,} -> "
+        f"{changed[0].autograd_bytes:,} B"
+    )
 
 
 @dataclass(frozen=True)
@@ -593,8 +677,9 @@ PARALLEL: list[ParallelCase] = [
     ParallelCase("parallel.cp", "cp2", "one", adds_bytes("cp")),
     ParallelCase("parallel.cp_layout", "cp2_contiguous", "cp2", other_bytes("cp")),
     ParallelCase("activation.policy", "dp2_offload_remote", "dp2", stores_remotely),
-    ParallelCase("parallel.vision_placement", "pp2_vision_bubbles", "pp2_vision", runs_vision_apart,
-                 reference="one_vision"),
+    ParallelCase(
+        "parallel.vision_placement", "pp2_vision_bubbles", "pp2_vision", runs_vision_apart, reference="one_vision"
+    ),
 ]
 
 
@@ -606,8 +691,15 @@ def _write_inputs(work: Path) -> None:
     words = ["alpha", "beta", "gamma", "delta", "kappa", "sigma", "omega", "theta"]
     with open(work / "docs.jsonl", "w") as f:
         for _ in range(60):
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(40)),
-                                "body": "".join(rng.choice("0123456789{}[]") for _ in range(120))}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "text": " ".join(rng.choice(words) for _ in range(40)),
+                        "body": "".join(rng.choice("0123456789{}[]") for _ in range(120)),
+                    }
+                )
+                + "\n"
+            )
     (work / "docs.txt").write_text("\n".join(" ".join(rng.choice(words[:4]) for _ in range(30)) for _ in range(80)))
     # tiktoken ranks: the 256 bytes, then two different sets of merges.
     for name, merges in (("a", [b"  ", b"se", b"re", b"in", b"on", b"    "]), ("b", [b"th", b"er", b"an"])):
@@ -615,11 +707,16 @@ def _write_inputs(work: Path) -> None:
         (work / f"{name}.tiktoken").write_text("\n".join(lines) + "\n")
     # A byte-level BPE tokenizer.json with 300 ids.
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<s>", "</s>", "<pad>"], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<s>", "</s>", "<pad>"],
+        show_progress=False,
+    )
     tok.train_from_iterator(["def run(self, value):\n    return self.value + value\n"] * 20, trainer)
     tok.save(str(work / "tokenizer.json"))
     _write_vision_files(work / "vision.parquet")
@@ -656,10 +753,19 @@ def _write_vision_files(path: Path) -> None:
         return buf.getvalue()
 
     noise = [rng.integers(0, 256, size=(16, 16, 3), dtype=np.uint8) for _ in range(24)]
-    pq.write_table(pa.table({
-        "image": [png(a) for a in noise], "alt": [png(255 - a) for a in noise],
-        "video": [mp4([np.roll(a, 4 * t, axis=1)[:, :16].repeat(2, axis=1)[:, :24] for t in range(4)]) for a in noise],
-        "text": [f"sample {i}" for i in range(24)]}), path)
+    pq.write_table(
+        pa.table(
+            {
+                "image": [png(a) for a in noise],
+                "alt": [png(255 - a) for a in noise],
+                "video": [
+                    mp4([np.roll(a, 4 * t, axis=1)[:, :16].repeat(2, axis=1)[:, :24] for t in range(4)]) for a in noise
+                ],
+                "text": [f"sample {i}" for i in range(24)],
+            }
+        ),
+        path,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -680,6 +786,7 @@ def _resolve(changes: dict, work: Path) -> dict:
         if dataclasses.is_dataclass(v):  # a data.sources entry
             return dataclasses.replace(v, **{f.name: one(getattr(v, f.name)) for f in dataclasses.fields(v)})
         return [one(x) for x in v] if isinstance(v, list) else v
+
     return {k: one(v) for k, v in changes.items()}
 
 
@@ -695,6 +802,7 @@ def train_one(work):
         if fresh or key not in cache:
             cache[key] = runs.train(runs.with_changes(base, settings), work / "runs" / f"r{len(cache)}")
         return cache[key]
+
     return train
 
 
@@ -704,12 +812,17 @@ def parallel_runs(work):
     image-text rows with the tiny tower], layout: [rank 0, rank 1]}:
     the layouts of LAYOUTS and SETTINGS_LAYOUTS in one two-rank spawn."""
     base = runs.base_config(runs.PARALLEL_BASE)
-    out = {"one": [runs.train(base, work / "runs" / "parallel_one")],
-           "one_settings": [runs.train(runs.with_changes(base, MATH_SETTINGS), work / "runs" / "parallel_one_s")],
-           "one_vision": [runs.train(runs.with_changes(base, VISION_DATA), work / "runs" / "parallel_one_v")]}
+    out = {
+        "one": [runs.train(base, work / "runs" / "parallel_one")],
+        "one_settings": [runs.train(runs.with_changes(base, MATH_SETTINGS), work / "runs" / "parallel_one_s")],
+        "one_vision": [runs.train(runs.with_changes(base, VISION_DATA), work / "runs" / "parallel_one_v")],
+    }
     layouts = {**LAYOUTS, **SETTINGS_LAYOUTS}
-    out.update(runs.spawn_runs({name: runs.with_changes(base, ch) for name, ch in layouts.items()},
-                               str(work / "runs"), str(work / "cache")))
+    out.update(
+        runs.spawn_runs(
+            {name: runs.with_changes(base, ch) for name, ch in layouts.items()}, str(work / "runs"), str(work / "cache")
+        )
+    )
     return out
 
 
@@ -745,8 +858,13 @@ def test_every_choice_of_a_named_setting_has_a_case():
         return vals | {LAYOUTS[c.layout][key] for c in PARALLEL if key in LAYOUTS[c.layout]}
 
     cfg = runs.base_config()
-    for key, names in (("activation.policy", POLICIES), ("train.balancing", BALANCING),
-                       ("data.source", DATA_SOURCES), ("data.tokenizer", TOKENIZERS), ("model.kernels", KERNELS)):
+    for key, names in (
+        ("activation.policy", POLICIES),
+        ("train.balancing", BALANCING),
+        ("data.source", DATA_SOURCES),
+        ("data.tokenizer", TOKENIZERS),
+        ("model.kernels", KERNELS),
+    ):
         section, name = key.split(".")
         default = getattr(getattr(cfg, section), name)
         assert set(names) - {default} <= tried(key), (key, sorted(set(names) - {default} - tried(key)))
@@ -758,8 +876,9 @@ def test_base_run_is_deterministic(train_one):
     assert a.losses == b.losses and weight_diff(a, b) == 0.0
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=f"{c.key}[{c.id}]", marks=_xfail_if_inert(c))
-                                  for c in ONE_PROCESS])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=f"{c.key}[{c.id}]", marks=_xfail_if_inert(c)) for c in ONE_PROCESS]
+)
 def test_setting_changes_one_process_training(case, train_one):
     base = train_one(case.base)
     changed = train_one({**case.base, **case.change})
@@ -782,8 +901,9 @@ def assert_same_training(rec, one, name: str) -> None:
         assert abs(a - b) <= 1e-5 * abs(b), f"{name} step {s + 1}: grad norm {a!r} vs one process {b!r}"
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=f"{c.key}[{c.layout}]", marks=_xfail_if_inert(c))
-                                  for c in PARALLEL])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=f"{c.key}[{c.layout}]", marks=_xfail_if_inert(c)) for c in PARALLEL]
+)
 def test_parallel_setting_keeps_the_math_and_changes_what_runs(case, parallel_runs):
     for name in (case.layout, case.vs):
         assert_same_training(parallel_runs[name][0], parallel_runs[case.reference][0], name)

@@ -29,8 +29,13 @@ def _check_rows(rows):
             assert r["predicted"][kind] == r["measured"][kind], (r["layout"], r["rank"], kind)
         assert len(r["acts_measured"]) >= 2  # two sequence lengths
         for key, m in r["acts_measured"].items():
-            assert abs(r["acts_predicted"][key] / m - 1) <= 0.10, (r["layout"], r["rank"], key,
-                                                                   r["acts_predicted"][key], m)
+            assert abs(r["acts_predicted"][key] / m - 1) <= 0.10, (
+                r["layout"],
+                r["rank"],
+                key,
+                r["acts_predicted"][key],
+                m,
+            )
         if r["optim"] == "adamw":  # the step-time model's bytes are the communication ledger's
             assert r["comm_predicted"] == r["comm_measured"], (r["layout"], r["rank"])
 
@@ -65,8 +70,13 @@ def test_mla_saved_bytes_exact(overrides, bf16):
 
 
 def _plan(*overrides, recipe="small_8gpu", cwd=None):
-    return subprocess.run([sys.executable, "-m", "k3train.plan", "--config-name", recipe, *overrides],
-                          capture_output=True, text=True, timeout=300, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "k3train.plan", "--config-name", recipe, *overrides],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
 
 
 @pytest.mark.slow
@@ -83,8 +93,11 @@ def test_context_extension_stages_in_the_docs_are_what_the_planner_prints():
         cells = [c.strip() for c in row.strip("|").split("|")]
         recipe, *overrides = cells[1].strip("`").split()
         gib, gpu = re.match(r"([\d.]+) GiB on (H100|H200)", cells[2]).groups()
-        r = _plan(*[o for o in overrides if not o.startswith("train.")],
-                  "plan.gpu=" + {"H100": "h100_80g", "H200": "h200_141g"}[gpu], recipe=recipe)
+        r = _plan(
+            *[o for o in overrides if not o.startswith("train.")],
+            "plan.gpu=" + {"H100": "h100_80g", "H200": "h200_141g"}[gpu],
+            recipe=recipe,
+        )
         assert r.returncode == 0, r.stderr
         assert "verdict: FITS: largest rank" in r.stdout and f"needs {gib} GiB" in r.stdout, (row, r.stdout[-600:])
         assert f"tokens/s {cells[3]} " in r.stdout, (row, r.stdout[-600:])
@@ -106,11 +119,14 @@ def test_plan_command_prints_table_json_and_figure(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"], sorted(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (("plan.gpu=a100_40g",), "unknown GPU 'a100_40g'"),
-    (("parallel.dp=-1", "parallel.pp=2", "plan.world=3"), "not divisible by pp*cp=2"),
-    (("parallel.dp=3",), "ep=8 must divide dp*cp"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (("plan.gpu=a100_40g",), "unknown GPU 'a100_40g'"),
+        (("parallel.dp=-1", "parallel.pp=2", "plan.world=3"), "not divisible by pp*cp=2"),
+        (("parallel.dp=3",), "ep=8 must divide dp*cp"),
+    ],
+)
 def test_plan_refuses_bad_input(overrides, message):
     r = _plan("plan.png=none", *overrides)
     assert r.returncode == 2 and message in r.stderr, r.stderr

@@ -50,8 +50,11 @@ def reference(tmp_path_factory) -> dict[int, float]:
 
 
 def _stopped(text: str) -> tuple[int, Path]:
-    m = re.search(rf"k3train: stopped on SIGTERM after step (\d+) of {STEPS}; checkpoint (\S+); the same command "
-                  rf"resumes from it", text)
+    m = re.search(
+        rf"k3train: stopped on SIGTERM after step (\d+) of {STEPS}; checkpoint (\S+); the same command "
+        rf"resumes from it",
+        text,
+    )
     assert m, text[-3000:]
     return int(m.group(1)), Path(m.group(2))
 
@@ -94,8 +97,7 @@ def test_sigterm_stops_after_a_checkpoint_and_the_rerun_finishes_with_the_uninte
 def test_kill_9_of_a_worker_restarts_and_finishes_with_the_uninterrupted_losses(reference, tmp_path):
     """torchrun --max-restarts 1 (c10d rendezvous), no train.run_dir: the restarted round finds the first round's
     run directory and its checkpoint (tools/soak_restart.py repeats this)."""
-    out = soak.one_run(tmp_path, reference, steps=STEPS, interval=INTERVAL, kill_after=4, kill_rank=1,
-                       time_limit=300)
+    out = soak.one_run(tmp_path, reference, steps=STEPS, interval=INTERVAL, kill_after=4, kill_rank=1, time_limit=300)
     assert out.ok, f"{out.why}\n{out.log.read_text()[-4000:]}"
 
 
@@ -104,8 +106,15 @@ def test_a_rank_that_stops_answering_ends_the_others_within_the_timeout(tmp_path
     exits non-zero; torchrun (no restarts) then fails the job."""
     run_dir = tmp_path / "run"
     timeout = 6
-    cmd = soak.command(30, 0, 0, f"train.run_dir={run_dir}", f"train.timeout_s={timeout}",
-                       "train.host_work_timeout_s=30", "train.checkpoint_at_end=false")
+    cmd = soak.command(
+        30,
+        0,
+        0,
+        f"train.run_dir={run_dir}",
+        f"train.timeout_s={timeout}",
+        "train.host_work_timeout_s=30",
+        "train.checkpoint_at_end=false",
+    )
     log = tmp_path / "run.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=soak.env(), stdout=out, stderr=subprocess.STDOUT)
@@ -116,8 +125,11 @@ def test_a_rank_that_stops_answering_ends_the_others_within_the_timeout(tmp_path
         said = None
         try:
             while said is None and time.monotonic() - t0 < timeout + 60:
-                said = re.search(r"k3train: \[rank 0\] timeout: no answer from the other ranks within 6 s in (.+), "
-                                 r"at step (\d+) \(", log.read_text())
+                said = re.search(
+                    r"k3train: \[rank 0\] timeout: no answer from the other ranks within 6 s in (.+), "
+                    r"at step (\d+) \(",
+                    log.read_text(),
+                )
                 time.sleep(0.1)
             waited = time.monotonic() - t0
         finally:
@@ -128,8 +140,9 @@ def test_a_rank_that_stops_answering_ends_the_others_within_the_timeout(tmp_path
     assert said, text[-3000:]
     assert timeout - 1 <= waited <= timeout + 30, waited
     # the collective rank 0 waited in, and the phase: the step's own collectives or the per-step expert-load record
-    assert re.fullmatch(r"(all_reduce|reduce_scatter|all_gather) over \w+( \(\w+\))? during (the train step|metrics)",
-                        said.group(1)), said.group(1)
+    assert re.fullmatch(
+        r"(all_reduce|reduce_scatter|all_gather) over \w+( \(\w+\))? during (the train step|metrics)", said.group(1)
+    ), said.group(1)
     assert int(said.group(2)) >= 3
     assert rc != 0
 
@@ -141,11 +154,19 @@ def test_time_limit_warning_stops_saves_and_requeues_the_slurm_job(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "scontrol.calls"
-    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n")
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
     (bin_dir / "scontrol").chmod(0o755)
     env = {**soak.env(), "SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    cmd = [sys.executable, "-m", "k3train.train", "--config-name", "tiny_cpu", "train.steps=30",
-           "train.checkpoint_interval=0", *soak.FAST]
+    cmd = [
+        sys.executable,
+        "-m",
+        "k3train.train",
+        "--config-name",
+        "tiny_cpu",
+        "train.steps=30",
+        "train.checkpoint_interval=0",
+        *soak.FAST,
+    ]
     run_dir = tmp_path / "runs" / "tiny_cpu" / "slurm-4242"
     log = tmp_path / "run.log"
     with open(log, "w") as out:

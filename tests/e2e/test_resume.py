@@ -16,10 +16,22 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 N, TOTAL = 3, 7  # checkpoint after step N (and every N steps), run to TOTAL
-COMMON = ["--config-name", "tiny_cpu", "data.seq_len=32", "data.micro_batch=4", "optim.warmup_steps=2",
-          "optim.lr=1e-2", "train.eval_interval=0", f"train.steps={TOTAL}", f"train.checkpoint_interval={N}",
-          "train.keep_last_k=5", "logging.progress_bar=false", "logging.tensorboard=false",
-          "logging.peak_flops=1e9", "train.threads=1"]
+COMMON = [
+    "--config-name",
+    "tiny_cpu",
+    "data.seq_len=32",
+    "data.micro_batch=4",
+    "optim.warmup_steps=2",
+    "optim.lr=1e-2",
+    "train.eval_interval=0",
+    f"train.steps={TOTAL}",
+    f"train.checkpoint_interval={N}",
+    "train.keep_last_k=5",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+    "logging.peak_flops=1e9",
+    "train.threads=1",
+]
 
 
 def _env() -> dict:
@@ -59,8 +71,14 @@ def reference(tmp_path_factory) -> Path:
 
 def test_sigkill_then_resume_continues_exactly(reference, tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(_cmd(f"train.run_dir={run_dir}"), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        _cmd(f"train.run_dir={run_dir}"),
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     published = run_dir / "checkpoints" / f"step-{N:06d}"
     deadline = time.monotonic() + 600
     while not published.is_dir():
@@ -84,6 +102,7 @@ def test_sigkill_then_resume_continues_exactly(reference, tmp_path):
 
 def test_corrupt_checkpoint_falls_back_to_the_previous(reference, tmp_path):
     import shutil
+
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
     newest = run_dir / "checkpoints" / f"step-{TOTAL:06d}"

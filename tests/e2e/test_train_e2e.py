@@ -15,8 +15,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 # A short, small run of the default recipe: 4 rows of 32 tokens per micro-batch.
-SMALL = ["data.seq_len=32", "data.micro_batch=4", "optim.warmup_steps=2", "optim.lr=1e-2", "train.eval_steps=2",
-         "logging.progress_bar=false", "train.resume=never", "train.threads=1"]
+SMALL = [
+    "data.seq_len=32",
+    "data.micro_batch=4",
+    "optim.warmup_steps=2",
+    "optim.lr=1e-2",
+    "train.eval_steps=2",
+    "logging.progress_bar=false",
+    "train.resume=never",
+    "train.threads=1",
+]
 
 
 def _env(**extra) -> dict:
@@ -41,22 +49,37 @@ def records(run_dir: Path) -> list[dict]:
 
 def test_tiny_run_writes_metrics_events_and_checkpoints(tmp_path):
     run_dir = tmp_path / "run"
-    r = train_cli(*SMALL, "train.steps=10", "train.eval_interval=5", "train.checkpoint_interval=5",
-                  "logging.wandb=true", f"train.run_dir={run_dir}")
+    r = train_cli(
+        *SMALL,
+        "train.steps=10",
+        "train.eval_interval=5",
+        "train.checkpoint_interval=5",
+        "logging.wandb=true",
+        f"train.run_dir={run_dir}",
+    )
     assert f"run directory {run_dir}" in r.stdout
 
     recs = records(run_dir)
     assert [x["step"] for x in recs] == list(range(1, 11))
     for x in recs:
-        for key in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "flops_per_token", "mfu",
-                    "moe/load_max_over_mean"):
+        for key in (
+            "step",
+            "loss",
+            "grad_norm",
+            "lr",
+            "tokens_per_s",
+            "flops_per_token",
+            "mfu",
+            "moe/load_max_over_mean",
+        ):
             assert key in x, (key, x)
         assert x["tokens_per_s"] > 0 and 0 < x["mfu"] < 1 and x["flops_per_token"] > 0
         assert x["moe/load_max_over_mean"] >= 1.0
     # the tiny model has MoE in layers 2..8 (layer 1 is dense): load, MaxVio, min load and bias range per layer
     figures = ("load_max_over_mean", "maxvio", "min_over_mean", "bias_min", "bias_max")
-    assert sorted(k for k in recs[0] if k.startswith("moe/L")) == sorted(f"moe/L{i}/{f}" for i in range(2, 9)
-                                                                        for f in figures)
+    assert sorted(k for k in recs[0] if k.startswith("moe/L")) == sorted(
+        f"moe/L{i}/{f}" for i in range(2, 9) for f in figures
+    )
     for x in recs:
         for i in range(2, 9):
             L = f"moe/L{i}/"
@@ -77,6 +100,7 @@ def test_tiny_run_writes_metrics_events_and_checkpoints(tmp_path):
 
     # TensorBoard events carry the same numbers
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = list((run_dir / "tb").glob("events.out.tfevents.*"))
     assert events
     acc = EventAccumulator(str(run_dir / "tb"))
@@ -94,8 +118,11 @@ def test_tiny_run_writes_metrics_events_and_checkpoints(tmp_path):
     # each checkpoint's cost is in the record of the step that published it; the last one in the last record
     saves = [x for x in recs if "checkpoint/step" in x]
     assert [x["checkpoint/step"] for x in saves] == [5, 10] and saves[-1]["step"] == 10
-    assert saves[-1]["checkpoint/bytes"] == sum(manifest["rank_bytes"]) == \
-        sum(f["size"] for f in manifest["files"].values())
+    assert (
+        saves[-1]["checkpoint/bytes"]
+        == sum(manifest["rank_bytes"])
+        == sum(f["size"] for f in manifest["files"].values())
+    )
     for x in saves:
         assert x["checkpoint/blocking_s"] > 0 and x["checkpoint/save_s"] > 0 and x["checkpoint/staging_bytes"] > 0
         assert x["checkpoint/bytes_rank_max"] == x["checkpoint/bytes_rank_min"] == x["checkpoint/bytes"]
@@ -110,9 +137,18 @@ def test_same_seed_same_losses_bit_for_bit(tmp_path):
     from k3train.train import run
 
     def losses(seed: int, name: str) -> list[float]:
-        cfg = load_config("tiny_cpu", [*SMALL, "train.steps=3", "train.eval_interval=0",
-                                       "train.checkpoint_at_end=false", "logging.tensorboard=false",
-                                       f"train.seed={seed}", f"train.run_dir={tmp_path / name}"])
+        cfg = load_config(
+            "tiny_cpu",
+            [
+                *SMALL,
+                "train.steps=3",
+                "train.eval_interval=0",
+                "train.checkpoint_at_end=false",
+                "logging.tensorboard=false",
+                f"train.seed={seed}",
+                f"train.run_dir={tmp_path / name}",
+            ],
+        )
         run(cfg, recipe="tiny_cpu")
         return [x["loss"] for x in records(tmp_path / name)]
 
@@ -131,12 +167,27 @@ def _free_port() -> int:
 def test_grad_accumulation_and_two_process_dp_match_one_process(tmp_path):
     """Global batch of 8 rows per step three ways: one micro-batch of 8; 2 accumulated micro-batches of 4; and 2
     processes (gloo) with 4 rows each. The losses agree to 1e-6 relative over 4 steps."""
-    common = [*SMALL, "train.steps=4", "train.eval_interval=0", "train.checkpoint_at_end=false",
-              "logging.tensorboard=false", "logging.peak_flops=1e9"]
+    common = [
+        *SMALL,
+        "train.steps=4",
+        "train.eval_interval=0",
+        "train.checkpoint_at_end=false",
+        "logging.tensorboard=false",
+        "logging.peak_flops=1e9",
+    ]
     train_cli(*common, "data.micro_batch=8", f"train.run_dir={tmp_path / 'one'}")
     train_cli(*common, "data.micro_batch=4", "parallel.microbatches=2", f"train.run_dir={tmp_path / 'accum'}")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                "127.0.0.1", "--master-port", str(_free_port())]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+    ]
     train_cli(*common, "data.micro_batch=4", f"train.run_dir={tmp_path / 'dp2'}", launcher=torchrun)
 
     one, accum, dp2 = (records(tmp_path / n) for n in ("one", "accum", "dp2"))

@@ -15,8 +15,18 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["-m", "k3train.train", "--config-name", "tiny_cpu", "train.eval_interval=3", "train.eval_steps=2",
-          "logging.progress_bar=false", "logging.tensorboard=false", "data.seq_len=64", "train.threads=1"]
+COMMON = [
+    "-m",
+    "k3train.train",
+    "--config-name",
+    "tiny_cpu",
+    "train.eval_interval=3",
+    "train.eval_steps=2",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+    "data.seq_len=64",
+    "train.threads=1",
+]
 
 
 def _port() -> int:
@@ -41,10 +51,26 @@ def _run(tmp_path: Path, name: str, nproc: int, *overrides: str, steps: int = 3)
     if nproc == 1:
         cmd = [sys.executable, *COMMON]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(_port()), *COMMON]
-    out = subprocess.run([*cmd, f"train.steps={steps}", f"train.run_dir={run}", *overrides], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=600)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_port()),
+            *COMMON,
+        ]
+    out = subprocess.run(
+        [*cmd, f"train.steps={steps}", f"train.run_dir={run}", *overrides],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return _losses(run)
 
@@ -70,9 +96,10 @@ def test_engine_checkpoint_resumes_exactly_under_another_layout(tmp_path):
     # uninterrupted cp=2 run (same global rows per step: one data-parallel rank everywhere).
     sched = ["train.checkpoint_interval=2", "optim.warmup_steps=2"]
     base = _train(_run(tmp_path, "cp2_full", 2, "data.micro_batch=2", "parallel.cp=2", *sched, steps=4))
-    for name, nproc, layout in (("one_resumed", 1, ["data.micro_batch=2"]),
-                                ("pp2_resumed", 2, ["data.micro_batch=1", "parallel.pp=2",
-                                                    "parallel.microbatches=2"])):
+    for name, nproc, layout in (
+        ("one_resumed", 1, ["data.micro_batch=2"]),
+        ("pp2_resumed", 2, ["data.micro_batch=1", "parallel.pp=2", "parallel.microbatches=2"]),
+    ):
         run = tmp_path / name
         (run / "checkpoints").mkdir(parents=True)
         shutil.copytree(tmp_path / "cp2_full" / "checkpoints" / "step-000002", run / "checkpoints" / "step-000002")

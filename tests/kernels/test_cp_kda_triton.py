@@ -16,15 +16,15 @@ from k3train.ops.kda import chunk_kda as torch_chunk_kda
 from k3train.parallel.context_parallel import ContextParallel
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                                reason="needs a GPU or TRITON_INTERPRET=1")
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs a GPU or TRITON_INTERPRET=1",
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ("q", "k", "v", "g", "beta")
 TOL = 1e-4
 """Relative RMS error bound (fp32 kernels against fp64 references)."""
-
-
 
 
 def rel_rms(a, b):
@@ -42,10 +42,7 @@ def cp_kda(cp, x, dtype, kernels):
 
 # Two rows of T=128 in pieces of 64: row 0 has a document crossing the piece boundary; row 1 a document starting at
 # its second piece's start and another inside it. None: one document per row (every piece carries its state on).
-@pytest.mark.parametrize("B,T,H,cu", [
-    (2, 128, 1, [0, 30, 128, 192, 210, 256]),
-    (1, 128, 2, None),
-])
+@pytest.mark.parametrize("B,T,H,cu", [(2, 128, 1, [0, 30, 128, 192, 210, 256]), (1, 128, 2, None)])
 def test_cp_kda_triton_matches_torch_and_whole_sequence(B, T, H, cu):
     K = V = 16
     x = kda_inputs(B, T, H, K, V, seed=T + H)
@@ -80,6 +77,7 @@ def test_cp_kda_follows_the_kernel_choice(monkeypatch):
     """Kernels('triton') with chunk 64 runs k3kernels' chunk_kda; Kernels('torch'), fp64 tensors or g_min < -5 run
     the PyTorch chunk terms."""
     import k3kernels.kda as kk
+
     calls = []
     real = kk.chunk_kda
 

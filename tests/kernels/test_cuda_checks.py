@@ -19,8 +19,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 def test_bf16_kernel_no_worse_than_torch_bf16(name):
     """err = max |x - fp32 reference| / max |reference| over the output and the input gradients (bench_kernels)."""
     import bench_kernels
-    sizes = {"situ": dict(N=1024, D=1024), "moe_permute": dict(N=1024, K=8, D=256, E=64),
-             "chunk_kda": dict(B=2, T=512, H=4, K=128, V=128)}[name]
+
+    sizes = {
+        "situ": dict(N=1024, D=1024),
+        "moe_permute": dict(N=1024, K=8, D=256, E=64),
+        "chunk_kda": dict(B=2, T=512, H=4, K=128, V=128),
+    }[name]
     row = bench_kernels.bench(name, "cuda", torch.bfloat16, sizes, repeats=1)
     print(row)
     # TF32 products inside the KDA kernel and fp32 sums in the permutation: within a few bf16 roundings of exact.

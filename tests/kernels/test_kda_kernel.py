@@ -14,8 +14,10 @@ from k3train.ops.kda import chunk_kda as torch_chunk_kda
 from k3train.ops.kda import naive_recurrent_kda
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                                reason="needs a GPU or TRITON_INTERPRET=1")
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs a GPU or TRITON_INTERPRET=1",
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ("q", "k", "v", "g", "beta", "h0")
@@ -23,13 +25,19 @@ TOL = 1e-4
 """Relative RMS error bound for the output, the final state and every gradient (fp32 kernels, fp64 references)."""
 
 
-
-
 def run(fn, x, dtype, with_h0=True, with_final=True, **kw):
     """Output, final state (or None) and the gradients of a fixed random projection of both."""
     x = {n: t.to(DEV, dtype).requires_grad_() for n, t in x.items()}
-    o, s = fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"] if with_h0 else None,
-              output_final_state=with_final, **kw)
+    o, s = fn(
+        x["q"],
+        x["k"],
+        x["v"],
+        x["g"],
+        x["beta"],
+        initial_state=x["h0"] if with_h0 else None,
+        output_final_state=with_final,
+        **kw,
+    )
     gen = torch.Generator().manual_seed(123)
     loss = (o * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o)).sum()
     if with_final:
@@ -67,8 +75,11 @@ def test_triton_kda_matches_references(name):
     errs = {}
     for ref_name, ref_fn in (("naive", naive_recurrent_kda), ("torch_chunk", torch_chunk_kda)):
         o, s, grads = run(ref_fn, x, torch.float64, **kw)
-        errs[ref_name] = {"o": rel_rms(out[0], o), "final": rel_rms(out[1], s),
-                          **{"d" + n: rel_rms(out[2][n], grads[n]) for n in NAMES}}
+        errs[ref_name] = {
+            "o": rel_rms(out[0], o),
+            "final": rel_rms(out[1], s),
+            **{"d" + n: rel_rms(out[2][n], grads[n]) for n in NAMES},
+        }
     for ref_name, e in errs.items():
         print(f"{name} vs {ref_name}: max rel RMS {max(e.values()):.2e} ({max(e, key=e.get)})")
         assert all(v <= TOL for v in e.values()), (ref_name, e)

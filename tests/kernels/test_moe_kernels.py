@@ -11,8 +11,10 @@ import torch
 
 from k3train.ops.moe_permute import expert_layout, permute, unpermute
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                                reason="needs a GPU or TRITON_INTERPRET=1")
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs a GPU or TRITON_INTERPRET=1",
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 E = 8

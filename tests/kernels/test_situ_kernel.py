@@ -9,8 +9,10 @@ import torch
 
 from k3train.ops.situ import situ_reference as situ
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                                reason="needs a GPU or TRITON_INTERPRET=1")
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs a GPU or TRITON_INTERPRET=1",
+)
 
 
 # (rtol, atol) of the gradients. fp32: the kernel's exp-based tanh loses ~1e-7 absolute near 0, which is large

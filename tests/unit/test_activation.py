@@ -14,9 +14,18 @@ import torch.nn.functional as F
 from torch import nn
 
 import k3train.activation.policy as policy_mod
-from k3train.activation import (POLICIES, Rule, activation_groups, apply_activation_policies, default_rules,
-                                dequantize_fp8_blockwise, fp8_nbytes, load_activation_group, quantize_fp8_blockwise,
-                                rules_from_config)
+from k3train.activation import (
+    POLICIES,
+    Rule,
+    activation_groups,
+    apply_activation_policies,
+    default_rules,
+    dequantize_fp8_blockwise,
+    fp8_nbytes,
+    load_activation_group,
+    quantize_fp8_blockwise,
+    rules_from_config,
+)
 from k3train.activation.storage import FP8Saved, HostSaved, LocalOffloader, RemoteCall, RemoteSaved
 from k3train.models.k3.args import get_preset
 from k3train.models.k3.model import K3Model
@@ -72,7 +81,7 @@ def _fp8_slow(x: torch.Tensor, block: int = 128):
     flat = [float(v) for v in x.reshape(-1).tolist()]
     qs, scales = [], []
     for s in range(0, len(flat), block):
-        blk = flat[s:s + block]
+        blk = flat[s : s + block]
         amax = max(abs(v) for v in blk)
         scale = torch.tensor(amax, dtype=torch.float32) / 448 if amax > 0 else torch.tensor(1.0)
         scales.append(float(scale))
@@ -85,7 +94,7 @@ def _fp8_slow(x: torch.Tensor, block: int = 128):
 def test_fp8_blockwise_matches_slow_reference_and_error_bound():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 100, generator=g) * torch.exp(torch.randn(3, 100, generator=g) * 3)
-    x[1, :] = 0.0                                           # a zero block (elements 128..227 straddle rows)
+    x[1, :] = 0.0  # a zero block (elements 128..227 straddle rows)
     q, s = quantize_fp8_blockwise(x)
     assert q.dtype == torch.float8_e4m3fn and q.shape == (300,) and s.shape == (3,)
     q_ref, s_ref = _fp8_slow(x)
@@ -94,15 +103,17 @@ def test_fp8_blockwise_matches_slow_reference_and_error_bound():
     y = dequantize_fp8_blockwise(q, s, torch.float32).view_as(x)
     # e4m3: 3 mantissa bits -> relative error <= 2^-4 for normals, absolute <= 2^-10 * scale for subnormals.
     scale_per_elem = s.repeat_interleave(128)[:300].view_as(x)
-    assert bool(((y - x).abs() <= x.abs() * 2 ** -4 + scale_per_elem * 2 ** -10).all())
-    assert float((y - x).abs().max()) > 0                   # it really is lossy
+    assert bool(((y - x).abs() <= x.abs() * 2**-4 + scale_per_elem * 2**-10).all())
+    assert float((y - x).abs().max()) > 0  # it really is lossy
     assert fp8_nbytes(300) == 300 + 4 * 3
     with pytest.raises(ValueError, match="floating"):
         quantize_fp8_blockwise(torch.arange(10))
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                    reason="needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs a GPU or TRITON_INTERPRET=1",
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fp8_triton_kernel_matches_reference(dtype):
     from k3kernels.fp8_quant import dequantize_fp8_triton, quantize_fp8_triton
@@ -112,37 +123,42 @@ def test_fp8_triton_kernel_matches_reference(dtype):
     n = 128 * 37 + 5
     x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * (1.0 if dtype == torch.float16 else 3.0))
     x[128:256] = 0.0
-    x[300] = -1e-30                                         # underflows to -0: the sign must survive
+    x[300] = -1e-30  # underflows to -0: the sign must survive
     x = x.to(dtype).to(dev)
     q, s = quantize_fp8_triton(x)
     q_ref, s_ref = quantize_fp8_blockwise(x)
     assert torch.equal(s, s_ref)
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))   # bit for bit, ties and carries included
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))  # bit for bit, ties and carries included
     assert torch.equal(dequantize_fp8_triton(q, s, dtype), dequantize_fp8_blockwise(q_ref, s_ref, dtype))
 
 
 def test_packed_forms_rebuild_shape_and_strides():
     g = torch.Generator().manual_seed(0)
     base = torch.randn(6, 40, generator=g)
-    cases = {"transpose": base.t(), "expand": base[:, :1].expand(6, 300), "slice": base[:, 3:30],
-             "permute": torch.randn(4, 5, 70, generator=g).permute(2, 0, 1)}
+    cases = {
+        "transpose": base.t(),
+        "expand": base[:, :1].expand(6, 300),
+        "slice": base[:, 3:30],
+        "permute": torch.randn(4, 5, 70, generator=g).permute(2, 0, 1),
+    }
     for name, t in cases.items():
         h = HostSaved(t, LocalOffloader())
         r = h.unpack()
         assert torch.equal(r, t), name
         if name in ("transpose", "permute"):
-            assert r.stride() == t.stride(), name             # dense permutations keep their strides
+            assert r.stride() == t.stride(), name  # dense permutations keep their strides
         if name == "expand":
-            assert r.stride(1) == 0                           # a broadcast stays a broadcast
+            assert r.stride(1) == 0  # a broadcast stays a broadcast
         assert r.untyped_storage().data_ptr() != t.untyped_storage().data_ptr(), name
         f = FP8Saved(t)
         assert f.unpack().shape == t.shape and f.unpack().dtype == t.dtype, name
-    assert HostSaved(cases["expand"], LocalOffloader()).nbytes == 6 * 4   # a broadcast is stored once
+    assert HostSaved(cases["expand"], LocalOffloader()).nbytes == 6 * 4  # a broadcast is stored once
 
 
 def test_remote_stash_round_trip_mixed_dtypes():
     """The stash a module call sends to its peer: one aligned byte buffer that rebuilds every tensor exactly."""
-    class Loopback:                      # stands in for the peer: holds the payload, gives it back
+
+    class Loopback:  # stands in for the peer: holds the payload, gives it back
         def __init__(self):
             self.held = {}
 
@@ -153,8 +169,13 @@ def test_remote_stash_round_trip_mixed_dtypes():
             return self.held.pop(key)
 
     g = torch.Generator().manual_seed(0)
-    ts = [torch.tensor([True, False, True]), torch.randn(5, 3, generator=g).t(), torch.arange(7),
-          torch.randn(5, generator=g).to(torch.bfloat16), torch.randn(2, 1, generator=g).expand(2, 6)]
+    ts = [
+        torch.tensor([True, False, True]),
+        torch.randn(5, 3, generator=g).t(),
+        torch.arange(7),
+        torch.randn(5, generator=g).to(torch.bfloat16),
+        torch.randn(2, 1, generator=g).expand(2, 6),
+    ]
     call = RemoteCall(("layers.1", 0), Loopback())
     packed = [RemoteSaved(t, call) for t in ts]
     sent = call.send()
@@ -182,9 +203,13 @@ def test_lossless_policies_give_the_same_gradients(reference, plan):
         "defaults": default_rules(),
         "recompute_layers": [Rule(kind="layer", policy="recompute")],
         "offload_local": [Rule(kind="layer", policy="offload_local")],
-        "mixed_roles": [Rule(kind="kda", policy="recompute"),
-                        Rule(match="layers.*.attn", role="input", policy="offload_local"), Rule(kind="router", policy="recompute"),
-                        Rule(kind="norm", role="activation", policy="offload_local")] + default_rules(),
+        "mixed_roles": [
+            Rule(kind="kda", policy="recompute"),
+            Rule(match="layers.*.attn", role="input", policy="offload_local"),
+            Rule(kind="router", policy="recompute"),
+            Rule(kind="norm", role="activation", policy="offload_local"),
+        ]
+        + default_rules(),
     }[plan]
     handle = apply_activation_policies(m, rules)
     try:
@@ -200,8 +225,10 @@ def test_lossless_policies_give_the_same_gradients(reference, plan):
 def test_default_plan_recomputes_moe_dispatch_not_router(reference):
     m, tok, _, ref = reference
     calls = {"router": 0, "dispatch": 0}
-    hooks = [r.register_forward_hook(lambda *_: calls.__setitem__("router", calls["router"] + 1))
-             for r in m.routers().values()]
+    hooks = [
+        r.register_forward_hook(lambda *_: calls.__setitem__("router", calls["router"] + 1))
+        for r in m.routers().values()
+    ]
     orig_dispatch = LocalDispatcher.dispatch
 
     def counting_dispatch(self, *a, **k):
@@ -216,9 +243,9 @@ def test_default_plan_recomputes_moe_dispatch_not_router(reference):
         assert handle.plan["layers.2.ffn.experts"] == "recompute"
         assert handle.plan["layers.2.attn_res"] == "recompute"
         _, g = grads(m, tok)
-        assert calls == {"router": n_moe, "dispatch": 2 * n_moe}   # gather/permutation twice, routing once
+        assert calls == {"router": n_moe, "dispatch": 2 * n_moe}  # gather/permutation twice, routing once
         load = m.moe_load()
-        assert all(int(v.sum()) == tok.numel() * m.args.top_k for v in load.values())   # counted once
+        assert all(int(v.sum()) == tok.numel() * m.args.top_k for v in load.values())  # counted once
         # Under whole-layer recompute the router runs again, yet its counters are not doubled.
         handle.remove()
         handle = apply_activation_policies(m, [Rule(kind="layer", policy="recompute")])
@@ -268,7 +295,7 @@ def _cosines(g, ref):
     for k in ref:
         a, b = g[k].double().flatten(), ref[k].double().flatten()
         if b.norm() == 0:
-            assert a.norm() == 0, k      # exactly-zero gradients (zero-initialised AttnRes queries) stay zero
+            assert a.norm() == 0, k  # exactly-zero gradients (zero-initialised AttnRes queries) stay zero
             continue
         out[k] = float(F.cosine_similarity(a, b, dim=0))
     return out
@@ -279,7 +306,7 @@ def test_fp8_gradients_and_bytes(reference):
     cos, st, _ = cosines_under(m, tok, ref, FP8_PLAN + default_rules())
     worst = min(cos, key=cos.get)
     assert cos[worst] >= 0.999, (worst, cos[worst])
-    assert min(cos.values()) < 1.0        # quantisation really happened
+    assert min(cos.values()) < 1.0  # quantisation really happened
     assert st["fp8"] > 0 and st["fp8_elements"] > 0
     # One byte per element plus 4 per 128: 0.258 of the fp32 originals, 0.516 of the same tensors in bf16.
     assert st["fp8"] == fp8_nbytes(st["fp8_elements"]) or st["fp8"] <= 1.01 * fp8_nbytes(st["fp8_elements"])
@@ -293,7 +320,7 @@ def test_fp8_loss_curve_tracks_keep():
         m = tiny()
         handle = apply_activation_policies(m, rules)
         opt = torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.0)
-        tok = batch(1, B=2, T=16)                           # same data every step: the loss must fall steadily
+        tok = batch(1, B=2, T=16)  # same data every step: the loss must fall steadily
         losses = []
         for _ in range(50):
             loss = loss_of(m, tok)
@@ -306,10 +333,10 @@ def test_fp8_loss_curve_tracks_keep():
 
     keep = run(default_rules())
     fp8 = run(FP8_PLAN + default_rules())
-    assert keep[-1] < 0.5 * keep[0]                         # it trains
+    assert keep[-1] < 0.5 * keep[0]  # it trains
     rel = [abs(a - b) / b for a, b in zip(fp8, keep)]
     assert max(rel) <= 0.01, max(rel)
-    assert max(rel) > 0                                    # and the two runs are not the same computation
+    assert max(rel) > 0  # and the two runs are not the same computation
 
 
 def test_offload_leaves_little_on_device(reference):
@@ -338,12 +365,12 @@ def test_stats_per_policy_and_reset(reference):
     grads(m, tok)
     t = handle.stats()["total"]
     assert t["recompute"] > 0 and t["device"] > 0
-    assert t["on_device"] < keep_total["on_device"]         # checkpointing AttnRes and the expert block saves memory
+    assert t["on_device"] < keep_total["on_device"]  # checkpointing AttnRes and the expert block saves memory
     assert keep_total["offloaded"] == 0 and keep_total["fp8"] == 0 and keep_total["recompute"] == 0
     handle.reset_stats()
     assert handle.stats()["total"]["saved"] == 0
     grads(m, tok)
-    assert handle.stats()["total"]["saved"] == t["saved"]   # per step, reproducibly
+    assert handle.stats()["total"]["saved"] == t["saved"]  # per step, reproducibly
     assert handle.log_stats(step=3)["saved"] == round(t["saved"] / 2**20, 3)
     handle.remove()
 
@@ -353,9 +380,11 @@ def _count_forwards(modules: dict[str, nn.Module]) -> dict[str, int]:
     """Count the real runs of each module's forward: an instance attribute set before the policies wrap it."""
     calls = {n: 0 for n in modules}
     for n, mod in modules.items():
+
         def counting(*a, _n=n, _orig=mod.forward, **k):
             calls[_n] += 1
             return _orig(*a, **k)
+
         mod.forward = counting
     return calls
 
@@ -366,8 +395,9 @@ def _assert_rel_close(g, ref, rtol):
         assert float((g[k] - ref[k]).abs().max()) <= rtol * float(ref[k].abs().max()), k
 
 
-@pytest.mark.parametrize("match, policy", [("layers.*.attn", "offload_local"), ("layers.*.attn", "keep"),
-                                           ("layers.*.ffn.experts", "fp8")])
+@pytest.mark.parametrize(
+    "match, policy", [("layers.*.attn", "offload_local"), ("layers.*.attn", "keep"), ("layers.*.ffn.experts", "fp8")]
+)
 def test_selective_recompute_stores_the_inner_module_under_its_policy(reference, match, policy):
     """Whole layers recomputed, one module inside each taken out: it runs once per step (the layer's recomputation
     gets its recorded outputs), what it saves is stored under its own policy, and the rest of the layer is really
@@ -381,8 +411,9 @@ def test_selective_recompute_stores_the_inner_module_under_its_policy(reference,
     recompute_only.remove()
 
     calls = _count_forwards({**inner, **norms})
-    handle = apply_activation_policies(m, [Rule(match=match, policy=policy), Rule(kind="layer", policy="recompute")]
-                                       + default_rules())
+    handle = apply_activation_policies(
+        m, [Rule(match=match, policy=policy), Rule(kind="layer", policy="recompute")] + default_rules()
+    )
     try:
         assert handle.lifted == {n: n.split(".ffn")[0].removesuffix(".attn") for n in inner}
         assert all(handle.plan[n] == policy for n in inner)
@@ -403,7 +434,7 @@ def test_selective_recompute_stores_the_inner_module_under_its_policy(reference,
         # Every layer holding the module stores under its policy (layer 1 is dense: no routed experts).
         layers = {n.split(".ffn")[0].removesuffix(".attn") for n in inner}
         assert {k for k, v in st["layers"].items() if v[bucket] > 0} == layers
-    assert t["recompute"] == base["recompute"]     # the layers' own inputs, as under plain layer recompute
+    assert t["recompute"] == base["recompute"]  # the layers' own inputs, as under plain layer recompute
     if policy == "fp8":
         cos = _cosines(g, ref)
         assert min(cos.values()) >= 0.99 and min(cos.values()) < 1.0, min(cos.items(), key=lambda kv: kv[1])
@@ -424,9 +455,15 @@ def test_selective_recompute_nesting(reference):
         dispatches[0] += 1
         return orig_dispatch(self, *a, **k)
 
-    handle = apply_activation_policies(m, [Rule(kind="norm", role="activation", policy="offload_local"),
-                                           Rule(kind="ffn", policy="keep"), Rule(kind="layer", policy="recompute")]
-                                       + default_rules())
+    handle = apply_activation_policies(
+        m,
+        [
+            Rule(kind="norm", role="activation", policy="offload_local"),
+            Rule(kind="ffn", policy="keep"),
+            Rule(kind="layer", policy="recompute"),
+        ]
+        + default_rules(),
+    )
     LocalDispatcher.dispatch = counting_dispatch
     try:
         assert handle.plan["layers.1.attn_norm"] == "input=keep, activation=offload_local"
@@ -434,8 +471,8 @@ def test_selective_recompute_nesting(reference):
         assert handle.lifted["layers.1.attn.o_norm"] == "layers.1"
         assert handle.covered["layers.2.attn_res"] == "layers.2"
         assert handle.plan["layers.2.ffn.experts"] == "recompute" and "layers.2.ffn.experts" not in handle.lifted
-        assert handle.plan["layers.2.ffn.latent_norm"] == "input=keep, activation=offload_local"   # keep: the FFN's
-        assert "layers.2.ffn.latent_norm" not in handle.lifted    # inside the kept FFN, not the recomputed layer
+        assert handle.plan["layers.2.ffn.latent_norm"] == "input=keep, activation=offload_local"  # keep: the FFN's
+        assert "layers.2.ffn.latent_norm" not in handle.lifted  # inside the kept FFN, not the recomputed layer
         loss, g = grads(m, tok)
     finally:
         LocalDispatcher.dispatch = orig_dispatch
@@ -502,9 +539,9 @@ class _WeightViews(nn.Module):
         self.w = nn.Parameter(torch.randn(64, 64))
 
     def forward(self, x):
-        wt = self.w.t()                         # a view of the weight: saved by the matmul
+        wt = self.w.t()  # a view of the weight: saved by the matmul
         h = torch.tanh(x @ wt)
-        return (h * self.w[0]).sum(-1)          # a slice of the weight, saved by the product
+        return (h * self.w[0]).sum(-1)  # a slice of the weight, saved by the product
 
 
 @pytest.mark.parametrize("pol", ["fp8", "offload_local"])
@@ -528,7 +565,7 @@ def test_weights_and_weight_views_are_never_packed(pol, monkeypatch):
     handle.remove()
     weight_ptr = mod[0].w.untyped_storage().data_ptr()
     assert packed_from and weight_ptr not in packed_from
-    assert st["params"] == mod[0].w.numel() * 4            # the weight counted once, as a reference
+    assert st["params"] == mod[0].w.numel() * 4  # the weight counted once, as a reference
     assert (st["fp8"] if pol == "fp8" else st["offload_local"]) > 0
     if pol == "offload_local":
         assert torch.equal(gx, gx_ref)
@@ -554,8 +591,10 @@ def test_model_parameters_never_packed(reference, monkeypatch):
 
 # ---- rules and errors --------------------------------------------------------------------------------------------
 def test_rules_from_config_and_plan():
-    cfg = SimpleNamespace(policy="fp8", rules=[SimpleNamespace(match="layers.*.attn", policy="offload_local"),
-                                               {"kind": "router", "policy": "keep"}])
+    cfg = SimpleNamespace(
+        policy="fp8",
+        rules=[SimpleNamespace(match="layers.*.attn", policy="offload_local"), {"kind": "router", "policy": "keep"}],
+    )
     rules = rules_from_config(cfg)
     assert rules[0].policy == "offload_local" and rules[-1] == Rule(kind="layer", policy="fp8", optional=True)
     m = tiny()
@@ -566,7 +605,7 @@ def test_rules_from_config_and_plan():
         assert handle.plan["layers.1.attn_res"] == "recompute"
         assert handle.plan["layers.2.ffn.router"] == "keep"
         assert handle.plan["layers.2.ffn.experts"] == "recompute"
-        assert handle.plan[""] == "keep"                     # the rest is counted, and kept
+        assert handle.plan[""] == "keep"  # the rest is counted, and kept
     finally:
         handle.remove()
 
@@ -586,7 +625,9 @@ def test_bad_input_errors(monkeypatch):
     with pytest.raises(ValueError, match=r"rule #1 .*'layers\.\*\.mlp'.* matches no module"):
         apply_activation_policies(m, [Rule(kind="kda", policy="fp8"), Rule(match="layers.*.mlp", policy="fp8")])
     with pytest.raises(ValueError, match="conflicts"):
-        apply_activation_policies(m, [Rule(kind="kda", role="input", policy="fp8"), Rule(kind="kda", policy="recompute")])
+        apply_activation_policies(
+            m, [Rule(kind="kda", role="input", policy="fp8"), Rule(kind="kda", policy="recompute")]
+        )
     with pytest.raises(ValueError, match="only floating tensors"):
         apply_activation_policies(m, [Rule(kind="kda", policy="fp8")], dtype=torch.int32)
     with pytest.raises(ValueError, match="integer token ids"):
@@ -596,7 +637,7 @@ def test_bad_input_errors(monkeypatch):
     monkeypatch.setattr(policy_mod, "fp8_supported", lambda device: False)
     with pytest.raises(ValueError, match="float8_e4m3fn is not supported on device cpu"):
         apply_activation_policies(m, [Rule(kind="kda", policy="fp8")])
-    assert all("forward" not in mod.__dict__ for mod in m.modules())   # failed set-up leaves the model untouched
+    assert all("forward" not in mod.__dict__ for mod in m.modules())  # failed set-up leaves the model untouched
 
 
 def test_bf16_activations():
@@ -611,7 +652,7 @@ def test_bf16_activations():
     _, g = grads(m, tok)
     st = handle.stats()["total"]
     handle.remove()
-    assert st["fp8"] <= 0.52 * st["fp8_source"]             # vs bf16 originals: 1 byte + 4/128 per 2 bytes
+    assert st["fp8"] <= 0.52 * st["fp8_source"]  # vs bf16 originals: 1 byte + 4/128 per 2 bytes
     cos = _cosines(g, ref)
     assert min(cos.values()) >= 0.99
 
@@ -624,14 +665,16 @@ def test_pipeline_stage_module():
     m.tok_embeddings = None
     m.output = None
     g = torch.Generator().manual_seed(3)
-    sources = torch.randn(3, 2, 16, m.args.dim, generator=g).requires_grad_()   # [emb, block 1, partial of layer 4]
+    sources = torch.randn(3, 2, 16, m.args.dim, generator=g).requires_grad_()  # [emb, block 1, partial of layer 4]
 
     def run():
         m.zero_grad(set_to_none=True)
         sources.grad = None
         m(sources).square().sum().backward()
-        return {"sources": sources.grad.clone(),
-                **{n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}}
+        return {
+            "sources": sources.grad.clone(),
+            **{n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None},
+        }
 
     ref = run()
     for rules in (default_rules(), [Rule(kind="layer", policy="offload_local")]):

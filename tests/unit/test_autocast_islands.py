@@ -38,7 +38,7 @@ def test_router_scores_and_selection_stay_fp32_under_autocast():
     router = Router(64, 16, 2)
     with torch.no_grad():
         router.weight.copy_(0.05 * torch.randn(16, 64, generator=gen))
-        router.bias.copy_(1e-3 * torch.randn(16, generator=gen))   # steps below bf16's spacing near 0.5 (~0.002)
+        router.bias.copy_(1e-3 * torch.randn(16, generator=gen))  # steps below bf16's spacing near 0.5 (~0.002)
     router.balancer = _Spy()
     x = torch.randn(512, 64, generator=gen)
     idx_ref, w_ref = router(x)
@@ -78,7 +78,7 @@ def test_kda_state_and_output_stay_fp32_under_autocast():
 
 def test_cp_summaries_stay_fp32_under_autocast():
     q, k, v, g, beta = _kda_inputs(T=512)
-    R, L = 2, 256                                           # two local pieces, the second begins a document
+    R, L = 2, 256  # two local pieces, the second begins a document
     pieces = [t.view(R, L, *t.shape[2:]) for t in (q, k, v, g, beta)]
     doc_start = torch.zeros(R, L, dtype=torch.bool)
     doc_start[1, 0] = True
@@ -94,7 +94,7 @@ def test_cp_summaries_stay_fp32_under_autocast():
 # ---- AttnRes ---------------------------------------------------------------------------------------------------------
 def test_attn_res_depth_softmax_stays_fp32_under_autocast():
     gen = torch.Generator().manual_seed(0)
-    sources = [s * torch.randn(4, 8, 256, generator=gen) for s in (1.0, 3.0, 10.0, 0.5)]   # fp32 residual sources
+    sources = [s * torch.randn(4, 8, 256, generator=gen) for s in (1.0, 3.0, 10.0, 0.5)]  # fp32 residual sources
     query, key_norm = torch.randn(256, generator=gen), 1 + 0.1 * torch.randn(256, generator=gen)
     ref = attn_res_reference(query, [s.double() for s in sources], key_norm.double())
     with autocast():
@@ -137,7 +137,7 @@ def test_qk_clip_max_logits_are_fp32_statistics_under_autocast():
     q = (3 * torch.randn(2, 2, 40, 24, generator=gen)).to(torch.bfloat16)
     k = (3 * torch.randn(2, 2, 40, 24, generator=gen)).to(torch.bfloat16)
     v = torch.randn(2, 2, 40, 8, generator=gen).to(torch.bfloat16)
-    scale = 24 ** -0.5
+    scale = 24**-0.5
     causal = torch.ones(40, 40, dtype=torch.bool).tril()
     ref = (q.double() @ k.double().transpose(-2, -1) * scale).masked_fill(~causal, float("-inf"))
     ref = ref.amax(dim=(0, 2, 3))

@@ -25,10 +25,30 @@ STEPS, SEQ, MB, RANKS = 3, 32, 8, 4
 def skewed_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("balance")
     trace = out / "trace.pt"
-    report = bench_balance.main([
-        "--steps", str(STEPS), "--seq-len", str(SEQ), "--micro-batch", str(MB), "--skew", "1.0", "--workers", "1",
-        "--log-every", "0", "--builtin-max-bytes", "300000", "--trace", str(trace), "--trace-ranks", str(RANKS),
-        "--out", str(out)])
+    report = bench_balance.main(
+        [
+            "--steps",
+            str(STEPS),
+            "--seq-len",
+            str(SEQ),
+            "--micro-batch",
+            str(MB),
+            "--skew",
+            "1.0",
+            "--workers",
+            "1",
+            "--log-every",
+            "0",
+            "--builtin-max-bytes",
+            "300000",
+            "--trace",
+            str(trace),
+            "--trace-ranks",
+            str(RANKS),
+            "--out",
+            str(out),
+        ]
+    )
     return out, trace, report
 
 
@@ -41,11 +61,25 @@ def test_bench_balance_json_fields(skewed_run):
     n_moe = data["model"]["moe_layers"]
     assert n_moe == 7  # tiny: 8 layers, the first dense
     for name, run in data["runs"].items():
-        for key in ("loss", "grad_norm", "lr", "maxvio_mean", "maxvio_max", "maxvio_layers",
-                    "maxvio_own_batch_mean", "maxvio_own_batch_max", "loads"):
+        for key in (
+            "loss",
+            "grad_norm",
+            "lr",
+            "maxvio_mean",
+            "maxvio_max",
+            "maxvio_layers",
+            "maxvio_own_batch_mean",
+            "maxvio_own_batch_max",
+            "loads",
+        ):
             assert len(run[key]) == STEPS, (name, key)
-        for v in (run["maxvio_mean"] + run["maxvio_max"] + run["maxvio_own_batch_mean"] + run["maxvio_own_batch_max"]
-                  + [x for row in run["maxvio_layers"] for x in row]):
+        for v in (
+            run["maxvio_mean"]
+            + run["maxvio_max"]
+            + run["maxvio_own_batch_mean"]
+            + run["maxvio_own_batch_max"]
+            + [x for row in run["maxvio_layers"] for x in row]
+        ):
             assert math.isfinite(v) and v >= 0, name
         loads = torch.tensor(run["loads"])  # [steps, layers, E]: every token routed to top_k experts in every layer
         assert loads.shape == (STEPS, n_moe, 8) and (loads.sum(-1) == MB * SEQ * 2).all()
@@ -107,7 +141,7 @@ def test_trace_matches_bench_moonep(skewed_run):
     # With nothing balancing, the skewed bias sends every token of every rank to expert 0 (the top of the ramp) and
     # none to the lower half of the ramp.
     assert (none[..., 0] == (MB // RANKS) * SEQ).all()
-    assert (none[..., args.n_experts // 2:] == 0).all()
+    assert (none[..., args.n_experts // 2 :] == 0).all()
     res = bench_moonep.evaluate("qb", trace, eplb_slots=None, reps=1)
     assert res["moonep_worst"] == pytest.approx(1.0)
     assert res["no_replication_worst"] >= 1.0
@@ -133,14 +167,16 @@ def test_maxvio_values():
 
 def test_bad_trace_ranks(tmp_path):
     with pytest.raises(ValueError, match="--trace-ranks=3"):
-        bench_balance.main(["--steps", "1", "--trace", str(tmp_path / "t.pt"), "--trace-ranks", "3",
-                            "--out", str(tmp_path)])
+        bench_balance.main(
+            ["--steps", "1", "--trace", str(tmp_path / "t.pt"), "--trace-ranks", "3", "--out", str(tmp_path)]
+        )
 
 
 def test_train_recall_tool_reports_accuracy(tmp_path, capsys):
     """tools/train_recall.py (the 400-step recall run, about 4 minutes) in a 4-step version: it trains through the
     CLI, measures eval accuracy four times and reports it."""
     import train_recall
+
     report = train_recall.main(["--steps", "4", "--out", str(tmp_path / "run"), "--min-accuracy", "0.0"])
     assert [s for s, _ in report["accuracies"]] == [1, 2, 3, 4]
     assert all(0.0 <= a <= 1.0 for _, a in report["accuracies"]) and report["passed"]

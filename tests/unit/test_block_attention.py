@@ -52,12 +52,14 @@ def test_key_range_offset_and_fp32():
 
 def test_saved_bytes_grow_linearly():
     """What backward keeps is O(T): inputs, output, log-sum-exp and the position tables, never [Tq, Tk]."""
+
     def saved(T):
         q, k, v, pos, doc = _case(B=1, H=2, T=T, docs=((0,),), dtype=torch.float32)
         total = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: total.append(t.numel()) or t, lambda t: t):
             block_attention(q, k, v, pos, doc, pos, doc, 0.3, q_block=16, k_block=16)
         return max(total)
+
     assert saved(512) == 2 * saved(256)
 
 
@@ -78,6 +80,7 @@ def _mla_like(B=2, H=3, T=37, rank=6, shared=2, dk=4, dv=3, docs=((0, 1, 13, 14)
         k_lat, v = kvh.view(n, T_, H, dk + dv).split([dk, dv], -1)
         k = torch.cat([k_lat, ks[:, :, None].expand(n, T_, H, shared)], -1)
         return k.transpose(1, 2), v.transpose(1, 2)
+
     _, _, _, pos, doc = _case(B=B, H=1, T=T, docs=docs)
     return q, c, kv, (norm_w, up_w), pos, doc
 
@@ -102,13 +105,15 @@ def test_query_segments_at_scattered_positions():
     q, c, kv, params, pos, doc = _mla_like(T=48, docs=((0, 5, 30), (0, 40)), seed=2)
     idx = torch.cat([torch.arange(4, 16), torch.arange(36, 48)])
     qs = q[:, :, idx]
-    out, _ = latent_block_attention(qs, c, kv, params, pos[:, idx], doc[:, idx], pos, doc, 0.4,
-                                    q_segments=[12, 12], q_block=8, k_block=5)
+    out, _ = latent_block_attention(
+        qs, c, kv, params, pos[:, idx], doc[:, idx], pos, doc, 0.4, q_segments=[12, 12], q_block=8, k_block=5
+    )
     ref, _ = naive_attention(qs, *kv(c, *params), pos[:, idx], doc[:, idx], pos, doc, 0.4)
     assert torch.allclose(out, ref, atol=1e-12, rtol=0)
     go = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad(out, (q, c, *params), go, retain_graph=True),
-                    torch.autograd.grad(ref, (q, c, *params), go)):
+    for a, b in zip(
+        torch.autograd.grad(out, (q, c, *params), go, retain_graph=True), torch.autograd.grad(ref, (q, c, *params), go)
+    ):
         assert torch.allclose(a, b, atol=1e-11, rtol=0)
     with pytest.raises(ValueError, match="segments"):
         latent_block_attention(qs, c, kv, params, pos[:, idx], doc[:, idx], pos, doc, 0.4, q_segments=[12, 11])
@@ -127,7 +132,7 @@ class _PrefixSource:
 
     def scatter(self, d):
         self.calls.append("scatter")
-        return d[:, self.head.shape[1]:]
+        return d[:, self.head.shape[1] :]
 
 
 def test_source_gathers_again_in_backward_and_saves_only_the_local_part():
@@ -137,9 +142,10 @@ def test_source_gathers_again_in_backward_and_saves_only_the_local_part():
     qs = q[:, :, 24:]
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-        out, _ = latent_block_attention(qs, tail, kv, params, pos[:, 24:], doc[:, 24:], pos, doc, 0.5, source=src,
-                                        q_block=5, k_block=7)
-    assert src.calls == ["gather"] and tuple(c.shape) not in saved   # the gathered row is not kept
+        out, _ = latent_block_attention(
+            qs, tail, kv, params, pos[:, 24:], doc[:, 24:], pos, doc, 0.5, source=src, q_block=5, k_block=7
+        )
+    assert src.calls == ["gather"] and tuple(c.shape) not in saved  # the gathered row is not kept
     ref, _ = naive_attention(qs, *kv(torch.cat([head, tail], 1), *params), pos[:, 24:], doc[:, 24:], pos, doc, 0.5)
     assert torch.allclose(out, ref, atol=1e-12, rtol=0)
     go = torch.randn_like(out)
@@ -155,12 +161,12 @@ def test_latent_attention_saves_no_per_head_keys():
     q, c, kv, params, pos, doc = _mla_like(B=1, H=16, T=64, rank=8, shared=4, dk=8, dv=8, docs=((0, 30),))
     numel = {}
     with torch.autograd.graph.saved_tensors_hooks(
-            lambda t: numel.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) or t,
-            lambda t: t):
+        lambda t: numel.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) or t, lambda t: t
+    ):
         out, _ = latent_block_attention(q, c, kv, params, pos, doc, pos, doc, 0.3, q_block=16, k_block=16)
     ptrs = {p.untyped_storage().data_ptr() for p in params}
     acts = sum(n for p, n in numel.items() if p not in ptrs)
     B, H, T, d = q.shape
     expected = 8 * (B * H * T * d + B * T * c.shape[-1] + out.numel() + B * H * T) + 8 * (2 * B * T)  # + pos, doc
     assert acts == expected
-    assert 8 * B * T * H * (8 + 4 + 8) > acts / 2   # per-head K and V alone would outweigh half of it
+    assert 8 * B * T * H * (8 + 4 + 8) > acts / 2  # per-head K and V alone would outweigh half of it

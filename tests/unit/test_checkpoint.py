@@ -27,8 +27,9 @@ from k3train.train.checkpoint import Checkpointer, CheckpointError, staging_byte
 
 def _setup(optim: str):
     """The one-process engine (what the trainer checkpoints), its model, optimizer and a schedule."""
-    engine = build_engine(get_preset("tiny"), ParallelDims(), OptimConfig(name=optim, lr=1e-2), seed=0, device="cpu",
-                          seq_len_hint=32)
+    engine = build_engine(
+        get_preset("tiny"), ParallelDims(), OptimConfig(name=optim, lr=1e-2), seed=0, device="cpu", seq_len_hint=32
+    )
     opt = engine.optimizer
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (1 + i))  # lr changes every step
     return engine, opt, sched

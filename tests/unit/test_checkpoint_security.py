@@ -38,8 +38,9 @@ class Plant:
 
 
 def _engine(seed: int = 0):
-    engine = build_engine(get_preset("tiny"), ParallelDims(), OptimConfig(name="adamw", lr=1e-2), seed=seed,
-                          device="cpu", seq_len_hint=32)
+    engine = build_engine(
+        get_preset("tiny"), ParallelDims(), OptimConfig(name="adamw", lr=1e-2), seed=seed, device="cpu", seq_len_hint=32
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda i: 1.0)
     return engine, sched
 
@@ -47,8 +48,11 @@ def _engine(seed: int = 0):
 def _remanifest(step_dir: Path) -> None:
     """Recompute manifest.json for the files now in the folder (what an attacker who edits a checkpoint does)."""
     m = json.loads((step_dir / "manifest.json").read_text())
-    m["files"] = {p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-                  for p in sorted(step_dir.iterdir()) if p.name != "manifest.json"}
+    m["files"] = {
+        p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in sorted(step_dir.iterdir())
+        if p.name != "manifest.json"
+    }
     (step_dir / "manifest.json").write_text(json.dumps(m))
 
 
@@ -88,6 +92,7 @@ def _payload_item(step: Path, marker: Path, fqn: str, *, as_bytes: bool = False)
     at it (as_bytes: the entry declared non-tensor, indexed as DCP indexes such entries), still to be written."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
     md = pickle.loads((step / ".metadata").read_bytes())
     data = step / "__0_0.distcp"
     blob = io.BytesIO()
@@ -120,8 +125,12 @@ def _plant_data_file(step: Path, marker: Path) -> str:
     return "__0_0.distcp"
 
 
-PLANTS = {"rank_file": _plant_rank_file, "metadata_global": _plant_metadata_global,
-          "metadata_bytes_entry": _plant_bytes_entry, "data_file": _plant_data_file}
+PLANTS = {
+    "rank_file": _plant_rank_file,
+    "metadata_global": _plant_metadata_global,
+    "metadata_bytes_entry": _plant_bytes_entry,
+    "data_file": _plant_data_file,
+}
 
 
 @pytest.mark.parametrize("where", list(PLANTS))
@@ -156,13 +165,19 @@ def _version1(run: Path, engine, sched, marker: Path) -> Path:
     """A checkpoint as the previous k3train wrote it: DCP with the scheduler, the step and a pickled per-rank blob
     (here a payload), and a manifest without a format version."""
     step = run / "checkpoints" / "step-000002"
-    state = {"engine": engine.state_dict(), "scheduler": sched.state_dict(), "step": 2,
-             "rank0": pickle.dumps({"data": {}, "rng": Plant(marker)})}
+    state = {
+        "engine": engine.state_dict(),
+        "scheduler": sched.state_dict(),
+        "step": 2,
+        "rank0": pickle.dumps({"data": {}, "rng": Plant(marker)}),
+    }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.save(state, checkpoint_id=str(step))
-    files = {p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-             for p in sorted(step.iterdir())}
+    files = {
+        p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in sorted(step.iterdir())
+    }
     (step / "manifest.json").write_text(json.dumps({"step": 2, "world_size": 1, "files": files}))
     (run / "checkpoints" / "latest").write_text("step-000002\n")
     return step
@@ -173,8 +188,11 @@ def test_version1_is_refused_for_resume_and_init_from_takes_its_weights(tmp_path
     marker = tmp_path / "payload-ran"
     step = _version1(tmp_path / "old", engine, sched, marker)
     fresh, fresh_sched = _engine(seed=1)
-    with pytest.raises(CheckpointError, match=r"has format version 1 \(its manifest records none\); this k3train "
-                                              r"reads version 2") as err:
+    with pytest.raises(
+        CheckpointError,
+        match=r"has format version 1 \(its manifest records none\); this k3train "
+        r"reads version 2",
+    ) as err:
         Checkpointer(tmp_path / "old", keep_last_k=2).load("auto", fresh, fresh_sched)
     assert str(step) in str(err.value) and "train.init_from" in str(err.value)
     assert init_weights_from(str(tmp_path / "old"), fresh) == step

@@ -19,12 +19,16 @@ def test_nested_scopes_each_count_a_call_once():
             comm.record("ep", "all_to_all", 100, 50.0, what="dispatch")
             comm.record("ep", "all_to_all", 30, 10.0, what="counts")
     comm.record("dp_cp", "all_reduce", 8)  # outside: neither
-    assert outer.snapshot() == {"dp_cp/all_reduce": {"calls": 1, "payload": 8, "wire": 4.0},
-                                "ep/all_to_all": {"calls": 2, "payload": 130, "wire": 60.0}}
+    assert outer.snapshot() == {
+        "dp_cp/all_reduce": {"calls": 1, "payload": 8, "wire": 4.0},
+        "ep/all_to_all": {"calls": 2, "payload": 130, "wire": 60.0},
+    }
     assert inner.snapshot() == {"ep/all_to_all": {"calls": 2, "payload": 130, "wire": 60.0}}
     assert inner.entry("ep", what="dispatch") == {"calls": 1, "payload": 100, "wire": 50.0}
-    assert inner.labels("ep") == {("counts", "all_to_all"): {"calls": 1, "payload": 30, "wire": 10.0},
-                                  ("dispatch", "all_to_all"): {"calls": 1, "payload": 100, "wire": 50.0}}
+    assert inner.labels("ep") == {
+        ("counts", "all_to_all"): {"calls": 1, "payload": 30, "wire": 10.0},
+        ("dispatch", "all_to_all"): {"calls": 1, "payload": 100, "wire": 50.0},
+    }
     assert outer.by_dim("payload") == {"dp_cp": 8, "ep": 130}
 
 
@@ -33,8 +37,7 @@ def two_ranks(monkeypatch):
     """Collectives of a two-rank group whose peer holds the same tensor as this rank."""
     monkeypatch.setattr(comm, "_size", lambda group: 2)
     monkeypatch.setattr(comm, "_all_gather_single", lambda out, inp, group: out.copy_(torch.cat([inp, inp])))
-    monkeypatch.setattr(comm, "_reduce_scatter_single",
-                        lambda out, inp, group: out.copy_(sum(inp.chunk(2))))
+    monkeypatch.setattr(comm, "_reduce_scatter_single", lambda out, inp, group: out.copy_(sum(inp.chunk(2))))
 
 
 @pytest.mark.parametrize("thread", [False, True], ids=["same_thread", "other_thread"])
@@ -52,6 +55,8 @@ def test_backward_counts_in_the_forward_scopes(two_ranks, thread):
         loss.backward()
     torch.testing.assert_close(x.grad, torch.full((3, 4), 3.0) + torch.arange(3.0).view(3, 1) * 2)
     for c in (step, handle):
-        assert c.labels("cp") == {("kda_summary", "all_gather"): {"calls": 1, "payload": 96, "wire": 48.0},
-                                  ("kda_summary", "reduce_scatter"): {"calls": 1, "payload": 96, "wire": 48.0}}
+        assert c.labels("cp") == {
+            ("kda_summary", "all_gather"): {"calls": 1, "payload": 96, "wire": 48.0},
+            ("kda_summary", "reduce_scatter"): {"calls": 1, "payload": 96, "wire": 48.0},
+        }
     assert comm.counter() is not step  # backward left no scope open

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from k3train.parallel.mesh import ParallelDims
-from k3train.config import (ConfigError, K3TrainConfig, available_recipes, load_config, model_args,
-                            validate_config)
+from k3train.config import ConfigError, K3TrainConfig, available_recipes, load_config, model_args, validate_config
 from k3train.config import schema as schema_mod
 from k3train.models.k3 import model as model_mod
 
@@ -25,8 +24,10 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(autouse=True)
 def _no_model_builds(monkeypatch):
     """Config handling must never build a model: make any attempt fail loudly."""
+
     def boom(*a, **k):
         raise AssertionError("a model was built during config handling")
+
     monkeypatch.setattr(model_mod.K3Model, "__init__", boom)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
 
@@ -43,8 +44,7 @@ def test_recipes_are_listed_and_load():
     assert small.model.preset == "small" and small.parallel.ep == 8 and small.parallel.dp == 8
     assert small.data.seq_len % model_args(small).kda_chunk == 0
 
-    full = load_config("k3_full", ["data.paths=[corpus/*.jsonl]", "data.tokenizer_path=tok.tiktoken"],
-                       world_size=2048)
+    full = load_config("k3_full", ["data.paths=[corpus/*.jsonl]", "data.tokenizer_path=tok.tiktoken"], world_size=2048)
     p = full.parallel
     assert (p.pp, p.vpp, p.ep, p.cp, p.dp, p.zero) == (16, 1, 128, 4, 32, 2)
     assert p.pp * p.cp * p.dp == 2048
@@ -61,8 +61,17 @@ def test_recipes_are_listed_and_load():
 
 
 def test_overrides_apply():
-    cfg = load_config("tiny_cpu", ["train.steps=7", "optim=muon", "optim.lr=1e-3", "data.seq_len=64",
-                                   "+model.overrides.n_layers=4", "parallel.microbatches=3"])
+    cfg = load_config(
+        "tiny_cpu",
+        [
+            "train.steps=7",
+            "optim=muon",
+            "optim.lr=1e-3",
+            "data.seq_len=64",
+            "+model.overrides.n_layers=4",
+            "parallel.microbatches=3",
+        ],
+    )
     assert cfg.train.steps == 7 and cfg.optim.name == "muon" and cfg.optim.lr == 1e-3
     assert cfg.data.seq_len == 64 and cfg.parallel.microbatches == 3
     assert model_args(cfg).n_layers == 4
@@ -98,21 +107,24 @@ def test_wrong_types_are_named():
     assert "logging.tensorboard" in _error(["logging.tensorboard=maybe"])
 
 
-@pytest.mark.parametrize("override, key, detail", [
-    ("optim.lr=0", "optim.lr", "> 0"),
-    ("optim.lr=-1e-3", "optim.lr", "> 0"),
-    ("data.seq_len=100", "data.seq_len", "multiple of 16"),
-    ("data.micro_batch=0", "data.micro_batch", ">= 1"),
-    ("parallel.dp=2", "parallel", "WORLD_SIZE=1"),
-    ("parallel.zero=3", "parallel.zero", "0, 1 or 2"),
-    ("train.steps=0", "train.steps", ">= 1"),
-    ("train.device=tpu", "train.device", "tpu"),
-    ("train.resume=/no/such/run", "train.resume", "does not exist"),
-    ("optim.name=sgd", "optim.name", "sgd"),
-    ("activation.policy=magic", "activation.policy", "magic"),
-    ("model.preset=huge", "model.preset", "huge"),
-    ("optim.decay_ratio=1.5", "optim.decay_ratio", "[0, 1]"),
-])
+@pytest.mark.parametrize(
+    "override, key, detail",
+    [
+        ("optim.lr=0", "optim.lr", "> 0"),
+        ("optim.lr=-1e-3", "optim.lr", "> 0"),
+        ("data.seq_len=100", "data.seq_len", "multiple of 16"),
+        ("data.micro_batch=0", "data.micro_batch", ">= 1"),
+        ("parallel.dp=2", "parallel", "WORLD_SIZE=1"),
+        ("parallel.zero=3", "parallel.zero", "0, 1 or 2"),
+        ("train.steps=0", "train.steps", ">= 1"),
+        ("train.device=tpu", "train.device", "tpu"),
+        ("train.resume=/no/such/run", "train.resume", "does not exist"),
+        ("optim.name=sgd", "optim.name", "sgd"),
+        ("activation.policy=magic", "activation.policy", "magic"),
+        ("model.preset=huge", "model.preset", "huge"),
+        ("optim.decay_ratio=1.5", "optim.decay_ratio", "[0, 1]"),
+    ],
+)
 def test_bad_values_are_named(override, key, detail):
     msg = _error([override])
     assert msg.startswith(key + ":") or f"{key}:" in msg, msg
@@ -129,8 +141,9 @@ def test_parallel_layout_against_world_size():
     # contiguous into cp, each a multiple of the tiny model's 16-token chunk.
     msg = _error(["parallel.cp=2", "data.seq_len=96"], world_size=2)
     assert msg.startswith("data.seq_len:") and "multiple of 64" in msg and "4 zigzag pieces" in msg, msg
-    assert "multiple of 32" in _error(["parallel.cp=2", "parallel.cp_layout=contiguous", "data.seq_len=48"],
-                                      world_size=2)
+    assert "multiple of 32" in _error(
+        ["parallel.cp=2", "parallel.cp_layout=contiguous", "data.seq_len=48"], world_size=2
+    )
     load_config("tiny_cpu", ["parallel.cp=2", "parallel.cp_layout=contiguous", "data.seq_len=96"], world_size=2)
     assert "parallel.cp_layout" in _error(["parallel.cp=2", "parallel.cp_layout=ring"], world_size=2)
 
@@ -153,8 +166,12 @@ def test_every_schema_field_has_a_docstring():
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
         names, body = set(), cls.body
         for a, b in zip(body, body[1:]):
-            if (isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
-                    and isinstance(b.value.value, str)):
+            if (
+                isinstance(a, ast.AnnAssign)
+                and isinstance(b, ast.Expr)
+                and isinstance(b.value, ast.Constant)
+                and isinstance(b.value.value, str)
+            ):
                 names.add(a.target.id)
         documented[cls.name] = names
     for cls in (getattr(schema_mod, n) for n in documented):
@@ -174,8 +191,9 @@ def _cli(*argv: str, env_extra: dict | None = None) -> subprocess.CompletedProce
     env.pop("WORLD_SIZE", None)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "k3train.train", *argv], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "k3train.train", *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_cli_config_errors_are_clean(tmp_path):

@@ -17,8 +17,18 @@ from k3train.models.k3.mla import GatedMLA
 from k3train.models.k3.model import K3Model
 from k3train.ops.kda import chunk_kda
 from k3train.parallel.context_parallel import (
-    ContextParallel, SequenceLayout, apply_context_parallel, check_context_parallel, cp_seq_multiple,
-    exclusive_prefix_states, kda_piece_chunks, kda_piece_summaries, kda_pieces, piece_plan, rank_pieces)
+    ContextParallel,
+    SequenceLayout,
+    apply_context_parallel,
+    check_context_parallel,
+    cp_seq_multiple,
+    exclusive_prefix_states,
+    kda_piece_chunks,
+    kda_piece_summaries,
+    kda_pieces,
+    piece_plan,
+    rank_pieces,
+)
 
 
 # ---- layout ----------------------------------------------------------------------------------------------------------
@@ -115,7 +125,7 @@ def _simulate_cp(inputs, cu, world, layout, chunk):
     plans = [piece_plan(loc(start, r)) for r in range(world)]
     chunks = [kda_piece_chunks(*(loc(t, r) for t in (q, k, v, g, beta)), plans[r], chunk) for r in range(world)]
     summaries = torch.cat([kda_piece_summaries(chunks[r], plans[r]) for r in range(world)])
-    S_in = exclusive_prefix_states(lay.to_sequence_order(summaries, B), K)          # [B, n, H, K, V]
+    S_in = exclusive_prefix_states(lay.to_sequence_order(summaries, B), K)  # [B, n, H, K, V]
     outs = []
     for r in range(world):
         inc = S_in[:, lay.pieces(r)].reshape(B * lay.per_rank, H, K, -1)
@@ -128,10 +138,10 @@ def _simulate_cp(inputs, cu, world, layout, chunk):
 
 
 CASES = [  # (world, layout, B, T, chunk, cu_seqlens)
-    (2, "zigzag", 2, 128, 16, [0, 37, 40, 128, 200, 256]),      # docs end inside pieces, cross rank boundaries
-    (4, "zigzag", 1, 128, 16, [0, 5, 16, 17, 90, 128]),         # a piece begins a document; several starts in one
+    (2, "zigzag", 2, 128, 16, [0, 37, 40, 128, 200, 256]),  # docs end inside pieces, cross rank boundaries
+    (4, "zigzag", 1, 128, 16, [0, 5, 16, 17, 90, 128]),  # a piece begins a document; several starts in one
     (3, "contiguous", 2, 96, 16, [0, 50, 96, 100, 192]),
-    (2, "zigzag", 1, 256, 32, None),                              # one document across every piece
+    (2, "zigzag", 1, 256, 32, None),  # one document across every piece
 ]
 
 
@@ -244,8 +254,12 @@ def test_errors():
     plan = apply_context_parallel(model, None, layout="zigzag")
     batch = plan.shard_batch({"input_ids": torch.zeros(1, 128, dtype=torch.long)})
     with pytest.raises(ValueError, match="under context parallelism give the images"):
-        model(batch["input_ids"], batch["ctx"], vision_embeds=torch.zeros(1, args.dim),
-              vision_mask=torch.zeros(1, 128, dtype=torch.bool))
+        model(
+            batch["input_ids"],
+            batch["ctx"],
+            vision_embeds=torch.zeros(1, args.dim),
+            vision_mask=torch.zeros(1, 128, dtype=torch.bool),
+        )
 
 
 def test_handle_rejects_wrong_local_layout():

@@ -15,8 +15,7 @@ from k3train.data import DataConfig, DataError, build_dataloader, build_tokenize
 from k3train.data import builtin_corpus
 from k3train.data.builtin_corpus import build_builtin_corpus, list_builtin_files, stdlib_dir
 from k3train.data.datasets import build_file_corpus
-from k3train.data.packing import (IGNORE_INDEX, PackedStream, TokenizedDocs, check_vocab, pack_rows_reference,
-                                  text_hash)
+from k3train.data.packing import IGNORE_INDEX, PackedStream, TokenizedDocs, check_vocab, pack_rows_reference, text_hash
 from k3train.data.recall import RecallSource, recall_row_reference, sample_recall
 
 SMALL = 200_000  # built-in corpus cap for tests
@@ -63,6 +62,7 @@ def check_batch_invariants(b: dict, *, bos_id: int, seq_len: int, rows: int):
 
 # ------------------------------------------------------------------------------------------------ tokenizers
 
+
 def test_byte_tokenizer_round_trip():
     tok = build_tokenizer(DataConfig())
     assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (259, 256, 257, 258)
@@ -79,8 +79,9 @@ def _train_hf(tmp_path, specials: list[str]) -> tuple[str, int]:
     t = Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=specials)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=specials
+    )
     t.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20 + ["héllo wörld"], trainer=trainer)
     path = str(tmp_path / "tokenizer.json")
     t.save(path)
@@ -134,6 +135,7 @@ def test_missing_tokenizer_path(tmp_path, name):
 
 # ------------------------------------------------------------------------------------------------ packing
 
+
 def test_packing_matches_reference_and_invariants():
     rng = np.random.default_rng(0)
     lists = [rng.integers(0, 256, size=int(n)).tolist() for n in rng.integers(0, 40, size=23)]
@@ -174,7 +176,7 @@ def test_packing_across_epochs():
     for e in range(3):
         order, _ = ps.epoch_order(e)
         expect = [t for d in order for t in [300] + lists[d] + [301]]
-        assert ids[e * E:(e + 1) * E].tolist() == expect
+        assert ids[e * E : (e + 1) * E].tolist() == expect
     assert is_bos.sum() == 12 and bool((ids[is_bos] == 300).all())
     orders = {tuple(ps.epoch_order(e)[0]) for e in range(6)}
     assert len(orders) > 1  # each epoch reshuffles
@@ -183,6 +185,7 @@ def test_packing_across_epochs():
 
 
 # ------------------------------------------------------------------------------------------------ loader
+
 
 def test_dp_sharding_union_equals_single_process():
     tok = build_tokenizer(DataConfig())
@@ -194,8 +197,11 @@ def test_dp_sharding_union_equals_single_process():
         parts = [next(rk) for rk in ranks]
         assert torch.equal(torch.cat([p["input_ids"] for p in parts]), s["input_ids"])
         assert torch.equal(torch.cat([p["labels"] for p in parts]), s["labels"])
-        cu = torch.cat([parts[0]["cu_seqlens"][:-1]] + [p["cu_seqlens"][:-1] + i * 2 * 32
-                                                         for i, p in enumerate(parts) if i] + [s["cu_seqlens"][-1:]])
+        cu = torch.cat(
+            [parts[0]["cu_seqlens"][:-1]]
+            + [p["cu_seqlens"][:-1] + i * 2 * 32 for i, p in enumerate(parts) if i]
+            + [s["cu_seqlens"][-1:]]
+        )
         assert torch.equal(cu, s["cu_seqlens"])
         for p in parts:
             check_batch_invariants(p, bos_id=tok.bos_id, seq_len=32, rows=2)
@@ -274,17 +280,18 @@ def test_builtin_corpus_deterministic_and_cached(cache, monkeypatch):
         assert np.array_equal(d1.doc_hash, d.doc_hash)
     assert d1.tokens.dtype == np.uint16 and 0 < d1.tokens.size <= SMALL and len(d1) >= 5
     with open(os.path.join(stdlib_dir(), files[0][0]), encoding="utf-8") as f:
-        assert tok.decode(d1.tokens[d1.offsets[0]:d1.offsets[1]].tolist()) == f.read()
+        assert tok.decode(d1.tokens[d1.offsets[0] : d1.offsets[1]].tolist()) == f.read()
 
 
 # ------------------------------------------------------------------------------------------------ files
+
 
 def _texts():
     return ["first document\nwith two lines", "second one: héllo", "third\n\nwith a blank line", "fourth"]
 
 
 def _decoded(docs, tok):
-    return [tok.decode(docs.tokens[docs.offsets[i]:docs.offsets[i + 1]].tolist()) for i in range(len(docs))]
+    return [tok.decode(docs.tokens[docs.offsets[i] : docs.offsets[i + 1]].tolist()) for i in range(len(docs))]
 
 
 def test_files_text_jsonl_parquet(tmp_path):
@@ -351,6 +358,7 @@ def test_vocab_errors(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ recall
 
+
 def test_recall_format_labels_and_reference():
     tok = build_tokenizer(DataConfig())
     cfg = DataConfig(source="recall", seq_len=40, micro_batch=8, recall_pairs=6, recall_queries=4, recall_vocab=20)
@@ -380,8 +388,9 @@ def test_recall_format_labels_and_reference():
     e1, e2 = [x["input_ids"] for x in ev], [x["input_ids"] for x in ev]
     assert len(e1) == 256 // 8 and all(torch.equal(x, y) for x, y in zip(e1, e2))
     assert not torch.equal(e1[0], b["input_ids"])
-    halves = [build_dataloader(DataConfig(**{**cfg.__dict__, "micro_batch": 4}), tok, dp_rank=r, dp_world=2)
-              for r in range(2)]
+    halves = [
+        build_dataloader(DataConfig(**{**cfg.__dict__, "micro_batch": 4}), tok, dp_rank=r, dp_world=2) for r in range(2)
+    ]
     assert torch.equal(torch.cat([next(h)["input_ids"] for h in halves]), b["input_ids"])
     sd = loader.state_dict()
     nxt = next(loader)

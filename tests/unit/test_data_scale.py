@@ -32,8 +32,9 @@ def cache(tmp_path, monkeypatch):
 def write_jsonl(path: Path, letter: str, n: int, seed: int) -> list[str]:
     """n documents of 5..60 words made of one letter (so a token tells its source)."""
     rng = np.random.default_rng(seed)
-    texts = [" ".join(letter * int(rng.integers(1, 6)) + str(i) for _ in range(int(rng.integers(5, 60))))
-             for i in range(n)]
+    texts = [
+        " ".join(letter * int(rng.integers(1, 6)) + str(i) for _ in range(int(rng.integers(5, 60)))) for i in range(n)
+    ]
     path.write_text("".join(json.dumps({"text": t, "n": i}) + "\n" for i, t in enumerate(texts)))
     return texts
 
@@ -60,6 +61,7 @@ def resumes_exactly(cfg, tok, *, before: int, after: int, **kw) -> None:
 
 # ------------------------------------------------------------------------------------------------ streaming
 
+
 def test_streaming_reads_in_order_and_resumes_exactly(tmp_path):
     tok = build_tokenizer(DataConfig())
     texts = []
@@ -76,13 +78,14 @@ def test_streaming_reads_in_order_and_resumes_exactly(tmp_path):
     resumes_exactly(cfg, tok, before=3, after=3)
     resumes_exactly(cfg, tok, before=total_rows // 4 - 1, after=4)
     # Two data-parallel ranks read disjoint shards (whole files here: 3 files, 3 ranks); each resumes its own.
-    ranks = [build_dataloader(cfg_(paths=cfg.paths, streaming=True, micro_batch=2), tok, dp_rank=r, dp_world=3)
-             for r in range(3)]
+    ranks = [
+        build_dataloader(cfg_(paths=cfg.paths, streaming=True, micro_batch=2), tok, dp_rank=r, dp_world=3)
+        for r in range(3)
+    ]
     firsts = [next(r)["input_ids"] for r in ranks]
     for r, f in enumerate(firsts):
         assert tok.decode(f[0].tolist()).lstrip()[0] == "abc"[r]
-    resumes_exactly(cfg_(paths=cfg.paths, streaming=True, micro_batch=2), tok, before=5, after=2, dp_rank=1,
-                    dp_world=3)
+    resumes_exactly(cfg_(paths=cfg.paths, streaming=True, micro_batch=2), tok, before=5, after=2, dp_rank=1, dp_world=3)
     sd = ranks[0].state_dict()
     with pytest.raises(DataError, match="dp_world"):
         build_dataloader(cfg_(paths=cfg.paths, streaming=True, micro_batch=6), tok).load_state_dict(sd)
@@ -118,13 +121,16 @@ def test_streaming_memory_is_flat_as_the_corpus_grows_10x():
 
 # ------------------------------------------------------------------------------------------------ mixtures
 
+
 def _mixture(tmp_path, **kw) -> DataConfig:
     write_jsonl(tmp_path / "a.jsonl", "a", 50, seed=1)
     write_jsonl(tmp_path / "b.jsonl", "b", 30, seed=2)
     (tmp_path / "c.jsonl").write_text("".join(json.dumps({"body": "c" * (20 + i)}) + "\n" for i in range(40)))
-    sources = [SourceConfig(name="a", weight=3.0, paths=[str(tmp_path / "a.jsonl")]),
-               SourceConfig(name="b", weight=1.0, paths=[str(tmp_path / "b.jsonl")]),
-               SourceConfig(name="c", weight=1.0, paths=[str(tmp_path / "c.jsonl")], text_field="body")]
+    sources = [
+        SourceConfig(name="a", weight=3.0, paths=[str(tmp_path / "a.jsonl")]),
+        SourceConfig(name="b", weight=1.0, paths=[str(tmp_path / "b.jsonl")]),
+        SourceConfig(name="c", weight=1.0, paths=[str(tmp_path / "c.jsonl")], text_field="body"),
+    ]
     return cfg_(sources=sources, **kw)
 
 
@@ -180,30 +186,39 @@ def test_mixture_refusals(tmp_path):
     mixed = SourceConfig(paths=[str(tmp_path / "a.jsonl"), str(tmp_path / "t.txt")])
     with pytest.raises(DataError, match="mixes formats"):
         build_dataloader(cfg_(sources=[mixed]), tok)
-    for override, match in ((["data.source=files", "data.paths=[x.jsonl]", "+data.sources=[{paths: [y.jsonl]}]"],
-                             "not both"),
-                            (["data.source=files", "+data.sources=[{paths: [y.jsonl], weight: 0}]"], "weight"),
-                            (["data.source=files", "+data.sources=[{paths: []}]"], "paths"),
-                            (["data.streaming=true"], "streaming"),
-                            (["data.num_proc=0"], "num_proc"),
-                            (["data.source=files", "data.paths=[x.jsonl]", "data.streaming=true", "data.num_proc=2"],
-                             "num_proc"),
-                            (["data.tiktoken_pattern=x"], "tiktoken_pattern"),
-                            (["data.source=files", "data.paths=[x.jsonl]", "data.streaming=true",
-                              "data.eval_fraction=0", "train.eval_interval=10"], "no document would reach eval"),
-                            (["+model.overrides.vocab_size=260", "data.special_tokens=['<a>','<b>']"], "vocab")):
+    for override, match in (
+        (["data.source=files", "data.paths=[x.jsonl]", "+data.sources=[{paths: [y.jsonl]}]"], "not both"),
+        (["data.source=files", "+data.sources=[{paths: [y.jsonl], weight: 0}]"], "weight"),
+        (["data.source=files", "+data.sources=[{paths: []}]"], "paths"),
+        (["data.streaming=true"], "streaming"),
+        (["data.num_proc=0"], "num_proc"),
+        (["data.source=files", "data.paths=[x.jsonl]", "data.streaming=true", "data.num_proc=2"], "num_proc"),
+        (["data.tiktoken_pattern=x"], "tiktoken_pattern"),
+        (
+            [
+                "data.source=files",
+                "data.paths=[x.jsonl]",
+                "data.streaming=true",
+                "data.eval_fraction=0",
+                "train.eval_interval=10",
+            ],
+            "no document would reach eval",
+        ),
+        (["+model.overrides.vocab_size=260", "data.special_tokens=['<a>','<b>']"], "vocab"),
+    ):
         with pytest.raises(ConfigError, match=match):
             load_config("tiny_cpu", override)
 
 
 # ------------------------------------------------------------------------------------------------ map cache
 
+
 def test_map_cache_is_read_on_the_second_run(tmp_path, cache, monkeypatch):
     tok = build_tokenizer(DataConfig())
     texts = write_jsonl(tmp_path / "d1.jsonl", "a", 30, seed=3) + write_jsonl(tmp_path / "d2.jsonl", "b", 30, seed=4)
     src = SourceConfig(name="d", paths=[str(tmp_path / "d*.jsonl")])
     first = data_files.build_source_docs(cfg_(), src, tok, progress=False)
-    assert [tok.decode(first.tokens[first.offsets[i]:first.offsets[i + 1]].tolist()) for i in range(60)] == texts
+    assert [tok.decode(first.tokens[first.offsets[i] : first.offsets[i + 1]].tolist()) for i in range(60)] == texts
     assert list(cache.rglob("cache-*.arrow"))
     with monkeypatch.context() as m:  # the second build must come from the map cache, without tokenizing
         m.setattr(data_files.Tokenize, "__call__", lambda *a: pytest.fail("tokenized again"))
@@ -217,6 +232,7 @@ def test_map_cache_is_read_on_the_second_run(tmp_path, cache, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ tokenizers
+
 
 def _ranks_file(path: Path) -> dict[bytes, int]:
     ranks = {bytes([b]): b for b in range(256)}
@@ -233,8 +249,14 @@ def test_tiktoken_pattern_and_special_tokens(tmp_path):
     pattern = r"\d|[^\d\s]+|\s+"  # one digit at a time, unlike the default's groups of three
     texts = ["abc ab 12345 abcabc", "  a1 23\n", "x y 123"]
     ref = tiktoken.Encoding(name="ref", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
-    tok = build_tokenizer(DataConfig(tokenizer="tiktoken", tokenizer_path=str(tmp_path / "t.tiktoken"),
-                                     tiktoken_pattern=pattern, special_tokens=["<|image|>", "<|/image|>"]))
+    tok = build_tokenizer(
+        DataConfig(
+            tokenizer="tiktoken",
+            tokenizer_path=str(tmp_path / "t.tiktoken"),
+            tiktoken_pattern=pattern,
+            special_tokens=["<|image|>", "<|/image|>"],
+        )
+    )
     assert [a.tolist() for a in tok.encode_batch(texts)] == [ref.encode_ordinary(t) for t in texts]
     default = build_tokenizer(DataConfig(tokenizer="tiktoken", tokenizer_path=str(tmp_path / "t.tiktoken")))
     assert default.encode("12345") != tok.encode("12345") and default.fingerprint != tok.fingerprint
@@ -245,8 +267,9 @@ def test_tiktoken_pattern_and_special_tokens(tmp_path):
     with pytest.raises(DataError, match="outside the model vocabulary"):
         check_special_ids(tok, n + 4)
     with pytest.raises(DataError, match="tiktoken_pattern"):
-        build_tokenizer(DataConfig(tokenizer="tiktoken", tokenizer_path=str(tmp_path / "t.tiktoken"),
-                                   tiktoken_pattern="(unclosed"))
+        build_tokenizer(
+            DataConfig(tokenizer="tiktoken", tokenizer_path=str(tmp_path / "t.tiktoken"), tiktoken_pattern="(unclosed")
+        )
     with pytest.raises(DataError, match="distinct"):
         build_tokenizer(DataConfig(special_tokens=["<a>", "<a>"]))
     assert build_tokenizer(DataConfig(special_tokens=["<a>"])).special_ids["<a>"] == 259
@@ -257,17 +280,27 @@ def test_hf_special_tokens_from_tokenizer_config(tmp_path):
 
     t = Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.train_from_iterator(["hello world, the start and the end"] * 10, trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<s>", "</s>"],
-        show_progress=False))
+    t.train_from_iterator(
+        ["hello world, the start and the end"] * 10,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            special_tokens=["<s>", "</s>"],
+            show_progress=False,
+        ),
+    )
     t.save(str(tmp_path / "tokenizer.json"))
     plain = build_tokenizer(DataConfig(tokenizer="hf", tokenizer_path=str(tmp_path / "tokenizer.json")))
     assert (plain.bos_id, plain.eos_id) == (0, 1)  # the file's conventional spellings; PAD added after its ids
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": {"content": "<|start|>"}, "eos_token": "</s>", "additional_special_tokens": ["<|image|>"]}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"bos_token": {"content": "<|start|>"}, "eos_token": "</s>", "additional_special_tokens": ["<|image|>"]}
+        )
+    )
     (tmp_path / "special_tokens_map.json").write_text(json.dumps({"pad_token": "<|fill|>"}))
-    tok = build_tokenizer(DataConfig(tokenizer="hf", tokenizer_path=str(tmp_path / "tokenizer.json"),
-                                     special_tokens=["<|/image|>"]))
+    tok = build_tokenizer(
+        DataConfig(tokenizer="hf", tokenizer_path=str(tmp_path / "tokenizer.json"), special_tokens=["<|/image|>"])
+    )
     ids = tok.special_ids
     assert ids["eos"] == 1 and ids["bos"] == plain.pad_id and len(set(ids.values())) == 5
     assert set(ids) == {"bos", "eos", "pad", "<|image|>", "<|/image|>"}

@@ -30,8 +30,9 @@ def test_schedule_auto_follows_virtual_stages():
 
 
 def test_evaluation_leaves_routers_and_balancers_alone():
-    engine = build_engine(ARGS, ParallelDims(), OptimConfig(), seed=0, device="cpu", seq_len_hint=SEQ,
-                          balancing="quantile")
+    engine = build_engine(
+        ARGS, ParallelDims(), OptimConfig(), seed=0, device="cpu", seq_len_hint=SEQ, balancing="quantile"
+    )
     routers = engine.model_parts[0].routers()
     assert routers and all(r.balancer is not None for r in routers.values())
     before = {n: r.bias.clone() for n, r in routers.items()}
@@ -99,12 +100,26 @@ def test_a_vision_tower_without_images_is_frozen():
     from k3train.parallel.parallelize import PartSetup, parallelize_part
     from k3train.parallel.pipeline import stage_part_on_meta
 
-    args = get_preset("tiny", n_layers=2, vision=VisionArgs(patch_size=4, width=16, layers=1, heads=2, head_dim=8,
-                                                             mlp_hidden=32, pos_grid=4, max_frames=2,
-                                                             projector_hidden=32, max_image_side=64))
+    args = get_preset(
+        "tiny",
+        n_layers=2,
+        vision=VisionArgs(
+            patch_size=4,
+            width=16,
+            layers=1,
+            heads=2,
+            head_dim=8,
+            mlp_hidden=32,
+            pos_grid=4,
+            max_frames=2,
+            projector_hidden=32,
+            max_image_side=64,
+        ),
+    )
     for train_vision in (False, True):
-        setup = PartSetup(dims=ParallelDims(), mesh=None, device=torch.device("cpu"), seed=0, seq_len=SEQ,
-                          train_vision=train_vision)
+        setup = PartSetup(
+            dims=ParallelDims(), mesh=None, device=torch.device("cpu"), seed=0, seq_len=SEQ, train_vision=train_vision
+        )
         part, _ = parallelize_part(stage_part_on_meta(args, [1, 2], first=True, last=True), setup)
         assert all(p.requires_grad == train_vision for p in part.vision.parameters())
         assert all(p.requires_grad for n, p in part.named_parameters() if not n.startswith("vision."))

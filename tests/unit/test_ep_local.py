@@ -9,16 +9,22 @@ from layer_init import expert_bank
 
 from k3train.models.k3.args import get_preset
 from k3train.models.k3.moe import GroupedExperts, LatentMoE, LocalDispatcher
-from k3train.parallel.ep_dispatch import (CommStats, EPGroupedExperts, alltoall_send_layout, home_range, send_positions,
-                                          shard_experts, source_to_expert_major, source_to_expert_major_reference)
+from k3train.parallel.ep_dispatch import (
+    CommStats,
+    EPGroupedExperts,
+    alltoall_send_layout,
+    home_range,
+    send_positions,
+    shard_experts,
+    source_to_expert_major,
+    source_to_expert_major_reference,
+)
 from k3train.ops.moe_permute import permute_rows, unpermute
 from k3train.parallel.expert_parallel import apply_expert_parallel, expert_parameters
 from k3train.parallel.moonep import make_plan
 from k3train.parallel.moonep_dispatch import MoonEPDispatcher, hosted_weight_routes, moonep_send_layout
 
 L, H = 8, 16  # latent and expert hidden widths of the toy bank
-
-
 
 
 def _exchange(bufs: list[torch.Tensor], splits: list[list[int]]) -> list[torch.Tensor]:
@@ -79,15 +85,15 @@ def test_alltoall_layout_end_to_end_in_one_process():
     assert [int(c.sum()) for _, c, _ in lay] == [n * K for n in Ns]
     recv_counts = [torch.stack([lay[s][1][d] for s in range(R)]) for d in range(R)]  # the counts all_to_all
     send_splits = [lay[s][2].tolist() for s in range(R)]
-    arrived = _exchange([permute_rows(zs[s], send_positions(lay[s][0], idxs[s].shape)) for s in range(R)],
-                        send_splits)
+    arrived = _exchange([permute_rows(zs[s], send_positions(lay[s][0], idxs[s].shape)) for s in range(R)], send_splits)
     outs = []
     for d in range(R):
         em = source_to_expert_major(recv_counts[d])
         grouped = arrived[d][em]
         # Each row of the grouped buffer is the latent of a token routed to the expert of its group.
-        src_tok = torch.cat([torch.cat([zs[s][(idxs[s] == e).any(1)] for s in range(R)])
-                             for e in range(*home_range(d, R, E))])
+        src_tok = torch.cat(
+            [torch.cat([zs[s][(idxs[s] == e).any(1)] for s in range(R)]) for e in range(*home_range(d, R, E))]
+        )
         assert torch.equal(grouped, src_tok)
         y = homes[d](grouped, recv_counts[d].sum(0))
         inv = torch.empty_like(em)
@@ -118,7 +124,7 @@ def test_moonep_layout_end_to_end_in_one_process():
     # Weights: home rank h sends packed rows of its experts; receiver d gets its hosted experts in ascending order.
     packed = torch.cat([full.w1.flatten(1), full.w3.flatten(1), full.w2.flatten(1)], 1).detach()
     routes = [hosted_weight_routes(plan, r) for r in range(R)]
-    got = _exchange([packed[h * G:(h + 1) * G][routes[h][0]] for h in range(R)], [rt[1].tolist() for rt in routes])
+    got = _exchange([packed[h * G : (h + 1) * G][routes[h][0]] for h in range(R)], [rt[1].tolist() for rt in routes])
     for d in range(R):
         hosted = routes[d][2]
         assert torch.equal(got[d], packed[hosted])
@@ -128,8 +134,10 @@ def test_moonep_layout_end_to_end_in_one_process():
     lay = [moonep_send_layout(plan, s, idxs[s]) for s in range(R)]
     for s in range(R):  # destination counts agree with the plan's send matrix
         assert torch.equal(torch.bincount(lay[s][1], minlength=R), plan.send_matrix(s).sum(1))
-    arrived = _exchange([permute_rows(zs[s], send_positions(lay[s][0], idxs[s].shape)) for s in range(R)],
-                        [lay[s][2].tolist() for s in range(R)])
+    arrived = _exchange(
+        [permute_rows(zs[s], send_positions(lay[s][0], idxs[s].shape)) for s in range(R)],
+        [lay[s][2].tolist() for s in range(R)],
+    )
     outs = []
     for d in range(R):
         assert arrived[d].shape[0] == S * K  # the static receive buffer
@@ -191,8 +199,9 @@ def test_home_experts_compute_with_given_weights():
     ep = EPGroupedExperts(full, None, 0, 2)  # home experts 0, 1
     x = torch.randn(5, L)
     hosted = [getattr(full, n)[2:4] for n in ("w1", "w3", "w2")]
-    torch.testing.assert_close(ep.compute(x, torch.tensor([3, 2]), *hosted), full(x, torch.tensor([0, 0, 3, 2])),
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        ep.compute(x, torch.tensor([3, 2]), *hosted), full(x, torch.tensor([0, 0, 3, 2])), rtol=1e-6, atol=1e-6
+    )
     torch.testing.assert_close(ep(x, torch.tensor([1, 4])), full(x, torch.tensor([1, 4, 0, 0])), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="counts"):
         ep(x, torch.tensor([1, 2, 2]))
@@ -247,7 +256,7 @@ def test_home_experts_built_on_meta_equal_the_full_models_rows():
     with torch.device("meta"):
         m = K3Model(args)
     for moe in [x for x in m.modules() if isinstance(x, LatentMoE)]:
-        moe.experts = EPGroupedExperts(moe.experts, None, 1, 4)   # rank 1 of 4: experts [2, 4) of 8
+        moe.experts = EPGroupedExperts(moe.experts, None, 1, 4)  # rank 1 of 4: experts [2, 4) of 8
     m.to_empty(device="cpu")
     m.init_weights(3)
     blocks = expert_parameters(m)

@@ -42,6 +42,7 @@ def no_host_reads(monkeypatch):
             if not getattr(state, "allowed", 0):
                 raise HostReadError(f"Tensor.{name} outside host_copy.host_counts")
             return orig(self, *a, **kw)
+
         return f
 
     seam = host_copy.host_counts
@@ -68,8 +69,6 @@ def no_host_reads(monkeypatch):
                 setattr(torch.Tensor, n, v)
 
 
-
-
 def _routing(R: int, S: int, E: int, K: int, skew: float, seed: int):
     g = torch.Generator().manual_seed(seed)
     bias = skew * torch.linspace(1, 0, E)  # favours low expert ids: rank 0's home is overloaded
@@ -78,18 +77,26 @@ def _routing(R: int, S: int, E: int, K: int, skew: float, seed: int):
 
 def _stub_send(sent: list):
     """A stand-in for the row all_to_all: rows of the right shape, in the graph of the input."""
+
     def send(x, out_splits, in_splits, what, grad_what="backward"):
         assert x.shape[0] == sum(in_splits)
         sent.append((what, x.dtype, x.shape[0]))
         return x.new_zeros(sum(out_splits), x.shape[1]) + x.sum() * 0
+
     return send
 
 
 def test_guard_has_teeth(monkeypatch):
     t = torch.tensor([3, 4])
     with no_host_reads(monkeypatch) as calls:
-        for read in (lambda: t.tolist(), lambda: t[0].item(), lambda: int(t[0]), lambda: bool(t[0]),
-                     lambda: float(t[0]), lambda: t.cpu()):
+        for read in (
+            lambda: t.tolist(),
+            lambda: t[0].item(),
+            lambda: int(t[0]),
+            lambda: bool(t[0]),
+            lambda: float(t[0]),
+            lambda: t.cpu(),
+        ):
             with pytest.raises(HostReadError):
                 read()
         assert host_copy.host_counts(t) == [3, 4]
@@ -185,7 +192,7 @@ def test_device_plan_matches_the_host_plan(R, G, skew, seed):
         assert rp.weight_send_splits == send_splits.tolist() and rp.weight_recv_splits == recv_splits.tolist()
         assert rp.replicas == plan.replicas.shape[0]
         lo = r * G
-        assert (rp.a, rp.b) == (int(plan.alloc[:lo, r].sum()), int(plan.alloc[:lo + G, r].sum()))
+        assert (rp.a, rp.b) == (int(plan.alloc[:lo, r].sum()), int(plan.alloc[: lo + G, r].sum()))
 
 
 @pytest.mark.parametrize("kind", ["alltoall", "moonep"])
@@ -228,8 +235,10 @@ def test_dispatch_runs_on_tensors_without_data(monkeypatch, kind):
         step(mode.from_tensor)
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                    reason="needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs a GPU or TRITON_INTERPRET=1",
+)
 @pytest.mark.parametrize("kind", ["alltoall", "moonep"])
 def test_dispatchers_send_and_mix_with_the_chosen_kernels(monkeypatch, kind):
     """Under kernels=triton the send buffer is written by k3kernels' permute_rows and the returned rows are mixed by
@@ -240,9 +249,11 @@ def test_dispatchers_send_and_mix_with_the_chosen_kernels(monkeypatch, kind):
 
     calls = {"permute_rows_triton": 0, "unpermute_triton": 0}
     for name in calls:
+
         def counted(*a, _fn=getattr(km, name), _name=name):
             calls[_name] += 1
             return _fn(*a)
+
         monkeypatch.setattr(km, name, counted)
     E, K, S = 8, 2, 7
     idx = _routing(1, S, E, K, skew=1.0, seed=4)[0]
@@ -261,7 +272,10 @@ def test_dispatchers_send_and_mix_with_the_chosen_kernels(monkeypatch, kind):
         u = d.combine(ex(rows, c), w, st)
         u.square().sum().backward()
         results.append((u.detach(), z.grad, w.grad, ex.w1.grad))
-        assert calls == ({"permute_rows_triton": 0, "unpermute_triton": 0} if choice == "torch"
-                         else {"permute_rows_triton": 1, "unpermute_triton": 1})
+        assert calls == (
+            {"permute_rows_triton": 0, "unpermute_triton": 0}
+            if choice == "torch"
+            else {"permute_rows_triton": 1, "unpermute_triton": 1}
+        )
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -44,7 +44,7 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
                     base = name.split(".") if is_pkg else name.split(".")[:-1]
-                    base = base[:len(base) - node.level + 1]
+                    base = base[: len(base) - node.level + 1]
                     mod = ".".join(base + ([node.module] if node.module else []))
                 else:
                     mod = node.module or ""
@@ -95,9 +95,9 @@ def test_the_checker_sees_cycles():
     # A module-level cycle, one inside a function, and one through a package's __init__ are all found.
     assert find_cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
     g = import_graph()
-    assert "k3train.parallel.mesh" in g["k3train.parallel.engine"]        # module level
+    assert "k3train.parallel.mesh" in g["k3train.parallel.engine"]  # module level
     assert "k3train.parallel.parallelize" in g["k3train.parallel.engine"]  # inside build_engine
-    assert "k3train.parallel" in g["k3train.train.trainer"]                # the package runs first
+    assert "k3train.parallel" in g["k3train.train.trainer"]  # the package runs first
 
 
 def test_every_package_is_in_the_wheel():

@@ -85,8 +85,9 @@ def test_reference_matches_transition_form():
             S = x["h0"][b, h]
             for t in range(T):
                 k, beta = x["k"][b, t, h], x["beta"][b, t, h]
-                S = (eye - beta * torch.outer(k, k)) @ torch.diag(x["g"][b, t, h].exp()) @ S \
-                    + beta * torch.outer(k, x["v"][b, t, h])
+                S = (eye - beta * torch.outer(k, k)) @ torch.diag(x["g"][b, t, h].exp()) @ S + beta * torch.outer(
+                    k, x["v"][b, t, h]
+                )
                 ref_o[b, t, h] = S.T @ x["q"][b, t, h] / K**0.5
             ref_s[b, h] = S
     for fn in (naive_recurrent_kda, chunk_kda):
@@ -238,8 +239,9 @@ def test_summary_fp32_matches_reference():
     x = make_inputs(2, 150, 2, 32, 32, dtype=torch.float32, seed=6)
     M, Bsum = chunk_kda_summary(x["k"], x["v"], x["g"], x["beta"])
     assert M.dtype == torch.float32
-    _, s = naive_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
-                               output_final_state=True)
+    _, s = naive_recurrent_kda(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True
+    )
     assert rel_rms(M @ x["h0"] + Bsum, s) < 1e-5  # fp32 rounding: measured 2.5e-7
 
 

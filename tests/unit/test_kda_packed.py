@@ -29,8 +29,11 @@ def make_inputs(T, n_states, seed=0, dtype=torch.float64, H=H, K=K, V=V):
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
     q, k = F.normalize(rnd(1, T, H, K), dim=-1), F.normalize(rnd(1, T, H, K), dim=-1)
-    g = kda_gate(rnd(1, T, H, K), torch.zeros(H, dtype=torch.float64), -8.0 * torch.rand(H * K, generator=gen,
-                                                                                         dtype=torch.float64))
+    g = kda_gate(
+        rnd(1, T, H, K),
+        torch.zeros(H, dtype=torch.float64),
+        -8.0 * torch.rand(H * K, generator=gen, dtype=torch.float64),
+    )
     beta = torch.sigmoid(rnd(1, T, H))
     return [t.to(dtype) for t in (q, k, rnd(1, T, H, V), g, beta, 0.5 * rnd(n_states, H, K, V))]
 
@@ -63,9 +66,9 @@ DOCS = {
     "uneven_c16": (16, [3, 150, 1, 16, 32, 17, 1, 40]),
     "uneven_c64": (64, [1, 200, 64, 5, 128, 1, 63]),
     "long_last_c16": (16, [1, 1, 2, 15, 97]),
-    "whole_chunks_c16": (16, [16, 48, 32, 7]),                # no padding between documents: the row itself
-    "single_tokens_c16": (16, [1, 1, 1, 1, 1, 1, 1]),        # equal lengths: documents as rows
-    "equal_not_multiple_c16": (16, [21, 21, 21]),            # equal lengths, each padded within its last chunk
+    "whole_chunks_c16": (16, [16, 48, 32, 7]),  # no padding between documents: the row itself
+    "single_tokens_c16": (16, [1, 1, 1, 1, 1, 1, 1]),  # equal lengths: documents as rows
+    "equal_not_multiple_c16": (16, [21, 21, 21]),  # equal lengths, each padded within its last chunk
 }
 
 
@@ -82,7 +85,7 @@ def test_packed_documents_match_reference_fp64(name, with_state):
     assert max_err(o2, o1) < 1e-13
     assert max_err(s2, s1) < 1e-13
     for n, a, b in zip(("q", "k", "v", "g", "beta", "h0"), g2, g1):
-        if n != "g" or with_state or max(lengths) > 1:   # from zero, a one-token document's decay acts on nothing
+        if n != "g" or with_state or max(lengths) > 1:  # from zero, a one-token document's decay acts on nothing
             assert b.abs().max() > 0, n
         assert max_err(a, b) < 1e-13, n
 
@@ -137,8 +140,10 @@ def test_row_of_documents_holds_about_T_token_slots():
     # to the longest made it 8x)
     packed = bench_kda_documents.saved_bytes(x, cu_t, CHUNK)
     plain = bench_kda_documents.saved_bytes(x1, None, CHUNK)
-    print(f"saved for backward: {packed / 2**20:.1f} MB with {N_DOCS} documents, {plain / 2**20:.1f} MB without "
-          f"({packed / plain:.2f}x)")
+    print(
+        f"saved for backward: {packed / 2**20:.1f} MB with {N_DOCS} documents, {plain / 2**20:.1f} MB without "
+        f"({packed / plain:.2f}x)"
+    )
     assert packed < 1.5 * plain
 
 
@@ -175,8 +180,8 @@ def test_document_summaries_equal_reference_final_states(name):
     assert M.shape == (len(lengths), H, K, K) and Bs.shape == (len(lengths), H, K, V)
     _, s_zero = naive_recurrent_kda(*x[:5], output_final_state=True, cu_seqlens=cu)
     _, s_h0 = naive_recurrent_kda(*x[:5], initial_state=x[5], output_final_state=True, cu_seqlens=cu)
-    assert max_err(Bs, s_zero) < 1e-13                     # B: the final state from zero
-    assert max_err(M @ x[5] + Bs, s_h0) < 1e-13             # M: the linear map, applied to random initial states
+    assert max_err(Bs, s_zero) < 1e-13  # B: the final state from zero
+    assert max_err(M @ x[5] + Bs, s_h0) < 1e-13  # M: the linear map, applied to random initial states
     # a subset of documents, out of order
     index = torch.tensor([len(lengths) - 1, 0, 2])
     Mi, Bi = KDAChunks(None, *x[1:5], cu_seqlens=cu, chunk_size=C).summaries(index)
@@ -188,8 +193,8 @@ def test_cp_piece_summaries_on_packed_segments():
     the last segment's final state from zero, M carries a state through it (0 where the piece holds a start)."""
     R, L, C = 3, 96, 16
     doc_start = torch.zeros(R, L, dtype=torch.bool)
-    doc_start[0, [5, 6, 40]] = True           # piece 0: segments 5, 1, 34, 56 tokens
-    doc_start[2, [0, 95]] = True              # piece 2: begins a document; a one-token last segment
+    doc_start[0, [5, 6, 40]] = True  # piece 0: segments 5, 1, 34, 56 tokens
+    doc_start[2, [0, 95]] = True  # piece 2: begins a document; a one-token last segment
     plan = piece_plan(doc_start)
     x = make_inputs(R * L, 1, seed=9)
     pieces = [t.view(R, L, *t.shape[2:]) for t in x[:5]]
@@ -201,7 +206,7 @@ def test_cp_piece_summaries_on_packed_segments():
         a, b = plan.cu_seqlens[plan.last_seg[r]], plan.cu_seqlens[plan.last_seg[r] + 1]
         seg = [t[:, a:b] for t in x[:5]]
         _, zero = naive_recurrent_kda(*seg, output_final_state=True)
-        _, carried = naive_recurrent_kda(*seg, initial_state=S[r:r + 1], output_final_state=True)
+        _, carried = naive_recurrent_kda(*seg, initial_state=S[r : r + 1], output_final_state=True)
         M, B = got[r, ..., :K], got[r, ..., K:]
         assert max_err(B, zero[0]) < 1e-13, r
         want = (carried - zero)[0] if plan.keep_m[r] else torch.zeros_like(zero[0])

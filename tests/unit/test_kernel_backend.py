@@ -54,6 +54,7 @@ def test_triton_refused_without_cuda_or_interpreter(monkeypatch, one_process):
 
     def no_group(*a, **k):
         raise AssertionError("a process group was started before the configuration was refused")
+
     monkeypatch.setattr(torch.distributed, "init_process_group", no_group)
     with pytest.raises(ConfigError, match=r"model\.kernels"):
         Trainer(cfg)
@@ -63,8 +64,16 @@ def test_kernels_is_per_module_state():
     """The choice lives on the modules of one model: another model (and the class default) keeps AUTO."""
     a, b = _model(), _model()
     n = set_kernels(a, "torch")
-    assert n == sum(1 for m in a.modules() for o in (m, getattr(m, "dispatcher", None))
-                    if isinstance(getattr(o, "kernels", None), Kernels)) > 0
+    assert (
+        n
+        == sum(
+            1
+            for m in a.modules()
+            for o in (m, getattr(m, "dispatcher", None))
+            if isinstance(getattr(o, "kernels", None), Kernels)
+        )
+        > 0
+    )
     assert all(o.kernels == Kernels("torch") for o in _holders(a))
     assert all(o.kernels is AUTO for o in _holders(b))
     with pytest.raises(ValueError):
@@ -73,8 +82,12 @@ def test_kernels_is_per_module_state():
 
 
 def _holders(model):
-    return [o for m in model.modules() for o in (m, getattr(m, "dispatcher", None))
-            if isinstance(getattr(o, "kernels", None), Kernels)]
+    return [
+        o
+        for m in model.modules()
+        for o in (m, getattr(m, "dispatcher", None))
+        if isinstance(getattr(o, "kernels", None), Kernels)
+    ]
 
 
 def _model(seed: int = 0, **over) -> K3Model:
@@ -87,14 +100,19 @@ def _model(seed: int = 0, **over) -> K3Model:
     return m
 
 
-COUNTED = {("kda", "chunk_kda"), ("situ", "situ_triton"), ("moe_permute", "permute_triton"),
-           ("moe_permute", "unpermute_triton")}
+COUNTED = {
+    ("kda", "chunk_kda"),
+    ("situ", "situ_triton"),
+    ("moe_permute", "permute_triton"),
+    ("moe_permute", "unpermute_triton"),
+}
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """{function name: calls} of the k3kernels entry points, counted by wrappers."""
     import importlib
+
     calls = {name: 0 for _, name in COUNTED}
     for mod, name in COUNTED:
         module = importlib.import_module(f"k3kernels.{mod}")
@@ -103,6 +121,7 @@ def kernel_calls(monkeypatch):
         def counted(*a, _fn=fn, _name=name, **k):
             calls[_name] += 1
             return _fn(*a, **k)
+
         monkeypatch.setattr(module, name, counted)
     return calls
 
@@ -122,8 +141,11 @@ def test_triton_choice_runs_the_kernels_with_torch_results(kernel_calls, documen
     pytest.importorskip("triton")
     model = _model(1)
     tokens = torch.randint(0, model.args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)).to(DEV)
-    ctx = (lambda: BatchContext(cu_seqlens=torch.tensor([0, 40, 64, 100, 128], dtype=torch.int32, device=DEV))) \
-        if documents else (lambda: None)
+    ctx = (
+        (lambda: BatchContext(cu_seqlens=torch.tensor([0, 40, 64, 100, 128], dtype=torch.int32, device=DEV)))
+        if documents
+        else (lambda: None)
+    )
 
     set_kernels(model, "torch")
     ref_logits, ref_grads = _step(model, tokens, ctx())
@@ -136,8 +158,12 @@ def test_triton_choice_runs_the_kernels_with_torch_results(kernel_calls, documen
     n_dense = len(kinds) - n_moe
     assert (n_kda, n_moe, n_dense) == (3, 3, 1)
     # One call per layer and forward; SiTU-GLU: the dense FFN, and each MoE layer's routed and shared experts.
-    assert kernel_calls == {"chunk_kda": n_kda, "situ_triton": n_dense + 2 * n_moe,
-                            "permute_triton": n_moe, "unpermute_triton": n_moe}, kernel_calls
+    assert kernel_calls == {
+        "chunk_kda": n_kda,
+        "situ_triton": n_dense + 2 * n_moe,
+        "permute_triton": n_moe,
+        "unpermute_triton": n_moe,
+    }, kernel_calls
 
     scale = ref_logits.abs().max()
     assert (logits - ref_logits).abs().max() <= 1e-4 * scale

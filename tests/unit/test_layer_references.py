@@ -23,6 +23,7 @@ CU = [0, 1, 7, 30, 40, 41, 59, 80]
 
 # ---- shared pieces of the references ------------------------------------------------------------------------------
 
+
 def fp64_layer(cls, seed: int = 0, **overrides):
     """cls(tiny args) in fp64 with random weights large enough that every term matters, and norm weights away from 1
     so that a dropped norm weight shows."""
@@ -75,6 +76,7 @@ def check_against_reference(layer, reference, x, call=None):
 
 # ---- Kimi Delta Attention ------------------------------------------------------------------------------------------
 
+
 def short_conv(y, w, starts):
     """Depthwise causal conv of y [N, C] with taps w [C, W] in nn.Conv1d's layout (the last tap on the current token);
     tap j reads token n-j only while it lies in n's document."""
@@ -116,7 +118,7 @@ def kda_reference(layer: KDA, args, x, cu=None):
                 S = x.new_zeros(K, K)  # a document starts from an empty state
             S = g[n, h].exp()[:, None] * S
             S = S + beta[n, h] * torch.outer(k[n, h], v[n, h] - k[n, h] @ S)
-            o[n][h] = S.T @ (q[n, h] * K ** -0.5)
+            o[n][h] = S.T @ (q[n, h] * K**-0.5)
     o = torch.stack([torch.stack(row) for row in o])  # [N, H, K]
     o = rms_norm(o, layer.o_norm.weight, args.norm_eps) * torch.sigmoid(xf @ layer.g_proj.weight.T).view(N, H, K)
     return (o.reshape(N, H * K) @ layer.o_proj.weight.T).view(B, T, -1)
@@ -126,8 +128,9 @@ def kda_layer(seed=0):
     layer, args = fp64_layer(KDA, seed)
     layer.reset_decay_(torch.Generator().manual_seed(seed))  # long memory, so the state carries far
     with torch.no_grad():  # a per-head rate away from 1, so exp(A_log) matters
-        layer.A_log.copy_(torch.randn(args.kda_heads, generator=torch.Generator().manual_seed(seed),
-                                      dtype=torch.float64))
+        layer.A_log.copy_(
+            torch.randn(args.kda_heads, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        )
     return layer, args
 
 
@@ -135,15 +138,20 @@ def kda_layer(seed=0):
 def test_kda_matches_reference(cu):
     layer, args = kda_layer()
     x = torch.randn(B, T, args.dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    check_against_reference(layer, lambda x: kda_reference(layer, args, x, cu), x,
-                            call=lambda x: layer(x, context(cu)))
+    check_against_reference(layer, lambda x: kda_reference(layer, args, x, cu), x, call=lambda x: layer(x, context(cu)))
 
 
 # ---- Gated MLA -----------------------------------------------------------------------------------------------------
 
+
 def mla_reference(layer: GatedMLA, args, x, cu=None):
-    H, dk, ds, dv, r = (args.mla_heads, args.mla_k_head_dim, args.mla_shared_k_dim, args.mla_v_head_dim,
-                        args.mla_kv_rank)
+    H, dk, ds, dv, r = (
+        args.mla_heads,
+        args.mla_k_head_dim,
+        args.mla_shared_k_dim,
+        args.mla_v_head_dim,
+        args.mla_kv_rank,
+    )
     scale = (dk + ds) ** -0.5  # the full query-key width, shared slice included
     N = B * T
     xf = x.reshape(N, -1)
@@ -172,11 +180,11 @@ def mla_reference(layer: GatedMLA, args, x, cu=None):
 def test_mla_matches_reference(cu):
     layer, args = fp64_layer(GatedMLA)
     x = torch.randn(B, T, args.dim, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    check_against_reference(layer, lambda x: mla_reference(layer, args, x, cu), x,
-                            call=lambda x: layer(x, context(cu)))
+    check_against_reference(layer, lambda x: mla_reference(layer, args, x, cu), x, call=lambda x: layer(x, context(cu)))
 
 
 # ---- Stable LatentMoE ----------------------------------------------------------------------------------------------
+
 
 def situ_glu(z, w_gate, w_lin, w_down, b1, b2):
     """h = [b1 tanh(g/b1) sigmoid(g)] * [b2 tanh(u/b2)], out = h w_down; weights laid out [in, out]."""
@@ -225,6 +233,7 @@ def test_latent_moe_matches_reference():
 
 
 # ---- whole model ---------------------------------------------------------------------------------------------------
+
 
 @torch.no_grad()
 @pytest.mark.parametrize("ffn", ["dense", "moe"])

@@ -48,27 +48,35 @@ def test_more_stages_than_layers():
     assert "parallel.pp" in msg and "12" in msg and "8 layers" in msg
 
 
-@pytest.mark.parametrize("dims,needle", [
-    (ParallelDims(pp=4, microbatches=3, schedule="1f1b"), "microbatches >= pp=4"),
-    (ParallelDims(pp=2, vpp=2, microbatches=3, schedule="dualpipev"), "microbatches >= pp*vpp=4"),
-    (ParallelDims(pp=2, vpp=2, microbatches=5, schedule="interleaved_1f1b"),
-     "divisible by max(1, microbatches // pp)=2"),
-    (ParallelDims(pp=2, vpp=2, microbatches=5, schedule="interleaved_zb"), "got 5"),
-    (ParallelDims(pp=2, vpp=2, microbatches=4, schedule="1f1b"), "one stage per rank"),
-    (ParallelDims(pp=2, vpp=3, microbatches=4, schedule="zbv"), "exactly 2 stages per rank"),
-    (ParallelDims(pp=2, microbatches=4, schedule="pipedream"), "unknown schedule 'pipedream'"),
-    (ParallelDims(vpp=2), "need pp > 1"),
-    (ParallelDims(zero=3), "parallel.zero"),
-])
+@pytest.mark.parametrize(
+    "dims,needle",
+    [
+        (ParallelDims(pp=4, microbatches=3, schedule="1f1b"), "microbatches >= pp=4"),
+        (ParallelDims(pp=2, vpp=2, microbatches=3, schedule="dualpipev"), "microbatches >= pp*vpp=4"),
+        (
+            ParallelDims(pp=2, vpp=2, microbatches=5, schedule="interleaved_1f1b"),
+            "divisible by max(1, microbatches // pp)=2",
+        ),
+        (ParallelDims(pp=2, vpp=2, microbatches=5, schedule="interleaved_zb"), "got 5"),
+        (ParallelDims(pp=2, vpp=2, microbatches=4, schedule="1f1b"), "one stage per rank"),
+        (ParallelDims(pp=2, vpp=3, microbatches=4, schedule="zbv"), "exactly 2 stages per rank"),
+        (ParallelDims(pp=2, microbatches=4, schedule="pipedream"), "unknown schedule 'pipedream'"),
+        (ParallelDims(vpp=2), "need pp > 1"),
+        (ParallelDims(zero=3), "parallel.zero"),
+    ],
+)
 def test_schedule_rules(dims, needle):
     assert needle in _err(dims, dims.pp * dims.dp)
 
 
 def test_valid_layouts_pass():
-    for d in (ParallelDims(pp=2, vpp=2, microbatches=4), ParallelDims(pp=4, microbatches=4, schedule="1f1b"),
-              ParallelDims(pp=2, vpp=2, dp=4, ep=4, zero=2, microbatches=2, schedule="zbv"),
-              ParallelDims(pp=4, vpp=2, microbatches=8, schedule="dualpipev"),
-              ParallelDims(pp=4, microbatches=3, schedule="interleaved_1f1b")):  # torch's flexible rounds
+    for d in (
+        ParallelDims(pp=2, vpp=2, microbatches=4),
+        ParallelDims(pp=4, microbatches=4, schedule="1f1b"),
+        ParallelDims(pp=2, vpp=2, dp=4, ep=4, zero=2, microbatches=2, schedule="zbv"),
+        ParallelDims(pp=4, vpp=2, microbatches=8, schedule="dualpipev"),
+        ParallelDims(pp=4, microbatches=3, schedule="interleaved_1f1b"),
+    ):  # torch's flexible rounds
         d.validate(world_size=d.world, model_args=TINY)
 
 
@@ -86,6 +94,7 @@ def test_build_engine_rejects_before_any_process_group():
 def test_from_config_fills_dp():
     class Cfg:
         pp, vpp, ep, cp, dp, zero, microbatches, schedule, ep_dispatcher = 2, 1, 1, 1, -1, 1, 4, "1f1b", "alltoall"
+
     d = ParallelDims.from_config(Cfg, world_size=8)
     assert (d.dp, d.world, d.ep_dispatcher) == (4, 8, "alltoall")
     with pytest.raises(ConfigError, match="not divisible by pp\\*cp=2"):
@@ -108,6 +117,7 @@ def test_stage_placement():
     assert [stages_of_rank(v, r) for r in range(3)] == [[0, 5], [1, 4], [2, 3]]
     # torch's own V mapping agrees
     from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
     assert stage_to_rank(v) == generate_stage_to_rank_mapping(3, 6, style="v")
 
 
@@ -117,8 +127,11 @@ def test_split_is_optimal_against_enumeration():
     for trial in range(30):
         n = rng.randint(3, 9)
         args = get_preset("tiny", n_layers=n)
-        costs = {"embed": rng.uniform(0, 5), "head": rng.uniform(0, 5),
-                 "layers": [rng.uniform(0.5, 3) for _ in range(n)]}
+        costs = {
+            "embed": rng.uniform(0, 5),
+            "head": rng.uniform(0, 5),
+            "layers": [rng.uniform(0.5, 3) for _ in range(n)],
+        }
         k = rng.randint(1, n)
         stages = split_layers(args, k, costs=costs)
         assert [i for s in stages for i in s] == list(range(1, n + 1))

@@ -151,8 +151,9 @@ def test_bench_loss_tool_reports_both_losses(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
     import bench_loss
 
-    (row,) = bench_loss.main(["--dim", "8", "--cases", "64x512", "--chunk", "10", "--repeats", "1",
-                              "--json", str(tmp_path / "loss.json")])
+    (row,) = bench_loss.main(
+        ["--dim", "8", "--cases", "64x512", "--chunk", "10", "--repeats", "1", "--json", str(tmp_path / "loss.json")]
+    )
     assert row["reference_saved_MB"] * 2**20 >= 64 * 512 * 4
     assert row["chunked_saved_MB"] * 2**20 < 64 * 512 * 4 / 16
     assert row["chunked_time_s"] > 0 and (tmp_path / "loss.json").exists()

@@ -39,8 +39,8 @@ def test_per_layer_counts():
     with torch.device("meta"):
         m = K3Model(args)
     n = lambda mod: sum(p.numel() for p in mod.parameters())
-    assert n(m.layers["1"].attn) == 443_740_384          # KDA
-    assert n(m.layers["4"].attn) == 232_196_096          # Gated MLA
+    assert n(m.layers["1"].attn) == 443_740_384  # KDA
+    assert n(m.layers["4"].attn) == 232_196_096  # Gated MLA
     assert n(m.layers["93"].attn) == 232_196_096
     assert n(m.layers["2"].ffn.experts) == 29_595_009_024
     kinds = [m.layers[str(i)].kind for i in range(1, 94)]
@@ -203,13 +203,16 @@ def test_muon_structure_covers_matrices_only():
     assert s["layers.2.ffn.experts.w1"].kind == "batch"
 
 
-@pytest.mark.parametrize("over,msg", [
-    (dict(top_k=9), "top_k"),
-    (dict(mla_every=0), "mla_every"),
-    (dict(kda_heads=0), "kda_heads"),
-    (dict(n_dense_layers=99), "n_dense_layers"),
-    (dict(bogus=1), "bogus"),
-])
+@pytest.mark.parametrize(
+    "over,msg",
+    [
+        (dict(top_k=9), "top_k"),
+        (dict(mla_every=0), "mla_every"),
+        (dict(kda_heads=0), "kda_heads"),
+        (dict(n_dense_layers=99), "n_dense_layers"),
+        (dict(bogus=1), "bogus"),
+    ],
+)
 def test_bad_config_errors(over, msg):
     with pytest.raises(ConfigError, match=msg):
         get_preset("tiny", **over)
@@ -230,14 +233,28 @@ def test_count_params_tool_contract():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, str(root / "tools" / "count_params.py"), "model=k3_full"],
-                         capture_output=True, text=True, check=True, cwd=root).stdout
+    out = subprocess.run(
+        [sys.executable, str(root / "tools" / "count_params.py"), "model=k3_full"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=root,
+    ).stdout
     last = json.loads(out.strip().splitlines()[-1])
-    assert last == {"total": 2_779_931_738_208, "text": 2_779_484_379_232, "vision": 447_358_976,
-                    "routed": 2_722_740_830_208, "active": 104_189_515_872}
+    assert last == {
+        "total": 2_779_931_738_208,
+        "text": 2_779_484_379_232,
+        "vision": 447_358_976,
+        "routed": 2_722_740_830_208,
+        "active": 104_189_515_872,
+    }
     assert "kda" in out and "moe_routed" in out
-    bad = subprocess.run([sys.executable, str(root / "tools" / "count_params.py"), "model=nope"],
-                         capture_output=True, text=True, cwd=root)
+    bad = subprocess.run(
+        [sys.executable, str(root / "tools" / "count_params.py"), "model=nope"],
+        capture_output=True,
+        text=True,
+        cwd=root,
+    )
     assert bad.returncode == 2 and "unknown model preset 'nope'" in bad.stderr
 
 

@@ -252,7 +252,9 @@ def test_check_plan_catches_broken_plans():
     with pytest.raises(PlanInvariantError, match="rank 0 computes"):
         check_plan(broken(alloc=moved), counts, rows)
     with pytest.raises(PlanInvariantError, match="routed but"):
-        check_plan(good, counts + torch.eye(4, 8, dtype=torch.int64) - torch.eye(4, 8, dtype=torch.int64).roll(1, 1), rows)
+        check_plan(
+            good, counts + torch.eye(4, 8, dtype=torch.int64) - torch.eye(4, 8, dtype=torch.int64).roll(1, 1), rows
+        )
     rows_off = good.pair_rows.clone()
     rows_off[0, 0] += 1
     rows_off[1, 0] -= 1
@@ -343,9 +345,11 @@ def test_section7_skewed_batch_no_replication_vs_moonep(capsys):
     p = make_plan(counts, S * K, debug=True)
     moon = max_over_mean(p.alloc.sum(0))
     with capsys.disabled():
-        print(f"\nK3 report batch (R=8, E/R=4, S=512, K=8, Zipf 1.2): no replication {no_rep:.3f}, "
-              f"EPLB from previous batch {eplb:.3f}, MoonEP {moon:.3f} "
-              f"({p.fills} fills, remote experts per rank {p.remote_experts.tolist()})")
+        print(
+            f"\nK3 report batch (R=8, E/R=4, S=512, K=8, Zipf 1.2): no replication {no_rep:.3f}, "
+            f"EPLB from previous batch {eplb:.3f}, MoonEP {moon:.3f} "
+            f"({p.fills} fills, remote experts per rank {p.remote_experts.tolist()})"
+        )
     assert no_rep > 1.5
     assert 1.0 < eplb < no_rep
     assert moon == 1.0

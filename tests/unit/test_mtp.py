@@ -52,9 +52,9 @@ def reference_mtp_loss(model: K3Model, data: dict, b: dict) -> torch.Tensor:
         for a, e in zip(starts, starts[1:] + [T]):  # the document [a, e): positions t = a .. e-2 have t+1 in it
             if e - a < 2:
                 continue
-            x = torch.cat([mtp.hidden_norm(mix[r, a:e - 1]), mtp.emb_norm(emb[r, a + 1:e])], dim=-1)
+            x = torch.cat([mtp.hidden_norm(mix[r, a : e - 1]), mtp.emb_norm(emb[r, a + 1 : e])], dim=-1)
             u = mtp.norm(mtp.block(mtp.proj(x)[None], BatchContext()))[0]
-            target = b["labels"][r, a + 1:e]  # token t+2 (ignored where the data pipeline says so)
+            target = b["labels"][r, a + 1 : e]  # token t+2 (ignored where the data pipeline says so)
             total = total + F.cross_entropy(model.output(u), target, ignore_index=-100, reduction="sum")
             count += int((target != -100).sum())
     return total / count
@@ -73,9 +73,14 @@ def test_mtp_loss_matches_per_document_reference():
     want = reference_mtp_loss(model, data, b)
     w_emb, w_proj = torch.autograd.grad(want, [model.tok_embeddings.weight, model.mtp.proj.weight])
     assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
-    assert n == sum(1 for r, s in enumerate(data["starts"]) for a, e in zip(s, s[1:] + [T])
-                    for t in range(a, e - 1) if b["labels"][r, t + 1] != -100)
-    torch.testing.assert_close(g_emb, w_emb, rtol=1e-4, atol=1e-6)   # e_{t+1} reaches the embedding table
+    assert n == sum(
+        1
+        for r, s in enumerate(data["starts"])
+        for a, e in zip(s, s[1:] + [T])
+        for t in range(a, e - 1)
+        if b["labels"][r, t + 1] != -100
+    )
+    torch.testing.assert_close(g_emb, w_emb, rtol=1e-4, atol=1e-6)  # e_{t+1} reaches the embedding table
     torch.testing.assert_close(g_proj, w_proj, rtol=1e-4, atol=1e-6)
 
 
@@ -99,22 +104,37 @@ def test_one_process_engine_equals_harness_loop():
 
 def test_counts_exact_with_and_without_mtp():
     off = count_params(get_preset("k3_full"))
-    assert off == {"total": 2_779_931_738_208, "text": 2_779_484_379_232, "vision": 447_358_976,
-                   "routed": 2_722_740_830_208, "active": 104_189_515_872}
+    assert off == {
+        "total": 2_779_931_738_208,
+        "text": 2_779_484_379_232,
+        "vision": 447_358_976,
+        "routed": 2_722_740_830_208,
+        "active": 104_189_515_872,
+    }
     on, comp = count_params(get_preset("k3_full", mtp_layers=1), by_component=True)
     d = 7168
-    mtp = (2 * d                 # hidden_norm, emb_norm
-           + 2 * d * d           # proj: 2d -> d
-           + d + 232_196_096     # attn_norm, Gated MLA (the spec's per-layer count)
-           + d + 3 * d * 33_792  # ffn_norm, dense SiTU-GLU (hidden 33,792)
-           + d)                  # the module's output norm
+    mtp = (
+        2 * d  # hidden_norm, emb_norm
+        + 2 * d * d  # proj: 2d -> d
+        + d
+        + 232_196_096  # attn_norm, Gated MLA (the spec's per-layer count)
+        + d
+        + 3 * d * 33_792  # ffn_norm, dense SiTU-GLU (hidden 33,792)
+        + d
+    )  # the module's output norm
     assert mtp == 1_061_655_552 and comp["mtp"] == mtp
-    assert on == {"total": off["total"] + mtp, "text": off["text"] + mtp, "vision": off["vision"],
-                  "routed": off["routed"], "active": off["active"] + mtp}  # dense: every token touches all of it
+    assert on == {
+        "total": off["total"] + mtp,
+        "text": off["text"] + mtp,
+        "vision": off["vision"],
+        "routed": off["routed"],
+        "active": off["active"] + mtp,
+    }  # dense: every token touches all of it
 
 
 def test_planner_terms_grow_on_the_last_stage_only():
     from k3train.plan.activations import PolicyPlan, stage_activation_bytes
+
     off, on = H.tiny_args(), H.tiny_args(mtp_layers=1)
     a, b = layer_costs(off, 64), layer_costs(on, 64)
     assert a["layers"] == b["layers"] and a["embed"] == b["embed"] and b["head"] > a["head"]
@@ -127,14 +147,17 @@ def test_planner_terms_grow_on_the_last_stage_only():
         assert (y > x) if last else (y == x)
 
 
-@pytest.mark.parametrize("override, key", [
-    ("model.mtp_layers=2", "model.mtp_layers"),
-    ("model.mtp_layers=-1", "model.mtp_layers"),
-    ("+model.overrides.mtp_layers=2", "mtp_layers must be 0 or 1"),
-    ("optim.mtp_loss_weight=nan", "optim.mtp_loss_weight"),
-    ("optim.mtp_loss_weight=inf", "optim.mtp_loss_weight"),
-    ("optim.mtp_loss_weight=-0.5", "optim.mtp_loss_weight"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("model.mtp_layers=2", "model.mtp_layers"),
+        ("model.mtp_layers=-1", "model.mtp_layers"),
+        ("+model.overrides.mtp_layers=2", "mtp_layers must be 0 or 1"),
+        ("optim.mtp_loss_weight=nan", "optim.mtp_loss_weight"),
+        ("optim.mtp_loss_weight=inf", "optim.mtp_loss_weight"),
+        ("optim.mtp_loss_weight=-0.5", "optim.mtp_loss_weight"),
+    ],
+)
 def test_bad_mtp_settings_are_refused_before_any_process_group(override, key):
     with pytest.raises(ConfigError, match=key):
         load_config("tiny_cpu", [override])
@@ -143,6 +166,7 @@ def test_bad_mtp_settings_are_refused_before_any_process_group(override, key):
 
 def test_mtp_settings_reach_the_model():
     from k3train.config import model_args
+
     assert model_args(load_config("tiny_cpu", ["model.mtp_layers=1"])).mtp_layers == 1
     assert model_args(load_config("tiny_cpu", ["+model.overrides.mtp_layers=1"])).mtp_layers == 1
     assert model_args(load_config("tiny_cpu")).mtp_layers == 0

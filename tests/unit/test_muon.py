@@ -22,8 +22,20 @@ from k3train.models.structure import MatrixStructure
 from k3train.optim import muon
 from k3train.optim.config import OptimConfig
 from k3train.optim.muon import (
-    NS_COEFFICIENTS, PerHeadMuon, assign_owners, check_structure, from_matrices, from_pieces,
-    newton_schulz5, newton_schulz5_reference, ns_cost, orthogonalise_bucketed, piece_shapes, to_matrices, to_pieces)
+    NS_COEFFICIENTS,
+    PerHeadMuon,
+    assign_owners,
+    check_structure,
+    from_matrices,
+    from_pieces,
+    newton_schulz5,
+    newton_schulz5_reference,
+    ns_cost,
+    orthogonalise_bucketed,
+    piece_shapes,
+    to_matrices,
+    to_pieces,
+)
 from k3train.optim.qk_clip import apply_qk_clip, qk_clip_
 from k3train.optim.param_groups import describe_groups, split_params
 from k3train.parallel.zero import ShardedOptimizer
@@ -32,6 +44,7 @@ from k3train.parallel.zero import ShardedOptimizer
 def build_optimizer(model: nn.Module, cfg: OptimConfig):
     """The project's optimizer for one process (the torch optimizer the sharded one drives)."""
     return ShardedOptimizer([model], cfg).optimizer
+
 
 BF16_TOL = 0.05
 
@@ -67,7 +80,7 @@ def test_ns_maps_singular_values():
 
     def f(x):
         for _ in range(5):
-            x = a * x + b * x ** 3 + c * x ** 5
+            x = a * x + b * x**3 + c * x**5
         return x
 
     g = torch.Generator().manual_seed(1)
@@ -95,6 +108,7 @@ def _count_ns_calls(monkeypatch) -> list[tuple[int, ...]]:
     def counted(G, *args, **kwargs):
         calls.append(tuple(G.shape))
         return ns(G, *args, **kwargs)
+
     monkeypatch.setattr(muon, "newton_schulz5", counted)
     return calls
 
@@ -122,8 +136,9 @@ def test_capped_buckets_equal_one_call(monkeypatch, dtype, atol):
         torch.testing.assert_close(o, w, rtol=0, atol=atol)
     for m, o in zip(mats, capped):  # and each matrix is its own NS5
         for i in range(m.shape[0]):
-            torch.testing.assert_close(o[i].double(), newton_schulz5_reference(m[i]), rtol=0,
-                                       atol=1e-13 if dtype == torch.float64 else 2e-5)
+            torch.testing.assert_close(
+                o[i].double(), newton_schulz5_reference(m[i]), rtol=0, atol=1e-13 if dtype == torch.float64 else 2e-5
+            )
 
 
 def test_ns_calls_obey_the_cap(monkeypatch):
@@ -164,9 +179,17 @@ def test_matrix_over_the_cap_runs_alone(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------------
 # Structured views
 # ---------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind,shape,groups", [("rows", (12, 5), 3), ("cols", (5, 12), 4), ("batch", (3, 4, 6), 1),
-                                                ("rows", (2, 12, 5), 3), ("cols", (2, 5, 12), 4),
-                                                ("matrix", (4, 6), 1)])
+@pytest.mark.parametrize(
+    "kind,shape,groups",
+    [
+        ("rows", (12, 5), 3),
+        ("cols", (5, 12), 4),
+        ("batch", (3, 4, 6), 1),
+        ("rows", (2, 12, 5), 3),
+        ("cols", (2, 5, 12), 4),
+        ("matrix", (4, 6), 1),
+    ],
+)
 def test_views_round_trip(kind, shape, groups):
     s = MatrixStructure(kind, groups)
     t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
@@ -175,11 +198,11 @@ def test_views_round_trip(kind, shape, groups):
     if kind == "cols" and len(shape) == 2:
         h = shape[1] // groups
         for i in range(groups):
-            assert torch.equal(m[i], t[:, i * h:(i + 1) * h])
+            assert torch.equal(m[i], t[:, i * h : (i + 1) * h])
     if kind == "rows" and len(shape) == 2:
         h = shape[0] // groups
         for i in range(groups):
-            assert torch.equal(m[i], t[i * h:(i + 1) * h])
+            assert torch.equal(m[i], t[i * h : (i + 1) * h])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -190,10 +213,16 @@ def test_whole_matrix_step_matches_torch_muon():
     W0 = torch.randn(48, 80, generator=g)
     grads = [torch.randn(48, 80, generator=g) for _ in range(3)]
     ours, theirs = nn.Parameter(W0.clone()), nn.Parameter(W0.clone())
-    opt = PerHeadMuon([{"params": [ours], "structures": [MatrixStructure("rows", 4)]}], lr=0.02, weight_decay=0.1,
-                      momentum=0.95, per_head=False)
-    ref = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
-                           adjust_lr_fn="match_rms_adamw")
+    opt = PerHeadMuon(
+        [{"params": [ours], "structures": [MatrixStructure("rows", 4)]}],
+        lr=0.02,
+        weight_decay=0.1,
+        momentum=0.95,
+        per_head=False,
+    )
+    ref = torch.optim.Muon(
+        [theirs], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw"
+    )
     for G in grads:
         before = ours.detach().clone()
         ours.grad, theirs.grad = G.clone(), G.clone()
@@ -218,10 +247,10 @@ def test_per_head_step_equals_muon_on_each_head():
     opt = PerHeadMuon([{"params": [fused], "structures": [MatrixStructure("rows", H)]}], lr=0.01, weight_decay=0.05)
     fused.grad = G.clone()
     opt.step()
-    heads = [nn.Parameter(W0[i * dh:(i + 1) * dh].clone()) for i in range(H)]
+    heads = [nn.Parameter(W0[i * dh : (i + 1) * dh].clone()) for i in range(H)]
     ref = torch.optim.Muon(heads, lr=0.01, weight_decay=0.05, adjust_lr_fn="match_rms_adamw")
     for i, p in enumerate(heads):
-        p.grad = G[i * dh:(i + 1) * dh].clone()
+        p.grad = G[i * dh : (i + 1) * dh].clone()
     ref.step()
     decayed = W0 * (1 - 0.01 * 0.05)
     for i, p in enumerate(heads):
@@ -229,8 +258,7 @@ def test_per_head_step_equals_muon_on_each_head():
         assert rel(fused.detach()[rows] - decayed[rows], p.detach() - decayed[rows]) < BF16_TOL
     # exact in float64 against the per-matrix reference (scale 0.2 sqrt(max(8, 32)) per head)
     fused64 = nn.Parameter(W0.double())
-    opt64 = PerHeadMuon([{"params": [fused64], "structures": [MatrixStructure("rows", H)]}], lr=0.01,
-                        weight_decay=0.05)
+    opt64 = PerHeadMuon([{"params": [fused64], "structures": [MatrixStructure("rows", H)]}], lr=0.01, weight_decay=0.05)
     fused64.grad = G.double()
     opt64.step()
     mu = 0.95
@@ -244,16 +272,23 @@ def test_per_head_step_equals_muon_on_each_head():
 def test_cols_and_batch_and_bucketing_float64():
     """Two steps on rows/cols/batch/matrix params at once equal the per-matrix reference loop."""
     g = torch.Generator().manual_seed(4)
-    specs = {"qkv": ((3 * 4 * 8, 16), MatrixStructure("rows", 12)),
-             "o": ((16, 4 * 8), MatrixStructure("cols", 4)),
-             "experts": ((3, 8, 16), MatrixStructure("batch")),
-             "plain": ((16, 8), MatrixStructure())}
+    specs = {
+        "qkv": ((3 * 4 * 8, 16), MatrixStructure("rows", 12)),
+        "o": ((16, 4 * 8), MatrixStructure("cols", 4)),
+        "experts": ((3, 8, 16), MatrixStructure("batch")),
+        "plain": ((16, 8), MatrixStructure()),
+    }
     params = {k: nn.Parameter(torch.randn(*shape, generator=g, dtype=torch.float64)) for k, (shape, _) in specs.items()}
     init = {k: p.detach().clone() for k, p in params.items()}
-    opt = PerHeadMuon([{"params": list(params.values()), "structures": [s for _, s in specs.values()]}],
-                      lr=0.03, weight_decay=0.1, momentum=0.9)
-    grads = [{k: torch.randn(*shape, generator=g, dtype=torch.float64) for k, (shape, _) in specs.items()}
-             for _ in range(2)]
+    opt = PerHeadMuon(
+        [{"params": list(params.values()), "structures": [s for _, s in specs.values()]}],
+        lr=0.03,
+        weight_decay=0.1,
+        momentum=0.9,
+    )
+    grads = [
+        {k: torch.randn(*shape, generator=g, dtype=torch.float64) for k, (shape, _) in specs.items()} for _ in range(2)
+    ]
     for step in grads:
         for k, p in params.items():
             p.grad = step[k].clone()
@@ -295,14 +330,16 @@ def test_rank_limited_fused_matrix():
     # and the optimizer's per_head switch does the same thing
     for per_head in (False, True):
         p = nn.Parameter(torch.zeros(192, 64))
-        opt = PerHeadMuon([{"params": [p], "structures": [s]}], lr=1.0, weight_decay=0.0, momentum=0.0,
-                          per_head=per_head)
+        opt = PerHeadMuon(
+            [{"params": [p], "structures": [s]}], lr=1.0, weight_decay=0.0, momentum=0.0, per_head=per_head
+        )
         p.grad = G.clone()
         opt.step()
         scale = 0.2 * math.sqrt(64) if per_head else 0.2 * math.sqrt(192)
         # One fp32 ulp apart at most (measured 4.8e-7 on norms ~3.6).
-        torch.testing.assert_close((-p.detach() / scale).view(12, 16, 64).norm(dim=(1, 2)), out[per_head],
-                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            (-p.detach() / scale).view(12, 16, 64).norm(dim=(1, 2)), out[per_head], rtol=1e-6, atol=1e-6
+        )
 
 
 def test_bf16_params_keep_fp32_momentum_and_state_dict_round_trip():
@@ -370,8 +407,8 @@ def test_split_views_round_trip(kind, shape):
     else:
         assert piece_shapes(shape, s) == [(2, 7, 3), (2, 7, 5)]
         for h in range(2):
-            assert torch.equal(pieces[0][h], t[:, 8 * h:8 * h + 3])
-            assert torch.equal(pieces[1][h], t[:, 8 * h + 3:8 * h + 8])
+            assert torch.equal(pieces[0][h], t[:, 8 * h : 8 * h + 3])
+            assert torch.equal(pieces[1][h], t[:, 8 * h + 3 : 8 * h + 8])
     assert [tuple(p.shape) for p in pieces] == piece_shapes(shape, s)
     assert torch.equal(from_pieces(pieces, shape, s), t)
     # whole-matrix mode ignores the splits; the one-piece functions refuse a structure of two matrix shapes
@@ -390,14 +427,17 @@ def test_split_structure_errors():
         check_structure("w", (16, 7), MatrixStructure("rows", 2, splits=(9, -1)))
 
 
-MLA_CASES = {"tiny": {},  # k_dim 16 != v_dim 32 (one scale: max(16, 32) = max(32, 32) against kv_rank 32)
-             "equal_dims": dict(mla_k_head_dim=16, mla_v_head_dim=16),  # as in K3 (128 and 128)
-             "own_scales": dict(mla_kv_rank=8)}  # K_h 16x8 and V_h 32x8: scales 0.2 sqrt(16) and 0.2 sqrt(32)
+MLA_CASES = {
+    "tiny": {},  # k_dim 16 != v_dim 32 (one scale: max(16, 32) = max(32, 32) against kv_rank 32)
+    "equal_dims": dict(mla_k_head_dim=16, mla_v_head_dim=16),  # as in K3 (128 and 128)
+    "own_scales": dict(mla_kv_rank=8),
+}  # K_h 16x8 and V_h 32x8: scales 0.2 sqrt(16) and 0.2 sqrt(32)
 
 
 def _mla(case: str):
     from k3train.models.k3.args import get_preset
     from k3train.models.k3.mla import GatedMLA
+
     torch.manual_seed(0)
     return GatedMLA(get_preset("tiny", **MLA_CASES[case])).double()
 
@@ -447,8 +487,15 @@ def _sharded_pair(case: str, group):
     for m, g in zip(mlas, (group, None)):
         s = m.muon_structure()
         named = [(n, p) for n, p in m.named_parameters() if n in s]
-        opts.append(PerHeadMuon([{"params": [p for _, p in named], "structures": [s[n] for n, _ in named]}],
-                                lr=0.01, weight_decay=0.0, momentum=0.95, process_group=g))
+        opts.append(
+            PerHeadMuon(
+                [{"params": [p for _, p in named], "structures": [s[n] for n, _ in named]}],
+                lr=0.01,
+                weight_decay=0.0,
+                momentum=0.95,
+                process_group=g,
+            )
+        )
     return mlas, opts
 
 
@@ -456,6 +503,7 @@ def _sharded_pair(case: str, group):
 def world_of_one(tmp_path):
     """A gloo process group of one rank in this process (destroyed afterwards)."""
     import torch.distributed as dist
+
     if dist.is_initialized():
         pytest.skip("a default process group already exists")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -472,6 +520,7 @@ def test_mla_wkv_b_split_sharded_step_and_checkpoint(case, world_of_one):
     error 2.9e-8 / 4.6e-8 (the packed updates travel in fp32), parameters vs unsharded after 3 steps 4.6e-10 / 8.6e-10;
     the momentum round trips exactly."""
     from k3train.parallel.zero import _gather_owned_momentum, _scatter_owned_momentum
+
     (sh, ref), (opt, opt_ref) = _sharded_pair(case, world_of_one)
     H, kd, vd = sh.n_heads, sh.k_dim, sh.v_dim
     W0 = sh.wkv_b.weight.detach().clone()
@@ -483,8 +532,9 @@ def test_mla_wkv_b_split_sharded_step_and_checkpoint(case, world_of_one):
         opt_ref.step()
         if step == 0:
             got = (W0 - sh.wkv_b.weight.detach()) / 0.01
-            torch.testing.assert_close(got, _kv_update_by_definition(ref.wkv_b.weight.grad, H, kd, vd, 0.95),
-                                       rtol=3e-7, atol=1e-9)  # fp32 rounding of the packed update and its scaling
+            torch.testing.assert_close(
+                got, _kv_update_by_definition(ref.wkv_b.weight.grad, H, kd, vd, 0.95), rtol=3e-7, atol=1e-9
+            )  # fp32 rounding of the packed update and its scaling
     for (n, a), b in zip(sh.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-8, msg=n)
     p = sh.wkv_b.weight
@@ -507,12 +557,15 @@ def test_split_plan_and_checkpoint_over_two_ranks(monkeypatch):
     import k3train.parallel.comm as comm
     from k3train.optim.muon import owned_piece_views
     from k3train.parallel.zero import _gather_owned_momentum, _scatter_owned_momentum
+
     monkeypatch.setattr(comm, "all_reduce", lambda t, group, dim: t)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
-    specs = [((2 * 48, 32), MatrixStructure("rows", 2, splits=(16, 32))),
-             ((3 * (4 + 6), 9), MatrixStructure("rows", 3, splits=(4, 6))),
-             ((5, 4 * 6), MatrixStructure("cols", 4, splits=(2, 4))),
-             ((24, 32), MatrixStructure("rows", 3))]
+    specs = [
+        ((2 * 48, 32), MatrixStructure("rows", 2, splits=(16, 32))),
+        ((3 * (4 + 6), 9), MatrixStructure("rows", 3, splits=(4, 6))),
+        ((5, 4 * 6), MatrixStructure("cols", 4, splits=(2, 4))),
+        ((24, 32), MatrixStructure("rows", 3)),
+    ]
     g = torch.Generator().manual_seed(0)
     moms = [torch.randn(*shape, generator=g, dtype=torch.float64) for shape, _ in specs]
     gathered = []
@@ -591,8 +644,16 @@ def test_split_params_groups():
     no_decay = {n for n, _, _ in parts["adamw_no_decay"]}
     # AdamW groups get exactly the unstructured params: matrices not given to Muon decay, embeddings and 1-D don't.
     assert decay == {"head.weight", "layers.0.conv.weight", "layers.1.conv.weight"}
-    assert no_decay == {"embed.weight", "final_norm.weight", "layers.0.norm.weight", "layers.1.norm.weight",
-                        "layers.0.o.bias", "layers.1.o.bias", "layers.0.A_log", "layers.1.A_log"}
+    assert no_decay == {
+        "embed.weight",
+        "final_norm.weight",
+        "layers.0.norm.weight",
+        "layers.1.norm.weight",
+        "layers.0.o.bias",
+        "layers.1.o.bias",
+        "layers.0.A_log",
+        "layers.1.A_log",
+    }
     assert muon | decay | no_decay == {n for n, _ in m.named_parameters()}
     adam_only = split_params(m, OptimConfig(name="adamw"))
     assert not adam_only["muon"] and {n for n, _, _ in adam_only["adamw"]} == decay | muon
@@ -610,11 +671,17 @@ def test_build_optimizer_muon_and_adamw_groups():
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.1, 0.0]
     # the AdamW part equals torch.optim.AdamW with the same groups
     parts = split_params(ref, cfg)
-    ref_opt = torch.optim.AdamW([{"params": [p for _, p, _ in parts["adamw"]], "weight_decay": 0.1},
-                                 {"params": [p for _, p, _ in parts["adamw_no_decay"]], "weight_decay": 0.0}],
-                                lr=0.01, betas=cfg.betas, eps=cfg.eps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
-    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 0.5 ** s)
+    ref_opt = torch.optim.AdamW(
+        [
+            {"params": [p for _, p, _ in parts["adamw"]], "weight_decay": 0.1},
+            {"params": [p for _, p, _ in parts["adamw_no_decay"]], "weight_decay": 0.0},
+        ],
+        lr=0.01,
+        betas=cfg.betas,
+        eps=cfg.eps,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 0.5**s)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         # identical synthetic gradients (a forward pass would couple the AdamW params to the Muon ones)
@@ -666,8 +733,9 @@ def test_describe_groups_table():
     assert row.split()[:2] == ["muon", "per-expert"] and row.split()[3:6] == ["2", "6", "16x32"]
     assert any(line.startswith("adamw_no_decay") and "embed.weight" in line for line in lines)
     total = sum(p.numel() for p in m.parameters())
-    listed = sum(int(line.split()[-1].replace(",", "")) for line in lines if line.split()[-2:-1] != []
-                 and "total" in line)
+    listed = sum(
+        int(line.split()[-1].replace(",", "")) for line in lines if line.split()[-2:-1] != [] and "total" in line
+    )
     assert listed == total
     whole = describe_groups(m, OptimConfig(name="muon", per_head=False))
     assert "per-head" not in whole and "muon whole" in whole
@@ -678,6 +746,7 @@ def test_k3_tiny_grouping():
     if not hasattr(k3, "K3Model"):
         pytest.skip("K3Model not available")
     from k3train.models.k3.args import get_preset
+
     with torch.device("meta"):
         model = k3.K3Model(get_preset("tiny"))
     parts = split_params(model, OptimConfig(name="muon"))
@@ -693,6 +762,7 @@ def test_k3_tiny_grouping():
     assert "muon per-head" in text and "muon per-expert" in text
     # one real training step: Per-Head Muon + AdamW, and Quantile Balancing on every router
     from k3train.optim.quantile_balancing import attach_balancers, update_biases
+
     torch.manual_seed(0)
     model = k3.K3Model(get_preset("tiny"))
     model.init_weights(0)
@@ -743,8 +813,9 @@ class ToyMLA(nn.Module):
         self.max_logits = m if self.max_logits is None else torch.maximum(self.max_logits, m)
 
     def qk_clip_targets(self):
-        return dict(q_weight=self.wq.weight, k_weight=self.wk.weight, n_heads=self.H, qk_dim=self.kd,
-                    shared_dim=self.sd)
+        return dict(
+            q_weight=self.wq.weight, k_weight=self.wk.weight, n_heads=self.H, qk_dim=self.kd, shared_dim=self.sd
+        )
 
 
 def test_qk_clip():

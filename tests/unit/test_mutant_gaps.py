@@ -20,12 +20,28 @@ from k3train.config import load_config
 from k3train.models.k3.context import BatchContext
 
 T = 16  # one KDA chunk of the tiny preset
-OVERRIDES = ["+model.overrides.n_layers=3", "+model.overrides.n_experts=7", f"data.seq_len={T}", "data.micro_batch=2",
-             "parallel.microbatches=2", "optim.name=adamw", "optim.warmup_steps=1", "train.steps=4",
-             "train.balancing=none", "train.device=cpu", "train.threads=1", "train.resume=never",
-             "train.eval_interval=0", "train.checkpoint_interval=0", "train.checkpoint_at_end=false",
-             "logging.console=false", "logging.progress_bar=false", "logging.tensorboard=false",
-             "logging.wandb=false", "logging.peak_flops=1e12"]
+OVERRIDES = [
+    "+model.overrides.n_layers=3",
+    "+model.overrides.n_experts=7",
+    f"data.seq_len={T}",
+    "data.micro_batch=2",
+    "parallel.microbatches=2",
+    "optim.name=adamw",
+    "optim.warmup_steps=1",
+    "train.steps=4",
+    "train.balancing=none",
+    "train.device=cpu",
+    "train.threads=1",
+    "train.resume=never",
+    "train.eval_interval=0",
+    "train.checkpoint_interval=0",
+    "train.checkpoint_at_end=false",
+    "logging.console=false",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+    "logging.wandb=false",
+    "logging.peak_flops=1e12",
+]
 
 
 pytestmark = pytest.mark.usefixtures("one_process")  # tests/conftest.py
@@ -66,8 +82,15 @@ def check_step(trainer, batches: list[dict], clip: float) -> float:
         hook.remove()
 
     targets = sum(int((b["labels"] != -100).sum()) for b in batches)
-    ce = sum(F.cross_entropy(reference(b["input_ids"], BatchContext(cu_seqlens=b["cu_seqlens"])).float().flatten(0, 1),
-                             b["labels"].flatten(), ignore_index=-100, reduction="sum") for b in batches)
+    ce = sum(
+        F.cross_entropy(
+            reference(b["input_ids"], BatchContext(cu_seqlens=b["cu_seqlens"])).float().flatten(0, 1),
+            b["labels"].flatten(),
+            ignore_index=-100,
+            reduction="sum",
+        )
+        for b in batches
+    )
     (ce / targets).backward()
     loss = float(ce.detach()) / targets
     grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}

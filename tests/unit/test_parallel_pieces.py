@@ -97,13 +97,21 @@ def _zero_worker(rank: int) -> dict:
     for zero in (0, 1, 2):
         params = [nn.Parameter(torch.zeros(s, dtype=torch.float64)) for s in SHAPES]
         # a small bucket cap, so the parameters fall into several buckets
-        group = ShardGroup([(f"p{i}", p, m) for i, (p, m) in enumerate(zip(params, MUON))], dist.group.WORLD,
-                           "dp_cp", zero, bucket_numel=16)
+        group = ShardGroup(
+            [(f"p{i}", p, m) for i, (p, m) in enumerate(zip(params, MUON))],
+            dist.group.WORLD,
+            "dp_cp",
+            zero,
+            bucket_numel=16,
+        )
         for i, p in enumerate(params):
             p.grad = _grad(rank, i, p.shape)
         group.reduce_grads()
-        rec = {"owned": [group.owned_grad(it).clone() for it in group.items],
-               "rows": [(it.start, it.stop) for it in group.items], "sq": float(group.local_sq_norm())}
+        rec = {
+            "owned": [group.owned_grad(it).clone() for it in group.items],
+            "rows": [(it.start, it.stop) for it in group.items],
+            "sq": float(group.local_sq_norm()),
+        }
         with torch.no_grad():  # the optimizer's step on the owned rows
             for i, it in enumerate(group.items):
                 if not it.muon:
@@ -123,8 +131,13 @@ def test_zero_reduce_and_gather(tmp_path):
             sq += rec[zero]["sq"]
             for i, (s, (a, b)) in enumerate(zip(SHAPES, rec[zero]["rows"])):
                 # the owned rows [a, b) hold the sum over ranks (1-D tensors: elements are rows)
-                torch.testing.assert_close(rec[zero]["owned"][i], total[i][a:b], rtol=0, atol=1e-12,
-                                           msg=lambda m: f"zero={zero} rank {r} param {i}: reduced gradient {m}")
+                torch.testing.assert_close(
+                    rec[zero]["owned"][i],
+                    total[i][a:b],
+                    rtol=0,
+                    atol=1e-12,
+                    msg=lambda m: f"zero={zero} rank {r} param {i}: reduced gradient {m}",
+                )
         # every element counted once over the group: the global norm of the summed gradients
         assert sq == pytest.approx(sum(float(t.pow(2).sum()) for t in total), rel=1e-12)
         if zero == 0:
@@ -168,13 +181,21 @@ def _overlap_worker(rank: int) -> dict:
                 # registered before the group's hooks: a gradient's arrival is recorded before what it triggers
                 for name, p in model.named_parameters():
                     p.register_post_accumulate_grad_hook(lambda p, n=name: events.append(("grad", n)))
-                group = ShardGroup([(n, p, False) for n, p in model.named_parameters()], dist.group.WORLD, "dp_cp",
-                                   zero, bucket_numel=40, precision=precision, reduce_group=rg if overlap else None)
+                group = ShardGroup(
+                    [(n, p, False) for n, p in model.named_parameters()],
+                    dist.group.WORLD,
+                    "dp_cp",
+                    zero,
+                    bucket_numel=40,
+                    precision=precision,
+                    reduce_group=rg if overlap else None,
+                )
                 launch = group._launch
 
                 def recording(f, launch=launch, events=events):
                     events.append(("launch", tuple(it.name for it in f.bucket.items)))
                     launch(f)
+
                 group._launch = recording
                 counter = comm.CommCounter()
                 with comm.counting(counter):
@@ -186,8 +207,12 @@ def _overlap_worker(rank: int) -> dict:
                     events.append(("backward done",))
                     group.reduce_grads()
                 grads = {it.name: group.owned_grad(it).detach().float().clone() for it in group.items}
-                rec[overlap] = {"events": events, "grads": grads, "bytes": counter.snapshot(),
-                                "buckets": [tuple(it.name for it in b.items) for b in group.buckets]}
+                rec[overlap] = {
+                    "events": events,
+                    "grads": grads,
+                    "bytes": counter.snapshot(),
+                    "buckets": [tuple(it.name for it in b.items) for b in group.buckets],
+                }
             out[(zero, precision)] = rec
     return out
 
@@ -212,7 +237,8 @@ def test_bucket_reductions_overlap_the_last_backward(tmp_path):
             assert [ev[k][1] for k in launches] == rec[True]["buckets"], where  # in bucket order
             # after backward: every bucket launched at the reduction point, none before
             assert [e[0] for e in rec[False]["events"]].index("launch") > rec[False]["events"].index(
-                ("backward done",)), where
+                ("backward done",)
+            ), where
             assert rec[True]["bytes"] == rec[False]["bytes"], where
             for name, g in rec[True]["grads"].items():
                 assert torch.equal(g, rec[False]["grads"][name]), f"{where}: {name}"
@@ -227,8 +253,9 @@ def _engine_overlap_worker(rank: int) -> dict:
     out = {}
     for overlap in (True, False):
         dims = H.Layout(name="dp2", dp=2, zero=2, microbatches=2).dims()
-        engine = build_engine(H.tiny_args(), dims, H.optim_config(), seed=H.SEED, device="cpu", seq_len_hint=H.SEQ,
-                              bucket_numel=1 << 14)
+        engine = build_engine(
+            H.tiny_args(), dims, H.optim_config(), seed=H.SEED, device="cpu", seq_len_hint=H.SEQ, bucket_numel=1 << 14
+        )
         group = engine.zero.shard_groups["dense"]
         group.overlap = overlap
         events: list = []
@@ -237,13 +264,19 @@ def _engine_overlap_worker(rank: int) -> dict:
         def recording(f, launch=launch, events=events):
             events.append("launch")
             launch(f)
+
         group._launch = recording
         emb = engine.model_parts[0].tok_embeddings.weight  # registered first: its gradient arrives last
         emb.register_post_accumulate_grad_hook(lambda p, events=events: events.append("embedding grad"))
         res = engine.train_step(H.local_microbatches(H.step_data(0), dp=2, dp_rank=rank, microbatches=2))
-        out[overlap] = {"events": events, "loss": res["loss"], "norm": res["grad_norm"],
-                        "comm": engine.comm.snapshot(), "buckets": len(group.buckets),
-                        "params": {k: v.detach().clone() for k, v in engine.named_parameters()}}
+        out[overlap] = {
+            "events": events,
+            "loss": res["loss"],
+            "norm": res["grad_norm"],
+            "comm": engine.comm.snapshot(),
+            "buckets": len(group.buckets),
+            "params": {k: v.detach().clone() for k, v in engine.named_parameters()},
+        }
     calls: list = []
     arm, reduce = ShardedOptimizer.arm_part, ShardedOptimizer.reduce_part
 
@@ -254,10 +287,10 @@ def _engine_overlap_worker(rank: int) -> dict:
     def reduce_part(self, part):
         calls.append(("reduce", id(part)))
         reduce(self, part)
+
     ShardedOptimizer.arm_part, ShardedOptimizer.reduce_part = arm_part, reduce_part
     lay = H.Layout(name="pp2", pp=2, microbatches=2, schedule="1f1b")
-    engine = build_engine(H.tiny_args(), lay.dims(), H.optim_config(), seed=H.SEED, device="cpu",
-                          seq_len_hint=H.SEQ)
+    engine = build_engine(H.tiny_args(), lay.dims(), H.optim_config(), seed=H.SEED, device="cpu", seq_len_hint=H.SEQ)
     engine.train_step(H.local_microbatches(H.step_data(0), dp=1, dp_rank=0, microbatches=2))
     out["pp_calls"] = [(c, k == id(engine.model_parts[0])) for c, k in calls]
     return out
@@ -283,8 +316,13 @@ def test_engine_reduces_while_the_last_backward_runs(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 def _muon_specs():
     from k3train.models.structure import MatrixStructure
-    return [((2 * 6, 4), MatrixStructure("rows", 2, splits=(2, 4))), ((5, 6), MatrixStructure("cols", 3)),
-            ((3, 4, 5), MatrixStructure("batch")), ((4, 4), MatrixStructure("matrix"))]
+
+    return [
+        ((2 * 6, 4), MatrixStructure("rows", 2, splits=(2, 4))),
+        ((5, 6), MatrixStructure("cols", 3)),
+        ((3, 4, 5), MatrixStructure("batch")),
+        ((4, 4), MatrixStructure("matrix")),
+    ]
 
 
 def _muon_rs_worker(rank: int) -> list:
@@ -346,8 +384,7 @@ def test_pipeline_step_equals_one_process(tmp_path):
     H.compare(reference, records)
     H.check_analytic_bytes(layout, records)
     # both directions crossed the boundary
-    assert all(rec["comm"][-1].get(f"pp/send_{d}", {}).get("payload", 0) > 0
-               for rec, d in zip(records, ("fwd", "bwd")))
+    assert all(rec["comm"][-1].get(f"pp/send_{d}", {}).get("payload", 0) > 0 for rec, d in zip(records, ("fwd", "bwd")))
 
 
 def test_muon_owner_steps_equal_one_process_in_fp64(tmp_path):
@@ -379,7 +416,7 @@ def test_busy_clock_times_cuda_work_with_events(monkeypatch):
         def synchronize(self):
             synced.append(self)
 
-        def elapsed_time(self, end):   # milliseconds, as torch.cuda.Event reports
+        def elapsed_time(self, end):  # milliseconds, as torch.cuda.Event reports
             return 250.0 * (end.t - self.t)
 
     recorded: list = []
@@ -388,8 +425,8 @@ def test_busy_clock_times_cuda_work_with_events(monkeypatch):
     for _ in range(3):
         with clock.span():
             pass
-    assert len(recorded) == 6 and not synced               # nothing waits while the step runs
-    assert clock.seconds == 0.75 and len(synced) == 1      # 3 spans of 250 ms, one synchronisation
+    assert len(recorded) == 6 and not synced  # nothing waits while the step runs
+    assert clock.seconds == 0.75 and len(synced) == 1  # 3 spans of 250 ms, one synchronisation
     clock.reset()
     assert clock.seconds == 0.0
     cpu = BusyClock(torch.device("cpu"))

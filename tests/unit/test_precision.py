@@ -56,8 +56,13 @@ def _tiny_engine(precision: str, optim: str = "adamw"):
 
 def _batches():
     g = torch.Generator().manual_seed(0)
-    return [{"input_ids": torch.randint(0, 512, (2, 32), generator=g),
-             "labels": torch.randint(0, 512, (2, 32), generator=g)} for _ in range(2)]
+    return [
+        {
+            "input_ids": torch.randint(0, 512, (2, 32), generator=g),
+            "labels": torch.randint(0, 512, (2, 32), generator=g),
+        }
+        for _ in range(2)
+    ]
 
 
 @pytest.mark.parametrize("optim", ["adamw", "muon"])

@@ -8,8 +8,16 @@ import torch
 from torch import nn
 
 from k3train.optim.quantile_balancing import (
-    QuantileBalancer, SignBalancer, attach_balancers, balance_stats, bias_from_histogram, bias_range, quantile_bias,
-    quantile_bias_reference, update_biases)
+    QuantileBalancer,
+    SignBalancer,
+    attach_balancers,
+    balance_stats,
+    bias_from_histogram,
+    bias_range,
+    quantile_bias,
+    quantile_bias_reference,
+    update_biases,
+)
 
 
 def loads_of(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
@@ -206,6 +214,7 @@ def test_attach_and_update_biases(real_router):
             r = moe.Router(d, E, k)
             nn.init.normal_(r.weight, std=0.5)
             return r
+
         model = TwoLayerMoE(make)
     else:
         torch.manual_seed(0)

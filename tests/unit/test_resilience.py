@@ -40,12 +40,24 @@ def test_a_stop_request_ends_training_after_the_step_with_a_checkpoint(one_proce
     run stops after step 1 with a checkpoint (checkpoint_interval would save none) and says so."""
     from k3train.config import load_config
     from k3train.train.trainer import Trainer
+
     stop = rs.StopRequest()
     stop.received.append(signal.SIGTERM)
-    cfg = load_config("tiny_cpu", ["data.seq_len=32", "data.micro_batch=2", "train.steps=5", "train.eval_interval=0",
-                                   "train.checkpoint_interval=0", "logging.tensorboard=false",
-                                   "logging.progress_bar=false", "logging.peak_flops=1e9", "train.threads=1",
-                                   f"train.run_dir={tmp_path / 'run'}"])
+    cfg = load_config(
+        "tiny_cpu",
+        [
+            "data.seq_len=32",
+            "data.micro_batch=2",
+            "train.steps=5",
+            "train.eval_interval=0",
+            "train.checkpoint_interval=0",
+            "logging.tensorboard=false",
+            "logging.progress_bar=false",
+            "logging.peak_flops=1e9",
+            "train.threads=1",
+            f"train.run_dir={tmp_path / 'run'}",
+        ],
+    )
     trainer = Trainer(cfg, stop=stop)
     try:
         out = trainer.train()
@@ -78,15 +90,22 @@ def test_requeue_reports_a_failing_scontrol(tmp_path, monkeypatch):
     assert rs.requeue({"SLURM_JOB_ID": "9"}) == "scontrol requeue 9 failed: Requeue of a non-batch job not allowed"
 
 
-@pytest.mark.parametrize("error, kind", [
-    (RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to "
-                  "complete"), "timeout"),
-    (RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:20370."), "peer"),
-    (RuntimeError("Application timeout caused pair closure"), "timeout"),
-    (TimeoutError("store of this round's rank 0 not published within 5 s"), "timeout"),
-    (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), None),
-    (ValueError("timed out"), None),
-])
+@pytest.mark.parametrize(
+    "error, kind",
+    [
+        (
+            RuntimeError(
+                "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete"
+            ),
+            "timeout",
+        ),
+        (RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:20370."), "peer"),
+        (RuntimeError("Application timeout caused pair closure"), "timeout"),
+        (TimeoutError("store of this round's rank 0 not published within 5 s"), "timeout"),
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), None),
+        (ValueError("timed out"), None),
+    ],
+)
 def test_failure_kinds(error, kind):
     assert rs.failure_kind(error) == kind
 
@@ -95,13 +114,17 @@ def test_a_timeout_names_the_rank_the_collective_and_the_step():
     progress = rs.Progress(rank=1, phase="the train step", step=7, timeout_s=5)
     comm._enter("all_reduce", "dp_cp", None)  # what comm's wrappers leave behind when the collective raises
     try:
-        e = rs.describe(RuntimeError("[gloo/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to "
-                                     "complete"), progress)
+        e = rs.describe(
+            RuntimeError("[gloo/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete"),
+            progress,
+        )
     finally:
         comm._leave()
-    assert str(e) == ("[rank 1] timeout: no answer from the other ranks within 5 s in all_reduce over dp_cp during "
-                      "the train step, at step 7 ([gloo/unbound_buffer.cc:78] Timed out waiting 5000ms for recv "
-                      "operation to complete)")
+    assert str(e) == (
+        "[rank 1] timeout: no answer from the other ranks within 5 s in all_reduce over dp_cp during "
+        "the train step, at step 7 ([gloo/unbound_buffer.cc:78] Timed out waiting 5000ms for recv "
+        "operation to complete)"
+    )
     # outside a labelled collective: the trainer's phase
     progress = rs.Progress(rank=0, phase="checkpoint save", step=12, timeout_s=600)
     e = rs.describe(RuntimeError("Connection closed by peer [10.0.0.2]:4000 (gloo)"), progress)
@@ -147,10 +170,12 @@ def test_run_directory_survives_requeues_and_restarts(tmp_path):
     fresh = iter([tmp_path / "a", tmp_path / "b"]).__next__
     # Slurm: named after the job (a requeued job keeps its id); later srun steps of one allocation apart
     assert rs.stable_run_dir("tiny_cpu", None, fresh, {"SLURM_JOB_ID": "42"}) == Path("runs/tiny_cpu/slurm-42")
-    assert rs.stable_run_dir("tiny_cpu", None, fresh, {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0"}) == \
-        Path("runs/tiny_cpu/slurm-42")
-    assert rs.stable_run_dir("x", None, fresh, {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "3"}) == \
-        Path("runs/x/slurm-42.3")
+    assert rs.stable_run_dir("tiny_cpu", None, fresh, {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0"}) == Path(
+        "runs/tiny_cpu/slurm-42"
+    )
+    assert rs.stable_run_dir("x", None, fresh, {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "3"}) == Path(
+        "runs/x/slurm-42.3"
+    )
     # torchrun: the first round records its choice in the agent's store, a restarted round reads it back
     agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
     first = rs.stable_run_dir("tiny_cpu", agent, fresh, {})
@@ -231,8 +256,13 @@ def test_ranks_from_the_slurm_step_without_torchrun():
     script's allocation variables alone start one process."""
     from k3train.train.trainer import dist_env
 
-    step = {"SLURM_PROCID": "11", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": "3",
-            "SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_NTASKS": "16"}
+    step = {
+        "SLURM_PROCID": "11",
+        "SLURM_STEP_NUM_TASKS": "16",
+        "SLURM_LOCALID": "3",
+        "SLURM_STEP_TASKS_PER_NODE": "8(x2)",
+        "SLURM_NTASKS": "16",
+    }
     env = dict(step)
     assert tuple(vars(dist_env(env)).values()) == (11, 16, 3, 8)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("11", "16", "3", "8")

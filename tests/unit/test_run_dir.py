@@ -33,6 +33,7 @@ def _dead_pid() -> int:
 def test_a_live_runs_lock_is_refused_a_dead_ones_taken_over(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     import os
+
     _lock(tmp_path, pid=os.getppid())  # a live process (this test's parent)
     with pytest.raises(ConfigError, match=rf"in use by a live run \(pid {os.getppid()} on "):
         rundir.acquire(tmp_path)
@@ -69,8 +70,10 @@ def test_config_record_keeps_one_file_per_start(tmp_path):
 
 def _meta(shapes: dict) -> dict:
     props = TensorProperties(dtype=torch.float32)
-    return {f"engine.model.{k}": TensorStorageMetadata(properties=props, size=torch.Size(s), chunks=[])
-            for k, s in shapes.items()}
+    return {
+        f"engine.model.{k}": TensorStorageMetadata(properties=props, size=torch.Size(s), chunks=[])
+        for k, s in shapes.items()
+    }
 
 
 def test_checkpoint_and_model_are_compared_both_ways():
@@ -80,13 +83,17 @@ def test_checkpoint_and_model_are_compared_both_ways():
         check_model_entries(model, _meta({"a.weight": (4, 2)}), "ck", "")
     with pytest.raises(CheckpointError, match=r"holds 1 tensors this model lacks \(first: c.weight\)"):
         check_model_entries(model, _meta({"a.weight": (4, 2), "b.weight": (3,), "c.weight": (1,)}), "ck", "")
-    with pytest.raises(CheckpointError, match=r"train.init_from: checkpoint ck .*another shape \(first: a.weight "
-                                              r"\(4, 3\) in the checkpoint, \(4, 2\) here"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"train.init_from: checkpoint ck .*another shape \(first: a.weight "
+        r"\(4, 3\) in the checkpoint, \(4, 2\) here",
+    ):
         check_model_entries(model, _meta({"a.weight": (4, 3), "b.weight": (3,)}), "ck", "train.init_from: ")
 
 
 def test_wandb_mode_respects_WANDB_MODE_and_never_forces_online(tmp_path, monkeypatch):
     from k3train.train import metrics
+
     no_key = {"NETRC": str(tmp_path / "no_netrc")}
     assert metrics.wandb_mode(LoggingConfig(wandb_project="p"), no_key) == "offline"  # no API key
     assert metrics.wandb_mode(LoggingConfig(wandb_project="p"), {**no_key, "WANDB_API_KEY": "k"}) == "online"
@@ -94,8 +101,9 @@ def test_wandb_mode_respects_WANDB_MODE_and_never_forces_online(tmp_path, monkey
     assert metrics.wandb_mode(LoggingConfig(wandb_mode="online"), {"WANDB_MODE": "offline"}) == "offline"
     # MetricsLogger hands that mode to wandb.init (a stand-in module: no network, no files)
     seen = {}
-    fake = types.SimpleNamespace(init=lambda **kw: seen.update(kw) or types.SimpleNamespace(finish=lambda: None),
-                                 Settings=lambda **kw: kw)
+    fake = types.SimpleNamespace(
+        init=lambda **kw: seen.update(kw) or types.SimpleNamespace(finish=lambda: None), Settings=lambda **kw: kw
+    )
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_API_KEY", "k")
@@ -109,6 +117,7 @@ def test_each_optimizer_brings_its_own_learning_rate():
     """Recipes leave optim.lr to the optimizer's group file, so `optim=NAME` takes that optimizer's rate."""
     import yaml
     from k3train.config import available_recipes, configs_dir
+
     own = {n: yaml.safe_load((configs_dir() / "optim" / f"{n}.yaml").read_text())["lr"] for n in ("adamw", "muon")}
     for recipe in available_recipes():
         for name, lr in own.items():
@@ -136,6 +145,7 @@ def test_the_schedulers_get_lr_warning_is_filtered_on_load():
     import warnings
 
     from k3train.train.trainer import _quiet_checkpoint_warnings
+
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     with warnings.catch_warnings(record=True) as seen:
@@ -165,5 +175,6 @@ def test_the_console_script_is_the_training_command():
     from pathlib import Path
 
     from k3train.train import cli
+
     scripts = tomllib.loads((Path(cli.__file__).parents[2] / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["k3train"] == "k3train.train.cli:main" and callable(cli.main)

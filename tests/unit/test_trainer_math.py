@@ -27,11 +27,24 @@ from k3train.config import load_config
 # The tiny preset cut to 3 layers (layer 1 dense, layers 2-3 MoE) with 7 experts, one 16-token row per step: a step
 # takes milliseconds. With 16 tokens x top-2 over 7 experts the mean load 32/7 is not an integer, so no expert's load
 # can equal the mean and the sign rule moves every bias.
-TINY = ["+model.overrides.n_layers=3", "+model.overrides.n_experts=7", "data.seq_len=16", "data.micro_batch=1",
-        "train.device=cpu", "train.threads=1", "train.resume=never", "train.eval_interval=0",
-        "train.checkpoint_interval=0", "train.checkpoint_at_end=false", "logging.log_interval=1",
-        "logging.console=false", "logging.progress_bar=false", "logging.tensorboard=false", "logging.wandb=false",
-        "logging.peak_flops=1e12"]  # a fixed peak: no matmul benchmark at start-up
+TINY = [
+    "+model.overrides.n_layers=3",
+    "+model.overrides.n_experts=7",
+    "data.seq_len=16",
+    "data.micro_batch=1",
+    "train.device=cpu",
+    "train.threads=1",
+    "train.resume=never",
+    "train.eval_interval=0",
+    "train.checkpoint_interval=0",
+    "train.checkpoint_at_end=false",
+    "logging.log_interval=1",
+    "logging.console=false",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+    "logging.wandb=false",
+    "logging.peak_flops=1e12",
+]  # a fixed peak: no matmul benchmark at start-up
 
 SIGN_U = 1e-3  # the sign rule's step (docs/balancing.md), stored in an fp32 buffer
 
@@ -68,8 +81,14 @@ def wsd_lr(step: int, *, peak: float, steps: int, warmup: int, decay_ratio: floa
 def test_lr_of_every_step_follows_warmup_stable_decay(tmp_path):
     # 16 steps: warmup 1-4, stable 5-11, decay over D = 6 steps (12-16 real, 17 virtual) towards 0.25 x the peak.
     sched = dict(peak=1e-2, steps=16, warmup=4, decay_ratio=0.375, floor=0.25)
-    cfg = _config(tmp_path, "optim.lr=1e-2", "train.steps=16", "optim.warmup_steps=4", "optim.decay_ratio=0.375",
-                  "optim.min_lr_ratio=0.25")
+    cfg = _config(
+        tmp_path,
+        "optim.lr=1e-2",
+        "train.steps=16",
+        "optim.warmup_steps=4",
+        "optim.decay_ratio=0.375",
+        "optim.min_lr_ratio=0.25",
+    )
     out = trainer_mod.run(cfg)
     assert out["steps"] == 16
 
@@ -92,8 +111,15 @@ def test_lr_of_every_step_follows_warmup_stable_decay(tmp_path):
 def _train_steps(tmp_path, balancing: str, n_steps: int):
     """Biases before and after each of `n_steps` real trainer steps, and each step's per-expert selection counts as
     the routers recorded them: ({router: [bias_0, ..., bias_n] fp64}, {router: [loads_1, ..., loads_n]})."""
-    trainer = trainer_mod.Trainer(_config(tmp_path, f"train.balancing={balancing}", f"train.steps={n_steps}",
-                                          "optim.warmup_steps=1", "optim.decay_ratio=0.0"))
+    trainer = trainer_mod.Trainer(
+        _config(
+            tmp_path,
+            f"train.balancing={balancing}",
+            f"train.steps={n_steps}",
+            "optim.warmup_steps=1",
+            "optim.decay_ratio=0.0",
+        )
+    )
     try:
         trainer.parts[0].train()
         routers = trainer.parts[0].routers()
@@ -194,9 +220,11 @@ def test_situ_defaults_are_k3s_caps():
 # 4. Quantile read off a hand-built histogram
 # ---------------------------------------------------------------------------------------------------------------------
 # 3 experts, 8 bins of width 1/4 on [lo, hi] = [-1.5, 0.5]; bin j covers [lo + j/4, lo + (j+1)/4).
-HIST = [[0, 2, 1, 0, 3, 0, 0, 0],   # total 6
-        [1, 0, 0, 8, 0, 1, 1, 1],   # total 12
-        [0, 0, 0, 0, 1, 1, 4, 1]]   # total 7
+HIST = [
+    [0, 2, 1, 0, 3, 0, 0, 0],  # total 6
+    [1, 0, 0, 8, 0, 1, 1, 1],  # total 12
+    [0, 0, 0, 0, 1, 1, 4, 1],
+]  # total 7
 LO, HI, BINS = Fraction(-3, 2), Fraction(1, 2), 8
 
 # Per expert q = total * k / E; the first bin j whose running count reaches q, entered linearly: with `prev` the
@@ -211,8 +239,10 @@ LO, HI, BINS = Fraction(-3, 2), Fraction(1, 2), 8
 #   expert 1: q = 8;    running 1,1,1,9   -> bin 3, prev 1, inside 7/8     -> -3/2 + (3 + 7/8) / 4    = -17/32
 #   expert 2: q = 14/3; running ..,2,6    -> bin 6, prev 2, inside (8/3)/4 -> -3/2 + (6 + 2/3) / 4    = 1/6
 # Bin midpoints would give -9/8, -5/8, 1/8 (k = 1) and -3/8, -5/8, 1/8 (k = 2): all off by > 1/50.
-BY_HAND = {1: [Fraction(-1), Fraction(-21, 32), Fraction(1, 48)],
-           2: [Fraction(-5, 12), Fraction(-17, 32), Fraction(1, 6)]}
+BY_HAND = {
+    1: [Fraction(-1), Fraction(-21, 32), Fraction(1, 48)],
+    2: [Fraction(-5, 12), Fraction(-17, 32), Fraction(1, 6)],
+}
 
 
 def _fp32(x: Fraction) -> float:

@@ -111,7 +111,7 @@ def test_items_do_not_interact():
     alone, _ = m([img])
     together, counts = m([vid, img, torch.randn(1, 3, 24, 8)])
     start = int(counts[0])
-    torch.testing.assert_close(together[start:start + 6], alone, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(together[start : start + 6], alone, rtol=1e-5, atol=1e-6)
     vid_alone, _ = m([vid])
     torch.testing.assert_close(together[:start], vid_alone, rtol=1e-5, atol=1e-6)
 
@@ -134,8 +134,20 @@ def test_meta_build_then_init_matches_cpu_init():
     assert torch.equal(cpu.projector.fc1.bias, torch.zeros(a.projector_hidden))
 
 
-SPEC_VISION = dict(patch_size=14, in_channels=3, width=1024, layers=27, heads=12, head_dim=64, mlp_hidden=2730,
-                   pos_grid=64, max_frames=16, merge=2, projector_hidden=4096, max_image_side=3584)
+SPEC_VISION = dict(
+    patch_size=14,
+    in_channels=3,
+    width=1024,
+    layers=27,
+    heads=12,
+    head_dim=64,
+    mlp_hidden=2730,
+    pos_grid=64,
+    max_frames=16,
+    merge=2,
+    projector_hidden=4096,
+    max_image_side=3584,
+)
 
 
 def _full_counts(args: VisionArgs) -> tuple[int, int]:
@@ -158,14 +170,17 @@ def test_default_vision_args_are_the_spec_shape():
     assert _full_counts(d)[0] == 447_358_976
 
 
-@pytest.mark.parametrize("shape, match", [
-    ((1, 3, 12, 16), "multiple of patch_size\\*merge"),  # 12 px is not a multiple of 4 * 2
-    ((1, 3, 16, 20), "multiple of patch_size\\*merge"),
-    ((1, 3, 72, 16), "max_image_side"),
-    ((1, 4, 16, 16), "channels"),
-    ((5, 3, 16, 16), "frames"),
-    ((3, 16, 16, 16, 1), "expected \\[T, C, H, W\\]"),
-])
+@pytest.mark.parametrize(
+    "shape, match",
+    [
+        ((1, 3, 12, 16), "multiple of patch_size\\*merge"),  # 12 px is not a multiple of 4 * 2
+        ((1, 3, 16, 20), "multiple of patch_size\\*merge"),
+        ((1, 3, 72, 16), "max_image_side"),
+        ((1, 4, 16, 16), "channels"),
+        ((5, 3, 16, 16), "frames"),
+        ((3, 16, 16, 16, 1), "expected \\[T, C, H, W\\]"),
+    ],
+)
 def test_bad_images_raise(shape, match):
     m = MoonViT(tiny_vision_args(), OUT)
     with pytest.raises(ValueError, match=match):

@@ -26,8 +26,10 @@ def test_largest_first_is_within_graham_bound_of_the_best_assignment(world):
         assert sorted(set(owners)) <= list(range(world))
         for r in range(world):
             assert loads[r] == pytest.approx(sum(c for c, o in zip(costs, owners) if o == r))
-        best = min(max(sum(c for c, o in zip(costs, a) if o == r) for r in range(world))
-                   for a in itertools.product(range(world), repeat=len(costs)))
+        best = min(
+            max(sum(c for c, o in zip(costs, a) if o == r) for r in range(world))
+            for a in itertools.product(range(world), repeat=len(costs))
+        )
         assert max(loads) <= (4 / 3 - 1 / (3 * world)) * best + 1e-9
         assert balance(loads) == pytest.approx(max(loads) / (sum(costs) / world))
 
@@ -58,7 +60,7 @@ def test_one_rank_encoding_equals_the_tower():
     tower = MoonViT(v, 16)
     items = [torch.randn(1, 3, 16, 8), torch.randn(2, 3, 8, 8), torch.randn(1, 3, 8, 24)]
     pixels, grid = patchify(v, items)
-    n = int((grid.prod(1) // v.merge ** 2).sum())
+    n = int((grid.prod(1) // v.merge**2).sum())
     mask = torch.zeros(2, 32, dtype=torch.bool)
     mask.view(-1)[torch.randperm(64)[:n]] = True
     cp = ContextParallel(None, 0, 1, seq_len=32, layout="zigzag")
@@ -79,10 +81,15 @@ def test_each_rank_receives_the_tokens_of_its_own_positions(monkeypatch, layout)
     torch.manual_seed(1)
     v = tiny_vision_args()
     tower = MoonViT(v, 16)
-    items = [torch.randn(1, 3, 16, 16), torch.randn(1, 3, 8, 8), torch.randn(2, 3, 8, 16), torch.randn(1, 3, 8, 24),
-             torch.randn(1, 3, 16, 8)]
+    items = [
+        torch.randn(1, 3, 16, 16),
+        torch.randn(1, 3, 8, 8),
+        torch.randn(2, 3, 8, 16),
+        torch.randn(1, 3, 8, 24),
+        torch.randn(1, 3, 16, 8),
+    ]
     pixels, grid = patchify(v, items)
-    n = int((grid.prod(1) // v.merge ** 2).sum())
+    n = int((grid.prod(1) // v.merge**2).sum())
     B, T, world = 2, 32, 2
     mask = torch.zeros(B, T, dtype=torch.bool)
     mask.view(-1)[torch.randperm(B * T, generator=torch.Generator().manual_seed(0))[:n]] = True
@@ -136,6 +143,7 @@ def test_each_rank_receives_the_tokens_of_its_own_positions(monkeypatch, layout)
 
 def counting_tower_module(tower, fn):
     """The tower with its forward replaced by fn (args and out_dim kept)."""
+
     class Wrapped(torch.nn.Module):
         def __init__(self):
             super().__init__()

@@ -32,6 +32,7 @@ def _cache(tmp_path, monkeypatch):
 def _png(i: int, size: tuple[int, int]) -> bytes:
     """A noise image (every pixel matters when pixels are compared)."""
     from PIL import Image
+
     arr = np.random.default_rng(i).integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8)
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, format="PNG")
@@ -41,6 +42,7 @@ def _png(i: int, size: tuple[int, int]) -> bytes:
 def _video(levels: list[int], w: int = 24, h: int = 16, fmt: str = "mp4") -> bytes:
     """A video whose frame t is a flat grey of levels[t] (PyAV, MPEG-4 part 2)."""
     import av
+
     buf = io.BytesIO()
     with av.open(buf, "w", format=fmt) as c:
         s = c.add_stream("mpeg4", rate=5)
@@ -70,6 +72,7 @@ def write_imagefolder(d: Path, images=IMAGES, captions=CAPTIONS, extra=None) -> 
 def write_parquet(path: Path, columns: dict) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(columns), path)
     return path
@@ -87,14 +90,16 @@ def write_tar(path: Path, members: list[dict[str, bytes]]) -> Path:
 
 
 def _cfg(path, *overrides, world_size: int = 1):
-    return load_config("tiny_vision", [*SMALL, "data=vision_files", f"data.paths=[{path}]", *overrides],
-                       world_size=world_size)
+    return load_config(
+        "tiny_vision", [*SMALL, "data=vision_files", f"data.paths=[{path}]", *overrides], world_size=world_size
+    )
 
 
 def _loader(cfg, **kw):
     args = validate_config(cfg, world_size=1)
-    return build_dataloader(cfg.data, build_tokenizer(cfg.data), vocab_size=args.vocab_size, vision=args.vision,
-                            progress=False, **kw)
+    return build_dataloader(
+        cfg.data, build_tokenizer(cfg.data), vocab_size=args.vocab_size, vision=args.vision, progress=False, **kw
+    )
 
 
 def _captions(b, tok) -> set[str]:
@@ -132,6 +137,7 @@ class _Originals(FileSamples):
 
     def load(self, i):
         from PIL import Image
+
         img = Image.open(io.BytesIO(IMAGES[i])).convert("RGB")
         img = img.resize(fit_size(*img.size, self.unit, self.vision.max_image_side), Image.BICUBIC)
         px = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).float() / 127.5 - 1.0
@@ -148,8 +154,9 @@ def test_each_format_reads_the_rows_the_packer_gives(fmt, tmp_path):
         write_parquet(tmp_path / "pq" / "b.parquet", {"image": IMAGES[3:], "caption": CAPTIONS[3:]})
         path, overrides = tmp_path / "pq" / "*.parquet", overrides + ["data.text_field=caption"]
     else:
-        path = write_tar(tmp_path / "shard-0.tar", [{"png": img, "txt": cap.encode()}
-                                                   for img, cap in zip(IMAGES, CAPTIONS)])
+        path = write_tar(
+            tmp_path / "shard-0.tar", [{"png": img, "txt": cap.encode()} for img, cap in zip(IMAGES, CAPTIONS)]
+        )
         overrides += ["data.image_field=png", "data.text_field=txt"]
     cfg = _cfg(path, *overrides, "data.seq_len=128")
     loader = _loader(cfg)
@@ -158,8 +165,13 @@ def test_each_format_reads_the_rows_the_packer_gives(fmt, tmp_path):
 
     vision = model_args(cfg).vision
     tok = build_tokenizer(cfg.data)
-    ref = VisionRows(cfg.data, tok, vision, split="train",
-                     samples=_Originals(cfg.data, vision, tok, split="train", originals=CAPTIONS))
+    ref = VisionRows(
+        cfg.data,
+        tok,
+        vision,
+        split="train",
+        samples=_Originals(cfg.data, vision, tok, split="train", originals=CAPTIONS),
+    )
     for k, b in enumerate(got):
         want = ref.rows(2 * k, 2)
         assert set(b) == set(want)
@@ -171,10 +183,16 @@ def test_each_format_reads_the_rows_the_packer_gives(fmt, tmp_path):
     kept = b["labels"][b["labels"] != IGNORE_INDEX].tolist()
     assert kept.count(tok.eos_id) == int((b["input_ids"] == start).sum()) and _captions(b, tok) <= set(CAPTIONS)
     assert torch.equal(b["vision_mask"], b["input_ids"] == pad)
-    assert int(b["vision_mask"].sum()) == int((b["vision_grid"].prod(1) // vision.merge ** 2).sum())
+    assert int(b["vision_mask"].sum()) == int((b["vision_grid"].prod(1) // vision.merge**2).sum())
     where = loader.source.samples.where(4)
-    assert where == {"imagefolder": f"{tmp_path}/imf/04.png, row 4", "parquet": f"{tmp_path}/pq/b.parquet, row 1",
-                     "webdataset": f"{tmp_path}/shard-0.tar, member s0004"}[fmt]
+    assert (
+        where
+        == {
+            "imagefolder": f"{tmp_path}/imf/04.png, row 4",
+            "parquet": f"{tmp_path}/pq/b.parquet, row 1",
+            "webdataset": f"{tmp_path}/shard-0.tar, member s0004",
+        }[fmt]
+    )
 
 
 def test_evenly_spaced_frames():
@@ -202,15 +220,17 @@ def test_videos_are_decoded_and_sampled_to_max_frames(tmp_path):
     # In rows: a video is one visual span of frames x patches / merge^2 tokens.
     b = next(_loader(cfg))
     assert set(b["vision_grid"][:, 0].tolist()) <= {3, 4} and int(b["vision_mask"].sum()) == int(
-        (b["vision_grid"].prod(1) // 4).sum())
+        (b["vision_grid"].prod(1) // 4).sum()
+    )
     # The same videos named by an imagefolder's video_file_name (paths the builder resolves against the metadata).
     d = tmp_path / "imf"
     (d / "short.mp4").write_bytes(short)
     with open(d / "metadata.jsonl", "w") as f:
         for name, text in (("clip.mp4", "rising grey"), ("short.mp4", "short grey")):
             f.write(json.dumps({"video_file_name": name, "text": text}) + "\n")
-    samples = _loader(_cfg(d, "data.image_field=''", "data.video_field=video", "data.eval_fraction=0",
-                           "data.seq_len=128")).source.samples
+    samples = _loader(
+        _cfg(d, "data.image_field=''", "data.video_field=video", "data.eval_fraction=0", "data.seq_len=128")
+    ).source.samples
     vid, cap = samples.load(0)
     assert vid.shape == (4, 3, 16, 24) and cap == "rising grey" and samples.load(1)[0].shape == (3, 3, 40, 40)
     assert samples.where(1) == f"{d}/short.mp4, row 1"
@@ -221,13 +241,19 @@ def test_more_video_frames_are_cut_into_frame_groups(tmp_path):
     # of 4 and 2 frames whose tokens fill the video's one placeholder span in order.
     levels = [20 + 30 * t for t in range(7)]
     pq_path = write_parquet(tmp_path / "v.parquet", {"video": [_video(levels)], "text": ["rising grey"]})
-    cfg = _cfg(pq_path, "data.image_field=''", "data.video_field=video", "data.eval_fraction=0", "data.seq_len=128",
-               "data.video_frames=6", "data.micro_batch=1")
+    cfg = _cfg(
+        pq_path,
+        "data.image_field=''",
+        "data.video_field=video",
+        "data.eval_fraction=0",
+        "data.seq_len=128",
+        "data.video_frames=6",
+        "data.micro_batch=1",
+    )
     loader = _loader(cfg)
     px, _ = loader.source.samples.load(0)
     assert px.shape == (6, 3, 16, 24)
-    assert np.allclose(((px.mean(dim=(1, 2, 3)) + 1) * 127.5).tolist(), [levels[t] for t in (0, 1, 2, 4, 5, 6)],
-                       atol=6)
+    assert np.allclose(((px.mean(dim=(1, 2, 3)) + 1) * 127.5).tolist(), [levels[t] for t in (0, 1, 2, 4, 5, 6)], atol=6)
     b = next(loader)
     assert b["vision_grid"].tolist() == [[4, 4, 6], [2, 4, 6]]  # frame groups of 16x24-pixel frames, 4x6 patches
     per_frame = 4 * 6 // 4
@@ -235,6 +261,7 @@ def test_more_video_frames_are_cut_into_frame_groups(tmp_path):
     row = b["vision_mask"][0].nonzero().squeeze(1)
     assert torch.equal(row, torch.arange(int(row[0]), int(row[0]) + 6 * per_frame))  # one span
     from k3train.models.k3.vision import patchify
+
     torch.testing.assert_close(b["vision_pixels"], patchify(model_args(cfg).vision, [px[:4], px[4:]])[0])
     with pytest.raises(ConfigError, match="data.video_frames: keeps frames of videos, but data.video_field is empty"):
         validate_config(_cfg(pq_path, "data.video_frames=6"))
@@ -298,7 +325,8 @@ def test_epochs_read_every_sample_once_in_a_fresh_order(tmp_path, monkeypatch):
     samples, packing, tok = src.samples, src.samples.packing, src.tok
     good = samples.good.tolist()
     assert 4 <= len(good) < 9 and samples.index.tokens[good].tolist() == [
-        [13, 76, 22, 27, 21, 44, 19, 28, 48][i] for i in good]  # 4 + visual + caption tokens, from the headers
+        [13, 76, 22, 27, 21, 44, 19, 28, 48][i] for i in good
+    ]  # 4 + visual + caption tokens, from the headers
     ends = [packing.first_row(e) for e in (1, 2, 3)]
     read, epochs_done = [], []
     for _ in range(ends[1] + 1):
@@ -313,7 +341,7 @@ def test_epochs_read_every_sample_once_in_a_fresh_order(tmp_path, monkeypatch):
         want = [[good[order[k]] for k in row] for row in _greedy_rows(lengths, 97)]
         assert rows[lo:hi] == want, e
         assert sorted(i for r in rows[lo:hi] for i in r) == sorted(good)  # every train sample exactly once
-    assert [i for r in rows[:ends[0]] for i in r] != [i for r in rows[ends[0]:ends[1]] for i in r]
+    assert [i for r in rows[: ends[0]] for i in r] != [i for r in rows[ends[0] : ends[1]] for i in r]
     for b, row in zip(read, rows):  # whole samples: each row's image spans and the tokens they take
         used = int(samples.index.tokens[row].sum())
         assert used <= 97 and int(b["vision_mask"].sum()) == int(samples.index.visual[row].sum())
@@ -322,7 +350,8 @@ def test_epochs_read_every_sample_once_in_a_fresh_order(tmp_path, monkeypatch):
     r0 = ends[0]
     assert epochs_done[0] == pytest.approx(1 / r0) and epochs_done[r0 - 1] == 1.0
     assert epochs_done[r0] == pytest.approx(1 + 1 / (ends[1] - r0)) and epochs_done[-1] == pytest.approx(
-        2 + 1 / (ends[2] - ends[1]))
+        2 + 1 / (ends[2] - ends[1])
+    )
 
     # Two data-parallel ranks read the same rows as one (rank r's k-th row is row 2k + r), across the boundary.
     ranks = [_loader(_cfg(d, *over), dp_rank=r, dp_world=2) for r in (0, 1)]
@@ -355,8 +384,11 @@ def test_resume_onto_a_changed_index_is_refused(tmp_path):
     b = write_imagefolder(tmp_path / "b", IMAGES[:4] + [_png(9, (32, 48))])
     saved = _loader(_cfg(a, "data.eval_fraction=0"))
     next(saved)
-    with pytest.raises(DataError, match=r"loader state was saved with sample_index='[0-9a-f]{32}' but this loader "
-                                        r"has sample_index='[0-9a-f]{32}'"):
+    with pytest.raises(
+        DataError,
+        match=r"loader state was saved with sample_index='[0-9a-f]{32}' but this loader "
+        r"has sample_index='[0-9a-f]{32}'",
+    ):
         _loader(_cfg(b, "data.eval_fraction=0")).load_state_dict(saved.state_dict())
 
 
@@ -364,24 +396,40 @@ def _bad_case(kind: str, tmp_path: Path) -> tuple[Path, list[str], str]:
     """(data path, overrides, message) of a dataset whose sample 1 is bad and sample 0 good."""
     good = IMAGES[0]
     if kind == "no-frames":
-        path = write_parquet(tmp_path / "v.parquet", {"video": [_video([50, 90]), _video([], fmt="avi")],
-                                                     "text": ["grey", "nothing"]})
-        return path, ["data.image_field=''", "data.video_field=video"], \
-            rf"sample {path}, row 1: the video has no frames"
+        path = write_parquet(
+            tmp_path / "v.parquet", {"video": [_video([50, 90]), _video([], fmt="avi")], "text": ["grey", "nothing"]}
+        )
+        return (
+            path,
+            ["data.image_field=''", "data.video_field=video"],
+            rf"sample {path}, row 1: the video has no frames",
+        )
     if kind == "not-a-video":
-        path = write_parquet(tmp_path / "v.parquet", {"video": [_video([50, 90]), b"not a video"],
-                                                     "text": ["grey", "nothing"]})
-        return path, ["data.image_field=''", "data.video_field=video"], \
-            rf"sample {path}, row 1: cannot read the video \(InvalidDataError"
+        path = write_parquet(
+            tmp_path / "v.parquet", {"video": [_video([50, 90]), b"not a video"], "text": ["grey", "nothing"]}
+        )
+        return (
+            path,
+            ["data.image_field=''", "data.video_field=video"],
+            rf"sample {path}, row 1: cannot read the video \(InvalidDataError",
+        )
     d = tmp_path / "imf"
-    images = {"corrupt": [good, b"not an image"], "oversized": [good, _png(1, (200, 100))],
-              "missing-file": [good, good], "no-caption": [good, good]}[kind]
+    images = {
+        "corrupt": [good, b"not an image"],
+        "oversized": [good, _png(1, (200, 100))],
+        "missing-file": [good, good],
+        "no-caption": [good, good],
+    }[kind]
     write_imagefolder(d, images, ["good", "" if kind == "no-caption" else "bad"])
     if kind == "missing-file":
         (d / "01.png").unlink()
-    message = {"corrupt": "cannot read the image", "oversized": r"image 200x100 has 20,000 pixels, over "
-               r"data.image_max_pixels=10,000", "missing-file": rf"cannot read '{d}/01.png' \(No such file",
-               "no-caption": r"no caption \(column 'text' is empty\)"}[kind]
+    message = {
+        "corrupt": "cannot read the image",
+        "oversized": r"image 200x100 has 20,000 pixels, over "
+        r"data.image_max_pixels=10,000",
+        "missing-file": rf"cannot read '{d}/01.png' \(No such file",
+        "no-caption": r"no caption \(column 'text' is empty\)",
+    }[kind]
     return d, ["data.image_max_pixels=10000"], rf"sample {d}/01.png, row 1: {message}"
 
 
@@ -423,8 +471,11 @@ def test_pixels_that_fail_after_a_good_header_are_skipped_once_or_fail(tmp_path)
 
 def test_config_mistakes_are_refused(tmp_path):
     path = write_imagefolder(tmp_path / "imf")
-    with pytest.raises(DataError, match=r"data.text_field='caption' is not a column of imagefolder data "
-                                        r".*; it has \['image', 'text'\]"):
+    with pytest.raises(
+        DataError,
+        match=r"data.text_field='caption' is not a column of imagefolder data "
+        r".*; it has \['image', 'text'\]",
+    ):
         _loader(_cfg(path, "data.text_field=caption"))
     with pytest.raises(DataError, match=r"data.video_field='clip' is not a column"):
         _loader(_cfg(path, "data.video_field=clip"))
@@ -432,16 +483,22 @@ def test_config_mistakes_are_refused(tmp_path):
         _loader(_cfg(tmp_path / "nowhere"))
     with pytest.raises(DataError, match=r"data.paths mix formats \(imagefolder: .*, parquet: .*\)"):
         write_parquet(tmp_path / "x.parquet", {"image": IMAGES[:1], "text": ["a"]})
-        _loader(load_config("tiny_vision", [*SMALL, "data=vision_files",
-                                            f"data.paths=[{path}/00.png,{tmp_path}/x.parquet]"]))
+        _loader(
+            load_config(
+                "tiny_vision", [*SMALL, "data=vision_files", f"data.paths=[{path}/00.png,{tmp_path}/x.parquet]"]
+            )
+        )
     with pytest.raises(ConfigError, match=r"data.format: unknown format 'tfrecord' for source 'vision_files'"):
         validate_config(_cfg(path, "data.format=tfrecord"))
     with pytest.raises(ConfigError, match=r"data.paths: source 'vision_files' needs at least one"):
         validate_config(load_config("tiny_vision", ["data=vision_files"]))
     with pytest.raises(ConfigError, match=r"data.image_field: and data.video_field are both empty"):
         validate_config(_cfg(path, "data.image_field=''"))
-    with pytest.raises(ConfigError, match=r"data.video_field: names the video column of source 'vision_files', "
-                                          r"not of 'builtin_vision'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.video_field: names the video column of source 'vision_files', "
+        r"not of 'builtin_vision'",
+    ):
         validate_config(load_config("tiny_vision", ["data.video_field=video"]))
     with pytest.raises(ConfigError, match=r"data.image_field: names the image column"):
         validate_config(load_config("tiny_cpu", ["data.image_field=jpg"]))
@@ -467,10 +524,19 @@ def test_training_from_files_runs(tmp_path):
 
     path = write_imagefolder(tmp_path / "imf")
     (path / "03.png").unlink()
-    cfg = _cfg(path, "train.steps=2", "train.eval_interval=0", "train.async_checkpoint=false",
-               "train.checkpoint_at_end=false", "logging.console=false", "logging.progress_bar=false",
-               "logging.tensorboard=false", "logging.peak_flops=1e12", "data.on_bad_sample=skip",
-               f"train.run_dir={tmp_path / 'run'}")
+    cfg = _cfg(
+        path,
+        "train.steps=2",
+        "train.eval_interval=0",
+        "train.async_checkpoint=false",
+        "train.checkpoint_at_end=false",
+        "logging.console=false",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.peak_flops=1e12",
+        "data.on_bad_sample=skip",
+        f"train.run_dir={tmp_path / 'run'}",
+    )
     t = Trainer(cfg)
     try:
         t.train()

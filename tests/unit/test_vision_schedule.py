@@ -35,7 +35,9 @@ def test_vision_actions_follow_their_first_stage_actions(layout, placement):
     assert text == schedule_order(dims)[0]  # the first rank's compute actions, in the schedule's order
     vision = [a for a, _ in plan.table if isinstance(a, VisionAct)]
     m = dims.microbatches
-    assert sorted((a.kind, a.mb) for a in vision) == sorted([("VF", k) for k in range(m)] + [("VB", k) for k in range(m)])
+    assert sorted((a.kind, a.mb) for a in vision) == sorted(
+        [("VF", k) for k in range(m)] + [("VB", k) for k in range(m)]
+    )
     for k in range(m):
         assert _position(plan.table, VisionAct("VF", k)) < _position(plan.table, Act("F", 0, k))
         assert _position(plan.table, VisionAct("VB", k)) > _position(plan.table, Act("B", 0, k))
@@ -76,11 +78,14 @@ def test_bubbles_take_more_idle_time_than_the_stage_placement():
     assert plan_vision(dims, placement="bubbles").in_idle > plan_vision(dims, placement="stage").in_idle == 0
 
 
-@pytest.mark.parametrize("kw, phrase", [
-    (dict(pp=1, vision_placement="bubbles"), "needs pp > 1"),
-    (dict(pp=2, vpp=2, microbatches=2, schedule="zbv", vision_placement="bubbles"), "not 'zbv'"),
-    (dict(pp=2, microbatches=2, vision_placement="in_the_gaps"), "unknown placement"),
-])
+@pytest.mark.parametrize(
+    "kw, phrase",
+    [
+        (dict(pp=1, vision_placement="bubbles"), "needs pp > 1"),
+        (dict(pp=2, vpp=2, microbatches=2, schedule="zbv", vision_placement="bubbles"), "not 'zbv'"),
+        (dict(pp=2, microbatches=2, vision_placement="in_the_gaps"), "unknown placement"),
+    ],
+)
 def test_bad_vision_placements_are_refused(kw, phrase):
     with pytest.raises(ConfigError, match=phrase):
         ParallelDims(**kw).validate()
@@ -106,7 +111,7 @@ def test_feed_gives_the_tower_the_gradients_of_one_graph():
         items = [torch.randn(1, 3, 16, 8), torch.randn(2, 3, 8, 8)][: k + 1]
         pixels, grid = patchify(args.vision, items)
         mask = torch.zeros(1, 32, dtype=torch.bool)
-        mask[0, 3:3 + int((grid.prod(1) // 4).sum())] = True
+        mask[0, 3 : 3 + int((grid.prod(1) // 4).sum())] = True
         mbs.append({"vision_pixels": pixels, "vision_grid": grid, "vision_mask": mask})
     ids = torch.randint(0, args.vocab_size, (2, 1, 32))
 

@@ -29,8 +29,13 @@ def _cfg(*overrides: str, world_size: int = 1):
 def _source(cfg=None, split="train", sample_fn=render_sample) -> VisionRows:
     cfg = cfg or _cfg()
     vision = model_args(cfg).vision
-    return VisionRows(cfg.data, build_tokenizer(cfg.data), vision, split=split,
-                      samples=DrawnSamples(cfg.data, vision, split=split, sample_fn=sample_fn))
+    return VisionRows(
+        cfg.data,
+        build_tokenizer(cfg.data),
+        vision,
+        split=split,
+        samples=DrawnSamples(cfg.data, vision, split=split, sample_fn=sample_fn),
+    )
 
 
 def test_rows_hold_placeholder_spans_and_caption_labels():
@@ -42,7 +47,7 @@ def test_rows_hold_placeholder_spans_and_caption_labels():
     start, pad, end = (tok.special_ids[t] for t in IMAGE_TOKENS)
     v = model_args(cfg).vision
     # One placeholder per visual token the tower makes for these images, in the same order.
-    counts = (b["vision_grid"].prod(1) // v.merge ** 2).tolist()
+    counts = (b["vision_grid"].prod(1) // v.merge**2).tolist()
     assert int(mask.sum()) == sum(counts) and torch.equal(mask, ids == pad)
     assert int((ids == start).sum()) == int((ids == end).sum()) == len(counts)
     # Loss masked on visual positions, placeholders, BOS and padding: the targets are the captions and their EOS.
@@ -84,8 +89,9 @@ def test_image_through_tower_and_decoder_matches_reference(clips):
     b = src.rows(0, 1)
     pixels = src._row(0)[3]
     with torch.no_grad():
-        fast = model(b["input_ids"], vision_pixels=b["vision_pixels"], vision_grid=b["vision_grid"],
-                     vision_mask=b["vision_mask"])
+        fast = model(
+            b["input_ids"], vision_pixels=b["vision_pixels"], vision_grid=b["vision_grid"], vision_mask=b["vision_mask"]
+        )
         ref_tokens, counts = moonvit_reference(model.vision, pixels)
         ref = model(b["input_ids"], vision_embeds=ref_tokens, vision_mask=b["vision_mask"])
         text_only = model(b["input_ids"])
@@ -103,8 +109,9 @@ def test_tower_trains_with_its_own_weight_decay():
     args = model_args(cfg)
     tok = build_tokenizer(cfg.data)
     loader = build_dataloader(cfg.data, tok, vocab_size=args.vocab_size, vision=args.vision)
-    engine = build_engine(args, ParallelDims(), cfg.optim, device="cpu", seq_len_hint=cfg.data.seq_len,
-                          train_vision=True)
+    engine = build_engine(
+        args, ParallelDims(), cfg.optim, device="cpu", seq_len_hint=cfg.data.seq_len, train_vision=True
+    )
     tower = dict(engine.model_parts[0].vision.named_parameters())
     before = {n: p.detach().clone() for n, p in tower.items()}
     groups = {g["name"]: g for g in engine.optimizer.param_groups}
@@ -115,9 +122,15 @@ def test_tower_trains_with_its_own_weight_decay():
     # Gradients reach every tower tensor from the caption loss.
     part = engine.model_parts[0]
     b = next(loader)
-    hidden = part(b["input_ids"], return_hidden=True, vision_pixels=b["vision_pixels"],
-                  vision_grid=b["vision_grid"], vision_mask=b["vision_mask"])
+    hidden = part(
+        b["input_ids"],
+        return_hidden=True,
+        vision_pixels=b["vision_pixels"],
+        vision_grid=b["vision_grid"],
+        vision_mask=b["vision_mask"],
+    )
     from k3train.models.k3.loss import linear_cross_entropy
+
     linear_cross_entropy(hidden, part.output.weight, b["labels"])[0].backward()
     assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in tower.values())
     part.zero_grad(set_to_none=True)
@@ -138,14 +151,20 @@ def test_planner_counts_the_trained_towers_state():
     cfg = _cfg("optim.name=muon")
     args = model_args(cfg)
     loader = build_dataloader(cfg.data, build_tokenizer(cfg.data), vocab_size=args.vocab_size, vision=args.vision)
-    engine = build_engine(args, ParallelDims(), cfg.optim, device="cpu", seq_len_hint=cfg.data.seq_len,
-                          train_vision=True)
+    engine = build_engine(
+        args, ParallelDims(), cfg.optim, device="cpu", seq_len_hint=cfg.data.seq_len, train_vision=True
+    )
     engine.train_step([next(loader)])
     m = engine.last_memory
     state = plan_run(cfg, next(iter(GPUS.values())), world=1).ranks[0].state
     assert (state["params"], state["grads"], state["optim"]) == (m["param_bytes"], m["grad_bytes"], m["optim_bytes"])
-    text = plan_run(load_config("tiny_vision", [*SMALL, "optim.name=muon", "data=builtin"]),
-                    next(iter(GPUS.values())), world=1).ranks[0].state
+    text = (
+        plan_run(
+            load_config("tiny_vision", [*SMALL, "optim.name=muon", "data=builtin"]), next(iter(GPUS.values())), world=1
+        )
+        .ranks[0]
+        .state
+    )
     tower = sum(p.numel() for p in engine.model_parts[0].vision.parameters()) * 4
     assert text["params"] == state["params"] and state["grads"] - text["grads"] == tower
     assert state["optim"] > text["optim"]
@@ -164,6 +183,7 @@ def test_tower_without_images_is_frozen():
 
 def _png(w: int, h: int) -> bytes:
     from PIL import Image
+
     buf = io.BytesIO()
     Image.new("RGB", (w, h), (255, 0, 0)).save(buf, format="PNG")
     return buf.getvalue()
@@ -178,14 +198,19 @@ def _faulty(bad: bytes):
         entry[1] += 1
         data, caption = render_sample(rng, unit, max_side)
         return (bad, caption) if entry[1] == 2 else (data, caption)
+
     return fn
 
 
-@pytest.mark.parametrize("bad, message", [
-    (b"this is not an image", "cannot read the image"),
-    (_png(40, 30)[:60], "cannot decode the image"),  # a PNG cut short: the header reads, the pixels do not
-    (_png(400, 300), r"image 400x300 has 120,000 pixels, over data.image_max_pixels=10,000"),
-], ids=["corrupt", "truncated", "oversized"])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (b"this is not an image", "cannot read the image"),
+        (_png(40, 30)[:60], "cannot decode the image"),  # a PNG cut short: the header reads, the pixels do not
+        (_png(400, 300), r"image 400x300 has 120,000 pixels, over data.image_max_pixels=10,000"),
+    ],
+    ids=["corrupt", "truncated", "oversized"],
+)
 def test_bad_images_fail_or_are_skipped_and_counted(bad, message):
     with pytest.raises(BadSample, match=r"^sample builtin_vision/train/row0/sample1: " + message):
         _source(_cfg("data.image_max_pixels=10000"), sample_fn=_faulty(bad)).rows(0, 1)
@@ -208,11 +233,19 @@ def test_missing_special_tokens_and_misplaced_vision_settings_are_refused():
     cfg.data.special_tokens = ["<|image_start|>", "<|image_end|>"]
     with pytest.raises(DataError, match=r"missing \['<\|image_pad\|>'\]: add them to data.special_tokens"):
         _source(cfg)
-    validate_config(_cfg("parallel.pp=2", "parallel.microbatches=2", "parallel.vision_placement=bubbles",
-                         world_size=2), world_size=2)  # images under a pipeline: accepted
+    validate_config(
+        _cfg("parallel.pp=2", "parallel.microbatches=2", "parallel.vision_placement=bubbles", world_size=2),
+        world_size=2,
+    )  # images under a pipeline: accepted
     with pytest.raises(ConfigError, match=r"parallel.vision_placement: 'bubbles' .* feeds no images"):
-        validate_config(load_config("tiny_cpu", ["parallel.pp=2", "parallel.microbatches=2",
-                                                 "parallel.vision_placement=bubbles"], world_size=2), world_size=2)
+        validate_config(
+            load_config(
+                "tiny_cpu",
+                ["parallel.pp=2", "parallel.microbatches=2", "parallel.vision_placement=bubbles"],
+                world_size=2,
+            ),
+            world_size=2,
+        )
     with pytest.raises(ConfigError, match="has no vision tower"):
         validate_config(_cfg("model.preset=tiny"))
     with pytest.raises(ConfigError, match="data.blank_images"):
@@ -223,8 +256,7 @@ def test_bench_vision_short(capsys):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
     import bench_vision
 
-    out = bench_vision.main(["--steps", "3", "--threads", "1", "+model.overrides.n_layers=2",
-                             "data.micro_batch=2"])
+    out = bench_vision.main(["--steps", "3", "--threads", "1", "+model.overrides.n_layers=2", "data.micro_batch=2"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last == out and set(out) >= {"caption_loss_images", "caption_loss_blank"}
     assert all(np.isfinite(out[k]) for k in ("caption_loss_images", "caption_loss_blank"))
@@ -235,9 +267,16 @@ def test_image_text_run_resumes_exactly(tmp_path):
     step 2 takes the uninterrupted run's losses, bit for bit."""
     from k3train.train.trainer import Trainer
 
-    quiet = ["train.eval_interval=0", "train.async_checkpoint=false",
-             "logging.console=false", "logging.progress_bar=false", "logging.tensorboard=false",
-             "logging.peak_flops=1e12", "train.steps=4", "train.checkpoint_at_end=false"]
+    quiet = [
+        "train.eval_interval=0",
+        "train.async_checkpoint=false",
+        "logging.console=false",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.peak_flops=1e12",
+        "train.steps=4",
+        "train.checkpoint_at_end=false",
+    ]
 
     def losses(run_dir, *extra):
         t = Trainer(_cfg(*quiet, f"train.run_dir={run_dir}", *extra))
@@ -249,6 +288,9 @@ def test_image_text_run_resumes_exactly(tmp_path):
 
     whole = losses(tmp_path / "whole", "train.checkpoint_interval=0")
     losses(tmp_path / "first", "train.checkpoint_interval=2")
-    resumed = losses(tmp_path / "resumed", "train.checkpoint_interval=0",
-                     f"train.resume={tmp_path / 'first' / 'checkpoints' / 'step-000002'}")
+    resumed = losses(
+        tmp_path / "resumed",
+        "train.checkpoint_interval=0",
+        f"train.resume={tmp_path / 'first' / 'checkpoints' / 'step-000002'}",
+    )
     assert resumed == whole[2:]

@@ -162,37 +162,78 @@ class K3ModelArgs:
 
     def validate(self) -> "K3ModelArgs":
         """Raise ConfigError naming the first field that does not fit."""
+
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise ConfigError(f"model {self.name}: {msg}")
 
-        for f in ("vocab_size", "dim", "n_layers", "mla_every", "kda_heads", "kda_head_dim", "kda_conv_size",
-                  "kda_decay_rank", "kda_chunk", "mla_heads", "mla_q_rank", "mla_kv_rank", "mla_k_head_dim",
-                  "mla_v_head_dim", "n_experts", "top_k", "moe_latent_dim", "expert_hidden", "attnres_block_layers"):
-            need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f"{f} must be a positive integer, got {getattr(self, f)!r}")
+        for f in (
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "mla_every",
+            "kda_heads",
+            "kda_head_dim",
+            "kda_conv_size",
+            "kda_decay_rank",
+            "kda_chunk",
+            "mla_heads",
+            "mla_q_rank",
+            "mla_kv_rank",
+            "mla_k_head_dim",
+            "mla_v_head_dim",
+            "n_experts",
+            "top_k",
+            "moe_latent_dim",
+            "expert_hidden",
+            "attnres_block_layers",
+        ):
+            need(
+                isinstance(getattr(self, f), int) and getattr(self, f) > 0,
+                f"{f} must be a positive integer, got {getattr(self, f)!r}",
+            )
         need(self.mla_shared_k_dim >= 0, f"mla_shared_k_dim must be >= 0, got {self.mla_shared_k_dim}")
-        need(0 <= self.n_dense_layers <= self.n_layers,
-             f"n_dense_layers={self.n_dense_layers} must lie in [0, n_layers={self.n_layers}]")
+        need(
+            0 <= self.n_dense_layers <= self.n_layers,
+            f"n_dense_layers={self.n_dense_layers} must lie in [0, n_layers={self.n_layers}]",
+        )
         need(self.top_k <= self.n_experts, f"top_k={self.top_k} exceeds n_experts={self.n_experts}")
         need(self.n_shared_experts >= 0, "n_shared_experts must be >= 0")
-        need(-16 * 5.0 / 15 <= self.kda_g_min < 0,  # a 16-token tile's decay factor must stay below e^80
-             f"kda_g_min must lie in [-5.33, 0), got {self.kda_g_min}")
+        need(
+            -16 * 5.0 / 15 <= self.kda_g_min < 0,  # a 16-token tile's decay factor must stay below e^80
+            f"kda_g_min must lie in [-5.33, 0), got {self.kda_g_min}",
+        )
         need(self.situ_beta1 > 0 and self.situ_beta2 > 0, "SiTU-GLU caps beta1, beta2 must be positive")
         need(self.n_blocks >= 1, "at least one AttnRes block")
-        need(self.mtp_layers in (0, 1) and not isinstance(self.mtp_layers, bool),
-             f"mtp_layers must be 0 or 1 (one multi-token-prediction module at most), got {self.mtp_layers!r}")
+        need(
+            self.mtp_layers in (0, 1) and not isinstance(self.mtp_layers, bool),
+            f"mtp_layers must be 0 or 1 (one multi-token-prediction module at most), got {self.mtp_layers!r}",
+        )
         need(self.router_score_dtype in ("float32", "float64"), "router_score_dtype must be float32 or float64")
         if self.vision is not None:
             v = self.vision
             need(v.width > 0 and v.heads > 0 and v.head_dim > 0, "vision width/heads/head_dim must be positive")
-            need(v.max_image_side % (v.patch_size * v.merge) == 0,
-                 f"vision.max_image_side={v.max_image_side} must be a multiple of patch_size*merge")
+            need(
+                v.max_image_side % (v.patch_size * v.merge) == 0,
+                f"vision.max_image_side={v.max_image_side} must be a multiple of patch_size*merge",
+            )
         return self
 
 
 def _tiny_vision() -> VisionArgs:
-    return VisionArgs(patch_size=4, width=32, layers=2, heads=2, head_dim=16, mlp_hidden=64, pos_grid=8,
-                      max_frames=4, merge=2, projector_hidden=64, max_image_side=64)
+    return VisionArgs(
+        patch_size=4,
+        width=32,
+        layers=2,
+        heads=2,
+        head_dim=16,
+        mlp_hidden=64,
+        pos_grid=8,
+        max_frames=4,
+        merge=2,
+        projector_hidden=64,
+        max_image_side=64,
+    )
 
 
 PRESETS: dict[str, K3ModelArgs] = {
@@ -200,16 +241,57 @@ PRESETS: dict[str, K3ModelArgs] = {
     "k3_full": K3ModelArgs(),
     # About 1B active parameters: a convergence model for one 8-GPU node (same 3:1 rhythm, 4 AttnRes blocks).
     "small": K3ModelArgs(
-        name="small", vocab_size=163_840, dim=2048, n_layers=24, kda_heads=16, kda_head_dim=128, kda_decay_rank=64,
-        mla_heads=16, mla_q_rank=768, mla_kv_rank=256, mla_k_head_dim=128, mla_shared_k_dim=64, mla_v_head_dim=128,
-        dense_hidden=8192, n_experts=64, top_k=8, moe_latent_dim=1024, expert_hidden=1024, n_shared_experts=2,
-        shared_hidden=1024, attnres_block_layers=6, max_seq_len=8192, vision=None),
+        name="small",
+        vocab_size=163_840,
+        dim=2048,
+        n_layers=24,
+        kda_heads=16,
+        kda_head_dim=128,
+        kda_decay_rank=64,
+        mla_heads=16,
+        mla_q_rank=768,
+        mla_kv_rank=256,
+        mla_k_head_dim=128,
+        mla_shared_k_dim=64,
+        mla_v_head_dim=128,
+        dense_hidden=8192,
+        n_experts=64,
+        top_k=8,
+        moe_latent_dim=1024,
+        expert_hidden=1024,
+        n_shared_experts=2,
+        shared_hidden=1024,
+        attnres_block_layers=6,
+        max_seq_len=8192,
+        vision=None,
+    ),
     # A training step in well under a second on 2 CPU cores; keeps the 3:1 rhythm, 3 AttnRes blocks, 8 experts.
     "tiny": K3ModelArgs(
-        name="tiny", vocab_size=512, dim=64, n_layers=8, kda_heads=2, kda_head_dim=32, kda_decay_rank=16,
-        kda_chunk=16, mla_heads=2, mla_q_rank=48, mla_kv_rank=32, mla_k_head_dim=16, mla_shared_k_dim=8,
-        mla_v_head_dim=32, dense_hidden=128, n_experts=8, top_k=2, moe_latent_dim=32, expert_hidden=32,
-        n_shared_experts=2, shared_hidden=32, attnres_block_layers=3, max_seq_len=4096, vision=None),
+        name="tiny",
+        vocab_size=512,
+        dim=64,
+        n_layers=8,
+        kda_heads=2,
+        kda_head_dim=32,
+        kda_decay_rank=16,
+        kda_chunk=16,
+        mla_heads=2,
+        mla_q_rank=48,
+        mla_kv_rank=32,
+        mla_k_head_dim=16,
+        mla_shared_k_dim=8,
+        mla_v_head_dim=32,
+        dense_hidden=128,
+        n_experts=8,
+        top_k=2,
+        moe_latent_dim=32,
+        expert_hidden=32,
+        n_shared_experts=2,
+        shared_hidden=32,
+        attnres_block_layers=3,
+        max_seq_len=4096,
+        vision=None,
+    ),
 }
 # The tiny decoder with a CPU-sized MoonViT (4-pixel patches, 2 layers, width 32): image-text training on CPU.
 PRESETS["tiny_vision"] = dataclasses.replace(PRESETS["tiny"], name="tiny_vision", vision=_tiny_vision())

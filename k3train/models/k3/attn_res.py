@@ -15,7 +15,7 @@ class AttnResMixer(nn.Module):
         super().__init__()
         self.eps = eps
         if learned:
-            self.query = nn.Parameter(torch.zeros(dim))       # zero: training starts as a uniform average
+            self.query = nn.Parameter(torch.zeros(dim))  # zero: training starts as a uniform average
             self.key_norm = nn.Parameter(torch.ones(dim))
         else:
             self.query = self.key_norm = None

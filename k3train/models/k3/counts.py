@@ -90,8 +90,13 @@ def count_params(args: K3ModelArgs, *, by_component: bool = False):
     total = sum(comp.values())
     vision = comp.get("vision", 0)
     active = sum(active_params(args, piece, c) for piece, c in pieces.items())
-    counts = {"total": total, "text": total - vision, "vision": vision, "routed": comp.get("moe_routed", 0),
-              "active": active}
+    counts = {
+        "total": total,
+        "text": total - vision,
+        "vision": vision,
+        "routed": comp.get("moe_routed", 0),
+        "active": active,
+    }
     return (counts, comp) if by_component else counts
 
 
@@ -130,11 +135,15 @@ def layer_costs(args: K3ModelArgs, seq_len: int = 4096, pieces: dict | None = No
     pipeline split. The embedding is charged as a matmul of its table (6 V D) although a lookup computes nothing:
     the split weighs stages by time, and an embedding (its gradient, its optimizer step) takes about a layer's."""
     pieces = pieces or param_pieces(args)
-    layers = [6.0 * active_params(args, i, pieces[i]) + 3.0 * attention_flops(args, i, seq_len)
-              for i in range(1, args.n_layers + 1)]
-    return {"embed": 6.0 * pieces["embed"].get("embedding", 0),
-            "head": 6.0 * active_params(args, "head", pieces["head"]) + 3.0 * mtp_attention_flops(args, seq_len),
-            "layers": layers}
+    layers = [
+        6.0 * active_params(args, i, pieces[i]) + 3.0 * attention_flops(args, i, seq_len)
+        for i in range(1, args.n_layers + 1)
+    ]
+    return {
+        "embed": 6.0 * pieces["embed"].get("embedding", 0),
+        "head": 6.0 * active_params(args, "head", pieces["head"]) + 3.0 * mtp_attention_flops(args, seq_len),
+        "layers": layers,
+    }
 
 
 def flops_per_token(args: K3ModelArgs, seq_len: int) -> float:
@@ -146,8 +155,17 @@ def flops_per_token(args: K3ModelArgs, seq_len: int) -> float:
 # ---------------------------------------------------------------------------------------------------------------------
 # Communication of one training step
 # ---------------------------------------------------------------------------------------------------------------------
-def analytic_step_bytes(args: K3ModelArgs, dims, stage_layers: list[list[int]], *, pp_rank: int, mb: int, seq: int,
-                        elem: int | None = None, precision: str = "fp32") -> dict[tuple[str, str], dict]:
+def analytic_step_bytes(
+    args: K3ModelArgs,
+    dims,
+    stage_layers: list[list[int]],
+    *,
+    pp_rank: int,
+    mb: int,
+    seq: int,
+    elem: int | None = None,
+    precision: str = "fp32",
+) -> dict[tuple[str, str], dict]:
     """Expected {(dim, op): {"payload", "wire"}} of one step on a rank of pipeline rank `pp_rank`, in the terms of
     k3train.parallel.comm (AdamW; zero padding assumed, i.e. every parameter's first dim divisible by its group).
 
@@ -200,9 +218,17 @@ def analytic_step_bytes(args: K3ModelArgs, dims, stage_layers: list[list[int]], 
     # Under CP a rank runs its pieces of each row: seq / cp tokens per row (the pieces as rows, same count).
     tok = mb * seq // dims.cp
     if dims.cp > 1:
-        _add_cp_bytes(add, args, dims, [i for s in mine for i in stage_layers[s]], mb=mb, seq=seq, elem=elem,
-                      summary_elem=8 if precision == "fp64" else 4,
-                      mtp=bool(args.mtp_layers) and len(stage_layers) - 1 in mine)
+        _add_cp_bytes(
+            add,
+            args,
+            dims,
+            [i for s in mine for i in stage_layers[s]],
+            mb=mb,
+            seq=seq,
+            elem=elem,
+            summary_elem=8 if precision == "fp64" else 4,
+            mtp=bool(args.mtp_layers) and len(stage_layers) - 1 in mine,
+        )
         if dims.pp > 1:  # every stage rebuilds its handle from the pieces' document starts (1 byte per token)
             b = len(mine) * dims.microbatches * mb * seq
             add("cp", "all_gather", b, (dims.cp - 1) / dims.cp * b)
@@ -223,8 +249,18 @@ def analytic_step_bytes(args: K3ModelArgs, dims, stage_layers: list[list[int]], 
     return out
 
 
-def _add_cp_bytes(add, args: K3ModelArgs, dims, layers: list[int], *, mb: int, seq: int, elem: int,
-                  summary_elem: int = 4, mtp: bool = False) -> None:
+def _add_cp_bytes(
+    add,
+    args: K3ModelArgs,
+    dims,
+    layers: list[int],
+    *,
+    mb: int,
+    seq: int,
+    elem: int,
+    summary_elem: int = 4,
+    mtp: bool = False,
+) -> None:
     """Context-parallel collectives of one step (forward all-gathers, their backward reduce-scatters of the same
     size) for these layers: per KDA layer the pieces' fp32 summaries [H, K, K+V] (independent of seq) and the
     conv halos (W-1 tokens of q, k and v per piece); per MLA layer the latent of every token, all-gathered in forward

@@ -55,7 +55,9 @@ class KDA(nn.Module):
         at init; f starts near 0)."""
         with torch.no_grad():
             self.A_log.zero_()
-            keep = torch.exp(torch.empty(self.dt_bias.shape).uniform_(math.log(0.9), math.log(0.999), generator=generator))
+            keep = torch.exp(
+                torch.empty(self.dt_bias.shape).uniform_(math.log(0.9), math.log(0.999), generator=generator)
+            )
             frac = torch.log(keep) / self.g_min  # sigmoid(dt_bias) = g / g_min
             self.dt_bias.copy_(torch.log(frac) - torch.log1p(-frac))
 
@@ -89,8 +91,16 @@ class KDA(nn.Module):
             o, _ = self.kernels.chunk_kda(q, k, v, g, beta, chunk_size=self.chunk, g_min=self.g_min)
         else:
             flat = lambda t: t.reshape(1, B * T, *t.shape[2:])
-            o, _ = self.kernels.chunk_kda(flat(q), flat(k), flat(v), flat(g), flat(beta), cu_seqlens=ctx.cu_seqlens,
-                                          chunk_size=self.chunk, g_min=self.g_min)
+            o, _ = self.kernels.chunk_kda(
+                flat(q),
+                flat(k),
+                flat(v),
+                flat(g),
+                flat(beta),
+                cu_seqlens=ctx.cu_seqlens,
+                chunk_size=self.chunk,
+                g_min=self.g_min,
+            )
             o = o.view(B, T, self.n_heads, self.head_dim)
         o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.g_proj(x)).view(B, T, self.n_heads, self.head_dim)
         return self.o_proj(o.reshape(B, T, -1))
@@ -98,6 +108,13 @@ class KDA(nn.Module):
     def muon_structure(self) -> dict[str, MatrixStructure]:
         H = self.n_heads
         rows = MatrixStructure("rows", H)
-        return {"q_proj.weight": rows, "k_proj.weight": rows, "v_proj.weight": rows, "g_proj.weight": rows,
-                "f_b.weight": rows, "f_a.weight": MatrixStructure(), "b_proj.weight": MatrixStructure(),
-                "o_proj.weight": MatrixStructure("cols", H)}
+        return {
+            "q_proj.weight": rows,
+            "k_proj.weight": rows,
+            "v_proj.weight": rows,
+            "g_proj.weight": rows,
+            "f_b.weight": rows,
+            "f_a.weight": MatrixStructure(),
+            "b_proj.weight": MatrixStructure(),
+            "o_proj.weight": MatrixStructure("cols", H),
+        }

@@ -26,8 +26,9 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed cross entropy of logits [..., V] against labels [...] (already shifted; IGNORE_INDEX skipped), fp32
     (fp64 logits stay fp64)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 def default_chunk_tokens(vocab: int) -> int:
@@ -45,8 +46,9 @@ def targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(valid, labels, 0), valid
 
 
-def chunk_logits_grad(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor,
-                      ) -> torch.Tensor:
+def chunk_logits_grad(
+    logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
     """d(loss)/d(logits) of one chunk, in place over its fp32 logits: (softmax - onehot(label)) x scale, where scale
     is the upstream gradient on target rows and 0 on ignored ones."""
     g = logits.sub_(lse[:, None]).exp_()
@@ -116,8 +118,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w.to(weight.dtype) if want_w else None, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed cross entropy fp32, count of target tokens whose argmax is the label) of the logits hidden @ weight.T
     for hidden [..., D], weight [V, D], labels [...] (IGNORE_INDEX skipped), without materialising the logits.
 

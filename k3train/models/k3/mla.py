@@ -26,7 +26,12 @@ class GatedMLA(nn.Module):
     def __init__(self, args: K3ModelArgs):
         super().__init__()
         d, H = args.dim, args.mla_heads
-        self.n_heads, self.k_dim, self.s_dim, self.v_dim = H, args.mla_k_head_dim, args.mla_shared_k_dim, args.mla_v_head_dim
+        self.n_heads, self.k_dim, self.s_dim, self.v_dim = (
+            H,
+            args.mla_k_head_dim,
+            args.mla_shared_k_dim,
+            args.mla_v_head_dim,
+        )
         self.kv_rank = args.mla_kv_rank
         self.wq_a = nn.Linear(d, args.mla_q_rank, bias=False)
         self.q_norm = nn.RMSNorm(args.mla_q_rank, eps=args.norm_eps)
@@ -45,8 +50,9 @@ class GatedMLA(nn.Module):
         """The cached 576-wide latent [B, T, kv_rank + shared]: what context parallelism all-gathers."""
         return self.wkv_a(x)
 
-    def keys_values(self, c_kv: torch.Tensor, norm_weight: torch.Tensor | None = None,
-                    up_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys_values(
+        self, c_kv: torch.Tensor, norm_weight: torch.Tensor | None = None, up_weight: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head keys [B, H, Tk, k+s] and values [B, H, Tk, v] from the latent [B, Tk, 576] (with the given
         kv_norm and wkv_b weights: the blocked attention passes its own leaves when it rebuilds a block)."""
         B, Tk, _ = c_kv.shape
@@ -72,35 +78,68 @@ class GatedMLA(nn.Module):
             o = o.view(B // P, self.n_heads, P, T, self.v_dim).transpose(1, 2).reshape(B, self.n_heads, T, -1)
         else:
             pos = torch.arange(T, device=x.device)[None]
-            doc = (torch.zeros(1, T, dtype=torch.long, device=x.device) if ctx.cu_seqlens is None
-                   else ctx.documents(B, T, x.device).doc_ids)
+            doc = (
+                torch.zeros(1, T, dtype=torch.long, device=x.device)
+                if ctx.cu_seqlens is None
+                else ctx.documents(B, T, x.device).doc_ids
+            )
             o = self.attend(q, c_kv, pos, doc, pos, doc)
         o = o.transpose(1, 2) * torch.sigmoid(self.g_proj(x)).view(B, T, self.n_heads, self.v_dim)
         return self.o_proj(o.reshape(B, T, -1))
 
-    def attend(self, q: torch.Tensor, c_kv: torch.Tensor, q_pos: torch.Tensor, q_doc: torch.Tensor,
-               k_pos: torch.Tensor, k_doc: torch.Tensor, q_segments=None, source=None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        c_kv: torch.Tensor,
+        q_pos: torch.Tensor,
+        q_doc: torch.Tensor,
+        k_pos: torch.Tensor,
+        k_doc: torch.Tensor,
+        q_segments=None,
+        source=None,
+    ) -> torch.Tensor:
         """Softmax attention of q [B, H, Tq, k+s] over the keys and values built from the latent c_kv [B, Tk, 576]
         (or from what `source` gathers from it): query i sees key j when both lie in one document (q_doc, k_doc
         [B or 1, T]) and j is not after i (q_pos, k_pos: positions in the row). Returns [B, H, Tq, v]; QK-Clip's
         per-head max logit comes from the same pass."""
         o, max_logit = latent_block_attention(
-            q, c_kv, self.keys_values, (self.kv_norm.weight, self.wkv_b.weight), q_pos, q_doc, k_pos, k_doc,
-            self.scale, q_segments=q_segments, source=source, q_block=self.q_block, k_block=self.k_block)
+            q,
+            c_kv,
+            self.keys_values,
+            (self.kv_norm.weight, self.wkv_b.weight),
+            q_pos,
+            q_doc,
+            k_pos,
+            k_doc,
+            self.scale,
+            q_segments=q_segments,
+            source=source,
+            q_block=self.q_block,
+            k_block=self.k_block,
+        )
         if self.training and self.track_max_logits:
             self.max_logits = max_logit if self.max_logits is None else torch.maximum(self.max_logits, max_logit)
         return o
 
     def qk_clip_targets(self) -> dict:
-        return dict(q_weight=self.wq_b.weight, k_weight=self.wkv_b.weight, n_heads=self.n_heads,
-                    qk_dim=self.k_dim, shared_dim=self.s_dim)
+        return dict(
+            q_weight=self.wq_b.weight,
+            k_weight=self.wkv_b.weight,
+            n_heads=self.n_heads,
+            qk_dim=self.k_dim,
+            shared_dim=self.s_dim,
+        )
 
     def muon_structure(self) -> dict[str, MatrixStructure]:
         # Per-Head Muon orthogonalises Q_h, K_h and V_h separately. wkv_b fuses each head's key and value rows
         # [K_h (k_dim); V_h (v_dim)], so each head is split into those two matrices. wq_b's head rows
         # [q_nope (k_dim); q_shared (s_dim)] are one query Q_h (both halves meet the same softmax), so one matrix.
         H = self.n_heads
-        return {"wq_a.weight": MatrixStructure(), "wq_b.weight": MatrixStructure("rows", H),
-                "wkv_a.weight": MatrixStructure(),
-                "wkv_b.weight": MatrixStructure("rows", H, splits=(self.k_dim, self.v_dim)),
-                "g_proj.weight": MatrixStructure("rows", H), "o_proj.weight": MatrixStructure("cols", H)}
+        return {
+            "wq_a.weight": MatrixStructure(),
+            "wq_b.weight": MatrixStructure("rows", H),
+            "wkv_a.weight": MatrixStructure(),
+            "wkv_b.weight": MatrixStructure("rows", H, splits=(self.k_dim, self.v_dim)),
+            "g_proj.weight": MatrixStructure("rows", H),
+            "o_proj.weight": MatrixStructure("cols", H),
+        }

@@ -38,8 +38,11 @@ class K3Layer(nn.Module):
         self.attn = KDA(args) if self.kind == "kda" else GatedMLA(args)
         self.ffn_res = AttnResMixer(d, args.norm_eps)
         self.ffn_norm = nn.RMSNorm(d, eps=args.norm_eps)
-        self.ffn = (SiTUGLU(d, args.dense_hidden, args.situ_beta1, args.situ_beta2) if self.ffn_kind == "dense"
-                    else LatentMoE(args))
+        self.ffn = (
+            SiTUGLU(d, args.dense_hidden, args.situ_beta1, args.situ_beta2)
+            if self.ffn_kind == "dense"
+            else LatentMoE(args)
+        )
 
     def forward(self, sources: list[torch.Tensor], ctx: BatchContext) -> list[torch.Tensor]:
         a = self.attn(self.attn_norm(self.attn_res(sources)), ctx)
@@ -58,6 +61,7 @@ class K3Model(nn.Module):
         self.vision = None
         if args.vision is not None:
             from k3train.models.k3.vision import MoonViT
+
             self.vision = MoonViT(args.vision, args.dim)
         self.layers = nn.ModuleDict({str(i): K3Layer(args, i) for i in range(1, args.n_layers + 1)})
         self.final_res = AttnResMixer(args.dim, args.norm_eps, learned=args.attnres_final_query)
@@ -66,11 +70,13 @@ class K3Model(nn.Module):
         self.mtp = None
         if args.mtp_layers:
             from k3train.models.k3.mtp import MTP
+
             self.mtp = MTP(args)
 
     # ---- forward --------------------------------------------------------------------------------
-    def embed(self, tokens: torch.Tensor, vision_embeds: torch.Tensor | None = None,
-              vision_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(
+        self, tokens: torch.Tensor, vision_embeds: torch.Tensor | None = None, vision_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         if vision_embeds is not None:
             # Visual tokens replace their placeholder positions on the one causal timeline.
@@ -79,10 +85,18 @@ class K3Model(nn.Module):
             h = h.masked_scatter(vision_mask.unsqueeze(-1), vision_embeds.to(h.dtype))
         return h
 
-    def forward(self, tokens: torch.Tensor, ctx: BatchContext | None = None, *,
-                vision_embeds: torch.Tensor | None = None, vision_mask: torch.Tensor | None = None,
-                vision_pixels: torch.Tensor | None = None, vision_grid: torch.Tensor | None = None,
-                return_hidden: bool = False, mtp: bool = False):
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        ctx: BatchContext | None = None,
+        *,
+        vision_embeds: torch.Tensor | None = None,
+        vision_mask: torch.Tensor | None = None,
+        vision_pixels: torch.Tensor | None = None,
+        vision_grid: torch.Tensor | None = None,
+        return_hidden: bool = False,
+        mtp: bool = False,
+    ):
         """tokens [B, T] int64 (or stacked sources [S, B, T, D] on a later pipeline stage) -> logits [B, T, V]
         (or stacked sources on a stage without the head). return_hidden: the final normed hidden [B, T, D] instead
         of the logits, for the loss to apply `output.weight` chunk by chunk (loss.linear_cross_entropy).
@@ -102,10 +116,15 @@ class K3Model(nn.Module):
                 vision_embeds, vision_mask = ctx.cp.encode_images(self.vision, vision_pixels, vision_grid, vision_mask)
             else:
                 vision_embeds, _ = self.vision(vision_pixels, vision_grid)
-        elif vision_embeds is not None and ctx.cp is not None and (
-                vision_mask is None or vision_mask.shape != tokens.shape):
-            raise ValueError("under context parallelism give the images (vision_pixels, vision_grid and the global "
-                             "vision_mask), or the tokens of this rank's pieces with the mask of its pieces")
+        elif (
+            vision_embeds is not None
+            and ctx.cp is not None
+            and (vision_mask is None or vision_mask.shape != tokens.shape)
+        ):
+            raise ValueError(
+                "under context parallelism give the images (vision_pixels, vision_grid and the global "
+                "vision_mask), or the tokens of this rank's pieces with the mask of its pieces"
+            )
         if self.tok_embeddings is not None:
             if tokens.dim() != 2:
                 raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
@@ -156,8 +175,14 @@ class K3Model(nn.Module):
                     # bank's `first_expert` onwards) and gets the values one process would.
                     first = self.get_submodule(name.rpartition(".")[0]).first_expert
                     s = out_std if name.endswith(residual_out) else std
-                    val = torch.stack([torch.empty(p.shape[1:]).normal_(
-                        0.0, s, generator=self._generator(seed, f"{name}[{first + e}]")) for e in range(p.shape[0])])
+                    val = torch.stack(
+                        [
+                            torch.empty(p.shape[1:]).normal_(
+                                0.0, s, generator=self._generator(seed, f"{name}[{first + e}]")
+                            )
+                            for e in range(p.shape[0])
+                        ]
+                    )
                 else:
                     s = out_std if name.endswith(residual_out) else std
                     val = torch.empty(p.shape).normal_(0.0, s, generator=gen)

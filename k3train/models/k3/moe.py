@@ -74,8 +74,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [M, dim] sorted by expert; counts [n_experts] rows per expert."""
-        h = self.kernels.situ(grouped_mm(x, self.w1, counts), grouped_mm(x, self.w3, counts), self.beta1,
-                              self.beta2)
+        h = self.kernels.situ(grouped_mm(x, self.w1, counts), grouped_mm(x, self.w3, counts), self.beta1, self.beta2)
         return grouped_mm(h, self.w2, counts)
 
 
@@ -105,8 +104,11 @@ class LatentMoE(nn.Module):
         self.experts = GroupedExperts(args.n_experts, L, args.expert_hidden, args.situ_beta1, args.situ_beta2)
         self.latent_norm = nn.RMSNorm(L, eps=args.norm_eps)
         self.w_up = nn.Linear(L, d, bias=False)
-        self.shared = (SiTUGLU(d, args.shared_hidden, args.situ_beta1, args.situ_beta2, args.n_shared_experts)
-                       if args.n_shared_experts > 0 else None)
+        self.shared = (
+            SiTUGLU(d, args.shared_hidden, args.situ_beta1, args.situ_beta2, args.n_shared_experts)
+            if args.n_shared_experts > 0
+            else None
+        )
         self.dispatcher = LocalDispatcher()
 
     def routed(self, z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -126,9 +128,14 @@ class LatentMoE(nn.Module):
         return y.view(shape)
 
     def muon_structure(self) -> dict[str, MatrixStructure]:
-        s = {"router.weight": MatrixStructure(), "w_down.weight": MatrixStructure(), "w_up.weight": MatrixStructure(),
-             "experts.w1": MatrixStructure("batch"), "experts.w3": MatrixStructure("batch"),
-             "experts.w2": MatrixStructure("batch")}
+        s = {
+            "router.weight": MatrixStructure(),
+            "w_down.weight": MatrixStructure(),
+            "w_up.weight": MatrixStructure(),
+            "experts.w1": MatrixStructure("batch"),
+            "experts.w3": MatrixStructure("batch"),
+            "experts.w2": MatrixStructure("batch"),
+        }
         if self.shared is not None:
             s.update({f"shared.{k}": v for k, v in self.shared.muon_structure().items()})
         return s

@@ -67,8 +67,9 @@ def check_grid(args: VisionArgs, grid_thw) -> list[tuple[int, int, int]]:
             if n < 1 or n % args.merge:
                 raise ValueError(f"item {i}: patch-grid {name} {n} must be a positive multiple of merge={args.merge}")
             if n > max_side:
-                raise ValueError(f"item {i}: image {name} {n * args.patch_size} px exceeds "
-                                 f"max_image_side={args.max_image_side}")
+                raise ValueError(
+                    f"item {i}: image {name} {n * args.patch_size} px exceeds max_image_side={args.max_image_side}"
+                )
     return out
 
 
@@ -162,7 +163,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, groups: AttnGroups | None) -> torch.Tensor:
         inner = self.heads * self.head_dim
         if groups is None:  # every sequence has one element: softmax over one key is 1, so the output is v
-            return self.wo(F.linear(x, self.wqkv.weight[2 * inner:]))
+            return self.wo(F.linear(x, self.wqkv.weight[2 * inner :]))
         B, Lmax = groups.index.shape
         qkv = self.wqkv(x)[groups.index].view(B, Lmax, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         o = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=groups.mask)
@@ -170,8 +171,10 @@ class Attention(nn.Module):
         return self.wo(o)
 
     def muon_structure(self) -> dict[str, MatrixStructure]:
-        return {"wqkv.weight": MatrixStructure("rows", 3 * self.heads),
-                "wo.weight": MatrixStructure("cols", self.heads)}
+        return {
+            "wqkv.weight": MatrixStructure("rows", 3 * self.heads),
+            "wo.weight": MatrixStructure("cols", self.heads),
+        }
 
 
 class SwiGLU(nn.Module):
@@ -228,8 +231,20 @@ class MoonViT(nn.Module):
 
     def __init__(self, args: VisionArgs, out_dim: int):
         super().__init__()
-        for f in ("patch_size", "in_channels", "width", "layers", "heads", "head_dim", "mlp_hidden", "pos_grid",
-                  "max_frames", "merge", "projector_hidden", "max_image_side"):
+        for f in (
+            "patch_size",
+            "in_channels",
+            "width",
+            "layers",
+            "heads",
+            "head_dim",
+            "mlp_hidden",
+            "pos_grid",
+            "max_frames",
+            "merge",
+            "projector_hidden",
+            "max_image_side",
+        ):
             v = getattr(args, f)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"vision.{f} must be a positive integer, got {v!r}")
@@ -242,7 +257,7 @@ class MoonViT(nn.Module):
         self.temporal_embed = nn.Parameter(torch.empty(args.max_frames, w))
         self.layers = nn.ModuleList(VisionLayer(args) for _ in range(args.layers))
         self.final_norm = nn.RMSNorm(w, eps=args.norm_eps, elementwise_affine=False)
-        self.projector = Projector(w * args.merge ** 2, args.projector_hidden, out_dim, args.norm_eps)
+        self.projector = Projector(w * args.merge**2, args.projector_hidden, out_dim, args.norm_eps)
         if not self.pos_embed.is_meta:
             self.init_weights(0)
 
@@ -252,8 +267,7 @@ class MoonViT(nn.Module):
         m, P = self.args.merge, self.args.pos_grid
         table = self.pos_embed.permute(2, 0, 1).unsqueeze(0)  # [1, width, P, P]
         if (h, w) != (P, P):  # bicubic in fp32 (low-precision CPU kernels are missing or coarse)
-            table = F.interpolate(table.to(wide(table.dtype)), size=(h, w),
-                                  mode="bicubic", align_corners=False)
+            table = F.interpolate(table.to(wide(table.dtype)), size=(h, w), mode="bicubic", align_corners=False)
         table = table[0].to(self.pos_embed.dtype)
         return table.reshape(-1, h // m, m, w // m, m).permute(1, 3, 2, 4, 0).reshape(h * w, -1)
 
@@ -278,13 +292,16 @@ class MoonViT(nn.Module):
             if grid_thw is None:
                 raise ValueError("packed patch input needs grid_thw [N, 3]")
             patches, grid = pixels, check_grid(a, grid_thw)
-            need = a.in_channels * a.patch_size ** 2
+            need = a.in_channels * a.patch_size**2
             if patches.dim() != 2 or patches.shape[1] != need:
-                raise ValueError(f"packed patches must be [L, in_channels*patch_size^2 = {need}], "
-                                 f"got shape {tuple(patches.shape)}")
+                raise ValueError(
+                    f"packed patches must be [L, in_channels*patch_size^2 = {need}], got shape {tuple(patches.shape)}"
+                )
             if patches.shape[0] != sum(t * h * w for t, h, w in grid):
-                raise ValueError(f"packed patches have {patches.shape[0]} rows but grid_thw describes "
-                                 f"{sum(t * h * w for t, h, w in grid)}")
+                raise ValueError(
+                    f"packed patches have {patches.shape[0]} rows but grid_thw describes "
+                    f"{sum(t * h * w for t, h, w in grid)}"
+                )
         else:
             patches, g = patchify(a, pixels)
             grid = check_grid(a, g)
@@ -295,8 +312,8 @@ class MoonViT(nn.Module):
         for layer in self.layers:
             x = layer(x, spatial, temporal)
         x = self.final_norm(x)
-        tokens = self.projector(x.reshape(-1, a.width * a.merge ** 2))  # merge-block order: shuffle is a reshape
-        counts = torch.tensor([t * h * w // a.merge ** 2 for t, h, w in grid], dtype=torch.long, device=x.device)
+        tokens = self.projector(x.reshape(-1, a.width * a.merge**2))  # merge-block order: shuffle is a reshape
+        counts = torch.tensor([t * h * w // a.merge**2 for t, h, w in grid], dtype=torch.long, device=x.device)
         return tokens, counts
 
     # -- init and optimizer facts
@@ -348,8 +365,17 @@ def moonvit_reference(model: MoonViT, pixels: Sequence[torch.Tensor]) -> tuple[t
         clip = clip.unsqueeze(0) if clip.dim() == 3 else clip
         T, C, Hpx, Wpx = clip.shape
         gh, gw = Hpx // p, Wpx // p
-        patches = torch.stack([torch.stack([torch.stack([clip[t, :, i * p:(i + 1) * p, j * p:(j + 1) * p].flatten()
-                                                         for j in range(gw)]) for i in range(gh)]) for t in range(T)])
+        patches = torch.stack(
+            [
+                torch.stack(
+                    [
+                        torch.stack([clip[t, :, i * p : (i + 1) * p, j * p : (j + 1) * p].flatten() for j in range(gw)])
+                        for i in range(gh)
+                    ]
+                )
+                for t in range(T)
+            ]
+        )
         x = model.patch_embed(patches)  # [T, gh, gw, width]
         table = model.pos_embed.permute(2, 0, 1)[None].to(wide(model.pos_embed.dtype))
         if (gh, gw) != (a.pos_grid, a.pos_grid):
@@ -357,8 +383,9 @@ def moonvit_reference(model: MoonViT, pixels: Sequence[torch.Tensor]) -> tuple[t
         x = x + table[0].permute(1, 2, 0) + model.temporal_embed[:T, None, None, :]
         for layer in model.layers:
             y = layer.spatial_norm(x)
-            x = x + torch.stack([attend(layer.spatial_attn, y[t].reshape(gh * gw, -1)).reshape(gh, gw, -1)
-                                 for t in range(T)])
+            x = x + torch.stack(
+                [attend(layer.spatial_attn, y[t].reshape(gh * gw, -1)).reshape(gh, gw, -1) for t in range(T)]
+            )
             y = layer.temporal_norm(x)
             upd = torch.zeros_like(x)
             for i in range(gh):
@@ -367,8 +394,12 @@ def moonvit_reference(model: MoonViT, pixels: Sequence[torch.Tensor]) -> tuple[t
             x = x + upd
             x = x + layer.mlp(layer.mlp_norm(x))
         x = model.final_norm(x)
-        merged = [torch.cat([x[t, bi * m + di, bj * m + dj] for di in range(m) for dj in range(m)])
-                  for t in range(T) for bi in range(gh // m) for bj in range(gw // m)]
+        merged = [
+            torch.cat([x[t, bi * m + di, bj * m + dj] for di in range(m) for dj in range(m)])
+            for t in range(T)
+            for bi in range(gh // m)
+            for bj in range(gw // m)
+        ]
         outs.append(model.projector(torch.stack(merged)))
         counts.append(len(merged))
     return torch.cat(outs), torch.tensor(counts, dtype=torch.long)

@@ -70,15 +70,21 @@ def _visible_tiles(q_pos, q_doc, k_pos, k_doc, q_tiles, k_tiles) -> list[list[in
     """For each key tile, the query tiles that may see one of its keys: some row where the key tile's first position
     is not after the query tile's last and the two tiles' document-id ranges overlap (exact for rows in sequence
     order; a superset otherwise, and the per-tile mask keeps the result exact)."""
+
     def ranges(t, tiles):  # [B, n, 2]: each tile's smallest and largest value per row
-        idx = torch.repeat_interleave(torch.arange(len(tiles), device=t.device),
-                                      torch.tensor([b - a for a, b in tiles], device=t.device))[None].expand_as(t)
+        idx = torch.repeat_interleave(
+            torch.arange(len(tiles), device=t.device), torch.tensor([b - a for a, b in tiles], device=t.device)
+        )[None].expand_as(t)
         lo = t.new_zeros(t.shape[0], len(tiles)).scatter_reduce(1, idx, t, "amin", include_self=False)
         hi = t.new_zeros(t.shape[0], len(tiles)).scatter_reduce(1, idx, t, "amax", include_self=False)
         return torch.stack([lo, hi], -1)
+
     qp, qd, kp, kd = ranges(q_pos, q_tiles), ranges(q_doc, q_tiles), ranges(k_pos, k_tiles), ranges(k_doc, k_tiles)
-    see = ((kp[:, None, :, 0] <= qp[:, :, None, 1]) & (kd[:, None, :, 0] <= qd[:, :, None, 1])
-           & (qd[:, :, None, 0] <= kd[:, None, :, 1])).any(0)                                  # [n_q, n_k]
+    see = (
+        (kp[:, None, :, 0] <= qp[:, :, None, 1])
+        & (kd[:, None, :, 0] <= qd[:, :, None, 1])
+        & (qd[:, :, None, 0] <= kd[:, None, :, 1])
+    ).any(0)  # [n_q, n_k]
     see = see.t().cpu().tolist()
     return [[i for i, s in enumerate(row) if s] for row in see]
 
@@ -117,8 +123,16 @@ class _BlockAttention(torch.autograd.Function):
         out = (o / l.clamp_min(torch.finfo(acc).tiny)[..., None]).to(q.dtype)
         lse = m + torch.log(l)
         ctx.save_for_backward(q, c, out, lse, q_pos, q_doc, k_pos, k_doc, *params)
-        ctx.meta = (scale, q_spans, k_spans, visible, kv, source,
-                    torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        ctx.meta = (
+            scale,
+            q_spans,
+            k_spans,
+            visible,
+            kv,
+            source,
+            torch.is_autocast_enabled(dev),
+            torch.get_autocast_dtype(dev),
+        )
         max_logit = m.amax(dim=(0, 2)).to(acc)
         ctx.mark_non_differentiable(max_logit)
         return out, max_logit
@@ -148,27 +162,51 @@ class _BlockAttention(torch.autograd.Function):
                     qa, qb = q_spans[i]
                     vis = allowed(q_pos[:, qa:qb], q_doc[:, qa:qb], k_pos[:, ka:kb], k_doc[:, ka:kb])[:, None]
                     qt, g = q[:, :, qa:qb], d_out[:, :, qa:qb]
-                    p = torch.exp(_scores(qt, kt, scale, acc).masked_fill(~vis, float("-inf"))
-                                  - lse[:, :, qa:qb, None])
+                    p = torch.exp(_scores(qt, kt, scale, acc).masked_fill(~vis, float("-inf")) - lse[:, :, qa:qb, None])
                     dv += p.transpose(-2, -1) @ g
                     ds = p * (g @ vt.transpose(-2, -1) - delta[:, :, qa:qb, None])
                     dq[:, :, qa:qb] += (ds @ kt) * scale
                     dk += (ds.transpose(-2, -1) @ qt.to(acc)) * scale
-            grads = torch.autograd.grad((k, v), [c_blk, *p_leaves], (dk.to(k.dtype), dv.to(v.dtype)),
-                                        allow_unused=True)
+            grads = torch.autograd.grad((k, v), [c_blk, *p_leaves], (dk.to(k.dtype), dv.to(v.dtype)), allow_unused=True)
             dc[:, ka:kb] += grads[0]
             for d, g in zip(dparams, grads[1:]):
                 if g is not None:
                     d += g
         dc = dc.to(c_full.dtype)
         d_c = source.scatter(dc) if source is not None else dc
-        return (dq.to(q.dtype), d_c, None, None, None, None, None, None, None, None, None, None,
-                *[d.to(p.dtype) for d, p in zip(dparams, params)])
+        return (
+            dq.to(q.dtype),
+            d_c,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            *[d.to(p.dtype) for d, p in zip(dparams, params)],
+        )
 
 
-def latent_block_attention(q: torch.Tensor, c: torch.Tensor, kv: Callable, params: Sequence[torch.Tensor],
-                           q_pos, q_doc, k_pos, k_doc, scale: float, *, q_segments: Sequence[int] | None = None,
-                           source: KeySource | None = None, q_block: int = Q_BLOCK, k_block: int = K_BLOCK):
+def latent_block_attention(
+    q: torch.Tensor,
+    c: torch.Tensor,
+    kv: Callable,
+    params: Sequence[torch.Tensor],
+    q_pos,
+    q_doc,
+    k_pos,
+    k_doc,
+    scale: float,
+    *,
+    q_segments: Sequence[int] | None = None,
+    source: KeySource | None = None,
+    q_block: int = Q_BLOCK,
+    k_block: int = K_BLOCK,
+):
     """Softmax attention of q [B, H, Tq, d] over keys and values built per key block by kv(c[:, a:b], *params)
     -> (k [B, H, b-a, d], v [B, H, b-a, dv]), c [B, Tk, ...] (or, with `source`, c is what source.gather turns into
     that). Positions and document ids: q_pos, q_doc [B or 1, Tq]; k_pos, k_doc [B or 1, Tk]. q_segments: lengths of
@@ -182,8 +220,9 @@ def latent_block_attention(q: torch.Tensor, c: torch.Tensor, kv: Callable, param
         raise ValueError(f"query segments {segments} do not add up to the {Tq} queries")
     q_spans, k_spans = _spans(segments, int(q_block)), _spans([k_pos.shape[1]], int(k_block))
     visible = _visible_tiles(q_pos, q_doc, k_pos, k_doc, q_spans, k_spans)
-    return _BlockAttention.apply(q, c, float(scale), q_spans, k_spans, visible, kv, source, q_pos, q_doc, k_pos,
-                                 k_doc, *params)
+    return _BlockAttention.apply(
+        q, c, float(scale), q_spans, k_spans, visible, kv, source, q_pos, q_doc, k_pos, k_doc, *params
+    )
 
 
 def _split_heads(c: torch.Tensor, d: int):
@@ -191,11 +230,13 @@ def _split_heads(c: torch.Tensor, d: int):
     return kv[..., :d], kv[..., d:]
 
 
-def block_attention(q, k, v, q_pos, q_doc, k_pos, k_doc, scale: float, *, q_block: int = Q_BLOCK,
-                    k_block: int = K_BLOCK):
+def block_attention(
+    q, k, v, q_pos, q_doc, k_pos, k_doc, scale: float, *, q_block: int = Q_BLOCK, k_block: int = K_BLOCK
+):
     """Same arguments and results as naive_attention (output [B, H, Tq, dv] in q's dtype, per-head max visible logit
     [H] fp32), computed in tiles from given per-head keys and values (their source is [k | v] per token)."""
     d = k.shape[-1]
     c = torch.cat([k, v], dim=-1).transpose(1, 2)  # [B, Tk, H, d + dv]
-    return latent_block_attention(q, c, lambda cb: _split_heads(cb, d), (), q_pos, q_doc, k_pos, k_doc, scale,
-                                  q_block=q_block, k_block=k_block)
+    return latent_block_attention(
+        q, c, lambda cb: _split_heads(cb, d), (), q_pos, q_doc, k_pos, k_doc, scale, q_block=q_block, k_block=k_block
+    )

@@ -61,16 +61,17 @@ def _decayed_scores(rows: list[torch.Tensor], k: torch.Tensor, G: torch.Tensor) 
     """
     C = k.shape[-2]
     nt, P = C // TILE, len(rows)
-    Gt = G.unflatten(-2, (nt, TILE))                       # [..., nt, TILE, K]
-    Gr = Gt[..., :1, :]                                    # [..., nt, 1, K]: reference row of each tile
+    Gt = G.unflatten(-2, (nt, TILE))  # [..., nt, TILE, K]
+    Gr = Gt[..., :1, :]  # [..., nt, 1, K]: reference row of each tile
     rel = Gt - Gr
-    row = rel.exp()                                        # exponents in [-15 |g|, 0]
+    row = rel.exp()  # exponents in [-15 |g|, 0]
     stacked = torch.cat([r.unflatten(-2, (nt, TILE)) * row for r in rows], dim=-2)  # [..., nt, P*TILE, K]
     kt = k.unflatten(-2, (nt, TILE))
-    A = stacked.new_zeros(*stacked.shape[:-1], C)          # [..., nt, P*TILE, C]
+    A = stacked.new_zeros(*stacked.shape[:-1], C)  # [..., nt, P*TILE, C]
     # Diagonal tiles: the column factor is e^{-(G_j - G_r)}, at most e^{15 |g|}; no floor, it multiplies a small row.
     A.view(*A.shape[:-1], nt, TILE).diagonal(dim1=-4, dim2=-2).copy_(
-        torch.matmul(stacked, (kt * (-rel).exp()).transpose(-1, -2)).movedim(-3, -1))
+        torch.matmul(stacked, (kt * (-rel).exp()).transpose(-1, -2)).movedim(-3, -1)
+    )
     # Earlier tiles (a loop over the nt - 1 tile rows): both factors are decays, so the floor is safe.
     rows_by_tile, G_ref = stacked.unbind(-3), Gr.unbind(-3)
     for I in range(1, nt):
@@ -100,15 +101,15 @@ def _chunk_terms(q, k, v, g, beta, tile_dtype: torch.dtype | None = None):
     G_last = G[..., -1:, :]
     rhs = torch.cat([(b * gam) * k, b * v], dim=-1)
     # unitriangular=True reads only the strict lower part: solves (I + Akk) X = rhs.
-    WU = torch.linalg.solve_triangular(Akk, rhs, upper=False, unitriangular=True)   # [.., C, K+V] = [W | U]
+    WU = torch.linalg.solve_triangular(Akk, rhs, upper=False, unitriangular=True)  # [.., C, K+V] = [W | U]
     kdec = k * _decay(G_last - G)
-    KWU = torch.matmul(kdec.transpose(-1, -2), WU)         # [.., K, K+V]
-    KW, Bm = KWU.split([Kd, KWU.shape[-1] - Kd], dim=-1)   # split, not slicing: one concatenation in backward
+    KWU = torch.matmul(kdec.transpose(-1, -2), WU)  # [.., K, K+V]
+    KW, Bm = KWU.split([Kd, KWU.shape[-1] - Kd], dim=-1)  # split, not slicing: one concatenation in backward
     M = torch.diag_embed(_decay(G_last.squeeze(-2))) - KW
     if q is None:
         return M, Bm, None, None
     Aqk = torch.where(strict | (i.view(C, 1) == i.view(1, C)), scores[0], 0.0)
-    AW, AU = torch.matmul(Aqk, WU).split([Kd, WU.shape[-1] - Kd], dim=-1)     # [Aqk W | Aqk U]
+    AW, AU = torch.matmul(Aqk, WU).split([Kd, WU.shape[-1] - Kd], dim=-1)  # [Aqk W | Aqk U]
     return M, Bm, q * gam - AW, AU
 
 
@@ -117,8 +118,9 @@ class KDAChunks:
     both the sequences' affine summaries and, from any initial states, the outputs. Context parallelism uses both
     (summaries before its all-gather, outputs after), so the intra-chunk work runs once."""
 
-    def __init__(self, q, k, v, g, beta, scale: float | None = None, initial_state=None, cu_seqlens=None,
-                 chunk_size: int = 64):
+    def __init__(
+        self, q, k, v, g, beta, scale: float | None = None, initial_state=None, cu_seqlens=None, chunk_size: int = 64
+    ):
         _check_chunk_size(chunk_size)
         s = self.shapes = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
         dt = self.dtype = compute_dtype(q, k, v, g, beta, initial_state)
@@ -131,7 +133,7 @@ class KDAChunks:
         with torch.autocast(dev, enabled=False):
             kc, vc, gc = lay.to_chunks(k, dt), lay.to_chunks(v, dt), lay.to_chunks(g, dt)
             bc = lay.to_chunks(beta.unsqueeze(-1), dt).squeeze(-1)
-            qc = None if q is None else lay.to_chunks(q, dt) * (s.K ** -0.5 if scale is None else scale)
+            qc = None if q is None else lay.to_chunks(q, dt) * (s.K**-0.5 if scale is None else scale)
             self.M, self.B, self.Qe, self.AU = _chunk_terms(qc, kc, vc, gc, bc, tile_dtype)
 
     def summaries(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +145,7 @@ class KDAChunks:
         if not lay.packed:
             M, B = (self.M, self.B) if index is None else (self.M[index], self.B[index])
             return fold_summaries(M, B, dim=2)
-        M, B = self.M[0].transpose(0, 1), self.B[0].transpose(0, 1)          # [n_chunks, H, K, *]
+        M, B = self.M[0].transpose(0, 1), self.B[0].transpose(0, 1)  # [n_chunks, H, K, *]
         counts = lay.chunk_counts
         if index is not None:
             chunks, counts = lay.chunks_of(index)
@@ -171,19 +173,28 @@ class KDAChunks:
             for n, (M_n, B_n) in enumerate(zip(self.M.unbind(2), self.B.unbind(2))):
                 if n in entering:
                     if n:
-                        finals.append(S)      # the previous document ends here
+                        finals.append(S)  # the previous document ends here
                     S = entering[n]
                 starts.append(S)
                 S = torch.baddbmm(B_n.flatten(0, 1), M_n.flatten(0, 1), S.flatten(0, 1)).view_as(B_n)
             finals.append(S)
-            o = self.AU + torch.matmul(self.Qe, torch.stack(starts, dim=2))   # [R, H, n_chunks, C, V]
+            o = self.AU + torch.matmul(self.Qe, torch.stack(starts, dim=2))  # [R, H, n_chunks, C, V]
         final = (finals[0] if len(finals) == 1 else torch.cat(finals)) if output_final_state else None
         return self.layout.from_chunks(o, self.out_dtype), final
 
 
-def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              scale: float | None = None, initial_state: torch.Tensor | None = None,
-              output_final_state: bool = False, cu_seqlens=None, chunk_size: int = 64):
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens=None,
+    chunk_size: int = 64,
+):
     """Chunked KDA, same arguments and results as naive_recurrent_kda (plus chunk_size, a multiple of 16).
 
     q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [B or N, H, K, V]; g is the log-decay and
@@ -194,8 +205,9 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     return chunks.run(initial_state, output_final_state)
 
 
-def fold_summaries(M: torch.Tensor, B: torch.Tensor, dim: int,
-                   counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fold_summaries(
+    M: torch.Tensor, B: torch.Tensor, dim: int, counts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Compose affine maps S -> M_n S + B_n along `dim` (earliest first), by pairwise tree reduction.
 
     (M2, B2) o (M1, B1) = (M2 M1, M2 B1 + B2). M [..., K, K] and B [..., K, V] with the sequence axis at `dim`.
@@ -207,8 +219,9 @@ def fold_summaries(M: torch.Tensor, B: torch.Tensor, dim: int,
     M, B = M.movedim(dim, 0), B.movedim(dim, 0)
     seg = torch.tensor([M.shape[0]]) if counts is None else torch.as_tensor(counts).to("cpu", torch.int64)
     if seg.dim() != 1 or int(seg.sum()) != M.shape[0] or bool((seg < 1).any()):
-        raise ValueError(f"counts must be positive and sum to the {M.shape[0]} maps along dim {dim}, "
-                         f"got {seg.tolist()}")
+        raise ValueError(
+            f"counts must be positive and sum to the {M.shape[0]} maps along dim {dim}, got {seg.tolist()}"
+        )
     while int(seg.max()) > 1:
         odd = seg % 2
         if odd.any():
@@ -226,8 +239,9 @@ def fold_summaries(M: torch.Tensor, B: torch.Tensor, dim: int,
     return M.movedim(0, dim), B.movedim(0, dim)
 
 
-def chunk_kda_summary(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens=None,
-                      chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_kda_summary(
+    k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens=None, chunk_size: int = 64
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Affine summary of a whole sequence: its final state from S_0 is M S_0 + B.
 
     Returns M [B or N, H, K, K] and B [B or N, H, K, V] in fp32 (fp64 for fp64 inputs), one per batch row, or per

@@ -20,16 +20,24 @@ def _recurrence(q, k, v, g, beta, S):
     for t in range(k.shape[1]):
         S = S * g[:, t].exp().unsqueeze(-1)
         kt = k[:, t]
-        read = (kt.unsqueeze(-1) * S).sum(-2)                  # S^T k_t
+        read = (kt.unsqueeze(-1) * S).sum(-2)  # S^T k_t
         u = beta[:, t].unsqueeze(-1) * (v[:, t] - read)
         S = S + kt.unsqueeze(-1) * u.unsqueeze(-2)
-        outs.append((q[:, t].unsqueeze(-1) * S).sum(-2))      # S^T q_t
+        outs.append((q[:, t].unsqueeze(-1) * S).sum(-2))  # S^T q_t
     return torch.stack(outs, dim=1), S
 
 
-def naive_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        scale: float | None = None, initial_state: torch.Tensor | None = None,
-                        output_final_state: bool = False, cu_seqlens=None):
+def naive_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens=None,
+):
     """Reference KDA. q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [B or N, H, K, V].
 
     With cu_seqlens (B must be 1) each of the N documents starts from its own initial state (zero if None).
@@ -37,11 +45,10 @@ def naive_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     """
     s = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     dt = compute_dtype(q, k, v, g, beta, initial_state)
-    scale = s.K ** -0.5 if scale is None else scale
+    scale = s.K**-0.5 if scale is None else scale
     q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
     q = q * scale
-    S0 = (initial_state.to(dt) if initial_state is not None
-          else q.new_zeros(s.N, s.H, s.K, s.V))
+    S0 = initial_state.to(dt) if initial_state is not None else q.new_zeros(s.N, s.H, s.K, s.V)
     if s.offsets is None:
         o, S = _recurrence(q, k, v, g, beta, S0)
     else:

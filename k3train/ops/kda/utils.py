@@ -53,8 +53,15 @@ class KDAShapes:
     offsets: list[int] | None
 
 
-def check_inputs(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 initial_state: torch.Tensor | None, cu_seqlens) -> KDAShapes:
+def check_inputs(
+    q: torch.Tensor | None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    cu_seqlens,
+) -> KDAShapes:
     """Raise ValueError naming the first argument whose shape does not fit; return the sizes."""
     if k.dim() != 4:
         raise ValueError(f"k must be [B, T, H, K], got shape {tuple(k.shape)}")
@@ -79,8 +86,9 @@ def check_inputs(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: to
     N = B if offsets is None else len(offsets) - 1
     if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
         what = "N (documents)" if offsets is not None else "B"
-        raise ValueError(f"initial_state must be [{what}, H, K, V] = [{N}, {H}, {K}, {V}], "
-                         f"got shape {tuple(initial_state.shape)}")
+        raise ValueError(
+            f"initial_state must be [{what}, H, K, V] = [{N}, {H}, {K}, {V}], got shape {tuple(initial_state.shape)}"
+        )
     return KDAShapes(B=B, T=T, H=H, K=K, V=V, N=N, offsets=offsets)
 
 
@@ -113,7 +121,7 @@ class ChunkLayout:
             self.rows, self.row_len, self.n_chunks = 1, self.T, int(self.chunk_counts.sum())
             # token t of document i sits at slot first_chunk[i] * C + (t - offs[i]) of the stream
             shift = self.first_chunk * chunk_size - torch.tensor(offs[:-1])
-            if bool(shift.any()):   # else every document fills whole chunks: the stream is the row itself
+            if bool(shift.any()):  # else every document fills whole chunks: the stream is the row itself
                 self.slot = (torch.arange(self.T) + shift.repeat_interleave(lengths)).to(device)
         else:
             self.rows, self.row_len, self.n_chunks = self.N, int(lengths[0]), int(self.chunk_counts[0])
@@ -126,9 +134,9 @@ class ChunkLayout:
         H, D = x.shape[2], x.shape[3]
         if self.slot is not None:
             y = x.new_zeros(H, self.L, D, dtype=dtype)
-            y[:, self.slot] = x[0].transpose(0, 1).to(dtype)   # index_put: backward keeps only the index
+            y[:, self.slot] = x[0].transpose(0, 1).to(dtype)  # index_put: backward keeps only the index
         else:
-            x = x.reshape(self.rows, self.row_len, H, D)   # a view: documents of one length are rows
+            x = x.reshape(self.rows, self.row_len, H, D)  # a view: documents of one length are rows
             if self.L == self.row_len:
                 y = x.permute(0, 2, 1, 3).to(dtype, memory_format=torch.contiguous_format)
             else:
@@ -143,7 +151,7 @@ class ChunkLayout:
         if self.slot is not None:
             return y[0].transpose(0, 1).index_select(0, self.slot).unsqueeze(0).to(dtype)
         y = y[:, :, : self.row_len].transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
-        return y.reshape(self.B, self.T, H, D)   # a view for batch rows; documents as rows are merged into one
+        return y.reshape(self.B, self.T, H, D)  # a view for batch rows; documents as rows are merged into one
 
     def chunks_of(self, index: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Chunk indices (in the packed stream) of the sequences in `index`, in that order, and their chunk counts
