@@ -4,7 +4,7 @@
     python tools/bench_cp.py --lengths 8192 --step-tokens 2048 --cps 1 2
 
 Bytes are counted from the collectives the CP handle really issues (its all-gathers and their backward
-reduce-scatters, through k3train.parallel.comm), on gloo with 2 processes, tiny-model widths, fp32 activations,
+reduce-scatters, through k3train.distributed.comm), on gloo with 2 processes, tiny-model widths, fp32 activations,
 one row of T tokens split zigzag over the 2 ranks:
 - KDA: one KDA layer forward + backward; the summaries' all-gather (and its reduce-scatter in backward) and the
   conv halos' all-gathers. The summary bytes must not depend on T.

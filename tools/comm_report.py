@@ -5,7 +5,7 @@
     python tools/comm_report.py --json out.json
 
 Part 1 trains the tiny K3 for a few steps under several layouts and prints, per rank and mesh dimension, the bytes
-the engine's collectives moved in the last step (counted by k3train.parallel.comm) next to the analytic figure
+the engine's collectives moved in the last step (counted by k3train.distributed.comm) next to the analytic figure
 from the model shapes and the layout alone (k3train.models.k3.counts.analytic_step_bytes). "payload" is the tensor
 size handed to the collective; "wire" the bytes a rank sends under the ring algorithm.
 

@@ -569,7 +569,7 @@ def _send_zeros(k3_method, torch_method):
 
 
 def _bwd_bytes_as_elements(k3_method, torch_method):
-    from k3train.parallel import comm
+    from k3train.distributed import comm
 
     def get_bwd_send_ops(self, bwd_chunk_id):
         ops = torch_method(self, bwd_chunk_id)

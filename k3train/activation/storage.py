@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from k3train.activation.fp8 import dequantize, fp8_nbytes, quantize
-from k3train.parallel import comm
+from k3train.distributed import comm
 
 
 class Layout:

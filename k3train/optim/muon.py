@@ -52,7 +52,7 @@ from torch.optim.adamw import adamw as _adamw_functional
 
 from k3train.ops.dtypes import wide
 from k3train.models.structure import MatrixStructure
-from k3train.parallel import comm
+from k3train.distributed import comm
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 MUON_RMS_SCALE = 0.2

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from k3train.ops.dtypes import wide
-from k3train.parallel import comm
+from k3train.distributed import comm
 
 
 def qk_clip_scales(

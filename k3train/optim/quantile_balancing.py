@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from k3train.ops.moe_permute import expert_counts
-from k3train.parallel import comm
+from k3train.distributed import comm
 
 
 def _check(scores: Tensor, bias: Tensor, k: int) -> tuple[int, int]:

@@ -1,6 +1,7 @@
 """Parallelism for K3: device mesh and layout checks (mesh), pipeline stages and schedules (pipeline), ZeRO-1 and
 Pipeline ZeRO-2 (zero), expert parallelism (expert_parallel, ep_dispatch, moonep, moonep_dispatch), context
-parallelism (context_parallel), the communication ledger (comm), and the training engine that composes them (engine).
+parallelism (context_parallel), and the training engine that composes them (engine). Collectives and their ledger
+are k3train.distributed.comm.
 
 The engine's entry points are re-exported lazily, so importing a light submodule (the MoonEP planner, say) does not
 import torch.distributed.pipelining.

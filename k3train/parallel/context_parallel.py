@@ -51,7 +51,7 @@ from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
 from k3train.models.k3.documents import Documents
 from k3train.ops.kda.chunk import KDAChunks
-from k3train.parallel import comm
+from k3train.distributed import comm
 from k3train.parallel.mesh import CP_LAYOUTS
 
 LAYOUTS = CP_LAYOUTS

@@ -42,7 +42,7 @@ from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
 from k3train.models.k3.documents import Documents
 from k3train.models.k3.loss import IGNORE_INDEX, linear_cross_entropy
-from k3train.parallel import comm
+from k3train.distributed import comm
 from k3train.parallel.mesh import ParallelDims, ParallelMesh, build_mesh, stage_to_rank, stages_of_rank
 from k3train.parallel.pipeline import Pipeline, StageModule, sources_after, split_layers
 from k3train.parallel.zero import ShardedOptimizer

@@ -23,7 +23,7 @@ takes as Python ints: after the count exchange, the send and receive splits trav
 `k3train.parallel.host_copy.host_counts` call per layer and micro-batch (one pinned, non-blocking copy and one wait on
 CUDA). The expert-major index, the return trip and the mix stay on the device; backward reuses the saved splits.
 
-Traffic. A dispatcher's collectives go through k3train.parallel.comm under the mesh dimension "ep", so the engine's
+Traffic. A dispatcher's collectives go through k3train.distributed.comm under the mesh dimension "ep", so the engine's
 counter sees them as they run; the dispatcher also opens a scope of its own counter (`ledger`), read through
 `stats` (a CommStats) for that dispatcher alone.
 
@@ -42,7 +42,8 @@ from k3train.models.k3.moe import GroupedExperts
 from k3train.ops.backend import AUTO, Kernels
 from k3train.ops.grouped_mm import grouped_mm
 from k3train.ops.moe_permute import expert_counts, inverse_permutation
-from k3train.parallel import comm, host_copy
+from k3train.distributed import comm
+from k3train.parallel import host_copy
 
 __all__ = [
     "AllToAllDispatcher",

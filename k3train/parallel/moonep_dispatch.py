@@ -43,7 +43,8 @@ import torch
 from torch import Tensor
 
 from k3train.ops.moe_permute import expert_counts
-from k3train.parallel import comm, host_copy
+from k3train.distributed import comm
+from k3train.parallel import host_copy
 from k3train.ops.moe_permute import inverse_permutation
 from k3train.parallel.ep_dispatch import EPDispatcher, EPGroupedExperts, send_positions
 from k3train.parallel.moonep import (

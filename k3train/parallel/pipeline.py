@@ -43,7 +43,7 @@ from k3train.models.k3.counts import layer_costs
 from k3train.models.k3.documents import Documents
 from k3train.models.k3.loss import linear_cross_entropy
 from k3train.models.k3.model import K3Model, sources_after
-from k3train.parallel import comm
+from k3train.distributed import comm
 from k3train.parallel.mesh import SCHEDULES, ParallelDims
 from k3train.parallel.pipeline_order import Act
 

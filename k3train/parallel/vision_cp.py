@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from k3train.models.k3.args import VisionArgs
-from k3train.parallel import comm
+from k3train.distributed import comm
 
 
 def item_costs(args: VisionArgs, grid: list[tuple[int, int, int]]) -> list[float]:

@@ -84,7 +84,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from k3train.parallel import comm
+from k3train.distributed import comm
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 """train.precision -> the dtype parameters are stored (and computed) in. fp64 is for parity checks: every layout then

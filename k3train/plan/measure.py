@@ -5,7 +5,7 @@ second step's reduction (`Engine.last_memory`: the sum of tensor storage of para
 optimizer states) and (b) the saved activations of one micro-batch of each of its stages at two sequence lengths,
 measured with saved-tensor hooks (k3train.plan.meter). The planner predicts the same numbers from the config alone
 (k3train.plan.state_memory, k3train.plan.activations): the state must match exactly, activations within 10%. For
-AdamW layouts the communication ledger's bytes of the second step (k3train.parallel.comm) must equal the analytic
+AdamW layouts the communication ledger's bytes of the second step (k3train.distributed.comm) must equal the analytic
 bytes the step-time model uses (k3train.models.k3.counts.analytic_step_bytes).
 """
 

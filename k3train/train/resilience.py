@@ -23,7 +23,7 @@ Timeouts. Process-group creation and every collective wait at most `train.timeou
 new groups is set to it, so the mesh's groups get it too. Waits for long host work of a peer (rank 0 tokenizing the
 corpus, checksumming and pruning checkpoints) use `train.host_work_timeout_s` instead: a separate gloo group for the
 data, and a longer timeout on the default group while a checkpoint is saved or verified (`long_waits`). A timeout or
-a lost peer becomes a `CommFailure` whose message names the rank, the collective (k3train.parallel.comm labels its
+a lost peer becomes a `CommFailure` whose message names the rank, the collective (k3train.distributed.comm labels its
 own) or the trainer's phase, and the step; the command line prints it and exits with code 3, so torchrun restarts
 the workers or stops the job.
 """
@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from k3train.parallel import comm
+from k3train.distributed import comm
 
 EXIT_COMM_FAILURE = 3
 """Exit code of a rank whose collective timed out or lost a peer."""

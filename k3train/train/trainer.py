@@ -38,7 +38,7 @@ from k3train.data import DataError, build_dataloader, build_tokenizer
 from k3train.data.config import VISION_SOURCES
 from k3train.models.k3.counts import count_params, flops_per_token
 from k3train.models.k3.model import required_seq_multiple
-from k3train.parallel import comm
+from k3train.distributed import comm
 from k3train.parallel.engine import build_engine
 from k3train.parallel.mesh import ParallelDims, rank_coords
 from k3train.parallel.zero import PARAM_DTYPES

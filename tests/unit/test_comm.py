@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from k3train.parallel import comm
+from k3train.distributed import comm
 
 
 def test_nested_scopes_each_count_a_call_once():

@@ -16,7 +16,8 @@ from layer_init import expert_bank
 
 from k3train.models.k3.moe import GroupedExperts
 from k3train.ops.moe_permute import expert_counts
-from k3train.parallel import comm, host_copy
+from k3train.distributed import comm
+from k3train.parallel import host_copy
 from k3train.parallel.ep_dispatch import AllToAllDispatcher, EPGroupedExperts
 from k3train.parallel.moonep import make_plan
 from k3train.parallel.moonep_dispatch import MoonEPDispatcher, _RankPlan, hosted_weight_routes

@@ -554,7 +554,7 @@ def test_split_plan_and_checkpoint_over_two_ranks(monkeypatch):
     """The ZeRO-1 plan of two ranks, built in one process: every K_h and V_h has exactly one owner, and the
     checkpoint functions scatter a full momentum to the owners and assemble it back (the all-reduce replaced by a sum
     over the two ranks' results)."""
-    import k3train.parallel.comm as comm
+    import k3train.distributed.comm as comm
     from k3train.optim.muon import owned_piece_views
     from k3train.parallel.zero import _gather_owned_momentum, _scatter_owned_momentum
 

@@ -164,7 +164,7 @@ def _mlp(dtype) -> nn.Module:
 
 
 def _overlap_worker(rank: int) -> dict:
-    from k3train.parallel import comm
+    from k3train.distributed import comm
     from k3train.parallel.zero import ShardGroup
 
     rg = dist.new_group([0, 1])  # the gradient-reduction group of its own

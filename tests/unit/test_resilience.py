@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from k3train.parallel import comm
+from k3train.distributed import comm
 from k3train.train import resilience as rs
 
 TIMEOUT = dt.timedelta(seconds=5)

@@ -167,7 +167,7 @@ def analytic_step_bytes(
     precision: str = "fp32",
 ) -> dict[tuple[str, str], dict]:
     """Expected {(dim, op): {"payload", "wire"}} of one step on a rank of pipeline rank `pp_rank`, in the terms of
-    k3train.parallel.comm (AdamW; zero padding assumed, i.e. every parameter's first dim divisible by its group).
+    k3train.distributed.comm (AdamW; zero padding assumed, i.e. every parameter's first dim divisible by its group).
 
     precision (train.precision): gradients are reduced in fp32 (fp64 under fp64); parameters are all-gathered and
     activations (pipeline boundaries, expert dispatch, context-parallel halos and latents) travel in the parameter

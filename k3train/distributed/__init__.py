@@ -1,0 +1,4 @@
+"""The bottom of the package: every collective the step runs (comm), labelled by mesh dimension and counted.
+
+Nothing here imports another k3train package, so every layer above (ops' context parallelism, the optimizers,
+parallel's engine) may use it."""
