@@ -33,16 +33,25 @@ import datetime as _dt
 import json
 import os
 import platform
-import re
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from k3train.config.errors import ConfigError
+from k3train.errors import ConfigError
+from k3train.parallel.mesh import ParallelDims
 
-__all__ = ["ConvergeConfig", "Layout", "TOLERANCES", "compare", "converge", "main", "parse_args", "tolerance"]
+__all__ = [
+    "ConvergeConfig",
+    "TOLERANCES",
+    "compare",
+    "converge",
+    "layout_overrides",
+    "main",
+    "parse_args",
+    "parse_layout",
+]
 
 EXIT_REGRESSION = 1
 EXIT_BAD_INPUT = 2
@@ -57,7 +66,6 @@ rounding (docs/convergence.md). fp32: parallel layouts on CPU reproduce one proc
 rounding (the parity tests measure ~1e-7). bf16: rounding of weights and activations moves the curve; the band is
 set from measured bf16-vs-fp32 differences on tiny_cpu (docs/convergence.md)."""
 
-DIMS = ("pp", "vpp", "dp", "cp", "ep", "zero")
 OUTPUT_OVERRIDES = [
     "logging.progress_bar=false",
     "logging.tensorboard=false",
@@ -100,56 +108,32 @@ class ConvergeConfig:
 # Layouts
 
 
-@dataclass(frozen=True)
-class Layout:
-    name: str
-    pp: int = 1
-    vpp: int = 1
-    dp: int = 1
-    cp: int = 1
-    ep: int = 1
-    zero: int = 0
+def parse_layout(name: str) -> ParallelDims:
+    """A layout name (ParallelDims.parse) checked on its own, before any recipe is read; the micro-batch count
+    is the harness's (layout_overrides), checked with the recipe."""
+    try:
+        dims = ParallelDims.parse(name)
+        replace(dims, microbatches=dims.n_stages * dims.microbatches).validate()
+        return dims
+    except ConfigError as e:
+        raise ConfigError(f"converge.layouts: {e}") from None
 
-    @classmethod
-    def parse(cls, name: str) -> "Layout":
-        if name == "single":
-            return cls(name)
-        degrees = {}
-        for part in name.split("x"):
-            m = re.fullmatch(r"(pp|vpp|dp|cp|ep|zero)(\d+)", part)
-            if m is None or m.group(1) in degrees:
-                raise ConfigError(
-                    f"converge.layouts: bad layout {name!r}: write 'single' or degrees joined by 'x' "
-                    f"from {', '.join(DIMS)} (each once), e.g. pp2xdp2xep2"
-                )
-            degrees[m.group(1)] = int(m.group(2))
-        lay = cls(name, **degrees)
-        if min(lay.pp, lay.vpp, lay.dp, lay.cp, lay.ep) < 1 or lay.zero not in (0, 1, 2):
-            raise ConfigError(f"converge.layouts: {name!r}: degrees must be >= 1 and zero 0, 1 or 2")
-        if (lay.dp * lay.cp) % lay.ep:
-            raise ConfigError(
-                f"converge.layouts: {name!r}: ep={lay.ep} must divide dp x cp = {lay.dp * lay.cp} "
-                f"(experts are sharded over data- and context-parallel ranks)"
-            )
-        return lay
 
-    @property
-    def nproc(self) -> int:
-        return self.pp * self.cp * self.dp
-
-    def overrides(self, rows: int, microbatches: int) -> list[str]:
-        """Settings that run this layout on `rows` global rows per step; microbatches: the recipe's own."""
-        m = microbatches if self.pp == 1 else max(microbatches, self.pp * self.vpp)
-        if rows % (self.dp * m):
-            raise ConfigError(
-                f"converge: layout {self.name!r} splits each step's {rows} rows over dp={self.dp} "
-                f"ranks x {m} micro-batches, which does not divide them; set converge.rows to a "
-                f"multiple of {self.dp * m}"
-            )
-        return [f"parallel.{d}={getattr(self, d)}" for d in DIMS] + [
-            f"parallel.microbatches={m}",
-            f"data.micro_batch={rows // (self.dp * m)}",
-        ]
+def layout_overrides(dims: ParallelDims, rows: int, microbatches: int) -> list[str]:
+    """Settings that run a layout on `rows` global rows per step; microbatches: the recipe's own (raised to the
+    pipeline's stage count, and to the layout's own `mb`)."""
+    m = max(microbatches, dims.microbatches)
+    m = m if dims.pp == 1 else max(m, dims.n_stages)
+    if rows % (dims.dp * m):
+        raise ConfigError(
+            f"converge: layout {dims.name!r} splits each step's {rows} rows over dp={dims.dp} ranks x {m} "
+            f"micro-batches, which does not divide them; set converge.rows to a multiple of {dims.dp * m}"
+        )
+    fixed = ("pp", "vpp", "dp", "cp", "ep", "zero", "schedule", "ep_dispatcher", "cp_layout", "vision_placement")
+    return [f"parallel.{f}={getattr(dims, f)}" for f in fixed] + [
+        f"parallel.microbatches={m}",
+        f"data.micro_batch={rows // (dims.dp * m)}",
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -292,38 +276,38 @@ def read_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in sorted(recs, key=lambda r: r["step"])]
 
 
-def run_layout(recipe: str, layout: Layout, overrides: list[str], out: Path, timeout_s: float) -> list[float]:
+def run_layout(recipe: str, name: str, nproc: int, overrides: list[str], out: Path, timeout_s: float) -> list[float]:
     """Train the recipe under one layout (torchrun above one process); its losses, one per step."""
-    run_dir = out / layout.name
+    run_dir = out / name
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
     cmd = [sys.executable]
-    if layout.nproc > 1:
+    if nproc > 1:
         cmd += [
             "-m",
             "torch.distributed.run",
             "--nproc-per-node",
-            str(layout.nproc),
+            str(nproc),
             "--master-addr",
             "127.0.0.1",
             "--master-port",
             str(_free_port()),
         ]
     cmd += ["-m", "k3train.train", "--config-name", recipe, *overrides, f"train.run_dir={run_dir}"]
-    log = out / f"{layout.name}.log"
+    log = out / f"{name}.log"
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
         try:
             proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"layout {layout.name}: no result within {timeout_s:.0f} s (log: {log})") from None
+            raise RuntimeError(f"layout {name}: no result within {timeout_s:.0f} s (log: {log})") from None
     if proc.returncode != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
-        raise RuntimeError(f"layout {layout.name}: training exited with code {proc.returncode} (log: {log}):\n{tail}")
+        raise RuntimeError(f"layout {name}: training exited with code {proc.returncode} (log: {log}):\n{tail}")
     return read_losses(run_dir)
 
 
@@ -358,146 +342,182 @@ def plot(
 # The harness
 
 
-def converge(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> dict:
-    """Run, compare, plot, and (converge.update_golden) record; returns the verdict."""
-    from k3train.config.compose import load_config
+@dataclass
+class Experiment:
+    """What one convergence command runs: the layouts (name -> layout), steps, window, the golden curve, and the
+    overrides of every run."""
+
+    recipe: str
+    golden_path: Path
+    golden: dict
+    layouts: dict[str, ParallelDims]
+    steps: int
+    window: int
+    user: list[str]
+    rows: int = 0
+    precision: str = "fp32"
+    runs: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def gcurve(self) -> dict | None:
+        return self.golden.get("curve") or None
+
+    @property
+    def reference(self) -> str:
+        return next(iter(self.layouts))
+
+
+def _experiment(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> Experiment:
+    """The experiment from the golden file and the command line; every layout's run resolved (and so validated)
+    before any of them starts."""
+    from k3train.config.compose import load_spec
 
     gpath = golden_path(recipe, cfg)
     golden = load_golden(gpath)
     exp = golden.get("converge", {})
-    layouts = [Layout.parse(n) for n in (cfg.layouts or exp.get("layouts") or ["single"])]
-    if len({lay.name for lay in layouts}) != len(layouts):
-        raise ConfigError(f"converge.layouts: a layout is listed twice: {[lay.name for lay in layouts]}")
+    names = list(cfg.layouts or exp.get("layouts") or ["single"])
+    if len(set(names)) != len(names):
+        raise ConfigError(f"converge.layouts: a layout is listed twice: {names}")
     steps = cfg.steps or exp.get("steps") or 50
     window = cfg.window or exp.get("window") or 10
     if steps < 1 or window < 1:
         raise ConfigError(f"converge: steps ({steps}) and window ({window}) must be positive")
-    gcurve = golden.get("curve") or None
-    if gcurve and not cfg.update_golden and gcurve["steps"] != steps:
+    e = Experiment(recipe, gpath, golden, {n: parse_layout(n) for n in names}, steps, window, list(overrides))
+    if e.gcurve and not cfg.update_golden and e.gcurve["steps"] != steps:
         # The learning-rate schedule spans train.steps: a shorter run is not a prefix of a longer one.
         raise ConfigError(
-            f"golden file {gpath}: its curve has {gcurve['steps']} steps, this run {steps}; the "
+            f"golden file {gpath}: its curve has {e.gcurve['steps']} steps, this run {steps}; the "
             f"learning-rate schedule spans the run, so curves of different lengths differ from the "
-            f"first step on: run converge.steps={gcurve['steps']}, or record a curve of {steps} steps "
+            f"first step on: run converge.steps={e.gcurve['steps']}, or record a curve of {steps} steps "
             f"with converge.update_golden=true"
         )
-    base = list(exp.get("overrides", [])) + [f"train.steps={steps}"]
-    user = list(overrides)
-    for o in user:
+    for o in e.user:
         if o.lstrip("+~").split("=")[0].startswith(("parallel.", "train.run_dir", "train.steps")):
             raise ConfigError(
                 f"converge: {o!r}: the harness sets parallel.*, train.steps and train.run_dir itself "
                 f"(use converge.layouts and converge.steps)"
             )
-    # The recipe as it will run in one process: its rows per step and precision, and bad overrides refused now.
-    one = load_config(recipe, base + user)
-    rows = cfg.rows or one.data.micro_batch * one.parallel.microbatches * max(one.parallel.dp, 1)
-    precision = one.train.precision
-    runs_over = {
-        lay.name: base
-        + user
-        + OUTPUT_OVERRIDES
-        + lay.overrides(rows, one.parallel.microbatches)
-        + (["train.deterministic=true"] if cfg.deterministic else [])
-        for lay in layouts
-    }
-    for lay in layouts:
-        load_config(recipe, runs_over[lay.name], world_size=lay.nproc)  # every layout valid before any run
+    base = list(exp.get("overrides", [])) + [f"train.steps={steps}"]
+    # The recipe as it runs in one process: its rows per step and precision, and bad overrides refused now.
+    one = load_spec(recipe, base + e.user, world_size=1).config
+    e.rows = cfg.rows or one.data.micro_batch * one.parallel.microbatches * max(one.parallel.dp, 1)
+    e.precision = one.train.precision
+    det = ["train.deterministic=true"] if cfg.deterministic else []
+    for name, dims in e.layouts.items():
+        e.runs[name] = [*base, *e.user, *OUTPUT_OVERRIDES, *layout_overrides(dims, e.rows, one.parallel.microbatches)]
+        e.runs[name] += det
+        load_spec(recipe, e.runs[name], world_size=dims.world)
+    return e
 
-    out = (
-        Path(cfg.out) if cfg.out else Path("runs") / "converge" / recipe / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    )
-    out.mkdir(parents=True, exist_ok=True)
+
+def _run_all(e: Experiment, out: Path, timeout_s: float) -> dict[str, list[float]]:
     curves: dict[str, list[float]] = {}
-    for i, lay in enumerate(layouts):
+    for i, (name, dims) in enumerate(e.layouts.items()):
+        n = dims.world
         print(
-            f"k3train.converge: [{i + 1}/{len(layouts)}] {lay.name} ({lay.nproc} process"
-            f"{'es' if lay.nproc > 1 else ''}, {steps} steps)",
+            f"k3train.converge: [{i + 1}/{len(e.layouts)}] {name} ({n} process{'es' if n > 1 else ''}, "
+            f"{e.steps} steps)",
             flush=True,
         )
-        curves[lay.name] = run_layout(recipe, lay, runs_over[lay.name], out, cfg.timeout_s)
-        if len(curves[lay.name]) != steps:
-            raise RuntimeError(f"layout {lay.name}: {len(curves[lay.name])} losses for {steps} steps")
+        curves[name] = run_layout(e.recipe, name, n, e.runs[name], out, timeout_s)
+        if len(curves[name]) != e.steps:
+            raise RuntimeError(f"layout {name}: {len(curves[name])} losses for {e.steps} steps")
+    return curves
 
-    ref_name = layouts[0].name
+
+def _verdict(e: Experiment, cfg: ConvergeConfig, curves: dict[str, list[float]], diffs: dict) -> dict:
+    """Each layout against the reference layout, and against the golden curve where one is recorded."""
+    ref = e.reference
     verdict = {
-        "recipe": recipe,
-        "steps": steps,
-        "window": window,
-        "rows": rows,
-        "precision": precision,
-        "overrides": user,
-        "reference": ref_name,
-        "golden": str(gpath),
+        "recipe": e.recipe,
+        "steps": e.steps,
+        "window": e.window,
+        "rows": e.rows,
+        "precision": e.precision,
+        "overrides": e.user,
+        "reference": ref,
+        "golden": str(e.golden_path),
         "statistic": "d_t = |loss_t - ref_t| / |ref_t|; window = mean of d_t over the last `window` steps; "
         "max = max of d_t over the run",
         "layouts": {},
         "pass": True,
     }
-    diffs = {}
-    tol_layouts = tolerance([precision], cfg)
+    tol_layouts = tolerance([e.precision], cfg)
     for name, c in curves.items():
-        entry = {"losses": c}
-        if name != ref_name:
-            s = compare(c, curves[ref_name], window)
+        entry = verdict["layouts"][name] = {"losses": c}
+        if name != ref:
+            s = compare(c, curves[ref], e.window)
             diffs[name] = s.pop("diff")
             entry["vs_reference"] = {**s, "tolerance": tol_layouts, "pass": within(s, tol_layouts)}
             verdict["pass"] &= entry["vs_reference"]["pass"]
-        verdict["layouts"][name] = entry
-    if gcurve and not cfg.update_golden:
-        tol_g = tolerance([precision, gcurve["precision"]], cfg)
+    g = e.gcurve
+    if g and not cfg.update_golden:
+        tol_g = tolerance([e.precision, g["precision"]], cfg)
         # fp64 against a curve of another precision measures that precision's rounding, not a regression: an fp32
         # curve drifts about 1e-3 from the exact one in 50 steps (docs/convergence.md). Shown, not judged.
-        judged = "fp64" not in (precision, gcurve["precision"]) or precision == gcurve["precision"]
+        judged = "fp64" not in (e.precision, g["precision"]) or e.precision == g["precision"]
         for name, c in curves.items():
-            s = compare(c, gcurve["losses"], window)
+            s = compare(c, g["losses"], e.window)
             d = s.pop("diff")
-            if name == ref_name:
+            if name == ref:
                 diffs[f"{name} vs golden"] = d
             entry = verdict["layouts"][name]
             entry["vs_golden"] = {**s, "tolerance": tol_g, "pass": within(s, tol_g) if judged else None}
             verdict["pass"] &= entry["vs_golden"]["pass"] is not False
-    elif not gcurve:
-        verdict["golden_status"] = golden.get("status", "no golden curve recorded")
+    elif not g:
+        verdict["golden_status"] = e.golden.get("status", "no golden curve recorded")
+    return verdict
+
+
+def _record_golden(e: Experiment, curves: dict[str, list[float]], verdict: dict) -> None:
+    """Write the reference layout's curve as the golden one; the experiment keeps its layouts (a golden curve may
+    be recorded from its first layout alone)."""
+    if not verdict["pass"]:
+        raise RuntimeError(
+            "converge: not recording a golden curve from layouts that disagree: "
+            + json.dumps({n: x.get("vs_reference") for n, x in verdict["layouts"].items()})
+        )
+    exp = e.golden.get("converge", {})
+    record = {
+        "converge": {
+            "layouts": exp.get("layouts") or list(e.layouts),
+            "steps": e.steps,
+            "window": e.window,
+            "overrides": list(exp.get("overrides", [])),
+        },
+        "curve": {
+            "losses": curves[e.reference],
+            "steps": e.steps,
+            "layout": e.reference,
+            "precision": e.precision,
+            "overrides": e.user,
+            "commit": _git_commit(),
+            "machine": _machine(),
+            "versions": _versions(),
+            "recorded": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        },
+    }
+    e.golden_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = e.golden_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, e.golden_path)
+    verdict["golden_updated"] = True
+
+
+def converge(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> dict:
+    """Run, compare, plot, and (converge.update_golden) record; returns the verdict."""
+    e = _experiment(recipe, cfg, overrides)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(cfg.out) if cfg.out else Path("runs") / "converge" / recipe / stamp
+    out.mkdir(parents=True, exist_ok=True)
+    curves = _run_all(e, out, cfg.timeout_s)
+    diffs: dict[str, list[float]] = {}
+    verdict = _verdict(e, cfg, curves, diffs)
     if cfg.update_golden:
-        # The experiment keeps its layouts (a golden curve may be recorded from its first layout alone).
-        record = {
-            "converge": {
-                "layouts": exp.get("layouts") or [lay.name for lay in layouts],
-                "steps": steps,
-                "window": window,
-                "overrides": list(exp.get("overrides", [])),
-            },
-            "curve": {
-                "losses": curves[ref_name],
-                "steps": steps,
-                "layout": ref_name,
-                "precision": precision,
-                "overrides": user,
-                "commit": _git_commit(),
-                "machine": _machine(),
-                "versions": _versions(),
-                "recorded": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            },
-        }
-        if not verdict["pass"]:
-            raise RuntimeError(
-                "converge: not recording a golden curve from layouts that disagree: "
-                + json.dumps({n: e.get("vs_reference") for n, e in verdict["layouts"].items()})
-            )
-        gpath.parent.mkdir(parents=True, exist_ok=True)
-        tmp = gpath.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        os.replace(tmp, gpath)
-        verdict["golden_updated"] = True
+        _record_golden(e, curves, verdict)
     png = out / "curves.png"
-    plot(
-        png,
-        curves,
-        gcurve["losses"][:steps] if gcurve else None,
-        diffs,
-        f"{recipe}: {steps} steps, {precision}" + (f", {' '.join(user)}" if user else ""),
-    )
+    title = f"{recipe}: {e.steps} steps, {e.precision}" + (f", {' '.join(e.user)}" if e.user else "")
+    plot(png, curves, e.gcurve["losses"][: e.steps] if e.gcurve else None, diffs, title)
     verdict["png"] = str(png)
     (out / "verdict.json").write_text(json.dumps(verdict, indent=1) + "\n")
     return verdict

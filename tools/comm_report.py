@@ -37,39 +37,24 @@ from k3train.optim.config import OptimConfig
 @dataclass
 class Case:
     name: str
-    pp: int = 1
-    vpp: int = 1
-    dp: int = 1
-    ep: int = 1
-    cp: int = 1
-    zero: int = 0
-    microbatches: int = 1
-    schedule: str = "interleaved_1f1b"
+    layout: str  # a ParallelDims short name, e.g. pp2xdp2xep2xzero2xmb2
     rows: int = 8  # global rows per step
     seq: int = 32
     steps: int = 2
 
-    @property
-    def world(self) -> int:
-        return self.pp * self.dp * self.cp
-
     def dims(self):
         from k3train.parallel.mesh import ParallelDims
 
-        return ParallelDims(
-            pp=self.pp,
-            vpp=self.vpp,
-            dp=self.dp,
-            ep=self.ep,
-            cp=self.cp,
-            zero=self.zero,
-            microbatches=self.microbatches,
-            schedule=self.schedule,
-        )
+        return ParallelDims.parse(self.layout)
+
+    @property
+    def world(self) -> int:
+        return self.dims().world
 
     @property
     def mb(self) -> int:
-        return self.rows // (self.dp * self.microbatches)
+        d = self.dims()
+        return self.rows // (d.dp * d.microbatches)
 
 
 def _batch(step: int, rows: int, seq: int, vocab: int) -> dict:
@@ -98,8 +83,8 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out: str) -> No
             for s in range(c.steps):
                 full = _batch(s, c.rows, c.seq, args.vocab_size)
                 mbs = []
-                for k in range(c.microbatches):
-                    r0 = (k * c.dp + co["dp"]) * c.mb
+                for k in range(dims.microbatches):
+                    r0 = (k * dims.dp + co["dp"]) * c.mb
                     mbs.append(
                         {"input_ids": full["input_ids"][r0 : r0 + c.mb], "labels": full["labels"][r0 : r0 + c.mb]}
                     )
@@ -181,13 +166,14 @@ def bubble_table(results: dict, cases: list[Case]) -> list[dict]:
                 idle = max(x["sched"] - x["busy"], 0.0)
                 ratios.append(idle / x["busy"])
                 fracs.append(idle / x["sched"])
-        ideal = (c.pp - 1) / (c.vpp * c.microbatches)
+        d = c.dims()
+        ideal = (d.pp - 1) / (d.vpp * d.microbatches)
         rows.append(
             dict(
                 layout=c.name,
-                pp=c.pp,
-                vpp=c.vpp,
-                microbatches=c.microbatches,
+                pp=d.pp,
+                vpp=d.vpp,
+                microbatches=d.microbatches,
                 measured_idle_over_busy=statistics.mean(ratios),
                 ideal=ideal,
                 measured_idle_fraction=statistics.mean(fracs),
@@ -205,21 +191,21 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     two = [
-        Case(name="dp2_zero0", dp=2, zero=0, microbatches=2),
-        Case(name="dp2_zero1", dp=2, zero=1, microbatches=2),
-        Case(name="dp2_zero2", dp=2, zero=2, microbatches=2),
-        Case(name="ep2_dp2_zero1", dp=2, ep=2, zero=1, microbatches=2),
-        Case(name="pp2_1f1b", pp=2, microbatches=4, schedule="1f1b"),
-        Case(name="pp2_vpp2", pp=2, vpp=2, microbatches=4),
-        Case(name="cp2_zigzag", cp=2, microbatches=2, seq=64),
+        Case("dp2_zero0", "dp2xmb2"),
+        Case("dp2_zero1", "dp2xzero1xmb2"),
+        Case("dp2_zero2", "dp2xzero2xmb2"),
+        Case("ep2_dp2_zero1", "dp2xep2xzero1xmb2"),
+        Case("pp2_1f1b", "pp2xmb4x1f1b"),
+        Case("pp2_vpp2", "pp2xvpp2xmb4xinterleaved_1f1b"),
+        Case("cp2_zigzag", "cp2xmb2", seq=64),
     ]
     t = time.perf_counter()
     results = run_cases(two, 2)
     cases = list(two)
     if a.four:
         four = [
-            Case(name="pp2_dp2_ep2_zero2_vpp2", pp=2, vpp=2, dp=2, ep=2, zero=2, microbatches=2),
-            Case(name="pp2_cp2_ep2_zero1", pp=2, cp=2, ep=2, zero=1, microbatches=2, seq=64),
+            Case("pp2_dp2_ep2_zero2_vpp2", "pp2xvpp2xdp2xep2xzero2xmb2xinterleaved_1f1b"),
+            Case("pp2_cp2_ep2_zero1", "pp2xcp2xep2xzero1xmb2xinterleaved_1f1b", seq=64),
         ]
         results.update(run_cases(four, 4))
         cases += four
@@ -245,7 +231,7 @@ def main(argv=None) -> int:
     bub = []
     if not a.no_bubble:
         bcases = [
-            Case(name=f"bubble_v{v}_m{m}", pp=2, vpp=v, microbatches=m, rows=2 * m, seq=128, steps=3)
+            Case(f"bubble_v{v}_m{m}", f"pp2xvpp{v}xmb{m}xinterleaved_1f1b", rows=2 * m, seq=128, steps=3)
             for v, m in ((1, 2), (1, 4), (2, 4), (2, 8))
         ]
         results = run_cases(bcases, 2)

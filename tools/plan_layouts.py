@@ -39,10 +39,11 @@ def main() -> None:
 
     from tqdm import tqdm
 
+    from k3train.config import resolve_run
     from k3train.config.compose import compose_config, from_omegaconf
-    from k3train.config.errors import ConfigError
+    from k3train.errors import ConfigError
     from k3train.plan.gpus import gpu_spec
-    from k3train.plan.planner import plan_run
+    from k3train.plan.planner import plan_run, plan_world
 
     gpu = gpu_spec(a.gpu)
     combos = list(
@@ -72,7 +73,8 @@ def main() -> None:
         ]
         try:
             cfg = from_omegaconf(compose_config(a.recipe, ov))
-            plan = plan_run(cfg, gpu, gpus_per_node=a.gpus_per_node, recipe=a.recipe)
+            spec = resolve_run(cfg, world_size=plan_world(cfg), recipe=a.recipe)
+            plan = plan_run(spec, gpu, gpus_per_node=a.gpus_per_node)
         except ConfigError:
             refused += 1
             continue

@@ -5,14 +5,14 @@
 
 `python -m k3train.train --config-name RECIPE [overrides]` goes through the same schema and checks.
 
-Names are re-exported lazily: the model and parallel packages import `k3train.config.errors` (ConfigError) without
-running the validation module, which itself reads the model presets and the parallel layout rules.
+Names are re-exported lazily, so `import k3train.config` stays light. ConfigError itself lives at the bottom of the
+package (k3train.errors): every layer raises it.
 """
 
 from __future__ import annotations
 
 _LAZY = {
-    "ConfigError": "k3train.config.errors",
+    "ConfigError": "k3train.errors",
     **{
         n: "k3train.config.schema"
         for n in (
@@ -31,8 +31,12 @@ _LAZY = {
         n: "k3train.config.store"
         for n in ("SCHEMA_NAME", "available_recipes", "configs_dir", "recipes_dir", "register_configs")
     },
-    **{n: "k3train.config.validate" for n in ("model_args", "required_seq_multiple", "validate_config")},
-    **{n: "k3train.config.compose" for n in ("check_recipe", "compose_config", "from_omegaconf", "load_config")},
+    "model_args": "k3train.config.validate",
+    **{n: "k3train.config.runspec" for n in ("RunSpec", "resolve_run", "validate_config")},
+    **{
+        n: "k3train.config.compose"
+        for n in ("check_recipe", "compose_config", "from_omegaconf", "load_config", "load_spec")
+    },
 }
 
 __all__ = sorted(_LAZY)

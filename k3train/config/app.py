@@ -45,7 +45,7 @@ def run_app(task: Callable, argv: list[str] | None = None) -> None:
     import hydra
 
     from k3train.config.compose import check_recipe
-    from k3train.config.errors import ConfigError
+    from k3train.errors import ConfigError
     from k3train.config.store import recipes_dir, register_configs
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .errors import ConfigError
+from k3train.errors import ConfigError
 from .schema import K3TrainConfig
 from .store import available_recipes, recipes_dir, register_configs
-from .validate import validate_config
+from .runspec import RunSpec, resolve_run
 
 
 def check_recipe(name: str, user_dirs: list[str] | tuple[str, ...] = ()) -> None:
@@ -96,6 +96,9 @@ def load_config(
     recipe: str, overrides: list[str] | tuple[str, ...] = (), *, world_size: int | None = None
 ) -> K3TrainConfig:
     """Compose, convert and validate a recipe; raises ConfigError naming the bad key. Builds no model."""
-    cfg = from_omegaconf(compose_config(recipe, overrides))
-    validate_config(cfg, world_size=world_size)
-    return cfg
+    return load_spec(recipe, overrides, world_size=world_size).config
+
+
+def load_spec(recipe: str, overrides: list[str] | tuple[str, ...] = (), *, world_size: int | None = None) -> RunSpec:
+    """Compose a recipe and resolve it into a RunSpec (validated once); raises ConfigError naming the bad key."""
+    return resolve_run(from_omegaconf(compose_config(recipe, overrides)), world_size=world_size, recipe=recipe)

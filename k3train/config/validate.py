@@ -15,7 +15,7 @@ from pathlib import Path
 from k3train.data.config import VISION_FORMATS, VISION_SOURCES
 from k3train.models.k3.args import K3ModelArgs, get_preset
 
-from .errors import ConfigError
+from k3train.errors import ConfigError
 
 from .schema import K3TrainConfig
 
@@ -58,21 +58,6 @@ def model_args(cfg: K3TrainConfig) -> K3ModelArgs:
         raise ConfigError(f"model.overrides: {e}") from None
 
 
-def required_seq_multiple(args: K3ModelArgs, cp: int = 1, cp_layout: str = "zigzag") -> int:
-    """What data.seq_len must be a multiple of: the model's own requirement (the KDA chunk) times the pieces a row is
-    cut into under context parallelism (2*cp for zigzag, cp for contiguous). Computed from the args; the model is
-    not built."""
-    try:
-        from k3train.models.k3.model import required_seq_multiple as model_multiple
-
-        m = int(model_multiple(args))
-    except ImportError:  # the model module is optional for config checks; its rule is the KDA chunk
-        m = args.kda_chunk
-    if cp == 1:
-        return m
-    return m * (2 * cp if cp_layout == "zigzag" else cp)
-
-
 def world_size_from_env() -> int:
     raw = os.environ.get("WORLD_SIZE", "1")
     try:
@@ -93,12 +78,8 @@ def train_device_type(device: str) -> str:
     return device
 
 
-def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3ModelArgs:
-    """Raise ConfigError naming the first bad key; return the model args. world_size defaults to $WORLD_SIZE."""
-    world = world_size_from_env() if world_size is None else world_size
-    args = model_args(cfg)
-
-    # ---- model.kernels: refused here, before any process group, where Triton cannot run ---------------------
+def check_kernels(cfg: K3TrainConfig) -> str:
+    """model.kernels, refused here, before any process group, where Triton cannot run; returns the backend."""
     _need(
         cfg.train.precision != "fp64" or cfg.model.kernels != "triton",
         "train.precision",
@@ -108,18 +89,24 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
     from k3train.ops.backend import resolve_kernels
 
     try:
-        resolve_kernels(cfg.model.kernels, train_device_type(cfg.train.device))
+        return resolve_kernels(cfg.model.kernels, train_device_type(cfg.train.device))
     except ValueError as e:
         raise ConfigError(f"model.kernels: {e}") from None
 
-    # ---- parallel: one parser and one set of rules for every layout (k3train.parallel.mesh) ----------------
+
+def check_layout(cfg: K3TrainConfig, world: int, args: K3ModelArgs):
+    """parallel: one parser and one set of rules for every layout (k3train.parallel.mesh); returns the layout."""
     p = cfg.parallel
     from k3train.parallel.mesh import ParallelDims
 
-    ParallelDims.from_config(p, world).validate(world_size=world, model_args=args)
+    return ParallelDims.from_config(p, world).validate(world_size=world, model_args=args)
 
-    # ---- data ------------------------------------------------------------------------------------
-    d = cfg.data
+
+def check_data(cfg: K3TrainConfig, args: K3ModelArgs, dims) -> None:
+    """data: the source, its files and its rows against the model and the layout."""
+    from k3train.models.k3.model import required_seq_multiple
+
+    d, p = cfg.data, cfg.parallel
     _need(d.source in DATA_SOURCES, "data.source", f"unknown source {d.source!r}; choose one of {list(DATA_SOURCES)}")
     _need(
         d.tokenizer in TOKENIZERS,
@@ -128,8 +115,8 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
     )
     _need(d.seq_len >= 1, "data.seq_len", f"must be >= 1, got {d.seq_len}")
     _need(d.micro_batch >= 1, "data.micro_batch", f"must be >= 1, got {d.micro_batch}")
-    mult = required_seq_multiple(args, p.cp, p.cp_layout)
-    pieces = mult // max(1, required_seq_multiple(args))
+    pieces = dims.cp_pieces
+    mult = required_seq_multiple(args) * pieces
     _need(
         d.seq_len % mult == 0,
         "data.seq_len",
@@ -180,6 +167,11 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
         "data.blank_images",
         f"blanks the images of the sources {list(VISION_SOURCES)}; source {d.source!r} has none",
     )
+    _check_vision_data(cfg, args)
+
+
+def _check_vision_data(cfg: K3TrainConfig, args: K3ModelArgs) -> None:
+    d, p = cfg.data, cfg.parallel
     if d.source == "vision_files":
         _need(len(d.paths) > 0, "data.paths", "source 'vision_files' needs at least one folder, file or glob")
         _need(
@@ -227,6 +219,12 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
         "parallel.vision_placement",
         f"'{p.vision_placement}' places the vision tower's work, but data.source={d.source!r} feeds no images",
     )
+
+
+def check_tokenizer(cfg: K3TrainConfig, args: K3ModelArgs):
+    """The tokenizer's settings; its special tokens must fit the model's vocabulary. Returns the tokenizer when its
+    file is at hand (a plan for another machine may name a file this one lacks), else None."""
+    d = cfg.data
     _need(d.num_proc >= 1, "data.num_proc", f"must be >= 1, got {d.num_proc}")
     _need(
         not (d.num_proc > 1 and (d.streaming or d.source != "files")),
@@ -261,7 +259,11 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
             except DataError as e:
                 raise ConfigError(f"data.special_tokens: {e}") from e
 
-    # ---- optim -----------------------------------------------------------------------------------
+        return tok
+    return None
+
+
+def check_optim(cfg: K3TrainConfig) -> None:
     o = cfg.optim
     _need(o.name in ("adamw", "muon"), "optim.name", f"unknown optimizer {o.name!r}; choose adamw or muon")
     _need(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
@@ -284,7 +286,8 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
         f"must be a finite number >= 0, got {o.mtp_loss_weight}",
     )
 
-    # ---- activation ------------------------------------------------------------------------------
+
+def check_activation(cfg: K3TrainConfig) -> None:
     from k3train.activation.policy import POLICIES as activation_policies  # one list of names, the policies' own
 
     a = cfg.activation
@@ -301,7 +304,8 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
         )
         _need(bool(r.match), f"activation.rules[{i}].match", "must be a non-empty pattern")
 
-    # ---- logging ---------------------------------------------------------------------------------
+
+def check_logging(cfg: K3TrainConfig) -> None:
     lg = cfg.logging
     _need(lg.log_interval >= 1, "logging.log_interval", f"must be >= 1, got {lg.log_interval}")
     _need(lg.console_interval >= 1, "logging.console_interval", f"must be >= 1, got {lg.console_interval}")
@@ -312,7 +316,8 @@ def validate_config(cfg: K3TrainConfig, world_size: int | None = None) -> K3Mode
     )
     _need(lg.peak_flops >= 0, "logging.peak_flops", f"must be >= 0 (0 measures it), got {lg.peak_flops}")
 
-    # ---- train -----------------------------------------------------------------------------------
+
+def check_train(cfg: K3TrainConfig, args: K3ModelArgs) -> None:
     t = cfg.train
     _need(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")
     _need(t.eval_interval >= 0, "train.eval_interval", f"must be >= 0 (0 disables eval), got {t.eval_interval}")

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from k3train.ops.dtypes import wide
-from k3train.config.errors import ConfigError
+from k3train.errors import ConfigError
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
 from k3train.models.k3.documents import Documents

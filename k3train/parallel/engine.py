@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from k3train.config.errors import ConfigError
+from k3train.errors import ConfigError
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
 from k3train.models.k3.documents import Documents
@@ -435,6 +435,29 @@ class Engine:
     def named_parameters(self):
         for part in self.model_parts:
             yield from part.named_parameters()
+
+
+def build_engine_for(spec, device: torch.device | str | None = None) -> Engine:
+    """The engine of a resolved run (k3train.config.runspec.RunSpec): its model args, layout, stage split,
+    optimizer, precision, activation rules, balancing and kernel backend."""
+    from k3train.ops.backend import Kernels, set_kernels
+
+    cfg = spec.config
+    engine = build_engine(
+        spec.model,
+        spec.layout,
+        cfg.optim,
+        seed=cfg.train.seed,
+        device=device,
+        precision=spec.precision,
+        seq_len_hint=cfg.data.seq_len,
+        activation_rules=spec.activation_rules,
+        balancing=cfg.train.balancing,
+        stage_layers=[list(s) for s in spec.stages],
+        train_vision=spec.trains_vision,
+    )
+    set_kernels(engine.model_parts, Kernels(spec.kernels))
+    return engine
 
 
 def build_engine(

@@ -13,11 +13,12 @@ the same experts.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from k3train.config.errors import ConfigError
+from k3train.errors import ConfigError
 from k3train.models.k3.args import K3ModelArgs
 
 # Schedule name -> (torch class name, stage placement, allowed virtual stages per rank).
@@ -42,6 +43,18 @@ CP_LAYOUTS = ("zigzag", "contiguous")
 """How a row is split over the context-parallel ranks (k3train.parallel.context_parallel)."""
 AUTO_SCHEDULE = "auto"
 """The default: interleaved_1f1b when vpp > 1, 1f1b otherwise."""
+
+
+_SHORT = (
+    ("pp", "pp"),
+    ("vpp", "vpp"),
+    ("dp", "dp"),
+    ("cp", "cp"),
+    ("ep", "ep"),
+    ("zero", "zero"),
+    ("mb", "microbatches"),
+)
+_WORDS = ("ep_dispatcher", "cp_layout", "vision_placement")
 
 
 def resolve_schedule(name: str, vpp: int) -> str:
@@ -102,12 +115,53 @@ class ParallelDims:
         return self.dp * self.cp // self.ep
 
     @property
+    def cp_pieces(self) -> int:
+        """Pieces a row is cut into over the cp ranks: 2*cp for zigzag, cp for contiguous, 1 without CP."""
+        return 1 if self.cp == 1 else (2 * self.cp if self.cp_layout == "zigzag" else self.cp)
+
+    @property
     def n_stages(self) -> int:
         return self.pp * self.vpp
 
     @property
     def placement(self) -> str:
         return SCHEDULES[self.schedule][1] if self.pp > 1 else "single"
+
+    @classmethod
+    def parse(cls, name: str) -> "ParallelDims":
+        """A layout from its short name: `single`, or parts joined by `x`: degrees `pp2`, `vpp2`, `dp2`, `cp2`,
+        `ep2`, `zero1`, `mb4` (micro-batches), and option values by their own name (a schedule such as
+        `interleaved_1f1b`, a dispatcher `moonep`, a CP layout `contiguous`, a vision placement `bubbles`), e.g.
+        `pp2xdp2xep2xzero1` or `pp2xvpp2xmb2xinterleaved_1f1b`. Each part at most once; validate() checks the rest."""
+        words = {
+            **{s: "schedule" for s in (*SCHEDULES, AUTO_SCHEDULE)},
+            **{d: "ep_dispatcher" for d in EP_DISPATCHERS},
+            **{c: "cp_layout" for c in CP_LAYOUTS},
+            **{v: "vision_placement" for v in VISION_PLACEMENTS},
+        }
+        degrees = {"pp": "pp", "vpp": "vpp", "dp": "dp", "cp": "cp", "ep": "ep", "zero": "zero", "mb": "microbatches"}
+        fields: dict = {}
+        for part in [] if name == "single" else name.split("x"):
+            m = re.fullmatch(r"(pp|vpp|dp|cp|ep|zero|mb)(\d+)", part)
+            key, value = (degrees[m.group(1)], int(m.group(2))) if m else (words.get(part), part)
+            if key is None or key in fields:
+                raise ConfigError(
+                    f"bad layout {name!r}: {part!r} is {'repeated' if key else 'unknown'}: write 'single' or parts joined "
+                    f"by 'x': degrees pp, vpp, dp, cp, ep, zero, mb with a number, or a schedule, dispatcher, CP "
+                    f"layout or vision placement by name (e.g. pp2xdp2xep2xzero1)"
+                )
+            fields[key] = value
+        return cls(**fields)
+
+    @property
+    def name(self) -> str:
+        """The short name parse() reads back (defaults left out; `single` for one process)."""
+        default = ParallelDims()
+        parts = [f"{short}{getattr(self, f)}" for short, f in _SHORT if getattr(self, f) != getattr(default, f)]
+        parts += [getattr(self, f) for f in _WORDS if getattr(self, f) != getattr(default, f)]
+        if self.pp > 1 and self.schedule != resolve_schedule(AUTO_SCHEDULE, self.vpp):
+            parts.append(self.schedule)
+        return "x".join(parts) or "single"
 
     @classmethod
     def from_config(cls, cfg, world_size: int | None = None) -> "ParallelDims":

@@ -1,6 +1,6 @@
 """Will a run fit, and how fast will it go: the memory and step-time planner (python -m k3train.plan).
 
-    plan = plan_run(cfg, gpu_spec("h100_80g"), gpus_per_node=8)
+    plan = plan_run(load_spec("k3_full", world_size=2048), gpu_spec("h100_80g"), gpus_per_node=8)
     print(format_plan(plan))
 
 Modules: gpus (the GPU table), state_memory (parameters, gradients, master weights, optimizer states: exact),
@@ -13,20 +13,14 @@ from __future__ import annotations
 from k3train.plan.gpus import GPU, GPUS, detect_gpu, gpu_spec
 
 
-def startup_check(cfg, gpu: GPU, *, world: int, gpus_per_node: int, recipe: str = "custom") -> None:
-    """ConfigError naming the pipeline rank and its biggest term when the layout is predicted not to fit `gpu`."""
-    from k3train.config.errors import ConfigError
+def startup_check(spec, gpu: GPU, *, gpus_per_node: int) -> None:
+    """ConfigError naming the pipeline rank and its biggest term when the resolved run (k3train.config.RunSpec) is
+    predicted not to fit `gpu`."""
+    from k3train.errors import ConfigError
     from k3train.plan.planner import plan_run, refusal
 
-    plan = plan_run(
-        cfg,
-        gpu,
-        gpus_per_node=max(1, gpus_per_node),
-        headroom=cfg.plan.headroom,
-        efficiency=cfg.plan.efficiency,
-        recipe=recipe,
-        world=world,
-    )
+    p = spec.config.plan
+    plan = plan_run(spec, gpu, gpus_per_node=max(1, gpus_per_node), headroom=p.headroom, efficiency=p.efficiency)
     if not plan.fits:
         raise ConfigError(f"plan: {refusal(plan)}")
 

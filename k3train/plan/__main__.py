@@ -13,25 +13,19 @@ from pathlib import Path
 def _task(dcfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from k3train.config import ConfigError, from_omegaconf
+    from k3train.config import ConfigError, from_omegaconf, resolve_run
     from k3train.config.app import DEFAULT_RECIPE, fail
 
     try:
         cfg = from_omegaconf(dcfg)
         recipe = HydraConfig.get().job.config_name or DEFAULT_RECIPE
         from k3train.plan.gpus import gpu_spec
-        from k3train.plan.planner import format_plan, plan_json, plan_run, plot_plan
+        from k3train.plan.planner import format_plan, plan_json, plan_run, plan_world, plot_plan
 
         gpu = gpu_spec(cfg.plan.gpu)
-        plan = plan_run(
-            cfg,
-            gpu,
-            gpus_per_node=cfg.plan.gpus_per_node,
-            headroom=cfg.plan.headroom,
-            efficiency=cfg.plan.efficiency,
-            recipe=recipe,
-            world=cfg.plan.world or None,
-        )
+        spec = resolve_run(cfg, world_size=plan_world(cfg), recipe=recipe)
+        p = cfg.plan
+        plan = plan_run(spec, gpu, gpus_per_node=p.gpus_per_node, headroom=p.headroom, efficiency=p.efficiency)
         print(format_plan(plan), flush=True)
         if cfg.plan.png != "none":
             # Generated output goes under runs/ (ignored by git), never beside the user's files.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from k3train.config.errors import ConfigError
+from k3train.errors import ConfigError
 
 GB = 10**9
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -24,46 +24,42 @@ MICRO_BATCH = 2
 
 @dataclass(frozen=True)
 class Layout:
+    """A measured run: a parallel layout by its short name (ParallelDims.parse), the activation policy (and
+    rules), the optimizer and the precision."""
+
     name: str
-    parallel: dict
+    layout: str = "single"
     policy: str = "keep"
     rules: tuple = ()
     optim: str = "muon"
-    world: int = field(default=1)
     precision: str = "fp32"
+
+    @property
+    def dims(self):
+        from k3train.parallel.mesh import ParallelDims
+
+        return ParallelDims.parse(self.layout)
+
+    @property
+    def world(self) -> int:
+        return self.dims.world
 
 
 LAYOUTS = (
-    Layout("one process", {}),
-    Layout("dp2 zero1", {"dp": 2, "zero": 1}, world=2),
-    Layout("dp2 zero2", {"dp": 2, "zero": 2}, world=2),
-    Layout("pp2 vpp2 interleaved", {"pp": 2, "vpp": 2, "microbatches": 2, "schedule": "interleaved_1f1b"}, world=2),
-    Layout(
-        "pp2 x ep2 moonep",
-        {"pp": 2, "dp": 2, "ep": 2, "zero": 1, "microbatches": 2, "ep_dispatcher": "moonep"},
-        world=4,
-    ),
-    Layout("cp2", {"cp": 2}, world=2),
-    Layout("recompute", {}, policy="recompute"),
-    Layout("fp8", {}, policy="fp8"),
-    Layout("dp2 zero2 bf16", {"dp": 2, "zero": 2}, world=2, precision="bf16"),
-    Layout("pp2 x dp2 zero1 bf16", {"pp": 2, "dp": 2, "zero": 1, "microbatches": 2}, world=4, precision="bf16"),
-    Layout("recompute bf16", {}, policy="recompute", precision="bf16"),
+    Layout("one process"),
+    Layout("dp2 zero1", "dp2xzero1"),
+    Layout("dp2 zero2", "dp2xzero2"),
+    Layout("pp2 vpp2 interleaved", "pp2xvpp2xmb2xinterleaved_1f1b"),
+    Layout("pp2 x ep2 moonep", "pp2xdp2xep2xzero1xmb2xmoonep"),
+    Layout("cp2", "cp2"),
+    Layout("recompute", policy="recompute"),
+    Layout("fp8", policy="fp8"),
+    Layout("dp2 zero2 bf16", "dp2xzero2", precision="bf16"),
+    Layout("pp2 x dp2 zero1 bf16", "pp2xdp2xzero1xmb2", precision="bf16"),
+    Layout("recompute bf16", policy="recompute", precision="bf16"),
     # AdamW: the analytic communication bytes (k3train.models.k3.counts.analytic_step_bytes) are AdamW's.
-    Layout(
-        "pp2 x dp2 ep2 zero2 adamw",
-        {"pp": 2, "dp": 2, "ep": 2, "zero": 2, "microbatches": 2},
-        optim="adamw",
-        world=4,
-        precision="bf16",
-    ),
+    Layout("pp2 x dp2 ep2 zero2 adamw", "pp2xdp2xep2xzero2xmb2", optim="adamw", precision="bf16"),
 )
-
-
-def _dims(layout: Layout):
-    from k3train.parallel.mesh import ParallelDims
-
-    return ParallelDims(**{"dp": 1, **layout.parallel})
 
 
 def _activation_cfg(layout: Layout):
@@ -117,7 +113,7 @@ def _measure_rank(rank: int, layout: Layout) -> dict:
     from k3train.plan.meter import SavedBytesMeter
 
     args = get_preset("tiny")
-    dims = _dims(layout)
+    dims = layout.dims
     acfg = _activation_cfg(layout)
     rules = rules_from_config(acfg) if acfg.policy != "keep" or acfg.rules else []
     result = {"rank": rank, "acts": {}}
@@ -194,7 +190,7 @@ def measure_layout(layout: Layout, results: list[dict] | None = None) -> list[di
     if results is None:
         results = _run_layouts([layout])[0]
     args = get_preset("tiny")
-    dims = _dims(layout)
+    dims = layout.dims
     optim = _optim_cfg(layout)
     pplan = policy_plan(_activation_cfg(layout))
     rows = []

@@ -1,6 +1,6 @@
 """The plan of a run: memory per pipeline rank, step time, tokens/s and MFU, and whether it fits a GPU.
 
-    plan = plan_run(cfg, gpu_spec("h100_80g"), gpus_per_node=8)
+    plan = plan_run(load_spec("k3_full", world_size=2048), gpu_spec("h100_80g"), gpus_per_node=8)
     print(format_plan(plan)); plan.summary()   # JSON-ready
 
 Memory per pipeline rank (its stages and virtual stages), the worst data-parallel rank of it (rank 0 of its dp x cp
@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from k3train.config.errors import ConfigError
+from k3train.errors import ConfigError
 from k3train.plan.gpus import GPU
 
 GiB = 2**30
@@ -140,206 +140,223 @@ def _bandwidth(gpu: GPU, intra: bool) -> float:
     return gpu.nvlink_bytes_s if intra else gpu.network_bytes_s
 
 
-def precision_of(cfg) -> str:
-    p = getattr(cfg.train, "precision", None)
-    if p is not None:
-        return p
-    d = getattr(cfg.train, "dtype", "auto")
-    return "fp32" if d == "float32" or (d == "auto" and cfg.train.device == "cpu") else "bf16"
+def plan_world(cfg) -> int:
+    """The number of GPUs a plan is for: plan.world, else pp x dp x cp of the layout."""
+    p = cfg.parallel
+    if cfg.plan.world:
+        return cfg.plan.world
+    if p.dp == -1:
+        raise ConfigError("parallel.dp: -1 (fill from WORLD_SIZE) needs plan.world, the number of GPUs")
+    return p.pp * p.dp * p.cp
 
 
-def plan_run(
-    cfg,
-    gpu: GPU,
-    *,
-    gpus_per_node: int = 8,
-    headroom: float = 0.10,
-    efficiency: float = 0.45,
-    recipe: str = "custom",
-    world: int | None = None,
-) -> Plan:
-    """The plan of config `cfg` (a K3TrainConfig) on `gpu`. Raises ConfigError for a layout that does not divide
-    the world or the model."""
-    from k3train.config.validate import model_args
-    from k3train.models.k3.counts import analytic_step_bytes, executed_flops, flops_per_token
+@dataclass
+class _Inputs:
+    """What every part of one plan reads: the resolved run and the machine."""
+
+    spec: object  # k3train.config.runspec.RunSpec
+    gpu: GPU
+    gpus_per_node: int
+    peak: float  # FLOP/s one GPU sustains: efficiency x the datasheet peak of the precision
+    act_bytes: int
+    pplan: object  # k3train.plan.activations.PolicyPlan
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def args(self):
+        return self.spec.model
+
+    @property
+    def dims(self):
+        return self.spec.layout
+
+    @property
+    def stage_layers(self) -> list[list[int]]:
+        return [list(s) for s in self.spec.stages]
+
+    @property
+    def seq(self) -> int:
+        return self.spec.config.data.seq_len
+
+    @property
+    def mb(self) -> int:
+        return self.spec.config.data.micro_batch
+
+    @property
+    def tokens(self) -> int:  # one micro-batch on one rank
+        return self.mb * self.seq // self.dims.cp
+
+    def bandwidth(self, group_size: int, stride: int) -> float:
+        return _bandwidth(self.gpu, _intra(group_size, stride, self.gpus_per_node))
+
+
+def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
+    """One stage's StageCost for one micro-batch, with its EP and CP buffers, backward workspace and in-stage
+    communication seconds."""
     from k3train.models.k3.model import sources_after
-    from k3train.parallel.mesh import ParallelDims, stages_of_rank
-    from k3train.parallel.pipeline import split_layers
+    from k3train.plan.activations import stage_activation_bytes, stage_workspace_bytes
+    from k3train.plan.schedule_sim import StageCost
+    from k3train.plan.state_memory import stage_grad_bytes
+
+    args, dims, tokens, ab, n = x.args, x.dims, x.tokens, x.act_bytes, x.dims.n_stages
+    layers = x.stage_layers[s]
+    n_moe = sum(args.ffn_kind(i) == "moe" for i in layers)
+    n_mla = sum(args.layer_kind(i) == "mla" for i in layers)
+    kw = dict(first=s == 0, tokens=tokens, seq_len=x.seq, plan=x.pplan, act_bytes=ab)
+    act = stage_activation_bytes(args, layers, last=s == n - 1, **kw)
+    work = stage_workspace_bytes(args, layers, rows=x.mb, **kw)
+    if s > 0:  # the received sources a micro-batch holds until its backward
+        act += sources_after(args, layers[0] - 1) * tokens * args.dim * ab
+    G = args.n_experts // dims.ep if dims.ep > 1 else 0
+    expert_numel = 3 * args.moe_latent_dim * args.expert_hidden
+    if dims.ep > 1 and dims.ep_dispatcher == "moonep":  # hosted experts' weights are saved for backward
+        act += n_moe * G * expert_numel * ab
+    flops = (sum(flops_tok["layers"][i - 1] for i in layers) + (flops_tok["head"] if s == n - 1 else 0.0)) * tokens
+    fwd, bwd = flops / 3 / x.peak, 2 * flops / 3 / x.peak
+    if x.pplan.k3_defaults and x.pplan.default == "recompute":
+        bwd += fwd
+    a2a = ep_buf = cpt = cp_buf = 0.0
+    if dims.ep > 1:
+        a2a = n_moe * 4 * tokens * args.top_k * args.moe_latent_dim * ab * (dims.ep - 1) / dims.ep
+        a2a /= x.bandwidth(dims.ep, 1)
+        rows = tokens * args.top_k * args.moe_latent_dim * ab
+        ep_buf = 2 * rows + (G * expert_numel * ab * 2 if dims.ep_dispatcher == "moonep" else 0)
+    if dims.cp > 1:
+        lat = x.mb * x.seq * (args.mla_kv_rank + args.mla_shared_k_dim) * ab
+        cpt = 3 * n_mla * lat * (dims.cp - 1) / dims.cp / x.bandwidth(dims.cp, 1)  # gather, again in bwd, scatter
+        cp_buf = lat if n_mla else 0.0
+    pp_bw = x.bandwidth(2, dims.dp_cp)
+    send = (sources_after(args, layers[-1]) * tokens * args.dim * ab / pp_bw) if s < n - 1 else 0.0
+    cfg = x.spec.config
+    full, shard = stage_grad_bytes(
+        args,
+        dims,
+        x.stage_layers,
+        s,
+        cfg.optim,
+        train_vision=x.spec.trains_vision,
+        precision=x.spec.precision,
+        _params_cache=x.cache,
+    )
+    cost = StageCost(
+        forward_s=fwd + (a2a + cpt) / 2,
+        backward_s=bwd + (a2a + cpt) / 2,
+        act_bytes=act,
+        grad_bytes=full,
+        grad_shard_bytes=shard,
+        send_s=send,
+    )
+    return cost, ep_buf, cp_buf, work, a2a, cpt
+
+
+def _rank_plan(x: _Inputs, r: int, costs: dict, bufs: dict, timeline) -> RankPlan:
+    """Pipeline rank r's memory: its state (worst data-parallel rank), activations at the timeline's peak, the
+    boundary send buffer and the largest transient buffers of its stages."""
+    from k3train.models.k3.model import sources_after
+    from k3train.parallel.mesh import stages_of_rank
+    from k3train.plan.state_memory import rank_state_bytes
+
+    args, dims, n, sl = x.args, x.dims, x.dims.n_stages, x.stage_layers
+    st = rank_state_bytes(
+        args,
+        dims,
+        sl,
+        x.spec.config.optim,
+        pp_rank=r,
+        dp_cp_rank=0,
+        _params_cache=x.cache,
+        precision=x.spec.precision,
+        train_vision=x.spec.trains_vision,
+    )
+    mine = stages_of_rank(dims, r)
+    boundary = max(
+        (sources_after(args, sl[s][-1]) * x.tokens * args.dim * x.act_bytes for s in mine if s < n - 1), default=0.0
+    )
+    rp = RankPlan(
+        pp_rank=r,
+        stages=mine,
+        layers=[sl[s] for s in mine],
+        state=st.as_dict(),
+        params_by_dtype=st.params_by_dtype,
+        activations_per_mb={s: costs[s].act_bytes for s in mine},
+        peak_activations=timeline.peak_parts[r]["activations"],
+        peak_gradients=max(timeline.peak_parts[r]["gradients"], st.grads),
+        boundary=boundary,
+        ep_buffers=max((bufs["ep"][s] for s in mine), default=0.0),
+        cp_buffers=max((bufs["cp"][s] for s in mine), default=0.0),
+        workspace=max((bufs["work"][s] for s in mine), default=0.0),
+    )
+    rp.total = sum(rp.by_kind().values())
+    return rp
+
+
+def _dp_seconds(x: _Inputs) -> float:
+    """Data-parallel reductions and gathers after the pipeline drains (the busiest pipeline rank's), from the same
+    bytes the communication ledger records."""
+    from k3train.models.k3.counts import analytic_step_bytes
+
+    dims, spec = x.dims, x.spec
+    bw = {
+        "dp_cp": x.bandwidth(dims.dp_cp, 1),
+        "edp": x.bandwidth(dims.edp, dims.ep),
+        "world": _bandwidth(x.gpu, dims.world <= x.gpus_per_node),
+    }
+    worst = 0.0
+    for r in range(dims.pp):
+        step = analytic_step_bytes(
+            x.args, dims, x.stage_layers, pp_rank=r, mb=x.mb, seq=x.seq, precision=spec.precision
+        )
+        per_dim = {d: sum(v["wire"] / bw[d] for (e, _), v in step.items() if e == d) for d in bw}
+        worst = max(worst, per_dim["dp_cp"] + per_dim["edp"] + per_dim["world"])
+    return worst
+
+
+def plan_run(spec, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, efficiency: float = 0.45) -> Plan:
+    """The plan of a resolved run (k3train.config.runspec.RunSpec; its world is the number of GPUs) on `gpu`."""
+    from k3train.models.k3.counts import executed_flops, flops_per_token
+    from k3train.parallel.mesh import stages_of_rank
     from k3train.parallel.zero import ELEMENT_BYTES
-    from k3train.plan.activations import policy_plan, stage_activation_bytes, stage_workspace_bytes
-    from k3train.plan.schedule_sim import StageCost, simulate
-    from k3train.plan.state_memory import rank_state_bytes, stage_grad_bytes
+    from k3train.plan.activations import policy_plan
+    from k3train.plan.schedule_sim import simulate
 
     if gpus_per_node < 1:
         raise ConfigError(f"plan.gpus_per_node: must be >= 1, got {gpus_per_node}")
-    p = cfg.parallel
-    if world is None:
-        if p.dp == -1:
-            raise ConfigError("parallel.dp: -1 (fill from WORLD_SIZE) needs plan.world, the number of GPUs")
-        world = p.pp * p.dp * p.cp
-    args = model_args(cfg)
-    dims = ParallelDims.from_config(p, world)
-    from k3train.data.config import VISION_SOURCES
-
-    train_vision = cfg.data.source in VISION_SOURCES  # the tower's gradients and optimizer state exist
-    dims.validate(world_size=world, model_args=args)
-    if world > gpus_per_node and world % gpus_per_node:
-        raise ConfigError(f"plan.gpus_per_node: {world} ranks do not fill nodes of {gpus_per_node} GPUs")
-    precision = precision_of(cfg)
-    act_bytes = ELEMENT_BYTES[precision]["param"]
-    seq, mb = cfg.data.seq_len, cfg.data.micro_batch
-    tokens = mb * seq // dims.cp  # one micro-batch on one rank
-    stage_layers = split_layers(args, dims.n_stages, seq_len=seq)
-    pplan = policy_plan(cfg.activation)
-    n = dims.n_stages
-    costs_tok = executed_flops(args, seq)
+    dims, precision = spec.layout, spec.precision
+    if dims.world > gpus_per_node and dims.world % gpus_per_node:
+        raise ConfigError(f"plan.gpus_per_node: {dims.world} ranks do not fill nodes of {gpus_per_node} GPUs")
     peak = gpu.peak_flops(precision) * efficiency
-
-    def stage_flops(s: int) -> float:  # executed training FLOPs per token of stage s
-        f = sum(costs_tok["layers"][i - 1] for i in stage_layers[s])
-        return f + (costs_tok["head"] if s == n - 1 else 0.0)
-
-    recompute = pplan.k3_defaults and pplan.default == "recompute"
-    # Per-layer exposed communication inside a stage (per micro-batch, forward + backward together).
-    ep_bw = _bandwidth(gpu, _intra(dims.ep, 1, gpus_per_node))
-    cp_bw = _bandwidth(gpu, _intra(dims.cp, 1, gpus_per_node))
-    pp_bw = _bandwidth(gpu, _intra(2, dims.dp_cp, gpus_per_node))
-    pp_bytes = {
-        r: analytic_step_bytes(args, dims, stage_layers, pp_rank=r, mb=mb, seq=seq, precision=precision)
-        for r in range(dims.pp)
-    }
-    G = args.n_experts // dims.ep if dims.ep > 1 else 0
-    expert_numel = 3 * args.moe_latent_dim * args.expert_hidden
-
-    cache: dict = {}
-    costs: dict[int, StageCost] = {}
-    ep_buf: dict[int, float] = {}
-    cp_buf: dict[int, float] = {}
-    work: dict[int, float] = {}
-    ep_time: dict[int, float] = {}
-    cp_time: dict[int, float] = {}
-    for s in range(n):
-        layers = stage_layers[s]
-        n_moe = sum(args.ffn_kind(i) == "moe" for i in layers)
-        n_mla = sum(args.layer_kind(i) == "mla" for i in layers)
-        act = stage_activation_bytes(
-            args, layers, first=s == 0, last=s == n - 1, tokens=tokens, seq_len=seq, plan=pplan, act_bytes=act_bytes
-        )
-        work[s] = stage_workspace_bytes(
-            args, layers, first=s == 0, tokens=tokens, rows=mb, seq_len=seq, plan=pplan, act_bytes=act_bytes
-        )
-        if s > 0:  # the received sources a micro-batch holds until its backward
-            act += sources_after(args, layers[0] - 1) * tokens * args.dim * act_bytes
-        if dims.ep > 1 and dims.ep_dispatcher == "moonep":  # hosted experts' weights are saved for backward
-            act += n_moe * G * expert_numel * act_bytes
-        flops = stage_flops(s) * tokens
-        fwd, bwd = flops / 3 / peak, 2 * flops / 3 / peak
-        if recompute:
-            bwd += fwd
-        a2a = 0.0
-        if dims.ep > 1:
-            a2a = n_moe * 4 * tokens * args.top_k * args.moe_latent_dim * act_bytes * (dims.ep - 1) / dims.ep / ep_bw
-            rows = tokens * args.top_k * args.moe_latent_dim * act_bytes
-            ep_buf[s] = 2 * rows + (G * expert_numel * act_bytes * 2 if dims.ep_dispatcher == "moonep" else 0)
-        cpt = 0.0
-        if dims.cp > 1:
-            lat = mb * seq * (args.mla_kv_rank + args.mla_shared_k_dim) * act_bytes
-            cpt = 3 * n_mla * lat * (dims.cp - 1) / dims.cp / cp_bw  # gather, gather again in backward, scatter
-            cp_buf[s] = lat if n_mla else 0.0
-        ep_time[s], cp_time[s] = a2a, cpt
-        send = (sources_after(args, layers[-1]) * tokens * args.dim * act_bytes / pp_bw) if s < n - 1 else 0.0
-        full, shard = stage_grad_bytes(
-            args, dims, stage_layers, s, cfg.optim, train_vision=train_vision, precision=precision, _params_cache=cache
-        )
-        costs[s] = StageCost(
-            forward_s=fwd + (a2a + cpt) / 2,
-            backward_s=bwd + (a2a + cpt) / 2,
-            act_bytes=act,
-            grad_bytes=full,
-            grad_shard_bytes=shard,
-            send_s=send,
-        )
+    x = _Inputs(spec, gpu, gpus_per_node, peak, ELEMENT_BYTES[precision]["param"], policy_plan(spec.config.activation))
+    flops_tok = executed_flops(spec.model, x.seq)
+    costs, bufs, ep_time, cp_time = {}, {"ep": {}, "cp": {}, "work": {}}, {}, {}
+    for s in range(dims.n_stages):
+        costs[s], bufs["ep"][s], bufs["cp"][s], bufs["work"][s], ep_time[s], cp_time[s] = _stage_cost(x, s, flops_tok)
     timeline = simulate(dims, costs, zero=dims.zero)
-
-    ranks: list[RankPlan] = []
-    for r in range(dims.pp):
-        st = rank_state_bytes(
-            args,
-            dims,
-            stage_layers,
-            cfg.optim,
-            pp_rank=r,
-            dp_cp_rank=0,
-            _params_cache=cache,
-            precision=precision,
-            train_vision=train_vision,
-        )
-        mine = stages_of_rank(dims, r)
-        boundary = max(
-            (sources_after(args, stage_layers[s][-1]) * tokens * args.dim * act_bytes for s in mine if s < n - 1),
-            default=0.0,
-        )
-        rp = RankPlan(
-            pp_rank=r,
-            stages=mine,
-            layers=[stage_layers[s] for s in mine],
-            state=st.as_dict(),
-            params_by_dtype=st.params_by_dtype,
-            activations_per_mb={s: costs[s].act_bytes for s in mine},
-            peak_activations=timeline.peak_parts[r]["activations"],
-            peak_gradients=max(timeline.peak_parts[r]["gradients"], st.grads),
-            boundary=boundary,
-            ep_buffers=max((ep_buf.get(s, 0.0) for s in mine), default=0.0),
-            cp_buffers=max((cp_buf.get(s, 0.0) for s in mine), default=0.0),
-            workspace=max((work[s] for s in mine), default=0.0),
-        )
-        rp.total = sum(rp.by_kind().values())
-        ranks.append(rp)
-
-    # Data-parallel reductions and gathers after the pipeline drains (the busiest pipeline rank's).
-    def dim_time(r: int, dim: str) -> float:
-        total = 0.0
-        for (d, op), v in pp_bytes[r].items():
-            if d != dim:
-                continue
-            if d == "dp_cp":
-                intra = _intra(dims.dp_cp, 1, gpus_per_node)
-            elif d == "edp":
-                intra = _intra(dims.edp, dims.ep, gpus_per_node)
-            elif d == "world":
-                intra = dims.world <= gpus_per_node
-            else:
-                continue
-            total += v["wire"] / _bandwidth(gpu, intra)
-        return total
-
-    comm = {"dp": max(dim_time(r, "dp_cp") + dim_time(r, "edp") + dim_time(r, "world") for r in range(dims.pp))}
+    ranks = [_rank_plan(x, r, costs, bufs, timeline) for r in range(dims.pp)]
+    comm = {"dp": _dp_seconds(x)}
     for key, per_stage in (("ep_in_stages", ep_time), ("cp_in_stages", cp_time)):  # part of the stages' time
         comm[key] = max(sum(per_stage[s] for s in stages_of_rank(dims, r)) * dims.microbatches for r in range(dims.pp))
     compute = max(
         sum((costs[s].forward_s + costs[s].backward_s) * dims.microbatches for s in stages_of_rank(dims, r))
         for r in range(dims.pp)
     )
-    optimizer_s = _muon_seconds(args, dims, stage_layers, cfg.optim, peak, cache)
-    step = timeline.makespan_s + comm["dp"] + optimizer_s
-    global_tokens = dims.dp * dims.microbatches * mb * seq
+    optimizer_s = _muon_seconds(spec.model, dims, x.stage_layers, spec.config.optim, peak, x.cache)
     return Plan(
-        recipe=recipe,
+        recipe=spec.recipe,
         gpu=gpu,
         gpus_per_node=gpus_per_node,
         dims=dims,
         precision=precision,
-        seq_len=seq,
-        micro_batch=mb,
+        seq_len=x.seq,
+        micro_batch=x.mb,
         ranks=ranks,
         headroom=headroom,
         compute_s=compute,
         bubble_s=timeline.makespan_s - compute,
         comm_s=comm,
         optimizer_s=optimizer_s,
-        step_s=step,
-        tokens_per_step=global_tokens,
-        flops_per_token=flops_per_token(args, seq),
+        step_s=timeline.makespan_s + comm["dp"] + optimizer_s,
+        tokens_per_step=spec.tokens_per_step,
+        flops_per_token=flops_per_token(spec.model, x.seq),
         timeline=timeline,
     )
 

@@ -24,7 +24,7 @@ from k3train.config.app import DEFAULT_RECIPE, fail as _fail, run_app
 def _task(dcfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from k3train.config import ConfigError, from_omegaconf, validate_config
+    from k3train.config import ConfigError, from_omegaconf, resolve_run
     from k3train.data import DataError
     from k3train.train.checkpoint import CheckpointError
     from k3train.train.resilience import EXIT_COMM_FAILURE, CommFailure
@@ -33,12 +33,10 @@ def _task(dcfg) -> None:
 
     hc = HydraConfig.get()
     try:
-        cfg = from_omegaconf(dcfg)
-        validate_config(cfg)
-        recipe = hc.job.config_name or DEFAULT_RECIPE
+        spec = resolve_run(from_omegaconf(dcfg), recipe=hc.job.config_name or DEFAULT_RECIPE)
         from k3train.train.trainer import run
 
-        run(cfg, recipe=recipe, output_dir=hc.runtime.output_dir, output_dir_named=output_dir_named(hc))
+        run(spec, output_dir=hc.runtime.output_dir, output_dir_named=output_dir_named(hc))
     except ConfigError as e:
         _fail("config error", e)
     except DataError as e:

@@ -33,14 +33,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from k3train.config import ConfigError, K3TrainConfig, validate_config
+from k3train.config.runspec import RunSpec
+from k3train.errors import ConfigError
 from k3train.data import DataError, build_dataloader, build_tokenizer
-from k3train.data.config import VISION_SOURCES
 from k3train.models.k3.counts import count_params, flops_per_token
-from k3train.models.k3.model import required_seq_multiple
 from k3train.distributed import comm
-from k3train.parallel.engine import build_engine
-from k3train.parallel.mesh import ParallelDims, rank_coords
+from k3train.parallel.engine import build_engine_for
+from k3train.parallel.mesh import rank_coords
 from k3train.parallel.zero import PARAM_DTYPES
 
 from . import resilience, rundir
@@ -118,7 +117,7 @@ def _broadcast_str(value: str, env: DistEnv, group=None) -> str:
 # Trainer
 # ---------------------------------------------------------------------------------------------------------------------
 class Trainer:
-    """Builds everything from a validated config; `train()` runs to cfg.train.steps (or to the step the ranks agree
+    """Builds everything from a resolved run (k3train.config.runspec.RunSpec); `train()` runs to cfg.train.steps (or to the step the ranks agree
     to stop at after a stop signal) and returns a summary.
 
     stop: the stop signals this process received (run() installs the handlers; without it nothing stops early).
@@ -128,77 +127,103 @@ class Trainer:
 
     def __init__(
         self,
-        cfg: K3TrainConfig,
+        spec: RunSpec,
         *,
-        recipe: str = "custom",
         stop: resilience.StopRequest | None = None,
         progress: resilience.Progress | None = None,
         output_dir: str | None = None,
         output_dir_named: bool = False,
     ):
-        self.cfg, self.recipe = cfg, recipe
+        self.spec, self.cfg, self.recipe = spec, spec.config, spec.recipe
+        self.args, self.dims, self.dp = spec.model, spec.layout, spec.layout.dp
         env = self.env = dist_env()
+        if env.world != spec.world:
+            raise ConfigError(f"the run was resolved for {spec.world} processes, but WORLD_SIZE is {env.world}")
         self.stop = stop or resilience.StopRequest(env.rank)
         self.progress = progress or resilience.Progress(rank=env.rank)
-        self.progress.timeout_s = cfg.train.timeout_s
-        args = self.args = validate_config(cfg, world_size=env.world)
-        self.dims = ParallelDims.from_config(cfg.parallel, env.world)  # validated with the config, before any group
-        self.dp = self.dims.dp
+        self.progress.timeout_s = self.cfg.train.timeout_s
         # Ranks of one pipeline (and of one CP group) read the same rows; data-parallel ranks read distinct rows.
         self.dp_rank = rank_coords(self.dims, env.rank)["dp"]
-        t = cfg.train
+        self._process_settings()
+        self._check_plan()  # a layout that cannot fit is refused before any process group
+        self._start_process_groups()
+        self._seed()
+        self._build_data()  # bad input fails before a run directory or a model exists
+        self._choose_run_dir(output_dir, output_dir_named)
+        self._build_engine()
+        self._resume()
+        self._start_metrics()
 
-        # Process-wide switches: close() puts back what it found (one process may host several runs).
+    # ---- start-up phases, in order -----------------------------------------------------------------------------
+    def _process_settings(self) -> None:
+        """Process-wide switches (close() puts back what it found: one process may host several runs), the device
+        and the parameter dtype."""
+        t = self.cfg.train
         self._deterministic_before = torch.are_deterministic_algorithms_enabled()
         if t.deterministic:  # before any CUDA work: cuBLAS reads its workspace setting when it starts
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.benchmark = False
-        self.device = resolve_device(t.device, env.local_rank)
+        self.device = resolve_device(t.device, self.env.local_rank)
         self.dtype = PARAM_DTYPES[t.precision]
         if self.device.type == "cpu":
-            torch.set_num_threads(t.threads or max(1, _cpu_cores() // env.local_world))
+            torch.set_num_threads(t.threads or max(1, _cpu_cores() // self.env.local_world))
+
+    def _check_plan(self) -> None:
         from k3train.plan import detect_gpu, startup_check
 
         self.gpu = detect_gpu(self.device)
-        if cfg.plan.check and self.gpu is not None:  # refuse a layout that cannot fit, before any process group
-            startup_check(cfg, self.gpu, world=env.world, gpus_per_node=env.local_world, recipe=recipe)
-        self._agent_store = self._host_group = None
-        if env.world > 1:
-            self.progress.phase = "process-group creation"
-            if not dist.is_initialized():
-                self._agent_store = resilience.init_process_group(
-                    "nccl" if self.device.type == "cuda" else "gloo",
-                    rank=env.rank,
-                    world=env.world,
-                    timeout_s=t.timeout_s,
-                    device=self.device,
-                )
-            else:  # a caller's group: the groups made from now on (the mesh's) still get train.timeout_s
-                resilience.set_new_group_timeout(_dt.timedelta(seconds=t.timeout_s))
-            # Ranks wait for a peer's long host work (rank 0 tokenizing the corpus) here, not in a group that
-            # collectives time out in (and on GPU not in NCCL, whose watchdog would end the wait).
-            self._host_group = resilience.host_work_group(t.host_work_timeout_s)
-        torch.manual_seed(t.seed)
-        random.seed(t.seed)
-        np.random.seed(t.seed % (1 << 32))
+        if self.cfg.plan.check and self.gpu is not None:
+            startup_check(self.spec, self.gpu, gpus_per_node=self.env.local_world)
 
-        # ---- data first: bad input fails before a run directory or a model exists. One process per machine
-        # builds the token cache, the others read it.
-        self.tok = build_tokenizer(cfg.data)
-        if self.tok.vocab_size > args.vocab_size:
+    def _start_process_groups(self) -> None:
+        env, t = self.env, self.cfg.train
+        self._agent_store = self._host_group = None
+        if env.world == 1:
+            return
+        self.progress.phase = "process-group creation"
+        if not dist.is_initialized():
+            self._agent_store = resilience.init_process_group(
+                "nccl" if self.device.type == "cuda" else "gloo",
+                rank=env.rank,
+                world=env.world,
+                timeout_s=t.timeout_s,
+                device=self.device,
+            )
+        else:  # a caller's group: the groups made from now on (the mesh's) still get train.timeout_s
+            resilience.set_new_group_timeout(_dt.timedelta(seconds=t.timeout_s))
+        # Ranks wait for a peer's long host work (rank 0 tokenizing the corpus) here, not in a group that
+        # collectives time out in (and on GPU not in NCCL, whose watchdog would end the wait).
+        self._host_group = resilience.host_work_group(t.host_work_timeout_s)
+
+    def _seed(self) -> None:
+        seed = self.cfg.train.seed
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % (1 << 32))
+
+    def _build_data(self) -> None:
+        """The tokenizer (the one resolution built, where it could) and the loaders. One process per machine builds
+        the token cache, the others read it."""
+        cfg = self.cfg
+        self.tok = self.spec.tokenizer or build_tokenizer(cfg.data)
+        if self.tok.vocab_size > self.args.vocab_size:
             raise DataError(
                 f"tokenizer {cfg.data.tokenizer!r} has {self.tok.vocab_size} ids but the model's "
-                f"vocab_size is {args.vocab_size}: token ids would fall outside the embedding "
+                f"vocab_size is {self.args.vocab_size}: token ids would fall outside the embedding "
                 f"(raise model vocab_size or use a smaller tokenizer)"
             )
         self.train_loader, self.eval_loader = self._build_loaders()
 
-        # ---- run directory: rank 0 decides and locks it, everyone uses the same (k3train.train.rundir) ------
+    def _choose_run_dir(self, output_dir: str | None, output_dir_named: bool) -> None:
+        """Rank 0 decides and locks the run directory, everyone uses the same (k3train.train.rundir)."""
+        env = self.env
         self.progress.phase = "choosing the run directory"
         chosen = ""
         if env.rank == 0:
-            rd = rundir.choose(t, recipe, self._agent_store, output_dir=output_dir, output_dir_named=output_dir_named)
+            rd = rundir.choose(
+                self.cfg.train, self.recipe, self._agent_store, output_dir=output_dir, output_dir_named=output_dir_named
+            )
             rd = rd.resolve()
             try:
                 rd.mkdir(parents=True, exist_ok=True)
@@ -214,38 +239,20 @@ class Trainer:
         self._print(f"run directory {self.run_dir}")
         self._barrier()
 
-        # ---- model, parallelism and optimizer: one engine for every layout -----------------------------------
+    def _build_engine(self) -> None:
+        """Model, parallelism, optimizer and kernels: one engine for every layout; then the schedule."""
         self.progress.phase = "model set-up"
-        mult = required_seq_multiple(args)
-        if cfg.data.seq_len % mult:
-            raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not a multiple of {mult} (model requirement)")
-        rules = []
-        if cfg.activation.policy != "keep" or cfg.activation.rules:
-            from k3train.activation import rules_from_config
-
-            rules = rules_from_config(cfg.activation)
-        self.engine = build_engine(
-            args,
-            self.dims,
-            cfg.optim,
-            seed=t.seed,
-            device=self.device,
-            precision=t.precision,
-            seq_len_hint=cfg.data.seq_len,
-            activation_rules=rules,
-            balancing=t.balancing,
-            train_vision=cfg.data.source in VISION_SOURCES,
-        )
+        self.engine = build_engine_for(self.spec, self.device)
         self.parts = self.engine.model_parts
-        from k3train.ops.backend import Kernels, resolve_kernels, set_kernels
-
-        self.kernels = resolve_kernels(cfg.model.kernels, self.device.type)  # validated with the config
-        set_kernels(self.parts, Kernels(self.kernels))
-        self._print(f"kernels {self.kernels} (model.kernels={cfg.model.kernels})")
+        self.kernels = self.spec.kernels
+        self._print(f"kernels {self.kernels} (model.kernels={self.cfg.model.kernels})")
         self.optimizer = self.engine.optimizer
         self.scheduler = self._build_scheduler()
 
-        # ---- resume --------------------------------------------------------------------------------------------
+    def _resume(self) -> None:
+        """Resume from the run's own checkpoint (train.resume), or start from another run's weights
+        (train.init_from)."""
+        t, env = self.cfg.train, self.env
         self.last_checkpoint = None
         self.ckpt = Checkpointer(
             self.run_dir,
@@ -266,7 +273,7 @@ class Trainer:
             if loaded.data_state is not None:
                 self.train_loader.load_state_dict(loaded.data_state)
             self._print(f"resumed from {loaded.path} at step {self.step}")
-            self.resume_changes = rundir.schedule_changes(self.run_dir, cfg) if env.rank == 0 else {}
+            self.resume_changes = rundir.schedule_changes(self.run_dir, self.cfg) if env.rank == 0 else {}
             if self.resume_changes:
                 said = ", ".join(f"{k} {a} -> {b}" for k, a, b in ((k, *v) for k, v in self.resume_changes.items()))
                 self._warn(
@@ -281,8 +288,10 @@ class Trainer:
                 source = init_weights_from(t.init_from, self.engine)
             self._print(f"weights from {source}; step, schedule, optimizer and data start fresh")
 
-        # ---- metrics -------------------------------------------------------------------------------------------
-        self.tokens_per_step = self.dp * cfg.parallel.microbatches * cfg.data.micro_batch * cfg.data.seq_len
+    def _start_metrics(self) -> None:
+        """The step's token and FLOP counts, the peak for MFU, the start line, and the metrics logger."""
+        cfg, env, args, t = self.cfg, self.env, self.args, self.cfg.train
+        self.tokens_per_step = self.spec.tokens_per_step
         self.flops_per_token = float(flops_per_token(args, cfg.data.seq_len))
         # One recorded peak per run: logging.peak_flops, else the GPU table's datasheet peak, else (CPU) the peak
         # an earlier start measured and wrote into config.yaml, else measured now (and written there below).
@@ -563,10 +572,8 @@ def _quiet_checkpoint_warnings():
         yield
 
 
-def run(
-    cfg: K3TrainConfig, *, recipe: str = "custom", output_dir: str | None = None, output_dir_named: bool = False
-) -> dict:
-    """Train to cfg.train.steps, or until a stop signal (SIGTERM, SIGUSR1) and its checkpoint; returns {'run_dir',
+def run(spec: RunSpec, *, output_dir: str | None = None, output_dir_named: bool = False) -> dict:
+    """Train to train.steps, or until a stop signal (SIGTERM, SIGUSR1) and its checkpoint; returns {'run_dir',
     'steps', 'first_loss', 'last' (the final record), 'stopped' (the signals' names, or None)}. A collective that
     times out or loses a peer raises resilience.CommFailure naming the rank, the operation and the step.
     output_dir, output_dir_named: Hydra's output directory (see Trainer)."""
@@ -574,17 +581,12 @@ def run(
 
     ensure_console()
     env = dist_env()
-    progress = resilience.Progress(rank=env.rank, timeout_s=cfg.train.timeout_s)
+    progress = resilience.Progress(rank=env.rank, timeout_s=spec.config.train.timeout_s)
     trainer = None
     with resilience.stop_requests(env.rank) as stop:
         try:
             trainer = Trainer(
-                cfg,
-                recipe=recipe,
-                stop=stop,
-                progress=progress,
-                output_dir=output_dir,
-                output_dir_named=output_dir_named,
+                spec, stop=stop, progress=progress, output_dir=output_dir, output_dir_named=output_dir_named
             )
             out = trainer.train()
             trainer.close()

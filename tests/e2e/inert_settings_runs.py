@@ -166,13 +166,14 @@ class _PipelineEvents:
 def train(cfg, run_dir: str | os.PathLike) -> RunRecord:
     """Train cfg to cfg.train.steps in this process (a process group of the layout's size must be up when the world
     is larger than 1) and return what it did."""
+    from k3train.config import resolve_run
     from k3train.train.trainer import Trainer
 
     cfg = copy.deepcopy(cfg)
     cfg.train.run_dir = str(run_dir)
     t0 = time.perf_counter()
     threads = torch.get_num_threads()
-    trainer = Trainer(cfg)
+    trainer = Trainer(resolve_run(cfg))
     try:
         engine = trainer.engine
         init = {k: v.detach().clone() for k, v in engine.named_parameters()}

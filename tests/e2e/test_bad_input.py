@@ -16,7 +16,7 @@ from typing import Callable
 
 import pytest
 
-from k3train.config import ConfigError, load_config
+from k3train.config import ConfigError, load_config, load_spec
 from k3train.data import DataError, build_dataloader, build_tokenizer
 from k3train.train.checkpoint import CheckpointError
 
@@ -174,7 +174,7 @@ def saved_run() -> Path:
         from k3train.train.trainer import run
 
         d = Path(tempfile.mkdtemp()) / "saved"
-        run(load_config("tiny_cpu", [*TRAIN, "train.steps=1", f"train.run_dir={d}"]), recipe="tiny_cpu")
+        run(load_spec("tiny_cpu", [*TRAIN, "train.steps=1", f"train.run_dir={d}"]))
         _SAVED.append(d)
     return _SAVED[0]
 
@@ -189,8 +189,7 @@ def train(*overrides: str, run_dir: str = "{tmp}/run"):
             return o.replace("{saved}", str(saved_run()) if "{saved}" in o else "").replace("{tmp}", str(tmp))
 
         return run(
-            load_config("tiny_cpu", [*TRAIN, "train.steps=1", f"train.run_dir={fill(run_dir)}", *map(fill, overrides)]),
-            recipe="tiny_cpu",
+            load_spec("tiny_cpu", [*TRAIN, "train.steps=1", f"train.run_dir={fill(run_dir)}", *map(fill, overrides)])
         )
 
     return go

@@ -13,32 +13,35 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3train.config.errors import ConfigError
-from k3train.converge import TOLERANCES, ConvergeConfig, Layout, compare, parse_args, tolerance
+from k3train.errors import ConfigError
+from k3train.converge import TOLERANCES, ConvergeConfig, compare, layout_overrides, parse_args, parse_layout, tolerance
+from k3train.parallel.mesh import ParallelDims
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_layouts_parse_and_keep_the_global_rows():
-    lay = Layout.parse("pp2xdp2xep2")
-    assert (lay.pp, lay.dp, lay.ep, lay.cp, lay.vpp, lay.zero, lay.nproc) == (2, 2, 2, 1, 1, 0, 4)
+    lay = parse_layout("pp2xdp2xep2")
+    assert (lay.pp, lay.dp, lay.ep, lay.cp, lay.vpp, lay.zero, lay.world) == (2, 2, 2, 1, 1, 0, 4)
+    assert lay == ParallelDims(pp=2, dp=2, ep=2) and lay.name == "pp2xdp2xep2"  # the one layout type
     # 4 rows per step: 2 dp ranks x 2 pipeline micro-batches x 1 row.
-    assert lay.overrides(4, 1)[-2:] == ["parallel.microbatches=2", "data.micro_batch=1"]
-    assert Layout.parse("single").overrides(4, 1)[-2:] == ["parallel.microbatches=1", "data.micro_batch=4"]
-    assert Layout.parse("cp2").overrides(4, 1)[-1] == "data.micro_batch=4"  # CP ranks read the same rows
-    assert Layout.parse("pp2xvpp2").overrides(8, 1)[-2:] == ["parallel.microbatches=4", "data.micro_batch=2"]
-    assert Layout.parse("dp8xep8xzero1").nproc == 8
+    assert layout_overrides(lay, 4, 1)[-2:] == ["parallel.microbatches=2", "data.micro_batch=1"]
+    assert layout_overrides(parse_layout("single"), 4, 1)[-2:] == ["parallel.microbatches=1", "data.micro_batch=4"]
+    assert layout_overrides(parse_layout("cp2"), 4, 1)[-1] == "data.micro_batch=4"  # CP ranks read the same rows
+    assert layout_overrides(parse_layout("pp2xvpp2"), 8, 1)[-2:] == ["parallel.microbatches=4", "data.micro_batch=2"]
+    assert "parallel.ep_dispatcher=moonep" in layout_overrides(parse_layout("dp2xep2xmoonep"), 4, 1)
+    assert parse_layout("dp8xep8xzero1").world == 8
     for bad, match in (
-        ("dp2xdp2", "each once"),
-        ("tp2", "degrees joined"),
+        ("dp2xdp2", "repeated"),
+        ("tp2", "unknown"),
         ("dp0", ">= 1"),
-        ("zero3", "zero 0"),
-        ("ep2", "must divide dp x cp"),
+        ("zero3", "must be 0, 1 or 2"),
+        ("ep2", "must divide dp"),
     ):
         with pytest.raises(ConfigError, match=match):
-            Layout.parse(bad)
+            parse_layout(bad)
     with pytest.raises(ConfigError, match="multiple of 4"):
-        Layout.parse("pp2xdp2xep2").overrides(6, 1)
+        layout_overrides(parse_layout("pp2xdp2xep2"), 6, 1)
 
 
 def test_statistics_and_bands():
@@ -82,11 +85,11 @@ def test_refused_before_any_run(tmp_path):
 def test_deterministic_switch(tmp_path, monkeypatch):
     """train.deterministic turns deterministic algorithms on for the run (uninitialised memory then reads as NaN)
     and sets cuBLAS's workspace; the process's setting is restored afterwards."""
-    from k3train.config import load_config
+    from k3train.config import load_spec
     from k3train.train.trainer import Trainer
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    cfg = load_config(
+    spec = load_spec(
         "tiny_cpu",
         [
             "train.steps=1",
@@ -98,7 +101,7 @@ def test_deterministic_switch(tmp_path, monkeypatch):
         ],
     )
     before = torch.are_deterministic_algorithms_enabled()
-    trainer = Trainer(cfg, recipe="tiny_cpu")
+    trainer = Trainer(spec)
     try:
         assert torch.are_deterministic_algorithms_enabled()
         assert torch.empty(8).isnan().all()

@@ -132,7 +132,7 @@ def test_a_recipe_from_config_dir_extends_tiny_cpu(tmp_path):
 def test_a_mismatched_checkpoint_is_refused_and_the_config_history_kept(tmp_path):
     """In process: a 1-step run of a 2-layer model; a start with 3 layers is refused naming the missing tensors and
     writes no config; a resume with more steps is warned about, recorded in metrics.jsonl and in the history."""
-    from k3train.config import load_config
+    from k3train.config import load_config, resolve_run
     from k3train.train import run
     from k3train.train.checkpoint import CheckpointError
 
@@ -151,7 +151,7 @@ def test_a_mismatched_checkpoint_is_refused_and_the_config_history_kept(tmp_path
             ],
         )
 
-    run(cfg("train.steps=1"), recipe="tiny_cpu")
+    run(resolve_run(cfg("train.steps=1"), recipe="tiny_cpu"))
     history = run_dir / "config_history"
     first = (run_dir / "config.yaml").read_text()
     with pytest.raises(
@@ -159,12 +159,12 @@ def test_a_mismatched_checkpoint_is_refused_and_the_config_history_kept(tmp_path
         match=r"holds another model: \d+ tensors of this model are not in it "
         r"\(first: layers\.2\.",
     ):
-        run(cfg("train.steps=1", layers=3), recipe="tiny_cpu")
+        run(resolve_run(cfg("train.steps=1", layers=3), recipe="tiny_cpu"))
     assert [p.name for p in history.iterdir()] == ["step-000000.yaml"]
     assert (run_dir / "config.yaml").read_text() == first  # the failed start changed nothing
     assert not (run_dir / "run.lock").exists()
 
-    run(cfg("train.steps=2"), recipe="tiny_cpu")
+    run(resolve_run(cfg("train.steps=2"), recipe="tiny_cpu"))
     assert sorted(p.name for p in history.iterdir()) == ["step-000000.yaml", "step-000001.yaml"]
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert recs[-1]["step"] == 2 and recs[-1]["resume/changed"] == {"train.steps": [1, 2]}

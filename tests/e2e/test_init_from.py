@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from k3train.config import load_config
+from k3train.config import load_spec
 from k3train.train.checkpoint import CheckpointError
 from k3train.train.trainer import Trainer
 
@@ -21,7 +21,7 @@ FAST = [
 
 
 def _trainer(run_dir, *overrides) -> Trainer:
-    return Trainer(load_config("tiny_cpu", [*FAST, f"train.run_dir={run_dir}", *overrides]))
+    return Trainer(load_spec("tiny_cpu", [*FAST, f"train.run_dir={run_dir}", *overrides]))
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from k3train.config.errors import ConfigError
+from k3train.errors import ConfigError
 
 
 @pytest.mark.slow
@@ -136,9 +136,11 @@ def test_startup_check_refuses_a_layout_that_does_not_fit():
     from k3train.config.compose import compose_config, from_omegaconf
     from k3train.plan import gpu_spec, startup_check
 
+    from k3train.config import resolve_run
+
     cfg = from_omegaconf(compose_config("small_8gpu", ["activation=keep", "data.micro_batch=8"]))
     with pytest.raises(ConfigError, match=r"does not fit h100_80g: pipeline rank 0 .* biggest term is activations"):
-        startup_check(cfg, gpu_spec("h100_80g"), world=8, gpus_per_node=8)
+        startup_check(resolve_run(cfg, world_size=8), gpu_spec("h100_80g"), gpus_per_node=8)
 
 
 def test_schedule_simulation_bubbles_and_peaks():
@@ -188,15 +190,15 @@ def test_trainer_refuses_before_any_process_group(monkeypatch, tmp_path):
     import torch.distributed as dist
 
     import k3train.plan as plan
-    from k3train.config import load_config
+    from k3train.config import load_spec
     from k3train.train.trainer import Trainer
 
     tiny_gpu = plan.GPU("tiny_1mb", 10**6, 1e12, 2e12, 1e9, 1e9)
     monkeypatch.setattr(plan, "detect_gpu", lambda device=None: tiny_gpu)
-    cfg = load_config("tiny_cpu", ["train.steps=1", f"train.run_dir={tmp_path}", "logging.tensorboard=false"])
+    spec = load_spec("tiny_cpu", ["train.steps=1", f"train.run_dir={tmp_path}", "logging.tensorboard=false"])
     with pytest.raises(ConfigError, match="does not fit tiny_1mb: pipeline rank 0"):
-        Trainer(cfg)
+        Trainer(spec)
     assert not dist.is_initialized()
-    cfg.plan.check = False
-    trainer = Trainer(cfg)
+    spec.config.plan.check = False
+    trainer = Trainer(spec)
     assert trainer.peak_flops == tiny_gpu.bf16_flops / 2  # fp32 training: the table's peak, halved

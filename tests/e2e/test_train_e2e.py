@@ -133,7 +133,7 @@ def test_tiny_run_writes_metrics_events_and_checkpoints(tmp_path):
 
 def test_same_seed_same_losses_bit_for_bit(tmp_path):
     """In process: two runs with one seed agree exactly; another seed differs."""
-    from k3train.config import load_config
+    from k3train.config import load_config, resolve_run
     from k3train.train import run
 
     def losses(seed: int, name: str) -> list[float]:
@@ -149,7 +149,7 @@ def test_same_seed_same_losses_bit_for_bit(tmp_path):
                 f"train.run_dir={tmp_path / name}",
             ],
         )
-        run(cfg, recipe="tiny_cpu")
+        run(resolve_run(cfg, recipe="tiny_cpu"))
         return [x["loss"] for x in records(tmp_path / name)]
 
     a, b, c = losses(0, "a"), losses(0, "b"), losses(1, "c")

@@ -39,6 +39,7 @@ def test_triton_refused_without_cuda_or_interpreter(monkeypatch, one_process):
     """`model.kernels=triton` on a CPU run with TRITON_INTERPRET unset is a ConfigError naming the key, raised by
     validation: the trainer stops before any process group (here: a 2-rank world whose group must never start)."""
     from k3train.config import load_config
+    from k3train.config import resolve_run
     from k3train.train.trainer import Trainer
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -57,7 +58,7 @@ def test_triton_refused_without_cuda_or_interpreter(monkeypatch, one_process):
 
     monkeypatch.setattr(torch.distributed, "init_process_group", no_group)
     with pytest.raises(ConfigError, match=r"model\.kernels"):
-        Trainer(cfg)
+        Trainer(resolve_run(cfg))
 
 
 def test_kernels_is_per_module_state():

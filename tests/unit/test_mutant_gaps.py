@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import k3train.train.trainer as trainer_mod
-from k3train.config import load_config
+from k3train.config import load_spec
 from k3train.models.k3.context import BatchContext
 
 T = 16  # one KDA chunk of the tiny preset
@@ -110,7 +110,7 @@ def check_step(trainer, batches: list[dict], clip: float) -> float:
 
 
 def test_train_step_is_the_clipped_global_token_mean(tmp_path):
-    trainer = trainer_mod.Trainer(load_config("tiny_cpu", [*OVERRIDES, f"train.run_dir={tmp_path / 'run'}"]))
+    trainer = trainer_mod.Trainer(load_spec("tiny_cpu", [*OVERRIDES, f"train.run_dir={tmp_path / 'run'}"]))
     try:
         trainer.parts[0].train()
         vocab = trainer.args.vocab_size

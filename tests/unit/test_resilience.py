@@ -39,6 +39,7 @@ def test_a_stop_request_ends_training_after_the_step_with_a_checkpoint(one_proce
     """One process that got SIGTERM before its first step: the flag goes through the step's all-reduce path, the
     run stops after step 1 with a checkpoint (checkpoint_interval would save none) and says so."""
     from k3train.config import load_config
+    from k3train.config import resolve_run
     from k3train.train.trainer import Trainer
 
     stop = rs.StopRequest()
@@ -58,7 +59,7 @@ def test_a_stop_request_ends_training_after_the_step_with_a_checkpoint(one_proce
             f"train.run_dir={tmp_path / 'run'}",
         ],
     )
-    trainer = Trainer(cfg, stop=stop)
+    trainer = Trainer(resolve_run(cfg), stop=stop)
     try:
         out = trainer.train()
     finally:

@@ -22,7 +22,7 @@ import torch
 import k3train.ops.situ as situ_ops
 import k3train.optim.quantile_balancing as qb
 import k3train.train.trainer as trainer_mod
-from k3train.config import load_config
+from k3train.config import load_config, resolve_run
 
 # The tiny preset cut to 3 layers (layer 1 dense, layers 2-3 MoE) with 7 experts, one 16-token row per step: a step
 # takes milliseconds. With 16 tokens x top-2 over 7 experts the mean load 32/7 is not an integer, so no expert's load
@@ -89,7 +89,7 @@ def test_lr_of_every_step_follows_warmup_stable_decay(tmp_path):
         "optim.decay_ratio=0.375",
         "optim.min_lr_ratio=0.25",
     )
-    out = trainer_mod.run(cfg)
+    out = trainer_mod.run(resolve_run(cfg))
     assert out["steps"] == 16
 
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -112,12 +112,14 @@ def _train_steps(tmp_path, balancing: str, n_steps: int):
     """Biases before and after each of `n_steps` real trainer steps, and each step's per-expert selection counts as
     the routers recorded them: ({router: [bias_0, ..., bias_n] fp64}, {router: [loads_1, ..., loads_n]})."""
     trainer = trainer_mod.Trainer(
-        _config(
-            tmp_path,
-            f"train.balancing={balancing}",
-            f"train.steps={n_steps}",
-            "optim.warmup_steps=1",
-            "optim.decay_ratio=0.0",
+        resolve_run(
+            _config(
+                tmp_path,
+                f"train.balancing={balancing}",
+                f"train.steps={n_steps}",
+                "optim.warmup_steps=1",
+                "optim.decay_ratio=0.0",
+            )
         )
     )
     try:

@@ -520,6 +520,7 @@ def test_explicit_format_and_blank_images_change_what_is_read(tmp_path):
 def test_training_from_files_runs(tmp_path):
     """python -m k3train.train --config-name tiny_vision data=vision_files data.paths=[...] train.steps=2, in this
     process, on an imagefolder with one missing image skipped and counted."""
+    from k3train.config import resolve_run
     from k3train.train.trainer import Trainer
 
     path = write_imagefolder(tmp_path / "imf")
@@ -537,7 +538,7 @@ def test_training_from_files_runs(tmp_path):
         "data.on_bad_sample=skip",
         f"train.run_dir={tmp_path / 'run'}",
     )
-    t = Trainer(cfg)
+    t = Trainer(resolve_run(cfg))
     try:
         t.train()
     finally:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from k3train.config.errors import ConfigError
+from k3train.errors import ConfigError
 from k3train.parallel.mesh import ParallelDims
 from k3train.parallel.pipeline_order import Act, replay, schedule_order
 from k3train.parallel.vision_schedule import VisionAct, plan_vision

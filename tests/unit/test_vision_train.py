@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from k3train.config import ConfigError, load_config, validate_config
+from k3train.config import ConfigError, load_config, load_spec, resolve_run, validate_config
 from k3train.config.validate import model_args
 from k3train.data import IGNORE_INDEX, DataError, build_dataloader, build_tokenizer
 from k3train.data.vision_corpus import IMAGE_TOKENS, BadSample, DrawnSamples, VisionRows, fit_size, render_sample
@@ -156,11 +156,12 @@ def test_planner_counts_the_trained_towers_state():
     )
     engine.train_step([next(loader)])
     m = engine.last_memory
-    state = plan_run(cfg, next(iter(GPUS.values())), world=1).ranks[0].state
+    state = plan_run(resolve_run(cfg, world_size=1), next(iter(GPUS.values()))).ranks[0].state
     assert (state["params"], state["grads"], state["optim"]) == (m["param_bytes"], m["grad_bytes"], m["optim_bytes"])
     text = (
         plan_run(
-            load_config("tiny_vision", [*SMALL, "optim.name=muon", "data=builtin"]), next(iter(GPUS.values())), world=1
+            load_spec("tiny_vision", [*SMALL, "optim.name=muon", "data=builtin"], world_size=1),
+            next(iter(GPUS.values())),
         )
         .ranks[0]
         .state
@@ -279,7 +280,7 @@ def test_image_text_run_resumes_exactly(tmp_path):
     ]
 
     def losses(run_dir, *extra):
-        t = Trainer(_cfg(*quiet, f"train.run_dir={run_dir}", *extra))
+        t = Trainer(resolve_run(_cfg(*quiet, f"train.run_dir={run_dir}", *extra)))
         try:
             t.train()
         finally:

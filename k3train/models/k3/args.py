@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from k3train.config.errors import ConfigError
+from k3train.errors import ConfigError
 
 
 @dataclass(kw_only=True)
