@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from k3train.data.tokenizers import DataError
+from k3train.digest import values_sha256
 from k3train.models.k3.loss import IGNORE_INDEX
 
 """Label of a position that is not a target (cross-entropy's ignore_index)."""
@@ -142,11 +143,7 @@ def cache_root() -> str:
 
 
 def cache_key(*parts: object) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(repr(p).encode())
-        h.update(b"\0")
-    return h.hexdigest()[:32]
+    return values_sha256(*parts)
 
 
 def cache_lock(name: str):

@@ -19,6 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from k3train.data.config import DataConfig
+from k3train.digest import file_sha256
 
 
 class DataError(ValueError):
@@ -27,14 +28,6 @@ class DataError(ValueError):
 
 def cache_text(value) -> str:
     return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
-
-
-def _file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _require_file(path: str, what: str) -> str:
@@ -171,7 +164,7 @@ class HFTokenizer:
         self.bos_id, self.eos_id, self.pad_id = (self.special_ids[r] for r in ("bos", "eos", "pad"))
         # Ids need not be contiguous in a hand-written file, so size the vocabulary by the largest id.
         self.vocab_size = max(vocab.values()) + 1
-        self.fingerprint = f"hf-{_file_sha256(path)}-{cache_text(sorted(self.special_ids.items()))}"
+        self.fingerprint = f"hf-{file_sha256(path)}-{cache_text(sorted(self.special_ids.items()))}"
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -204,7 +197,7 @@ class TiktokenTokenizer:
         from tiktoken.load import load_tiktoken_bpe
 
         path = _require_file(path, "tokenizer 'tiktoken'")
-        digest = _file_sha256(path)
+        digest = file_sha256(path)
         try:
             # The hash makes tiktoken's own path-keyed file cache re-read the file when its contents change.
             ranks = load_tiktoken_bpe(path, expected_hash=digest)

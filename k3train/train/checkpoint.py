@@ -86,6 +86,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.futures import Future
 
+from k3train.digest import file_sha256
+
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -129,14 +131,6 @@ def _all_gather_object(obj: Any, group=None) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -575,7 +569,7 @@ def verify_checkpoint(folder: Path) -> str | None:
                 problem = f"file {name} is missing"
             elif p.stat().st_size != want.get("size"):
                 problem = f"file {name} has {p.stat().st_size} bytes, the manifest says {want.get('size')}"
-            elif _sha256(p) != want.get("sha256"):
+            elif file_sha256(p) != want.get("sha256"):
                 problem = f"file {name} does not match its checksum"
             if problem:
                 break
