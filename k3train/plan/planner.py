@@ -17,7 +17,7 @@ group holds the largest ZeRO chunks):
 
 Time: compute at `efficiency` x the GPU's dense bf16 peak (half of it for fp32 training); exposed communication: the EP all-to-all and CP collectives
 inside each stage's forward and backward, the pipeline transfers between ranks, and the data-parallel reductions
-and gathers after the pipeline drains (bytes from k3train.models.k3.counts.analytic_step_bytes, the same bytes the
+and gathers after the pipeline drains (bytes from k3train.plan.comm_bytes.analytic_step_bytes, the same bytes the
 communication ledger records), each over NVLink when its group fits in a node, the network otherwise; Muon's
 Newton-Schulz work on the owned matrices; the pipeline bubble is what the simulated timeline adds to the busiest
 rank's compute.
@@ -161,7 +161,8 @@ def plan_run(
     """The plan of config `cfg` (a K3TrainConfig) on `gpu`. Raises ConfigError for a layout that does not divide
     the world or the model."""
     from k3train.config.validate import model_args
-    from k3train.models.k3.counts import analytic_step_bytes, executed_flops, flops_per_token
+    from k3train.models.k3.counts import executed_flops, flops_per_token
+    from k3train.plan.comm_bytes import analytic_step_bytes
     from k3train.models.k3.model import sources_after
     from k3train.parallel.mesh import ParallelDims, stages_of_rank
     from k3train.parallel.pipeline import split_layers
