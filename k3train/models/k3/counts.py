@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from k3train.models.k3.args import K3ModelArgs
-from k3train.models.k3.model import K3Model, sources_after
+from k3train.models.costs import Costs, Flops
+from k3train.models.k3.model import K3Layer, K3Model, sources_after
 
 
 def component_of(name: str, model: K3Model) -> str:
@@ -154,60 +155,24 @@ def flops_per_token(args: K3ModelArgs, seq_len: int) -> float:
 # ---------------------------------------------------------------------------------------------------------------------
 # Executed FLOPs (what the kernels run, for step time)
 # ---------------------------------------------------------------------------------------------------------------------
-def matmul_params(args: K3ModelArgs) -> dict:
-    """{piece: weights a token multiplies with}: every matrix except embedding tables and short-conv kernels (the
-    routed experts at top_k / n_experts of the bank); the vision tower is left out (it runs on images)."""
-    with torch.device("meta"):
-        model = K3Model(args)
-    out: dict = {i: 0.0 for i in range(1, args.n_layers + 1)}
-    out["head"] = 0.0
-    for name, p in model.named_parameters():
-        if p.dim() < 2 or name.startswith(("tok_embeddings", "vision")) or name.endswith("_conv"):
-            continue
-        piece = int(name.split(".", 2)[1]) if name.startswith("layers.") else "head"
-        share = args.top_k / args.n_experts if ".ffn.experts." in name else 1.0
-        out[piece] += p.numel() * share
-    return out
-
-
 def executed_flops(args: K3ModelArgs, seq_len: int) -> dict:
     """{"layers": [per token of each layer], "head": per token}: the training FLOPs the implementation executes
-    (what torch.utils.flop_counter.FlopCounterMode counts), unlike `layer_costs`, the model's FLOPs:
+    (what torch.utils.flop_counter.FlopCounterMode counts), unlike `layer_costs`, the model's FLOPs: the sum of what
+    each module declares (k3train.models.costs; K3Layer.costs, K3Model.head_costs):
 
-    - 6 x the matrices a token multiplies with (forward, input and weight gradient);
-    - Gated MLA's blocked attention over the key tiles a query's tile visits (causal: tiles after it are skipped):
-      scores and values forward, and in backward the recomputed scores and four more products (4 qk + 3 v);
-    - KDA's chunked form per head: 6 K^3 / C + 18 K^2 + 22 K C + 96 K per token (intra-chunk tiles, the WY
-      factors, the state recurrence and the short convolutions), minus 6 K^3 per row (the first chunk starts from a
-      zero state);
+    - 6 x the matrices a token multiplies with (forward, input and weight gradient; the routed experts at
+      top_k / n_experts of the bank, not embedding tables or short-convolution kernels);
+    - Gated MLA's blocked attention over the key tiles a query's tile visits (GatedMLA.costs);
+    - KDA's chunked form (KDA.costs);
     - each Block AttnRes mixer: 6 S D (the depth logits over S sources and their weighted sum);
-    - the MTP module (with the head): its matrices above, and its Gated MLA's blocked attention as a layer's."""
-    mats = matmul_params(args)
-    H, K, C, D = args.kda_heads, args.kda_head_dim, args.kda_chunk, args.dim
+    - the MTP module (with the head): its matrices, and its Gated MLA's blocked attention as a layer's.
+    The vision tower is left out (it runs on images)."""
     layers, S = [], 1
     for i in range(1, args.n_layers + 1):
-        f = 6.0 * mats[i]
-        if args.layer_kind(i) == "kda":
-            f += H * (6 * K**3 / C + 18 * K * K + 22 * K * C + 96 * K) - 6 * H * K**3 / seq_len
-        else:
-            f += 2.0 * _visited_keys(seq_len) * args.mla_heads * (4 * args.mla_qk_head_dim + 3 * args.mla_v_head_dim)
-        starts = (i - 1) % args.attnres_block_layers == 0
-        f += (6 * S * D if S > 1 else 0) + 6 * (S + 1 if starts else S) * D
+        layers.append(_flops(K3Layer.costs(args, i, S, seq_len)))
         S = sources_after(args, i)
-        layers.append(f)
-    head = 6.0 * mats["head"] + 6 * S * D
-    if args.mtp_layers:
-        head += 2.0 * _visited_keys(seq_len) * args.mla_heads * (4 * args.mla_qk_head_dim + 3 * args.mla_v_head_dim)
-    return {"layers": layers, "head": head}
+    return {"layers": layers, "head": _flops(K3Model.head_costs(args, S, seq_len))}
 
 
-def _visited_keys(seq_len: int) -> float:
-    """Keys per query that Gated MLA's blocked attention computes without documents: every key of each key tile
-    that is not entirely after the query tile (k3train.ops.attention.blocked)."""
-    from k3train.ops.attention.blocked import K_BLOCK, Q_BLOCK
-
-    total = 0
-    for qa in range(0, seq_len, Q_BLOCK):
-        qb = min(qa + Q_BLOCK, seq_len)
-        total += (qb - qa) * min(seq_len, -(-qb // K_BLOCK) * K_BLOCK)
-    return total / seq_len
+def _flops(parts: dict[str, Costs]) -> float:
+    return sum((c.flops for c in parts.values()), Flops()).total
