@@ -1,16 +1,19 @@
 """What a K3 config costs, all derived from one parameter count: parameters (the totals, per component, per pipeline
-stage), training FLOPs per token (also the weights of the pipeline split). The bytes a step communicates under a
+stage) and training FLOPs per token (also the weights of the pipeline split); and the FLOPs the implementation
+executes, the sum of what each module declares (k3train.models.costs). The bytes a step communicates under a
 parallel layout are the planner's (k3train.plan.comm_bytes).
 
 The count. The model is built on the meta device (no memory) and each parameter is counted once, under the piece of
 the model that holds it and its component (the rows of tools/count_params.py). The pieces are "embed" (input
 embedding and vision tower: the first pipeline stage), the 1-based layer ids, and "head" (final AttnRes, norm, LM
-head and the optional MTP module, component "mtp": the last stage). A token touches every parameter of a layer or the head except the routed experts it did not
-select (top_k of n_experts); the embedding is a lookup, and the vision tower runs on images, not text tokens.
+head and the optional MTP module, component "mtp": the last stage). A token touches every parameter of a layer or
+the head except the routed experts it did not select (top_k of n_experts); the embedding is a lookup, and the vision
+tower runs on images, not text tokens.
 
 FLOPs. A piece's training FLOPs per token are 6 x the parameters it touches (forward and backward matmuls) plus
 3 x its attention core's forward work at the training length: causal MLA's scores and values, or KDA's chunked
-state work (Kimi Linear). The same per-layer figure weighs the layers in the pipeline split.
+state work (Kimi Linear), as each kind declares it (KDA.core_flops, GatedMLA.core_flops). The same per-layer figure
+weighs the layers in the pipeline split.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import torch
 
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.costs import Costs, Flops
+from k3train.models.k3.kda import KDA
+from k3train.models.k3.mla import GatedMLA
 from k3train.models.k3.model import K3Layer, K3Model, sources_after
 
 
@@ -117,17 +122,13 @@ def stage_param_counts(args: K3ModelArgs, stage_layers: list[list[int]], pieces:
 # FLOPs
 # ---------------------------------------------------------------------------------------------------------------------
 def attention_flops(args: K3ModelArgs, layer_id: int, seq_len: int) -> int:
-    """Forward FLOPs per token of a layer's attention core at seq_len tokens."""
-    if args.layer_kind(layer_id) == "mla":
-        # 2 FLOPs per key for the scores and for the values, seq_len / 2 keys on average under the causal mask.
-        return seq_len * args.mla_heads * (args.mla_qk_head_dim + args.mla_v_head_dim)
-    K, C = args.kda_head_dim, args.kda_chunk
-    return args.kda_heads * (6 * K * K + 3 * C * K + C * C)
+    """Forward FLOPs per token of a layer's attention core at seq_len (KDA.core_flops, GatedMLA.core_flops)."""
+    return (KDA if args.layer_kind(layer_id) == "kda" else GatedMLA).core_flops(args, seq_len)
 
 
 def mtp_attention_flops(args: K3ModelArgs, seq_len: int) -> int:
     """Forward FLOPs per token of the MTP module's attention core (Gated MLA; 0 without the module)."""
-    return seq_len * args.mla_heads * (args.mla_qk_head_dim + args.mla_v_head_dim) if args.mtp_layers else 0
+    return GatedMLA.core_flops(args, seq_len) if args.mtp_layers else 0
 
 
 def layer_costs(args: K3ModelArgs, seq_len: int = 4096, pieces: dict | None = None) -> dict:

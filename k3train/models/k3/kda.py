@@ -139,3 +139,10 @@ class KDA(nn.Module):
             kda=H * (6 * K**3 / C + 18 * K * K + 22 * K * C + 96 * K) - 6 * H * K**3 / seq_len
         )
         return Costs(saved, flops)
+
+    @staticmethod
+    def core_flops(args: K3ModelArgs, seq_len: int) -> int:
+        """Forward FLOPs per token of the chunked state work (Kimi Linear): the attention core the model's FLOPs
+        count (k3train.models.k3.counts.layer_costs); it does not grow with seq_len."""
+        K, C = args.kda_head_dim, args.kda_chunk
+        return args.kda_heads * (6 * K * K + 3 * C * K + C * C)

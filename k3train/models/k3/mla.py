@@ -163,6 +163,13 @@ class GatedMLA(nn.Module):
         attention = 2.0 * visited_keys(seq_len) * H * (4 * args.mla_qk_head_dim + 3 * v)
         return Costs(Saved(act=act, fp32=H, i64=1, bf16=bf16), gemm(weights) + Flops(attention=attention))
 
+    @staticmethod
+    def core_flops(args: K3ModelArgs, seq_len: int) -> int:
+        """Forward FLOPs per token of causal attention at seq_len, the attention core the model's FLOPs count
+        (k3train.models.k3.counts.layer_costs): 2 per key for the scores and for the values, seq_len / 2 keys on
+        average under the causal mask."""
+        return seq_len * args.mla_heads * (args.mla_qk_head_dim + args.mla_v_head_dim)
+
 
 def visited_keys(seq_len: int) -> float:
     """Keys per query that Gated MLA's blocked attention computes without documents: every key of each key tile
