@@ -6,7 +6,7 @@
 
 Part 1 trains the tiny K3 for a few steps under several layouts and prints, per rank and mesh dimension, the bytes
 the engine's collectives moved in the last step (counted by k3train.distributed.comm) next to the analytic figure
-from the model shapes and the layout alone (k3train.models.k3.counts.analytic_step_bytes). "payload" is the tensor
+from the model shapes and the layout alone (k3train.plan.comm_bytes.analytic_step_bytes). "payload" is the tensor
 size handed to the collective; "wire" the bytes a rank sends under the ring algorithm.
 
 Part 2 measures the bubble of the interleaved 1F1B schedule on pp = 2: the idle fraction of each rank's
@@ -121,7 +121,7 @@ def run_cases(cases: list[Case], world: int) -> dict[str, list[dict]]:
 
 
 def comm_table(cases: list[Case], results: dict) -> list[dict]:
-    from k3train.models.k3.counts import analytic_step_bytes
+    from k3train.plan.comm_bytes import analytic_step_bytes
 
     args = get_preset("tiny")
     rows = []

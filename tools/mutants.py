@@ -846,11 +846,13 @@ def _plan_ignores_k3_defaults(orig):
 
 
 def _plan_kda_states_as_chains(orig):
-    def kda_terms(args):
-        t = orig(args)
-        return type(t)(act=t.act / 2, fp32=t.fp32, i64=t.i64, bf16=None if t.bf16 is None else t.bf16 / 2)
+    def costs(*args):
+        c = orig(*args)
+        t = c.saved
+        half = type(t)(act=t.act / 2, fp32=t.fp32, i64=t.i64, bf16=None if t.bf16 is None else t.bf16 / 2)
+        return dataclasses.replace(c, saved=half)
 
-    return kda_terms
+    return costs
 
 
 def _masters_not_reset(orig):
@@ -1506,7 +1508,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "plan_kda_chains_halved",
-        "k3train.plan.activations:kda_terms",
+        "k3train.models.k3.kda:KDA.costs",
         "the planner counts half of KDA's projection and convolution chains",
         _plan_kda_states_as_chains,
         (f"{PLAN}::test_planner_matches_one_process_layouts",),

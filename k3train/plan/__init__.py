@@ -4,8 +4,9 @@
     print(format_plan(plan))
 
 Modules: gpus (the GPU table), state_memory (parameters, gradients, master weights, optimizer states: exact),
-activations (saved activations per module and policy), schedule_sim (the pipeline schedule in time and memory),
-planner (the plan, its table, JSON and figure), meter and measure (the check against real runs on CPU).
+activations (saved activations per module and policy), comm_bytes (the bytes a step communicates), schedule_sim
+(the pipeline schedule in time and memory), planner (the plan, its table, JSON and figure), meter and measure (the
+check against real runs on CPU).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ optimizer states) and (b) the saved activations of one micro-batch of each of it
 measured with saved-tensor hooks (k3train.plan.meter). The planner predicts the same numbers from the config alone
 (k3train.plan.state_memory, k3train.plan.activations): the state must match exactly, activations within 10%. For
 AdamW layouts the communication ledger's bytes of the second step (k3train.distributed.comm) must equal the analytic
-bytes the step-time model uses (k3train.models.k3.counts.analytic_step_bytes).
+bytes the step-time model uses (k3train.plan.comm_bytes.analytic_step_bytes).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ LAYOUTS = (
     Layout("dp2 zero2 bf16", "dp2xzero2", precision="bf16"),
     Layout("pp2 x dp2 zero1 bf16", "pp2xdp2xzero1xmb2", precision="bf16"),
     Layout("recompute bf16", policy="recompute", precision="bf16"),
-    # AdamW: the analytic communication bytes (k3train.models.k3.counts.analytic_step_bytes) are AdamW's.
+    # AdamW: the analytic communication bytes (k3train.plan.comm_bytes.analytic_step_bytes) are AdamW's.
     Layout("pp2 x dp2 ep2 zero2 adamw", "pp2xdp2xep2xzero2xmb2", optim="adamw", precision="bf16"),
 )
 
@@ -182,7 +182,7 @@ def measure_layout(layout: Layout, results: list[dict] | None = None) -> list[di
     """Run one layout on CPU (or take its ranks' `results`); per rank: the measured state and activations, with the
     planner's predictions."""
     from k3train.models.k3.args import get_preset
-    from k3train.models.k3.counts import analytic_step_bytes
+    from k3train.plan.comm_bytes import analytic_step_bytes
     from k3train.parallel.pipeline import split_layers
     from k3train.plan.activations import policy_plan, stage_activation_bytes
     from k3train.plan.state_memory import rank_state_bytes

@@ -17,7 +17,7 @@ group holds the largest ZeRO chunks):
 
 Time: compute at `efficiency` x the GPU's dense bf16 peak (half of it for fp32 training); exposed communication: the EP all-to-all and CP collectives
 inside each stage's forward and backward, the pipeline transfers between ranks, and the data-parallel reductions
-and gathers after the pipeline drains (bytes from k3train.models.k3.counts.analytic_step_bytes, the same bytes the
+and gathers after the pipeline drains (bytes from k3train.plan.comm_bytes.analytic_step_bytes, the same bytes the
 communication ledger records), each over NVLink when its group fits in a node, the network otherwise; Muon's
 Newton-Schulz work on the owned matrices; the pipeline bubble is what the simulated timeline adds to the busiest
 rank's compute.
@@ -293,7 +293,7 @@ def _rank_plan(x: _Inputs, r: int, costs: dict, bufs: dict, timeline) -> RankPla
 def _dp_seconds(x: _Inputs) -> float:
     """Data-parallel reductions and gathers after the pipeline drains (the busiest pipeline rank's), from the same
     bytes the communication ledger records."""
-    from k3train.models.k3.counts import analytic_step_bytes
+    from k3train.plan.comm_bytes import analytic_step_bytes
 
     dims, spec = x.dims, x.spec
     bw = {

@@ -802,9 +802,9 @@ def reference_for(layout: Layout, steps: int | None = None) -> dict:
 
 
 def check_analytic_bytes(layout: Layout, records: list[dict]) -> None:
-    """Every collective of the last step, per mesh dimension, equals counts.analytic_step_bytes on every rank (the
+    """Every collective of the last step, per mesh dimension, equals comm_bytes.analytic_step_bytes on every rank (the
     expert all-to-all depends on routing per rank: its EP-group mean is compared)."""
-    from k3train.models.k3.counts import analytic_step_bytes
+    from k3train.plan.comm_bytes import analytic_step_bytes
     from k3train.parallel.mesh import rank_coords
 
     dims = layout.dims()

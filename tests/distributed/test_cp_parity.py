@@ -65,5 +65,5 @@ def test_cp_pipeline_places_pieces_on_both_stages(runs):
 
 @pytest.mark.parametrize("name", ["cp2", "cp2_contiguous", "cp2_ep2_zero1", "cp2_pp2_1f1b", "cp4"])
 def test_cp_measured_bytes_equal_analytic(runs, name):
-    # Every collective of a CP step, per mesh dimension, equals counts.analytic_step_bytes from the shapes alone.
+    # Every collective of a CP step, per mesh dimension, equals comm_bytes.analytic_step_bytes from the shapes alone.
     H.check_analytic_bytes(next(l for l in TWO + FOUR if l.name == name), runs[name])

@@ -50,13 +50,12 @@ def test_planner_matches_one_process_layouts():
 @pytest.mark.parametrize("overrides", [{}, {"mla_heads": 4, "dim": 96}, {"mla_q_rank": 40, "mla_kv_rank": 24}])
 @pytest.mark.parametrize("bf16", [False, True])
 def test_mla_saved_bytes_exact(overrides, bf16):
-    """Gated MLA's term is exact: the blocked attention keeps q, the latent, its output and the log-sum-exp (no
+    """Gated MLA's declared saved bytes are exact: the blocked attention keeps q, the latent, its output and the log-sum-exp (no
     per-head keys or values, nothing that grows with T), at two lengths and in fp32 and bf16 training."""
     import torch
 
     from k3train.models.k3.args import get_preset
     from k3train.models.k3.mla import GatedMLA
-    from k3train.plan.activations import mla_terms
     from k3train.plan.meter import SavedBytesMeter
 
     args = get_preset("tiny", **overrides)
@@ -66,7 +65,7 @@ def test_mla_saved_bytes_exact(overrides, bf16):
         x = torch.randn(2, T, args.dim, dtype=dtype, requires_grad=True)
         with SavedBytesMeter([m]) as meter, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             m(x)
-        assert meter.bytes == mla_terms(args, T).bytes(2 if bf16 else 4) * 2 * T
+        assert meter.bytes == GatedMLA.costs(args, T).saved.bytes(2 if bf16 else 4) * 2 * T
 
 
 def _plan(*overrides, recipe="small_8gpu", cwd=None):

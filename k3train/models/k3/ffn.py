@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3train.models.costs import Costs, Saved, gemm
 from k3train.models.structure import MatrixStructure
 from k3train.ops.backend import AUTO, Kernels
 
@@ -31,3 +32,10 @@ class SiTUGLU(nn.Module):
         rows = MatrixStructure("rows", n) if n > 1 else MatrixStructure()
         cols = MatrixStructure("cols", n) if n > 1 else MatrixStructure()
         return {"w1.weight": rows, "w3.weight": rows, "w2.weight": cols}
+
+    @staticmethod
+    def costs(dim: int, hidden: int, n_fused: int = 1) -> Costs:
+        """Per token (k3train.models.costs), as the dense FFN: it saves its input and 8 F elements of the gate and
+        linear branches and their SiTU chain (F = hidden x n_fused); three matmuls."""
+        F = hidden * n_fused
+        return Costs(Saved(act=dim + 8 * F, bf16=2.0 * (dim + 8 * F)), gemm(3 * dim * F))

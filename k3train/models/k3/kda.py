@@ -16,6 +16,7 @@ from torch import nn
 
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
+from k3train.models.costs import Costs, Flops, Saved, gemm
 from k3train.models.structure import MatrixStructure
 from k3train.ops.backend import AUTO, Kernels
 from k3train.ops.kda import kda_gate
@@ -118,3 +119,30 @@ class KDA(nn.Module):
             "b_proj.weight": MatrixStructure(),
             "o_proj.weight": MatrixStructure("cols", H),
         }
+
+    @staticmethod
+    def costs(args: K3ModelArgs, seq_len: int) -> Costs:
+        """Per token (k3train.models.costs). Saved, H heads of width K, chunk C, decay rank r, in fp32 training:
+        D + r + H (3 K^2 / C + 39.5625 K + 3 K C / 32 + 4 C + 14) elements (the projections, short-convolution and
+        L2-norm chains, the gate, and the chunked recurrence's per-chunk maps and states). FLOPs: the projections'
+        matmuls, and the chunked form per head, 6 K^3 / C + 18 K^2 + 22 K C + 96 K (intra-chunk tiles, the WY
+        factors, the state recurrence and the short convolutions), minus 6 K^3 per row (the first chunk starts from
+        a zero state)."""
+        D, H, K, C, r = args.dim, args.kda_heads, args.kda_head_dim, args.kda_chunk, args.kda_decay_rank
+        # The chunk maps and carried states ([C, K] and [K, K] per chunk) are the fp32 island; the rest is the
+        # projection, convolution and normalisation chains of q, k, v, g and beta.
+        chains = 39.5625 * K + 3 * K * C / 32 + 4 * C + 14
+        bf16 = 2 * (D + r) + H * (11 * K * K / C + 115 * K + 3 * K * C / 8 + 12 * C + 4)
+        saved = Saved(act=D + r + H * chains, fp32=H * 3 * K * K / C, bf16=bf16)
+        inner = H * K
+        flops = gemm(5 * D * inner + D * r + r * inner + D * H) + Flops(
+            kda=H * (6 * K**3 / C + 18 * K * K + 22 * K * C + 96 * K) - 6 * H * K**3 / seq_len
+        )
+        return Costs(saved, flops)
+
+    @staticmethod
+    def core_flops(args: K3ModelArgs, seq_len: int) -> int:
+        """Forward FLOPs per token of the chunked state work (Kimi Linear): the attention core the model's FLOPs
+        count (k3train.models.k3.counts.layer_costs); it does not grow with seq_len."""
+        K, C = args.kda_head_dim, args.kda_chunk
+        return args.kda_heads * (6 * K * K + 3 * C * K + C * C)

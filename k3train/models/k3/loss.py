@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from k3train.models.costs import Costs, Saved, gemm
+
 IGNORE_INDEX = -100
 """Label of a position that is not a target (padding, the recall task's prompts); the data pipeline writes it."""
 
@@ -132,3 +134,9 @@ def linear_cross_entropy(
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
     with torch.autocast(dev, enabled=False):
         return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk)
+
+
+def loss_costs(dim: int, vocab: int) -> Costs:
+    """Per token (k3train.models.costs): the chunked linear cross entropy saves its input, one fp32 log-sum-exp and
+    the label (no logits are kept); the LM head's matmul, counted as 6 x its weights."""
+    return Costs(Saved(act=dim, fp32=1, i64=1, bf16=2.0 * dim + 13), gemm(dim * vocab))

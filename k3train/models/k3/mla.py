@@ -17,6 +17,7 @@ from torch import nn
 
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
+from k3train.models.costs import Costs, Flops, Saved, gemm
 from k3train.models.structure import MatrixStructure
 from k3train.ops.attention import latent_block_attention
 from k3train.ops.attention.blocked import K_BLOCK, Q_BLOCK
@@ -143,3 +144,38 @@ class GatedMLA(nn.Module):
             "g_proj.weight": MatrixStructure("rows", H),
             "o_proj.weight": MatrixStructure("cols", H),
         }
+
+    @staticmethod
+    def costs(args: K3ModelArgs, seq_len: int) -> Costs:
+        """Per token (k3train.models.costs). Saved, in fp32 training: D + 3 q + 1 + kv + s + H (k + s) + 3 H v
+        elements, H fp32 (the blocked attention's log-sum-exp) and one int64 (positions and document ids;
+        q = q_rank, kv = kv_rank, s = shared key width, k/v = head widths): the attention keeps the latent, not
+        per-head keys and values, and nothing grows with T. FLOPs: the projections' matmuls, and the blocked attention
+        over the key tiles a query's tile visits (causal: later tiles are skipped): scores and values forward, and in
+        backward the recomputed scores and four more products (4 qk + 3 v)."""
+        D, H, q, kv, s = args.dim, args.mla_heads, args.mla_q_rank, args.mla_kv_rank, args.mla_shared_k_dim
+        k, v = args.mla_k_head_dim, args.mla_v_head_dim
+        # The blocked attention keeps q, the latent (it rebuilds per-head keys and values per key block), its output
+        # and one fp32 log-sum-exp per head and query; the gate keeps its sigmoid and the gated product.
+        act = D + 3 * q + 1 + kv + s + H * (k + s) + 3 * H * v
+        bf16 = 2 * D + 10 * q + 4 + 2 * (kv + s) + 2 * H * (k + s) + 6 * H * v + 4 * H + 8
+        weights = D * q + q * H * (k + s) + D * (kv + s) + kv * H * (k + v) + 2 * D * H * v
+        attention = 2.0 * visited_keys(seq_len) * H * (4 * args.mla_qk_head_dim + 3 * v)
+        return Costs(Saved(act=act, fp32=H, i64=1, bf16=bf16), gemm(weights) + Flops(attention=attention))
+
+    @staticmethod
+    def core_flops(args: K3ModelArgs, seq_len: int) -> int:
+        """Forward FLOPs per token of causal attention at seq_len, the attention core the model's FLOPs count
+        (k3train.models.k3.counts.layer_costs): 2 per key for the scores and for the values, seq_len / 2 keys on
+        average under the causal mask."""
+        return seq_len * args.mla_heads * (args.mla_qk_head_dim + args.mla_v_head_dim)
+
+
+def visited_keys(seq_len: int) -> float:
+    """Keys per query that Gated MLA's blocked attention computes without documents: every key of each key tile
+    that is not entirely after the query tile (k3train.ops.attention.blocked)."""
+    total = 0
+    for qa in range(0, seq_len, Q_BLOCK):
+        qb = min(qa + Q_BLOCK, seq_len)
+        total += (qb - qa) * min(seq_len, -(-qb // K_BLOCK) * K_BLOCK)
+    return total / seq_len

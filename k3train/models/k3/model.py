@@ -22,7 +22,9 @@ from k3train.models.k3.context import BatchContext
 from k3train.models.k3.ffn import SiTUGLU
 from k3train.models.k3.kda import KDA
 from k3train.models.k3.mla import GatedMLA
-from k3train.models.k3.moe import LatentMoE, Router
+from k3train.models.k3.loss import loss_costs
+from k3train.models.k3.moe import GroupedExperts, LatentMoE, Router
+from k3train.models.costs import Costs, norm_costs
 from k3train.models.structure import MatrixStructure
 
 
@@ -50,6 +52,26 @@ class K3Layer(nn.Module):
         sources = sources + [a] if self.starts_block else sources[:-1] + [sources[-1] + a]
         f = self.ffn(self.ffn_norm(self.ffn_res(sources)))
         return sources[:-1] + [sources[-1] + f]
+
+    @staticmethod
+    def costs(args: K3ModelArgs, layer_id: int, n_sources: int, seq_len: int) -> dict[str, Costs]:
+        """{submodule name: its costs per token} (k3train.models.costs) of layer `layer_id` reading `n_sources`
+        AttnRes sources, by the names storage policies match ("attn", "ffn", "ffn.experts"; "ffn" excludes the
+        routed experts)."""
+        D = args.dim
+        starts_block = (layer_id - 1) % args.attnres_block_layers == 0
+        out = {
+            "attn_res": AttnResMixer.costs(D, n_sources),
+            "attn_norm": norm_costs(D),
+            "attn": (KDA if args.layer_kind(layer_id) == "kda" else GatedMLA).costs(args, seq_len),
+            "ffn_res": AttnResMixer.costs(D, n_sources + 1 if starts_block else n_sources),
+            "ffn_norm": norm_costs(D),
+        }
+        if args.ffn_kind(layer_id) == "dense":
+            out["ffn"] = SiTUGLU.costs(D, args.dense_hidden)
+        else:
+            out["ffn"], out["ffn.experts"] = LatentMoE.costs(args), GroupedExperts.costs(args)
+        return out
 
 
 class K3Model(nn.Module):
@@ -207,6 +229,22 @@ class K3Model(nn.Module):
                 out[f"{prefix}.{k}"] = v
         names = dict(self.named_parameters())
         return {k: v for k, v in out.items() if k in names}
+
+    @staticmethod
+    def head_costs(args: K3ModelArgs, n_sources: int, seq_len: int) -> dict[str, Costs]:
+        """{submodule name: its costs per token} (k3train.models.costs) of the head reading `n_sources` AttnRes
+        sources: the final mixer, the final norm, the LM head with its chunked loss ("output") and the MTP module
+        ("mtp", with its loss, when there is one)."""
+        out = {
+            "final_res": AttnResMixer.costs(args.dim, n_sources),
+            "norm": norm_costs(args.dim),
+            "output": loss_costs(args.dim, args.vocab_size),
+        }
+        if args.mtp_layers:
+            from k3train.models.k3.mtp import MTP
+
+            out["mtp"] = MTP.costs(args, seq_len)
+        return out
 
     def routers(self) -> dict[str, Router]:
         return {n: m for n, m in self.named_modules() if isinstance(m, Router)}

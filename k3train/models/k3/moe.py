@@ -15,6 +15,7 @@ from torch import nn
 
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.ffn import SiTUGLU
+from k3train.models.costs import Costs, Flops, Saved, gemm
 from k3train.models.structure import MatrixStructure
 from k3train.ops.backend import AUTO, Kernels
 from k3train.ops.grouped_mm import grouped_mm
@@ -76,6 +77,15 @@ class GroupedExperts(nn.Module):
         """x [M, dim] sorted by expert; counts [n_experts] rows per expert."""
         h = self.kernels.situ(grouped_mm(x, self.w1, counts), grouped_mm(x, self.w3, counts), self.beta1, self.beta2)
         return grouped_mm(h, self.w2, counts)
+
+    @staticmethod
+    def costs(args: K3ModelArgs) -> Costs:
+        """Per token (k3train.models.costs), as the routed-expert block of LatentMoE: the k dispatched latent rows
+        (k L elements) and the experts' SiTU-GLU on each (8 k h); three grouped matmuls on each of the k rows (the
+        bank's top_k / n_experts share)."""
+        k, L, h = args.top_k, args.moe_latent_dim, args.expert_hidden
+        saved = Saved(act=k * L + 8 * k * h, bf16=2.0 * (k * L + 8 * k * h))
+        return Costs(saved, Flops(grouped_gemm=6.0 * 3 * k * L * h))
 
 
 class LocalDispatcher:
@@ -139,6 +149,22 @@ class LatentMoE(nn.Module):
         if self.shared is not None:
             s.update({f"shared.{k}": v for k, v in self.shared.muon_structure().items()})
         return s
+
+    @staticmethod
+    def costs(args: K3ModelArgs) -> Costs:
+        """Per token (k3train.models.costs), all but the routed experts (GroupedExperts.costs), for E experts, top k,
+        latent L, shared n x F_s. Saved: D + E + 2 + 3 L + 8 n F_s elements (router, latent projections, shared
+        experts), 8 k (int64 routes and positions, as 2 elements each) and k L (the combine). FLOPs: the router's,
+        the latent projections' and the shared experts' matmuls."""
+        D, E, k, L = args.dim, args.n_experts, args.top_k, args.moe_latent_dim
+        nF = args.n_shared_experts * args.shared_hidden
+        saved = Saved(
+            act=D + 3 * L + 8 * nF + k * L,
+            fp32=E + 2 + k,
+            i64=3 * k,
+            bf16=5 * D + 6 * E + 10 * L + 2 * k * L + 28 * k + 16 * nF + 14,
+        )
+        return Costs(saved, gemm(E * D + 2 * D * L + 3 * D * nF))
 
 
 def moe_reference(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,9 @@ from torch import nn
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
 from k3train.models.k3.ffn import SiTUGLU
-from k3train.models.k3.loss import IGNORE_INDEX
+from k3train.models.k3.loss import IGNORE_INDEX, loss_costs
 from k3train.models.k3.mla import GatedMLA
+from k3train.models.costs import Costs, Saved, gemm, norm_costs
 from k3train.models.structure import MatrixStructure
 
 
@@ -78,6 +79,21 @@ class MTP(nn.Module):
 
     def muon_structure(self) -> dict[str, MatrixStructure]:
         return {"proj.weight": MatrixStructure()}
+
+    @staticmethod
+    def costs(args: K3ModelArgs, seq_len: int) -> Costs:
+        """Per token (k3train.models.costs), with its loss: its two input norms, the projection (its input 2 D),
+        the pre-norm Gated MLA + dense SiTU-GLU block, its output norm and a second chunked loss. The second loss
+        multiplies with the backbone's LM head, whose matmul is counted once, with the head."""
+        D = args.dim
+        norms = norm_costs(D) + norm_costs(D) + norm_costs(D) + norm_costs(D) + norm_costs(D)
+        return (
+            norms
+            + Costs(Saved(act=2 * D, bf16=4.0 * D), gemm(2 * D * D))
+            + GatedMLA.costs(args, seq_len)
+            + SiTUGLU.costs(D, args.dense_hidden)
+            + Costs(loss_costs(D, args.vocab_size).saved)
+        )
 
 
 def next_in_document(x: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
