@@ -1307,7 +1307,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "selective_recompute_reruns",
-        "k3train.activation.policy:_Region.replaying",
+        "k3train.activation.hooks:_Region.replaying",
         "modules taken out of a recomputed layer run again in backward",
         _lifted_modules_rerun,
         (f"{ACT}::test_selective_recompute_stores_the_inner_module_under_its_policy",),
