@@ -401,6 +401,41 @@ def _kda_bwd_state(
 
 
 @triton.jit
+def _kda_bwd_dense_values(
+    v, U, hs, dhs, do, dU, dv, T, Wc, b, c, h, bos, eos, H, K, V, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr
+):
+    """One chunk's sums over the value blocks of the dense backward: the gradients reaching Q e^G, W, K e^(G_last-G),
+    the two score matrices, G_last and beta from the state and the value path; stores dv on the way."""
+    dQg = tl.zeros([64, BK], dtype=tl.float32)
+    dW = tl.zeros([64, BK], dtype=tl.float32)
+    dKd = tl.zeros([64, BK], dtype=tl.float32)
+    dA = tl.zeros([64, 64], dtype=tl.float32)
+    dAq = tl.zeros([64, 64], dtype=tl.float32)
+    dgl = tl.zeros([BK], dtype=tl.float32)
+    db = tl.zeros([64], dtype=tl.float32)
+    for iv in range(tl.cdiv(V, BV)):
+        v0 = iv * BV
+        offs_c, m_c = _state_offs(c, h, H, K, V, v0, BK, BV)
+        S = tl.load(hs + offs_c, mask=m_c, other=0.0)
+        dS1 = tl.load(dhs + offs_c, mask=m_c, other=0.0)
+        dout = _ld_tok(do, bos, eos, h, H, V, v0, BV, 64)
+        Uc = _ld_chk(U, c, 0, h, H, V, v0, BV, 64)
+        dUc = _ld_chk(dU, c, 0, h, H, V, v0, BV, 64)
+        vv = _ld_tok(v, bos, eos, h, H, V, v0, BV, 64)
+        Vn = Uc - tl.dot(Wc, S, input_precision=PREC)
+        dQg += tl.dot(dout, tl.trans(S), input_precision=PREC)
+        dAq += tl.dot(dout, tl.trans(Vn), input_precision=PREC)
+        dW -= tl.dot(dUc, tl.trans(S), input_precision=PREC)
+        dKd += tl.dot(Vn, tl.trans(dS1), input_precision=PREC)
+        dgl += tl.sum(S * dS1, 1)
+        dRU = tl.dot(tl.trans(T), dUc, input_precision=PREC)  # gradient of beta V
+        _st_tok(dv, b[:, None] * dRU, bos, eos, h, H, V, v0, BV, 64)
+        db += tl.sum(dRU * vv, 1)
+        dA += tl.dot(dRU, tl.trans(Uc), input_precision=PREC)
+    return dQg, dW, dKd, dA, dAq, dgl, db
+
+
+@triton.jit
 def _kda_bwd_dense(
     q,
     k,
@@ -446,32 +481,9 @@ def _kda_bwd_dense(
     kk = _ld_tok(k, bos, eos, h, H, K, 0, BK, 64)
     kd = kk * tl.exp(Gl[None, :] - G)
     b = _ld_tok1(beta, bos, eos, h, H, 64)
-    dQg = tl.zeros([64, BK], dtype=tl.float32)
-    dW = tl.zeros([64, BK], dtype=tl.float32)
-    dKd = tl.zeros([64, BK], dtype=tl.float32)
-    dA = tl.zeros([64, 64], dtype=tl.float32)
-    dAq = tl.zeros([64, 64], dtype=tl.float32)
-    dgl = tl.zeros([BK], dtype=tl.float32)
-    db = tl.zeros([64], dtype=tl.float32)
-    for iv in range(tl.cdiv(V, BV)):
-        v0 = iv * BV
-        offs_c, m_c = _state_offs(c, h, H, K, V, v0, BK, BV)
-        S = tl.load(hs + offs_c, mask=m_c, other=0.0)
-        dS1 = tl.load(dhs + offs_c, mask=m_c, other=0.0)
-        dout = _ld_tok(do, bos, eos, h, H, V, v0, BV, 64)
-        Uc = _ld_chk(U, c, 0, h, H, V, v0, BV, 64)
-        dUc = _ld_chk(dU, c, 0, h, H, V, v0, BV, 64)
-        vv = _ld_tok(v, bos, eos, h, H, V, v0, BV, 64)
-        Vn = Uc - tl.dot(Wc, S, input_precision=PREC)
-        dQg += tl.dot(dout, tl.trans(S), input_precision=PREC)
-        dAq += tl.dot(dout, tl.trans(Vn), input_precision=PREC)
-        dW -= tl.dot(dUc, tl.trans(S), input_precision=PREC)
-        dKd += tl.dot(Vn, tl.trans(dS1), input_precision=PREC)
-        dgl += tl.sum(S * dS1, 1)
-        dRU = tl.dot(tl.trans(T), dUc, input_precision=PREC)  # gradient of beta V
-        _st_tok(dv, b[:, None] * dRU, bos, eos, h, H, V, v0, BV, 64)
-        db += tl.sum(dRU * vv, 1)
-        dA += tl.dot(dRU, tl.trans(Uc), input_precision=PREC)
+    dQg, dW, dKd, dA, dAq, dgl, db = _kda_bwd_dense_values(
+        v, U, hs, dhs, do, dU, dv, T, Wc, b, c, h, bos, eos, H, K, V, BK, BV, PREC
+    )
     dRW = tl.dot(tl.trans(T), dW, input_precision=PREC)  # gradient of beta e^G K
     i = tl.arange(0, 64)
     dA = tl.where(i[:, None] > i[None, :], -(dA + tl.dot(dRW, tl.trans(Wc), input_precision=PREC)), 0.0)
@@ -490,6 +502,48 @@ def _kda_bwd_dense(
     tl.store(dGl + (c * H + h) * K + cols, dgl, mask=cols < K)
     _st_chk(dAqk, dAq, c, 0, h, H, 64, 0, 64, 64)
     _st_chk(dAkk, dA, c, 0, h, H, 64, 0, 64, 64)
+
+
+@triton.jit
+def _kda_bwd_cols(
+    q,
+    k,
+    beta,
+    Gc,
+    dAqk,
+    dAkk,
+    Gt,
+    Gx,
+    c,
+    t: tl.constexpr,
+    h,
+    bos,
+    eos,
+    scale,
+    H,
+    K,
+    BK: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The column side of tile t's score gradients (dK = (dP^T (R e^G)) e^-G, through the tile's last row Gx), over
+    the row tiles I >= t of the chunk."""
+    i = tl.arange(0, 16)
+    dKc = tl.zeros([16, BK], dtype=tl.float32)
+    for I in tl.static_range(4):
+        if I >= t:
+            qI = _ld_tok(q, bos + I * 16, eos, h, H, K, 0, BK, 16) * scale
+            kI = _ld_tok(k, bos + I * 16, eos, h, H, K, 0, BK, 16)
+            bI = _ld_tok1(beta, bos + I * 16, eos, h, H, 16)
+            eI = tl.exp(_ld_chk(Gc, c, I * 16, h, H, K, 0, BK, 16) - Gx[None, :])
+            dPq = _ld_chk(dAqk, c, I * 16, h, H, 64, t * 16, 16, 16)
+            if I == t:
+                dPq = tl.where(i[:, None] > i[None, :], dPq, 0.0)
+            dPk = _ld_chk(dAkk, c, I * 16, h, H, 64, t * 16, 16, 16) * bI[:, None]
+            dKc += tl.dot(tl.trans(dPq), qI * eI, input_precision=PREC) + tl.dot(
+                tl.trans(dPk), kI * eI, input_precision=PREC
+            )
+    dKc = dKc * tl.exp(Gx[None, :] - Gt)
+    return dKc
 
 
 @triton.jit
@@ -554,22 +608,7 @@ def _kda_bwd_intra(
                 dRk += tl.dot(dPk * bt[:, None], col, input_precision=PREC)
         dRq = dRq * et
         dRk = dRk * et
-        # tile t as columns: I >= t
-        dKc = tl.zeros([16, BK], dtype=tl.float32)
-        for I in tl.static_range(4):
-            if I >= t:
-                qI = _ld_tok(q, bos + I * 16, eos, h, H, K, 0, BK, 16) * scale
-                kI = _ld_tok(k, bos + I * 16, eos, h, H, K, 0, BK, 16)
-                bI = _ld_tok1(beta, bos + I * 16, eos, h, H, 16)
-                eI = tl.exp(_ld_chk(Gc, c, I * 16, h, H, K, 0, BK, 16) - Gx[None, :])
-                dPq = _ld_chk(dAqk, c, I * 16, h, H, 64, t * 16, 16, 16)
-                if I == t:
-                    dPq = tl.where(i[:, None] > i[None, :], dPq, 0.0)
-                dPk = _ld_chk(dAkk, c, I * 16, h, H, 64, t * 16, 16, 16) * bI[:, None]
-                dKc += tl.dot(tl.trans(dPq), qI * eI, input_precision=PREC) + tl.dot(
-                    tl.trans(dPk), kI * eI, input_precision=PREC
-                )
-        dKc = dKc * tl.exp(Gx[None, :] - Gt)
+        dKc = _kda_bwd_cols(q, k, beta, Gc, dAqk, dAkk, Gt, Gx, c, t, h, bos, eos, scale, H, K, BK, PREC)
         dQt = _ld_chk(dqp, c, t * 16, h, H, K, 0, BK, 16) + dRq + dd[:, None] * kt
         dKt = _ld_chk(dkp, c, t * 16, h, H, K, 0, BK, 16) + dRk + dKc + dd[:, None] * qt
         dGt = _ld_chk(dGp, c, t * 16, h, H, K, 0, BK, 16) + qt * dRq + kt * (dRk - dKc)
@@ -691,89 +730,11 @@ class _ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, beta, h0, hs, *table = ctx.saved_tensors
-        bos, eos, c0, c1 = table
-        B, T, H, K, V = ctx.shape
-        scale, prec = ctx.scale, ctx.prec
-        N, NC = c0.numel(), bos.numel()
-        BK, BV = _sizes(K, V)
+        B, T, H, _, V = ctx.shape
         do = do.reshape(B * T, H, V).contiguous()
-        Gc, Tm, Aqk, W, U = _intra(q, k, v, g, beta, table, scale, prec)
-        f32 = dict(device=k.device, dtype=torch.float32)
-        dhs = torch.empty(NC, H, K, V, **f32)
-        dU = torch.empty(NC * CHUNK, H, V, **f32)
-        dh0 = torch.empty(N, H, K, V, **f32)
-        dhtc = dht.contiguous() if dht is not None else None
-        _kda_bwd_state[(N, H, triton.cdiv(V, BV))](
-            q,
-            k,
-            Gc,
-            W,
-            Aqk,
-            do,
-            dhtc if dhtc is not None else dh0,
-            dhs,
-            dU,
-            dh0,
-            bos,
-            eos,
-            c0,
-            c1,
-            scale,
-            H,
-            K,
-            V,
-            HAS_DHT=dhtc is not None,
-            BK=BK,
-            BV=BV,
-            PREC=prec,
-        )
-        dqp = torch.empty(NC * CHUNK, H, K, **f32)
-        dkp = torch.empty(NC * CHUNK, H, K, **f32)
-        dGp = torch.empty(NC * CHUNK, H, K, **f32)
-        dGx = torch.empty(NC * CHUNK, H, K, **f32)
-        dbp = torch.empty(NC * CHUNK, H, **f32)
-        dGl = torch.empty(NC, H, K, **f32)
-        dAqk = torch.empty(NC * CHUNK, H, CHUNK, **f32)
-        dAkk = torch.empty(NC * CHUNK, H, CHUNK, **f32)
-        dv = torch.empty_like(v)
-        grid = (NC, H)
-        _kda_bwd_dense[grid](
-            q,
-            k,
-            v,
-            beta,
-            Gc,
-            Tm,
-            W,
-            U,
-            hs,
-            dhs,
-            do,
-            dU,
-            dv,
-            dqp,
-            dkp,
-            dGp,
-            dGx,
-            dbp,
-            dGl,
-            dAqk,
-            dAkk,
-            bos,
-            eos,
-            scale,
-            H,
-            K,
-            V,
-            BK=BK,
-            BV=BV,
-            PREC=prec,
-        )
-        dq, dk, dbeta, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(beta), torch.empty_like(g)
-        _kda_bwd_intra[grid](
-            q, k, beta, Gc, dAqk, dAkk, dqp, dkp, dGp, dbp, dq, dk, dbeta, bos, eos, scale, H, K, BK=BK, PREC=prec
-        )
-        _kda_bwd_dg[grid](dGp, dGx, dGl, dg, bos, eos, H, K, BK=BK)
+        chunks = _intra(q, k, v, g, beta, table, ctx.scale, ctx.prec)
+        dhs, dU, dh0 = _bwd_state(q, k, do, dht, chunks, table, ctx.scale, ctx.prec)
+        dq, dk, dv, dg, dbeta = _bwd_chunks(q, k, v, g, beta, hs, do, chunks, dhs, dU, table, ctx.scale, ctx.prec)
         shape = lambda x: x.view(B, T, H, -1)
         return (
             shape(dq),
@@ -785,6 +746,104 @@ class _ChunkKDAFunction(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _bwd_state(q, k, do, dht, chunks, table, scale, prec):
+    """Backward through the state recurrence, chunk by chunk from the last: the gradient of the state at each chunk's
+    end (dhs), of the chunks' pseudo-values U (dU) and of the initial states (dh0)."""
+    Gc, _, Aqk, W, _ = chunks
+    bos, eos, c0, c1 = table
+    N, NC = c0.numel(), bos.numel()
+    _, H, K = k.shape
+    V = do.shape[-1]
+    BK, BV = _sizes(K, V)
+    f32 = dict(device=k.device, dtype=torch.float32)
+    dhs = torch.empty(NC, H, K, V, **f32)
+    dU = torch.empty(NC * CHUNK, H, V, **f32)
+    dh0 = torch.empty(N, H, K, V, **f32)
+    dhtc = dht.contiguous() if dht is not None else None
+    _kda_bwd_state[(N, H, triton.cdiv(V, BV))](
+        q,
+        k,
+        Gc,
+        W,
+        Aqk,
+        do,
+        dhtc if dhtc is not None else dh0,
+        dhs,
+        dU,
+        dh0,
+        bos,
+        eos,
+        c0,
+        c1,
+        scale,
+        H,
+        K,
+        V,
+        HAS_DHT=dhtc is not None,
+        BK=BK,
+        BV=BV,
+        PREC=prec,
+    )
+    return dhs, dU, dh0
+
+
+def _bwd_chunks(q, k, v, g, beta, hs, do, chunks, dhs, dU, table, scale, prec):
+    """The gradients of q, k, v, g and beta given the state gradients: the dense per-chunk pass (state and value
+    paths), the score gradients within each chunk, then g from the cumulative log-decay."""
+    Gc, Tm, _, W, U = chunks
+    bos, eos = table[0], table[1]
+    NC = bos.numel()
+    _, H, K = k.shape
+    V = v.shape[-1]
+    BK, BV = _sizes(K, V)
+    f32 = dict(device=k.device, dtype=torch.float32)
+    dqp, dkp, dGp, dGx = (torch.empty(NC * CHUNK, H, K, **f32) for _ in range(4))
+    dbp = torch.empty(NC * CHUNK, H, **f32)
+    dGl = torch.empty(NC, H, K, **f32)
+    dAqk = torch.empty(NC * CHUNK, H, CHUNK, **f32)
+    dAkk = torch.empty(NC * CHUNK, H, CHUNK, **f32)
+    dv = torch.empty_like(v)
+    grid = (NC, H)
+    _kda_bwd_dense[grid](
+        q,
+        k,
+        v,
+        beta,
+        Gc,
+        Tm,
+        W,
+        U,
+        hs,
+        dhs,
+        do,
+        dU,
+        dv,
+        dqp,
+        dkp,
+        dGp,
+        dGx,
+        dbp,
+        dGl,
+        dAqk,
+        dAkk,
+        bos,
+        eos,
+        scale,
+        H,
+        K,
+        V,
+        BK=BK,
+        BV=BV,
+        PREC=prec,
+    )
+    dq, dk, dbeta, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(beta), torch.empty_like(g)
+    _kda_bwd_intra[grid](
+        q, k, beta, Gc, dAqk, dAkk, dqp, dkp, dGp, dbp, dq, dk, dbeta, bos, eos, scale, H, K, BK=BK, PREC=prec
+    )
+    _kda_bwd_dg[grid](dGp, dGx, dGl, dg, bos, eos, H, K, BK=BK)
+    return dq, dk, dv, dg, dbeta
 
 
 def chunk_kda(

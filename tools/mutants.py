@@ -544,12 +544,14 @@ def _zero_gather_skipped(orig):
 
 def _pp_stage_with(name, make):
     """Patch one method of the pipeline stage class that _pipeline_stage_cls builds (a new class per call).
-    make(k3_method, torch_method) -> replacement: the stage's own override and PipelineStage's method."""
+    make(k3_method, torch_method) -> replacement: the stage's own override (from its mixins) and PipelineStage's
+    method."""
 
     def patch(orig):
         def _pipeline_stage_cls():
             cls = orig()
-            setattr(cls, name, make(vars(cls)[name], getattr(cls.__mro__[1], name)))
+            torch_cls = next(c for c in cls.__mro__ if c.__name__ == "PipelineStage")
+            setattr(cls, name, make(getattr(cls, name), getattr(torch_cls, name)))
             return cls
 
         return _pipeline_stage_cls
@@ -1307,7 +1309,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "selective_recompute_reruns",
-        "k3train.activation.policy:_Region.replaying",
+        "k3train.activation.hooks:_Region.replaying",
         "modules taken out of a recomputed layer run again in backward",
         _lifted_modules_rerun,
         (f"{ACT}::test_selective_recompute_stores_the_inner_module_under_its_policy",),

@@ -8,15 +8,14 @@ from k3train.activation.fp8 import (
     fp8_supported,
     quantize_fp8_blockwise,
 )
+from k3train.activation.apply import apply_activation_policies
+from k3train.activation.handle import BUCKETS, ActivationHandle
 from k3train.activation.policy import (
-    BUCKETS,
     KINDS,
     POLICIES,
     ROLES,
-    ActivationHandle,
     Rule,
     activation_groups,
-    apply_activation_policies,
     as_rule,
     check_policy,
     default_rules,

@@ -222,6 +222,41 @@ def build_dataloader(
     vision: the model's VisionArgs (patch size, merge, largest side, frames), needed by the image-text sources.
     progress: tokenization progress bar (default: on rank 0 only).
     """
+    _check_loader_args(cfg, split, dp_rank, dp_world)
+    if progress is None:
+        progress = dp_rank == 0
+    tag = {"source": cfg.source, "split": split, "seq_len": cfg.seq_len, "seed": cfg.seed}
+    if cfg.source == "recall":
+        source, eval_rows = RecallSource(cfg, tok, split=split, vocab_size=vocab_size), lambda: EVAL_ROWS
+    elif cfg.source in VISION_SOURCES:
+        source, eval_rows = _vision_source(
+            cfg, tok, split=split, vocab_size=vocab_size, progress=progress, vision=vision, tag=tag
+        )
+    elif cfg.source == "files":
+        source, eval_rows = _file_source(
+            cfg, tok, split=split, dp_rank=dp_rank, dp_world=dp_world, vocab_size=vocab_size, progress=progress, tag=tag
+        )
+    elif cfg.source == "builtin":
+        source, eval_rows = _builtin_source(cfg, tok, split=split, vocab_size=vocab_size, progress=progress, tag=tag)
+    else:
+        raise DataError(
+            f"unknown data.source {cfg.source!r}; expected 'builtin', 'files', 'recall', "
+            f"'builtin_vision' or 'vision_files'"
+        )
+    # Eval reads one pass in whole global batches; a set smaller than one global batch is cycled to fill it.
+    n = None if split == "train" else max(1, eval_rows() // (cfg.micro_batch * dp_world))
+    return MicroBatchLoader(
+        source,
+        split=split,
+        micro_batch=cfg.micro_batch,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        num_batches=n,
+        state_tag=tag,
+    )
+
+
+def _check_loader_args(cfg: DataConfig, split: str, dp_rank: int, dp_world: int) -> None:
     if split not in ("train", "eval"):
         raise DataError(f"unknown split {split!r}; expected 'train' or 'eval'")
     if cfg.seq_len <= 0:
@@ -230,56 +265,26 @@ def build_dataloader(
         raise DataError(f"data.micro_batch must be positive, got {cfg.micro_batch}")
     if dp_world <= 0 or not 0 <= dp_rank < dp_world:
         raise DataError(f"dp_rank {dp_rank} is not a rank of dp_world {dp_world}")
-    if progress is None:
-        progress = dp_rank == 0
-    G = cfg.micro_batch * dp_world
-    tag = {"source": cfg.source, "split": split, "seq_len": cfg.seq_len, "seed": cfg.seed}
 
-    if cfg.source == "recall":
-        source = RecallSource(cfg, tok, split=split, vocab_size=vocab_size)
-        n = None if split == "train" else max(1, EVAL_ROWS // G)
-        return MicroBatchLoader(
-            source,
-            split=split,
-            micro_batch=cfg.micro_batch,
-            dp_rank=dp_rank,
-            dp_world=dp_world,
-            num_batches=n,
-            state_tag=tag,
-        )
 
-    if cfg.source in VISION_SOURCES:
-        if vision is None:
-            raise DataError(f"data.source={cfg.source!r} needs a model with a vision tower (model.overrides.vision)")
-        check_vocab(None, tok, vocab_size, "image-text data")
-        samples = None  # builtin_vision: drawn samples
-        if cfg.source == "vision_files":
-            from k3train.data.vision_files import FileSamples
+def _vision_source(cfg: DataConfig, tok, *, split: str, vocab_size, progress: bool, vision, tag: dict):
+    """Image-text rows (builtin_vision: drawn samples; vision_files: files) and their rows per eval pass."""
+    if vision is None:
+        raise DataError(f"data.source={cfg.source!r} needs a model with a vision tower (model.overrides.vision)")
+    check_vocab(None, tok, vocab_size, "image-text data")
+    samples = None  # builtin_vision: drawn samples
+    if cfg.source == "vision_files":
+        from k3train.data.vision_files import FileSamples
 
-            samples = FileSamples(cfg, vision, tok, split=split, progress=progress)
-            tag["samples"] = len(samples.good)  # a resume on other data (or another index of it) is refused
-            tag["sample_index"] = samples.index.fingerprint()
-        source = VisionRows(cfg, tok, vision, split=split, samples=samples)
-        n = None if split == "train" else max(1, source.rows_per_pass() // G)
-        return MicroBatchLoader(
-            source,
-            split=split,
-            micro_batch=cfg.micro_batch,
-            dp_rank=dp_rank,
-            dp_world=dp_world,
-            num_batches=n,
-            state_tag=tag,
-        )
+        samples = FileSamples(cfg, vision, tok, split=split, progress=progress)
+        tag["samples"] = len(samples.good)  # a resume on other data (or another index of it) is refused
+        tag["sample_index"] = samples.index.fingerprint()
+    source = VisionRows(cfg, tok, vision, split=split, samples=samples)
+    return source, source.rows_per_pass
 
-    if cfg.source == "files":
-        return _file_loader(
-            cfg, tok, split=split, dp_rank=dp_rank, dp_world=dp_world, vocab_size=vocab_size, progress=progress, tag=tag
-        )
-    if cfg.source != "builtin":
-        raise DataError(
-            f"unknown data.source {cfg.source!r}; expected 'builtin', 'files', 'recall', "
-            f"'builtin_vision' or 'vision_files'"
-        )
+
+def _builtin_source(cfg: DataConfig, tok, *, split: str, vocab_size, progress: bool, tag: dict):
+    """The built-in corpus packed into rows, and its rows per pass."""
     docs = build_builtin_corpus(cfg, tok, progress=progress)
     check_vocab(docs, tok, vocab_size, "built-in corpus")
     ids = docs.split_ids(split, cfg.eval_fraction)
@@ -294,23 +299,14 @@ def build_dataloader(
     )
     tag["documents"] = len(ids)
     tag["tokens_per_epoch"] = stream.epoch_len
-    # Eval reads one pass in whole global batches; a set smaller than one global batch is cycled to fill it.
-    n = None if split == "train" else max(1, stream.rows_per_pass() // G)
-    return MicroBatchLoader(
-        stream,
-        split=split,
-        micro_batch=cfg.micro_batch,
-        dp_rank=dp_rank,
-        dp_world=dp_world,
-        num_batches=n,
-        state_tag=tag,
-    )
+    return stream, stream.rows_per_pass
 
 
-def _file_loader(
+def _file_source(
     cfg: DataConfig, tok, *, split: str, dp_rank: int, dp_world: int, vocab_size: int | None, progress: bool, tag: dict
-) -> MicroBatchLoader:
-    """source='files': data.paths (one source) or data.sources (a mixture), read whole or streamed."""
+):
+    """source='files': data.paths (one source) or data.sources (a mixture), read whole or streamed; the rows and
+    their rows per eval pass."""
     if cfg.paths and cfg.sources:
         raise DataError("give data.paths (one source) or data.sources (a mixture), not both")
     sources = cfg.file_sources()
@@ -320,7 +316,6 @@ def _file_loader(
     bad = [s.weight for s in sources if not s.weight > 0]
     if bad:
         raise DataError(f"data.sources weights must be > 0, got {[s.weight for s in sources]}")
-    G = cfg.micro_batch * dp_world
     kw = dict(bos_id=tok.bos_id, eos_id=tok.eos_id, seq_len=cfg.seq_len)
     if cfg.streaming:
         check_vocab(None, tok, vocab_size, "data files")  # the tokenizer itself; ids are checked as they come
@@ -331,7 +326,7 @@ def _file_loader(
             for s in sources
         ]
         tag.update(streaming=True, dp_world=dp_world, dp_rank=dp_rank, micro_batch=cfg.micro_batch)
-        n = None if split == "train" else max(1, EVAL_ROWS // G)
+        eval_rows = lambda: EVAL_ROWS
     else:
         parts = []
         for s in sources:
@@ -341,19 +336,11 @@ def _file_loader(
             parts.append(PackedStream(docs, ids, seed=cfg.seed, shuffle_each_epoch=(split == "train"), **kw))
         tag["documents"] = [len(p.doc_ids) for p in parts] if len(parts) > 1 else len(parts[0].doc_ids)
         tag["tokens_per_epoch"] = [p.epoch_len for p in parts] if len(parts) > 1 else parts[0].epoch_len
-        n = None if split == "train" else max(1, sum(p.rows_per_pass() for p in parts) // G)
+        eval_rows = lambda: sum(p.rows_per_pass() for p in parts)
     if len(parts) == 1 and not cfg.streaming:
         source = parts[0]  # one source read whole: the packed stream itself, as for the built-in corpus
     else:
         source = MixedRows(parts, names=names, weights=[s.weight for s in sources], seq_len=cfg.seq_len, seed=cfg.seed)
         if len(parts) > 1:
             tag["sources"] = [[nm, float(s.weight)] for nm, s in zip(names, sources)]
-    return MicroBatchLoader(
-        source,
-        split=split,
-        micro_batch=cfg.micro_batch,
-        dp_rank=dp_rank,
-        dp_world=dp_world,
-        num_batches=n,
-        state_tag=tag,
-    )
+    return source, eval_rows

@@ -286,115 +286,131 @@ class BusyClock:
         return self._host
 
 
+class _StageReduction:
+    """The gradient reduction and busy time of a pipeline stage (a mixin of PipelineStage: self.submod, self.is_first):
+    `grad_reducer.arm_part(part)` as its last backward of the step begins, `grad_reducer.reduce_part(part)` once per
+    step at the schedule's REDUCE_GRAD point."""
+
+    grad_reducer = None
+    vision_feed = None
+
+    def _init_k3(self, grad_reducer, vision_feed=None):
+        self.grad_reducer = grad_reducer
+        self.vision_feed = vision_feed
+        self.reduced = False
+        self.clock = BusyClock(self.device)
+        self.early_sends: list = []
+
+    @property
+    def busy_s(self) -> float:
+        return self.clock.seconds
+
+    def new_step(self):
+        self.reduced = False
+        self.clock.reset()
+
+    def wait_early_sends(self):
+        for w in self.early_sends:
+            w.wait()
+        self.early_sends = []
+
+    def reduce_once(self):
+        if not self.reduced:
+            self.reduced = True
+            if self.vision_feed is not None and self.is_first:  # the tower's last gradients before the reduction
+                with self.clock.span():
+                    self.vision_feed.finish()
+            if self.grad_reducer is not None:
+                self.grad_reducer.reduce_part(self.submod.part)
+
+    def perform_reduce_grad(self, grad_scale_factor: int):
+        self.reduce_once()
+        super().perform_reduce_grad(grad_scale_factor)
+
+    def arm(self):
+        """The stage's last backward of the step is about to run: its buckets are reduced as their gradients
+        complete (then waited for at reduce_once)."""
+        if not self.reduced and self.grad_reducer is not None and hasattr(self.grad_reducer, "arm_part"):
+            self.grad_reducer.arm_part(self.submod.part)
+
+
+class _StageChunks:
+    """A pipeline stage's forward and backward chunks (a mixin of PipelineStage): timed, the backward arming the
+    reduction, and the vision work a VisionFeed's plan places before or after each action run around them."""
+
+    def forward_one_chunk(self, fwd_chunk_id, *a, **k):
+        feed = self.vision_feed
+        with self.clock.span():
+            if feed is not None:
+                act = Act("F", self.stage_index, fwd_chunk_id)
+                feed.run_before(act)
+                feed.note(act.kind, act.stage, act.mb)
+            self.submod.chunk = fwd_chunk_id
+            return super().forward_one_chunk(fwd_chunk_id, *a, **k)
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        feed, act = self.vision_feed, Act("B", self.stage_index, bwd_chunk_id)
+        if feed is not None:
+            with self.clock.span():
+                feed.run_before(act)
+            feed.note(act.kind, act.stage, act.mb)
+        if last_backward and full_backward:  # an input-only pass (split backward) leaves weight gradients open
+            self.arm()
+        with self.clock.span():
+            out = super().backward_one_chunk(
+                bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+            )
+            if feed is not None and self.is_first:  # the first stage sends nothing backward
+                feed.run_after(act)
+        return out
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        if last_backward:
+            self.arm()
+        with self.clock.span():
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+
+
+class _StageSends:
+    """A pipeline stage's point-to-point sends (a mixin of PipelineStage): their bytes counted, and vision work placed
+    in the idle time after an action run once its sends are posted."""
+
+    def _send_then_vision(self, ops: list, act: Act) -> list:
+        """Vision work placed in the idle time after `act`: post act's sends first (so the next stage is not
+        kept waiting), run the work, and hand the schedule nothing left to send."""
+        feed = self.vision_feed
+        if feed is None or not feed.has_after(act):
+            return ops
+        self.early_sends += [op.op(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer) for op in ops]
+        with self.clock.span():
+            feed.run_after(act)
+        return []
+
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        for op in ops:
+            comm.record("pp", "send_fwd", op.tensor.numel() * op.tensor.element_size())
+        return self._send_then_vision(ops, Act("F", self.stage_index, fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        for op in ops:
+            comm.record("pp", "send_bwd", op.tensor.numel() * op.tensor.element_size())
+        if self.is_first:
+            return ops
+        return self._send_then_vision(ops, Act("B", self.stage_index, bwd_chunk_id))
+
+
 def _pipeline_stage_cls():
     from torch.distributed.pipelining import PipelineStage
 
-    class K3PipelineStage(PipelineStage):
+    class K3PipelineStage(_StageSends, _StageChunks, _StageReduction, PipelineStage):
         """PipelineStage that (1) has `grad_reducer.arm_part(its model part)` run as its last backward of the step
         begins (buckets are then reduced as their gradients complete) and `grad_reducer.reduce_part(its model
         part)` once per step right after that backward (the schedule's REDUCE_GRAD point: what is still missing is
         launched and everything is waited for), (2) counts its point-to-point bytes, (3) measures its busy time,
         (4) on the first pipeline rank, runs the vision work a VisionFeed's plan places around its actions (after
         an action's sends are posted when the work fills the idle time that follows it)."""
-
-        grad_reducer = None
-        vision_feed = None
-
-        def _init_k3(self, grad_reducer, vision_feed=None):
-            self.grad_reducer = grad_reducer
-            self.vision_feed = vision_feed
-            self.reduced = False
-            self.clock = BusyClock(self.device)
-            self.early_sends: list = []
-
-        @property
-        def busy_s(self) -> float:
-            return self.clock.seconds
-
-        def new_step(self):
-            self.reduced = False
-            self.clock.reset()
-
-        def wait_early_sends(self):
-            for w in self.early_sends:
-                w.wait()
-            self.early_sends = []
-
-        def reduce_once(self):
-            if not self.reduced:
-                self.reduced = True
-                if self.vision_feed is not None and self.is_first:  # the tower's last gradients before the reduction
-                    with self.clock.span():
-                        self.vision_feed.finish()
-                if self.grad_reducer is not None:
-                    self.grad_reducer.reduce_part(self.submod.part)
-
-        def perform_reduce_grad(self, grad_scale_factor: int):
-            self.reduce_once()
-            super().perform_reduce_grad(grad_scale_factor)
-
-        def arm(self):
-            """The stage's last backward of the step is about to run: its buckets are reduced as their gradients
-            complete (then waited for at reduce_once)."""
-            if not self.reduced and self.grad_reducer is not None and hasattr(self.grad_reducer, "arm_part"):
-                self.grad_reducer.arm_part(self.submod.part)
-
-        def forward_one_chunk(self, fwd_chunk_id, *a, **k):
-            feed = self.vision_feed
-            with self.clock.span():
-                if feed is not None:
-                    act = Act("F", self.stage_index, fwd_chunk_id)
-                    feed.run_before(act)
-                    feed.note(act.kind, act.stage, act.mb)
-                self.submod.chunk = fwd_chunk_id
-                return super().forward_one_chunk(fwd_chunk_id, *a, **k)
-
-        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-            feed, act = self.vision_feed, Act("B", self.stage_index, bwd_chunk_id)
-            if feed is not None:
-                with self.clock.span():
-                    feed.run_before(act)
-                feed.note(act.kind, act.stage, act.mb)
-            if last_backward and full_backward:  # an input-only pass (split backward) leaves weight gradients open
-                self.arm()
-            with self.clock.span():
-                out = super().backward_one_chunk(
-                    bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
-                )
-                if feed is not None and self.is_first:  # the first stage sends nothing backward
-                    feed.run_after(act)
-            return out
-
-        def _send_then_vision(self, ops: list, act: Act) -> list:
-            """Vision work placed in the idle time after `act`: post act's sends first (so the next stage is not
-            kept waiting), run the work, and hand the schedule nothing left to send."""
-            feed = self.vision_feed
-            if feed is None or not feed.has_after(act):
-                return ops
-            self.early_sends += [op.op(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer) for op in ops]
-            with self.clock.span():
-                feed.run_after(act)
-            return []
-
-        def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-            if last_backward:
-                self.arm()
-            with self.clock.span():
-                return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-
-        def get_fwd_send_ops(self, fwd_chunk_id):
-            ops = super().get_fwd_send_ops(fwd_chunk_id)
-            for op in ops:
-                comm.record("pp", "send_fwd", op.tensor.numel() * op.tensor.element_size())
-            return self._send_then_vision(ops, Act("F", self.stage_index, fwd_chunk_id))
-
-        def get_bwd_send_ops(self, bwd_chunk_id):
-            ops = super().get_bwd_send_ops(bwd_chunk_id)
-            for op in ops:
-                comm.record("pp", "send_bwd", op.tensor.numel() * op.tensor.element_size())
-            if self.is_first:
-                return ops
-            return self._send_then_vision(ops, Act("B", self.stage_index, bwd_chunk_id))
 
     return K3PipelineStage
 

@@ -63,7 +63,7 @@ def _ep_run(rank, ep_group, dp_group, dispatcher, recompute=False):
     mine = slice(rank * ROWS, (rank + 1) * ROWS)
     model = apply_expert_parallel(_model(), ep_group, dispatcher)
     if recompute:  # K3's default storage plan: the routed experts are recomputed in backward (after EP is applied)
-        from k3train.activation.policy import apply_activation_policies, default_rules
+        from k3train.activation import apply_activation_policies, default_rules
 
         apply_activation_policies(model, default_rules())
     experts = list(expert_parameters(model))  # a list: every rank must reduce in the same order

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import k3train.activation.policy as policy_mod
+import k3train.activation.apply as apply_mod
 from k3train.activation import (
     POLICIES,
     Rule,
@@ -634,7 +634,7 @@ def test_bad_input_errors(monkeypatch):
         apply_activation_policies(m, [Rule(match="tok_embeddings", policy="fp8")])
     with pytest.raises(ValueError, match="torch.distributed"):
         apply_activation_policies(m, [Rule(kind="layer", policy="offload_remote")])
-    monkeypatch.setattr(policy_mod, "fp8_supported", lambda device: False)
+    monkeypatch.setattr(apply_mod, "fp8_supported", lambda device: False)
     with pytest.raises(ValueError, match="float8_e4m3fn is not supported on device cpu"):
         apply_activation_policies(m, [Rule(kind="kda", policy="fp8")])
     assert all("forward" not in mod.__dict__ for mod in m.modules())  # failed set-up leaves the model untouched

@@ -1,0 +1,143 @@
+"""What apply_activation_policies returns: the plan, the storage accounting, offload prefetch, and remove()."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from k3train.activation.storage import HostSaved, LocalOffloader, RemoteExchange
+
+log = logging.getLogger("k3train.activation")
+
+BUCKETS = ("device", "fp8", "offload_local", "offload_remote", "recompute", "params")
+"""Stats buckets (bytes): device = saved tensors kept in full on the device; fp8 = FP8 bytes incl. scales (on the
+device); offload_local / offload_remote = bytes moved off the device; recompute = inputs kept by checkpointed modules;
+params = saved references to weights (not copies, not activations)."""
+
+
+class ActivationHandle:
+    """What apply_activation_policies returns: the plan, the accounting, and remove()."""
+
+    def __init__(self):
+        self.sites: dict[str, Any] = {}
+        """Managed module FQN -> its site (k3train.activation.hooks._Site)."""
+        self.plan: dict[str, str] = {}
+        """Module FQN -> the policy it runs under ('recompute', or 'input=..., activation=...')."""
+        self.covered: dict[str, str] = {}
+        """Matched modules that need no wrapper of their own -> the managed ancestor that covers them."""
+        self.lifted: dict[str, str] = {}
+        """Modules taken out of a recomputed ancestor (selective recompute) -> that ancestor. They run once and store
+        what they save, and their outputs, under their own policy."""
+        self.current_layer: str | None = None
+        self.offloader = LocalOffloader()
+        self.offload_queue: list[list[weakref.ref]] = []
+        self.exchange: RemoteExchange | None = None
+        self.dtype: torch.dtype = torch.float32
+        """The compute dtype of activations (fp8 keeps wider tensors as they are)."""
+        self._installed: list[tuple[nn.Module, bool, Any]] = []
+        self.observers: list[Callable[[int | None, int, str], None]] = []
+        """Called with (storage address or None, bytes, bucket) for everything stored: a meter that deduplicates
+        storages across calls (k3train.plan.measure) listens here."""
+        self._stats: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    # ---- accounting ----------------------------------------------------------------------------------------------
+    def add(self, layer: str, bucket: str, nbytes: int, ptr: int | None = None) -> None:
+        self._stats[layer][bucket] += int(nbytes)
+        for obs in self.observers:
+            obs(ptr, int(nbytes), bucket)
+
+    @staticmethod
+    def _summarise(d: dict[str, int]) -> dict[str, int]:
+        out = {b: int(d.get(b, 0)) for b in BUCKETS}
+        out["fp8_source"] = int(d.get("fp8_source", 0))
+        out["fp8_elements"] = int(d.get("fp8_elements", 0))
+        out["on_device"] = out["device"] + out["fp8"] + out["recompute"]
+        out["offloaded"] = out["offload_local"] + out["offload_remote"]
+        out["saved"] = out["on_device"] + out["offloaded"]
+        return out
+
+    def stats(self) -> dict:
+        """Bytes of saved activations since the last reset_stats(), in total and per layer ('layers.N'; other
+        modules under their own name, '<root>' for what no layer holds). Keys per entry: BUCKETS, plus fp8_source
+        (the original bytes of what is stored in fp8), fp8_elements, on_device (device + fp8 + recompute),
+        offloaded (local + remote) and saved (on_device + offloaded). Parameters are never in saved."""
+        total: dict[str, int] = defaultdict(int)
+        for d in self._stats.values():
+            for k, v in d.items():
+                total[k] += v
+        out = {
+            "total": self._summarise(total),
+            "layers": {k: self._summarise(v) for k, v in sorted(self._stats.items())},
+        }
+        out["hosted_for_peer"] = self.exchange.hosted_bytes if self.exchange is not None else 0
+        return out
+
+    def reset_stats(self) -> None:
+        self._stats.clear()
+
+    def log_stats(self, step: int | None = None) -> dict:
+        """Log one line of totals (MiB) and return them."""
+        t = self.stats()["total"]
+        mib = {
+            k: round(t[k] / 2**20, 3)
+            for k in ("on_device", "device", "fp8", "recompute", "offload_local", "offload_remote", "saved")
+        }
+        log.info(
+            "activation storage%s: %s",
+            "" if step is None else f" step {step}",
+            " ".join(f"{k}={v}MiB" for k, v in mib.items()),
+        )
+        return mib
+
+    # ---- offload prefetch (CUDA) ---------------------------------------------------------------------------------
+    def queue_offloaded(self, items: list[HostSaved]) -> None:
+        """Remember a call's host copies in forward order (weakly: a graph that is dropped without backward frees
+        them as usual)."""
+        self.offload_queue = [refs for refs in self.offload_queue if any(r() is not None for r in refs)]
+        self.offload_queue.append([weakref.ref(it) for it in items])
+
+    def prefetch(self, items: list[HostSaved]) -> None:
+        """The backward of the call owning `items` is starting: bring its copies back, and start those of the call
+        before it in forward order, whose backward comes next, so that copy overlaps this call's backward."""
+        for it in items:
+            it.prefetch()
+        q = self.offload_queue
+        for i in range(len(q) - 1, -1, -1):
+            if q[i] and q[i][0]() is items[0]:
+                if i > 0:
+                    for r in q[i - 1]:
+                        it = r()
+                        if it is not None:
+                            it.prefetch()
+                del q[i]
+                break
+
+    # ---- installing ----------------------------------------------------------------------------------------------
+    def _install(self, module: nn.Module, make: Callable[[Callable], Callable], attr: str = "forward") -> None:
+        had = attr in module.__dict__
+        self._installed.append((module, attr, had, module.__dict__.get(attr)))
+        setattr(module, attr, make(getattr(module, attr)))
+
+    def remove(self) -> None:
+        """Restore every wrapped method; drop any stash held for a peer."""
+        for module, attr, had, old in reversed(self._installed):
+            if had:
+                setattr(module, attr, old)
+            else:
+                delattr(module, attr)
+        self._installed.clear()
+        if self.exchange is not None:
+            self.exchange.clear()
+
+    def describe(self) -> str:
+        lines = [
+            f"{name or '<root>'}: {p}"
+            + (f" (taken out of {self.lifted[name]}'s recompute)" if name in self.lifted else "")
+            for name, p in self.plan.items()
+        ]
+        return "\n".join(lines)

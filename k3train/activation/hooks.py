@@ -1,0 +1,295 @@
+"""The saved-tensor hooks and recomputation behind activation storage policies.
+
+A managed module (`_Site`) runs its forward either under torch.utils.checkpoint (recompute: a `_Region` per call,
+which also records and replays the modules taken out of it) or under torch.autograd.graph.saved_tensors_hooks, where
+a `_Call` packs each saved tensor by its role and policy (k3train.activation.storage: FP8, host and peer copies) and
+accounts for it on the ActivationHandle. Which modules run under which policy is decided by
+k3train.activation.apply; the model's rules (k3train.models.k3.activation_rules) name the routers a recomputation
+must keep quiet and how a module name gives its layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils.checkpoint import checkpoint
+
+from k3train.activation.storage import FP8Saved, HostSaved, RemoteCall, RemoteSaved
+from k3train.models.k3 import activation_rules as k3_rules
+
+if TYPE_CHECKING:
+    from k3train.activation.handle import ActivationHandle
+
+FP8_MIN_NUMEL = 1024
+"""Smaller saved tensors stay as they are under fp8 (per-token statistics such as RMSNorm's reciprocal RMS: their
+scales would cost more than they save). So do tensors wider than the compute dtype (fp32 under bf16 training): the
+model keeps those in fp32 on purpose (KDA log-decays and state, router scores, AttnRes depth softmax), and a 3-bit
+mantissa there is ruinous: an error in a cumulative log-decay is exponentiated."""
+
+
+class _Region:
+    """One call of a recomputed module, and the outputs of the modules taken out of it (selective recompute).
+
+    The first run of the region is the forward: a managed module called in it runs under its own policy and the
+    region records its outputs, packed under that policy. Every later run is a recomputation in backward: those
+    modules are not run again, they hand back the recorded outputs in call order. The checkpoint matches the tensors
+    the region saves by their order, so the outputs come back with their original requires_grad: the ops after
+    them then save exactly what they saved in the forward."""
+
+    def __init__(self):
+        self.runs = 0
+        self.records: list[tuple[Any, list, Any]] = []  # per call: (pytree spec, packed leaves, remote stash)
+        self.next = 0
+
+    @property
+    def replaying(self) -> bool:
+        return self.runs > 1
+
+    def enter(self) -> None:
+        self.runs += 1
+        self.next = 0
+
+    def record(self, call: "_Call", out) -> None:
+        leaves, spec = tree_flatten(out)
+        packed = []
+        for t in leaves:
+            if isinstance(t, torch.Tensor):
+                p = call.pack(t)
+                # A kept output is an alias: an in-place change after this point would change what is handed back.
+                packed.append((p, t.requires_grad, t._version if isinstance(p, torch.Tensor) else None))
+            else:
+                packed.append((t, None, None))
+        self.records.append((spec, packed, call.remote))
+
+    def replay(self, name: str):
+        if self.next >= len(self.records):
+            raise RuntimeError(f"recomputation called {name!r} more often than the forward did")
+        spec, packed, remote = self.records[self.next]
+        self.next += 1
+        if remote is not None:
+            remote.fetch()  # needed before backward reaches the module: fetch its stash now (idempotent)
+        leaves = []
+        for p, requires_grad, version in packed:
+            if requires_grad is None:
+                leaves.append(p)
+                continue
+            if version is not None and p._version != version:
+                raise RuntimeError(
+                    f"an output of {name!r}, which is taken out of a recomputed module, was modified "
+                    "in place after it returned; recomputation would see the changed values"
+                )
+            leaves.append(_unpack(p).detach().requires_grad_(requires_grad))
+        return tree_unflatten(leaves, spec)
+
+
+_REGIONS: list[_Region | None] = []
+"""The recomputed regions running now, innermost last; None while a module taken out of a region runs (inside it no
+region is active). Process-wide rather than thread-local: CUDA backward, and so recomputation, runs on autograd's
+device threads."""
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    try:
+        p = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return p or None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+_LAYER_RE = re.compile(k3_rules.LAYER_NAME)
+
+
+def _layer_of(name: str) -> str | None:
+    m = _LAYER_RE.match(name)
+    return m.group(1) if m else None
+
+
+@contextlib.contextmanager
+def _quiet_routers(module: nn.Module):
+    """Recomputation must not count a router's tokens twice or feed its balancer twice."""
+    saved = [(r, r.load.clone(), r.balancer) for r in module.modules() if isinstance(r, k3_rules.ROUTER)]
+    for r, _, _ in saved:
+        r.balancer = None
+    try:
+        yield
+    finally:
+        for r, load, bal in saved:
+            r.load.copy_(load)
+            r.balancer = bal
+
+
+def _unpack(packed):
+    return packed if isinstance(packed, torch.Tensor) else packed.unpack()
+
+
+class _Call:
+    """One forward call of a managed module under hooks: packs its saved tensors by role and policy."""
+
+    def __init__(self, site: "_Site", inputs: Iterable[Any]):
+        self.site, self.handle = site, site.handle
+        self.input_ptrs = {_storage_ptr(t) for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+        self.param_ptrs = site.param_ptrs()
+        self.cache: dict = {}  # tensor key -> (original, packed): one packed copy per tensor per call
+        self.counted: dict = {}  # storage -> weakref of a kept tensor on it (kept storages count once)
+        self.host_items: list[HostSaved] = []
+        self.remote = None
+        if "offload_remote" in site.policy.values():
+            self.remote = RemoteCall((site.name, site.calls), self.handle.exchange)
+        site.calls += 1
+
+    def _layer(self) -> str:
+        return self.site.layer or self.handle.current_layer or self.site.name or "<root>"
+
+    def _keep(self, t: torch.Tensor, ptr: int | None, bucket: str) -> torch.Tensor:
+        kept = t.detach()  # detached: holding the tensor itself would keep a saved output's grad_fn alive in a cycle
+        seen = self.counted.get(ptr) if ptr is not None else None
+        if seen is None or seen() is None:
+            # A storage counts once per call; a dead earlier reference means the address was freed and reused.
+            if ptr is not None:
+                self.counted[ptr] = weakref.ref(kept)
+            self.handle.add(self._layer(), bucket, t.untyped_storage().nbytes() if ptr else _nbytes(t), ptr)
+        return kept
+
+    def pack(self, t: torch.Tensor):
+        with torch.no_grad():
+            ptr = _storage_ptr(t)
+            if ptr is not None and ptr in self.param_ptrs:
+                return self._keep(t, ptr, "params")
+            policy = self.site.policy["input" if ptr is not None and ptr in self.input_ptrs else "activation"]
+            if policy == "keep" or ptr is None or t.device.type == "meta":
+                return self._keep(t, ptr, "device")
+            key = (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
+            hit = self.cache.get(key)
+            if hit is not None:
+                return hit[1]
+            layer = self._layer()
+            if policy == "fp8":
+                if (
+                    not t.is_floating_point()
+                    or t.numel() < FP8_MIN_NUMEL
+                    or t.element_size() > self.handle.dtype.itemsize
+                ):
+                    return self._keep(t, ptr, "device")
+                packed = FP8Saved(t)
+                self.handle.add(layer, "fp8", packed.nbytes)
+                self.handle.add(layer, "fp8_source", _nbytes(t))
+                self.handle.add(layer, "fp8_elements", t.numel())
+            elif policy == "offload_local":
+                packed = HostSaved(t, self.handle.offloader)
+                self.handle.add(layer, "offload_local", packed.nbytes)
+                if t.device.type != "cpu":
+                    self.host_items.append(packed)
+            else:  # offload_remote
+                packed = RemoteSaved(t, self.remote)
+                self.handle.add(layer, "offload_remote", packed.nbytes)
+            self.cache[key] = (t, packed)  # the original stays referenced until the call ends: no address reuse
+            return packed
+
+    def finish(self, out) -> None:
+        self.cache = {}
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if self.remote is not None:
+            if outs:
+                self.remote.send()
+            else:
+                # No gradient can reach this call (the same on every rank): nothing to exchange, keep locally.
+                self.remote.restored = self.remote.pending
+                self.remote.pending = []
+        if not outs:
+            return
+        remote, host_items, handle = self.remote, self.host_items, self.handle
+        if remote is None and not host_items:
+            return
+        if host_items:
+            handle.queue_offloaded(host_items)
+
+        def reached_backward(_grad):
+            # Runs before any node of this call's backward: fetch the remote stash, prefetch the host copies of
+            # this call and of the call whose backward comes next (the one before it in forward order).
+            if remote is not None:
+                remote.fetch()
+            if host_items:
+                handle.prefetch(host_items)
+
+        torch.autograd.graph.register_multi_grad_hook(outs, reached_backward, mode="any")
+
+
+class _Site:
+    """A managed module: its resolved policy per role (or recompute) and how its forward is wrapped."""
+
+    def __init__(self, handle: "ActivationHandle", name: str, module: nn.Module, policy: dict[str, str]):
+        self.handle, self.name, self.module, self.policy = handle, name, module, policy
+        self.layer = _layer_of(name)
+        self.calls = 0
+
+    @property
+    def recompute(self) -> bool:
+        return self.policy["activation"] == "recompute"
+
+    def param_ptrs(self) -> set[int]:
+        ptrs = {_storage_ptr(p) for p in self.module.parameters()}
+        ptrs |= {_storage_ptr(b) for b in self.module.buffers()}
+        ptrs.discard(None)
+        return ptrs
+
+    def _account_inputs(self, inputs) -> None:
+        params, seen = self.param_ptrs(), set()
+        for t in tree_leaves(inputs):
+            if isinstance(t, torch.Tensor):
+                p = _storage_ptr(t)
+                if p is not None and p not in params and p not in seen:
+                    seen.add(p)
+                    self.handle.add(self.layer or self.name or "<root>", "recompute", _nbytes(t), p)
+
+    def run(self, fn: Callable, *args, **kwargs):
+        """Call fn(*args, **kwargs) under this site's policy."""
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        region = _REGIONS[-1] if _REGIONS else None
+        if self.recompute:
+            if region is not None:  # a recompute nested in a recomputed region: the outer one covers it
+                return fn(*args, **kwargs)
+            self._account_inputs((args, kwargs))
+            region = _Region()
+
+            def inner(*a, **k):
+                region.enter()
+                _REGIONS.append(region)
+                try:
+                    return fn(*a, **k)
+                finally:
+                    _REGIONS.pop()
+
+            module = self.module
+            return checkpoint(
+                inner,
+                *args,
+                use_reentrant=False,
+                context_fn=lambda: (contextlib.nullcontext(), _quiet_routers(module)),
+                **kwargs,
+            )
+        if region is not None and region.replaying:
+            return region.replay(self.name)
+        call = _Call(self, (args, kwargs))
+        # Our hooks are the innermost: inside a recomputed region they, not the checkpoint's, store what this call
+        # saves. The region is suspended meanwhile, so the managed modules inside this one follow their own rules.
+        _REGIONS.append(None)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(call.pack, _unpack):
+                out = fn(*args, **kwargs)
+        finally:
+            _REGIONS.pop()
+        if region is not None:
+            region.record(call, out)
+        call.finish(out)
+        return out
