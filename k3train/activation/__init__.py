@@ -15,11 +15,9 @@ from k3train.activation.policy import (
     POLICIES,
     ROLES,
     Rule,
-    activation_groups,
     as_rule,
     check_policy,
     default_rules,
-    load_activation_group,
     rules_from_config,
 )
 
@@ -35,11 +33,9 @@ __all__ = [
     "ROLES",
     "ActivationHandle",
     "Rule",
-    "activation_groups",
     "apply_activation_policies",
     "as_rule",
     "check_policy",
     "default_rules",
-    "load_activation_group",
     "rules_from_config",
 ]

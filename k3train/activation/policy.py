@@ -137,26 +137,3 @@ def rules_from_config(cfg: Any) -> list[Rule]:
     if cfg.policy != "keep":
         rules.append(Rule(kind="layer", policy=cfg.policy, optional=True))
     return rules
-
-
-def activation_groups() -> list[str]:
-    """Names of the shipped activation config groups (configs/activation/*.yaml), sorted."""
-    from k3train.config.store import configs_dir
-
-    return sorted(p.stem for p in (configs_dir() / "activation").glob("*.yaml"))
-
-
-def load_activation_group(name: str):
-    """The ActivationConfig of the config group configs/activation/<name>.yaml, checked against the schema (what a
-    recipe's `activation: <name>` selects). Turn it into rules with rules_from_config."""
-    from omegaconf import OmegaConf
-
-    from k3train.config.schema import ActivationConfig
-    from k3train.config.store import configs_dir
-
-    path = configs_dir() / "activation" / f"{name}.yaml"
-    if not path.is_file():
-        raise ValueError(f"unknown activation config {name!r}; choose one of {', '.join(activation_groups())}")
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ActivationConfig), OmegaConf.load(path)))
-    rules_from_config(cfg)  # the policy names
-    return cfg

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 _LAZY = {
     "ConfigError": "k3train.errors",
+    **{n: "k3train.activation.config" for n in ("ActivationConfig", "ActivationRule")},
     **{
         n: "k3train.config.schema"
         for n in (
-            "ActivationConfig",
-            "ActivationRule",
             "DataConfig",
             "K3TrainConfig",
             "LoggingConfig",

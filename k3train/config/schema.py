@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from k3train.activation.config import ActivationConfig
 from k3train.data.config import DataConfig
 from k3train.optim.config import OptimConfig
 
@@ -60,26 +61,6 @@ class ParallelConfig:
     """Where the vision tower's work runs under pp > 1: stage (inside the first stage's forward and backward of each
     micro-batch) or bubbles (its forward and backward of each micro-batch as actions of their own, placed into the
     first pipeline rank's idle time; schedules gpipe, 1f1b, interleaved_1f1b, looped_bfs)."""
-
-
-@dataclass(kw_only=True)
-class ActivationRule:
-    match: str = "*"
-    """fnmatch pattern over module names (e.g. 'layers.*.attn'), first matching rule wins."""
-    policy: str = "keep"
-    """Storage policy for the matched modules' saved activations (the names of ActivationConfig.policy). Inside a
-    recomputed module (e.g. under policy: recompute) a rule with another policy takes the module out of the
-    recomputation: it runs once, and what it saves and its outputs are stored under this policy."""
-
-
-@dataclass(kw_only=True)
-class ActivationConfig:
-    policy: str = "keep"
-    """Default storage of saved activations, per decoder layer: keep, recompute, fp8, offload_local (host memory)
-    or offload_remote (a peer rank's memory). Any policy other than keep (or any rule) also applies the K3
-    defaults: AttnRes mixers checkpointed, MoE dispatch recomputed in backward from the saved routing."""
-    rules: list[ActivationRule] = field(default_factory=list)
-    """Per-module exceptions to the default policy, tried in order (see docs/activation.md)."""
 
 
 @dataclass(kw_only=True)

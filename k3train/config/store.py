@@ -72,3 +72,24 @@ def register_configs() -> None:
     if not OmegaConf.has_resolver("k3train_configs"):
         OmegaConf.register_new_resolver("k3train_configs", lambda: configs_dir().as_posix())
     _registered = True
+
+
+def activation_groups() -> list[str]:
+    """Names of the shipped activation config groups (configs/activation/*.yaml), sorted."""
+    return sorted(p.stem for p in (configs_dir() / "activation").glob("*.yaml"))
+
+
+def load_activation_group(name: str):
+    """The ActivationConfig of the config group configs/activation/<name>.yaml, checked against the schema (what a
+    recipe's `activation: <name>` selects). Turn it into rules with rules_from_config."""
+    from omegaconf import OmegaConf
+
+    from k3train.activation import rules_from_config
+    from k3train.activation.config import ActivationConfig
+
+    path = configs_dir() / "activation" / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"unknown activation config {name!r}; choose one of {', '.join(activation_groups())}")
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ActivationConfig), OmegaConf.load(path)))
+    rules_from_config(cfg)  # the policy names
+    return cfg

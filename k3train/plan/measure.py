@@ -63,7 +63,7 @@ LAYOUTS = (
 
 
 def _activation_cfg(layout: Layout):
-    from k3train.config.schema import ActivationConfig, ActivationRule
+    from k3train.activation.config import ActivationConfig, ActivationRule
 
     return ActivationConfig(policy=layout.policy, rules=[ActivationRule(match=m, policy=p) for m, p in layout.rules])
 

@@ -17,15 +17,14 @@ import k3train.activation.apply as apply_mod
 from k3train.activation import (
     POLICIES,
     Rule,
-    activation_groups,
     apply_activation_policies,
     default_rules,
     dequantize_fp8_blockwise,
     fp8_nbytes,
-    load_activation_group,
     quantize_fp8_blockwise,
     rules_from_config,
 )
+from k3train.config.store import activation_groups, load_activation_group
 from k3train.activation.storage import FP8Saved, HostSaved, LocalOffloader, RemoteCall, RemoteSaved
 from k3train.models.k3.args import get_preset
 from k3train.models.k3.model import K3Model
