@@ -15,6 +15,7 @@ from k3train.models.k3.documents import Documents
 from k3train.models.k3.kda import KDA
 from k3train.models.k3.mla import GatedMLA
 from k3train.models.k3.model import K3Model
+from k3train.ops.shift import next_in_document
 from k3train.parallel.context_parallel import (
     ContextParallel,
     SequenceLayout,
@@ -119,6 +120,20 @@ def test_conv_halo_matches_unsharded_conv():
         # without the halo the first tokens of piece 1 would differ whenever the document continues
         no_halo = m.qkvgb(x[:, 32:], BatchContext(cu_seqlens=torch.tensor([0, 32])))
         assert (float((no_halo[2][:, :3] - ref[2][:, 32:35]).abs().max()) > 1e-6) == (int(cu[1]) != 32)
+
+
+def test_next_in_document_world1_equals_plain():
+    """The MTP shift over the pieces (a piece's last token reads the next piece's first) equals the shift of the
+    global rows, with a document starting exactly on a piece start (row 0) and one crossing it (row 1)."""
+    T = 32
+    cu = torch.tensor([0, 10, 16, 32, 40, 64])
+    x = torch.randn(2, T, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    ref = next_in_document(x, Documents.from_cu_seqlens(cu, 2, T, "cpu").start)
+    cp = ContextParallel(None, 0, 1, seq_len=T, cu_seqlens_global=cu)
+    local = cp.shard_rows(x)
+    got = cp.gather_rows(next_in_document(local, None, cp.context(*local.shape[:2])))
+    assert torch.equal(got, ref)
+    assert torch.equal(ref[1, 15], x[1, 16]) and not ref[0, 15].any()
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------------
