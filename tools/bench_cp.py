@@ -54,6 +54,8 @@ from k3train.models.k3.context import BatchContext  # noqa: E402
 from k3train.models.k3.kda import KDA  # noqa: E402
 from k3train.models.k3.mla import GatedMLA  # noqa: E402
 from k3train.models.k3.model import K3Model  # noqa: E402
+from k3train.ops.attention.cp import latent_keys  # noqa: E402
+from k3train.ops.kda.cp import kda_cp  # noqa: E402
 from k3train.parallel.context_parallel import ContextParallel, apply_context_parallel  # noqa: E402
 
 
@@ -108,9 +110,9 @@ def _bytes_worker(rank, world, port, out, lengths, mla_layer_max):
             # what the layer's attention does with the latent: gather, gather again in backward, reduce-scatter
             cp = ContextParallel(dist.group.WORLD, seq_len=T)
             lat = torch.randn(cp.pieces_per_rank, cp.piece_len, args.mla_kv_rank + args.mla_shared_k_dim)
-            cp.mla_keys(*lat.shape[:2], lat.device)
-            cp.gather_latent(lat)
-            cp.scatter_latent_grad(cp.gather_latent(lat))
+            keys = latent_keys(cp.context(*lat.shape[:2]), lat.device)
+            keys.gather(lat)
+            keys.scatter(keys.gather(lat))
             row["mla"] = _stats(cp)
             res[T] = row
         if rank == 0:
@@ -190,7 +192,8 @@ def kda_overhead(T: int, repeats: int = 3) -> dict:
         chunk_kda(*ins, cu_seqlens=cu, chunk_size=args.kda_chunk)[0].sum().backward()
 
     def with_cp():
-        cp.kda(*(cp.shard_rows(t) for t in ins), chunk=args.kda_chunk).sum().backward()
+        loc = [cp.shard_rows(t) for t in ins]
+        kda_cp(*loc, cp.context(*loc[0].shape[:2]), args.kda_chunk).sum().backward()
 
     out = {}
     for name, fn in (("chunk_kda", plain), ("cp_world1", with_cp)):

@@ -877,7 +877,7 @@ ISLANDS = "tests/unit/test_autocast_islands.py"
 MUON = "tests/unit/test_muon.py"
 QB = "tests/unit/test_quantile_balancing.py"
 TRAIN = "tests/unit/test_trainer_math.py"
-CP = "tests/unit/test_cp_local.py"
+KDA_CP = "tests/unit/test_kda_cp.py"
 EP = "tests/unit/test_ep_local.py"
 MOONEP = "tests/unit/test_moonep_planner.py"
 PIECES = "tests/unit/test_parallel_pieces.py"
@@ -1066,24 +1066,24 @@ MUTATIONS: list[Mutation] = [
     # ---- context parallelism
     M(
         "cp_prefix_scan_transposed",
-        "k3train.parallel.context_parallel:exclusive_prefix_states",
+        "k3train.ops.kda.cp:exclusive_prefix_states",
         "prefix scan applies M^T instead of M",
         _prefix_scan_transposed,
-        (f"{CP}::test_kda_pieces_equal_whole_sequence",),
+        (f"{KDA_CP}::test_kda_pieces_equal_whole_sequence",),
     ),
     M(
         "cp_summary_crosses_documents",
-        "k3train.parallel.context_parallel:kda_piece_summaries",
+        "k3train.ops.kda.cp:kda_piece_summaries",
         "a piece that starts a document still passes the incoming state on (M kept)",
         _summary_keeps_m,
-        (f"{CP}::test_kda_pieces_equal_whole_sequence",),
+        (f"{KDA_CP}::test_kda_pieces_equal_whole_sequence",),
     ),
     M(
         "cp_piece_always_carries",
-        "k3train.parallel.context_parallel:kda_pieces",
+        "k3train.ops.kda.cp:kda_pieces",
         "a piece that starts with a document still takes the incoming state",
         _pieces_always_carry,
-        (f"{CP}::test_kda_pieces_equal_whole_sequence",),
+        (f"{KDA_CP}::test_kda_pieces_equal_whole_sequence",),
     ),
     # ---- optimizers
     M(

@@ -9,7 +9,7 @@ The ops covered: the chunked KDA (k3kernels.kda.chunk_kda vs k3train.ops.kda.chu
 (k3kernels.situ vs k3train.ops.situ) and the MoE permutation (k3kernels.moe_permute vs k3train.ops.moe_permute).
 Where the Triton kernel does not cover a case the PyTorch op runs, whatever the choice: fp64 tensors (the kernels
 compute in fp32), KDA chunk sizes other than 64 and KDA log-decays below -5. The context-parallel KDA
-(k3train.parallel.context_parallel) follows the same choice: on Triton its piece summaries and outputs are
+(k3train.ops.kda.cp) follows the same choice through kda_segments: on Triton its piece summaries and outputs are
 k3kernels.kda.chunk_kda calls.
 
 A choice is a `Kernels` value (frozen): modules that call these ops hold one in their `kernels` attribute (the class
@@ -129,6 +129,18 @@ class Kernels:
         from k3train.ops.kda import chunk_kda
 
         return chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
+
+    def kda_segments(self, q, k, v, g, beta, *, cu_seqlens, chunk_size: int, g_min: float | None = None):
+        """The per-segment primitive of context-parallel KDA over packed segments [1, N, H, *] (summaries(index) and
+        run(initial_state)): k3train.ops.kda.chunk.KDAChunks, or k3train.ops.kda.cp.KernelSegments over
+        k3kernels.kda.chunk_kda where chunk_kda would run it."""
+        if self.kda_on_triton(q, k, v, g, beta, chunk_size=chunk_size, g_min=g_min):
+            from k3train.ops.kda.cp import KernelSegments
+
+            return KernelSegments(q, k, v, g, beta, cu_seqlens, chunk_size, _kernel("kda", "chunk_kda"))
+        from k3train.ops.kda.chunk import KDAChunks
+
+        return KDAChunks(q, k, v, g, beta, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
 
     def permute(self, x: torch.Tensor, idx: torch.Tensor, n_experts: int):
         """k3train.ops.moe_permute.permute or k3kernels.moe_permute.permute_triton."""

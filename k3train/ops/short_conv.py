@@ -1,8 +1,13 @@
-"""Depthwise causal short convolution that does not read across document boundaries."""
+"""Depthwise causal short convolution that does not read across document boundaries; under context parallelism
+each piece reads the W-1 tokens before it from the rank that holds them (a halo: the last W-1 projected tokens of
+every piece are all-gathered and each piece takes those of its predecessor in sequence order; the global
+position-in-document masks the taps that would cross a document start)."""
 
 from __future__ import annotations
 
 import torch
+
+from k3train.ops.cp import CPContext
 
 
 def causal_conv1d(
@@ -31,3 +36,25 @@ def causal_conv1d(
         keep = (pos >= j).unsqueeze(-1).to(x.dtype)
         y = y + xp[:, W - 1 - j : W - 1 - j + T] * keep * weight[:, W - 1 - j]
     return y
+
+
+def conv_halo(y: torch.Tensor, W: int, cp: CPContext) -> torch.Tensor:
+    """y [B*P, L, C] projected tokens of the local pieces -> [B*P, W-1, C]: the W-1 tokens before each piece in
+    sequence order (zeros before a row's first piece), all-gathered from the ranks that hold them. Differentiable."""
+    R, L, C = y.shape
+    h = W - 1
+    if h <= 0:
+        return y.new_zeros(R, 0, C)
+    if h > L:
+        raise ValueError(f"context parallel: conv width {W} needs pieces of at least {h} tokens, got {L}")
+    return cp.neighbours(y[:, L - h :], "conv_halo", -1)
+
+
+def short_conv(
+    x: torch.Tensor, weight: torch.Tensor, pos_in_doc: torch.Tensor | None = None, cp: CPContext | None = None
+) -> torch.Tensor:
+    """causal_conv1d of a batch, or of the local pieces of a context-parallel batch (cp: k3train.ops.cp.CPContext):
+    then each piece reads the tokens before it through conv_halo, and the document mask comes from cp."""
+    if cp is None:
+        return causal_conv1d(x, weight, pos_in_doc)
+    return causal_conv1d(x, weight, cp.on("pos_in_doc", x.device), conv_halo(x, weight.shape[1], cp))

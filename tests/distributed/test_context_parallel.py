@@ -158,13 +158,15 @@ def _kda_triton(group):
     from layer_init import kda_inputs
 
     from k3train.ops.backend import Kernels
+    from k3train.ops.kda.cp import kda_cp
 
     seq, cu = 256, [0, 30, 100, 192, 256]  # 192: exactly on a piece start
     x = kda_inputs(1, seq, 1, 16, 16, seed=7)
     w = torch.randn(1, seq, 1, 16, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
     cp = ContextParallel(group, seq_len=seq, cu_seqlens_global=torch.tensor(cu))
     leaves = [x[n].float().requires_grad_() for n in KDA_NAMES]
-    o = cp.kda(*(cp.shard_rows(t) for t in leaves), 64, kernels=Kernels("triton"), g_min=-5.0)
+    loc = [cp.shard_rows(t) for t in leaves]
+    o = kda_cp(*loc, cp.context(*loc[0].shape[:2]), 64, kernels=Kernels("triton"), g_min=-5.0)
     grads = torch.autograd.grad((o * cp.shard_rows(w).float()).sum(), leaves)
     for g in grads:
         dist.all_reduce(g, group=group)

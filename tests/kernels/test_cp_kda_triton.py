@@ -13,6 +13,7 @@ from layer_init import kda_inputs
 
 from k3train.ops.backend import Kernels
 from k3train.ops.kda import chunk_kda as torch_chunk_kda
+from k3train.ops.kda.cp import kda_cp
 from k3train.parallel.context_parallel import ContextParallel
 
 pytest.importorskip("triton")
@@ -36,7 +37,7 @@ def cp_kda(cp, x, dtype, kernels):
     """CP KDA over the handle's local pieces of the global [B, T, ...] inputs x; -> (o [B, T, H, V], grads)."""
     leaves = {n: t.to(DEV, dtype).requires_grad_() for n, t in x.items()}
     loc = [cp.shard_rows(leaves[n]) for n in NAMES]
-    o = cp.gather_rows(cp.kda(*loc, 64, kernels=kernels, g_min=-5.0))
+    o = cp.gather_rows(kda_cp(*loc, cp.context(*loc[0].shape[:2]), 64, kernels=kernels, g_min=-5.0))
     return o, leaves
 
 
@@ -93,7 +94,7 @@ def test_cp_kda_follows_the_kernel_choice(monkeypatch):
         cp_kda(cp, x, torch.float32, Kernels("torch"))
         cp_kda(cp, x, torch.float64, Kernels("triton"))
         loc = [cp.shard_rows(x[n].float()) for n in NAMES]
-        cp.kda(*loc, 64, kernels=Kernels("triton"), g_min=-8.0)
+        kda_cp(*loc, cp.context(*loc[0].shape[:2]), 64, kernels=Kernels("triton"), g_min=-8.0)
         assert calls == []
         cp_kda(cp, x, torch.float32, Kernels("triton"))
         assert len(calls) == 3

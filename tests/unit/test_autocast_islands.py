@@ -14,7 +14,7 @@ from k3train.models.k3.loss import token_loss_sum
 from k3train.models.k3.moe import Router
 from k3train.ops.attn_res import attn_res, attn_res_reference
 from k3train.ops.kda import chunk_kda
-from k3train.parallel.context_parallel import kda_piece_chunks, kda_piece_summaries, piece_plan
+from k3train.ops.kda.cp import kda_piece_chunks, kda_piece_summaries, piece_plan
 
 
 def autocast():

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from k3train.ops.kda import chunk_kda, chunk_kda_summary, kda_gate, naive_recurrent_kda
 from k3train.ops.kda.chunk import KDAChunks, fold_summaries
-from k3train.parallel.context_parallel import kda_piece_chunks, kda_piece_summaries, piece_plan
+from k3train.ops.kda.cp import kda_piece_chunks, kda_piece_summaries, piece_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import bench_kda_documents  # noqa: E402

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from k3train.models.k3.documents import Documents
+from k3train.ops.cp import CPContext
 
 
 @dataclass
@@ -17,7 +18,8 @@ class BatchContext:
 
     cu_seqlens: torch.Tensor | None = None
     cp: Any = None
-    """Context-parallel handle (k3train.parallel.context_parallel) or None."""
+    """Context-parallel handle (k3train.parallel.context_parallel.ContextParallel) or None; its ops see it through
+    cp_context."""
     _docs: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -26,6 +28,11 @@ class BatchContext:
         ctx = cls(cu_seqlens=docs.cu_seqlens, cp=cp)
         ctx._docs[(docs.shape, str(docs.start.device))] = docs
         return ctx
+
+    def cp_context(self, B: int, T: int) -> CPContext | None:
+        """What the sequence-mixing ops take for this batch of [B, T] rows (the local pieces as rows under context
+        parallelism: k3train.ops.cp.CPContext), or None without context parallelism."""
+        return None if self.cp is None else self.cp.context(B, T)
 
     def documents(self, B: int, T: int, device) -> Documents:
         """The document boundaries of this [B, T] batch (validated and derived once, then cached)."""

@@ -3,7 +3,8 @@
 q, k, v: Linear -> depthwise causal conv (width 4, no bias, not across documents) -> SiLU; q, k L2-normalised per head.
 Decay: low-rank d -> r -> H*K, then g = g_min * sigmoid(exp(A_log) * (f + dt_bias)) in (g_min, 0).
 Write strength beta = sigmoid(W_b x) per head. Output: per-head RMSNorm, gated by sigmoid(W_g x) (full rank), then Wo.
-The recurrence itself lives in k3train.ops.kda (naive reference + chunked fast path).
+The recurrence itself lives in k3train.ops.kda (naive reference + chunked fast path; k3train.ops.kda.cp.kda runs it
+per document or over the pieces of a context-parallel batch).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from k3train.models.costs import Costs, Flops, Saved, gemm
 from k3train.models.structure import MatrixStructure
 from k3train.ops.backend import AUTO, Kernels
 from k3train.ops.kda import kda_gate
-from k3train.ops.short_conv import causal_conv1d
+from k3train.ops.kda.cp import kda
+from k3train.ops.short_conv import short_conv
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -67,13 +69,8 @@ class KDA(nn.Module):
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
         pos = None if ctx.cu_seqlens is None else ctx.documents(B, T, x.device).positions
-        if ctx.cp is not None:
-            pos = ctx.cp.positions(B, T, x.device)
-
-        def branch(proj, w):
-            y = proj(x)
-            h = ctx.cp.conv_halo(y, w.shape[1]) if ctx.cp is not None else None
-            return F.silu(causal_conv1d(y, w, pos, h)).view(B, T, H, K)
+        cp = ctx.cp_context(B, T)
+        branch = lambda proj, w: F.silu(short_conv(proj(x), w, pos, cp)).view(B, T, H, K)
 
         q = l2norm(branch(self.q_proj, self.q_conv))
         k = l2norm(branch(self.k_proj, self.k_conv))
@@ -86,23 +83,18 @@ class KDA(nn.Module):
         B, T, _ = x.shape
         ctx = ctx or BatchContext()
         q, k, v, g, beta = self.qkvgb(x, ctx)
-        if ctx.cp is not None:
-            o = ctx.cp.kda(q, k, v, g, beta, self.chunk, kernels=self.kernels, g_min=self.g_min)
-        elif ctx.cu_seqlens is None:
-            o, _ = self.kernels.chunk_kda(q, k, v, g, beta, chunk_size=self.chunk, g_min=self.g_min)
-        else:
-            flat = lambda t: t.reshape(1, B * T, *t.shape[2:])
-            o, _ = self.kernels.chunk_kda(
-                flat(q),
-                flat(k),
-                flat(v),
-                flat(g),
-                flat(beta),
-                cu_seqlens=ctx.cu_seqlens,
-                chunk_size=self.chunk,
-                g_min=self.g_min,
-            )
-            o = o.view(B, T, self.n_heads, self.head_dim)
+        o = kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            chunk_size=self.chunk,
+            kernels=self.kernels,
+            g_min=self.g_min,
+            cu_seqlens=ctx.cu_seqlens,
+            cp=ctx.cp_context(B, T),
+        )
         o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.g_proj(x)).view(B, T, self.n_heads, self.head_dim)
         return self.o_proj(o.reshape(B, T, -1))
 

@@ -20,6 +20,7 @@ from k3train.models.k3.context import BatchContext
 from k3train.models.costs import Costs, Flops, Saved, gemm
 from k3train.models.structure import MatrixStructure
 from k3train.ops.attention import latent_block_attention
+from k3train.ops.attention.cp import attend_rows
 from k3train.ops.attention.blocked import K_BLOCK, Q_BLOCK
 
 
@@ -71,20 +72,8 @@ class GatedMLA(nn.Module):
         ctx = ctx or BatchContext()
         q = self.wq_b(self.q_norm(self.wq_a(x))).view(B, T, self.n_heads, -1).transpose(1, 2)
         c_kv = self.latent(x)
-        if ctx.cp is not None:  # local pieces as rows [B*P, ..]: their queries, in one set, attend the whole row
-            keys = ctx.cp.mla_keys(B, T, x.device)
-            P = len(keys.q_segments)
-            qr = q.view(B // P, P, *q.shape[1:]).transpose(1, 2).reshape(B // P, self.n_heads, P * T, -1)
-            o = self.attend(qr, c_kv, keys.q_pos, keys.q_doc, keys.k_pos, keys.k_doc, keys.q_segments, keys)
-            o = o.view(B // P, self.n_heads, P, T, self.v_dim).transpose(1, 2).reshape(B, self.n_heads, T, -1)
-        else:
-            pos = torch.arange(T, device=x.device)[None]
-            doc = (
-                torch.zeros(1, T, dtype=torch.long, device=x.device)
-                if ctx.cu_seqlens is None
-                else ctx.documents(B, T, x.device).doc_ids
-            )
-            o = self.attend(q, c_kv, pos, doc, pos, doc)
+        doc = None if ctx.cu_seqlens is None else ctx.documents(B, T, x.device).doc_ids
+        o = attend_rows(self.attend, q, c_kv, doc, ctx.cp_context(B, T))
         o = o.transpose(1, 2) * torch.sigmoid(self.g_proj(x)).view(B, T, self.n_heads, self.v_dim)
         return self.o_proj(o.reshape(B, T, -1))
 

@@ -22,7 +22,7 @@ Documents. Position t is a prediction only when token t+1 lies in t's document (
 its label is a target: the data pipeline ignores a label that starts a new document). `next_in_document` gives
 e_{t+1} with zeros where t+1 begins a document or lies past the row, and `mtp_labels` the targets, IGNORE_INDEX
 elsewhere, so no prediction crosses a document's end. Under context parallelism the last token of a piece reads
-the first token of the next piece (a one-token halo, ContextParallel.next_in_document).
+the first token of the next piece (a one-token halo, k3train.ops.shift.next_in_document).
 
 Loss (k3train.parallel.engine): next-token loss + optim.mtp_loss_weight x MTP loss, each the mean over its own
 target tokens of the global step; both are logged (`loss` and `mtp_loss`).
@@ -41,6 +41,7 @@ from k3train.models.k3.loss import IGNORE_INDEX, loss_costs
 from k3train.models.k3.mla import GatedMLA
 from k3train.models.costs import Costs, Saved, gemm, norm_costs
 from k3train.models.structure import MatrixStructure
+from k3train.ops.shift import next_in_document as shift_next_in_document
 
 
 class MTPBlock(nn.Module):
@@ -99,12 +100,9 @@ class MTP(nn.Module):
 def next_in_document(x: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
     """x [B, T, C] -> x at t+1 [B, T, C], zero where token t+1 begins a document or lies past the row (under
     context parallelism: past the row's last piece)."""
-    if ctx.cp is not None:
-        return ctx.cp.next_in_document(x)
     B, T, _ = x.shape
-    start = ctx.documents(B, T, x.device).start
-    keep = F.pad(~start[:, 1:], (0, 1), value=False)
-    return F.pad(x[:, 1:], (0, 0, 0, 1)) * keep[..., None].to(x.dtype)
+    start = None if ctx.cu_seqlens is None else ctx.documents(B, T, x.device).start
+    return shift_next_in_document(x, start, ctx.cp_context(B, T))
 
 
 def mtp_labels(labels: torch.Tensor, start: torch.Tensor) -> torch.Tensor:

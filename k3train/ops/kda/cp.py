@@ -1,0 +1,185 @@
+"""KDA under context parallelism: all-gather of the pieces' affine summaries, then a prefix scan.
+
+Every piece is an affine map of the recurrent state, S_out = M S_in + B. Each rank computes (M, B) of its pieces in
+fp32 from a zero state, all-gathers them (H*K*(K+V) numbers per piece, independent of the sequence length), composes
+the exclusive prefix S_in of each of its pieces in sequence order with (M2, B2) o (M1, B1) = (M2 M1, M2 B1 + B2), then
+runs the state pass of its pieces from S_in. Documents cut the chain: a piece is split into segments at document
+starts; only its first segment takes S_in (and only if the piece does not itself begin a document), later segments
+start from zero; its summary is that of its last segment, with M = 0 when that segment begins a document. The
+segments are packed as chunk_kda packs documents (ops.kda.utils.ChunkLayout): each is padded only to whole chunks and
+their chunks follow one another, so a rank's chunk terms hold at most R*L + segments x (C-1) token slots.
+
+The per-segment primitive is what the layer's kernels choose (k3train.ops.backend.Kernels.kda_segments): the PyTorch
+chunk terms (ops.kda.chunk.KDAChunks, computed once for the summaries and the outputs), or `KernelSegments` over
+k3kernels.kda.chunk_kda (B is a segment's final state from zero, M its final state with zero values (V = K) from the
+identity, and the outputs one more call from the incoming states). Backward is autograd: the all-gather's backward
+reduce-scatters (sums) the gradients of the summaries back to the ranks that made them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from k3train.ops.cp import CPContext
+from k3train.ops.dtypes import wide
+from k3train.ops.kda.chunk import KDAChunks
+
+
+@dataclass
+class PiecePlan:
+    """How KDA runs a rank's R local pieces (rows of length L) given their document starts.
+
+    The local stream [R*L] is cut into segments at every piece start and every document start."""
+
+    cu_seqlens: list[int]
+    """Segment offsets over the flattened [R*L] local stream (chunk_kda's cu_seqlens)."""
+    first_seg: torch.Tensor
+    """[R] int64: index of each piece's first segment (the one that may take the incoming state)."""
+    carry: torch.Tensor
+    """[R] bool: the piece continues a document from the previous piece (its first token is no document start)."""
+    keep_m: torch.Tensor
+    """[R] bool: the piece contains no document start, so its summary's M passes the incoming state on."""
+    last_seg: torch.Tensor
+    """[R] int64: index of each piece's LAST segment (the part its summary describes)."""
+
+    def to(self, device) -> "PiecePlan":
+        move = lambda t: t.to(device)
+        return replace(
+            self,
+            first_seg=move(self.first_seg),
+            carry=move(self.carry),
+            keep_m=move(self.keep_m),
+            last_seg=move(self.last_seg),
+        )
+
+
+def piece_plan(doc_start: torch.Tensor) -> PiecePlan:
+    """doc_start [R, L] bool: which local tokens begin a document (in the GLOBAL sense)."""
+    R, L = doc_start.shape
+    seg_start = doc_start.clone()
+    seg_start[:, 0] = True
+    flat = seg_start.reshape(-1)
+    seg_id = torch.cumsum(flat.to(torch.int64), 0) - 1
+    starts = torch.nonzero(flat).squeeze(1)
+    cu = starts.tolist() + [R * L]
+    sid = seg_id.view(R, L)
+    return PiecePlan(
+        cu_seqlens=cu,
+        first_seg=sid[:, 0].clone(),
+        carry=~doc_start[:, 0],
+        keep_m=~doc_start.any(1),
+        last_seg=sid[:, -1].clone(),
+    )
+
+
+class KernelSegments:
+    """KDAChunks' `summaries` and `run` over packed segments [1, N, H, *] from a chunk_kda op with the signature of
+    k3kernels.kda.chunk_kda (final states in fp32): B is a segment's final state from a zero initial state; M (K x K)
+    is the final state of the same recurrence with zero values (V = K) from the identity, M I + 0."""
+
+    def __init__(self, q, k, v, g, beta, cu_seqlens: list[int], chunk_size: int, chunk_kda):
+        self.inputs, self.cu_seqlens, self.chunk_size = (q, k, v, g, beta), cu_seqlens, chunk_size
+        self.chunk_kda = chunk_kda
+        self.dtype = wide(k.dtype)
+        """The dtype of the summaries: the op's states (fp32 for k3kernels; fp64 inputs never reach it)."""
+
+    def summaries(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(M [n, H, K, K], B [n, H, K, V]) of the segments in `index`."""
+        q, k, v, g, beta = self.inputs
+        H, K = k.shape[-2:]
+        n_seg, kw = len(self.cu_seqlens) - 1, dict(cu_seqlens=self.cu_seqlens, chunk_size=self.chunk_size)
+        _, Bm = self.chunk_kda(q, k, v, g, beta, output_final_state=True, **kw)
+        eye = torch.eye(K, device=k.device, dtype=Bm.dtype).expand(n_seg, H, K, K)
+        zero_v = k.new_zeros(k.shape[:-1] + (K,)).to(v.dtype)
+        _, M = self.chunk_kda(q, k, zero_v, g, beta, initial_state=eye, output_final_state=True, **kw)
+        index = index.to(k.device)
+        return M.index_select(0, index), Bm.index_select(0, index)
+
+    def run(self, initial_state: torch.Tensor):
+        """(o [1, N, H, V], None) from the segments' initial states [n, H, K, V]."""
+        return self.chunk_kda(
+            *self.inputs, initial_state=initial_state, cu_seqlens=self.cu_seqlens, chunk_size=self.chunk_size
+        )
+
+
+def kda_piece_chunks(q, k, v, g, beta, plan: PiecePlan, chunk: int, kernels=None, g_min: float | None = None):
+    """The segments of the R local pieces [R, L, H, *], each laid out from its own start and padded to whole chunks,
+    the segments' chunks one after another: KDAChunks (kernels None, or where they choose PyTorch) or the kernels'
+    KernelSegments. Built once: the pieces' summaries and, after the all-gather, their outputs both come from them."""
+    R, L = k.shape[:2]
+    flat = [t.reshape(1, R * L, *t.shape[2:]) for t in (q, k, v, g, beta)]
+    if kernels is None:
+        return KDAChunks(*flat, cu_seqlens=plan.cu_seqlens, chunk_size=chunk)
+    return kernels.kda_segments(*flat, cu_seqlens=plan.cu_seqlens, chunk_size=chunk, g_min=g_min)
+
+
+def kda_piece_summaries(chunks, plan: PiecePlan) -> torch.Tensor:
+    """Affine summaries of the R local pieces: [R, H, K, K+V] = [M | B] in fp32 (fp64 for fp64 input), from each
+    piece's last segment (a fold of just that segment's chunks, however many); M is zeroed where that segment begins
+    a document."""
+    with torch.autocast(plan.last_seg.device.type, enabled=False):  # fold the pieces' chunks in fp32
+        M, Bm = chunks.summaries(plan.last_seg)
+        M, Bm = M.to(chunks.dtype), Bm.to(chunks.dtype)
+    M = M * plan.keep_m.to(M.device, M.dtype).view(-1, 1, 1, 1)
+    return torch.cat([M, Bm], dim=-1)
+
+
+def exclusive_prefix_states(summaries: torch.Tensor, K: int) -> torch.Tensor:
+    """summaries [B, n, H, K, K+V] in sequence order -> the state entering each piece [B, n, H, K, V]
+    (S_in(0) = 0, S_in(j+1) = M_j S_in(j) + B_j). A loop over the n pieces (2*world), batched over rows and heads."""
+    M, Bm = summaries[..., :K], summaries[..., K:]
+    S = torch.zeros_like(Bm[:, 0])
+    prefix = []
+    with torch.autocast(summaries.device.type, enabled=False):  # the fold stays in the summaries' fp32
+        for j in range(summaries.shape[1]):
+            prefix.append(S)
+            S = torch.matmul(M[:, j], S) + Bm[:, j]
+    return torch.stack(prefix, dim=1)
+
+
+def kda_pieces(chunks, incoming: torch.Tensor, plan: PiecePlan) -> torch.Tensor:
+    """Outputs of the R local pieces from their incoming states [R, H, K, V]: the first segment of a piece that
+    continues a document starts from its incoming state, every other segment from zero. -> o [R, L, H, V]."""
+    R, H, K, V = incoming.shape
+    S0 = incoming * plan.carry.to(incoming.device, incoming.dtype).view(R, 1, 1, 1)
+    n_seg = len(plan.cu_seqlens) - 1
+    init = S0.new_zeros(n_seg, H, K, V).index_copy(0, plan.first_seg.to(S0.device), S0)
+    o, _ = chunks.run(init)
+    return o.view(R, -1, H, V)
+
+
+def incoming_states(mine: torch.Tensor, cp: CPContext) -> torch.Tensor:
+    """This rank's piece summaries [R, H, K, K+V] -> the states entering its pieces [R, H, K, V] (all-gather, then
+    the prefix over every row's pieces in sequence order)."""
+    R, H, K, KV = mine.shape
+    every = cp.to_sequence_order(cp.gather(mine, "kda_summary"), R // cp.per_rank)  # [B, n, H, K, K+V]
+    S_in = exclusive_prefix_states(every, K)  # [B, n, H, K, V]
+    return cp.local(S_in).reshape(R, H, K, KV - K)
+
+
+def kda_cp(q, k, v, g, beta, cp: CPContext, chunk: int, kernels=None, g_min: float | None = None) -> torch.Tensor:
+    """KDA over the local pieces [B*P, L, H, *], continuing the state of the pieces before them -> o [B*P, L, H, V].
+    kernels (k3train.ops.backend.Kernels, None: PyTorch) choose the per-segment primitive (kda_piece_chunks)."""
+    L = k.shape[1]
+    if L % chunk:
+        raise ValueError(f"context parallel: KDA chunk {chunk} does not divide the piece length {L}")
+    plan = cp.cached("kda_plan", k.device, lambda: piece_plan(cp.doc_start).to(k.device))
+    chunks = kda_piece_chunks(q, k, v, g, beta, plan, chunk, kernels, g_min)
+    return kda_pieces(chunks, incoming_states(kda_piece_summaries(chunks, plan), cp), plan)
+
+
+def kda(q, k, v, g, beta, *, chunk_size: int, kernels, g_min: float | None = None, cu_seqlens=None, cp=None):
+    """The KDA layer's recurrence over rows q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H] -> o [B, T, H, V]:
+    with `kernels`' chunk_kda, per document when cu_seqlens (offsets over the flattened [B*T] stream) is given, or
+    over the local pieces of a context-parallel batch when cp (k3train.ops.cp.CPContext) is given."""
+    if cp is not None:
+        return kda_cp(q, k, v, g, beta, cp, chunk_size, kernels=kernels, g_min=g_min)
+    if cu_seqlens is None:
+        o, _ = kernels.chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, g_min=g_min)
+        return o
+    B, T = k.shape[:2]
+    flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
+    o, _ = kernels.chunk_kda(*flat, cu_seqlens=cu_seqlens, chunk_size=chunk_size, g_min=g_min)
+    return o.view(B, T, *o.shape[2:])
