@@ -485,28 +485,22 @@ def build_engine(
     computes under bf16 autocast and sends bf16 activations between pipeline stages (train.precision);
     autocast_dtype alone (fp32 parameters, autocast compute) is kept for experiments. train_vision: the data feeds
     images, so the vision tower trains (else it is frozen: no gradient, no optimizer state, no weight decay)."""
-    from k3train.parallel.parallelize import PartSetup, parallelize_part
-    from k3train.parallel.pipeline import stage_part_on_meta
-
+    from k3train.parallel.parallelize import PartSetup
     from k3train.parallel.zero import PARAM_DTYPES
 
     if precision not in PARAM_DTYPES:
         raise ConfigError(f"train.precision must be one of {list(PARAM_DTYPES)}, got {precision!r}")
     param_dtype = PARAM_DTYPES[precision]
-    if precision == "bf16":
-        autocast_dtype = param_dtype
+    autocast_dtype = param_dtype if precision == "bf16" else autocast_dtype
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     dims = parallel if isinstance(parallel, ParallelDims) else ParallelDims.from_config(parallel, world)
     dims.validate(world_size=world, model_args=model_args)
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     mesh = build_mesh(dims, device.type) if world > 1 else None
     stage_layers = stage_layers or split_layers(model_args, dims.n_stages, seq_len=seq_len_hint)
     if len(stage_layers) != dims.n_stages:
         raise ConfigError(f"parallel: {len(stage_layers)} stage layer lists for pp*vpp={dims.n_stages}")
     stage_ids = stages_of_rank(dims, mesh.coords["pp"] if mesh is not None else 0)
-    n = dims.n_stages
     setup = PartSetup(
         dims=dims,
         mesh=mesh,
@@ -518,65 +512,13 @@ def build_engine(
         compute_dtype=autocast_dtype,
         train_vision=train_vision,
     )
-    parts, handles = [], []
-    for s in stage_ids:
-        part, handle = parallelize_part(
-            stage_part_on_meta(model_args, stage_layers[s], first=s == 0, last=s == n - 1), setup
-        )
-        if param_dtype != torch.float32:  # initialised in fp32 (same values in every layout), stored in bf16/fp64
-            for p in part.parameters():
-                p.data = p.data.to(param_dtype)
-        parts.append(part)
-        handles += [handle] if handle is not None else []
-
-    groups = {"dense": (mesh.group("dp_cp") if mesh else None, "dp_cp")}
-    expert_blocks: dict[str, tuple[int, int]] = {}
-    if dims.ep > 1:
-        from k3train.parallel.expert_parallel import expert_parameters
-
-        groups["expert"] = (mesh.group("edp"), "edp")
-        for part in parts:  # home experts: replicated (and reduced, and ZeRO-sharded) over the edp ranks only
-            expert_blocks.update(expert_parameters(part))
-    reduce_groups = {}
-    if mesh is not None:  # groups of their own for the gradient reductions that overlap backward
-        reduce_groups = {"dense": mesh.reduce_group("dp_cp")}
-        if dims.ep > 1:
-            reduce_groups["expert"] = mesh.reduce_group("edp")
-    optimizer = ShardedOptimizer(
-        parts,
-        optim_cfg,
-        zero=dims.zero,
-        groups=groups,
-        expert_blocks=expert_blocks,
-        bucket_numel=bucket_numel,
-        precision=precision,
-        reduce_groups=reduce_groups,
-    )
-    cp_plan = None
-    if dims.cp > 1:
-        from k3train.parallel.context_parallel import apply_context_parallel
-
-        cp_plan = apply_context_parallel(parts, mesh.group("cp"), layout=dims.cp_layout, seq_len=seq_len_hint)
+    parts, handles = _build_parts(model_args, stage_layers, stage_ids, setup, param_dtype)
+    optimizer = _build_optimizer(parts, dims, mesh, optim_cfg, bucket_numel, precision)
     pipeline = None
     if dims.pp > 1:
-        cp = (mesh.group("cp"), dims.cp_layout) if dims.cp > 1 else None
-        modules = {
-            s: StageModule(
-                p, first=s == 0, last=s == n - 1, autocast_dtype=autocast_dtype, boundary_dtype=param_dtype, cp=cp
-            )
-            for s, p in zip(stage_ids, parts)
-        }
-        pipeline = Pipeline(
-            args=model_args,
-            dims=dims,
-            stage_layers=stage_layers,
-            modules=modules,
-            pp_group=mesh.group("pp"),
-            device=device,
-            grad_reducer=optimizer,
-            boundary_dtype=param_dtype,
-            mtp_weight=float(optimizer.cfg.mtp_loss_weight) if model_args.mtp_layers else 0.0,
-        )
+        stages = dict(zip(stage_ids, parts))
+        dtypes = (autocast_dtype, param_dtype)
+        pipeline = _build_pipeline(model_args, dims, mesh, stage_layers, stages, optimizer, device, *dtypes)
     return Engine(
         args=model_args,
         dims=dims,
@@ -589,6 +531,90 @@ def build_engine(
         model_parts=parts,
         optimizer=optimizer,
         pipeline=pipeline,
-        cp_plan=cp_plan,
+        cp_plan=_build_cp(parts, dims, mesh, seq_len_hint),
         activation_handles=handles,
+    )
+
+
+def _build_cp(parts, dims, mesh, seq_len: int):
+    """The context-parallel handle of the parts (None without CP)."""
+    if dims.cp == 1:
+        return None
+    from k3train.parallel.context_parallel import apply_context_parallel
+
+    return apply_context_parallel(parts, mesh.group("cp"), layout=dims.cp_layout, seq_len=seq_len)
+
+
+def _build_parts(model_args, stage_layers, stage_ids, setup, param_dtype) -> tuple[list, list]:
+    """This rank's stage parts, each built on the meta device and parallelized (parallelize_part); initialised in
+    fp32 (the same values in every layout), then stored in the parameter dtype. Returns (parts, activation
+    handles)."""
+    from k3train.parallel.parallelize import parallelize_part
+    from k3train.parallel.pipeline import stage_part_on_meta
+
+    n = len(stage_layers)
+    parts, handles = [], []
+    for s in stage_ids:
+        part, handle = parallelize_part(
+            stage_part_on_meta(model_args, stage_layers[s], first=s == 0, last=s == n - 1), setup
+        )
+        if param_dtype != torch.float32:
+            for p in part.parameters():
+                p.data = p.data.to(param_dtype)
+        parts.append(part)
+        handles += [handle] if handle is not None else []
+    return parts, handles
+
+
+def _build_optimizer(parts, dims, mesh, optim_cfg, bucket_numel: int, precision: str) -> ShardedOptimizer:
+    """The sharded optimizer over the parts: dense parameters reduced over dp_cp, home experts over edp only, each
+    with a group of its own for the reductions that overlap backward."""
+    groups = {"dense": (mesh.group("dp_cp") if mesh else None, "dp_cp")}
+    expert_blocks: dict[str, tuple[int, int]] = {}
+    if dims.ep > 1:
+        from k3train.parallel.expert_parallel import expert_parameters
+
+        groups["expert"] = (mesh.group("edp"), "edp")
+        for part in parts:  # home experts: replicated (and reduced, and ZeRO-sharded) over the edp ranks only
+            expert_blocks.update(expert_parameters(part))
+    reduce_groups = {}
+    if mesh is not None:
+        reduce_groups = {"dense": mesh.reduce_group("dp_cp")}
+        if dims.ep > 1:
+            reduce_groups["expert"] = mesh.reduce_group("edp")
+    return ShardedOptimizer(
+        parts,
+        optim_cfg,
+        zero=dims.zero,
+        groups=groups,
+        expert_blocks=expert_blocks,
+        bucket_numel=bucket_numel,
+        precision=precision,
+        reduce_groups=reduce_groups,
+    )
+
+
+def _build_pipeline(
+    model_args, dims, mesh, stage_layers, parts: dict, optimizer, device, autocast_dtype, param_dtype
+) -> Pipeline:
+    """The pipeline over this rank's stages (stage id -> part); the optimizer reduces each stage's gradients, and
+    activations cross stage boundaries in the parameters' dtype."""
+    n = dims.n_stages
+    cp = (mesh.group("cp"), dims.cp_layout) if dims.cp > 1 else None
+    modules = {
+        s: StageModule(
+            p, first=s == 0, last=s == n - 1, autocast_dtype=autocast_dtype, boundary_dtype=param_dtype, cp=cp
+        )
+        for s, p in parts.items()
+    }
+    return Pipeline(
+        args=model_args,
+        dims=dims,
+        stage_layers=stage_layers,
+        modules=modules,
+        pp_group=mesh.group("pp"),
+        device=device,
+        grad_reducer=optimizer,
+        boundary_dtype=param_dtype,
+        mtp_weight=float(optimizer.cfg.mtp_loss_weight) if model_args.mtp_layers else 0.0,
     )
