@@ -100,6 +100,58 @@ def test_the_checker_sees_cycles():
     assert "k3train.parallel" in g["k3train.train.trainer"]  # the package runs first
 
 
+LAYERS = (
+    ("errors", "digest", "distributed"),  # what every layer raises, hashes and communicates with
+    ("ops",),  # tensor ops and their context parallelism (k3kernels beside them)
+    ("models",),  # modules, their matrix structure, costs and activation rules
+    ("optim", "data", "activation"),  # optimizers and their sharding plan; data; activation storage
+    ("parallel",),  # mesh, pipeline, ZeRO buckets, EP, CP layout, the engine
+    ("config",),  # the schema and its resolution into a RunSpec
+    ("plan",),  # the planner, composing the models' costs over a RunSpec
+    ("converge",),
+    ("train",),
+)
+"""k3train's packages from the bottom up: a package imports only packages of its own row or below, module-level
+and lazy imports alike (a package of the same row: none do today)."""
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    rank = {pkg: i for i, row in enumerate(LAYERS) for pkg in row}
+    out = []
+    for src, deps in graph.items():
+        for dep in deps:
+            a, b = package_of(src), package_of(dep)
+            if a in rank and b in rank and rank[b] > rank[a]:
+                out.append((src, dep))
+    return sorted(out)
+
+
+def test_packages_import_downward():
+    graph = import_graph()
+    every = {package_of(m) for m in graph} - {""}
+    assert every == {pkg for row in LAYERS for pkg in row}, "a package is missing from LAYERS"
+    assert upward_imports(graph) == []
+    assert upward_imports({"k3train.optim.x": {"k3train.parallel.y"}}) == [("k3train.optim.x", "k3train.parallel.y")]
+    # Same-row packages do not import each other either: their order within the row is free.
+    rows = {pkg: i for i, row in enumerate(LAYERS) for pkg in row}
+    sideways = sorted(
+        (src, dep)
+        for src, deps in graph.items()
+        for dep in deps
+        if package_of(src) != package_of(dep)
+        and package_of(src) in rows
+        and rows.get(package_of(dep)) == rows[package_of(src)]
+        and len(LAYERS[rows[package_of(src)]]) > 1
+        and package_of(src) not in ("errors", "digest", "distributed")
+    )
+    assert sideways == [], sideways
+
+
 def test_every_package_is_in_the_wheel():
     """pyproject.toml lists the packages a wheel carries; a subpackage missing there imports from a checkout but not
     from an installed wheel."""
