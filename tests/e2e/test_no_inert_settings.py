@@ -341,6 +341,7 @@ def _model_cases() -> list[Case]:
         "dim": 48,
         "n_layers": 2,
         "mla_every": 2,
+        "layer_kinds": {1: "mla"},
         "norm_eps": 0.1,
         "kda_heads": 1,
         "kda_head_dim": 16,

@@ -58,6 +58,10 @@ class K3ModelArgs:
     """Decoder layers."""
     mla_every: int = 4
     """Layer i (1-based) is Gated MLA when i % mla_every == 0 or i == n_layers, else KDA."""
+    layer_kinds: dict[int, str] = field(default_factory=dict)
+    """{1-based layer: kind} for layers that hold another token mixer than the mla_every rule gives them: a kind
+    registered in k3train.models.k3.mixers ("kda", "mla", or one a package registers when imported; a kind nobody
+    registered is refused when the layer is built or costed)."""
     norm_eps: float = 1e-6
     """RMSNorm epsilon everywhere."""
     max_seq_len: int = 1 << 20
@@ -137,7 +141,9 @@ class K3ModelArgs:
 
     # ---- derived -------------------------------------------------------------------------------
     def layer_kind(self, i: int) -> str:
-        """'mla' or 'kda' for 1-based layer index i."""
+        """The token-mixer kind of 1-based layer i: layer_kinds[i] if given, else 'mla' or 'kda' by mla_every."""
+        if i in self.layer_kinds:
+            return self.layer_kinds[i]
         return "mla" if (i % self.mla_every == 0 or i == self.n_layers) else "kda"
 
     def ffn_kind(self, i: int) -> str:
@@ -209,6 +215,7 @@ class K3ModelArgs:
             self.mtp_layers in (0, 1) and not isinstance(self.mtp_layers, bool),
             f"mtp_layers must be 0 or 1 (one multi-token-prediction module at most), got {self.mtp_layers!r}",
         )
+        self._validate_layer_kinds(need)
         need(self.router_score_dtype in ("float32", "float64"), "router_score_dtype must be float32 or float64")
         if self.vision is not None:
             v = self.vision
@@ -218,6 +225,17 @@ class K3ModelArgs:
                 f"vision.max_image_side={v.max_image_side} must be a multiple of patch_size*merge",
             )
         return self
+
+    def _validate_layer_kinds(self, need) -> None:
+        # Whether a kind is registered is checked where a layer's mixer is looked up (mixers.layer_mixer): the
+        # registry imports the mixers' modules, which import this one.
+        need(
+            isinstance(self.layer_kinds, dict), f"layer_kinds must map layer numbers to kinds, got {self.layer_kinds!r}"
+        )
+        for i, kind in self.layer_kinds.items():
+            ok = isinstance(i, int) and not isinstance(i, bool) and 1 <= i <= self.n_layers
+            need(ok, f"layer_kinds key {i!r} must be a layer number in [1, n_layers={self.n_layers}]")
+            need(isinstance(kind, str), f"layer_kinds[{i}] must be a layer kind's name, got {kind!r}")
 
 
 def _tiny_vision() -> VisionArgs:
@@ -307,6 +325,9 @@ def get_preset(preset: str, /, **overrides) -> K3ModelArgs:
     bad = sorted(set(overrides) - fields)
     if bad:
         raise ConfigError(f"unknown model field(s) {bad} for preset {preset!r}")
+    if isinstance(overrides.get("layer_kinds"), dict):  # keys written as text in a config are layer numbers
+        kinds = overrides["layer_kinds"].items()
+        overrides["layer_kinds"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in kinds}
     args = dataclasses.replace(base, **overrides)
     if args.vision is not None and not isinstance(args.vision, VisionArgs):
         args.vision = VisionArgs(**args.vision)

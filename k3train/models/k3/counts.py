@@ -22,7 +22,7 @@ import torch
 
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.costs import Costs, Flops
-from k3train.models.k3.kda import KDA
+from k3train.models.k3.mixers import layer_mixer
 from k3train.models.k3.mla import GatedMLA
 from k3train.models.k3.model import K3Layer, K3Model, sources_after
 
@@ -122,8 +122,9 @@ def stage_param_counts(args: K3ModelArgs, stage_layers: list[list[int]], pieces:
 # FLOPs
 # ---------------------------------------------------------------------------------------------------------------------
 def attention_flops(args: K3ModelArgs, layer_id: int, seq_len: int) -> int:
-    """Forward FLOPs per token of a layer's attention core at seq_len (KDA.core_flops, GatedMLA.core_flops)."""
-    return (KDA if args.layer_kind(layer_id) == "kda" else GatedMLA).core_flops(args, seq_len)
+    """Forward FLOPs per token of a layer's attention core at seq_len (its kind's core_flops: KDA.core_flops,
+    GatedMLA.core_flops, ...)."""
+    return layer_mixer(args, layer_id).core_flops(args, seq_len)
 
 
 def mtp_attention_flops(args: K3ModelArgs, seq_len: int) -> int:

@@ -21,8 +21,8 @@ from k3train.models.k3.attn_res import AttnResMixer
 from k3train.models.k3.context import BatchContext
 from k3train.models.k3.ffn import SiTUGLU
 from k3train.models.k3.kda import KDA
-from k3train.models.k3.mla import GatedMLA
 from k3train.models.k3.loss import loss_costs
+from k3train.models.k3.mixers import layer_mixer
 from k3train.models.k3.moe import GroupedExperts, LatentMoE, Router
 from k3train.models.costs import Costs, norm_costs
 from k3train.models.structure import MatrixStructure
@@ -37,7 +37,7 @@ class K3Layer(nn.Module):
         d = args.dim
         self.attn_res = AttnResMixer(d, args.norm_eps)
         self.attn_norm = nn.RMSNorm(d, eps=args.norm_eps)
-        self.attn = KDA(args) if self.kind == "kda" else GatedMLA(args)
+        self.attn = layer_mixer(args, layer_id)(args)
         self.ffn_res = AttnResMixer(d, args.norm_eps)
         self.ffn_norm = nn.RMSNorm(d, eps=args.norm_eps)
         self.ffn = (
@@ -63,7 +63,7 @@ class K3Layer(nn.Module):
         out = {
             "attn_res": AttnResMixer.costs(D, n_sources),
             "attn_norm": norm_costs(D),
-            "attn": (KDA if args.layer_kind(layer_id) == "kda" else GatedMLA).costs(args, seq_len),
+            "attn": layer_mixer(args, layer_id).costs(args, seq_len),
             "ffn_res": AttnResMixer.costs(D, n_sources + 1 if starts_block else n_sources),
             "ffn_norm": norm_costs(D),
         }
