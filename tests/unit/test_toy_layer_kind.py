@@ -134,3 +134,13 @@ def test_toy_layer_trains_under_pp2_as_in_one_process(tmp_path):
     with H.one_thread():
         reference = H.reference_run(PP["steps"], microbatches=PP["microbatches"], optim="muon", args=toy_args())
     H.compare(reference, records)
+
+
+def test_activation_rules_by_kind_reach_the_toy_mixer():
+    """A rule naming kind 'attn' (a layer's token mixer) covers a registered kind too, not only KDA and MLA."""
+    from k3train.activation.apply import module_kinds
+
+    layer = K3Layer(toy_args(), TOY_LAYER)
+    assert module_kinds(layer.attn, layer) == {"attn"}
+    kda_layer = K3Layer(toy_args(), 1)
+    assert module_kinds(kda_layer.attn, kda_layer) == {"kda", "attn"}

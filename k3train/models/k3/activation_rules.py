@@ -18,7 +18,7 @@ from k3train.models.k3.moe import GroupedExperts, LatentMoE, LocalDispatcher, Ro
 KINDS = {
     "kda": "KDA attention (k3train.models.k3.kda.KDA)",
     "mla": "Gated MLA attention (k3train.models.k3.mla.GatedMLA)",
-    "attn": "either attention sublayer",
+    "attn": "a layer's token mixer, whatever its kind (KDA, Gated MLA or another registered mixer)",
     "attn_res": "Block AttnRes mixers (attn_res, ffn_res, final_res)",
     "norm": "RMSNorm / LayerNorm modules",
     "ffn": "a layer's feed-forward sublayer (dense SiTU-GLU or LatentMoE)",
@@ -44,6 +44,7 @@ CLASS_KINDS: tuple[tuple[type | tuple[type, ...], tuple[str, ...]], ...] = (
 """(class or classes, kinds): a module that is an instance has these kinds."""
 
 CHILD_KINDS: tuple[tuple[type, str, type, tuple[str, ...]], ...] = (
+    (K3Layer, "attn", nn.Module, ("attn",)),
     (K3Layer, "ffn", nn.Module, ("ffn",)),
     (K3Layer, "ffn", SiTUGLU, ("dense_ffn",)),
     (LatentMoE, "shared", nn.Module, ("shared_experts",)),
