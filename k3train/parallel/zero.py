@@ -85,6 +85,8 @@ import torch.distributed as dist
 from torch import nn
 
 from k3train.distributed import comm
+from k3train.optim.build import build_optimizer, param_kinds
+from k3train.optim.qk_clip import QKClip
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 """train.precision -> the dtype parameters are stored (and computed) in. fp64 is for parity checks: every layout then
@@ -583,11 +585,7 @@ class ShardedOptimizer:
         precision: "fp32", or "bf16" for bf16 parameters with fp32 gradients, masters and states (module docstring).
         reduce_groups: {"dense": pg, "expert": pg}, process groups over the same ranks as `groups` that carry only
         the gradient reductions, which then overlap the last backward (ShardGroup's reduce_group)."""
-        from k3train.optim.param_groups import split_params
-        from k3train.optim.qk_clip import QKClip
-
         groups = groups or {"dense": (None, "dp_cp")}
-
         if precision not in PARAM_DTYPES:
             raise ValueError(f"precision must be one of {list(PARAM_DTYPES)}, got {precision!r}")
         self.zero = zero
@@ -595,33 +593,18 @@ class ShardedOptimizer:
         self.low = precision == "bf16"
         expert_blocks = expert_blocks or {}
         # Group assignment (Muon / AdamW with decay / AdamW without) by the project's rules, part by part.
-        kinds: dict[str, tuple[str, object]] = {}
-        named: dict[str, nn.Parameter] = {}
-        for part in parts:
-            for kind, items in split_params(part, optim_cfg).items():
-                for name, p, s in items:
-                    kinds[name] = (kind, s)
-                    named[name] = p
-        self.named = named
+        kinds = param_kinds(parts, optim_cfg)
+        order = [n for part in parts for n, p in part.named_parameters() if n in kinds]
+        named = {n: p for part in parts for n, p in part.named_parameters() if n in kinds}
         self._part_cache: dict[int, set[int]] = {}
-        order = [n for part in parts for n, p in part.named_parameters() if n in named]
         self.shard_groups: dict[str, ShardGroup] = {}
         for key in ("dense", "expert"):
-            if key not in groups:
-                continue
-            pg, dim = groups[key]
             sel = [(n, named[n], kinds[n][0] == "muon") for n in order if (n in expert_blocks) == (key == "expert")]
-            if sel:
-                self.shard_groups[key] = ShardGroup(
-                    sel,
-                    pg,
-                    dim,
-                    zero,
-                    bucket_numel,
-                    expert_blocks,
-                    precision,
-                    reduce_group=(reduce_groups or {}).get(key),
-                )
+            if key in groups and sel:
+                pg, dim = groups[key]
+                reduce_group = (reduce_groups or {}).get(key)
+                args = (sel, pg, dim, zero, bucket_numel, expert_blocks, precision)
+                self.shard_groups[key] = ShardGroup(*args, reduce_group=reduce_group)
         self.items = {it.name: it for g in self.shard_groups.values() for it in g.items}
         self._by_param = {id(it.param): it for it in self.items.values()}
         # Muon matrices under ZeRO >= 1 live with their owners (PerHeadMuon's plan per group: dense over dp x cp, home
@@ -638,7 +621,16 @@ class ShardedOptimizer:
             for it in self.items.values():
                 if it.name not in self._matrix_owned:
                     it.master = self._stepped(it).detach().to(MASTER_DTYPE).clone()
-        self.optimizer = self._build(order, kinds, groups)
+        sharded = zero >= 1
+        self.optimizer, self._order = build_optimizer(
+            optim_cfg,
+            order,
+            kinds,
+            self._tensor_for,
+            experts={it.name for it in self.shard_groups["expert"].items} if "expert" in self.shard_groups else set(),
+            process_group=groups["dense"][0] if sharded else None,
+            process_groups={"edp": groups["expert"][0]} if sharded and "expert" in groups else {},
+        )
         self._init_state()
         self.qk_clip = QKClip(parts, optim_cfg.qk_clip, groups["dense"][0]) if optim_cfg.qk_clip > 0 else None
         for g in self.shard_groups.values():  # Pipeline ZeRO-2: Muon gradients go to their matrices' owners
@@ -664,82 +656,6 @@ class ShardedOptimizer:
         """The tensor the torch optimizer steps: the fp32 master under bf16, else the parameter or its chunk."""
         it = self.items[name]
         return it.master if it.master is not None else self._stepped(it)
-
-    def _build(self, order, kinds, groups) -> torch.optim.Optimizer:
-        cfg = self.cfg
-        # The vision tower's decayed tensors form groups of their own, with optim.vision_weight_decay.
-        tower = {n for n in order if n.startswith("vision.")}
-        text_decay = [n for n in order if kinds[n][0] == "adamw" and n not in tower]
-        vision_decay = [n for n in order if kinds[n][0] == "adamw" and n in tower]
-        no_decay_names = [n for n in order if kinds[n][0] == "adamw_no_decay"]
-        decay = [self._tensor_for(n) for n in text_decay]
-        decay_v = [self._tensor_for(n) for n in vision_decay]
-        no_decay = [self._tensor_for(n) for n in no_decay_names]
-        self._order = text_decay + vision_decay + no_decay_names
-        if cfg.name == "adamw":
-            gs = [
-                g
-                for g in (
-                    {"params": decay, "weight_decay": cfg.weight_decay, "name": "adamw"},
-                    {"params": decay_v, "weight_decay": cfg.vision_weight_decay, "name": "adamw_vision"},
-                    {"params": no_decay, "weight_decay": 0.0, "name": "adamw_no_decay"},
-                )
-                if g["params"]
-            ]
-            return torch.optim.AdamW(gs, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-        from k3train.optim.muon import PerHeadMuon
-
-        muon = [n for n in order if kinds[n][0] == "muon"]
-        # Expert-parallel experts differ from rank to rank, so they cannot join the dense group's ZeRO-1 owners:
-        # under zero >= 1 they have owners among their edp replicas (which hold the same home experts).
-        expert_group = self.shard_groups.get("expert")
-        expert_set = {it.name for it in expert_group.items} if expert_group is not None else set()
-        experts = [n for n in muon if n in expert_set]
-        dense = [n for n in muon if n not in experts and n not in tower]
-        dense_v = [n for n in muon if n in tower]
-        self._order = dense + dense_v + experts + self._order
-        pg = groups["dense"][0] if self.zero >= 1 else None
-        extra = {"edp": groups["expert"][0]} if self.zero >= 1 and "expert" in groups else {}
-        gs = [
-            {
-                "params": [self._tensor_for(n) for n in dense],
-                "structures": [kinds[n][1] for n in dense],
-                "algorithm": "muon",
-                "weight_decay": cfg.weight_decay,
-                "name": "muon",
-            },
-            {
-                "params": [self._tensor_for(n) for n in dense_v],
-                "structures": [kinds[n][1] for n in dense_v],
-                "algorithm": "muon",
-                "weight_decay": cfg.vision_weight_decay,
-                "name": "muon_vision",
-            },
-            {
-                "params": [self._tensor_for(n) for n in experts],
-                "structures": [kinds[n][1] for n in experts],
-                "algorithm": "muon",
-                "weight_decay": cfg.weight_decay,
-                "name": "muon_experts",
-                "shard_over": "edp",
-                "sharded": bool(extra),
-            },
-            {"params": decay, "algorithm": "adamw", "weight_decay": cfg.weight_decay, "name": "adamw"},
-            {"params": decay_v, "algorithm": "adamw", "weight_decay": cfg.vision_weight_decay, "name": "adamw_vision"},
-            {"params": no_decay, "algorithm": "adamw", "weight_decay": 0.0, "name": "adamw_no_decay"},
-        ]
-        return PerHeadMuon(
-            [g for g in gs if g["params"]],
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            weight_decay=cfg.weight_decay,
-            ns_steps=cfg.ns_steps,
-            per_head=cfg.per_head,
-            betas=tuple(cfg.betas),
-            eps=cfg.eps,
-            process_group=pg,
-            process_groups=extra,
-        )
 
     def _init_state(self) -> None:
         """Create AdamW state eagerly (zeros, step 0: what the first step would create), so state_dict() is a

@@ -63,7 +63,7 @@ def _local_shape(name: str, shape: tuple, ep: int) -> tuple:
 def _part_parameters(
     args: K3ModelArgs, layers: list[int], first: bool, last: bool, optim_cfg, train_vision: bool
 ) -> list[tuple[str, tuple, str, object, bool]]:
-    from k3train.optim.param_groups import split_params
+    from k3train.optim.build import split_params
     from k3train.parallel.pipeline import stage_part_on_meta
 
     part = stage_part_on_meta(args, layers, first=first, last=last)

@@ -37,7 +37,7 @@ from k3train.optim.muon import (
     to_pieces,
 )
 from k3train.optim.qk_clip import apply_qk_clip, qk_clip_
-from k3train.optim.param_groups import describe_groups, split_params
+from k3train.optim.build import describe_groups, split_params
 from k3train.parallel.zero import ShardedOptimizer
 
 
