@@ -86,6 +86,7 @@ from torch import nn
 
 from k3train.distributed import comm
 from k3train.optim.build import build_optimizer, param_kinds
+from k3train.optim.muon_state import load_owned, load_owned_matrices, owned_matrix_state
 from k3train.optim.qk_clip import QKClip
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -789,13 +790,17 @@ class ShardedOptimizer:
         item, local, whole=False) turns a rank's owned rows into what is saved (the engine makes DTensors over the
         sharding mesh); None keeps the local tensors. The momentum (and master) of owner-sharded Muon matrices is a
         ShardedTensor of the parameter's logical shape whose local shards are views of the owner's own matrices:
-        saving builds no full tensor and moves nothing between ranks (k3train.parallel.owned_state). rank_table(key):
+        saving builds no full tensor and moves nothing between ranks (k3train.optim.muon_state). rank_table(key):
         global ranks [EP block][group rank] of a group's owners (needed for home experts under ep > 1)."""
         out: dict[str, dict] = {}
         for key, g in self.shard_groups.items():
             for it in g.items:
                 if it.name in self._matrix_owned:
-                    out[it.name] = self._owned_matrix_state(it, rank_table(key) if rank_table else None)
+                    block, n_blocks = it.global_offset // max(it.d0, 1), it.global_d0 // max(it.d0, 1)
+                    table = rank_table(key) if rank_table else None
+                    out[it.name] = owned_matrix_state(
+                        self.optimizer, it.param, masters=self.low, block=block, n_blocks=n_blocks, rank_table=table
+                    )
                     continue
                 st = self.optimizer.state[self._tensor_for(it.name)]
                 whole = it.muon
@@ -811,17 +816,6 @@ class ShardedOptimizer:
                 out[it.name] = entry
         return out
 
-    def _owned_matrix_state(self, it: ShardedParam, table) -> dict:
-        from k3train.parallel.owned_state import owned_sharded_tensor
-
-        opt = self.optimizer
-        st = opt.state[it.param]
-        kw = dict(block=it.global_offset // max(it.d0, 1), n_blocks=it.global_d0 // max(it.d0, 1), rank_table=table)
-        out = {"momentum_buffer": owned_sharded_tensor(opt, it.param, st.get("momentum_owned"), **kw)}
-        if self.low:
-            out["master"] = owned_sharded_tensor(opt, it.param, st.get("master_owned"), **kw)
-        return out
-
     def load_state_dict(self, sd: dict) -> None:
         """Copy loaded values into the live state: DTensors / ShardedTensors (their local pieces are ours) or plain
         tensors of the logical full shape, of this rank's parameter shape, or of the owned rows. A checkpoint
@@ -831,7 +825,7 @@ class ShardedOptimizer:
             if it is None:
                 continue
             if it.name in self._matrix_owned:
-                self._load_owned_matrices(it, entry)
+                load_owned_matrices(self.optimizer, it.param, entry, masters=self.low, row0=it.global_offset)
                 continue
             t = self._tensor_for(name)
             st = self.optimizer.state[t]
@@ -860,8 +854,6 @@ class ShardedOptimizer:
             elif it.name in self._matrix_owned and self.low:
                 st = self.optimizer.state[it.param]
                 if "master_owned" in st:
-                    from k3train.parallel.owned_state import load_owned
-
                     load_owned(self.optimizer, it.param, it.param.detach(), st["master_owned"])
 
     def _whole(self, it: ShardedParam, v) -> torch.Tensor:
@@ -873,19 +865,6 @@ class ShardedOptimizer:
         if v.shape[0] == it.global_d0 and it.global_d0 != it.d0:  # the logical tensor: our block
             v = v[it.global_offset : it.global_offset + it.d0]
         return v
-
-    def _load_owned_matrices(self, it: ShardedParam, entry: dict) -> None:
-        from k3train.parallel.owned_state import load_owned
-
-        opt = self.optimizer
-        st = opt.state[it.param]
-        if "momentum_buffer" in entry:
-            load_owned(opt, it.param, entry["momentum_buffer"], st.get("momentum_owned"), row0=it.global_offset)
-        if self.low and "master_owned" in st:
-            if "master" in entry:
-                load_owned(opt, it.param, entry["master"], st["master_owned"], row0=it.global_offset)
-            else:
-                load_owned(opt, it.param, it.param.detach(), st["master_owned"])
 
     def _owned_rows(self, it: ShardedParam, v, like: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
@@ -904,59 +883,6 @@ class ShardedOptimizer:
             f"optimizer state for {it.name}: cannot place a tensor of shape {tuple(v.shape)} into "
             f"owned rows of shape {tuple(like.shape)}"
         )
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Muon owner state <-> full momentum (checkpoints only)
-# ---------------------------------------------------------------------------------------------------------------------
-def _muon_entry(opt, p):
-    if opt._plan is None:
-        opt._plan = opt._build_plan()
-    for e in opt._plan["params"]:
-        if e["param"] is p:
-            return e
-    raise KeyError("parameter is not in the Muon plan")
-
-
-def _gather_owned_momentum(opt, p: torch.Tensor) -> torch.Tensor:
-    from k3train.optim.muon import _state_dtype, from_pieces, owned_piece_views
-
-    e = _muon_entry(opt, p)
-    group, rank = opt.param_groups[e["group"]], opt._plan["rank"]
-    # Every piece's matrices in one flat buffer, so one all-reduce assembles the whole parameter; in the state's
-    # dtype (fp32 for low-precision weights), so a full momentum round-trips exactly.
-    flat = torch.zeros(
-        sum(pc["n"] * pc["rows"] * pc["cols"] for pc in e["pieces"]), dtype=_state_dtype(p), device=p.device
-    )
-    mats, off = [], 0
-    for pc in e["pieces"]:
-        k = pc["n"] * pc["rows"] * pc["cols"]
-        mats.append(flat[off : off + k].view(pc["n"], pc["rows"], pc["cols"]))
-        off += k
-    st = opt.state.get(p, {})
-    if "momentum_owned" in st:
-        for pc, m, own in zip(e["pieces"], mats, owned_piece_views(e, rank, st["momentum_owned"])):
-            idx = pc["by_rank"][rank][0]
-            if idx.numel():
-                m.index_copy_(0, idx, own.to(m.dtype))
-    comm.all_reduce(flat, opt.process_group, "dp_cp")  # each matrix lives on one owner: the sum assembles them
-    return from_pieces(mats, p.shape, opt.structure_of(p), group["per_head"]).to(p.dtype)
-
-
-def _scatter_owned_momentum(opt, p: torch.Tensor, full: torch.Tensor) -> None:
-    from k3train.optim.muon import new_owned_momentum, owned_piece_views, owns_any, to_pieces
-
-    e = _muon_entry(opt, p)
-    group, rank = opt.param_groups[e["group"]], opt._plan["rank"]
-    if not owns_any(e, rank):
-        return
-    buf = new_owned_momentum(e, rank, p)
-    pieces = to_pieces(full.to(p.device), opt.structure_of(p), group["per_head"])
-    for pc, src, dst in zip(e["pieces"], pieces, owned_piece_views(e, rank, buf)):
-        idx = pc["by_rank"][rank][0]
-        if idx.numel():
-            dst.copy_(src.index_select(0, idx))
-    opt.state[p]["momentum_owned"] = buf
 
 
 def owned_numel(d0: int, numel: int, n: int, q: int) -> int:
