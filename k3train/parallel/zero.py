@@ -5,6 +5,8 @@ group for experts). Rank q owns the dim-0 chunk q of every parameter in torch.ch
 rows [q c, min((q + 1) c, d0)) (possibly empty). This is DTensor's Shard(0) layout, so the optimizer state is saved
 as DTensors and torch.distributed.checkpoint reshards it when a checkpoint is loaded under another layout.
 Owned rows are a contiguous slice of the parameter, so the optimizer updates the parameter in place through a view.
+Who holds what (the chunks, the Muon owners, the group sizes) is the plain-data k3train.optim.sharding.ShardingPlan,
+which ShardedOptimizer builds its shard groups from and the planner reads (k3train.plan.state_memory).
 
 Collectives work on buckets of parameters in a rank-major padded layout: row q of a bucket's [n, L] buffer is the
 concatenation of chunk q of each of its parameters, each padded to c x (elements per row). A reduce-scatter of
@@ -88,6 +90,7 @@ from k3train.distributed import comm
 from k3train.optim.build import build_optimizer, param_kinds
 from k3train.optim.muon_state import load_owned, load_owned_matrices, owned_matrix_state
 from k3train.optim.qk_clip import QKClip
+from k3train.optim.sharding import ParamSharding, ShardingPlan, owned_numel
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 """train.precision -> the dtype parameters are stored (and computed) in. fp64 is for parity checks: every layout then
@@ -105,51 +108,42 @@ MASTER_DTYPE = torch.float32
 
 @dataclass
 class ShardedParam:
-    """One parameter's place in a sharding group."""
+    """One parameter's place in a sharding group: its entry of the ShardingPlan and this rank's tensors."""
 
-    name: str
     param: nn.Parameter
-    n: int  # group size
+    sharding: ParamSharding
     rank: int  # this rank's index in the group
-    rows_per_chunk: int
-    row_numel: int
-    start: int  # first owned row
-    stop: int  # one past the last owned row
-    muon: bool = False
+    start: int = 0  # first owned row
+    stop: int = 0  # one past the last owned row
     shard: torch.Tensor | None = None  # view of the owned rows (the optimizer's tensor under zero >= 1)
     global_d0: int = 0  # rows of the logical full tensor (an expert-parallel shard is a block of it)
     global_offset: int = 0  # first row of this rank's parameter inside the logical full tensor
     grad32: torch.Tensor | None = None  # bf16: the fp32 gradient (accumulated over micro-batches, then reduced)
     master: torch.Tensor | None = None  # bf16: the fp32 master of what this rank steps (None: the optimizer's own)
 
-    @property
-    def d0(self) -> int:
-        return self.param.shape[0] if self.param.dim() > 0 else 1
-
-    @property
-    def padded_chunk_numel(self) -> int:
-        return self.rows_per_chunk * self.row_numel
-
-    def rows_of(self, q: int) -> tuple[int, int]:
-        a = min(q * self.rows_per_chunk, self.d0)
-        return a, min(a + self.rows_per_chunk, self.d0)
-
-    def flat_rows(self, t: torch.Tensor, q: int) -> torch.Tensor:
-        a, b = self.rows_of(q)
-        return t.reshape(self.d0, self.row_numel)[a:b].reshape(-1)
+    name = property(lambda self: self.sharding.name)
+    n = property(lambda self: self.sharding.n)  # group size
+    muon = property(lambda self: self.sharding.kind == "muon")
+    d0 = property(lambda self: self.sharding.d0)
+    rows_per_chunk = property(lambda self: self.sharding.rows_per_chunk)
+    row_numel = property(lambda self: self.sharding.row_numel)
+    padded_chunk_numel = property(lambda self: self.sharding.padded_chunk_numel)
 
 
-def make_sharded(
-    name: str, p: nn.Parameter, n: int, rank: int, muon: bool = False, block: tuple[int, int] | None = None
-) -> ShardedParam:
-    """block: (first row, rows in all) when p holds a block of rows of a larger logical tensor (home experts)."""
-    d0 = p.shape[0] if p.dim() > 0 else 1
-    row = p.numel() // d0 if d0 else 0
-    c = -(-d0 // n)
-    sp = ShardedParam(name=name, param=p, n=n, rank=rank, rows_per_chunk=c, row_numel=row, start=0, stop=0, muon=muon)
-    sp.start, sp.stop = sp.rows_of(rank)
-    sp.global_offset, sp.global_d0 = block or (0, d0)
+def make_sharded(ps: ParamSharding, p: nn.Parameter, rank: int, block: tuple[int, int] | None = None) -> ShardedParam:
+    """p placed as its plan entry says, on the group's rank `rank`. block: (first row, rows in all) when p holds a
+    block of rows of a larger logical tensor (home experts)."""
+    if ps.shape != tuple(p.shape):
+        raise ValueError(f"{ps.name}: planned shape {ps.shape}, but the parameter has {tuple(p.shape)}")
+    sp = ShardedParam(param=p, sharding=ps, rank=rank)
+    sp.start, sp.stop = ps.rows_of(rank)
+    sp.global_offset, sp.global_d0 = block or (0, ps.d0)
     return sp
+
+
+def _group_size(group) -> int:
+    """Ranks of a process group (1 without one, or outside torch.distributed)."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() and group is not None else 1
 
 
 def _grad_hook(group: "ShardGroup", it: ShardedParam):
@@ -254,8 +248,10 @@ class ShardGroup:
         blocks: dict[str, tuple[int, int]] | None = None,
         precision: str = "fp32",
         reduce_group=None,
+        sharding: dict[str, ParamSharding] | None = None,
     ):
         """blocks: FQN -> (first row, rows in all) of parameters that hold a block of a larger tensor.
+        sharding: FQN -> the parameter's ShardingPlan entry (default: plain dim-0 chunks over the group).
         reduce_group: a process group over the same ranks as `group` that carries only the gradient reductions.
         Given one, buckets are reduced while the last backward runs (`arm`); without one they are all launched at
         the reduction point (`reduce_grads`): a collective launched from inside backward must not share its group
@@ -266,9 +262,14 @@ class ShardGroup:
         self.muon_reducer = None  # set by ShardedOptimizer: reduce-scatters Muon gradients to their owners
         self.muon_owned: dict[int, torch.Tensor] = {}  # id(param) -> owned matrices' reduced gradient (flat)
         distributed = dist.is_available() and dist.is_initialized() and group is not None
-        self.n = dist.get_world_size(group) if distributed else 1
+        self.n = _group_size(group)
         self.rank = dist.get_rank(group) if distributed else 0
-        self.items = [make_sharded(nm, p, self.n, self.rank, muon, (blocks or {}).get(nm)) for nm, p, muon in named]
+        if sharding is None:
+            kind = {True: "muon", False: "adamw"}
+            sharding = {nm: ParamSharding(nm, kind[m], "dense", tuple(p.shape), self.n) for nm, p, m in named}
+        self.items = [make_sharded(sharding[nm], p, self.rank, (blocks or {}).get(nm)) for nm, p, _ in named]
+        if any(it.n != self.n for it in self.items):
+            raise ValueError(f"{dim}: the sharding plan's group size differs from the group's {self.n} ranks")
         for it in self.items:
             it.shard = (
                 it.param.detach()
@@ -598,14 +599,17 @@ class ShardedOptimizer:
         order = [n for part in parts for n, p in part.named_parameters() if n in kinds]
         named = {n: p for part in parts for n, p in part.named_parameters() if n in kinds}
         self._part_cache: dict[int, set[int]] = {}
+        self.sharding = self._plan_sharding(order, named, kinds, groups, expert_blocks)
         self.shard_groups: dict[str, ShardGroup] = {}
         for key in ("dense", "expert"):
             sel = [(n, named[n], kinds[n][0] == "muon") for n in order if (n in expert_blocks) == (key == "expert")]
             if key in groups and sel:
                 pg, dim = groups[key]
-                reduce_group = (reduce_groups or {}).get(key)
+                sharding = {ps.name: ps for ps in self.sharding.params if ps.group == key}
                 args = (sel, pg, dim, zero, bucket_numel, expert_blocks, precision)
-                self.shard_groups[key] = ShardGroup(*args, reduce_group=reduce_group)
+                self.shard_groups[key] = ShardGroup(
+                    *args, reduce_group=(reduce_groups or {}).get(key), sharding=sharding
+                )
         self.items = {it.name: it for g in self.shard_groups.values() for it in g.items}
         self._by_param = {id(it.param): it for it in self.items.values()}
         # Muon matrices under ZeRO >= 1 live with their owners (PerHeadMuon's plan per group: dense over dp x cp, home
@@ -613,8 +617,8 @@ class ShardedOptimizer:
         # holds the optimizer tensor of _tensor_for.
         self._matrix_owned = {
             it.name
-            for g in self.shard_groups.values()
-            if optim_cfg.name == "muon" and zero >= 1 and g.n > 1
+            for key, g in self.shard_groups.items()
+            if self.sharding.owner_sharded(key)
             for it in g.items
             if it.muon
         }
@@ -638,6 +642,12 @@ class ShardedOptimizer:
             if zero == 2 and any(it.name in self._matrix_owned for it in g.items):
                 g.muon_owned = self.optimizer.owned_grads
                 g.muon_reducer = self._muon_reducer(g)
+
+    def _plan_sharding(self, order, named, kinds, groups, expert_blocks) -> ShardingPlan:
+        """The ShardingPlan of the trainable parameters (in model order) over the groups' sizes."""
+        sizes = {key: _group_size(pg) for key, (pg, _) in groups.items()}
+        entries = [(n, tuple(named[n].shape), *kinds[n], "expert" if n in expert_blocks else "dense", 0) for n in order]
+        return ShardingPlan.build([e for e in entries if e[4] in sizes], sizes, self.zero, self.cfg.per_head)
 
     def _stepped(self, it: ShardedParam) -> torch.Tensor:
         """The part of the (bf16 or fp32) parameter this rank steps: all of it, or its ZeRO chunk (AdamW)."""
@@ -883,14 +893,6 @@ class ShardedOptimizer:
             f"optimizer state for {it.name}: cannot place a tensor of shape {tuple(v.shape)} into "
             f"owned rows of shape {tuple(like.shape)}"
         )
-
-
-def owned_numel(d0: int, numel: int, n: int, q: int) -> int:
-    """Elements of a [d0, ...] tensor that rank q owns under dim-0 chunking over n ranks."""
-    c = -(-d0 // n)
-    a = min(q * c, d0)
-    b = min(a + c, d0)
-    return (b - a) * (numel // d0 if d0 else 0)
 
 
 __all__ = ["ShardedOptimizer", "ShardGroup", "ShardedParam", "owned_numel"]
