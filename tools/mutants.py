@@ -1123,7 +1123,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "adamw_decays_embeddings",
-        "k3train.optim.param_groups:_embedding_params",
+        "k3train.optim.build:_embedding_params",
         "embedding tables join the weight-decay group",
         _no_embedding_exemption,
         (f"{MUON}::test_split_params_groups",),

@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -154,42 +155,57 @@ def _size(group) -> int:
     return dist.get_world_size(group)
 
 
+def _collective(name, group, dim, what, call, count, *, alone=None, launch=False, sized=True):
+    """The steps every wrapper shares. Over a group of one rank nothing is sent (unless not `sized`: point-to-point
+    names its peer): run `alone` (if given) and return None. Otherwise name the collective while inside it (a launch
+    returns at once: `wait` names it), run `call()`, count `count(n)` = (payload, wire) (None: nothing sent) and
+    return what `call` returned."""
+    n = _size(group) if sized else None
+    if n == 1:
+        if alone is not None:
+            alone()
+        return None
+    if not launch:
+        _enter(name, dim, what)
+    result = call()
+    if not launch:
+        _leave()
+    counted = count(n)
+    if counted is not None:
+        record(dim, name, counted[0], counted[1], what=what)
+    return result
+
+
+def _ring_reduce(t: torch.Tensor):
+    """(payload, wire) of an all-reduce of t over n ranks."""
+    return lambda n: (_nbytes(t), 2 * (n - 1) / n * _nbytes(t))
+
+
+def _ring_share(t: torch.Tensor):
+    """(payload, wire) of a reduce-scatter of input t or an all-gather of output t over n ranks."""
+    return lambda n: (_nbytes(t), (n - 1) / n * _nbytes(t))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Wrapped collectives. `dim` names the mesh dimension the group belongs to; `what` labels the call (optional).
 # ---------------------------------------------------------------------------------------------------------------------
 def all_reduce(t: torch.Tensor, group, dim: str, op=dist.ReduceOp.SUM, *, what: str | None = None) -> torch.Tensor:
-    n = _size(group)
-    if n == 1:
-        return t
-    _enter("all_reduce", dim, what)
-    dist.all_reduce(t, op=op, group=group)
-    _leave()
-    record(dim, "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t), what=what)
+    _collective("all_reduce", group, dim, what, partial(dist.all_reduce, t, op=op, group=group), _ring_reduce(t))
     return t
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, dim: str, *, what: str | None = None) -> torch.Tensor:
     """out [k] = the rank's k-element slice of the SUM over ranks of inp [n*k]."""
-    n = _size(group)
-    if n == 1:
-        out.copy_(inp)
-        return out
-    _enter("reduce_scatter", dim, what)
-    _reduce_scatter_single(out, inp, group)
-    _leave()
-    record(dim, "reduce_scatter", _nbytes(inp), (n - 1) / n * _nbytes(inp), what=what)
+    run = partial(_reduce_scatter_single, out, inp, group)
+    _collective("reduce_scatter", group, dim, what, run, _ring_share(inp), alone=partial(out.copy_, inp))
     return out
 
 
 def start_all_reduce(t: torch.Tensor, group, dim: str, *, what: str | None = None):
     """all_reduce (SUM) launched asynchronously: returns the work to wait on (None over a group of one rank, where
     nothing is sent). Counted when launched."""
-    n = _size(group)
-    if n == 1:
-        return None
-    work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    record(dim, "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t), what=what)
-    return work
+    run = partial(dist.all_reduce, t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _collective("all_reduce", group, dim, what, run, _ring_reduce(t), launch=True)
 
 
 def wait(work, op: str, dim: str, *, what: str | None = None) -> None:
@@ -205,25 +221,16 @@ def wait(work, op: str, dim: str, *, what: str | None = None) -> None:
 def start_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, dim: str, *, what: str | None = None):
     """reduce_scatter launched asynchronously: returns the work to wait on (None over a group of one rank, where out
     is filled at once). Counted when launched."""
-    n = _size(group)
-    if n == 1:
-        out.copy_(inp)
-        return None
-    work = _reduce_scatter_single(out, inp, group, async_op=True)
-    record(dim, "reduce_scatter", _nbytes(inp), (n - 1) / n * _nbytes(inp), what=what)
-    return work
+    run = partial(_reduce_scatter_single, out, inp, group, async_op=True)
+    return _collective(
+        "reduce_scatter", group, dim, what, run, _ring_share(inp), alone=partial(out.copy_, inp), launch=True
+    )
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, dim: str, *, what: str | None = None) -> torch.Tensor:
     """out [n*k] = the ranks' inp [k] concatenated in rank order."""
-    n = _size(group)
-    if n == 1:
-        out.copy_(inp)
-        return out
-    _enter("all_gather", dim, what)
-    _all_gather_single(out, inp, group)
-    _leave()
-    record(dim, "all_gather", _nbytes(out), (n - 1) / n * _nbytes(out), what=what)
+    run = partial(_all_gather_single, out, inp, group)
+    _collective("all_gather", group, dim, what, run, _ring_share(out), alone=partial(out.copy_, inp))
     return out
 
 
@@ -232,29 +239,23 @@ def all_to_all(
 ) -> torch.Tensor:
     """Rows of inp go to the ranks in order (in_splits[r] rows to rank r; even without splits); out receives
     out_splits[r] rows from rank r."""
-    n = _size(group)
-    if n == 1:
-        out.copy_(inp)
-        return out
-    _enter("all_to_all", dim, what)
-    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
-    _leave()
-    # Bytes leaving this rank: everything but the rows it keeps.
-    row = _nbytes(inp[0]) if inp.dim() > 1 and inp.shape[0] else inp.element_size()
-    kept = inp.shape[0] // n if in_splits is None else in_splits[dist.get_rank(group)]
-    record(dim, "all_to_all", _nbytes(inp), _nbytes(inp) - kept * row, what=what)
+
+    def count(n):
+        # Bytes leaving this rank: everything but the rows it keeps.
+        row = _nbytes(inp[0]) if inp.dim() > 1 and inp.shape[0] else inp.element_size()
+        kept = inp.shape[0] // n if in_splits is None else in_splits[dist.get_rank(group)]
+        return _nbytes(inp), _nbytes(inp) - kept * row
+
+    run = partial(dist.all_to_all_single, out, inp, out_splits, in_splits, group=group)
+    _collective("all_to_all", group, dim, what, run, count, alone=partial(out.copy_, inp))
     return out
 
 
 def broadcast(t: torch.Tensor, src_group_rank: int, group, dim: str, *, what: str | None = None) -> torch.Tensor:
-    n = _size(group)
-    if n == 1:
-        return t
-    _enter("broadcast", dim, what)
-    dist.broadcast(t, group_src=src_group_rank, group=group)
-    _leave()
-    mine = dist.get_rank(group) == src_group_rank
-    record(dim, "broadcast", _nbytes(t), _nbytes(t) if mine else 0, what=what)
+    def count(n):
+        return _nbytes(t), _nbytes(t) if dist.get_rank(group) == src_group_rank else 0
+
+    _collective("broadcast", group, dim, what, partial(dist.broadcast, t, group_src=src_group_rank, group=group), count)
     return t
 
 
@@ -271,17 +272,17 @@ def send_recv(
     """Point-to-point with one peer (its rank in the group): send, receive, or both at once (a swap). The operations
     go out as one batch (dist.batch_isend_irecv): NCCL can deadlock on large payloads when a pair's isend and irecv
     are posted as separate operations; gloo runs the batch as its isend and irecv. Counts the bytes sent."""
-    _enter(op, dim, what)
     ops = []
     if send is not None:
         ops.append(dist.P2POp(dist.isend, send, group=group, group_peer=peer))
     if recv is not None:
         ops.append(dist.P2POp(dist.irecv, recv, group=group, group_peer=peer))
-    for w in dist.batch_isend_irecv(ops) if ops else []:
-        w.wait()
-    _leave()
-    if send is not None:
-        record(dim, op, _nbytes(send), what=what)
+
+    def run():
+        for w in dist.batch_isend_irecv(ops) if ops else []:
+            w.wait()
+
+    _collective(op, group, dim, what, run, lambda n: None if send is None else (_nbytes(send),) * 2, sized=False)
 
 
 def _reduce_scatter_single(out, inp, group, async_op: bool = False):

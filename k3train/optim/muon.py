@@ -53,6 +53,15 @@ from torch.optim.adamw import adamw as _adamw_functional
 from k3train.ops.dtypes import wide
 from k3train.models.structure import MatrixStructure
 from k3train.distributed import comm
+from k3train.optim.muon_state import new_owned_momentum, owned_piece_views, owns_any, state_dtype
+from k3train.optim.pieces import (  # noqa: F401  (re-exported: the matrix layout is part of Muon's interface)
+    from_matrices,
+    from_pieces,
+    matrix_shape,
+    piece_shapes,
+    to_matrices,
+    to_pieces,
+)
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 MUON_RMS_SCALE = 0.2
@@ -160,93 +169,6 @@ def check_structure(name: str, shape: Sequence[int], s: MatrixStructure) -> None
         head = shape[-2 if s.kind == "rows" else -1] // s.groups
         if sum(s.splits) != head:
             raise ValueError(f"{name}: splits {s.splits} sum to {sum(s.splits)}, but a head has {head} {axis}")
-
-
-# A structure decomposes a tensor into "pieces": uniform stacks [N_j, r_j, c_j] of independent matrices. Without
-# splits there is one piece (every head, expert or the whole matrix has one shape); with splits piece j holds split j
-# of every head, e.g. [H, k_dim, C] keys then [H, v_dim, C] values. Within a piece the order is heads in order,
-# leading dims outermost.
-def _split_dim(s: MatrixStructure, per_head: bool) -> int | None:
-    """The dim of a head stack [N, r, c] that `s.splits` cut (None: each head is one matrix)."""
-    if not (per_head and s.splits):
-        return None
-    return -2 if s.kind == "rows" else -1
-
-
-def _heads(shape: Sequence[int], s: MatrixStructure, per_head: bool) -> tuple[int, int, int]:
-    *lead, R, C = shape
-    L = math.prod(lead)
-    if per_head and s.kind == "rows":
-        return L * s.groups, R // s.groups, C
-    if per_head and s.kind == "cols":
-        return L * s.groups, R, C // s.groups
-    return L, R, C
-
-
-def _to_heads(t: Tensor, s: MatrixStructure, per_head: bool) -> Tensor:
-    *lead, R, C = t.shape
-    L = math.prod(lead)
-    if per_head and s.kind == "rows":  # heads are contiguous row blocks: a pure reshape
-        return t.reshape(L * s.groups, R // s.groups, C)
-    if per_head and s.kind == "cols":  # heads are column blocks: bring the head index in front
-        g = s.groups
-        return t.reshape(L, R, g, C // g).permute(0, 2, 1, 3).reshape(L * g, R, C // g)
-    return t.reshape(L, R, C)
-
-
-def _from_heads(m: Tensor, shape: Sequence[int], s: MatrixStructure, per_head: bool) -> Tensor:
-    *lead, R, C = shape
-    L = math.prod(lead)
-    if per_head and s.kind == "cols":
-        g = s.groups
-        return m.reshape(L, g, R, C // g).permute(0, 2, 1, 3).reshape(shape)
-    return m.reshape(shape)
-
-
-def piece_shapes(shape: Sequence[int], s: MatrixStructure, per_head: bool = True) -> list[tuple[int, int, int]]:
-    """(number of matrices, rows, cols) of each piece a tensor of `shape` decomposes into."""
-    n, r, c = _heads(shape, s, per_head)
-    dim = _split_dim(s, per_head)
-    if dim is None:
-        return [(n, r, c)]
-    return [(n, k, c) for k in s.splits] if dim == -2 else [(n, r, k) for k in s.splits]
-
-
-def to_pieces(t: Tensor, s: MatrixStructure, per_head: bool = True) -> list[Tensor]:
-    """View/copy t [..., R, C] as its pieces, each a stack of independent matrices [N_j, r_j, c_j]."""
-    m = _to_heads(t, s, per_head)
-    dim = _split_dim(s, per_head)
-    return [m] if dim is None else list(m.split(s.splits, dim=dim))
-
-
-def from_pieces(pieces: Sequence[Tensor], shape: Sequence[int], s: MatrixStructure, per_head: bool = True) -> Tensor:
-    """Inverse of `to_pieces`: repack the pieces into a tensor of `shape`."""
-    dim = _split_dim(s, per_head)
-    m = pieces[0] if dim is None else torch.cat(list(pieces), dim=dim)
-    return _from_heads(m, shape, s, per_head)
-
-
-def _one_piece(s: MatrixStructure, per_head: bool) -> None:
-    if _split_dim(s, per_head) is not None and len(s.splits) > 1:
-        raise ValueError(f"{s} decomposes into {len(s.splits)} matrix shapes: use piece_shapes/to_pieces/from_pieces")
-
-
-def matrix_shape(shape: Sequence[int], s: MatrixStructure, per_head: bool = True) -> tuple[int, int, int]:
-    """(number of matrices, rows, cols) of the matrices a tensor of `shape` decomposes into (one piece only)."""
-    _one_piece(s, per_head)
-    return piece_shapes(shape, s, per_head)[0]
-
-
-def to_matrices(t: Tensor, s: MatrixStructure, per_head: bool = True) -> Tensor:
-    """View/copy t [..., R, C] as its independent matrices [N, r, c] (one piece only)."""
-    _one_piece(s, per_head)
-    return to_pieces(t, s, per_head)[0]
-
-
-def from_matrices(m: Tensor, shape: Sequence[int], s: MatrixStructure, per_head: bool = True) -> Tensor:
-    """Inverse of `to_matrices`: repack matrices [N, r, c] into a tensor of `shape`."""
-    _one_piece(s, per_head)
-    return from_pieces([m], shape, s, per_head)
 
 
 def muon_scale(rows: int, cols: int) -> float:
@@ -362,37 +284,6 @@ def assign_owners(shapes: Sequence[Sequence[int]], world: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------------------------------
 # The optimizer
 # ---------------------------------------------------------------------------------------------------------------------
-def _state_dtype(p: Tensor) -> torch.dtype:
-    # Low-precision weights keep fp32 optimizer state; fp32/fp64 weights keep their own dtype.
-    return torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype
-
-
-def owns_any(entry: dict, rank: int) -> bool:
-    """Whether `rank` owns any matrix of a ZeRO-1 plan entry (see PerHeadMuon._build_plan)."""
-    return any(pc["by_rank"][rank][2] for pc in entry["pieces"])
-
-
-def new_owned_momentum(entry: dict, rank: int, p: Tensor) -> Tensor:
-    """Zero "momentum_owned" for the matrices of param p that `rank` owns: [n_owned, r, c] for one piece, else flat."""
-    pieces = entry["pieces"]
-    if len(pieces) == 1:
-        pc = pieces[0]
-        return torch.zeros(
-            pc["by_rank"][rank][0].numel(), pc["rows"], pc["cols"], dtype=_state_dtype(p), device=p.device
-        )
-    return torch.zeros(sum(pc["by_rank"][rank][2] for pc in pieces), dtype=_state_dtype(p), device=p.device)
-
-
-def owned_piece_views(entry: dict, rank: int, buf: Tensor) -> list[Tensor]:
-    """Views of a "momentum_owned" tensor as the owned matrices of each piece, [n_owned_j, r_j, c_j] (in place)."""
-    flat, off, out = buf.view(-1), 0, []
-    for pc in entry["pieces"]:
-        idx, _, numel = pc["by_rank"][rank]
-        out.append(flat[off : off + numel].view(idx.numel(), pc["rows"], pc["cols"]))
-        off += numel
-    return out
-
-
 class PerHeadMuon(Optimizer):
     """Per-Head Muon on structured matrices, plus plain AdamW on groups marked ``algorithm="adamw"``.
 
@@ -496,7 +387,7 @@ class PerHeadMuon(Optimizer):
             p = params[i]
             for key in ("momentum_buffer", "momentum_owned"):
                 if key in st:
-                    self.state[p][key] = st[key].to(device=p.device, dtype=_state_dtype(p)).clone()
+                    self.state[p][key] = st[key].to(device=p.device, dtype=state_dtype(p)).clone()
 
     # -- step ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -584,7 +475,7 @@ class PerHeadMuon(Optimizer):
                     continue
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p, dtype=_state_dtype(p))
+                    state["momentum_buffer"] = torch.zeros_like(p, dtype=state_dtype(p))
                 u = self._nesterov_update(group, p.grad, state["momentum_buffer"])
                 s = self._structure[id(p)]
                 pieces = to_pieces(u, s, group["per_head"])

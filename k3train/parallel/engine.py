@@ -21,7 +21,7 @@ Checkpoints: `state_dict()` returns {"model": {fqn: tensor}, "optim": {fqn: {...
 full-model names. Parameters are full tensors (replicated ones are saved once by DCP); sharded AdamW moments
 (and, under bf16, their fp32 masters) are DTensors over their data-parallel group; the momentum (and master) of
 owner-sharded Muon matrices is a ShardedTensor whose shards are the owners' matrices
-(k3train.parallel.owned_state); Muon state stepped whole on every rank is a full tensor per parameter. Hand it to
+(k3train.optim.muon_state); Muon state stepped whole on every rank is a full tensor per parameter. Hand it to
 torch.distributed.checkpoint: `dcp.save(engine.state_dict(), ...)`; to resume, `sd = engine.state_dict();
 dcp.load(sd, ...); engine.load_state_dict(sd)`. A checkpoint saved under any layout loads under any other
 (including one process without a process group).

@@ -5,6 +5,8 @@ group for experts). Rank q owns the dim-0 chunk q of every parameter in torch.ch
 rows [q c, min((q + 1) c, d0)) (possibly empty). This is DTensor's Shard(0) layout, so the optimizer state is saved
 as DTensors and torch.distributed.checkpoint reshards it when a checkpoint is loaded under another layout.
 Owned rows are a contiguous slice of the parameter, so the optimizer updates the parameter in place through a view.
+Who holds what (the chunks, the Muon owners, the group sizes) is the plain-data k3train.optim.sharding.ShardingPlan,
+which ShardedOptimizer builds its shard groups from and the planner reads (k3train.plan.state_memory).
 
 Collectives work on buckets of parameters in a rank-major padded layout: row q of a bucket's [n, L] buffer is the
 concatenation of chunk q of each of its parameters, each padded to c x (elements per row). A reduce-scatter of
@@ -85,6 +87,10 @@ import torch.distributed as dist
 from torch import nn
 
 from k3train.distributed import comm
+from k3train.optim.build import build_optimizer, param_kinds
+from k3train.optim.muon_state import load_owned, load_owned_matrices, owned_matrix_state
+from k3train.optim.qk_clip import QKClip
+from k3train.optim.sharding import ParamSharding, ShardingPlan, owned_numel
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 """train.precision -> the dtype parameters are stored (and computed) in. fp64 is for parity checks: every layout then
@@ -102,51 +108,42 @@ MASTER_DTYPE = torch.float32
 
 @dataclass
 class ShardedParam:
-    """One parameter's place in a sharding group."""
+    """One parameter's place in a sharding group: its entry of the ShardingPlan and this rank's tensors."""
 
-    name: str
     param: nn.Parameter
-    n: int  # group size
+    sharding: ParamSharding
     rank: int  # this rank's index in the group
-    rows_per_chunk: int
-    row_numel: int
-    start: int  # first owned row
-    stop: int  # one past the last owned row
-    muon: bool = False
+    start: int = 0  # first owned row
+    stop: int = 0  # one past the last owned row
     shard: torch.Tensor | None = None  # view of the owned rows (the optimizer's tensor under zero >= 1)
     global_d0: int = 0  # rows of the logical full tensor (an expert-parallel shard is a block of it)
     global_offset: int = 0  # first row of this rank's parameter inside the logical full tensor
     grad32: torch.Tensor | None = None  # bf16: the fp32 gradient (accumulated over micro-batches, then reduced)
     master: torch.Tensor | None = None  # bf16: the fp32 master of what this rank steps (None: the optimizer's own)
 
-    @property
-    def d0(self) -> int:
-        return self.param.shape[0] if self.param.dim() > 0 else 1
-
-    @property
-    def padded_chunk_numel(self) -> int:
-        return self.rows_per_chunk * self.row_numel
-
-    def rows_of(self, q: int) -> tuple[int, int]:
-        a = min(q * self.rows_per_chunk, self.d0)
-        return a, min(a + self.rows_per_chunk, self.d0)
-
-    def flat_rows(self, t: torch.Tensor, q: int) -> torch.Tensor:
-        a, b = self.rows_of(q)
-        return t.reshape(self.d0, self.row_numel)[a:b].reshape(-1)
+    name = property(lambda self: self.sharding.name)
+    n = property(lambda self: self.sharding.n)  # group size
+    muon = property(lambda self: self.sharding.kind == "muon")
+    d0 = property(lambda self: self.sharding.d0)
+    rows_per_chunk = property(lambda self: self.sharding.rows_per_chunk)
+    row_numel = property(lambda self: self.sharding.row_numel)
+    padded_chunk_numel = property(lambda self: self.sharding.padded_chunk_numel)
 
 
-def make_sharded(
-    name: str, p: nn.Parameter, n: int, rank: int, muon: bool = False, block: tuple[int, int] | None = None
-) -> ShardedParam:
-    """block: (first row, rows in all) when p holds a block of rows of a larger logical tensor (home experts)."""
-    d0 = p.shape[0] if p.dim() > 0 else 1
-    row = p.numel() // d0 if d0 else 0
-    c = -(-d0 // n)
-    sp = ShardedParam(name=name, param=p, n=n, rank=rank, rows_per_chunk=c, row_numel=row, start=0, stop=0, muon=muon)
-    sp.start, sp.stop = sp.rows_of(rank)
-    sp.global_offset, sp.global_d0 = block or (0, d0)
+def make_sharded(ps: ParamSharding, p: nn.Parameter, rank: int, block: tuple[int, int] | None = None) -> ShardedParam:
+    """p placed as its plan entry says, on the group's rank `rank`. block: (first row, rows in all) when p holds a
+    block of rows of a larger logical tensor (home experts)."""
+    if ps.shape != tuple(p.shape):
+        raise ValueError(f"{ps.name}: planned shape {ps.shape}, but the parameter has {tuple(p.shape)}")
+    sp = ShardedParam(param=p, sharding=ps, rank=rank)
+    sp.start, sp.stop = ps.rows_of(rank)
+    sp.global_offset, sp.global_d0 = block or (0, ps.d0)
     return sp
+
+
+def _group_size(group) -> int:
+    """Ranks of a process group (1 without one, or outside torch.distributed)."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() and group is not None else 1
 
 
 def _grad_hook(group: "ShardGroup", it: ShardedParam):
@@ -251,8 +248,10 @@ class ShardGroup:
         blocks: dict[str, tuple[int, int]] | None = None,
         precision: str = "fp32",
         reduce_group=None,
+        sharding: dict[str, ParamSharding] | None = None,
     ):
         """blocks: FQN -> (first row, rows in all) of parameters that hold a block of a larger tensor.
+        sharding: FQN -> the parameter's ShardingPlan entry (default: plain dim-0 chunks over the group).
         reduce_group: a process group over the same ranks as `group` that carries only the gradient reductions.
         Given one, buckets are reduced while the last backward runs (`arm`); without one they are all launched at
         the reduction point (`reduce_grads`): a collective launched from inside backward must not share its group
@@ -263,9 +262,14 @@ class ShardGroup:
         self.muon_reducer = None  # set by ShardedOptimizer: reduce-scatters Muon gradients to their owners
         self.muon_owned: dict[int, torch.Tensor] = {}  # id(param) -> owned matrices' reduced gradient (flat)
         distributed = dist.is_available() and dist.is_initialized() and group is not None
-        self.n = dist.get_world_size(group) if distributed else 1
+        self.n = _group_size(group)
         self.rank = dist.get_rank(group) if distributed else 0
-        self.items = [make_sharded(nm, p, self.n, self.rank, muon, (blocks or {}).get(nm)) for nm, p, muon in named]
+        if sharding is None:
+            kind = {True: "muon", False: "adamw"}
+            sharding = {nm: ParamSharding(nm, kind[m], "dense", tuple(p.shape), self.n) for nm, p, m in named}
+        self.items = [make_sharded(sharding[nm], p, self.rank, (blocks or {}).get(nm)) for nm, p, _ in named]
+        if any(it.n != self.n for it in self.items):
+            raise ValueError(f"{dim}: the sharding plan's group size differs from the group's {self.n} ranks")
         for it in self.items:
             it.shard = (
                 it.param.detach()
@@ -583,11 +587,7 @@ class ShardedOptimizer:
         precision: "fp32", or "bf16" for bf16 parameters with fp32 gradients, masters and states (module docstring).
         reduce_groups: {"dense": pg, "expert": pg}, process groups over the same ranks as `groups` that carry only
         the gradient reductions, which then overlap the last backward (ShardGroup's reduce_group)."""
-        from k3train.optim.param_groups import split_params
-        from k3train.optim.qk_clip import QKClip
-
         groups = groups or {"dense": (None, "dp_cp")}
-
         if precision not in PARAM_DTYPES:
             raise ValueError(f"precision must be one of {list(PARAM_DTYPES)}, got {precision!r}")
         self.zero = zero
@@ -595,32 +595,20 @@ class ShardedOptimizer:
         self.low = precision == "bf16"
         expert_blocks = expert_blocks or {}
         # Group assignment (Muon / AdamW with decay / AdamW without) by the project's rules, part by part.
-        kinds: dict[str, tuple[str, object]] = {}
-        named: dict[str, nn.Parameter] = {}
-        for part in parts:
-            for kind, items in split_params(part, optim_cfg).items():
-                for name, p, s in items:
-                    kinds[name] = (kind, s)
-                    named[name] = p
-        self.named = named
+        kinds = param_kinds(parts, optim_cfg)
+        order = [n for part in parts for n, p in part.named_parameters() if n in kinds]
+        named = {n: p for part in parts for n, p in part.named_parameters() if n in kinds}
         self._part_cache: dict[int, set[int]] = {}
-        order = [n for part in parts for n, p in part.named_parameters() if n in named]
+        self.sharding = self._plan_sharding(order, named, kinds, groups, expert_blocks)
         self.shard_groups: dict[str, ShardGroup] = {}
         for key in ("dense", "expert"):
-            if key not in groups:
-                continue
-            pg, dim = groups[key]
             sel = [(n, named[n], kinds[n][0] == "muon") for n in order if (n in expert_blocks) == (key == "expert")]
-            if sel:
+            if key in groups and sel:
+                pg, dim = groups[key]
+                sharding = {ps.name: ps for ps in self.sharding.params if ps.group == key}
+                args = (sel, pg, dim, zero, bucket_numel, expert_blocks, precision)
                 self.shard_groups[key] = ShardGroup(
-                    sel,
-                    pg,
-                    dim,
-                    zero,
-                    bucket_numel,
-                    expert_blocks,
-                    precision,
-                    reduce_group=(reduce_groups or {}).get(key),
+                    *args, reduce_group=(reduce_groups or {}).get(key), sharding=sharding
                 )
         self.items = {it.name: it for g in self.shard_groups.values() for it in g.items}
         self._by_param = {id(it.param): it for it in self.items.values()}
@@ -629,8 +617,8 @@ class ShardedOptimizer:
         # holds the optimizer tensor of _tensor_for.
         self._matrix_owned = {
             it.name
-            for g in self.shard_groups.values()
-            if optim_cfg.name == "muon" and zero >= 1 and g.n > 1
+            for key, g in self.shard_groups.items()
+            if self.sharding.owner_sharded(key)
             for it in g.items
             if it.muon
         }
@@ -638,13 +626,28 @@ class ShardedOptimizer:
             for it in self.items.values():
                 if it.name not in self._matrix_owned:
                     it.master = self._stepped(it).detach().to(MASTER_DTYPE).clone()
-        self.optimizer = self._build(order, kinds, groups)
+        sharded = zero >= 1
+        self.optimizer, self._order = build_optimizer(
+            optim_cfg,
+            order,
+            kinds,
+            self._tensor_for,
+            experts={it.name for it in self.shard_groups["expert"].items} if "expert" in self.shard_groups else set(),
+            process_group=groups["dense"][0] if sharded else None,
+            process_groups={"edp": groups["expert"][0]} if sharded and "expert" in groups else {},
+        )
         self._init_state()
         self.qk_clip = QKClip(parts, optim_cfg.qk_clip, groups["dense"][0]) if optim_cfg.qk_clip > 0 else None
         for g in self.shard_groups.values():  # Pipeline ZeRO-2: Muon gradients go to their matrices' owners
             if zero == 2 and any(it.name in self._matrix_owned for it in g.items):
                 g.muon_owned = self.optimizer.owned_grads
                 g.muon_reducer = self._muon_reducer(g)
+
+    def _plan_sharding(self, order, named, kinds, groups, expert_blocks) -> ShardingPlan:
+        """The ShardingPlan of the trainable parameters (in model order) over the groups' sizes."""
+        sizes = {key: _group_size(pg) for key, (pg, _) in groups.items()}
+        entries = [(n, tuple(named[n].shape), *kinds[n], "expert" if n in expert_blocks else "dense", 0) for n in order]
+        return ShardingPlan.build([e for e in entries if e[4] in sizes], sizes, self.zero, self.cfg.per_head)
 
     def _stepped(self, it: ShardedParam) -> torch.Tensor:
         """The part of the (bf16 or fp32) parameter this rank steps: all of it, or its ZeRO chunk (AdamW)."""
@@ -664,82 +667,6 @@ class ShardedOptimizer:
         """The tensor the torch optimizer steps: the fp32 master under bf16, else the parameter or its chunk."""
         it = self.items[name]
         return it.master if it.master is not None else self._stepped(it)
-
-    def _build(self, order, kinds, groups) -> torch.optim.Optimizer:
-        cfg = self.cfg
-        # The vision tower's decayed tensors form groups of their own, with optim.vision_weight_decay.
-        tower = {n for n in order if n.startswith("vision.")}
-        text_decay = [n for n in order if kinds[n][0] == "adamw" and n not in tower]
-        vision_decay = [n for n in order if kinds[n][0] == "adamw" and n in tower]
-        no_decay_names = [n for n in order if kinds[n][0] == "adamw_no_decay"]
-        decay = [self._tensor_for(n) for n in text_decay]
-        decay_v = [self._tensor_for(n) for n in vision_decay]
-        no_decay = [self._tensor_for(n) for n in no_decay_names]
-        self._order = text_decay + vision_decay + no_decay_names
-        if cfg.name == "adamw":
-            gs = [
-                g
-                for g in (
-                    {"params": decay, "weight_decay": cfg.weight_decay, "name": "adamw"},
-                    {"params": decay_v, "weight_decay": cfg.vision_weight_decay, "name": "adamw_vision"},
-                    {"params": no_decay, "weight_decay": 0.0, "name": "adamw_no_decay"},
-                )
-                if g["params"]
-            ]
-            return torch.optim.AdamW(gs, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-        from k3train.optim.muon import PerHeadMuon
-
-        muon = [n for n in order if kinds[n][0] == "muon"]
-        # Expert-parallel experts differ from rank to rank, so they cannot join the dense group's ZeRO-1 owners:
-        # under zero >= 1 they have owners among their edp replicas (which hold the same home experts).
-        expert_group = self.shard_groups.get("expert")
-        expert_set = {it.name for it in expert_group.items} if expert_group is not None else set()
-        experts = [n for n in muon if n in expert_set]
-        dense = [n for n in muon if n not in experts and n not in tower]
-        dense_v = [n for n in muon if n in tower]
-        self._order = dense + dense_v + experts + self._order
-        pg = groups["dense"][0] if self.zero >= 1 else None
-        extra = {"edp": groups["expert"][0]} if self.zero >= 1 and "expert" in groups else {}
-        gs = [
-            {
-                "params": [self._tensor_for(n) for n in dense],
-                "structures": [kinds[n][1] for n in dense],
-                "algorithm": "muon",
-                "weight_decay": cfg.weight_decay,
-                "name": "muon",
-            },
-            {
-                "params": [self._tensor_for(n) for n in dense_v],
-                "structures": [kinds[n][1] for n in dense_v],
-                "algorithm": "muon",
-                "weight_decay": cfg.vision_weight_decay,
-                "name": "muon_vision",
-            },
-            {
-                "params": [self._tensor_for(n) for n in experts],
-                "structures": [kinds[n][1] for n in experts],
-                "algorithm": "muon",
-                "weight_decay": cfg.weight_decay,
-                "name": "muon_experts",
-                "shard_over": "edp",
-                "sharded": bool(extra),
-            },
-            {"params": decay, "algorithm": "adamw", "weight_decay": cfg.weight_decay, "name": "adamw"},
-            {"params": decay_v, "algorithm": "adamw", "weight_decay": cfg.vision_weight_decay, "name": "adamw_vision"},
-            {"params": no_decay, "algorithm": "adamw", "weight_decay": 0.0, "name": "adamw_no_decay"},
-        ]
-        return PerHeadMuon(
-            [g for g in gs if g["params"]],
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            weight_decay=cfg.weight_decay,
-            ns_steps=cfg.ns_steps,
-            per_head=cfg.per_head,
-            betas=tuple(cfg.betas),
-            eps=cfg.eps,
-            process_group=pg,
-            process_groups=extra,
-        )
 
     def _init_state(self) -> None:
         """Create AdamW state eagerly (zeros, step 0: what the first step would create), so state_dict() is a
@@ -873,13 +800,17 @@ class ShardedOptimizer:
         item, local, whole=False) turns a rank's owned rows into what is saved (the engine makes DTensors over the
         sharding mesh); None keeps the local tensors. The momentum (and master) of owner-sharded Muon matrices is a
         ShardedTensor of the parameter's logical shape whose local shards are views of the owner's own matrices:
-        saving builds no full tensor and moves nothing between ranks (k3train.parallel.owned_state). rank_table(key):
+        saving builds no full tensor and moves nothing between ranks (k3train.optim.muon_state). rank_table(key):
         global ranks [EP block][group rank] of a group's owners (needed for home experts under ep > 1)."""
         out: dict[str, dict] = {}
         for key, g in self.shard_groups.items():
             for it in g.items:
                 if it.name in self._matrix_owned:
-                    out[it.name] = self._owned_matrix_state(it, rank_table(key) if rank_table else None)
+                    block, n_blocks = it.global_offset // max(it.d0, 1), it.global_d0 // max(it.d0, 1)
+                    table = rank_table(key) if rank_table else None
+                    out[it.name] = owned_matrix_state(
+                        self.optimizer, it.param, masters=self.low, block=block, n_blocks=n_blocks, rank_table=table
+                    )
                     continue
                 st = self.optimizer.state[self._tensor_for(it.name)]
                 whole = it.muon
@@ -895,17 +826,6 @@ class ShardedOptimizer:
                 out[it.name] = entry
         return out
 
-    def _owned_matrix_state(self, it: ShardedParam, table) -> dict:
-        from k3train.parallel.owned_state import owned_sharded_tensor
-
-        opt = self.optimizer
-        st = opt.state[it.param]
-        kw = dict(block=it.global_offset // max(it.d0, 1), n_blocks=it.global_d0 // max(it.d0, 1), rank_table=table)
-        out = {"momentum_buffer": owned_sharded_tensor(opt, it.param, st.get("momentum_owned"), **kw)}
-        if self.low:
-            out["master"] = owned_sharded_tensor(opt, it.param, st.get("master_owned"), **kw)
-        return out
-
     def load_state_dict(self, sd: dict) -> None:
         """Copy loaded values into the live state: DTensors / ShardedTensors (their local pieces are ours) or plain
         tensors of the logical full shape, of this rank's parameter shape, or of the owned rows. A checkpoint
@@ -915,7 +835,7 @@ class ShardedOptimizer:
             if it is None:
                 continue
             if it.name in self._matrix_owned:
-                self._load_owned_matrices(it, entry)
+                load_owned_matrices(self.optimizer, it.param, entry, masters=self.low, row0=it.global_offset)
                 continue
             t = self._tensor_for(name)
             st = self.optimizer.state[t]
@@ -944,8 +864,6 @@ class ShardedOptimizer:
             elif it.name in self._matrix_owned and self.low:
                 st = self.optimizer.state[it.param]
                 if "master_owned" in st:
-                    from k3train.parallel.owned_state import load_owned
-
                     load_owned(self.optimizer, it.param, it.param.detach(), st["master_owned"])
 
     def _whole(self, it: ShardedParam, v) -> torch.Tensor:
@@ -957,19 +875,6 @@ class ShardedOptimizer:
         if v.shape[0] == it.global_d0 and it.global_d0 != it.d0:  # the logical tensor: our block
             v = v[it.global_offset : it.global_offset + it.d0]
         return v
-
-    def _load_owned_matrices(self, it: ShardedParam, entry: dict) -> None:
-        from k3train.parallel.owned_state import load_owned
-
-        opt = self.optimizer
-        st = opt.state[it.param]
-        if "momentum_buffer" in entry:
-            load_owned(opt, it.param, entry["momentum_buffer"], st.get("momentum_owned"), row0=it.global_offset)
-        if self.low and "master_owned" in st:
-            if "master" in entry:
-                load_owned(opt, it.param, entry["master"], st["master_owned"], row0=it.global_offset)
-            else:
-                load_owned(opt, it.param, it.param.detach(), st["master_owned"])
 
     def _owned_rows(self, it: ShardedParam, v, like: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
@@ -988,67 +893,6 @@ class ShardedOptimizer:
             f"optimizer state for {it.name}: cannot place a tensor of shape {tuple(v.shape)} into "
             f"owned rows of shape {tuple(like.shape)}"
         )
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Muon owner state <-> full momentum (checkpoints only)
-# ---------------------------------------------------------------------------------------------------------------------
-def _muon_entry(opt, p):
-    if opt._plan is None:
-        opt._plan = opt._build_plan()
-    for e in opt._plan["params"]:
-        if e["param"] is p:
-            return e
-    raise KeyError("parameter is not in the Muon plan")
-
-
-def _gather_owned_momentum(opt, p: torch.Tensor) -> torch.Tensor:
-    from k3train.optim.muon import _state_dtype, from_pieces, owned_piece_views
-
-    e = _muon_entry(opt, p)
-    group, rank = opt.param_groups[e["group"]], opt._plan["rank"]
-    # Every piece's matrices in one flat buffer, so one all-reduce assembles the whole parameter; in the state's
-    # dtype (fp32 for low-precision weights), so a full momentum round-trips exactly.
-    flat = torch.zeros(
-        sum(pc["n"] * pc["rows"] * pc["cols"] for pc in e["pieces"]), dtype=_state_dtype(p), device=p.device
-    )
-    mats, off = [], 0
-    for pc in e["pieces"]:
-        k = pc["n"] * pc["rows"] * pc["cols"]
-        mats.append(flat[off : off + k].view(pc["n"], pc["rows"], pc["cols"]))
-        off += k
-    st = opt.state.get(p, {})
-    if "momentum_owned" in st:
-        for pc, m, own in zip(e["pieces"], mats, owned_piece_views(e, rank, st["momentum_owned"])):
-            idx = pc["by_rank"][rank][0]
-            if idx.numel():
-                m.index_copy_(0, idx, own.to(m.dtype))
-    comm.all_reduce(flat, opt.process_group, "dp_cp")  # each matrix lives on one owner: the sum assembles them
-    return from_pieces(mats, p.shape, opt.structure_of(p), group["per_head"]).to(p.dtype)
-
-
-def _scatter_owned_momentum(opt, p: torch.Tensor, full: torch.Tensor) -> None:
-    from k3train.optim.muon import new_owned_momentum, owned_piece_views, owns_any, to_pieces
-
-    e = _muon_entry(opt, p)
-    group, rank = opt.param_groups[e["group"]], opt._plan["rank"]
-    if not owns_any(e, rank):
-        return
-    buf = new_owned_momentum(e, rank, p)
-    pieces = to_pieces(full.to(p.device), opt.structure_of(p), group["per_head"])
-    for pc, src, dst in zip(e["pieces"], pieces, owned_piece_views(e, rank, buf)):
-        idx = pc["by_rank"][rank][0]
-        if idx.numel():
-            dst.copy_(src.index_select(0, idx))
-    opt.state[p]["momentum_owned"] = buf
-
-
-def owned_numel(d0: int, numel: int, n: int, q: int) -> int:
-    """Elements of a [d0, ...] tensor that rank q owns under dim-0 chunking over n ranks."""
-    c = -(-d0 // n)
-    a = min(q * c, d0)
-    b = min(a + c, d0)
-    return (b - a) * (numel // d0 if d0 else 0)
 
 
 __all__ = ["ShardedOptimizer", "ShardGroup", "ShardedParam", "owned_numel"]

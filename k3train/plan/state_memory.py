@@ -2,7 +2,8 @@
 gradients, master weights and optimizer states.
 
 The stage parts are built on the meta device (no memory) with the same code that builds them for training, and every
-parameter is placed the way the optimizer places it (k3train.parallel.zero's module doc):
+parameter is placed by the optimizer's own description of its sharding (k3train.optim.sharding.ShardingPlan,
+`sharding_plan`; k3train.parallel.zero's module doc):
 
 - parameters: every tensor of the rank's parts, frozen ones included (a vision tower without images); routed experts
   hold E / ep experts per layer under expert parallelism.
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3train.models.k3.args import K3ModelArgs
+from k3train.optim.sharding import ShardingPlan
 from k3train.parallel.mesh import ParallelDims, stages_of_rank
 
 ELEM = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -47,12 +49,6 @@ class StateBytes:
         return {"params": self.params, "grads": self.grads, "master": self.master, "optim": self.optim}
 
 
-def _owned_rows(d0: int, n: int, q: int) -> int:
-    c = -(-d0 // n)
-    a = min(q * c, d0)
-    return min(a + c, d0) - a
-
-
 def _local_shape(name: str, shape: tuple, ep: int) -> tuple:
     """Shape of a parameter on an expert-parallel rank: the routed-expert banks hold E / ep experts."""
     if ep > 1 and ".ffn.experts." in name:
@@ -63,16 +59,13 @@ def _local_shape(name: str, shape: tuple, ep: int) -> tuple:
 def _part_parameters(
     args: K3ModelArgs, layers: list[int], first: bool, last: bool, optim_cfg, train_vision: bool
 ) -> list[tuple[str, tuple, str, object, bool]]:
-    from k3train.optim.param_groups import split_params
+    from k3train.optim.build import param_kinds
     from k3train.parallel.pipeline import stage_part_on_meta
 
     part = stage_part_on_meta(args, layers, first=first, last=last)
     if getattr(part, "vision", None) is not None and not train_vision:
         part.vision.requires_grad_(False)
-    kinds = {}
-    for kind, items in split_params(part, optim_cfg).items():
-        for name, _, s in items:
-            kinds[name] = (kind, s)
+    kinds = param_kinds([part], optim_cfg)
     out = []
     for name, p in part.named_parameters():
         kind, s = kinds.get(name, ("frozen", None))
@@ -125,6 +118,32 @@ def stage_parameters(
     return out + list(after)
 
 
+def sharding_plan(
+    args: K3ModelArgs,
+    dims: ParallelDims,
+    stage_layers: list[list[int]],
+    stages: list[int],
+    optim_cfg,
+    *,
+    train_vision: bool = False,
+    _params_cache: dict | None = None,
+) -> ShardingPlan:
+    """The optimizer's sharding of the parameters of `stages` (one pipeline rank's stages) under the layout, built
+    on meta tensors: the description k3train.parallel.zero.ShardedOptimizer builds its shard groups from."""
+    cache = _params_cache if _params_cache is not None else {}
+    entries = []
+    for s in stages:
+        if s not in cache:
+            cache[s] = stage_parameters(
+                args, stage_layers, s, optim_cfg, train_vision=train_vision, _layer_cache=cache.setdefault("layers", {})
+            )
+        for name, shape, kind, structure, _ in cache[s]:
+            group = "expert" if dims.ep > 1 and ".ffn.experts." in name else "dense"
+            entries.append((name, _local_shape(name, shape, dims.ep), kind, structure, group, s))
+    sizes = {"dense": dims.dp_cp, "expert": dims.edp}
+    return ShardingPlan.build(entries, sizes, dims.zero, optim_cfg.per_head)
+
+
 def rank_state_bytes(
     args: K3ModelArgs,
     dims: ParallelDims,
@@ -138,66 +157,44 @@ def rank_state_bytes(
     _params_cache: dict | None = None,
 ) -> StateBytes:
     """Exact bytes of parameters, gradients, master weights and optimizer states on the rank at (pp_rank,
-    dp_cp_rank) of the layout: the formulas of k3train.parallel.zero's module doc."""
-    from k3train.optim.muon import assign_owners, piece_shapes
-
-    cache = _params_cache if _params_cache is not None else {}
-    out = StateBytes()
+    dp_cp_rank) of the layout: the formulas of k3train.parallel.zero's module doc, read off its ShardingPlan."""
     from k3train.parallel.zero import ELEMENT_BYTES, PARAM_DTYPES
 
+    plan = sharding_plan(
+        args,
+        dims,
+        stage_layers,
+        stages_of_rank(dims, pp_rank),
+        optim_cfg,
+        train_vision=train_vision,
+        _params_cache=_params_cache,
+    )
     eb = ELEMENT_BYTES[precision]
     p_elem, g_elem, m_elem, s_elem = eb["param"], eb["grad"], eb["master"], eb["state"]
-    groups = {"dense": (dims.dp_cp, dp_cp_rank), "expert": (dims.edp, dp_cp_rank // dims.ep)}
-    # Muon matrices of each group in optimizer order: (stage, rows, cols)
-    mats: dict[str, list[tuple[int, int, int]]] = {"dense": [], "expert": []}
-    for s in stages_of_rank(dims, pp_rank):
-        if s not in cache:
-            cache[s] = stage_parameters(
-                args, stage_layers, s, optim_cfg, train_vision=train_vision, _layer_cache=cache.setdefault("layers", {})
-            )
-        for name, shape, kind, structure, trainable in cache[s]:
-            key = "expert" if dims.ep > 1 and ".ffn.experts." in name else "dense"
-            local = _local_shape(name, shape, dims.ep)
-            numel = 1
-            for d in local:
-                numel *= d
-            out.params += numel * p_elem
-            if not trainable:
-                continue
-            n, q = groups[key]
-            if kind == "muon":
-                for cnt, r, c in piece_shapes(local, structure, optim_cfg.per_head):
-                    mats[key].extend([(s, r, c)] * cnt)
-                continue
-            d0 = local[0] if local else 1
-            row = numel // d0 if d0 else 0
-            owned = _owned_rows(d0, n, q) * row
-            out.grads += ((-(-d0 // n)) * row if dims.zero == 2 else numel) * g_elem
-            out.optim += 2 * (owned if dims.zero >= 1 else numel) * s_elem
-            out.master += (owned if dims.zero >= 1 else numel) * m_elem
-    for key, ms in mats.items():
-        if not ms:
+    rank_in = {"dense": dp_cp_rank, "expert": dp_cp_rank // dims.ep}
+    out = StateBytes()
+    for ps in plan.params:
+        out.params += ps.numel * p_elem
+        if ps.kind in ("frozen", "muon"):
             continue
-        n, q = groups[key]
-        if dims.zero >= 1 and n > 1:  # owner-sharded: each matrix lives on the rank assign_owners picks
-            owners = assign_owners([(r, c) for _, r, c in ms], n)
-            mine = sum(r * c for (_, r, c), o in zip(ms, owners) if o == q)
-            out.optim += mine * s_elem
-            out.master += mine * m_elem
+        held = ps.owned_numel(rank_in[ps.group]) if dims.zero >= 1 else ps.numel
+        out.grads += (ps.padded_chunk_numel if dims.zero == 2 else ps.numel) * g_elem
+        out.optim += 2 * held * s_elem
+        out.master += held * m_elem
+    for group, q in rank_in.items():
+        if not plan.muon_matrices(group):
+            continue
+        if plan.owner_sharded(group):  # each matrix lives on the rank assign_owners picks
+            mine = plan.muon_numel(group, q)
             if dims.zero == 2:  # one reduce-scatter per stage, each rank's segment padded to the longest
-                for s in sorted({m[0] for m in ms}):
-                    seg = [0] * n
-                    for (st, r, c), o in zip(ms, owners):
-                        if st == s:
-                            seg[o] += r * c
-                    out.grads += max(seg) * g_elem
+                out.grads += sum(plan.muon_segment_numel(group, s) for s in plan.stages(group)) * g_elem
             else:
-                out.grads += sum(r * c for _, r, c in ms) * g_elem
+                out.grads += plan.muon_numel(group) * g_elem
         else:
-            total = sum(r * c for _, r, c in ms)
-            out.optim += total * s_elem
-            out.master += total * m_elem
-            out.grads += total * g_elem
+            mine = plan.muon_numel(group)
+            out.grads += mine * g_elem
+        out.optim += mine * s_elem
+        out.master += mine * m_elem
     out.params_by_dtype = {str(PARAM_DTYPES[precision]).replace("torch.", ""): out.params}
     return out
 
@@ -217,23 +214,13 @@ def stage_grad_bytes(
     from k3train.parallel.zero import ELEMENT_BYTES
 
     g_elem = ELEMENT_BYTES[precision]["grad"]
-    cache = _params_cache if _params_cache is not None else {}
-    if stage not in cache:
-        cache[stage] = stage_parameters(
-            args, stage_layers, stage, optim_cfg, train_vision=train_vision, _layer_cache=cache.setdefault("layers", {})
-        )
+    plan = sharding_plan(
+        args, dims, stage_layers, [stage], optim_cfg, train_vision=train_vision, _params_cache=_params_cache
+    )
     full = kept = 0
-    for name, shape, kind, _, trainable in cache[stage]:
-        if not trainable:
+    for ps in plan.params:
+        if ps.kind == "frozen":
             continue
-        expert = dims.ep > 1 and ".ffn.experts." in name
-        local = _local_shape(name, shape, dims.ep)
-        numel = 1
-        for d in local:
-            numel *= d
-        n = dims.edp if expert else dims.dp_cp
-        d0 = local[0] if local else 1
-        owned = _owned_rows(d0, n, 0) * (numel // d0 if d0 else 0)
-        full += numel * g_elem
-        kept += (owned if dims.zero == 2 and kind != "muon" else numel) * g_elem
+        full += ps.numel * g_elem
+        kept += (ps.owned_numel(0) if dims.zero == 2 and ps.kind != "muon" else ps.numel) * g_elem
     return full, kept

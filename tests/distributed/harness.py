@@ -383,8 +383,8 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
 def capture_first_grads(engine, rec: dict) -> None:
     """At the first optimizer step, record {fqn: (logical shape, [(offsets, fp32 block)])} of the reduced gradients
     this rank owns: its dim-0 rows, or the Muon matrices reduce-scattered to it (Pipeline ZeRO-2)."""
-    from k3train.optim.muon import owned_piece_views
-    from k3train.parallel.owned_state import matrix_region
+    from k3train.optim.muon_state import owned_piece_views
+    from k3train.optim.muon_state import matrix_region
 
     z = engine.zero
     step = z.step

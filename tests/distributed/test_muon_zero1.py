@@ -107,7 +107,7 @@ SPLIT_SPECS = [
 
 
 def _split_worker(rank: int, world: int, store: str, out: str) -> None:
-    from k3train.parallel.zero import _gather_owned_momentum, _scatter_owned_momentum
+    from k3train.optim.muon_state import gather_owned_momentum, scatter_owned_momentum
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -132,13 +132,13 @@ def _split_worker(rank: int, world: int, store: str, out: str) -> None:
             sharded.step()
             single.step()
         # checkpoint round trip: full momentum gathered from the owners, scattered into a fresh sharded optimizer
-        full = [_gather_owned_momentum(sharded, p) for p in p_sh]
+        full = [gather_owned_momentum(sharded, p) for p in p_sh]
         single_momentum = [single.state[p]["momentum_buffer"].clone() for p in p_1]
         with torch.no_grad():
             for a, b in zip(p_re, p_sh):
                 a.copy_(b)
         for p, m in zip(p_re, full):
-            _scatter_owned_momentum(resumed, p, m)
+            scatter_owned_momentum(resumed, p, m)
         for ps in (p_sh, p_1, p_re):
             for p, gr in zip(ps, grads_for(3, ps)):
                 p.grad = gr

@@ -37,7 +37,7 @@ from k3train.optim.muon import (
     to_pieces,
 )
 from k3train.optim.qk_clip import apply_qk_clip, qk_clip_
-from k3train.optim.param_groups import describe_groups, split_params
+from k3train.optim.build import describe_groups, split_params
 from k3train.parallel.zero import ShardedOptimizer
 
 
@@ -519,7 +519,7 @@ def test_mla_wkv_b_split_sharded_step_and_checkpoint(case, world_of_one):
     unsharded optimizer; then the checkpoint functions' full momentum. Measured: sharded update vs definition max abs
     error 2.9e-8 / 4.6e-8 (the packed updates travel in fp32), parameters vs unsharded after 3 steps 4.6e-10 / 8.6e-10;
     the momentum round trips exactly."""
-    from k3train.parallel.zero import _gather_owned_momentum, _scatter_owned_momentum
+    from k3train.optim.muon_state import gather_owned_momentum, scatter_owned_momentum
 
     (sh, ref), (opt, opt_ref) = _sharded_pair(case, world_of_one)
     H, kd, vd = sh.n_heads, sh.k_dim, sh.v_dim
@@ -540,11 +540,11 @@ def test_mla_wkv_b_split_sharded_step_and_checkpoint(case, world_of_one):
     p = sh.wkv_b.weight
     st = opt.state[p]["momentum_owned"]
     assert st.shape == (p.numel(),) and "momentum_buffer" not in opt.state[p]  # two pieces: flat, every matrix owned
-    full = _gather_owned_momentum(opt, p)
+    full = gather_owned_momentum(opt, p)
     assert full.shape == p.shape
     assert torch.equal(full, opt_ref.state[ref.wkv_b.weight]["momentum_buffer"])
     opt.state[p]["momentum_owned"] = torch.zeros_like(st)
-    _scatter_owned_momentum(opt, p, full)
+    scatter_owned_momentum(opt, p, full)
     assert torch.equal(opt.state[p]["momentum_owned"], st)
     # a one-piece parameter keeps the [owned matrices, rows, cols] layout
     assert opt.state[sh.wq_b.weight]["momentum_owned"].shape == (H, kd + sh.s_dim, sh.wq_b.weight.shape[1])
@@ -555,8 +555,8 @@ def test_split_plan_and_checkpoint_over_two_ranks(monkeypatch):
     checkpoint functions scatter a full momentum to the owners and assemble it back (the all-reduce replaced by a sum
     over the two ranks' results)."""
     import k3train.distributed.comm as comm
-    from k3train.optim.muon import owned_piece_views
-    from k3train.parallel.zero import _gather_owned_momentum, _scatter_owned_momentum
+    from k3train.optim.muon_state import owned_piece_views
+    from k3train.optim.muon_state import gather_owned_momentum, scatter_owned_momentum
 
     monkeypatch.setattr(comm, "all_reduce", lambda t, group, dim: t)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
@@ -580,12 +580,12 @@ def test_split_plan_and_checkpoint_over_two_ranks(monkeypatch):
             for pc in e["pieces"]:  # the two ranks' indices partition every piece
                 owned = torch.cat([idx for idx, _, _ in pc["by_rank"]]).sort().values
                 assert torch.equal(owned, torch.arange(pc["n"]))
-            _scatter_owned_momentum(opt, p, full)
+            scatter_owned_momentum(opt, p, full)
             if "momentum_owned" in opt.state[p]:
                 views = owned_piece_views(e, rank, opt.state[p]["momentum_owned"])
                 for v, src, pc in zip(views, to_pieces(full, s), e["pieces"]):
                     assert torch.equal(v, src[pc["by_rank"][rank][0]])
-            gathered[-1].append(_gather_owned_momentum(opt, p))
+            gathered[-1].append(gather_owned_momentum(opt, p))
         assert plan["sizes"][rank] == sum(pc["by_rank"][rank][2] for e in plan["params"] for pc in e["pieces"])
     for full, a, b in zip(moms, *gathered):
         assert torch.equal(a + b, full)  # each matrix came back from exactly one rank

@@ -326,7 +326,8 @@ def _muon_specs():
 
 
 def _muon_rs_worker(rank: int) -> list:
-    from k3train.optim.muon import PerHeadMuon, owned_piece_views
+    from k3train.optim.muon import PerHeadMuon
+    from k3train.optim.muon_state import owned_piece_views
 
     specs = _muon_specs()
     params = [nn.Parameter(torch.zeros(s, dtype=torch.float64)) for s, _ in specs]

@@ -20,7 +20,7 @@ from k3train.models.k3.model import K3Layer, K3Model
 from k3train.models.structure import MatrixStructure
 from k3train.models.toy_dense_attention import KIND, DenseAttention
 from k3train.optim.config import OptimConfig
-from k3train.optim.param_groups import split_params
+from k3train.optim.build import split_params
 from k3train.plan.activations import PolicyPlan, stage_activation_bytes
 
 TOY_LAYER = 6  # on the second pipeline stage of the tiny model (8 layers), which receives the sources

@@ -1,4 +1,5 @@
-"""Which parameters get Muon (per head / per expert / whole matrix) and which get AdamW, and with what decay.
+"""The optimizer's parameter groups and the torch optimizer over them: which parameters get Muon (per head / per
+expert / whole matrix) and which get AdamW, and with what decay.
 
 Rules:
 - Muon (cfg.name == "muon"): exactly the parameters the model lists in `model.muon_structure()`
@@ -12,6 +13,10 @@ Rules:
   their own). A tower that gets no images in a run is frozen, so it is in no group and never decays.
 - One learning rate cfg.lr for all groups: Muon's 0.2 sqrt(max(A, B)) scale matches AdamW's update RMS.
 Frozen parameters (requires_grad False) are left out.
+
+`param_kinds` names each trainable parameter's kind over a rank's model parts; `build_optimizer` makes the torch
+optimizer (torch.optim.AdamW, or PerHeadMuon with AdamW groups) over the tensors the caller steps (the parameters,
+their ZeRO chunks or their fp32 masters: k3train.parallel.zero.ShardedOptimizer).
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 
+import torch
 from torch import nn
 
 from k3train.models.structure import MatrixStructure
 from k3train.optim.config import OptimConfig
-from k3train.optim.muon import check_structure, piece_shapes
+from k3train.optim.muon import PerHeadMuon, check_structure, piece_shapes
 
 
 def _embedding_params(model: nn.Module) -> set[int]:
@@ -116,3 +122,71 @@ def describe_groups(model: nn.Module, cfg: OptimConfig) -> str:
     for cat, (t, n, e) in totals.items():
         lines.append(f"{cat + ' total':<61} {t:>7} {n if n else '-':>9} {'':>11} {e:>15,}")
     return "\n".join(lines)
+
+
+def param_kinds(parts: list[nn.Module], cfg: OptimConfig) -> dict[str, tuple[str, MatrixStructure | None]]:
+    """FQN -> (kind, Muon structure or None) of every trainable parameter of the parts, part by part (kind: "muon",
+    "adamw" (decayed) or "adamw_no_decay")."""
+    kinds: dict[str, tuple[str, MatrixStructure | None]] = {}
+    for part in parts:
+        for kind, items in split_params(part, cfg).items():
+            for name, _, s in items:
+                kinds[name] = (kind, s)
+    return kinds
+
+
+def build_optimizer(
+    cfg: OptimConfig,
+    order: list[str],
+    kinds: dict[str, tuple[str, MatrixStructure | None]],
+    tensor_for,
+    *,
+    experts: set[str] = frozenset(),
+    process_group=None,
+    process_groups: dict | None = None,
+) -> tuple[torch.optim.Optimizer, list[str]]:
+    """The torch optimizer over tensor_for(name) of the names in `order` (model order), and the names in the
+    optimizer's group order. experts: the home-expert parameters (Muon group "muon_experts", sharded over
+    process_groups["edp"] when given); process_group: Muon's owner group for the dense matrices (None: every rank
+    orthogonalises every matrix). The vision tower's tensors form groups of their own, with cfg.vision_weight_decay."""
+    tower = {n for n in order if n.startswith("vision.")}
+    names = {
+        "adamw": [n for n in order if kinds[n][0] == "adamw" and n not in tower],
+        "adamw_vision": [n for n in order if kinds[n][0] == "adamw" and n in tower],
+        "adamw_no_decay": [n for n in order if kinds[n][0] == "adamw_no_decay"],
+    }
+    decays = {"adamw": cfg.weight_decay, "adamw_vision": cfg.vision_weight_decay, "adamw_no_decay": 0.0}
+    adamw = [{"params": [tensor_for(n) for n in ns], "weight_decay": decays[g], "name": g} for g, ns in names.items()]
+    if cfg.name == "adamw":
+        opt = torch.optim.AdamW([g for g in adamw if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        return opt, [n for ns in names.values() for n in ns]
+    muon = [n for n in order if kinds[n][0] == "muon"]
+    # Expert-parallel experts differ from rank to rank, so they cannot join the dense group's ZeRO-1 owners:
+    # sharded, they have owners among their edp replicas (which hold the same home experts).
+    muon_names = {
+        "muon": [n for n in muon if n not in experts and n not in tower],
+        "muon_vision": [n for n in muon if n in tower],
+        "muon_experts": [n for n in muon if n in experts],
+    }
+    gs = []
+    for g, ns in muon_names.items():
+        decay = cfg.vision_weight_decay if g == "muon_vision" else cfg.weight_decay
+        gs.append(
+            {"params": [tensor_for(n) for n in ns], "structures": [kinds[n][1] for n in ns], "algorithm": "muon"}
+            | {"weight_decay": decay, "name": g}
+        )
+    gs[-1] |= {"shard_over": "edp", "sharded": bool(process_groups)}
+    gs += [g | {"algorithm": "adamw"} for g in adamw]
+    opt = PerHeadMuon(
+        [g for g in gs if g["params"]],
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
+        ns_steps=cfg.ns_steps,
+        per_head=cfg.per_head,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        process_group=process_group,
+        process_groups=process_groups or {},
+    )
+    return opt, [n for ns in (*muon_names.values(), *names.values()) for n in ns]
