@@ -801,6 +801,18 @@ def _documents_rows_only(orig):
     return __init__
 
 
+def _cp_pieces_without_zigzag(orig):
+    # A zigzag row is cut into cp pieces instead of 2*cp: seq_len checks and the run's multiple miss half.
+    return property(lambda self: self.cp)
+
+
+def _layer_kinds_ignored(orig):
+    def layer_kind(self, i):
+        return "mla" if (i % self.mla_every == 0 or i == self.n_layers) else "kda"
+
+    return layer_kind
+
+
 def _schedule_auto_always_1f1b(orig):
     def resolve_schedule(name, vpp):
         return "1f1b" if name == "auto" else orig(name, vpp)
@@ -1271,6 +1283,20 @@ MUTATIONS: list[Mutation] = [
         "document starts inside rows dropped from positions and document ids",
         _documents_rows_only,
         (f"{LAYERS}::test_kda_matches_reference", f"{LAYERS}::test_mla_matches_reference"),
+    ),
+    M(
+        "cp_pieces_without_zigzag",
+        "k3train.parallel.mesh:ParallelDims.cp_pieces",
+        "a zigzag row counts cp pieces instead of 2*cp (the run spec's sequence multiple)",
+        _cp_pieces_without_zigzag,
+        ("tests/unit/test_config.py::test_parallel_layout_against_world_size",),
+    ),
+    M(
+        "layer_kinds_ignored",
+        "k3train.models.k3.args:K3ModelArgs.layer_kind",
+        "a layer's kind follows the 3:1 rule whatever model.overrides.layer_kinds names",
+        _layer_kinds_ignored,
+        ("tests/unit/test_toy_layer_kind.py::test_the_kind_is_registered_and_chosen_per_layer",),
     ),
     M(
         "schedule_auto_always_1f1b",

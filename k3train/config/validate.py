@@ -47,10 +47,15 @@ def _overrides(cfg: K3TrainConfig) -> dict:
 
 
 def model_args(cfg: K3TrainConfig) -> K3ModelArgs:
-    """The validated K3ModelArgs of cfg.model (preset + overrides)."""
+    """The validated K3ModelArgs of cfg.model (preset + overrides); every layer kind it names is registered."""
+    from k3train.models.k3.mixers import layer_mixer
+
     overrides = _overrides(cfg)
     try:
-        return get_preset(cfg.model.preset, **overrides)
+        args = get_preset(cfg.model.preset, **overrides)
+        for i in args.layer_kinds:
+            layer_mixer(args, i)
+        return args
     except ConfigError as e:
         key = "model.preset" if "preset" in str(e) and "unknown model field" not in str(e) else "model.overrides"
         raise ConfigError(f"{key}: {e}") from None

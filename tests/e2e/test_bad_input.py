@@ -257,6 +257,13 @@ CASES = [
         "n_layerz",
         config("+model.overrides.n_layerz=4"),
     ),
+    Bad(
+        "unknown-layer-kind",
+        "config",
+        "+model.overrides.layer_kinds={3:nope}",
+        r"model\.overrides: .*layer_kinds\[3\]='nope' is not a registered layer kind",
+        config("+model.overrides.layer_kinds={3:nope}"),
+    ),
     # ---- config: values -------------------------------------------------------------------------------------------
     Bad(
         "seq-len-multiple",
