@@ -314,7 +314,7 @@ VISION_FILES = {
 
 
 def _rule(match: str, policy: str):
-    from k3train.config.schema import ActivationRule
+    from k3train.activation.config import ActivationRule
 
     return ActivationRule(match=match, policy=policy)
 
