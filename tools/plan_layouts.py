@@ -73,7 +73,7 @@ def main() -> None:
         ]
         try:
             cfg = from_omegaconf(compose_config(a.recipe, ov))
-            spec = resolve_run(cfg, world_size=plan_world(cfg), recipe=a.recipe)
+            spec = resolve_run(cfg, world_size=plan_world(cfg), recipe=a.recipe, here=False)
             plan = plan_run(spec, gpu, gpus_per_node=a.gpus_per_node)
         except ConfigError:
             refused += 1

@@ -75,14 +75,19 @@ class RunSpec:
         return self.layout.dp * self.layout.microbatches * c.data.micro_batch * c.data.seq_len
 
 
-def resolve_run(cfg: K3TrainConfig, *, world_size: int | None = None, recipe: str = "custom") -> RunSpec:
-    """Check cfg (ConfigError naming the first bad key) and resolve it; world_size defaults to $WORLD_SIZE."""
+def resolve_run(
+    cfg: K3TrainConfig, *, world_size: int | None = None, recipe: str = "custom", here: bool = True
+) -> RunSpec:
+    """Check cfg (ConfigError naming the first bad key) and resolve it; world_size defaults to $WORLD_SIZE.
+    here=False resolves a run planned for another machine (the planner): its data sources, tokenizer file and
+    kernel backend are that machine's, so they are neither checked nor resolved here (kernels stays as
+    model.kernels names it)."""
     world = checks.world_size_from_env() if world_size is None else world_size
     args = checks.model_args(cfg)
-    kernels = checks.check_kernels(cfg)
+    kernels = checks.check_kernels(cfg) if here else cfg.model.kernels
     dims = checks.check_layout(cfg, world, args)
-    checks.check_data(cfg, args, dims)
-    tok = checks.check_tokenizer(cfg, args)
+    checks.check_data(cfg, args, dims, sources=here)
+    tok = checks.check_tokenizer(cfg, args) if here else None
     checks.check_optim(cfg)
     checks.check_activation(cfg)
     checks.check_logging(cfg)

@@ -107,8 +107,8 @@ def check_layout(cfg: K3TrainConfig, world: int, args: K3ModelArgs):
     return ParallelDims.from_config(p, world).validate(world_size=world, model_args=args)
 
 
-def check_data(cfg: K3TrainConfig, args: K3ModelArgs, dims) -> None:
-    """data: the source, its files and its rows against the model and the layout."""
+def check_data(cfg: K3TrainConfig, args: K3ModelArgs, dims, *, sources: bool = True) -> None:
+    """data: its rows against the model and the layout, and (sources) the source and its files."""
     from k3train.models.k3.model import required_seq_multiple
 
     d, p = cfg.data, cfg.parallel
@@ -133,6 +133,12 @@ def check_data(cfg: K3TrainConfig, args: K3ModelArgs, dims) -> None:
         d.seq_len <= args.max_seq_len, "data.seq_len", f"{d.seq_len} exceeds the model's max_seq_len={args.max_seq_len}"
     )
     _need(0.0 <= d.eval_fraction < 1.0, "data.eval_fraction", f"must lie in [0, 1), got {d.eval_fraction}")
+    if sources:
+        _check_sources(cfg, args)
+
+
+def _check_sources(cfg: K3TrainConfig, args: K3ModelArgs) -> None:
+    d = cfg.data
     if d.source == "files":
         _need(
             not (d.paths and d.sources),

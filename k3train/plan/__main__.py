@@ -23,7 +23,7 @@ def _task(dcfg) -> None:
         from k3train.plan.planner import format_plan, plan_json, plan_run, plan_world, plot_plan
 
         gpu = gpu_spec(cfg.plan.gpu)
-        spec = resolve_run(cfg, world_size=plan_world(cfg), recipe=recipe)
+        spec = resolve_run(cfg, world_size=plan_world(cfg), recipe=recipe, here=False)
         p = cfg.plan
         plan = plan_run(spec, gpu, gpus_per_node=p.gpus_per_node, headroom=p.headroom, efficiency=p.efficiency)
         print(format_plan(plan), flush=True)
