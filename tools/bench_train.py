@@ -51,7 +51,7 @@ MODELS = {"tiny": {}, "cpu_medium": CPU_MEDIUM}
 def bench_model(name: str, overrides: dict, a, peak: float) -> dict:
     import torch
 
-    from k3train.config import load_config
+    from k3train.config import load_config, resolve_run
     from k3train.models.k3.counts import count_params
     from k3train.train.trainer import Trainer
 
@@ -75,7 +75,7 @@ def bench_model(name: str, overrides: dict, a, peak: float) -> dict:
                 f"train.threads={a.threads}",
             ],
         )
-        tr = Trainer(cfg, recipe="bench")
+        tr = Trainer(resolve_run(cfg, recipe="bench"))
         times = []
         for i in range(a.warmup + a.steps):
             t0 = time.perf_counter()

@@ -23,7 +23,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def caption_loss(steps: int, blank: bool, *, seed: int, threads: int, extra: list[str]) -> float:
-    from k3train.config import load_config
+    from k3train.config import load_config, resolve_run
     from k3train.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as run_dir:
@@ -47,7 +47,7 @@ def caption_loss(steps: int, blank: bool, *, seed: int, threads: int, extra: lis
             "logging.peak_flops=1e12",
             *extra,
         ]
-        trainer = Trainer(load_config("tiny_vision", overrides), recipe="bench_vision")
+        trainer = Trainer(resolve_run(load_config("tiny_vision", overrides), recipe="bench_vision"))
         try:
             out = trainer.train()
         finally:
