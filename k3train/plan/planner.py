@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from k3train.errors import ConfigError
 from k3train.plan.gpus import GPU
@@ -170,8 +171,8 @@ class _Inputs:
     def dims(self):
         return self.spec.layout
 
-    @property
-    def stage_layers(self) -> list[list[int]]:
+    @cached_property
+    def stage_layers(self) -> list[list[int]]:  # read by every stage's and rank's figure: converted once
         return [list(s) for s in self.spec.stages]
 
     @property
