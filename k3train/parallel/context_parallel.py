@@ -34,6 +34,15 @@ from k3train.parallel.mesh import CP_LAYOUTS
 LAYOUTS = CP_LAYOUTS
 
 
+def _world_rank(group, world: int | None = None, rank: int | None = None) -> tuple[int, int]:
+    """(world, rank) of the CP group where not given (no group: one rank)."""
+    if world is None:
+        world = dist.get_world_size(group) if group is not None else 1
+    if rank is None:
+        rank = dist.get_rank(group) if group is not None else 0
+    return world, rank
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Sequence layout: which pieces a rank holds, sharding and un-sharding (pure tensor code, no process group)
 # ---------------------------------------------------------------------------------------------------------------------
@@ -68,11 +77,8 @@ class SequenceLayout:
         self.piece_len = self.seq_len // self.n_pieces
         self.per_rank = len(rank_pieces(layout, 0, world))
         # gathered slot (rank * per_rank + p) of every piece, in sequence order
-        slot = [0] * self.n_pieces
-        for r in range(world):
-            for p, c in enumerate(rank_pieces(layout, r, world)):
-                slot[c] = r * self.per_rank + p
-        self.slot_of_piece = slot
+        gathered = [c for r in range(world) for c in rank_pieces(layout, r, world)]
+        self.slot_of_piece = [gathered.index(c) for c in range(self.n_pieces)]
 
     def pieces(self, rank: int) -> list[int]:
         return rank_pieces(self.layout, rank, self.world)
@@ -91,13 +97,10 @@ class SequenceLayout:
         """Inverse of shard: the full tensor from every rank's shard (list in rank order)."""
         if len(shards) != self.world:
             raise ValueError(f"unshard needs {self.world} shards (one per rank), got {len(shards)}")
-        L = self.piece_len
-        parts: list[torch.Tensor | None] = [None] * self.n_pieces
         for r, s in enumerate(shards):
-            self._check_len(s, dim, self.per_rank * L, f"unshard (rank {r})")
-            for p, c in enumerate(self.pieces(r)):
-                parts[c] = s.narrow(dim, p * L, L)
-        return torch.cat(parts, dim=dim)
+            self._check_len(s, dim, self.per_rank * self.piece_len, f"unshard (rank {r})")
+        slots = torch.cat(shards, dim=dim).split(self.piece_len, dim=dim)  # rank-major: slot r * per_rank + p
+        return torch.cat([slots[i] for i in self.slot_of_piece], dim=dim)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """Local shard [B, per_rank*piece_len, ...] -> the model's layout [B*per_rank, piece_len, ...]."""
@@ -140,10 +143,7 @@ class ContextParallel:
         cu_seqlens_global=None,
         batch: int | None = None,
     ):
-        if world is None:
-            world = dist.get_world_size(group) if group is not None else 1
-        if rank is None:
-            rank = dist.get_rank(group) if group is not None else 0
+        world, rank = _world_rank(group, world, rank)
         if world > 1 and group is None and not dist.is_initialized():
             raise ValueError(f"context parallelism over {world} ranks needs a process group")
         self.group, self.rank, self.world = group, rank, world
@@ -179,14 +179,6 @@ class ContextParallel:
         return self.seq.pieces(self.rank)
 
     # ---- sharding helpers --------------------------------------------------------------------------------------------
-    def shard_sequence(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This rank's pieces of a global tensor, concatenated along dim."""
-        return self.seq.shard(x, self.rank, dim)
-
-    def unshard(self, shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
-        """The global tensor from every rank's shard_sequence output (in rank order)."""
-        return self.seq.unshard(shards, dim)
-
     def shard_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Global [B, T, ...] -> what the model runs on here: [B*pieces_per_rank, piece_len, ...]."""
         return self.seq.rows(self.seq.shard(x, self.rank, 1))
@@ -218,9 +210,6 @@ class ContextParallel:
         of the reduce-scatter input (their backward); what is kda_summary, conv_halo, mla_latent or mtp_halo."""
         return {k: [e["calls"], e["payload"]] for k, e in self.ledger.labels("cp").items()}
 
-    def reset_stats(self) -> None:
-        self.ledger.reset()
-
     def _rows_check(self, R: int, L: int) -> int:
         P = self.pieces_per_rank
         if L != self.piece_len or R % P:
@@ -244,7 +233,7 @@ class ContextParallel:
         if self._context is None:
             docs = Documents.from_cu_seqlens(self.cu_seqlens_global, self.batch, self.seq.seq_len, "cpu")
             start = docs.start
-            loc = lambda t: self.seq.rows(self.seq.shard(t, self.rank, 1))
+            loc = self.shard_rows
             self._context = CPContext(
                 group=self.group,
                 rank=self.rank,
@@ -275,22 +264,16 @@ class ContextParallel:
     ) -> "ContextParallel":
         """Build the handle on every CP rank from the local document-start marks [B*P, L] (bool; what a pipeline
         stage receives), by all-gathering them over the group (1 byte per token, once per batch)."""
-        if world is None:
-            world = dist.get_world_size(group) if group is not None else 1
-        if rank is None:
-            rank = dist.get_rank(group) if group is not None else 0
-        P = layout_pieces(layout, world) // world
+        world, rank = _world_rank(group, world, rank)
         R, L = doc_start_rows.shape
-        if R % P:
-            raise ValueError(f"doc_start_rows has {R} rows, not a multiple of the {P} pieces per rank")
-        marks = doc_start_rows.to(torch.uint8).contiguous()
-        if world > 1:
-            parts = torch.empty(world * R, L, dtype=torch.uint8, device=marks.device)
-            comm.all_gather(parts, marks, group, "cp")
-        else:
-            parts = marks
         seq = SequenceLayout(world, L * layout_pieces(layout, world), layout)
-        full = seq.to_sequence_order(parts, R // P).reshape(R // P, -1).bool().cpu()  # [B, T]
+        if R % seq.per_rank:
+            raise ValueError(f"doc_start_rows has {R} rows, not a multiple of the {seq.per_rank} pieces per rank")
+        parts = doc_start_rows.to(torch.uint8).contiguous()
+        if world > 1:
+            marks, parts = parts, parts.new_empty(world * R, L)
+            comm.all_gather(parts, marks, group, "cp")
+        full = seq.to_sequence_order(parts, R // seq.per_rank).reshape(R // seq.per_rank, -1).bool().cpu()  # [B, T]
         full[:, 0] = True
         return cls(group, rank, world, seq_len=seq.seq_len, layout=layout, cu_seqlens_global=Documents(full).cu_seqlens)
 
@@ -350,8 +333,7 @@ class ContextParallelPlan:
     def __init__(self, models: nn.Module | list[nn.Module], group, layout: str):
         self.models = list(models) if isinstance(models, (list, tuple)) else [models]
         self.group, self.layout = group, layout
-        self.world = dist.get_world_size(group) if group is not None else 1
-        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world, self.rank = _world_rank(group)
         self._checked: set[int] = set()
 
     def check(self, seq_len: int) -> None:

@@ -44,6 +44,7 @@ from k3train.ops.grouped_mm import grouped_mm
 from k3train.ops.moe_permute import expert_counts, inverse_permutation
 from k3train.distributed import comm
 from k3train.parallel import host_copy
+from k3train.parallel.moonep import expert_major_index
 
 __all__ = [
     "AllToAllDispatcher",
@@ -86,14 +87,9 @@ def source_to_expert_major(counts: Tensor, total: int | None = None) -> Tensor:
     """counts [R_src, G]: rows of (source s, local expert g) arrive source-major (s, then g inside s). Returns the
     gather index `ix` such that `received[ix]` is expert-major (g, then s inside g). total: the rows in all (the sum
     of counts) when the host knows it already; None reads it from counts (a host sync on accelerators)."""
-    R, G = counts.shape
-    c = counts.reshape(-1)
-    start_sm = (c.cumsum(0) - c).view(R, G).T.reshape(-1)  # block (g, s) start in the source-major buffer
-    size_em = counts.T.reshape(-1)  # block sizes in expert-major order
-    start_em = size_em.cumsum(0) - size_em
-    M = int(c.sum()) if total is None else total
-    block = torch.repeat_interleave(torch.arange(R * G, device=counts.device), size_em, output_size=M)
-    return start_sm[block] + torch.arange(M, device=counts.device) - start_em[block]
+    per_expert = counts.sum(0)
+    M = int(per_expert.sum()) if total is None else total
+    return expert_major_index(counts.T, per_expert.cumsum(0) - per_expert, M)
 
 
 def source_to_expert_major_reference(counts: Tensor) -> Tensor:
@@ -202,6 +198,20 @@ class EPDispatcher:
         """This dispatcher's traffic since it was built (read-only: a fresh summary on every read)."""
         return CommStats.from_ledger(self.ledger, routes=self.routes, calls=self.calls)
 
+    def _send_tokens(self, z: Tensor, order: Tensor, shape, send_splits: list[int], recv_splits: list[int]):
+        """Each token's K rows of z into the send buffer in `order` (the flat rows in send order; shape: [N, K]),
+        then the all_to_all: (pos [N, K] for combine, the received rows)."""
+        self.routes += order.numel()
+        self.calls += 1
+        pos = send_positions(order, tuple(shape))
+        return pos, self._send_rows(self.kernels.permute_rows(z, pos), recv_splits, send_splits, "dispatch")
+
+    def combine(self, y: Tensor, weights: Tensor, state) -> Tensor:
+        """y [M, L] in dispatch order, weights [N, K] -> u [N, L]: the inverse gather, the trip home and the mix."""
+        pos, em, send_splits, recv_splits = state[:4]
+        back = self._send_rows(y[inverse_permutation(em)], send_splits, recv_splits, "combine")
+        return self.kernels.unpermute(back, weights, pos)
+
     def _send_rows(
         self, x: Tensor, out_splits: list[int], in_splits: list[int], what: str, grad_what: str = "backward"
     ) -> Tensor:
@@ -224,17 +234,16 @@ class EPGroupedExperts(GroupedExperts):
     def __init__(self, full: GroupedExperts, group, ep_rank: int, ep_size: int):
         nn.Module.__init__(self)
         self.beta1, self.beta2 = full.beta1, full.beta2
-        self.n_total = self.total_experts = full.n_experts
-        self.lo, hi = home_range(ep_rank, ep_size, self.n_total)
-        self.first_expert = self.lo
+        self.total_experts = full.n_experts
+        self.first_expert, hi = home_range(ep_rank, ep_size, self.total_experts)
         self.ep_rank, self.ep_size, self.group = ep_rank, ep_size, group
         for name in ("w1", "w3", "w2"):
             p = getattr(full, name)
-            setattr(self, name, nn.Parameter(p.detach()[self.lo : hi].clone(), requires_grad=p.requires_grad))
+            setattr(self, name, nn.Parameter(p.detach()[self.first_expert : hi].clone(), requires_grad=p.requires_grad))
         self._mesh = None
 
     def extra_repr(self) -> str:
-        return f"home experts [{self.lo}, {self.lo + self.w1.shape[0]}) of {self.n_total}"
+        return f"home experts [{self.first_expert}, {self.first_expert + self.w1.shape[0]}) of {self.total_experts}"
 
     def compute(self, x: Tensor, counts: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
         """x [M, L] grouped by expert, counts [n] rows per expert, weight stacks [n, ...] -> [M, L]."""
@@ -264,25 +273,25 @@ class EPGroupedExperts(GroupedExperts):
             t = p if keep_vars else p.detach()
             destination[prefix + name] = DTensor.from_local(t, self.device_mesh(), [Shard(0)], run_check=False)
 
+    def local_rows(self, v: Tensor) -> Tensor:
+        """This rank's rows of a saved home-expert tensor (a parameter or its optimizer state): a full [E, ...] tensor
+        gives its home rows, a local [E/R, ...] one is kept."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        if isinstance(v, DTensor):
+            # A DTensor laid out like ours gives its local rows; any other layout is gathered first.
+            ours = v.device_mesh == self.device_mesh() and v.placements == (Shard(0),)
+            v = v.to_local() if ours and v.shape[0] == self.total_experts else v.full_tensor()
+        if v.shape[0] == self.total_experts and self.total_experts != self.w1.shape[0]:
+            v = shard_experts(v, self.ep_rank, self.ep_size)
+        return v
+
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
-        from torch.distributed.tensor import DTensor, Shard
-
-        for name, p in self._parameters.items():
-            key = prefix + name
-            if key not in state_dict:
-                continue
-            v = state_dict[key]
-            if isinstance(v, DTensor):
-                # A DTensor laid out like ours gives its local rows; any other layout is gathered first.
-                ours = (
-                    v.device_mesh == self.device_mesh() and v.placements == (Shard(0),) and v.shape[0] == self.n_total
-                )
-                v = v.to_local() if ours else v.full_tensor()
-            if v.shape[0] == self.n_total and self.n_total != p.shape[0]:
-                v = shard_experts(v, self.ep_rank, self.ep_size)
-            state_dict[key] = v
+        for name in self._parameters:
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = self.local_rows(state_dict[prefix + name])
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
@@ -298,7 +307,6 @@ class AllToAllDispatcher(EPDispatcher):
     def dispatch(self, z: Tensor, idx: Tensor, n_experts: int):
         """z [N, L], idx [N, K] (global expert ids) -> (rows [M, L] grouped by home expert, counts [E/R], state)."""
         R = self.ep_size
-        N, K = idx.shape
         order, counts, send = alltoall_send_layout(idx, n_experts, R)
         # Every destination learns how many rows of each of its experts each source sends.
         recv_counts = torch.empty_like(counts)
@@ -307,15 +315,6 @@ class AllToAllDispatcher(EPDispatcher):
         # The layer's one read of device values on the host: both split lists in one copy.
         splits = host_copy.host_counts(torch.cat([send, recv_counts.sum(1)]))
         send_splits, recv_splits = splits[:R], splits[R:]
-        self.routes += N * K
-        self.calls += 1
-        pos = send_positions(order, (N, K))
-        rows = self._send_rows(self.kernels.permute_rows(z, pos), recv_splits, send_splits, "dispatch")
+        pos, rows = self._send_tokens(z, order, idx.shape, send_splits, recv_splits)
         em = source_to_expert_major(recv_counts, sum(recv_splits))
         return rows[em], recv_counts.sum(0), (pos, em, send_splits, recv_splits)
-
-    def combine(self, y: Tensor, weights: Tensor, state) -> Tensor:
-        """y [M, L] in dispatch order, weights [N, K] -> u [N, L]."""
-        pos, em, send_splits, recv_splits = state
-        back = self._send_rows(y[inverse_permutation(em)], send_splits, recv_splits, "combine")
-        return self.kernels.unpermute(back, weights, pos)

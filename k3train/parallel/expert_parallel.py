@@ -27,12 +27,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from k3train.models.k3.moe import LatentMoE
-from k3train.parallel.ep_dispatch import AllToAllDispatcher, CommStats, EPDispatcher, EPGroupedExperts, shard_experts
+from k3train.parallel.ep_dispatch import AllToAllDispatcher, CommStats, EPDispatcher, EPGroupedExperts
 from k3train.parallel.mesh import EP_DISPATCHERS
 from k3train.parallel.moonep_dispatch import MoonEPDispatcher
 
 __all__ = [
-    "DISPATCHERS",
     "apply_expert_parallel",
     "ep_comm_stats",
     "expert_parameters",
@@ -40,8 +39,6 @@ __all__ = [
     "optimizer_state_to_dtensor",
     "optimizer_state_to_local",
 ]
-
-DISPATCHERS = EP_DISPATCHERS
 
 
 def apply_expert_parallel(
@@ -59,8 +56,8 @@ def apply_expert_parallel(
     draws each expert from its own seed, so a rank's home experts get the values of the full model).
     Returns the model.
     """
-    if dispatcher not in DISPATCHERS:
-        raise ValueError(f"parallel.ep_dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
+    if dispatcher not in EP_DISPATCHERS:
+        raise ValueError(f"parallel.ep_dispatcher must be one of {EP_DISPATCHERS}, got {dispatcher!r}")
     if tokens_per_rank is not None and dispatcher != "moonep":
         raise ValueError("tokens_per_rank applies to the 'moonep' dispatcher only")
     moes = [(n, m) for n, m in model.named_modules() if isinstance(m, LatentMoE)]
@@ -93,10 +90,9 @@ def expert_parameters(model: nn.Module) -> dict[str, tuple[int, int]]:
     over data-parallel replicas of the EP group only, never over the EP group; their squared norms add across the EP
     group (each shard counted once)."""
     out = {}
-    for mname, m in model.named_modules():
-        if isinstance(m, EPGroupedExperts):
-            for pname, _ in m.named_parameters(recurse=False):
-                out[f"{mname}.{pname}" if mname else pname] = (m.first_expert, m.total_experts)
+    for mname, m in _ep_modules(model).items():
+        for pname, _ in m.named_parameters(recurse=False):
+            out[f"{mname}.{pname}" if mname else pname] = (m.first_expert, m.total_experts)
     return out
 
 
@@ -123,34 +119,31 @@ def optimizer_state_to_dtensor(model: nn.Module, osd: dict) -> dict:
     instead of keeping one rank's shard. In place; returns osd."""
     from torch.distributed.tensor import DTensor, Shard
 
-    owners = {n: m for n, m in _ep_modules(model)}
-    for fqn, st in osd.get("state", {}).items():
-        mod_name, _, leaf = fqn.rpartition(".")
-        m = owners.get(mod_name)
-        if m is None:
-            continue
-        local_shape = getattr(m, leaf).shape
-        for k, v in st.items():
-            if isinstance(v, Tensor) and not isinstance(v, DTensor) and v.shape == local_shape:
-                st[k] = DTensor.from_local(v, m.device_mesh(), [Shard(0)], run_check=False)
-    return osd
+    def convert(m: EPGroupedExperts, leaf: str, v):
+        if isinstance(v, Tensor) and not isinstance(v, DTensor) and v.shape == getattr(m, leaf).shape:
+            return DTensor.from_local(v, m.device_mesh(), [Shard(0)], run_check=False)
+        return v
+
+    return _map_expert_state(model, osd, convert)
 
 
 def optimizer_state_to_local(model: nn.Module, osd: dict) -> dict:
     """The inverse of optimizer_state_to_dtensor (for set_optimizer_state_dict after a DCP load). In place."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 
-    owners = {n: m for n, m in _ep_modules(model)}
+    return _map_expert_state(model, osd, lambda m, leaf, v: m.local_rows(v) if isinstance(v, DTensor) else v)
+
+
+def _ep_modules(model: nn.Module) -> dict[str, EPGroupedExperts]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, EPGroupedExperts)}
+
+
+def _map_expert_state(model: nn.Module, osd: dict, convert) -> dict:
+    """Replaces each value v of a home expert's per-parameter state with convert(module, parameter name, v)."""
+    owners = _ep_modules(model)
     for fqn, st in osd.get("state", {}).items():
-        m = owners.get(fqn.rpartition(".")[0])
-        if m is None:
-            continue
-        for k, v in st.items():
-            if isinstance(v, DTensor):
-                ours = v.device_mesh == m.device_mesh() and v.placements == (Shard(0),)
-                st[k] = v.to_local() if ours else shard_experts(v.full_tensor(), m.ep_rank, m.ep_size)
+        mod_name, _, leaf = fqn.rpartition(".")
+        if mod_name in owners:
+            for k, v in st.items():
+                st[k] = convert(owners[mod_name], leaf, v)
     return osd
-
-
-def _ep_modules(model: nn.Module):
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, EPGroupedExperts)]

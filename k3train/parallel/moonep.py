@@ -18,11 +18,11 @@ The planner, from `tokens_per_expert` [R_src, E]:
 `plan` returns only `alloc` [E, R] (rows of expert e computed on rank r). `make_plan` adds what a dispatcher needs:
 the per-(source, destination, expert) send counts and the receive layout of every destination, both from one fixed
 global order of each expert's rows (source ranks 0..R−1 concatenated; destinations 0..R−1 take consecutive ranges).
-`plan` is free of host synchronisation on accelerators when called with `validate=False` (the group loop then runs as
-R−1 fixed tensor steps); on the CPU the short group loop runs on Python ints, which is faster than tiny tensor ops.
-`plan_alloc_sync_free` runs the tensor loop on any device (what the MoonEP dispatcher runs, so its step reads nothing
-on the host but the one copy of k3train.parallel.host_copy); `assign_rows` and `expert_major_index` are the plan's
-per-rank layouts as free functions of its tensors (static shapes, counts by scatter_add_, never bincount).
+`plan` is free of host synchronisation when called with `validate=False`: the group loop runs as R−1 fixed tensor
+steps on any device. `plan_alloc_sync_free` is that call without the shape checks (what the MoonEP dispatcher runs, so
+its step reads nothing on the host but the one copy of k3train.parallel.host_copy); `rank_rows`, `assign_rows` and
+`expert_major_index` are the plan's per-rank layouts as free functions of its tensors (static shapes, counts by
+scatter_add_, never bincount).
 `make_plan` builds the compact full plan with a few host reads (nonzero, the fill count): for tests, inspection and
 the benchmarks, not for the training step.
 
@@ -56,6 +56,8 @@ __all__ = [
     "plan",
     "plan_alloc_sync_free",
     "plan_reference",
+    "rank_rows",
+    "remote_mask",
 ]
 
 
@@ -101,28 +103,8 @@ def _as_counts(tokens_per_expert, rows_per_rank: int, *, validate: bool = True) 
 # Step 1: group-level fills
 
 
-def _group_quotas_host(balance: Tensor) -> Tensor:
-    """The fill loop on Python ints (fast for R ≤ a few hundred). Returns quota [R_group, R_receiver]."""
-    R = balance.numel()
-    bal = balance.tolist()
-    cells, rows = [], []
-    for _ in range(R - 1):
-        top = max(bal)
-        if top <= 0:
-            break
-        h = bal.index(top)  # first maximum, like torch.argmax
-        u = bal.index(min(bal))
-        cells.append(h * R + u)
-        rows.append(-bal[u])
-        bal[h] += bal[u]
-        bal[u] = 0
-    quota = torch.zeros(R * R, dtype=torch.int64)
-    quota[cells] = torch.tensor(rows, dtype=torch.int64)
-    return quota.view(R, R).to(balance.device)
-
-
-def _group_quotas_tensor(balance: Tensor) -> Tensor:
-    """The same loop as R−1 fixed tensor steps without a host sync (for accelerators).
+def _group_quotas(balance: Tensor) -> Tensor:
+    """The fill loop as R−1 fixed tensor steps, without a host sync. Returns quota [R_group, R_receiver].
 
     No early stop is needed: once the largest balance is ≤ 0 every balance is 0 (they sum to 0), so the remaining
     steps move nothing.
@@ -139,12 +121,6 @@ def _group_quotas_tensor(balance: Tensor) -> Tensor:
         bal.index_fill_(0, u, 0)
         bal.index_copy_(0, h, new_bh)
     return quota.view(R, R)
-
-
-def _group_quotas(balance: Tensor) -> Tensor:
-    if balance.device.type == "cpu":
-        return _group_quotas_host(balance)
-    return _group_quotas_tensor(balance)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -167,9 +143,7 @@ def _split_quotas(group_expert_totals: Tensor, quota: Tensor) -> Tensor:
     e_end = e_start + tot
     s_end = quota.cumsum(1)  # [R, R]; quota's diagonal is 0, so the home rank's range is empty here
     s_start = s_end - quota
-    alloc = (
-        torch.minimum(e_end[:, :, None], s_end[:, None, :]) - torch.maximum(e_start[:, :, None], s_start[:, None, :])
-    ).clamp_min_(0)  # [R, G, R]
+    alloc = interval_overlap(e_start[..., None], e_end[..., None], s_start[:, None], s_end[:, None])  # [R, G, R]
     home_rows = tot - alloc.sum(2)
     alloc.diagonal(dim1=0, dim2=2).add_(home_rows.T)  # [G, R] view of alloc[h, :, h]
     return alloc.reshape(R * G, R)
@@ -184,11 +158,9 @@ def _plan_with_quota(counts: Tensor, rows_per_rank: int) -> tuple[Tensor, Tensor
 
 
 def plan_alloc_sync_free(counts: Tensor, rows_per_rank: int) -> Tensor:
-    """alloc [E, R] for int64 counts [R, E] by the tensor version of the fill loop on any device (R−1 fixed steps, no
-    host synchronisation, no checks): what a dispatcher runs on the gathered counts. Equal to `plan`."""
-    R, E = counts.shape
-    totals = counts.sum(0).view(R, E // R)
-    return _split_quotas(totals, _group_quotas_tensor(totals.sum(1) - rows_per_rank))
+    """alloc [E, R] for int64 counts [R, E] on any device (the fill loop in R−1 fixed steps, no host
+    synchronisation, no checks): what a dispatcher runs on the gathered counts. Equal to `plan`."""
+    return _plan_with_quota(counts, rows_per_rank)[0]
 
 
 def plan(tokens_per_expert: Tensor, rows_per_rank: int, *, validate: bool = True) -> Tensor:
@@ -264,25 +236,15 @@ class MoonEPPlan:
     def recv_offsets(self) -> Tensor:
         """[R_dst, E, R_src] int64: start of the (expert e, source s) block in destination d's receive buffer; the
         block holds send_counts[s, d, e] rows (dense)."""
-        R, E = self.num_ranks, self.num_experts
-        out = self.recv_expert_offsets[:, :E, None].expand(R, E, R).clone()
-        within = (self.pair_rows.cumsum(0) - self.pair_rows).T  # [P, R_src]: rows of earlier sources in the block
-        e, d = self.pairs[:, 0], self.pairs[:, 1]
-        out[d, e] += within
-        return out
+        return torch.stack([self.recv_layout(d) for d in range(self.num_ranks)])
 
     def send_matrix(self, source: int) -> Tensor:
         """[R_dst, E] int64: rows of each expert that `source` sends to each destination."""
-        out = torch.zeros(self.num_ranks, self.num_experts, dtype=torch.int64, device=self.alloc.device)
-        out[self.pairs[:, 1], self.pairs[:, 0]] = self.pair_rows[source]
-        return out
+        return rank_rows(self.tokens_per_expert, self.alloc, source)[0].T
 
     def recv_matrix(self, dest: int) -> Tensor:
         """[E, R_src] int64: rows of each expert that `dest` receives from each source."""
-        sel = self.pairs[:, 1] == dest
-        out = torch.zeros(self.num_experts, self.num_ranks, dtype=torch.int64, device=self.alloc.device)
-        out[self.pairs[sel, 0]] = self.pair_rows[:, sel].T
-        return out
+        return rank_rows(self.tokens_per_expert, self.alloc, dest)[1]
 
     def recv_layout(self, dest: int) -> Tensor:
         """[E, R_src] int64: start of each (expert, source) block in `dest`'s expert-grouped receive buffer."""
@@ -347,16 +309,33 @@ def interval_overlap(a_start: Tensor, a_end: Tensor, b_start: Tensor, b_end: Ten
     return (torch.minimum(a_end, b_end) - torch.maximum(a_start, b_start)).clamp_min(0)
 
 
+def _intervals(counts: Tensor, alloc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(src_start, src_end [E, R_src], dst_start, dst_end [E, R_dst]): each source's (counts [R, E]) and each
+    destination's (alloc [E, R]) interval of every expert's global row order."""
+    src_end, dst_end = counts.T.cumsum(1), alloc.cumsum(1)
+    return src_end - counts.T, src_end, dst_end - alloc, dst_end
+
+
+def rank_rows(counts: Tensor, alloc: Tensor, rank: int) -> tuple[Tensor, Tensor]:
+    """(send [E, R_dst]: rows of each expert `rank` sends to each destination, recv [E, R_src]: rows of each expert it
+    receives from each source), from counts [R, E] and alloc [E, R]. Static shapes, no host synchronisation."""
+    src_start, src_end, dst_start, dst_end = _intervals(counts, alloc)
+    send = interval_overlap(src_start[:, rank, None], src_end[:, rank, None], dst_start, dst_end)
+    return send, interval_overlap(src_start, src_end, dst_start[:, rank, None], dst_end[:, rank, None])
+
+
+def remote_mask(alloc: Tensor, experts_per_rank: int) -> Tensor:
+    """[E, R] bool: rank r computes rows of expert e away from e's home."""
+    E, R = alloc.shape
+    home = torch.arange(E, device=alloc.device) // experts_per_rank
+    return (alloc > 0) & (home[:, None] != torch.arange(R, device=alloc.device)[None, :])
+
+
 def _pair_rows(counts: Tensor, alloc: Tensor, pairs: Tensor) -> Tensor:
     """[R_src, P]: overlap of source s's interval of expert e with destination d's interval of e, for pairs (e, d)."""
-    src_end = counts.T.cumsum(1)  # [E, R_src]; expert-major so the pair gather below reads whole rows
-    src_start = src_end - counts.T
-    dst_end = alloc.cumsum(1)  # [E, R_dst]
+    src_start, src_end, dst_start, dst_end = _intervals(counts, alloc)
     e, d = pairs[:, 0], pairs[:, 1]
-    d_end = dst_end[e, d][:, None]
-    d_start = d_end - alloc[e, d][:, None]
-    overlap = torch.minimum(src_end[e], d_end) - torch.maximum(src_start[e], d_start)  # [P, R_src]
-    return overlap.clamp_min_(0).T.contiguous()
+    return interval_overlap(src_start[e], src_end[e], dst_start[e, d, None], dst_end[e, d, None]).T.contiguous()
 
 
 def _env_debug() -> bool:
@@ -372,11 +351,9 @@ def make_plan(tokens_per_expert: Tensor, rows_per_rank: int, *, debug: bool | No
     R, E = counts.shape
     G = E // R
     alloc, quota = _plan_with_quota(counts, rows_per_rank)
-    dev = counts.device
-    home = torch.arange(E, device=dev) // G
-    remote = (alloc > 0) & (home[:, None] != torch.arange(R, device=dev)[None, :])
+    remote = remote_mask(alloc, G)
     pairs = (alloc > 0).nonzero()
-    zero = torch.zeros(R, 1, dtype=torch.int64, device=dev)
+    zero = torch.zeros(R, 1, dtype=torch.int64, device=counts.device)
     result = MoonEPPlan(
         rows_per_rank=rows_per_rank,
         experts_per_rank=G,
@@ -418,8 +395,7 @@ def check_plan(p: MoonEPPlan, tokens_per_expert: Tensor, rows_per_rank: int) -> 
     if (alloc.sum(1) != totals).any():
         bad = int((alloc.sum(1) != totals).nonzero()[0])
         fail(f"expert {bad} has {int(totals[bad])} rows routed but {int(alloc[bad].sum())} computed")
-    home = torch.arange(E, device=dev) // G
-    remote = (alloc > 0) & (home[:, None] != torch.arange(R, device=dev)[None, :])
+    remote = remote_mask(alloc, G)
     n_remote = remote.sum(0)
     if (n_remote > G).any():
         bad = int((n_remote > G).nonzero()[0])

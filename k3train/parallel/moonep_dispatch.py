@@ -42,18 +42,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from k3train.ops.moe_permute import expert_counts
 from k3train.distributed import comm
+from k3train.ops.moe_permute import expert_counts
 from k3train.parallel import host_copy
-from k3train.ops.moe_permute import inverse_permutation
-from k3train.parallel.ep_dispatch import EPDispatcher, EPGroupedExperts, send_positions
+from k3train.parallel.ep_dispatch import EPDispatcher, EPGroupedExperts
 from k3train.parallel.moonep import (
     MoonEPPlan,
     assign_rows,
     expert_major_index,
-    interval_overlap,
     make_plan,
     plan_alloc_sync_free,
+    rank_rows,
+    remote_mask,
 )
 
 __all__ = ["MoonEPDispatcher", "hosted_weight_routes", "moonep_send_layout"]
@@ -62,10 +62,15 @@ __all__ = ["MoonEPDispatcher", "hosted_weight_routes", "moonep_send_layout"]
 def moonep_send_layout(plan: MoonEPPlan, source: int, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """idx [N, K] of rank `source` -> (order [N·K] of flat rows sorted by (destination, expert), stable;
     dest [N·K] destination rank of each flat row; send_splits [R] rows per destination)."""
-    flat = idx.reshape(-1)
-    dest = plan.assign_rows(source, flat)
-    order = torch.argsort(dest * plan.num_experts + flat, stable=True)
+    order, dest = _send_order(plan.tokens_per_expert, plan.alloc, source, idx)
     return order, dest, expert_counts(dest, plan.num_ranks)
+
+
+def _send_order(counts: Tensor, alloc: Tensor, source: int, idx: Tensor) -> tuple[Tensor, Tensor]:
+    """(order: `source`'s flat rows sorted by (destination, expert), stable; dest: each flat row's destination)."""
+    flat = idx.reshape(-1)
+    dest = assign_rows(counts, alloc, source, flat)
+    return torch.argsort(dest * alloc.shape[0] + flat, stable=True), dest
 
 
 def hosted_weight_routes(plan: MoonEPPlan, rank: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -95,36 +100,19 @@ class _RankPlan:
     def __init__(self, all_counts: Tensor, rows_per_rank: int, rank: int):
         R, E = all_counts.shape
         G = E // R
-        dev = all_counts.device
         counts = all_counts.to(torch.int64)
         alloc = plan_alloc_sync_free(counts, rows_per_rank)  # [E, R]
-        src_end = counts.T.cumsum(1)  # [E, R_src]: each source's interval of each expert's global row order
-        src_start = src_end - counts.T
-        dst_end = alloc.cumsum(1)  # [E, R_dst]: each destination's interval of it
-        dst_start = dst_end - alloc
-        send = interval_overlap(src_start[:, rank, None], src_end[:, rank, None], dst_start, dst_end)  # [E, R_dst]
-        recv = interval_overlap(src_start, src_end, dst_start[:, rank, None], dst_end[:, rank, None])  # [E, R_src]
+        send, recv = rank_rows(counts, alloc, rank)  # [E, R_dst], [E, R_src]
         mine = alloc[:, rank]
         lo = rank * G
-        home = torch.arange(E, device=dev) // G
-        remote = (alloc > 0) & (home[:, None] != torch.arange(R, device=dev)[None, :])  # [E, R]
+        remote = remote_mask(alloc, G)  # [E, R]
         send_w = remote[lo : lo + G].T.reshape(-1)  # [R_dst · G]: home expert g goes to receiver u (u-major)
         hosted = remote[:, rank]  # [E]
-        before = mine[:lo].sum().view(1)
-        host = host_copy.host_counts(
-            torch.cat(
-                [
-                    counts.sum(1),
-                    send.sum(0),
-                    recv.sum(0),
-                    send_w.view(R, G).sum(1),
-                    hosted.view(R, G).sum(1),
-                    before,
-                    before + mine[lo : lo + G].sum().view(1),
-                    remote.sum().view(1),
-                ]
-            )
-        )
+        # Per rank: rows routed, token splits out and in, weight splits out and in; then where the home rows sit in
+        # the expert-grouped buffer ([a, b)) and the number of replicas.
+        per_rank = [counts.sum(1), send.sum(0), recv.sum(0), send_w.view(R, G).sum(1), hosted.view(R, G).sum(1)]
+        scalars = torch.stack([mine[:lo].sum(), mine[: lo + G].sum(), remote.sum()])
+        host = host_copy.host_counts(torch.cat([*per_rank, scalars]))
         self.rows_routed = host[:R]
         self.send_splits, self.recv_splits = host[R : 2 * R], host[2 * R : 3 * R]
         self.weight_send_splits, self.weight_recv_splits = host[3 * R : 4 * R], host[4 * R : 5 * R]
@@ -217,24 +205,17 @@ class MoonEPDispatcher(EPDispatcher):
         self.replicated_calls += int(rp.replicas > 0)
         fetched = self._fetch_hosted(rp, z.dtype)
 
-        dest = assign_rows(rp.counts, rp.alloc, me, flat)
-        order = torch.argsort(dest * n_experts + flat, stable=True)
-        send_splits, recv_splits = rp.send_splits, rp.recv_splits
-        self.routes += N * K
-        self.calls += 1
-        pos = send_positions(order, (N, K))
-        rows = self._send_rows(self.kernels.permute_rows(z, pos), recv_splits, send_splits, "dispatch")
+        order = _send_order(rp.counts, rp.alloc, me, idx)[0]
+        pos, rows = self._send_tokens(z, order, idx.shape, rp.send_splits, rp.recv_splits)
         em = rp.expert_major_index()
         grouped = rows[em]  # [S·K, L], ascending expert; the home experts are one contiguous range
-        alloc = rp.mine
-        G = rp.G
-        lo = me * G
-        a, b = rp.a, rp.b
-        return grouped[a:b], alloc[lo : lo + G], (pos, em, send_splits, recv_splits, grouped, a, b, alloc, fetched)
+        a, b, lo = rp.a, rp.b, me * rp.G
+        state = (pos, em, rp.send_splits, rp.recv_splits, grouped, a, b, rp.mine, fetched)
+        return grouped[a:b], rp.mine[lo : lo + rp.G], state
 
     def combine(self, y: Tensor, weights: Tensor, state) -> Tensor:
         """y [rows of the home experts, L] -> u [N, L]: hosted experts computed here, then the trip home."""
-        pos, em, send_splits, recv_splits, grouped, a, b, alloc, fetched = state
+        grouped, a, b, alloc, fetched = state[4:]
         if fetched is not None:
             hosted, (w1, w3, w2), got = fetched
             if hosted.numel() > 0:
@@ -245,5 +226,4 @@ class MoonEPDispatcher(EPDispatcher):
                 # Nothing hosted here, but the weight all_to_all's backward must still run on this rank (its peers
                 # wait for it): keep its (empty) output in the graph.
                 y = y + got.sum().to(y.dtype) * 0
-        back = self._send_rows(y[inverse_permutation(em)], send_splits, recv_splits, "combine")
-        return self.kernels.unpermute(back, weights, pos)
+        return super().combine(y, weights, state)
