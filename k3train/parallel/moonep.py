@@ -188,9 +188,9 @@ class MoonEPPlan:
     A destination's receive buffer has exactly rows_per_rank rows, grouped by expert (ascending expert index), and
     inside an expert by source rank (ascending).
 
-    The plan is stored compactly, per (expert, destination) pair with rows (about E + a few per fill), because the
-    dense [R, R, E] views cost R²·E entries; `send_counts` and `recv_offsets` build those dense views on first use,
-    while the per-rank helpers (`send_matrix`, `recv_matrix`, `recv_layout`, ...) read the compact form.
+    The row layout is not stored: it follows from the counts and alloc (each source's and each destination's interval
+    of every expert's order, `rank_rows`), which the per-rank helpers (`send_matrix`, `recv_matrix`, `recv_layout`,
+    ...) read in O(R·E); `send_counts` and `recv_offsets` build the dense [R, R, E] views (R²·E entries) on first use.
     """
 
     rows_per_rank: int
@@ -209,10 +209,6 @@ class MoonEPPlan:
     """[R] int64: number of remote (redundant) experts each rank hosts this step (≤ G)."""
     fills: int
     """Number of group→receiver fills (≤ R−1)."""
-    pairs: Tensor
-    """[P, 2] int64 (expert, destination) with alloc > 0, sorted by expert then destination."""
-    pair_rows: Tensor
-    """[R_src, P] int64: rows of pair p's expert that source s sends to pair p's destination."""
     recv_expert_offsets: Tensor
     """[R_dst, E+1] int64: expert e's rows on destination d are rows [off[d, e], off[d, e+1]) of its buffer."""
 
@@ -227,10 +223,7 @@ class MoonEPPlan:
     @functools.cached_property
     def send_counts(self) -> Tensor:
         """[R_src, R_dst, E] int64: rows of expert e that source s sends to destination d (dense)."""
-        R, E = self.num_ranks, self.num_experts
-        out = torch.zeros(R, R, E, dtype=torch.int64, device=self.alloc.device)
-        out[:, self.pairs[:, 1], self.pairs[:, 0]] = self.pair_rows
-        return out
+        return torch.stack([self.send_matrix(s) for s in range(self.num_ranks)])
 
     @functools.cached_property
     def recv_offsets(self) -> Tensor:
@@ -309,17 +302,12 @@ def interval_overlap(a_start: Tensor, a_end: Tensor, b_start: Tensor, b_end: Ten
     return (torch.minimum(a_end, b_end) - torch.maximum(a_start, b_start)).clamp_min(0)
 
 
-def _intervals(counts: Tensor, alloc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(src_start, src_end [E, R_src], dst_start, dst_end [E, R_dst]): each source's (counts [R, E]) and each
-    destination's (alloc [E, R]) interval of every expert's global row order."""
-    src_end, dst_end = counts.T.cumsum(1), alloc.cumsum(1)
-    return src_end - counts.T, src_end, dst_end - alloc, dst_end
-
-
 def rank_rows(counts: Tensor, alloc: Tensor, rank: int) -> tuple[Tensor, Tensor]:
     """(send [E, R_dst]: rows of each expert `rank` sends to each destination, recv [E, R_src]: rows of each expert it
-    receives from each source), from counts [R, E] and alloc [E, R]. Static shapes, no host synchronisation."""
-    src_start, src_end, dst_start, dst_end = _intervals(counts, alloc)
+    receives from each source), from counts [R, E] and alloc [E, R]: the overlaps of each source's and each
+    destination's interval of every expert's global row order. Static shapes, no host synchronisation."""
+    src_end, dst_end = counts.T.cumsum(1), alloc.cumsum(1)  # [E, R_src], [E, R_dst]
+    src_start, dst_start = src_end - counts.T, dst_end - alloc
     send = interval_overlap(src_start[:, rank, None], src_end[:, rank, None], dst_start, dst_end)
     return send, interval_overlap(src_start, src_end, dst_start[:, rank, None], dst_end[:, rank, None])
 
@@ -329,13 +317,6 @@ def remote_mask(alloc: Tensor, experts_per_rank: int) -> Tensor:
     E, R = alloc.shape
     home = torch.arange(E, device=alloc.device) // experts_per_rank
     return (alloc > 0) & (home[:, None] != torch.arange(R, device=alloc.device)[None, :])
-
-
-def _pair_rows(counts: Tensor, alloc: Tensor, pairs: Tensor) -> Tensor:
-    """[R_src, P]: overlap of source s's interval of expert e with destination d's interval of e, for pairs (e, d)."""
-    src_start, src_end, dst_start, dst_end = _intervals(counts, alloc)
-    e, d = pairs[:, 0], pairs[:, 1]
-    return interval_overlap(src_start[e], src_end[e], dst_start[e, d, None], dst_end[e, d, None]).T.contiguous()
 
 
 def _env_debug() -> bool:
@@ -352,7 +333,6 @@ def make_plan(tokens_per_expert: Tensor, rows_per_rank: int, *, debug: bool | No
     G = E // R
     alloc, quota = _plan_with_quota(counts, rows_per_rank)
     remote = remote_mask(alloc, G)
-    pairs = (alloc > 0).nonzero()
     zero = torch.zeros(R, 1, dtype=torch.int64, device=counts.device)
     result = MoonEPPlan(
         rows_per_rank=rows_per_rank,
@@ -363,8 +343,6 @@ def make_plan(tokens_per_expert: Tensor, rows_per_rank: int, *, debug: bool | No
         replicas=remote.nonzero(),
         remote_experts=remote.sum(0),
         fills=int((quota > 0).sum()),
-        pairs=pairs,
-        pair_rows=_pair_rows(counts, alloc, pairs),
         recv_expert_offsets=torch.cat([zero, alloc.T.cumsum(1)], 1),
     )
     if debug if debug is not None else _env_debug():

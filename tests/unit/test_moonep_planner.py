@@ -254,11 +254,11 @@ def test_check_plan_catches_broken_plans():
         check_plan(
             good, counts + torch.eye(4, 8, dtype=torch.int64) - torch.eye(4, 8, dtype=torch.int64).roll(1, 1), rows
         )
-    rows_off = good.pair_rows.clone()
+    rows_off = good.tokens_per_expert.clone()  # the layout the plan derives its send counts from
     rows_off[0, 0] += 1
     rows_off[1, 0] -= 1
     with pytest.raises(PlanInvariantError, match="send_counts"):
-        check_plan(broken(pair_rows=rows_off), counts, rows)
+        check_plan(broken(tokens_per_expert=rows_off), counts, rows)
     with pytest.raises(PlanInvariantError, match="fills"):
         check_plan(broken(fills=good.fills + 1), counts, rows)
     # Rank 0 fed by two groups: every expert 32 rows at home, then rank 0 computes one row of expert 2 (home 1) and
