@@ -210,7 +210,7 @@ class ContextParallel:
         of the reduce-scatter input (their backward); what is kda_summary, conv_halo, mla_latent or mtp_halo."""
         return {k: [e["calls"], e["payload"]] for k, e in self.ledger.labels("cp").items()}
 
-    def _rows_check(self, R: int, L: int) -> int:
+    def _rows_check(self, R: int, L: int) -> None:
         P = self.pieces_per_rank
         if L != self.piece_len or R % P:
             raise ValueError(
@@ -224,7 +224,6 @@ class ContextParallel:
             raise ValueError(
                 f"context parallel: {R} local rows imply {B} global rows, but this handle was built for {self.batch}"
             )
-        return B
 
     def context(self, R: int, L: int) -> CPContext:
         """What the sequence-mixing ops take for this batch's local rows [R = B*P, L] (built once per handle): the
