@@ -151,21 +151,11 @@ class CommStats:
 
     @classmethod
     def from_ledger(cls, ledger: comm.CommCounter, *, routes: int, calls: int) -> "CommStats":
-        def payload(what: str) -> int:
-            return ledger.entry("ep", what=what)["payload"]
-
+        labels = dict(dispatch="dispatch", combine="combine", backward="backward", meta="counts", weight="weights")
+        payloads = {f"{f}_bytes": ledger.entry("ep", what=what)["payload"] for f, what in labels.items()}
         # The dispatch all-to-all's wire bytes are exactly the rows it sends to other ranks.
         remote = int(ledger.entry("ep", "all_to_all", "dispatch")["wire"])
-        return cls(
-            routes=routes,
-            calls=calls,
-            dispatch_bytes=payload("dispatch"),
-            dispatch_remote_bytes=remote,
-            combine_bytes=payload("combine"),
-            backward_bytes=payload("backward"),
-            meta_bytes=payload("counts"),
-            weight_bytes=payload("weights"),
-        )
+        return cls(routes=routes, calls=calls, dispatch_remote_bytes=remote, **payloads)
 
     def add(self, other: "CommStats") -> "CommStats":
         for f in fields(self):

@@ -361,22 +361,22 @@ def check_plan(p: MoonEPPlan, tokens_per_expert: Tensor, rows_per_rank: int) -> 
     def fail(msg: str) -> None:
         raise PlanInvariantError(f"MoonEP plan (R={R}, E={E}, rows_per_rank={rows_per_rank}): {msg}")
 
+    def first(broken: Tensor) -> int | None:
+        return int(broken.nonzero()[0]) if broken.any() else None
+
     if tuple(alloc.shape) != (E, R):
         fail(f"alloc has shape {tuple(alloc.shape)}, expected {(E, R)}")
     if (alloc < 0).any():
         fail("alloc has negative entries")
     per_rank = alloc.sum(0)
-    if (per_rank != rows_per_rank).any():
-        bad = int((per_rank != rows_per_rank).nonzero()[0])
+    if (bad := first(per_rank != rows_per_rank)) is not None:
         fail(f"rank {bad} computes {int(per_rank[bad])} rows, not {rows_per_rank}")
     totals = counts.to(dev).sum(0)
-    if (alloc.sum(1) != totals).any():
-        bad = int((alloc.sum(1) != totals).nonzero()[0])
+    if (bad := first(alloc.sum(1) != totals)) is not None:
         fail(f"expert {bad} has {int(totals[bad])} rows routed but {int(alloc[bad].sum())} computed")
     remote = remote_mask(alloc, G)
     n_remote = remote.sum(0)
-    if (n_remote > G).any():
-        bad = int((n_remote > G).nonzero()[0])
+    if (bad := first(n_remote > G)) is not None:
         fail(f"rank {bad} hosts {int(n_remote[bad])} remote experts, more than E/R = {G}")
     # Each receiver's remote experts come from one group (the reason for the bound above).
     groups_per_rank = (remote.view(R, G, R).any(1)).sum(0)
