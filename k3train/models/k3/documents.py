@@ -20,7 +20,7 @@ from torch import Tensor
 
 
 class Documents:
-    """Where the documents of a [B, T] batch start. Build with `from_cu_seqlens`, `from_start` or `rows`."""
+    """Where the documents of a [B, T] batch start. Build from the starts, or with `from_cu_seqlens` or `rows`."""
 
     def __init__(self, start: Tensor):
         if start.dim() != 2 or start.dtype != torch.bool:
@@ -35,10 +35,6 @@ class Documents:
         start = torch.zeros(B, T, dtype=torch.bool, device=device)
         start[:, 0] = True
         return cls(start)
-
-    @classmethod
-    def from_start(cls, start: Tensor) -> "Documents":
-        return cls(start.bool())
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: Tensor | None, B: int, T: int, device=None) -> "Documents":

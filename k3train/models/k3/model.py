@@ -180,6 +180,7 @@ class K3Model(nn.Module):
         for name, p in self.named_parameters():
             gen = self._generator(seed, name)
             leaf = name.rsplit(".", 1)[-1]
+            s = out_std if name.endswith(residual_out) else std
             with torch.no_grad():
                 if name.endswith(("attn_res.query", "ffn_res.query", "final_res.query")):
                     val = torch.zeros(p.shape)
@@ -196,7 +197,6 @@ class K3Model(nn.Module):
                     # One generator per expert row, so an expert-parallel rank draws only its own experts (its
                     # bank's `first_expert` onwards) and gets the values one process would.
                     first = self.get_submodule(name.rpartition(".")[0]).first_expert
-                    s = out_std if name.endswith(residual_out) else std
                     val = torch.stack(
                         [
                             torch.empty(p.shape[1:]).normal_(
@@ -206,7 +206,6 @@ class K3Model(nn.Module):
                         ]
                     )
                 else:
-                    s = out_std if name.endswith(residual_out) else std
                     val = torch.empty(p.shape).normal_(0.0, s, generator=gen)
                 p.copy_(val.to(p.dtype))
         for name, m in self.named_modules():
@@ -215,7 +214,7 @@ class K3Model(nn.Module):
             elif isinstance(m, Router):
                 m.bias.zero_()
                 m.load.zero_()
-        if self.vision is not None and hasattr(self.vision, "init_weights"):
+        if self.vision is not None:
             self.vision.init_weights(seed)
 
     # ---- facts for optimizers, balancing and metrics --------------------------------------------
@@ -256,9 +255,6 @@ class K3Model(nn.Module):
             out[name] = r.load.clone()
             r.load.zero_()
         return out
-
-    def required_seq_multiple(self) -> int:
-        return required_seq_multiple(self.args)
 
 
 def required_seq_multiple(args: K3ModelArgs) -> int:
