@@ -97,10 +97,10 @@ def count_params(args: K3ModelArgs, *, by_component: bool = False):
     return (counts, dict(comp)) if by_component else counts
 
 
-def stage_param_counts(args: K3ModelArgs, stage_layers: list[list[int]], pieces: dict | None = None) -> list[dict]:
+def stage_param_counts(args: K3ModelArgs, stage_layers: list[list[int]]) -> list[dict]:
     """Per pipeline stage: {"dense": parameters, "expert": routed-expert parameters} (the embedding and vision on the
     first stage, the head on the last)."""
-    pieces = pieces or param_pieces(args)
+    pieces = param_pieces(args)
     out = []
     for s, layers in enumerate(stage_layers):
         held = (["embed"] if s == 0 else []) + list(layers) + (["head"] if s == len(stage_layers) - 1 else [])
@@ -113,11 +113,11 @@ def stage_param_counts(args: K3ModelArgs, stage_layers: list[list[int]], pieces:
 # ---------------------------------------------------------------------------------------------------------------------
 # FLOPs
 # ---------------------------------------------------------------------------------------------------------------------
-def layer_costs(args: K3ModelArgs, seq_len: int = 4096, pieces: dict | None = None) -> dict:
+def layer_costs(args: K3ModelArgs, seq_len: int = 4096) -> dict:
     """{"embed": c, "head": c, "layers": [c_1, ..., c_n]}: training FLOPs per token of each piece, the weights of the
     pipeline split. The embedding is charged as a matmul of its table (6 V D) although a lookup computes nothing:
     the split weighs stages by time, and an embedding (its gradient, its optimizer step) takes about a layer's."""
-    pieces = pieces or param_pieces(args)
+    pieces = param_pieces(args)
     # the attention cores' forward work: each layer's kind's core_flops, and the MTP module's Gated MLA (if any)
     core = {i: layer_mixer(args, i).core_flops(args, seq_len) for i in range(1, args.n_layers + 1)}
     core["head"] = GatedMLA.core_flops(args, seq_len) if args.mtp_layers else 0

@@ -79,6 +79,3 @@ class Documents:
         flat = torch.arange(self.start.numel(), device=self.start.device)
         first = self.cu_seqlens.to(device=self.start.device, dtype=torch.int64)
         return (flat - first[self.doc_ids.reshape(-1)]).view(self.shape)
-
-    def to(self, device) -> "Documents":
-        return self if self.start.device == torch.device(device) else Documents(self.start.to(device))

@@ -24,6 +24,8 @@ from k3train.models.k3.kda import KDA
 from k3train.models.k3.loss import loss_costs
 from k3train.models.k3.mixers import layer_mixer
 from k3train.models.k3.moe import GroupedExperts, LatentMoE, Router
+from k3train.models.k3.mtp import MTP
+from k3train.models.k3.vision import MoonViT
 from k3train.models.costs import Costs, norm_costs
 from k3train.models.structure import MatrixStructure
 
@@ -82,8 +84,6 @@ class K3Model(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.vision = None
         if args.vision is not None:
-            from k3train.models.k3.vision import MoonViT
-
             self.vision = MoonViT(args.vision, args.dim)
         self.layers = nn.ModuleDict({str(i): K3Layer(args, i) for i in range(1, args.n_layers + 1)})
         self.final_res = AttnResMixer(args.dim, args.norm_eps, learned=args.attnres_final_query)
@@ -91,8 +91,6 @@ class K3Model(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.mtp = None
         if args.mtp_layers:
-            from k3train.models.k3.mtp import MTP
-
             self.mtp = MTP(args)
 
     # ---- forward --------------------------------------------------------------------------------
@@ -240,8 +238,6 @@ class K3Model(nn.Module):
             "output": loss_costs(args.dim, args.vocab_size),
         }
         if args.mtp_layers:
-            from k3train.models.k3.mtp import MTP
-
             out["mtp"] = MTP.costs(args, seq_len)
         return out
 

@@ -350,18 +350,13 @@ def moonvit_reference(model: MoonViT, pixels: Sequence[torch.Tensor]) -> tuple[t
         clip = clip.unsqueeze(0) if clip.dim() == 3 else clip
         T, C, Hpx, Wpx = clip.shape
         gh, gw = Hpx // p, Wpx // p
-        patches = torch.stack(
-            [
-                torch.stack(
-                    [
-                        torch.stack([clip[t, :, i * p : (i + 1) * p, j * p : (j + 1) * p].flatten() for j in range(gw)])
-                        for i in range(gh)
-                    ]
-                )
-                for t in range(T)
-            ]
-        )
-        x = model.patch_embed(patches)  # [T, gh, gw, width]
+        cut = [
+            clip[t, :, i * p : (i + 1) * p, j * p : (j + 1) * p].flatten()
+            for t in range(T)
+            for i in range(gh)
+            for j in range(gw)
+        ]
+        x = model.patch_embed(torch.stack(cut).view(T, gh, gw, -1))  # [T, gh, gw, width]
         table = model.pos_embed.permute(2, 0, 1)[None].to(wide(model.pos_embed.dtype))
         if (gh, gw) != (a.pos_grid, a.pos_grid):
             table = F.interpolate(table, size=(gh, gw), mode="bicubic", align_corners=False)
