@@ -201,18 +201,12 @@ def latent_block_attention(
     )
 
 
-def _split_heads(c: torch.Tensor, d: int):
-    kv = c.transpose(1, 2)
-    return kv[..., :d], kv[..., d:]
-
-
 def block_attention(
     q, k, v, q_pos, q_doc, k_pos, k_doc, scale: float, *, q_block: int = Q_BLOCK, k_block: int = K_BLOCK
 ):
     """Same arguments and results as naive_attention (output [B, H, Tq, dv] in q's dtype, per-head max visible logit
     [H] fp32), computed in tiles from given per-head keys and values (their source is [k | v] per token)."""
-    d = k.shape[-1]
+    widths = [k.shape[-1], v.shape[-1]]
     c = torch.cat([k, v], dim=-1).transpose(1, 2)  # [B, Tk, H, d + dv]
-    return latent_block_attention(
-        q, c, lambda cb: _split_heads(cb, d), (), q_pos, q_doc, k_pos, k_doc, scale, q_block=q_block, k_block=k_block
-    )
+    split = lambda cb: cb.transpose(1, 2).split(widths, dim=-1)  # noqa: E731  (a block's source -> its keys, values)
+    return latent_block_attention(q, c, split, (), q_pos, q_doc, k_pos, k_doc, scale, q_block=q_block, k_block=k_block)
