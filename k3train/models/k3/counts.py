@@ -87,13 +87,7 @@ def count_params(args: K3ModelArgs, *, by_component: bool = False):
     total = sum(comp.values())
     vision = comp.get("vision", 0)
     active = sum(active_params(args, piece, c) for piece, c in pieces.items())
-    counts = {
-        "total": total,
-        "text": total - vision,
-        "vision": vision,
-        "routed": comp.get("moe_routed", 0),
-        "active": active,
-    }
+    counts = dict(total=total, text=total - vision, vision=vision, routed=comp.get("moe_routed", 0), active=active)
     return (counts, dict(comp)) if by_component else counts
 
 
