@@ -1,6 +1,6 @@
 """Fused SiTU-GLU activation in Triton: one pass reads g and u and writes h (and one pass back for the gradients).
 
-Reference: k3train.ops.situ.situ. Forward  h = A(g) * Bu(u) with A(g) = b1 tanh(g/b1) sigmoid(g), Bu(u) = b2 tanh(u/b2).
+Reference: k3train.ops.situ.situ_reference. Forward  h = A(g) * Bu(u) with A(g) = b1 tanh(g/b1) sigmoid(g), Bu(u) = b2 tanh(u/b2).
 Backward: dA/dg = (1 - tanh(g/b1)^2) sigmoid(g) + b1 tanh(g/b1) sigmoid(g)(1 - sigmoid(g)); dBu/du = 1 - tanh(u/b2)^2.
 """
 

@@ -16,13 +16,8 @@ import torch.nn.functional as F
 from k3train.ops.dtypes import wide
 
 
-def attn_res(
-    query: torch.Tensor | None,
-    sources: Sequence[torch.Tensor] | torch.Tensor,
-    key_norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-) -> torch.Tensor:
-    """Mix `sources` ([..., D] each, or one stacked [S, ..., D] tensor) with pseudo-query `query` [D].
+def attn_res(query, sources: Sequence[torch.Tensor] | torch.Tensor, key_norm_weight=None, eps=1e-6) -> torch.Tensor:
+    """Mix `sources` ([..., D] each, or one stacked [S, ..., D] tensor) with pseudo-query `query` [D] (or None).
 
     query=None mixes uniformly (the mean); key_norm_weight=None uses a weightless RMSNorm.
     """

@@ -113,13 +113,16 @@ class Kernels:
         return fits and self.triton_for(*tensors)
 
     # ---- ops ---------------------------------------------------------------------------------------------------
+    def _op(self, tensors: tuple[torch.Tensor, ...], module: str, triton: str, torch_op: str):
+        """The function that runs on `tensors`: k3kernels.<module>.<triton> where triton_for(tensors), else
+        k3train.ops.<module>.<torch_op> (looked up at call time, so a test can wrap either)."""
+        if self.triton_for(*tensors):
+            return _kernel(module, triton)
+        return getattr(importlib.import_module(f"k3train.ops.{module}"), torch_op)
+
     def situ(self, g: torch.Tensor, u: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
         """k3train.ops.situ.situ_reference or k3kernels.situ.situ_triton."""
-        if self.triton_for(g, u):
-            return _kernel("situ", "situ_triton")(g, u, beta1, beta2)
-        from k3train.ops.situ import situ_reference
-
-        return situ_reference(g, u, beta1, beta2)
+        return self._op((g, u), "situ", "situ_triton", "situ_reference")(g, u, beta1, beta2)
 
     def chunk_kda(self, q, k, v, g, beta, *, chunk_size: int = 64, g_min: float | None = None, **kwargs):
         """k3train.ops.kda.chunk_kda or k3kernels.kda.chunk_kda (chunk_size 64 and g_min >= -5 only: the bound of
@@ -144,27 +147,15 @@ class Kernels:
 
     def permute(self, x: torch.Tensor, idx: torch.Tensor, n_experts: int):
         """k3train.ops.moe_permute.permute or k3kernels.moe_permute.permute_triton."""
-        if self.triton_for(x):
-            return _kernel("moe_permute", "permute_triton")(x, idx, n_experts)
-        from k3train.ops.moe_permute import permute
-
-        return permute(x, idx, n_experts)
+        return self._op((x,), "moe_permute", "permute_triton", "permute")(x, idx, n_experts)
 
     def permute_rows(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """k3train.ops.moe_permute.permute_rows or k3kernels.moe_permute.permute_rows_triton."""
-        if self.triton_for(x):
-            return _kernel("moe_permute", "permute_rows_triton")(x, pos)
-        from k3train.ops.moe_permute import permute_rows
-
-        return permute_rows(x, pos)
+        return self._op((x,), "moe_permute", "permute_rows_triton", "permute_rows")(x, pos)
 
     def unpermute(self, y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """k3train.ops.moe_permute.unpermute or k3kernels.moe_permute.unpermute_triton."""
-        if self.triton_for(y, weights):
-            return _kernel("moe_permute", "unpermute_triton")(y, weights, pos)
-        from k3train.ops.moe_permute import unpermute
-
-        return unpermute(y, weights, pos)
+        return self._op((y, weights), "moe_permute", "unpermute_triton", "unpermute")(y, weights, pos)
 
 
 AUTO = Kernels("auto")

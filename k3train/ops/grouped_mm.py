@@ -16,18 +16,17 @@ a capacity (see `grouped_mm`). Reference: `grouped_mm_reference`, a loop over gr
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 _HAS_GMM = hasattr(torch, "_grouped_mm")
 
 
-def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+def _grouped_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:
     """2 x multiply-adds of one grouped matmul: every row meets one group's matrix (x [M, K] @ w [G, K, N]: 2 M K N;
     the weight gradient x^T [K, M] @ dy [M, N] split along M: 2 K M N; batched [G, M, K] @ [G, K, N]: 2 G M K N)."""
-    a = 1
-    for d in a_shape:
-        a *= d
-    return 2 * a * b_shape[-1]
+    return 2 * math.prod(a_shape) * b_shape[-1]
 
 
 if _HAS_GMM:  # torch.utils.flop_counter has no formula for it: FlopCounterMode would count the experts as free

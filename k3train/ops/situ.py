@@ -10,18 +10,9 @@ from __future__ import annotations
 import torch
 
 
-def situ(g: torch.Tensor, u: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
-    """The SiTU-GLU activation of gate pre-activation g and linear pre-activation u (same shape).
-    On CUDA it runs the fused Triton kernel (k3kernels.situ); elsewhere the reference below."""
-    if g.is_cuda:
-        from k3kernels.situ import situ_triton
-
-        return situ_triton(g, u, beta1, beta2)
-    return situ_reference(g, u, beta1, beta2)
-
-
 def situ_reference(g: torch.Tensor, u: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
-    """Pure-PyTorch SiTU-GLU: the reference every kernel is tested against."""
+    """The SiTU-GLU activation of gate pre-activation g and linear pre-activation u (same shape), in pure PyTorch:
+    the reference every kernel is tested against (k3train.ops.backend.Kernels.situ chooses between them)."""
     if g.shape != u.shape:
         raise ValueError(f"situ: gate {tuple(g.shape)} and linear {tuple(u.shape)} branches differ in shape")
     gate = beta1 * torch.tanh(g / beta1) * (0.5 * (1.0 + torch.tanh(0.5 * g)))

@@ -14,7 +14,7 @@ from k3train.models.k3.moe import LatentMoE, Router, moe_reference
 from k3train.ops.attn_res import attn_res, attn_res_reference
 from k3train.ops.grouped_mm import grouped_mm, grouped_mm_reference
 from k3train.ops.short_conv import causal_conv1d
-from k3train.ops.situ import situ
+from k3train.ops.situ import situ_reference as situ
 
 
 def tiny_model(seed: int = 0, **over) -> K3Model:

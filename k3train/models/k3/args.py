@@ -154,14 +154,6 @@ class K3ModelArgs:
     def n_blocks(self) -> int:
         return -(-self.n_layers // self.attnres_block_layers)
 
-    def block_of(self, i: int) -> int:
-        """0-based AttnRes block of 1-based layer i."""
-        return (i - 1) // self.attnres_block_layers
-
-    @property
-    def kda_inner(self) -> int:
-        return self.kda_heads * self.kda_head_dim
-
     @property
     def mla_qk_head_dim(self) -> int:
         return self.mla_k_head_dim + self.mla_shared_k_dim
@@ -173,31 +165,14 @@ class K3ModelArgs:
             if not ok:
                 raise ConfigError(f"model {self.name}: {msg}")
 
-        for f in (
-            "vocab_size",
-            "dim",
-            "n_layers",
-            "mla_every",
-            "kda_heads",
-            "kda_head_dim",
-            "kda_conv_size",
-            "kda_decay_rank",
-            "kda_chunk",
-            "mla_heads",
-            "mla_q_rank",
-            "mla_kv_rank",
-            "mla_k_head_dim",
-            "mla_v_head_dim",
-            "n_experts",
-            "top_k",
-            "moe_latent_dim",
-            "expert_hidden",
-            "attnres_block_layers",
-        ):
-            need(
-                isinstance(getattr(self, f), int) and getattr(self, f) > 0,
-                f"{f} must be a positive integer, got {getattr(self, f)!r}",
-            )
+        positive = (
+            "vocab_size dim n_layers mla_every kda_heads kda_head_dim kda_conv_size kda_decay_rank kda_chunk mla_heads "
+            "mla_q_rank mla_kv_rank mla_k_head_dim mla_v_head_dim n_experts top_k moe_latent_dim expert_hidden "
+            "attnres_block_layers"
+        )
+        for f in positive.split():
+            v = getattr(self, f)
+            need(isinstance(v, int) and v > 0, f"{f} must be a positive integer, got {v!r}")
         need(self.mla_shared_k_dim >= 0, f"mla_shared_k_dim must be >= 0, got {self.mla_shared_k_dim}")
         need(
             0 <= self.n_dense_layers <= self.n_layers,
@@ -238,7 +213,8 @@ class K3ModelArgs:
             need(isinstance(kind, str), f"layer_kinds[{i}] must be a layer kind's name, got {kind!r}")
 
 
-def _tiny_vision() -> VisionArgs:
+def tiny_vision_args() -> VisionArgs:
+    """A CPU-sized MoonViT for tests."""
     return VisionArgs(
         patch_size=4,
         width=32,
@@ -260,24 +236,18 @@ PRESETS: dict[str, K3ModelArgs] = {
     # About 1B active parameters: a convergence model for one 8-GPU node (same 3:1 rhythm, 4 AttnRes blocks).
     "small": K3ModelArgs(
         name="small",
-        vocab_size=163_840,
         dim=2048,
         n_layers=24,
         kda_heads=16,
-        kda_head_dim=128,
         kda_decay_rank=64,
         mla_heads=16,
         mla_q_rank=768,
         mla_kv_rank=256,
-        mla_k_head_dim=128,
-        mla_shared_k_dim=64,
-        mla_v_head_dim=128,
         dense_hidden=8192,
         n_experts=64,
         top_k=8,
         moe_latent_dim=1024,
         expert_hidden=1024,
-        n_shared_experts=2,
         shared_hidden=1024,
         attnres_block_layers=6,
         max_seq_len=8192,
@@ -304,7 +274,6 @@ PRESETS: dict[str, K3ModelArgs] = {
         top_k=2,
         moe_latent_dim=32,
         expert_hidden=32,
-        n_shared_experts=2,
         shared_hidden=32,
         attnres_block_layers=3,
         max_seq_len=4096,
@@ -312,7 +281,7 @@ PRESETS: dict[str, K3ModelArgs] = {
     ),
 }
 # The tiny decoder with a CPU-sized MoonViT (4-pixel patches, 2 layers, width 32): image-text training on CPU.
-PRESETS["tiny_vision"] = dataclasses.replace(PRESETS["tiny"], name="tiny_vision", vision=_tiny_vision())
+PRESETS["tiny_vision"] = dataclasses.replace(PRESETS["tiny"], name="tiny_vision", vision=tiny_vision_args())
 
 
 def get_preset(preset: str, /, **overrides) -> K3ModelArgs:
@@ -332,8 +301,3 @@ def get_preset(preset: str, /, **overrides) -> K3ModelArgs:
     if args.vision is not None and not isinstance(args.vision, VisionArgs):
         args.vision = VisionArgs(**args.vision)
     return args.validate()
-
-
-def tiny_vision_args() -> VisionArgs:
-    """A CPU-sized MoonViT for tests."""
-    return _tiny_vision()

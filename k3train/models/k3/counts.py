@@ -18,6 +18,8 @@ weighs the layers in the pipeline split.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from k3train.models.k3.args import K3ModelArgs
@@ -26,31 +28,27 @@ from k3train.models.k3.mixers import layer_mixer
 from k3train.models.k3.mla import GatedMLA
 from k3train.models.k3.model import K3Layer, K3Model, sources_after
 
+_OUTSIDE = {"tok_embeddings": "embedding", "vision": "vision", "output": "lm_head", "norm": "final_norm"}
+_OUTSIDE |= {"final_res": "final_norm", "mtp": "mtp"}
+"""Component of a parameter outside the layers, by its top-level module."""
 
-def component_of(name: str, model: K3Model) -> str:
-    if name.startswith("tok_embeddings"):
-        return "embedding"
-    if name.startswith("output"):
-        return "lm_head"
-    if name.startswith("vision"):
-        return "vision"
-    if name.startswith(("norm", "final_res")):
-        return "final_norm"
-    if name.startswith("mtp."):
-        return "mtp"
-    if name.startswith("layers."):
-        _, idx, rest = name.split(".", 2)
-        layer = model.layers[idx]
-        if rest.startswith(("attn_res", "ffn_res")):
-            return "attn_res"
-        if rest.startswith(("attn_norm", "ffn_norm")):
-            return "sublayer_norms"
-        if rest.startswith("attn."):
-            return layer.kind
-        if layer.ffn_kind == "dense":
-            return "dense_ffn"
-        return "moe_routed" if rest.startswith("ffn.experts.") else "moe_other"
-    return "other"
+
+def component_of(args: K3ModelArgs, name: str) -> str:
+    """The component of parameter `name` (the rows of tools/count_params.py)."""
+    top, _, rest = name.partition(".")
+    if top != "layers":
+        return _OUTSIDE.get(top, "other")
+    idx, _, rest = rest.partition(".")
+    sub = rest.partition(".")[0]
+    if sub in ("attn_res", "ffn_res"):
+        return "attn_res"
+    if sub in ("attn_norm", "ffn_norm"):
+        return "sublayer_norms"
+    if sub == "attn":
+        return args.layer_kind(int(idx))
+    if args.ffn_kind(int(idx)) == "dense":
+        return "dense_ffn"
+    return "moe_routed" if rest.startswith("ffn.experts.") else "moe_other"
 
 
 def param_pieces(args: K3ModelArgs) -> dict:
@@ -63,23 +61,18 @@ def param_pieces(args: K3ModelArgs) -> dict:
             piece = int(name.split(".", 2)[1])
         else:
             piece = "embed" if name.startswith(("tok_embeddings.", "vision.")) else "head"
-        comp = component_of(name, model)
+        comp = component_of(args, name)
         pieces[piece][comp] = pieces[piece].get(comp, 0) + p.numel()
     return pieces
 
 
-def _routed(args: K3ModelArgs, comp: dict[str, int]) -> tuple[int, int]:
-    """(routed-expert parameters, of which a token touches) of one piece."""
-    routed = comp.get("moe_routed", 0)
-    return routed, routed * args.top_k // args.n_experts
-
-
 def active_params(args: K3ModelArgs, piece, comp: dict[str, int]) -> int:
-    """Parameters one text token touches in a piece (see the module doc)."""
+    """Parameters one text token touches in a piece (see the module doc): all but the routed experts it did not
+    select."""
     if piece == "embed":
         return 0
-    routed, touched = _routed(args, comp)
-    return sum(comp.values()) - routed + touched
+    routed = comp.get("moe_routed", 0)
+    return sum(comp.values()) - routed + routed * args.top_k // args.n_experts
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -88,32 +81,25 @@ def active_params(args: K3ModelArgs, piece, comp: dict[str, int]) -> int:
 def count_params(args: K3ModelArgs, *, by_component: bool = False):
     """Counts {total, text, vision, routed, active} (+ per-component table with by_component=True)."""
     pieces = param_pieces(args)
-    comp: dict[str, int] = {}
+    comp: Counter = Counter()
     for c in pieces.values():
-        for k, v in c.items():
-            comp[k] = comp.get(k, 0) + v
+        comp.update(c)
     total = sum(comp.values())
     vision = comp.get("vision", 0)
     active = sum(active_params(args, piece, c) for piece, c in pieces.items())
-    counts = {
-        "total": total,
-        "text": total - vision,
-        "vision": vision,
-        "routed": comp.get("moe_routed", 0),
-        "active": active,
-    }
-    return (counts, comp) if by_component else counts
+    counts = dict(total=total, text=total - vision, vision=vision, routed=comp.get("moe_routed", 0), active=active)
+    return (counts, dict(comp)) if by_component else counts
 
 
-def stage_param_counts(args: K3ModelArgs, stage_layers: list[list[int]], pieces: dict | None = None) -> list[dict]:
+def stage_param_counts(args: K3ModelArgs, stage_layers: list[list[int]]) -> list[dict]:
     """Per pipeline stage: {"dense": parameters, "expert": routed-expert parameters} (the embedding and vision on the
     first stage, the head on the last)."""
-    pieces = pieces or param_pieces(args)
+    pieces = param_pieces(args)
     out = []
     for s, layers in enumerate(stage_layers):
         held = (["embed"] if s == 0 else []) + list(layers) + (["head"] if s == len(stage_layers) - 1 else [])
         total = sum(sum(pieces[p].values()) for p in held)
-        expert = sum(_routed(args, pieces[p])[0] for p in held)
+        expert = sum(pieces[p].get("moe_routed", 0) for p in held)
         out.append({"dense": total - expert, "expert": expert})
     return out
 
@@ -121,31 +107,17 @@ def stage_param_counts(args: K3ModelArgs, stage_layers: list[list[int]], pieces:
 # ---------------------------------------------------------------------------------------------------------------------
 # FLOPs
 # ---------------------------------------------------------------------------------------------------------------------
-def attention_flops(args: K3ModelArgs, layer_id: int, seq_len: int) -> int:
-    """Forward FLOPs per token of a layer's attention core at seq_len (its kind's core_flops: KDA.core_flops,
-    GatedMLA.core_flops, ...)."""
-    return layer_mixer(args, layer_id).core_flops(args, seq_len)
-
-
-def mtp_attention_flops(args: K3ModelArgs, seq_len: int) -> int:
-    """Forward FLOPs per token of the MTP module's attention core (Gated MLA; 0 without the module)."""
-    return GatedMLA.core_flops(args, seq_len) if args.mtp_layers else 0
-
-
-def layer_costs(args: K3ModelArgs, seq_len: int = 4096, pieces: dict | None = None) -> dict:
+def layer_costs(args: K3ModelArgs, seq_len: int = 4096) -> dict:
     """{"embed": c, "head": c, "layers": [c_1, ..., c_n]}: training FLOPs per token of each piece, the weights of the
     pipeline split. The embedding is charged as a matmul of its table (6 V D) although a lookup computes nothing:
     the split weighs stages by time, and an embedding (its gradient, its optimizer step) takes about a layer's."""
-    pieces = pieces or param_pieces(args)
-    layers = [
-        6.0 * active_params(args, i, pieces[i]) + 3.0 * attention_flops(args, i, seq_len)
-        for i in range(1, args.n_layers + 1)
-    ]
-    return {
-        "embed": 6.0 * pieces["embed"].get("embedding", 0),
-        "head": 6.0 * active_params(args, "head", pieces["head"]) + 3.0 * mtp_attention_flops(args, seq_len),
-        "layers": layers,
-    }
+    pieces = param_pieces(args)
+    # the attention cores' forward work: each layer's kind's core_flops, and the MTP module's Gated MLA (if any)
+    core = {i: layer_mixer(args, i).core_flops(args, seq_len) for i in range(1, args.n_layers + 1)}
+    core["head"] = GatedMLA.core_flops(args, seq_len) if args.mtp_layers else 0
+    flops = {p: 6.0 * active_params(args, p, pieces[p]) + 3.0 * core[p] for p in core}
+    head = flops.pop("head")
+    return {"embed": 6.0 * pieces["embed"].get("embedding", 0), "head": head, "layers": list(flops.values())}
 
 
 def flops_per_token(args: K3ModelArgs, seq_len: int) -> float:

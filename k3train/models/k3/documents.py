@@ -20,7 +20,7 @@ from torch import Tensor
 
 
 class Documents:
-    """Where the documents of a [B, T] batch start. Build with `from_cu_seqlens`, `from_start` or `rows`."""
+    """Where the documents of a [B, T] batch start. Build from the starts, or with `from_cu_seqlens` or `rows`."""
 
     def __init__(self, start: Tensor):
         if start.dim() != 2 or start.dtype != torch.bool:
@@ -35,10 +35,6 @@ class Documents:
         start = torch.zeros(B, T, dtype=torch.bool, device=device)
         start[:, 0] = True
         return cls(start)
-
-    @classmethod
-    def from_start(cls, start: Tensor) -> "Documents":
-        return cls(start.bool())
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: Tensor | None, B: int, T: int, device=None) -> "Documents":
@@ -83,6 +79,3 @@ class Documents:
         flat = torch.arange(self.start.numel(), device=self.start.device)
         first = self.cu_seqlens.to(device=self.start.device, dtype=torch.int64)
         return (flat - first[self.doc_ids.reshape(-1)]).view(self.shape)
-
-    def to(self, device) -> "Documents":
-        return self if self.start.device == torch.device(device) else Documents(self.start.to(device))

@@ -82,19 +82,8 @@ class KDA(nn.Module):
     def forward(self, x: torch.Tensor, ctx: BatchContext | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         ctx = ctx or BatchContext()
-        q, k, v, g, beta = self.qkvgb(x, ctx)
-        o = kda(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            chunk_size=self.chunk,
-            kernels=self.kernels,
-            g_min=self.g_min,
-            cu_seqlens=ctx.cu_seqlens,
-            cp=ctx.cp_context(B, T),
-        )
+        where = dict(cu_seqlens=ctx.cu_seqlens, cp=ctx.cp_context(B, T))  # documents, context-parallel pieces
+        o = kda(*self.qkvgb(x, ctx), chunk_size=self.chunk, kernels=self.kernels, g_min=self.g_min, **where)
         o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.g_proj(x)).view(B, T, self.n_heads, self.head_dim)
         return self.o_proj(o.reshape(B, T, -1))
 

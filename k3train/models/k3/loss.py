@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from k3train.models.costs import Costs, Saved, gemm
+from k3train.ops.dtypes import wide
 
 IGNORE_INDEX = -100
 """Label of a position that is not a target (padding, the recall task's prompts); the data pipeline writes it."""
@@ -27,7 +28,7 @@ K3's 163,840-token vocabulary; matmuls of that height still run at full speed)."
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed cross entropy of logits [..., V] against labels [...] (already shifted; IGNORE_INDEX skipped), fp32
     (fp64 logits stay fp64)."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logits = logits.to(wide(logits.dtype))
     return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
@@ -70,17 +71,12 @@ def _will_run(ctx, i: int) -> bool:
         return True
 
 
-def _acc_dtype(hidden: torch.Tensor) -> torch.dtype:
-    """Log-sum-exp, loss and the weight-gradient sum: fp32 (fp64 for fp64 inputs, which tests use)."""
-    return torch.promote_types(hidden.dtype, torch.float32)
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk):
         N = hidden.shape[0]
         w = weight.to(hidden.dtype)  # the head's matmul in the compute dtype; log-sum-exp and loss in fp32
-        acc = _acc_dtype(hidden)
+        acc = wide(hidden.dtype)  # log-sum-exp, loss and the weight-gradient sum (fp64 for fp64 inputs)
         target, valid = targets(labels)
         lse = torch.empty(N, dtype=acc, device=hidden.device)
         loss = torch.zeros((), dtype=acc, device=hidden.device)
@@ -103,7 +99,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if not (want_h or want_w):
             return None, None, None, None
         w = weight.to(hidden.dtype)
-        acc = _acc_dtype(hidden)
+        acc = wide(hidden.dtype)
         scale = valid.to(acc) * grad_loss.to(acc)
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None

@@ -28,13 +28,8 @@ class GatedMLA(nn.Module):
     def __init__(self, args: K3ModelArgs):
         super().__init__()
         d, H = args.dim, args.mla_heads
-        self.n_heads, self.k_dim, self.s_dim, self.v_dim = (
-            H,
-            args.mla_k_head_dim,
-            args.mla_shared_k_dim,
-            args.mla_v_head_dim,
-        )
-        self.kv_rank = args.mla_kv_rank
+        self.n_heads, self.kv_rank = H, args.mla_kv_rank
+        self.k_dim, self.s_dim, self.v_dim = args.mla_k_head_dim, args.mla_shared_k_dim, args.mla_v_head_dim
         self.wq_a = nn.Linear(d, args.mla_q_rank, bias=False)
         self.q_norm = nn.RMSNorm(args.mla_q_rank, eps=args.norm_eps)
         self.wq_b = nn.Linear(args.mla_q_rank, H * (self.k_dim + self.s_dim), bias=False)
@@ -77,35 +72,15 @@ class GatedMLA(nn.Module):
         o = o.transpose(1, 2) * torch.sigmoid(self.g_proj(x)).view(B, T, self.n_heads, self.v_dim)
         return self.o_proj(o.reshape(B, T, -1))
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        c_kv: torch.Tensor,
-        q_pos: torch.Tensor,
-        q_doc: torch.Tensor,
-        k_pos: torch.Tensor,
-        k_doc: torch.Tensor,
-        q_segments=None,
-        source=None,
-    ) -> torch.Tensor:
+    def attend(self, q, c_kv, q_pos, q_doc, k_pos, k_doc, q_segments=None, source=None) -> torch.Tensor:
         """Softmax attention of q [B, H, Tq, k+s] over the keys and values built from the latent c_kv [B, Tk, 576]
         (or from what `source` gathers from it): query i sees key j when both lie in one document (q_doc, k_doc
         [B or 1, T]) and j is not after i (q_pos, k_pos: positions in the row). Returns [B, H, Tq, v]; QK-Clip's
         per-head max logit comes from the same pass."""
+        params = (self.kv_norm.weight, self.wkv_b.weight)  # what keys_values rebuilds each key block from
+        tiles = dict(q_segments=q_segments, source=source, q_block=self.q_block, k_block=self.k_block)
         o, max_logit = latent_block_attention(
-            q,
-            c_kv,
-            self.keys_values,
-            (self.kv_norm.weight, self.wkv_b.weight),
-            q_pos,
-            q_doc,
-            k_pos,
-            k_doc,
-            self.scale,
-            q_segments=q_segments,
-            source=source,
-            q_block=self.q_block,
-            k_block=self.k_block,
+            q, c_kv, self.keys_values, params, q_pos, q_doc, k_pos, k_doc, self.scale, **tiles
         )
         if self.training and self.track_max_logits:
             self.max_logits = max_logit if self.max_logits is None else torch.maximum(self.max_logits, max_logit)

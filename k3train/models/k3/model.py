@@ -24,6 +24,8 @@ from k3train.models.k3.kda import KDA
 from k3train.models.k3.loss import loss_costs
 from k3train.models.k3.mixers import layer_mixer
 from k3train.models.k3.moe import GroupedExperts, LatentMoE, Router
+from k3train.models.k3.mtp import MTP
+from k3train.models.k3.vision import MoonViT
 from k3train.models.costs import Costs, norm_costs
 from k3train.models.structure import MatrixStructure
 
@@ -82,8 +84,6 @@ class K3Model(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.vision = None
         if args.vision is not None:
-            from k3train.models.k3.vision import MoonViT
-
             self.vision = MoonViT(args.vision, args.dim)
         self.layers = nn.ModuleDict({str(i): K3Layer(args, i) for i in range(1, args.n_layers + 1)})
         self.final_res = AttnResMixer(args.dim, args.norm_eps, learned=args.attnres_final_query)
@@ -91,8 +91,6 @@ class K3Model(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.mtp = None
         if args.mtp_layers:
-            from k3train.models.k3.mtp import MTP
-
             self.mtp = MTP(args)
 
     # ---- forward --------------------------------------------------------------------------------
@@ -180,6 +178,7 @@ class K3Model(nn.Module):
         for name, p in self.named_parameters():
             gen = self._generator(seed, name)
             leaf = name.rsplit(".", 1)[-1]
+            s = out_std if name.endswith(residual_out) else std
             with torch.no_grad():
                 if name.endswith(("attn_res.query", "ffn_res.query", "final_res.query")):
                     val = torch.zeros(p.shape)
@@ -196,7 +195,6 @@ class K3Model(nn.Module):
                     # One generator per expert row, so an expert-parallel rank draws only its own experts (its
                     # bank's `first_expert` onwards) and gets the values one process would.
                     first = self.get_submodule(name.rpartition(".")[0]).first_expert
-                    s = out_std if name.endswith(residual_out) else std
                     val = torch.stack(
                         [
                             torch.empty(p.shape[1:]).normal_(
@@ -206,7 +204,6 @@ class K3Model(nn.Module):
                         ]
                     )
                 else:
-                    s = out_std if name.endswith(residual_out) else std
                     val = torch.empty(p.shape).normal_(0.0, s, generator=gen)
                 p.copy_(val.to(p.dtype))
         for name, m in self.named_modules():
@@ -215,7 +212,7 @@ class K3Model(nn.Module):
             elif isinstance(m, Router):
                 m.bias.zero_()
                 m.load.zero_()
-        if self.vision is not None and hasattr(self.vision, "init_weights"):
+        if self.vision is not None:
             self.vision.init_weights(seed)
 
     # ---- facts for optimizers, balancing and metrics --------------------------------------------
@@ -241,8 +238,6 @@ class K3Model(nn.Module):
             "output": loss_costs(args.dim, args.vocab_size),
         }
         if args.mtp_layers:
-            from k3train.models.k3.mtp import MTP
-
             out["mtp"] = MTP.costs(args, seq_len)
         return out
 
@@ -256,9 +251,6 @@ class K3Model(nn.Module):
             out[name] = r.load.clone()
             r.load.zero_()
         return out
-
-    def required_seq_multiple(self) -> int:
-        return required_seq_multiple(self.args)
 
 
 def required_seq_multiple(args: K3ModelArgs) -> int:

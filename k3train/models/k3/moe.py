@@ -19,7 +19,6 @@ from k3train.models.costs import Costs, Flops, Saved, gemm
 from k3train.models.structure import MatrixStructure
 from k3train.ops.backend import AUTO, Kernels
 from k3train.ops.grouped_mm import grouped_mm
-from k3train.ops.situ import situ
 
 
 class Router(nn.Module):
@@ -178,7 +177,7 @@ def moe_reference(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
         acc = 0
         for k in range(idx.shape[1]):
             e = int(idx[n, k])
-            h = situ(z[n] @ ex.w1[e], z[n] @ ex.w3[e], ex.beta1, ex.beta2)
+            h = ex.kernels.situ(z[n] @ ex.w1[e], z[n] @ ex.w3[e], ex.beta1, ex.beta2)
             acc = acc + weights[n, k] * (h @ ex.w2[e])
         u.append(acc)
     y = moe.w_up(moe.latent_norm(torch.stack(u)))

@@ -41,7 +41,7 @@ from k3train.models.k3.loss import IGNORE_INDEX, loss_costs
 from k3train.models.k3.mla import GatedMLA
 from k3train.models.costs import Costs, Saved, gemm, norm_costs
 from k3train.models.structure import MatrixStructure
-from k3train.ops.shift import next_in_document as shift_next_in_document
+from k3train.ops.shift import next_in_document
 
 
 class MTPBlock(nn.Module):
@@ -74,7 +74,9 @@ class MTP(nn.Module):
         self.norm = nn.RMSNorm(d, eps=args.norm_eps)
 
     def forward(self, h: torch.Tensor, emb: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-        e_next = next_in_document(emb, ctx)
+        B, T, _ = emb.shape
+        start = None if ctx.cu_seqlens is None else ctx.documents(B, T, emb.device).start
+        e_next = next_in_document(emb, start, ctx.cp_context(B, T))
         m = self.proj(torch.cat([self.hidden_norm(h), self.emb_norm(e_next.to(h.dtype))], dim=-1))
         return self.norm(self.block(m, ctx))
 
@@ -95,14 +97,6 @@ class MTP(nn.Module):
             + SiTUGLU.costs(D, args.dense_hidden)
             + Costs(loss_costs(D, args.vocab_size).saved)
         )
-
-
-def next_in_document(x: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-    """x [B, T, C] -> x at t+1 [B, T, C], zero where token t+1 begins a document or lies past the row (under
-    context parallelism: past the row's last piece)."""
-    B, T, _ = x.shape
-    start = None if ctx.cu_seqlens is None else ctx.documents(B, T, x.device).start
-    return shift_next_in_document(x, start, ctx.cp_context(B, T))
 
 
 def mtp_labels(labels: torch.Tensor, start: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ the lengths differ. `moonvit_reference` recomputes everything item by item with 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -231,23 +232,10 @@ class MoonViT(nn.Module):
 
     def __init__(self, args: VisionArgs, out_dim: int):
         super().__init__()
-        for f in (
-            "patch_size",
-            "in_channels",
-            "width",
-            "layers",
-            "heads",
-            "head_dim",
-            "mlp_hidden",
-            "pos_grid",
-            "max_frames",
-            "merge",
-            "projector_hidden",
-            "max_image_side",
-        ):
-            v = getattr(args, f)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"vision.{f} must be a positive integer, got {v!r}")
+        for f in dataclasses.fields(args):  # every integer field is a size or a count
+            v = getattr(args, f.name)
+            if f.type == "int" and (not isinstance(v, int) or v <= 0):
+                raise ValueError(f"vision.{f.name} must be a positive integer, got {v!r}")
         if out_dim <= 0:
             raise ValueError(f"out_dim must be positive, got {out_dim}")
         self.args, self.out_dim = args, out_dim
@@ -336,9 +324,6 @@ class MoonViT(nn.Module):
             with torch.no_grad():
                 p.copy_(val.to(p.dtype))
 
-    def reset_parameters(self) -> None:
-        self.init_weights(0)
-
     def muon_structure(self) -> dict[str, MatrixStructure]:
         return {"patch_embed.weight": MatrixStructure()}
 
@@ -365,18 +350,13 @@ def moonvit_reference(model: MoonViT, pixels: Sequence[torch.Tensor]) -> tuple[t
         clip = clip.unsqueeze(0) if clip.dim() == 3 else clip
         T, C, Hpx, Wpx = clip.shape
         gh, gw = Hpx // p, Wpx // p
-        patches = torch.stack(
-            [
-                torch.stack(
-                    [
-                        torch.stack([clip[t, :, i * p : (i + 1) * p, j * p : (j + 1) * p].flatten() for j in range(gw)])
-                        for i in range(gh)
-                    ]
-                )
-                for t in range(T)
-            ]
-        )
-        x = model.patch_embed(patches)  # [T, gh, gw, width]
+        cut = [
+            clip[t, :, i * p : (i + 1) * p, j * p : (j + 1) * p].flatten()
+            for t in range(T)
+            for i in range(gh)
+            for j in range(gw)
+        ]
+        x = model.patch_embed(torch.stack(cut).view(T, gh, gw, -1))  # [T, gh, gw, width]
         table = model.pos_embed.permute(2, 0, 1)[None].to(wide(model.pos_embed.dtype))
         if (gh, gw) != (a.pos_grid, a.pos_grid):
             table = F.interpolate(table, size=(gh, gw), mode="bicubic", align_corners=False)

@@ -46,10 +46,6 @@ class KeySource(Protocol):
         """Gradient of the gathered source -> gradient of the local source."""
 
 
-def _acc(t: torch.Tensor) -> torch.dtype:
-    return wide(t.dtype)
-
-
 def _scores(qt: torch.Tensor, kt: torch.Tensor, scale: float, acc: torch.dtype) -> torch.Tensor:
     """One tile's logits as an fp32 (fp64) product. Callers run the tile loops with autocast off, whatever the
     caller's: the softmax, its statistics and QK-Clip's max logit are fp32 islands (a bf16-rounded product is off by
@@ -92,7 +88,7 @@ def _visible_tiles(q_pos, q_doc, k_pos, k_doc, q_tiles, k_tiles) -> list[list[in
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, c, scale, q_spans, k_spans, visible, kv, source, q_pos, q_doc, k_pos, k_doc, *params):
-        acc, dev = _acc(q), q.device.type
+        acc, dev = wide(q.dtype), q.device.type
         B, H, Tq, _ = q.shape
         c_full = source.gather(c) if source is not None else c
         o = m = l = None
@@ -123,16 +119,8 @@ class _BlockAttention(torch.autograd.Function):
         out = (o / l.clamp_min(torch.finfo(acc).tiny)[..., None]).to(q.dtype)
         lse = m + torch.log(l)
         ctx.save_for_backward(q, c, out, lse, q_pos, q_doc, k_pos, k_doc, *params)
-        ctx.meta = (
-            scale,
-            q_spans,
-            k_spans,
-            visible,
-            kv,
-            source,
-            torch.is_autocast_enabled(dev),
-            torch.get_autocast_dtype(dev),
-        )
+        ctx.meta = (scale, q_spans, k_spans, visible, kv, source)
+        ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         max_logit = m.amax(dim=(0, 2)).to(acc)
         ctx.mark_non_differentiable(max_logit)
         return out, max_logit
@@ -140,14 +128,15 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, _d_max):
         q, c, out, lse, q_pos, q_doc, k_pos, k_doc, *params = ctx.saved_tensors
-        scale, q_spans, k_spans, visible, kv, source, autocast_on, autocast_dtype = ctx.meta
-        acc, dev = _acc(q), q.device.type
+        scale, q_spans, k_spans, visible, kv, source = ctx.meta
+        autocast_on, autocast_dtype = ctx.autocast
+        acc, dev = wide(q.dtype), q.device.type
         c_full = source.gather(c) if source is not None else c
         d_out = d_out.to(acc)
         delta = (d_out * out.to(acc)).sum(-1)  # rowsum(dO O)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dc = torch.zeros(c_full.shape, dtype=_acc(c_full), device=q.device)
-        dparams = [torch.zeros(p.shape, dtype=_acc(p), device=p.device) for p in params]
+        dc = torch.zeros(c_full.shape, dtype=wide(c_full.dtype), device=q.device)
+        dparams = [torch.zeros(p.shape, dtype=wide(p.dtype), device=p.device) for p in params]
         for j, (ka, kb) in enumerate(k_spans):
             if not visible[j]:
                 continue
@@ -174,21 +163,8 @@ class _BlockAttention(torch.autograd.Function):
                     d += g
         dc = dc.to(c_full.dtype)
         d_c = source.scatter(dc) if source is not None else dc
-        return (
-            dq.to(q.dtype),
-            d_c,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            *[d.to(p.dtype) for d, p in zip(dparams, params)],
-        )
+        # no gradients for the 10 inputs between c and the parameters (scale ... k_doc)
+        return dq.to(q.dtype), d_c, *[None] * 10, *[d.to(p.dtype) for d, p in zip(dparams, params)]
 
 
 def latent_block_attention(
@@ -225,18 +201,12 @@ def latent_block_attention(
     )
 
 
-def _split_heads(c: torch.Tensor, d: int):
-    kv = c.transpose(1, 2)
-    return kv[..., :d], kv[..., d:]
-
-
 def block_attention(
     q, k, v, q_pos, q_doc, k_pos, k_doc, scale: float, *, q_block: int = Q_BLOCK, k_block: int = K_BLOCK
 ):
     """Same arguments and results as naive_attention (output [B, H, Tq, dv] in q's dtype, per-head max visible logit
     [H] fp32), computed in tiles from given per-head keys and values (their source is [k | v] per token)."""
-    d = k.shape[-1]
+    widths = [k.shape[-1], v.shape[-1]]
     c = torch.cat([k, v], dim=-1).transpose(1, 2)  # [B, Tk, H, d + dv]
-    return latent_block_attention(
-        q, c, lambda cb: _split_heads(cb, d), (), q_pos, q_doc, k_pos, k_doc, scale, q_block=q_block, k_block=k_block
-    )
+    split = lambda cb: cb.transpose(1, 2).split(widths, dim=-1)  # noqa: E731  (a block's source -> its keys, values)
+    return latent_block_attention(q, c, split, (), q_pos, q_doc, k_pos, k_doc, scale, q_block=q_block, k_block=k_block)

@@ -33,10 +33,33 @@ class LatentKeys:
     q_segments: list[int]
 
     def gather(self, c_kv: torch.Tensor) -> torch.Tensor:
-        return gather_latent(self.cp, c_kv, self.scopes)
+        """Local latent [B*P, L, W] -> the row's latent [B, n*L, W] in sequence order (not differentiable: the
+        attention calls it in forward and again in backward)."""
+        cp, (R, L, W) = self.cp, c_kv.shape
+        B = R // cp.per_rank
+        if cp.world == 1:
+            return cp.to_sequence_order(c_kv, B).reshape(B, -1, W)
+        parts = c_kv.new_empty((cp.world * R, L, W))
+        with comm.in_scopes(self.scopes), comm.counting(cp.ledger):
+            comm.all_gather(parts, c_kv.contiguous(), cp.group, "cp", what="mla_latent")
+        return cp.to_sequence_order(parts, B).reshape(B, -1, W)
 
     def scatter(self, d_full: torch.Tensor) -> torch.Tensor:
-        return scatter_latent_grad(self.cp, d_full, self.scopes)
+        """Gradient of the row's latent [B, n*L, W] -> that of the local latent [B*P, L, W]: the sum over ranks
+        (a reduce-scatter) of each local token's gradient."""
+        cp, (B, _, W) = self.cp, d_full.shape
+        L, P, n = cp.piece_len, cp.per_rank, cp.n_pieces
+        by_piece = d_full.view(B, n, L, W)
+        slots = torch.empty(n, dtype=torch.long)
+        slots[torch.tensor(list(cp.slot_of_piece))] = torch.arange(n)
+        ranked = by_piece.index_select(1, slots.to(d_full.device))  # [B, world*P, L, W]: rank-major slots
+        ranked = ranked.view(B, cp.world, P, L, W).transpose(0, 1).reshape(cp.world * B * P, L, W)
+        if cp.world == 1:
+            return ranked
+        out = d_full.new_empty((B * P, L, W))
+        with comm.in_scopes(self.scopes), comm.counting(cp.ledger):
+            comm.reduce_scatter(out, ranked.contiguous(), cp.group, "cp", what="mla_latent")
+        return out
 
 
 def latent_keys(cp: CPContext, device) -> LatentKeys:
@@ -55,37 +78,6 @@ def latent_keys(cp: CPContext, device) -> LatentKeys:
     q_pos, q_doc, k_pos, k_doc = cp.cached("mla_keys", device, build)
     segments = [cp.piece_len] * cp.per_rank
     return LatentKeys(cp, comm.current_scopes(), q_pos, q_doc, k_pos, k_doc, segments)
-
-
-def gather_latent(cp: CPContext, c_kv: torch.Tensor, scopes: tuple = ()) -> torch.Tensor:
-    """Local latent [B*P, L, W] -> the row's latent [B, n*L, W] in sequence order (not differentiable: the
-    attention calls it in forward and again in backward)."""
-    R, L, W = c_kv.shape
-    B = R // cp.per_rank
-    if cp.world == 1:
-        return cp.to_sequence_order(c_kv, B).reshape(B, -1, W)
-    parts = c_kv.new_empty((cp.world * R, L, W))
-    with comm.in_scopes(scopes), comm.counting(cp.ledger):
-        comm.all_gather(parts, c_kv.contiguous(), cp.group, "cp", what="mla_latent")
-    return cp.to_sequence_order(parts, B).reshape(B, -1, W)
-
-
-def scatter_latent_grad(cp: CPContext, d_full: torch.Tensor, scopes: tuple = ()) -> torch.Tensor:
-    """Gradient of the row's latent [B, n*L, W] -> that of the local latent [B*P, L, W]: the sum over ranks
-    (a reduce-scatter) of each local token's gradient."""
-    B, _, W = d_full.shape
-    L, P, n = cp.piece_len, cp.per_rank, cp.n_pieces
-    by_piece = d_full.view(B, n, L, W)
-    slots = torch.empty(n, dtype=torch.long)
-    slots[torch.tensor(list(cp.slot_of_piece))] = torch.arange(n)
-    ranked = by_piece.index_select(1, slots.to(d_full.device))  # [B, world*P, L, W]: rank-major slots
-    ranked = ranked.view(B, cp.world, P, L, W).transpose(0, 1).reshape(cp.world * B * P, L, W)
-    if cp.world == 1:
-        return ranked
-    out = d_full.new_empty((B * P, L, W))
-    with comm.in_scopes(scopes), comm.counting(cp.ledger):
-        comm.reduce_scatter(out, ranked.contiguous(), cp.group, "cp", what="mla_latent")
-    return out
 
 
 def attend_rows(

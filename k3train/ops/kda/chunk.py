@@ -184,16 +184,7 @@ class KDAChunks:
 
 
 def chunk_kda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens=None,
-    chunk_size: int = 64,
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=64
 ):
     """Chunked KDA, same arguments and results as naive_recurrent_kda (plus chunk_size, a multiple of 16).
 

@@ -45,14 +45,8 @@ class PiecePlan:
     """[R] int64: index of each piece's LAST segment (the part its summary describes)."""
 
     def to(self, device) -> "PiecePlan":
-        move = lambda t: t.to(device)
-        return replace(
-            self,
-            first_seg=move(self.first_seg),
-            carry=move(self.carry),
-            keep_m=move(self.keep_m),
-            last_seg=move(self.last_seg),
-        )
+        tensors = ("first_seg", "carry", "keep_m", "last_seg")
+        return replace(self, **{f: getattr(self, f).to(device) for f in tensors})
 
 
 def piece_plan(doc_start: torch.Tensor) -> PiecePlan:

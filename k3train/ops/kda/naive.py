@@ -27,17 +27,7 @@ def _recurrence(q, k, v, g, beta, S):
     return torch.stack(outs, dim=1), S
 
 
-def naive_recurrent_kda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens=None,
-):
+def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
     """Reference KDA. q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [B or N, H, K, V].
 
     With cu_seqlens (B must be 1) each of the N documents starts from its own initial state (zero if None).

@@ -53,16 +53,9 @@ class KDAShapes:
     offsets: list[int] | None
 
 
-def check_inputs(
-    q: torch.Tensor | None,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor | None,
-    cu_seqlens,
-) -> KDAShapes:
-    """Raise ValueError naming the first argument whose shape does not fit; return the sizes."""
+def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> KDAShapes:
+    """Raise ValueError naming the first argument whose shape does not fit (q and initial_state may be None); return
+    the sizes."""
     if k.dim() != 4:
         raise ValueError(f"k must be [B, T, H, K], got shape {tuple(k.shape)}")
     B, T, H, K = k.shape
