@@ -5,6 +5,8 @@ pipeline as in one process."""
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -42,6 +44,22 @@ def test_the_kind_is_registered_and_chosen_per_layer():
     with pytest.raises(ConfigError, match="layer_kinds key 9"):
         get_preset("tiny", layer_kinds={9: KIND})
     assert get_preset("tiny", layer_kinds={"6": KIND}).layer_kind(6) == KIND  # keys as a config writes them
+
+
+def test_a_config_naming_the_kind_loads_its_package():
+    """A recipe override naming the kind is enough: nothing outside its folder imports it (a fresh interpreter, where
+    it is not imported yet)."""
+    code = (
+        "import sys\n"
+        "from k3train.config.compose import load_spec\n"
+        "from k3train.models.k3.model import K3Layer\n"
+        "assert 'k3train.models.toy_dense_attention' not in sys.modules\n"
+        f"spec = load_spec('tiny_cpu', ['+model.overrides.layer_kinds={{{TOY_LAYER}: {KIND}}}'])\n"
+        f"print(type(K3Layer(spec.model, {TOY_LAYER}).attn).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["DenseAttention"]
 
 
 def test_attention_stays_within_documents():

@@ -8,11 +8,16 @@ A kind is a module class with
   k3train.models.k3.counts);
 - `muon_structure() -> {parameter name: MatrixStructure}`: how its weights split into Muon matrices
   (k3train.models.structure; K3Model.muon_structure collects it from every module).
-KDA ("kda") and Gated MLA ("mla") are registered here. Another kind lives in a package of its own that registers it
-when imported (`register_mixer`), e.g. k3train.models.toy_dense_attention; docs/model.md, "Adding a layer kind".
+KDA ("kda") and Gated MLA ("mla") are registered here. Another kind lives in a package of its own, named as the
+kind, under k3train.models (e.g. k3train.models.toy_dense_attention), that registers it when imported
+(`register_mixer`): `layer_mixer` imports it the first time a config names the kind, so a new kind needs no edit
+outside its folder; docs/model.md, "Adding a layer kind".
 """
 
 from __future__ import annotations
+
+import importlib
+import importlib.util
 
 from torch import nn
 
@@ -37,10 +42,12 @@ def layer_mixer(args: K3ModelArgs, layer_id: int) -> type[nn.Module]:
     """The token-mixer class of 1-based layer `layer_id` (args.layer_kind); ConfigError naming the layer_kinds key
     of a kind nobody registered."""
     kind = args.layer_kind(layer_id)
+    if kind not in MIXERS and kind.isidentifier() and importlib.util.find_spec(f"k3train.models.{kind}"):
+        importlib.import_module(f"k3train.models.{kind}")  # the kind's package registers it
     if kind not in MIXERS:
         raise ConfigError(
             f"model {args.name}: layer_kinds[{layer_id}]={kind!r} is not a registered layer kind; registered: "
-            f"{sorted(MIXERS)} (a kind's package registers it when imported)"
+            f"{sorted(MIXERS)} (a kind's package k3train.models.<kind> registers it when imported)"
         )
     return MIXERS[kind]
 

@@ -1,7 +1,7 @@
-"""A toy layer kind, "toy_dense": plain causal softmax attention (attention.py) as a K3 decoder layer's token mixer.
+"""A toy layer kind, "toy_dense_attention": plain causal softmax attention (attention.py) as a K3 decoder layer's token mixer.
 
 Importing this package registers the kind (k3train.models.k3.mixers); a model then holds it where
-K3ModelArgs.layer_kinds names it, e.g. get_preset("tiny", layer_kinds={2: "toy_dense"}).
+K3ModelArgs.layer_kinds names it, e.g. get_preset("tiny", layer_kinds={2: "toy_dense_attention"}).
 """
 
 from k3train.models.k3.mixers import register_mixer

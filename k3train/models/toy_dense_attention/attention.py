@@ -17,7 +17,7 @@ from k3train.models.k3.context import BatchContext
 from k3train.models.structure import MatrixStructure
 from k3train.ops.attention.naive import allowed
 
-KIND = "toy_dense"
+KIND = "toy_dense_attention"
 """The layer kind K3ModelArgs.layer_kinds names."""
 
 
