@@ -16,8 +16,10 @@ import sys
 import sysconfig
 
 from k3train.data.config import DataConfig
-from k3train.data.packing import TokenizedDocs, cache_key, cache_lock, load_cached, save_cached, tokenize_texts
+from k3train.data.datasets import tokenize_dataset
+from k3train.data.packing import TokenizedDocs, cache_lock, cache_root
 from k3train.data.tokenizers import DataError
+from k3train.digest import values_sha256
 
 _EXTENSIONS = (".py", ".rst", ".txt")
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -71,19 +73,22 @@ def _read_texts(root: str, files: list[tuple[str, int]]):
 
 def build_builtin_corpus(cfg: DataConfig, tok, *, progress: bool = True) -> TokenizedDocs:
     """Tokenized built-in corpus (from the cache when the same files and tokenizer were seen before)."""
+    import datasets
+
     files = list_builtin_files(cfg.builtin_max_bytes)
     root = stdlib_dir()
-    key = cache_key("builtin-v1", sys.version_info[:3], root, files, tok.fingerprint)
-    docs = load_cached(key)
-    if docs is not None:
-        return docs
+    key = values_sha256("builtin-v2", sys.version_info[:3], root, files, tok.fingerprint)
+    what = f"the built-in corpus under {root!r}"
     with cache_lock(f"builtin-{key}"):  # one process tokenizes; the others wait here, then read its cache
-        docs = load_cached(key)
-        if docs is None:
-            docs = tokenize_texts(
-                _read_texts(root, files), tok, desc="tokenizing built-in corpus", progress=progress, total=len(files)
-            )
-            if len(docs) == 0:
-                raise DataError(f"the built-in corpus under {root!r} holds no readable UTF-8 documents")
-            save_cached(key, docs)
-    return docs
+        texts = datasets.Dataset.from_dict({"text": list(_read_texts(root, files))})
+        return tokenize_dataset(
+            cfg,
+            texts,
+            "text",
+            tok,
+            what,
+            f"{what} holds no readable UTF-8 documents",
+            desc="tokenizing built-in corpus",
+            progress=progress,
+            cache_file=os.path.join(cache_root(), "tokens", f"{key}.arrow"),
+        )

@@ -21,26 +21,21 @@ world-th record), and are tokenized a batch of documents at a time; the position
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 
 import numpy as np
 
 from k3train.data.config import DataConfig, SourceConfig
-from k3train.data.packing import TokenizedDocs, cache_key, cache_lock, cache_root, in_eval_split, text_hash, token_dtype
+from k3train.data.packing import TokenizedDocs, cache_lock, cache_root, in_eval_split, text_hash, token_dtype
 from k3train.data.tokenizers import DataError, build_tokenizer
+from k3train.digest import values_sha256
 
 _EXT_FORMAT = {
-    ".txt": "text",
-    ".text": "text",
-    ".md": "text",
-    ".rst": "text",
-    ".py": "text",
-    ".jsonl": "json",
-    ".json": "json",
-    ".ndjson": "json",
-    ".parquet": "parquet",
-    ".pq": "parquet",
+    **dict.fromkeys((".txt", ".text", ".md", ".rst", ".py"), "text"),
+    **dict.fromkeys((".jsonl", ".json", ".ndjson"), "json"),
+    **dict.fromkeys((".parquet", ".pq"), "parquet"),
 }
 _FORMATS = ("text", "json", "parquet")
 STREAM_JSON_CHUNK = 1 << 20
@@ -115,21 +110,31 @@ def load_files(files: list[str], fmt: str, *, streaming: bool, progress: bool):
     kwargs = {"sample_by": "document"} if fmt == "text" else {}
     if fmt == "json" and streaming:
         kwargs["chunksize"] = STREAM_JSON_CHUNK  # bytes parsed at a time (datasets' default is 10 MiB)
-    quiet = not progress and not datasets.are_progress_bars_disabled()
-    if quiet:
-        datasets.disable_progress_bars()
     try:
-        return datasets.load_dataset(
-            fmt,
-            data_files=list(files),
-            split="train",
-            streaming=streaming,
-            cache_dir=os.path.join(cache_root(), "hf_datasets"),
-            **kwargs,
-        )
+        with progress_bars(progress):
+            return datasets.load_dataset(
+                fmt,
+                data_files=list(files),
+                split="train",
+                streaming=streaming,
+                cache_dir=os.path.join(cache_root(), "hf_datasets"),
+                **kwargs,
+            )
     except Exception as e:  # datasets wraps parser errors in its own exception types
         shown = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} more)"
         raise DataError(f"cannot read {fmt} file(s) {shown!r}: {type(e).__name__}: {e}") from e
+
+
+@contextlib.contextmanager
+def progress_bars(on: bool):
+    """datasets' progress bars within the block: off unless `on` (then as they were before)."""
+    import datasets
+
+    quiet = not on and not datasets.are_progress_bars_disabled()
+    if quiet:
+        datasets.disable_progress_bars()
+    try:
+        yield
     finally:
         if quiet:
             datasets.enable_progress_bars()
@@ -183,32 +188,55 @@ def build_source_docs(cfg: DataConfig, src: SourceConfig, tok, *, progress: bool
     files, fmt = source_files(src)
     what = f"data source {src.name!r} ({files[0]}{' ...' if len(files) > 1 else ''})"
     column = _column(src, fmt)
-    with cache_lock("files-" + cache_key(files)):
+    with cache_lock("files-" + values_sha256(files)):
         ds = load_files(files, fmt, streaming=False, progress=progress)
         if column not in ds.column_names:
             raise DataError(
                 f"text field {column!r} (data.text_field) not found in {what}; it has {sorted(ds.column_names)}"
             )
-        # Our own fingerprint: datasets cannot hash a tokenizer object reliably. The dataset's fingerprint covers
-        # the files (paths, sizes, modification times); the tokenizer's names everything its ids depend on.
-        fingerprint = cache_key("tokenize-v1", ds._fingerprint, column, tok.fingerprint)
-        try:
+        shown = ", ".join(repr(f) for f in files[:5]) + (" ..." if len(files) > 5 else "")
+        empty = f"no documents (all empty or blank) in data files {shown}"
+        desc = f"tokenizing {src.name or 'files'}"
+        return tokenize_dataset(cfg, ds, column, tok, what, empty, desc=desc, progress=progress, num_proc=cfg.num_proc)
+
+
+def tokenize_dataset(
+    cfg: DataConfig,
+    ds,
+    column: str,
+    tok,
+    what: str,
+    empty: str,
+    *,
+    desc: str,
+    progress: bool,
+    num_proc: int = 1,
+    cache_file: str | None = None,
+) -> TokenizedDocs:
+    """The texts of `column` of an Arrow Dataset tokenized with `Dataset.map` (Tokenize), whose result datasets
+    caches under our fingerprint (or in `cache_file`, for a dataset held in memory), as TokenizedDocs; DataError
+    `empty` when no document is left."""
+    # Our own fingerprint: datasets cannot hash a tokenizer object reliably. The dataset's fingerprint covers
+    # the files (paths, sizes, modification times); the tokenizer's names everything its ids depend on.
+    fingerprint = values_sha256("tokenize-v1", ds._fingerprint, column, tok.fingerprint)
+    try:
+        with progress_bars(progress):
             out = ds.map(
                 Tokenize(cfg, column, what),
                 batched=True,
                 batch_size=256,
                 remove_columns=ds.column_names,
-                num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+                num_proc=num_proc if num_proc > 1 else None,
                 new_fingerprint=fingerprint,
-                desc=f"tokenizing {src.name or 'files'}",
+                cache_file_name=cache_file,
+                desc=desc,
             )
-        except DataError:
-            raise
-        except Exception as e:
-            raise DataError(f"cannot tokenize {what}: {type(e).__name__}: {e}") from e
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"cannot tokenize {what}: {type(e).__name__}: {e}") from e
     if len(out) == 0:
-        shown = ", ".join(repr(f) for f in files[:5]) + (" ..." if len(files) > 5 else "")
-        raise DataError(f"no documents (all empty or blank) in data files {shown}")
+        raise DataError(empty)
     return _docs_from_arrow(out, tok)
 
 

@@ -38,7 +38,7 @@ import torch
 from k3train.data.builtin_corpus import build_builtin_corpus
 from k3train.data.config import VISION_SOURCES, DataConfig
 from k3train.data.datasets import DocStream, build_source_docs
-from k3train.data.packing import PackedStream, StreamPacker, batch_from_rows, check_vocab, overlapping_rows
+from k3train.data.packing import PackedStream, StreamPacker, batch_from_rows, check_vocab, hash_uniform, mix64
 from k3train.data.recall import EVAL_ROWS, RecallSource
 from k3train.data.tokenizers import DataError
 from k3train.data.vision_corpus import VisionRows
@@ -127,14 +127,9 @@ class MicroBatchLoader:
 
 def row_sources(seed: int, first: int, n: int, cum_weights: np.ndarray) -> np.ndarray:
     """The source of global rows [first, first + n): splitmix64 of (seed, row) as a uniform draw over the
-    cumulative weights (vectorised; numpy's uint64 arithmetic wraps as the hash needs)."""
+    cumulative weights (vectorised)."""
     z = np.arange(first, first + n, dtype=np.uint64) + np.uint64((seed * 0x9E3779B97F4A7C15 + 1) % (1 << 64))
-    with np.errstate(over="ignore"):
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    u = (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
-    return np.searchsorted(cum_weights, u, side="right").astype(np.int64)
+    return np.searchsorted(cum_weights, hash_uniform(mix64(z)), side="right").astype(np.int64)
 
 
 class MixedRows:
@@ -170,11 +165,8 @@ class MixedRows:
             where = np.flatnonzero(src == j)
             if len(where) == 0:
                 continue
-            if self.streaming:
-                ids[where], is_bos[where] = part.take(len(where))
-            else:  # the source's rows counts[j] ... counts[j] + m - 1, cut from one window
-                w_ids, w_bos = part.window(int(self._counts[j]) * L, len(where) * L + 1)
-                ids[where], is_bos[where] = overlapping_rows(w_ids, w_bos, len(where), L)
+            # the source's rows counts[j] ... counts[j] + m - 1
+            ids[where], is_bos[where] = part.take(int(self._counts[j]), len(where))
         self._counts += np.bincount(src, minlength=len(self.parts))
         self._cursor = first + n
         return batch_from_rows(ids, is_bos)
@@ -286,20 +278,17 @@ def _vision_source(cfg: DataConfig, tok, *, split: str, vocab_size, progress: bo
 def _builtin_source(cfg: DataConfig, tok, *, split: str, vocab_size, progress: bool, tag: dict):
     """The built-in corpus packed into rows, and its rows per pass."""
     docs = build_builtin_corpus(cfg, tok, progress=progress)
-    check_vocab(docs, tok, vocab_size, "built-in corpus")
-    ids = docs.split_ids(split, cfg.eval_fraction)
-    stream = PackedStream(
-        docs,
-        ids,
-        bos_id=tok.bos_id,
-        eos_id=tok.eos_id,
-        seq_len=cfg.seq_len,
-        seed=cfg.seed,
-        shuffle_each_epoch=(split == "train"),
-    )
-    tag["documents"] = len(ids)
-    tag["tokens_per_epoch"] = stream.epoch_len
+    stream = _packed_stream(cfg, tok, docs, split, vocab_size, "built-in corpus")
+    tag.update(documents=len(stream.doc_ids), tokens_per_epoch=stream.epoch_len)
     return stream, stream.rows_per_pass
+
+
+def _packed_stream(cfg: DataConfig, tok, docs, split: str, vocab_size, what: str) -> PackedStream:
+    """The packed stream of the split's documents, checked against the model's vocabulary first."""
+    check_vocab(docs.tokens, tok, vocab_size, what)
+    ids = docs.split_ids(split, cfg.eval_fraction)
+    kw = dict(bos_id=tok.bos_id, eos_id=tok.eos_id, seq_len=cfg.seq_len, seed=cfg.seed)
+    return PackedStream(docs, ids, shuffle_each_epoch=(split == "train"), **kw)
 
 
 def _file_source(
@@ -316,14 +305,11 @@ def _file_source(
     bad = [s.weight for s in sources if not s.weight > 0]
     if bad:
         raise DataError(f"data.sources weights must be > 0, got {[s.weight for s in sources]}")
-    kw = dict(bos_id=tok.bos_id, eos_id=tok.eos_id, seq_len=cfg.seq_len)
     if cfg.streaming:
         check_vocab(None, tok, vocab_size, "data files")  # the tokenizer itself; ids are checked as they come
+        kw = dict(bos_id=tok.bos_id, eos_id=tok.eos_id, seq_len=cfg.seq_len, vocab_size=vocab_size)
         parts = [
-            StreamPacker(
-                DocStream(cfg, s, split=split, dp_rank=dp_rank, dp_world=dp_world), vocab_size=vocab_size, **kw
-            )
-            for s in sources
+            StreamPacker(DocStream(cfg, s, split=split, dp_rank=dp_rank, dp_world=dp_world), **kw) for s in sources
         ]
         tag.update(streaming=True, dp_world=dp_world, dp_rank=dp_rank, micro_batch=cfg.micro_batch)
         eval_rows = lambda: EVAL_ROWS
@@ -331,9 +317,7 @@ def _file_source(
         parts = []
         for s in sources:
             docs = build_source_docs(cfg, s, tok, progress=progress)
-            check_vocab(docs, tok, vocab_size, f"data files {list(s.paths)}")
-            ids = docs.split_ids(split, cfg.eval_fraction)
-            parts.append(PackedStream(docs, ids, seed=cfg.seed, shuffle_each_epoch=(split == "train"), **kw))
+            parts.append(_packed_stream(cfg, tok, docs, split, vocab_size, f"data files {list(s.paths)}"))
         tag["documents"] = [len(p.doc_ids) for p in parts] if len(parts) > 1 else len(parts[0].doc_ids)
         tag["tokens_per_epoch"] = [p.epoch_len for p in parts] if len(parts) > 1 else parts[0].epoch_len
         eval_rows = lambda: sum(p.rows_per_pass() for p in parts)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from k3train.data.config import DataConfig
-from k3train.data.packing import IGNORE_INDEX
+from k3train.data.packing import IGNORE_INDEX, hash_uniform, mix64
 from k3train.data.tokenizers import DataError
 
 EVAL_ROWS = 256
@@ -27,21 +27,13 @@ EVAL_ROWS = 256
 _STREAMS = {"train": 0x5EED_0001, "eval": 0x5EED_0002}
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """A bijective 64-bit mixer (xor-shift / odd-multiply rounds) turning counters into uniform bits."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 def _uniform(seed: int, stream: int, draw: int, rows: np.ndarray, n_cols: int) -> np.ndarray:
     """[len(rows), n_cols] floats in [0, 1), a pure function of (seed, stream, draw, row, column)."""
-    base = _mix64(
+    base = mix64(
         np.array([(seed * 0x9E3779B97F4A7C15 + stream * 0x632BE59BD9B4E019 + draw) % (1 << 64)], dtype=np.uint64)
     )
-    r = _mix64(base + rows.astype(np.uint64)[:, None] * np.uint64(0xD6E8FEB86659FD93))
-    x = _mix64(r + np.arange(n_cols, dtype=np.uint64)[None, :])
-    return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    r = mix64(base + rows.astype(np.uint64)[:, None] * np.uint64(0xD6E8FEB86659FD93))
+    return hash_uniform(mix64(r + np.arange(n_cols, dtype=np.uint64)[None, :]))
 
 
 def symbol_ids(n_symbols: int, vocab: int, specials: tuple[int, ...]) -> np.ndarray:

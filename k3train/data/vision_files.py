@@ -60,10 +60,11 @@ import torch
 
 from k3train.data.config import VISION_FORMATS
 from k3train.data.datasets import expand_path, load_files
-from k3train.data.packing import cache_key, cache_lock, split_indices, text_hash
+from k3train.data.packing import cache_lock, split_indices, text_hash
 from k3train.data.tokenizers import DataError
 from k3train.data.vision_corpus import EVAL_ROWS, BadSample, Fetch, fit_size, image_pixels, load_image, open_image
 from k3train.data.vision_index import INDEX_VERSION, EpochPacking, cached_index
+from k3train.digest import values_sha256
 
 _EXT_FORMAT = {".parquet": "parquet", ".pq": "parquet", ".tar": "webdataset"}
 """Extensions of the one-file-per-shard formats; any other file (images, metadata) belongs to an imagefolder."""
@@ -187,7 +188,7 @@ class FileSamples:
         self.files, self.format = vision_files(list(cfg.paths), cfg.format)
         shown = self.files[0] + (f" (+{len(self.files) - 1} more)" if len(self.files) > 1 else "")
         self.what = f"{self.format} data {shown!r}"
-        with cache_lock("vision-" + cache_key(self.files)):  # one process per machine writes the Arrow cache
+        with cache_lock("vision-" + values_sha256(self.files)):  # one process per machine writes the Arrow cache
             ds = load_files(self.files, self.format, streaming=False, progress=progress)
         for key, column in (
             ("data.image_field", cfg.image_field),
@@ -216,7 +217,7 @@ class FileSamples:
         self.name = f"vision_files {self.what}"
 
         # The index of the whole dataset (both splits share it): its key holds everything a count depends on.
-        key = cache_key(
+        key = values_sha256(
             INDEX_VERSION,
             self.ds._fingerprint,
             tok.fingerprint,
