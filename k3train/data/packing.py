@@ -214,11 +214,12 @@ class PackedStream:
         return max(0, (self.epoch_len - 1) // self.seq_len)
 
 
-def batch_from_rows(ids: np.ndarray, is_bos: np.ndarray) -> dict[str, torch.Tensor]:
+def batch_from_rows(ids: np.ndarray, is_bos: np.ndarray, ignore: np.ndarray | None = None) -> dict[str, torch.Tensor]:
     """Rows given as windows [n_rows, seq_len + 1] of stream tokens (the last token of a row is the label of its last
-    input) and their BOS masks -> inputs, labels and cu_seqlens (vectorised; see the module docstring)."""
+    input) and their segment starts (BOS masks) -> inputs, labels and cu_seqlens (vectorised; see the module
+    docstring). A label is -100 where `ignore` [n_rows, seq_len] holds; by default where the next token is a BOS."""
     n_rows, L = ids.shape[0], ids.shape[1] - 1
-    labels = np.where(is_bos[:, 1:], IGNORE_INDEX, ids[:, 1:])
+    labels = np.where(is_bos[:, 1:] if ignore is None else ignore, IGNORE_INDEX, ids[:, 1:])
     seg_start = is_bos[:, :-1].copy()
     seg_start[:, 0] = True  # every row boundary is a segment boundary
     cu = np.append(np.flatnonzero(seg_start.reshape(-1)), n_rows * L)

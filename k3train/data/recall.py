@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from k3train.data.config import DataConfig
-from k3train.data.packing import IGNORE_INDEX, hash_uniform, mix64
+from k3train.data.packing import IGNORE_INDEX, batch_from_rows, hash_uniform, mix64
 from k3train.data.tokenizers import DataError
 
 EVAL_ROWS = 256
@@ -98,17 +98,11 @@ class RecallSource:
             [np.stack([keys, values], 2).reshape(n_rows, 2 * n), sep, np.stack([qk, qa], 2).reshape(n_rows, 2 * m)],
             axis=1,
         )
-        inputs = np.full((n_rows, L), self.pad_id, dtype=np.int64)
-        inputs[:, : self.example_len] = self.ids[sym]
-        labels = np.full((n_rows, L), IGNORE_INDEX, dtype=np.int64)
-        q_cols = 2 * n + 1 + 2 * np.arange(m)  # the query positions; their next token is the answer
-        labels[:, q_cols] = self.ids[qa]
-        cu = np.arange(0, n_rows * L + 1, L, dtype=np.int32)
-        return {
-            "input_ids": torch.from_numpy(inputs),
-            "labels": torch.from_numpy(labels),
-            "cu_seqlens": torch.from_numpy(cu),
-        }
+        ids = np.full((n_rows, L + 1), self.pad_id, dtype=np.int64)
+        ids[:, : self.example_len] = self.ids[sym]
+        ignore = np.ones((n_rows, L), dtype=bool)
+        ignore[:, 2 * n + 1 + 2 * np.arange(m)] = False  # the query positions; their next token is the answer
+        return batch_from_rows(ids, np.zeros((n_rows, L + 1), dtype=bool), ignore)  # one segment a row
 
 
 def recall_row_reference(keys, values, qpos, *, ids, pad_id: int, seq_len: int) -> tuple[list[int], list[int]]:

@@ -19,19 +19,22 @@ and the last (frame indices round(linspace(0, n - 1, k))), so it covers its whol
 frames beyond max_frames are cut into consecutive frame groups by the packer, each a clip of its own; every frame is
 resized as an image would be.
 
-Epochs: an index pass (k3train.data.vision_index) measures every sample's tokens in a row without decoding pixels:
+Epochs: an index pass (`Dataset.map` over the samples, cached_index) measures every sample's tokens in a row without decoding pixels:
 an image's size from its header (Pillow opens lazily), resized by fit_size as load_image would; a video's frame
 count and size from PyAV's stream metadata (the container header's frame count; when it gives none, 0, the
-stream is decoded once, frames dropped as they come), sampled to max_frames; the caption by the tokenizer. It is
-cached by the dataset's fingerprint, the tokenizer, the columns, the tower's patch, merge, max_image_side and
+stream is decoded once, frames dropped as they come), sampled to max_frames; the caption by the tokenizer. datasets
+caches it beside the dataset under a fingerprint of the dataset's own, the tokenizer, the columns, the tower's patch, merge, max_image_side and
 max_frames, data.image_max_pixels and data.seq_len; one process builds it under a file lock, the others (every rank,
 a second run) read it. Samples that cannot be used (an unreadable header, a missing file, a video without frames,
 an empty caption, over the pixel limit, longer than a row) are met there: BadSample naming the file and row
 (data.on_bad_sample=fail), or left out of every epoch and counted once in `data/skipped_samples` (skip).
 Epoch e of the train split visits each of its good samples once, in a permutation seeded by (data.seed, e), packed
 greedily into rows (consecutive samples while they fit in seq_len + 1 tokens; the one that does not starts the next
-row; the epoch's last row is padded), so row g is a function of (data.seed, split, g) and the index: any number
-of data-parallel ranks and a resume read the same rows. `data/epoch` gives the epochs read (fractional). A
+row; the epoch's last row is padded). So the rows of epoch e, R_e, depend on e, and global row g is row
+g - (R_0 + ... + R_{e-1}) of the epoch e that holds it, a function of (data.seed, split, g) and the index: any number
+of data-parallel ranks and a resume read the same rows. An epoch's packing is computed on demand (a permutation, then
+one searchsorted per row over the prefix sums of the token counts); reading row g after a resume packs every epoch
+before it once, to count its rows. `data/epoch` gives the epochs read (fractional). A
 resume onto data whose index differs (another count of good samples, other token counts) is refused. The eval
 split packs its samples once, in the order seeded by (data.seed, 0), and a pass is the first min(64, rows) rows of
 it. The split is fixed by a hash of each sample's position in the dataset (files in sorted order):
@@ -51,19 +54,21 @@ fail so is a DataError.
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
 import os
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
 from k3train.data.config import VISION_FORMATS
-from k3train.data.datasets import expand_path, load_files
+from k3train.data.datasets import expand_path, load_files, progress_bars
 from k3train.data.packing import cache_lock, split_indices, text_hash
 from k3train.data.tokenizers import DataError
-from k3train.data.vision_corpus import EVAL_ROWS, BadSample, Fetch, fit_size, image_pixels, load_image, open_image
-from k3train.data.vision_index import INDEX_VERSION, EpochPacking, cached_index
+from k3train.data.vision_corpus import EVAL_ROWS, BadSample, Fetch, fit_size, image_pixels, load_image
+from k3train.data.vision_corpus import open_image, visual_tokens
 from k3train.digest import values_sha256
 
 _EXT_FORMAT = {".parquet": "parquet", ".pq": "parquet", ".tar": "webdataset"}
@@ -174,6 +179,128 @@ def _media(value) -> tuple[bytes | None, str | None]:
     return None, None
 
 
+INDEX_VERSION = "vision-index-v1"
+
+
+@dataclass(kw_only=True)
+class SampleIndex:
+    """Token counts of a dataset's samples and the unusable ones."""
+
+    tokens: np.ndarray
+    """int64 [n]: tokens of sample i in a row; 0 for an unusable sample."""
+    visual: np.ndarray
+    """int64 [n]: visual tokens of sample i (frames x patches / merge^2); 0 for an unusable sample."""
+    bad: np.ndarray
+    """int64: indices of the unusable samples, ascending."""
+    reasons: np.ndarray
+    """str: the BadSample message of each of `bad`."""
+
+    def fingerprint(self) -> str:
+        """A hash of the counts: what the rows' layout depends on (a resume onto another index is refused)."""
+        h = hashlib.sha256(INDEX_VERSION.encode())
+        h.update(self.tokens.astype("<i8").tobytes())
+        h.update(self.bad.astype("<i8").tobytes())
+        return h.hexdigest()[:32]
+
+
+Measure = Callable[[int], tuple[int, int]]
+"""Measures dataset sample i: (tokens in a row, visual tokens); BadSample naming it when it cannot be used."""
+
+
+def cached_index(ds, key: str, measure: Measure, *, fail: bool, progress: bool, desc: str) -> SampleIndex:
+    """The index of dataset `ds` under the fingerprint `key`: `Dataset.map` measures every sample (a progress bar
+    when `progress`) and keeps the result in the dataset's Arrow cache, which the next process (waiting on the key's
+    file lock) or run reads. With `fail` the first BadSample is raised, met now or found in the cache."""
+
+    def measured(i: int) -> dict:
+        try:
+            tokens, visual = measure(i)
+        except BadSample as e:
+            if fail:
+                raise
+            return {"tokens": 0, "visual": 0, "reason": str(e)}
+        return {"tokens": tokens, "visual": visual, "reason": ""}
+
+    with cache_lock("vision-index-" + key), progress_bars(progress):
+        out = ds.map(
+            measured,
+            input_columns=[],
+            with_indices=True,
+            remove_columns=ds.column_names,
+            new_fingerprint=key,
+            desc=desc,
+        )
+    reasons = np.array(out["reason"], dtype=str)
+    bad = np.flatnonzero(reasons != "")
+    tokens, visual = (np.asarray(out[c], dtype=np.int64) for c in ("tokens", "visual"))
+    if fail and len(bad):
+        raise BadSample(str(reasons[bad[0]]))
+    return SampleIndex(tokens=tokens, visual=visual, bad=bad, reasons=reasons[bad])
+
+
+class EpochPacking:
+    """Rows of epochs over samples with token counts `lengths` (see the module docstring): `locate(g)` gives
+    (epoch, row in the epoch) of global row g, `row(g)` the positions into `lengths` of its samples."""
+
+    def __init__(self, lengths: np.ndarray, *, seq_len: int, seed: int, shuffle_each_epoch: bool = True):
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        if len(self.lengths) == 0:
+            raise DataError("no samples to pack")
+        if int(self.lengths.max()) > seq_len + 1 or int(self.lengths.min()) <= 0:
+            raise DataError(
+                f"samples of {int(self.lengths.min())}..{int(self.lengths.max())} tokens cannot all be "
+                f"packed into rows of {seq_len + 1}"
+            )
+        self.seq_len, self.seed, self.shuffle_each_epoch = seq_len, seed, shuffle_each_epoch
+        self._packed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._first_rows = [0]  # first global row of epochs 0, 1, ...: grows as epochs are packed
+
+    def epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """(order: positions into lengths in epoch e's order, row_starts: int64 [R_e + 1] offsets into order)."""
+        key = e if self.shuffle_each_epoch else 0
+        if key not in self._packed:
+            order = np.random.default_rng([self.seed, key]).permutation(len(self.lengths))
+            ends = np.cumsum(self.lengths[order])  # ends[j]: tokens of samples order[0..j]
+            starts = [0]
+            done = 0  # tokens before the current row
+            while starts[-1] < len(order):  # one searchsorted per row: the furthest sample that still fits
+                nxt = int(np.searchsorted(ends, done + self.seq_len + 1, side="right"))
+                starts.append(nxt)
+                done = int(ends[nxt - 1])
+            if len(self._packed) >= 2:
+                self._packed.pop(next(iter(self._packed)))
+            self._packed[key] = (order, np.array(starts, dtype=np.int64))
+        return self._packed[key]
+
+    def rows_in(self, e: int) -> int:
+        return len(self.epoch(e)[1]) - 1
+
+    def first_row(self, e: int) -> int:
+        """Global index of epoch e's first row (packs the epochs before it once, to count their rows)."""
+        while len(self._first_rows) <= e:
+            k = len(self._first_rows) - 1
+            self._first_rows.append(self._first_rows[k] + self.rows_in(k))
+        return self._first_rows[e]
+
+    def locate(self, g: int) -> tuple[int, int]:
+        """(epoch, row within it) of global row g."""
+        e = max(0, int(np.searchsorted(self._first_rows, g, side="right")) - 1)
+        while self.first_row(e + 1) <= g:
+            e += 1
+        return e, g - self._first_rows[e]
+
+    def row(self, g: int) -> np.ndarray:
+        """Positions into lengths of global row g's samples, in row order."""
+        e, r = self.locate(g)
+        order, starts = self.epoch(e)
+        return order[starts[r] : starts[r + 1]]
+
+    def epochs_done(self, rows: int) -> float:
+        """Epochs read by the first `rows` global rows, fractional within the current one."""
+        e, r = self.locate(rows)
+        return e + r / self.rows_in(e)
+
+
 class FileSamples:
     """The sample source of vision_files for one split (see the module docstring): `candidates(g)` gives the
     samples of global row g from the epochs' packing; `load(i)` reads sample i of the dataset and `measure(i)` its
@@ -231,8 +358,8 @@ class FileSamples:
             cfg.seq_len,
         )
         self.index = cached_index(
+            self.ds,
             key,
-            len(self.ds),
             self.measure,
             fail=cfg.on_bad_sample == "fail",
             progress=progress,
@@ -344,7 +471,7 @@ class FileSamples:
             n, w, h = video_header(self._read(value, name, whole=False), name, max_pixels=cfg.image_max_pixels)
             frames = min(n, self.video_frames)
         W, H = fit_size(w, h, self.unit, v.max_image_side)
-        visual = frames * (H // v.patch_size) * (W // v.patch_size) // v.merge**2
+        visual = visual_tokens(v, frames, H, W)
         tokens = 4 + visual + len(self.tok.encode(caption))  # BOS, image start, image end, EOS
         if tokens > cfg.seq_len + 1:
             raise BadSample(
@@ -357,8 +484,7 @@ class FileSamples:
         said (a video whose metadata misstates its frames), is a BadSample, remembered for the skip count."""
         try:
             px, caption = self.load(i)
-            v = self.vision
-            visual = px.shape[0] * (px.shape[2] // v.patch_size) * (px.shape[3] // v.patch_size) // v.merge**2
+            visual = visual_tokens(self.vision, px.shape[0], px.shape[2], px.shape[3])
             if visual != int(self.index.visual[i]):
                 raise BadSample(
                     f"sample {self.where(i)}: decoded to {px.shape[0]} frame(s) of {px.shape[3]}x"
