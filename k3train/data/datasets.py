@@ -28,7 +28,7 @@ import os
 import numpy as np
 
 from k3train.data.config import DataConfig, SourceConfig
-from k3train.data.packing import TokenizedDocs, cache_lock, cache_root, in_eval_split, text_hash, token_dtype
+from k3train.data.packing import TokenizedDocs, cache_lock, cache_root, hash_uniform, text_hash
 from k3train.data.tokenizers import DataError, build_tokenizer
 from k3train.digest import values_sha256
 
@@ -167,7 +167,8 @@ class Tokenize:
         hashes = np.array([text_hash(t) for t in texts], dtype=np.uint64)
         if self.keep is not None:
             split, fraction = self.keep
-            mask = in_eval_split(hashes, fraction) == (split == "eval")
+            # one document at a time: no corpus-wide fallbacks, unlike TokenizedDocs.split_ids
+            mask = (hash_uniform(hashes) < fraction) == (split == "eval")
             texts, hashes = [t for t, m in zip(texts, mask) if m], hashes[mask]
         return texts, hashes
 
@@ -248,7 +249,7 @@ def _docs_from_arrow(ds, tok) -> TokenizedDocs:
     lengths = np.concatenate([pc.list_value_length(c).to_numpy(zero_copy_only=False) for c in ids.chunks])
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    dtype = token_dtype(tok.vocab_size)
+    dtype = np.dtype(np.uint16) if tok.vocab_size <= 1 << 16 else np.dtype(np.uint32)
     tokens = np.concatenate(
         [pc.list_flatten(c).to_numpy(zero_copy_only=False).astype(dtype) for c in ids.chunks]
         + [np.zeros(0, dtype=dtype)]

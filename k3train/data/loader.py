@@ -99,11 +99,9 @@ class MicroBatchLoader:
         """Tokens drawn from each source of a mixture by all ranks so far (`data/tokens/<name>`); the image-text
         source's skipped samples (`data/skipped_samples`) and, reading files, the epochs read (`data/epoch`); {}
         otherwise."""
-        if isinstance(self.source, VisionRows):
-            return self.source.metrics(self._k * self.global_batch_rows)
-        if not isinstance(self.source, MixedRows) or len(self.source.names) < 2:
-            return {}
-        return self.source.metrics(self._k * self.global_batch_rows)
+        rows = self._k * self.global_batch_rows
+        mixture = isinstance(self.source, MixedRows) and len(self.source.names) > 1
+        return self.source.metrics(rows) if mixture or isinstance(self.source, VisionRows) else {}
 
     def load_state_dict(self, sd: dict) -> None:
         for key, value in self._tag.items():

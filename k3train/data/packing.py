@@ -83,18 +83,9 @@ def hash_uniform(doc_hash: np.ndarray) -> np.ndarray:
     return (np.asarray(doc_hash, dtype=np.uint64) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
-def in_eval_split(doc_hash: np.ndarray, eval_fraction: float) -> np.ndarray:
-    """The eval side of the split of a stream, one document at a time (no corpus-wide fallbacks, unlike split_ids)."""
-    return hash_uniform(doc_hash) < eval_fraction
-
-
 def text_hash(text: str) -> int:
     """64-bit content hash of a document (stable across processes and machines, unlike hash())."""
     return int.from_bytes(hashlib.sha1(text.encode("utf-8", errors="surrogatepass")).digest()[:8], "little")
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
 def mix64(x: np.ndarray) -> np.ndarray:

@@ -11,7 +11,6 @@ Nothing here downloads: the 'hf' and 'tiktoken' tokenizers read a file named by 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from typing import Sequence
@@ -19,15 +18,11 @@ from typing import Sequence
 import numpy as np
 
 from k3train.data.config import DataConfig
-from k3train.digest import file_sha256
+from k3train.digest import file_sha256, values_sha256
 
 
 class DataError(ValueError):
     """Bad data configuration or input: the message names the file, field or setting at fault."""
-
-
-def cache_text(value) -> str:
-    return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
 
 
 def _require_file(path: str, what: str) -> str:
@@ -171,7 +166,7 @@ class HFTokenizer:
         self.bos_id, self.eos_id, self.pad_id = (self.special_ids[r] for r in ("bos", "eos", "pad"))
         # Ids need not be contiguous in a hand-written file, so size the vocabulary by the largest id.
         self.vocab_size = max(vocab.values()) + 1
-        self.fingerprint = f"hf-{file_sha256(path)}-{cache_text(sorted(self.special_ids.items()))}"
+        self.fingerprint = f"hf-{file_sha256(path)}-{values_sha256(sorted(self.special_ids.items()), length=16)}"
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -220,7 +215,7 @@ class TiktokenTokenizer:
             )
         except ValueError as e:  # the regex engine rejects the pattern
             raise DataError(f"tiktoken cannot use data.tiktoken_pattern {pattern!r}: {e}") from e
-        self.fingerprint = f"tiktoken-{digest}-{hashlib.sha256(pattern.encode()).hexdigest()[:16]}"
+        self.fingerprint = f"tiktoken-{digest}-{values_sha256(pattern, length=16)}"
 
     def encode(self, text: str) -> list[int]:
         # encode_ordinary: special-token spellings inside documents are plain text, never control ids.

@@ -107,9 +107,10 @@ def open_image(src: bytes | str, name: str, *, max_pixels: int):
     return img
 
 
-def load_image(data: bytes, name: str, *, unit: int, max_side: int, max_pixels: int) -> torch.Tensor:
-    """Encoded image bytes -> float32 [3, H, W] in [-1, 1], resized by fit_size; BadSample naming `name`."""
-    img = open_image(data, name, max_pixels=max_pixels)
+def load_image(src: bytes | str, name: str, *, unit: int, max_side: int, max_pixels: int) -> torch.Tensor:
+    """An image (encoded bytes or a file path) -> float32 [3, H, W] in [-1, 1], resized by fit_size; BadSample naming
+    `name`."""
+    img = open_image(src, name, max_pixels=max_pixels)
     try:
         img = img.convert("RGB")
     except (OSError, ValueError) as e:  # a truncated or corrupt body shows when the pixels are decoded

@@ -53,6 +53,7 @@ fail so is a DataError.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -92,7 +93,7 @@ def vision_files(paths: list[str], fmt: str) -> tuple[list[str], str]:
         hits = expand_path(p)
         if os.path.isdir(p):
             kinds.setdefault("imagefolder", p)
-        if not os.path.isdir(p):
+        else:
             for h in hits:
                 kinds.setdefault(_EXT_FORMAT.get(os.path.splitext(h)[1].lower(), "imagefolder"), h)
         files += hits
@@ -111,34 +112,38 @@ def evenly_spaced(n: int, k: int) -> np.ndarray:
     return np.linspace(0, n - 1, min(n, k)).round().astype(np.int64)
 
 
-def video_header(src: bytes | str, name: str, *, max_pixels: int) -> tuple[int, int, int]:
-    """(frames, width, height) of a video (encoded bytes or a file path) without converting frames: the frame count
-    from the container's header, or, when the header does not say (0), by decoding the stream once; BadSample naming
-    `name` (no video stream, frames over max_pixels, no frames, unreadable)."""
+@contextlib.contextmanager
+def open_video(src: bytes | str, name: str):
+    """A PyAV container of a video (encoded bytes or a file path); PyAV's errors in the block are BadSample naming
+    `name`."""
     import av
 
-    def open_video():
-        return av.open(io.BytesIO(src) if isinstance(src, bytes) else src)
-
     try:
-        with open_video() as container:
-            if not container.streams.video:
-                raise BadSample(f"sample {name}: no video stream in the video")
-            stream = container.streams.video[0]
-            w, h = stream.codec_context.width, stream.codec_context.height
-            if w * h > max_pixels:
-                raise BadSample(
-                    f"sample {name}: video frames {w}x{h} have {w * h:,} pixels, over "
-                    f"data.image_max_pixels={max_pixels:,}"
-                )
-            n = stream.frames  # from the container's header; 0 when it does not say
-        if n <= 0:
-            with open_video() as container:
-                n = sum(1 for _ in container.decode(video=0))  # a loop over frames, each dropped as decoded
+        with av.open(io.BytesIO(src) if isinstance(src, bytes) else src) as container:
+            yield container
     except BadSample:
         raise
     except (av.error.FFmpegError, OSError, ValueError, EOFError, IndexError) as e:
         raise BadSample(f"sample {name}: cannot read the video ({type(e).__name__}: {e})") from None
+
+
+def video_header(src: bytes | str, name: str, *, max_pixels: int) -> tuple[int, int, int]:
+    """(frames, width, height) of a video (encoded bytes or a file path) without converting frames: the frame count
+    from the container's header, or, when the header does not say (0), by decoding the stream once; BadSample naming
+    `name` (no video stream, frames over max_pixels, no frames, unreadable)."""
+    with open_video(src, name) as container:
+        if not container.streams.video:
+            raise BadSample(f"sample {name}: no video stream in the video")
+        stream = container.streams.video[0]
+        w, h = stream.codec_context.width, stream.codec_context.height
+        if w * h > max_pixels:
+            raise BadSample(
+                f"sample {name}: video frames {w}x{h} have {w * h:,} pixels, over data.image_max_pixels={max_pixels:,}"
+            )
+        n = stream.frames  # from the container's header; 0 when it does not say
+    if n <= 0:
+        with open_video(src, name) as container:
+            n = sum(1 for _ in container.decode(video=0))  # a loop over frames, each dropped as decoded
     if n == 0:
         raise BadSample(f"sample {name}: the video has no frames")
     return n, w, h
@@ -149,20 +154,15 @@ def decode_video(
 ) -> torch.Tensor:
     """A video (encoded bytes or a file path) -> float32 [T, 3, H, W] in [-1, 1], T = min(frames, max_frames) evenly
     spaced frames (see the module docstring), each resized by fit_size; BadSample naming `name`."""
-    import av
-
     n, w, h = video_header(src, name, max_pixels=max_pixels)
     keep = set(evenly_spaced(n, max_frames).tolist())
     frames: list[torch.Tensor] = []
-    try:
-        with av.open(io.BytesIO(src) if isinstance(src, bytes) else src) as container:
-            for k, frame in enumerate(container.decode(video=0)):  # a loop over frames, converting the kept ones
-                if k in keep:
-                    frames.append(image_pixels(frame.to_image(width=w, height=h), unit=unit, max_side=max_side))
-                    if len(frames) == len(keep):
-                        break
-    except (av.error.FFmpegError, OSError, ValueError, EOFError, IndexError) as e:
-        raise BadSample(f"sample {name}: cannot read the video ({type(e).__name__}: {e})") from None
+    with open_video(src, name) as container:
+        for k, frame in enumerate(container.decode(video=0)):  # a loop over frames, converting the kept ones
+            if k in keep:
+                frames.append(image_pixels(frame.to_image(width=w, height=h), unit=unit, max_side=max_side))
+                if len(frames) == len(keep):
+                    break
     if not frames:
         raise BadSample(f"sample {name}: the video has no frames")
     return torch.stack(frames)
@@ -317,13 +317,12 @@ class FileSamples:
         self.what = f"{self.format} data {shown!r}"
         with cache_lock("vision-" + values_sha256(self.files)):  # one process per machine writes the Arrow cache
             ds = load_files(self.files, self.format, streaming=False, progress=progress)
-        for key, column in (
-            ("data.image_field", cfg.image_field),
-            ("data.video_field", cfg.video_field),
-            ("data.text_field", cfg.text_field),
-        ):
+        for key in ("image_field", "video_field", "text_field"):
+            column = getattr(cfg, key)
             if column and column not in ds.column_names:
-                raise DataError(f"{key}={column!r} is not a column of {self.what}; it has {sorted(ds.column_names)}")
+                raise DataError(
+                    f"data.{key}={column!r} is not a column of {self.what}; it has {sorted(ds.column_names)}"
+                )
         self.fields = [c for c in (cfg.image_field, cfg.video_field) if c]
         for column in self.fields:  # left encoded: load_image checks the pixel limit before decoding, PyAV decodes
             feature = ds.features[column]
@@ -344,26 +343,13 @@ class FileSamples:
         self.name = f"vision_files {self.what}"
 
         # The index of the whole dataset (both splits share it): its key holds everything a count depends on.
+        sizes = (vision.patch_size, vision.merge, vision.max_image_side, self.video_frames, cfg.image_max_pixels)
         key = values_sha256(
-            INDEX_VERSION,
-            self.ds._fingerprint,
-            tok.fingerprint,
-            self.fields,
-            cfg.text_field,
-            vision.patch_size,
-            vision.merge,
-            vision.max_image_side,
-            self.video_frames,
-            cfg.image_max_pixels,
-            cfg.seq_len,
+            INDEX_VERSION, self.ds._fingerprint, tok.fingerprint, self.fields, cfg.text_field, *sizes, cfg.seq_len
         )
+        fail = cfg.on_bad_sample == "fail"
         self.index = cached_index(
-            self.ds,
-            key,
-            self.measure,
-            fail=cfg.on_bad_sample == "fail",
-            progress=progress,
-            desc=f"indexing {self.what}",
+            self.ds, key, self.measure, fail=fail, progress=progress, desc=f"indexing {self.what}"
         )
         usable = np.ones(len(self.ds), dtype=bool)
         usable[self.index.bad] = False
@@ -395,26 +381,9 @@ class FileSamples:
         for i in self.good[self.packing.row(g)].tolist():
             yield self.where(i), functools.partial(self.load_measured, i)
 
-    def _read(self, value, name: str, *, whole: bool = True) -> bytes | str | None:
-        """A media cell's bytes, or (whole=False: a file PyAV or Pillow opens itself) its checked file path."""
-        data, path = _media(value)
-        if data is not None:
-            return data
-        if path is None:
-            return None
-        if not whole:
-            if not os.path.isfile(path):
-                raise BadSample(f"sample {name}: cannot read {path!r} (No such file or directory)")
-            return path
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except OSError as e:
-            raise BadSample(f"sample {name}: cannot read {path!r} ({e.strerror or e})") from None
-
-    def _sample(self, i: int) -> tuple[str, str, str, object]:
-        """(name, caption, 'image' or 'video', media cell) of dataset sample i; BadSample for a missing caption or
-        media, or both an image and a video."""
+    def _sample(self, i: int) -> tuple[str, str, str, bytes | str]:
+        """(name, caption, 'image' or 'video', the media's bytes or file path) of dataset sample i; BadSample for a
+        missing caption, media or file, or both an image and a video."""
         cfg = self.cfg
         row = self.ds[i]
         name = self.where(i, row)
@@ -431,44 +400,34 @@ class FileSamples:
                 f"sample {name}: holds an image ({cfg.image_field!r}) and a video ({cfg.video_field!r}); "
                 f"a sample is one of them"
             )
-        if image is not None and _media(image) != (None, None):
-            return name, caption, "image", image
-        if video is not None and _media(video) != (None, None):
-            return name, caption, "video", video
+        for kind, (data, path) in (("image", _media(image)), ("video", _media(video))):
+            if data is not None:
+                return name, caption, kind, data
+            if path is not None:  # a file that Pillow or PyAV opens itself
+                if not os.path.isfile(path):
+                    raise BadSample(f"sample {name}: cannot read {path!r} (No such file or directory)")
+                return name, caption, kind, path
         raise BadSample(f"sample {name}: no image or video (columns {self.fields} are empty)")
 
     def load(self, i: int) -> tuple[torch.Tensor, str]:
         """(pixels [T, 3, H, W], caption) of dataset sample i; BadSample naming its file and row."""
-        cfg, v = self.cfg, self.vision
-        name, caption, kind, value = self._sample(i)
+        name, caption, kind, src = self._sample(i)
+        kw = {"unit": self.unit, "max_side": self.vision.max_image_side, "max_pixels": self.cfg.image_max_pixels}
         if kind == "image":
-            return load_image(
-                self._read(value, name),
-                name,
-                unit=self.unit,
-                max_side=v.max_image_side,
-                max_pixels=cfg.image_max_pixels,
-            )[None], caption
-        return decode_video(
-            self._read(value, name, whole=False),
-            name,
-            max_frames=self.video_frames,
-            unit=self.unit,
-            max_side=v.max_image_side,
-            max_pixels=cfg.image_max_pixels,
-        ), caption
+            return load_image(src, name, **kw)[None], caption
+        return decode_video(src, name, max_frames=self.video_frames, **kw), caption
 
     def measure(self, i: int) -> tuple[int, int]:
         """(tokens in a row, visual tokens) of dataset sample i from the image's header or the video's metadata
         (see video_header) and the caption's tokens, decoding no pixels; BadSample naming its file and row."""
         cfg, v = self.cfg, self.vision
-        name, caption, kind, value = self._sample(i)
+        name, caption, kind, src = self._sample(i)
         if kind == "image":
-            img = open_image(self._read(value, name, whole=False), name, max_pixels=cfg.image_max_pixels)
+            img = open_image(src, name, max_pixels=cfg.image_max_pixels)
             frames, (w, h) = 1, img.size
             img.close()
         else:
-            n, w, h = video_header(self._read(value, name, whole=False), name, max_pixels=cfg.image_max_pixels)
+            n, w, h = video_header(src, name, max_pixels=cfg.image_max_pixels)
             frames = min(n, self.video_frames)
         W, H = fit_size(w, h, self.unit, v.max_image_side)
         visual = visual_tokens(v, frames, H, W)
