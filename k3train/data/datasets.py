@@ -28,7 +28,8 @@ import os
 import numpy as np
 
 from k3train.data.config import DataConfig, SourceConfig
-from k3train.data.packing import TokenizedDocs, cache_lock, cache_root, hash_uniform, text_hash
+from k3train.data import packing
+from k3train.data.packing import TokenizedDocs, cache_lock, cache_root, check_vocab, hash_uniform, text_hash
 from k3train.data.tokenizers import DataError, build_tokenizer
 from k3train.digest import values_sha256
 
@@ -264,32 +265,37 @@ def build_file_corpus(cfg: DataConfig, tok, *, progress: bool = True) -> Tokeniz
 
 
 class DocStream:
-    """One source's documents on one data-parallel rank as a stream of tokenized batches (see the module docstring).
+    """One source's documents on one data-parallel rank (see the module docstring), read forwards as the same
+    [BOS] doc [EOS] stream and row cut as k3train.data.packing.PackedStream, in the stream's document order.
 
-    `next_batch()` returns (the position before the batch, its documents' token ids); a position is
-    {"epoch", "hf": the IterableDataset's state_dict} and `seek(position)` goes back to it. At the end of the data the
-    next epoch starts over in the same order."""
+    Documents come a batch at a time, tokenized; the batches that the unread part of the stream overlaps are
+    buffered. A position is {"epoch", "hf": the IterableDataset's state_dict}; the state is the position of the first
+    buffered batch and the offset of the next row in it (small JSON whatever the buffer holds: the batch is read and
+    tokenized again on resume). At the end of the data the next epoch starts over in the same order."""
 
-    def __init__(
-        self, cfg: DataConfig, src: SourceConfig, *, split: str, dp_rank: int, dp_world: int, batch_docs: int = 64
-    ):
+    batch_docs = 64
+    """Documents read and tokenized at a time."""
+
+    def __init__(self, cfg: DataConfig, src: SourceConfig, tok, *, split: str, dp_rank: int, dp_world: int, vocab_size):
         from datasets.distributed import split_dataset_by_node
 
         files, fmt = source_files(src)
         self.what = f"data source {src.name!r} ({files[0]}{' ...' if len(files) > 1 else ''})"
         ds = load_files(files, fmt, streaming=True, progress=False)
         self.ds = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_world) if dp_world > 1 else ds
-        self.split, self.batch_docs = split, batch_docs
+        self.split, self.seq_len, self.vocab_size = split, cfg.seq_len, vocab_size
+        self.bos_id, self.eos_id = tok.bos_id, tok.eos_id
         self.fn = Tokenize(cfg, _column(src, fmt), self.what, keep=(split, cfg.eval_fraction))
         self._start = self.ds.state_dict()
-        self.seek({"epoch": 0, "hf": self._start})
+        self.restart()
 
-    def seek(self, position: dict) -> None:
+    def _seek(self, position: dict) -> None:
         self.epoch = int(position["epoch"])
         self.ds.load_state_dict(position["hf"])
         self._it = iter(self.ds)
 
-    def next_batch(self) -> tuple[dict, list[np.ndarray]]:
+    def _next_docs(self) -> tuple[dict, list[np.ndarray]]:
+        """(the position before the next batch of documents, their token ids)."""
         for attempt in range(2):
             position = {"epoch": self.epoch, "hf": self.ds.state_dict()}
             while True:
@@ -300,8 +306,46 @@ class DocStream:
                 if out["ids"]:
                     return position, out["ids"]
                 position = {"epoch": self.epoch, "hf": self.ds.state_dict()}  # a batch of blank documents only
-            self.seek({"epoch": self.epoch + 1, "hf": self._start})
+            self._seek({"epoch": self.epoch + 1, "hf": self._start})
         raise DataError(
             f"no {self.split} documents in {self.what} on this rank's shard of the stream "
             f"(data.eval_fraction={self.fn.keep[1]}; empty, blank or all in the other split)"
         )
+
+    def _pull(self) -> None:
+        position, docs = self._next_docs()
+        pieces = [np.concatenate(([self.bos_id], np.asarray(d, dtype=np.int64), [self.eos_id])) for d in docs]
+        ids = np.concatenate(pieces)
+        is_bos = np.zeros(len(ids), dtype=bool)
+        is_bos[np.cumsum([0] + [len(p) for p in pieces[:-1]])] = True
+        check_vocab(ids, None, self.vocab_size, self.what)
+        if not self._batches:
+            self._first_position = position
+        self._batches.append((position, ids, is_bos))
+
+    def take(self, first_row: int, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """The next n_rows rows as [n_rows, seq_len + 1] ids and BOS masks (read forwards: those are the source's
+        rows first_row, first_row + 1, ... when every row is taken once, in order)."""
+        need = self._offset + n_rows * self.seq_len + 1
+        while sum(len(b[1]) for b in self._batches) < need:
+            self._pull()
+        ids = np.concatenate([b[1] for b in self._batches])[self._offset : need]
+        is_bos = np.concatenate([b[2] for b in self._batches])[self._offset : need]
+        self._offset += n_rows * self.seq_len
+        # Drop batches wholly read; the last one always holds the next row's first token (need > offset).
+        while len(self._batches[0][1]) <= self._offset:
+            self._offset -= len(self._batches.pop(0)[1])
+            self._first_position = self._batches[0][0]
+        return packing.overlapping_rows(ids, is_bos, n_rows, self.seq_len)
+
+    def state_dict(self) -> dict:
+        return {"position": self._first_position, "offset": int(self._offset)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._batches: list[tuple[dict, np.ndarray, np.ndarray]] = []  # (position before it, ids, is_bos)
+        self._first_position = sd["position"]
+        self._offset = int(sd["offset"])  # next row's first token, counted from the first buffered batch's start
+        self._seek(sd["position"])
+
+    def restart(self) -> None:
+        self.load_state_dict({"position": {"epoch": 0, "hf": self._start}, "offset": 0})

@@ -38,7 +38,7 @@ import torch
 from k3train.data.builtin_corpus import build_builtin_corpus
 from k3train.data.config import VISION_SOURCES, DataConfig
 from k3train.data.datasets import DocStream, build_source_docs
-from k3train.data.packing import PackedStream, StreamPacker, batch_from_rows, check_vocab, hash_uniform, mix64
+from k3train.data.packing import PackedStream, batch_from_rows, check_vocab, hash_uniform, mix64
 from k3train.data.recall import EVAL_ROWS, RecallSource
 from k3train.data.tokenizers import DataError
 from k3train.data.vision_corpus import VisionRows
@@ -51,17 +51,9 @@ class MicroBatchLoader:
     state_dict/load_state_dict save and restore). Eval: `num_batches` micro-batches, every `iter()` from the start."""
 
     def __init__(
-        self,
-        source,
-        *,
-        split: str,
-        micro_batch: int,
-        dp_rank: int,
-        dp_world: int,
-        num_batches: int | None,
-        state_tag: dict,
+        self, source, *, micro_batch: int, dp_rank: int, dp_world: int, num_batches: int | None, state_tag: dict
     ):
-        self.source, self.split = source, split
+        self.source = source
         self.micro_batch, self.dp_rank, self.dp_world = micro_batch, dp_rank, dp_world
         self.num_batches = num_batches
         self.global_batch_rows = micro_batch * dp_world
@@ -132,13 +124,13 @@ def row_sources(seed: int, first: int, n: int, cum_weights: np.ndarray) -> np.nd
 
 class MixedRows:
     """Rows of one or more sources (see the module docstring): `parts` are PackedStreams (random access) or
-    StreamPackers (this rank's streams, read forwards)."""
+    DocStreams (this rank's streams, read forwards)."""
 
     def __init__(self, parts: list, *, names: list[str], weights: list[float], seq_len: int, seed: int):
         self.parts, self.names, self.seq_len, self.seed = parts, names, seq_len, seed
         w = np.asarray(weights, dtype=np.float64)
         self.cum = np.cumsum(w / w.sum())[:-1]  # boundaries between sources in [0, 1)
-        self.streaming = isinstance(parts[0], StreamPacker)
+        self.streaming = isinstance(parts[0], DocStream)
         self._cursor, self._counts = 0, np.zeros(len(parts), dtype=np.int64)
 
     def _advance(self, to: int) -> None:
@@ -170,7 +162,8 @@ class MixedRows:
         return batch_from_rows(ids, is_bos)
 
     def rows_per_pass(self) -> int:
-        return sum(p.rows_per_pass() for p in self.parts)
+        """Rows of one pass over every source (streams: EVAL_ROWS, an eval pass)."""
+        return EVAL_ROWS if self.streaming else sum(p.rows_per_pass() for p in self.parts)
 
     def state_dict(self, global_rows: int) -> dict:
         self._advance(global_rows)
@@ -216,34 +209,24 @@ def build_dataloader(
     if progress is None:
         progress = dp_rank == 0
     tag = {"source": cfg.source, "split": split, "seq_len": cfg.seq_len, "seed": cfg.seed}
+    kw = dict(split=split, vocab_size=vocab_size)
     if cfg.source == "recall":
-        source, eval_rows = RecallSource(cfg, tok, split=split, vocab_size=vocab_size), lambda: EVAL_ROWS
+        source = RecallSource(cfg, tok, **kw)
     elif cfg.source in VISION_SOURCES:
-        source, eval_rows = _vision_source(
-            cfg, tok, split=split, vocab_size=vocab_size, progress=progress, vision=vision, tag=tag
-        )
+        source = _vision_source(cfg, tok, progress=progress, vision=vision, tag=tag, **kw)
     elif cfg.source == "files":
-        source, eval_rows = _file_source(
-            cfg, tok, split=split, dp_rank=dp_rank, dp_world=dp_world, vocab_size=vocab_size, progress=progress, tag=tag
-        )
+        source = _file_source(cfg, tok, dp_rank=dp_rank, dp_world=dp_world, progress=progress, tag=tag, **kw)
     elif cfg.source == "builtin":
-        source, eval_rows = _builtin_source(cfg, tok, split=split, vocab_size=vocab_size, progress=progress, tag=tag)
+        source = _builtin_source(cfg, tok, progress=progress, tag=tag, **kw)
     else:
         raise DataError(
             f"unknown data.source {cfg.source!r}; expected 'builtin', 'files', 'recall', "
             f"'builtin_vision' or 'vision_files'"
         )
     # Eval reads one pass in whole global batches; a set smaller than one global batch is cycled to fill it.
-    n = None if split == "train" else max(1, eval_rows() // (cfg.micro_batch * dp_world))
-    return MicroBatchLoader(
-        source,
-        split=split,
-        micro_batch=cfg.micro_batch,
-        dp_rank=dp_rank,
-        dp_world=dp_world,
-        num_batches=n,
-        state_tag=tag,
-    )
+    n = None if split == "train" else max(1, source.rows_per_pass() // (cfg.micro_batch * dp_world))
+    kw = dict(micro_batch=cfg.micro_batch, dp_rank=dp_rank, dp_world=dp_world)
+    return MicroBatchLoader(source, num_batches=n, state_tag=tag, **kw)
 
 
 def _check_loader_args(cfg: DataConfig, split: str, dp_rank: int, dp_world: int) -> None:
@@ -258,7 +241,7 @@ def _check_loader_args(cfg: DataConfig, split: str, dp_rank: int, dp_world: int)
 
 
 def _vision_source(cfg: DataConfig, tok, *, split: str, vocab_size, progress: bool, vision, tag: dict):
-    """Image-text rows (builtin_vision: drawn samples; vision_files: files) and their rows per eval pass."""
+    """Image-text rows (builtin_vision: drawn samples; vision_files: files)."""
     if vision is None:
         raise DataError(f"data.source={cfg.source!r} needs a model with a vision tower (model.overrides.vision)")
     check_vocab(None, tok, vocab_size, "image-text data")
@@ -269,16 +252,15 @@ def _vision_source(cfg: DataConfig, tok, *, split: str, vocab_size, progress: bo
         samples = FileSamples(cfg, vision, tok, split=split, progress=progress)
         tag["samples"] = len(samples.good)  # a resume on other data (or another index of it) is refused
         tag["sample_index"] = samples.index.fingerprint()
-    source = VisionRows(cfg, tok, vision, split=split, samples=samples)
-    return source, source.rows_per_pass
+    return VisionRows(cfg, tok, vision, split=split, samples=samples)
 
 
 def _builtin_source(cfg: DataConfig, tok, *, split: str, vocab_size, progress: bool, tag: dict):
-    """The built-in corpus packed into rows, and its rows per pass."""
+    """The built-in corpus packed into rows."""
     docs = build_builtin_corpus(cfg, tok, progress=progress)
     stream = _packed_stream(cfg, tok, docs, split, vocab_size, "built-in corpus")
     tag.update(documents=len(stream.doc_ids), tokens_per_epoch=stream.epoch_len)
-    return stream, stream.rows_per_pass
+    return stream
 
 
 def _packed_stream(cfg: DataConfig, tok, docs, split: str, vocab_size, what: str) -> PackedStream:
@@ -292,8 +274,7 @@ def _packed_stream(cfg: DataConfig, tok, docs, split: str, vocab_size, what: str
 def _file_source(
     cfg: DataConfig, tok, *, split: str, dp_rank: int, dp_world: int, vocab_size: int | None, progress: bool, tag: dict
 ):
-    """source='files': data.paths (one source) or data.sources (a mixture), read whole or streamed; the rows and
-    their rows per eval pass."""
+    """source='files': data.paths (one source) or data.sources (a mixture), read whole or streamed, as rows."""
     if cfg.paths and cfg.sources:
         raise DataError("give data.paths (one source) or data.sources (a mixture), not both")
     sources = cfg.file_sources()
@@ -305,12 +286,9 @@ def _file_source(
         raise DataError(f"data.sources weights must be > 0, got {[s.weight for s in sources]}")
     if cfg.streaming:
         check_vocab(None, tok, vocab_size, "data files")  # the tokenizer itself; ids are checked as they come
-        kw = dict(bos_id=tok.bos_id, eos_id=tok.eos_id, seq_len=cfg.seq_len, vocab_size=vocab_size)
-        parts = [
-            StreamPacker(DocStream(cfg, s, split=split, dp_rank=dp_rank, dp_world=dp_world), **kw) for s in sources
-        ]
+        kw = dict(split=split, dp_rank=dp_rank, dp_world=dp_world, vocab_size=vocab_size)
+        parts = [DocStream(cfg, s, tok, **kw) for s in sources]
         tag.update(streaming=True, dp_world=dp_world, dp_rank=dp_rank, micro_batch=cfg.micro_batch)
-        eval_rows = lambda: EVAL_ROWS
     else:
         parts = []
         for s in sources:
@@ -318,11 +296,10 @@ def _file_source(
             parts.append(_packed_stream(cfg, tok, docs, split, vocab_size, f"data files {list(s.paths)}"))
         tag["documents"] = [len(p.doc_ids) for p in parts] if len(parts) > 1 else len(parts[0].doc_ids)
         tag["tokens_per_epoch"] = [p.epoch_len for p in parts] if len(parts) > 1 else parts[0].epoch_len
-        eval_rows = lambda: sum(p.rows_per_pass() for p in parts)
     if len(parts) == 1 and not cfg.streaming:
         source = parts[0]  # one source read whole: the packed stream itself, as for the built-in corpus
     else:
         source = MixedRows(parts, names=names, weights=[s.weight for s in sources], seq_len=cfg.seq_len, seed=cfg.seed)
         if len(parts) > 1:
             tag["sources"] = [[nm, float(s.weight)] for nm, s in zip(names, sources)]
-    return source, eval_rows
+    return source

@@ -227,69 +227,6 @@ def overlapping_rows(ids: np.ndarray, is_bos: np.ndarray, n_rows: int, seq_len: 
     return ids[idx], is_bos[idx]
 
 
-class StreamPacker:
-    """The packed stream of a DocStream (one source, one rank), read forwards only: the same [BOS] doc [EOS] stream
-    and row cut as PackedStream, in the stream's document order.
-
-    It buffers the token batches that the unread part of the stream overlaps; its state is the position of the first
-    buffered batch and the offset of the next row in it (small JSON whatever the buffer holds: the batch is read and
-    tokenized again on resume)."""
-
-    def __init__(self, stream, *, bos_id: int, eos_id: int, seq_len: int, vocab_size: int | None):
-        self.stream, self.bos_id, self.eos_id, self.seq_len = stream, bos_id, eos_id, seq_len
-        self.vocab_size = vocab_size
-        self.restart()
-
-    def _reset(self, position: dict | None, offset: int) -> None:
-        self._batches: list[tuple[dict, np.ndarray, np.ndarray]] = []  # (position before it, ids, is_bos)
-        self._first_position = position
-        self._offset = offset  # next row's first token, counted from the first buffered batch's start
-        self._pending_seek = position
-
-    def _pull(self) -> None:
-        if self._pending_seek is not None:
-            self.stream.seek(self._pending_seek)
-            self._pending_seek = None
-        position, docs = self.stream.next_batch()
-        lengths = np.array([len(d) for d in docs], dtype=np.int64) + 2
-        starts = np.zeros(len(docs), dtype=np.int64)
-        np.cumsum(lengths[:-1], out=starts[1:])
-        ids = np.empty(int(lengths.sum()), dtype=np.int64)
-        is_bos = np.zeros(len(ids), dtype=bool)
-        body = np.ones(len(ids), dtype=bool)
-        body[starts] = body[starts + lengths - 1] = False
-        ids[body] = np.concatenate([np.asarray(d, dtype=np.int64) for d in docs])
-        ids[starts], ids[starts + lengths - 1], is_bos[starts] = self.bos_id, self.eos_id, True
-        check_vocab(ids, None, self.vocab_size, self.stream.what)
-        if not self._batches:
-            self._first_position = position
-        self._batches.append((position, ids, is_bos))
-
-    def take(self, first_row: int, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """The next n_rows rows as [n_rows, seq_len + 1] ids and BOS masks (read forwards: those are the source's
-        rows first_row, first_row + 1, ... when every row is taken once, in order)."""
-        need = self._offset + n_rows * self.seq_len + 1
-        while sum(len(b[1]) for b in self._batches) < need:
-            self._pull()
-        ids = np.concatenate([b[1] for b in self._batches])[self._offset : need]
-        is_bos = np.concatenate([b[2] for b in self._batches])[self._offset : need]
-        self._offset += n_rows * self.seq_len
-        # Drop batches wholly read; the last one always holds the next row's first token (need > offset).
-        while len(self._batches[0][1]) <= self._offset:
-            self._offset -= len(self._batches.pop(0)[1])
-            self._first_position = self._batches[0][0]
-        return overlapping_rows(ids, is_bos, n_rows, self.seq_len)
-
-    def state_dict(self) -> dict:
-        return {"position": self._first_position, "offset": int(self._offset)}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self._reset(sd["position"], int(sd["offset"]))
-
-    def restart(self) -> None:
-        self._reset({"epoch": 0, "hf": self.stream._start}, 0)
-
-
 def pack_rows_reference(
     documents: list[list[int]], order: list[int], *, bos_id: int, eos_id: int, seq_len: int, first_row: int, n_rows: int
 ) -> dict[str, list]:

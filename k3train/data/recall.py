@@ -104,6 +104,10 @@ class RecallSource:
         ignore[:, 2 * n + 1 + 2 * np.arange(m)] = False  # the query positions; their next token is the answer
         return batch_from_rows(ids, np.zeros((n_rows, L + 1), dtype=bool), ignore)  # one segment a row
 
+    def rows_per_pass(self) -> int:
+        """Rows of an eval pass: the fixed eval set."""
+        return EVAL_ROWS
+
 
 def recall_row_reference(keys, values, qpos, *, ids, pad_id: int, seq_len: int) -> tuple[list[int], list[int]]:
     """Slow reference for one row from its draws: (input_ids, labels) as lists, built token by token."""

@@ -73,16 +73,19 @@ def check_tokenizer_vocab(tok, vocab_size: int) -> None:
         )
 
 
-class ByteTokenizer:
+class _Encoder:
+    def encode(self, text: str) -> list[int]:
+        """The token ids of one text (as encode_batch gives them)."""
+        return self.encode_batch([text])[0].tolist()
+
+
+class ByteTokenizer(_Encoder):
     """UTF-8 bytes as ids 0..255, then BOS=256, EOS=257, PAD=258, then the added tokens (vocab 259 + added)."""
 
     fingerprint = "byte-v1"
 
     def __init__(self, special_tokens: Sequence[str] = ()):
         _append_specials(self, 256, special_tokens)
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
@@ -131,7 +134,7 @@ def _hf_declared_specials(folder: str) -> tuple[dict[str, str], list[str]]:
     return roles, extra
 
 
-class HFTokenizer:
+class HFTokenizer(_Encoder):
     """A local `tokenizer.json` read with the `tokenizers` library.
 
     BOS/EOS/PAD: the spellings named by a tokenizer_config.json or special_tokens_map.json beside the file, else the
@@ -168,9 +171,6 @@ class HFTokenizer:
         self.vocab_size = max(vocab.values()) + 1
         self.fingerprint = f"hf-{file_sha256(path)}-{values_sha256(sorted(self.special_ids.items()), length=16)}"
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int64) for e in encs]
@@ -186,7 +186,7 @@ class HFTokenizer:
 TIKTOKEN_PATTERN = r""" ?\p{L}+(?:'\p{L}+)?| ?\p{N}{1,3}| ?[^\s\p{L}\p{N}]+|\n+|[^\S\n]+(?!\S)|[^\S\n]+"""
 
 
-class TiktokenTokenizer:
+class TiktokenTokenizer(_Encoder):
     """A local tiktoken BPE ranks file (`base64(token) rank` per line) with `pattern` (data.tiktoken_pattern, by
     default `TIKTOKEN_PATTERN`) as the split regex, exactly as `tiktoken.Encoding` encodes with them.
 
@@ -217,11 +217,8 @@ class TiktokenTokenizer:
             raise DataError(f"tiktoken cannot use data.tiktoken_pattern {pattern!r}: {e}") from e
         self.fingerprint = f"tiktoken-{digest}-{values_sha256(pattern, length=16)}"
 
-    def encode(self, text: str) -> list[int]:
-        # encode_ordinary: special-token spellings inside documents are plain text, never control ids.
-        return self._enc.encode_ordinary(text)
-
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        # encode_ordinary: special-token spellings inside documents are plain text, never control ids.
         return [np.asarray(ids, dtype=np.int64) for ids in self._enc.encode_ordinary_batch(list(texts))]
 
     def decode(self, ids: Sequence[int]) -> str:
