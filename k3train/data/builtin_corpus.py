@@ -79,16 +79,8 @@ def build_builtin_corpus(cfg: DataConfig, tok, *, progress: bool = True) -> Toke
     root = stdlib_dir()
     key = values_sha256("builtin-v2", sys.version_info[:3], root, files, tok.fingerprint)
     what = f"the built-in corpus under {root!r}"
+    empty, cache = f"{what} holds no readable UTF-8 documents", os.path.join(cache_root(), "tokens", f"{key}.arrow")
     with cache_lock(f"builtin-{key}"):  # one process tokenizes; the others wait here, then read its cache
         texts = datasets.Dataset.from_dict({"text": list(_read_texts(root, files))})
-        return tokenize_dataset(
-            cfg,
-            texts,
-            "text",
-            tok,
-            what,
-            f"{what} holds no readable UTF-8 documents",
-            desc="tokenizing built-in corpus",
-            progress=progress,
-            cache_file=os.path.join(cache_root(), "tokens", f"{key}.arrow"),
-        )
+        desc = "tokenizing built-in corpus"
+        return tokenize_dataset(cfg, texts, "text", tok, what, empty, progress, desc=desc, cache_file_name=cache)

@@ -152,7 +152,9 @@ class Tokenize:
         self.cfg, self.column, self.what, self.keep = cfg, column, what, keep
         self._tok = None
 
-    def texts(self, batch: dict) -> tuple[list[str], np.ndarray]:
+    def __call__(self, batch: dict) -> dict:
+        if self._tok is None:
+            self._tok = build_tokenizer(self.cfg)
         if self.column not in batch:
             raise DataError(
                 f"text field {self.column!r} (data.text_field) not found in {self.what}; it has {sorted(batch)}"
@@ -171,12 +173,6 @@ class Tokenize:
             # one document at a time: no corpus-wide fallbacks, unlike TokenizedDocs.split_ids
             mask = (hash_uniform(hashes) < fraction) == (split == "eval")
             texts, hashes = [t for t, m in zip(texts, mask) if m], hashes[mask]
-        return texts, hashes
-
-    def __call__(self, batch: dict) -> dict:
-        if self._tok is None:
-            self._tok = build_tokenizer(self.cfg)
-        texts, hashes = self.texts(batch)
         ids = [a.astype(np.int32) for a in self._tok.encode_batch(texts)] if texts else []
         return {"ids": ids, "hash": hashes}
 
@@ -198,26 +194,14 @@ def build_source_docs(cfg: DataConfig, src: SourceConfig, tok, *, progress: bool
             )
         shown = ", ".join(repr(f) for f in files[:5]) + (" ..." if len(files) > 5 else "")
         empty = f"no documents (all empty or blank) in data files {shown}"
-        desc = f"tokenizing {src.name or 'files'}"
-        return tokenize_dataset(cfg, ds, column, tok, what, empty, desc=desc, progress=progress, num_proc=cfg.num_proc)
+        kw = {"desc": f"tokenizing {src.name or 'files'}", "num_proc": cfg.num_proc if cfg.num_proc > 1 else None}
+        return tokenize_dataset(cfg, ds, column, tok, what, empty, progress, **kw)
 
 
-def tokenize_dataset(
-    cfg: DataConfig,
-    ds,
-    column: str,
-    tok,
-    what: str,
-    empty: str,
-    *,
-    desc: str,
-    progress: bool,
-    num_proc: int = 1,
-    cache_file: str | None = None,
-) -> TokenizedDocs:
-    """The texts of `column` of an Arrow Dataset tokenized with `Dataset.map` (Tokenize), whose result datasets
-    caches under our fingerprint (or in `cache_file`, for a dataset held in memory), as TokenizedDocs; DataError
-    `empty` when no document is left."""
+def tokenize_dataset(cfg: DataConfig, ds, column: str, tok, what: str, empty: str, progress: bool, **map_kw):
+    """The texts of `column` of an Arrow Dataset tokenized by `Dataset.map` (Tokenize; `map_kw`: more of its
+    arguments), whose result datasets caches under our fingerprint (or in `cache_file_name`, for a dataset held in
+    memory), as TokenizedDocs; DataError `empty` when no document is left."""
     # Our own fingerprint: datasets cannot hash a tokenizer object reliably. The dataset's fingerprint covers
     # the files (paths, sizes, modification times); the tokenizer's names everything its ids depend on.
     fingerprint = values_sha256("tokenize-v1", ds._fingerprint, column, tok.fingerprint)
@@ -228,10 +212,8 @@ def tokenize_dataset(
                 batched=True,
                 batch_size=256,
                 remove_columns=ds.column_names,
-                num_proc=num_proc if num_proc > 1 else None,
                 new_fingerprint=fingerprint,
-                cache_file_name=cache_file,
-                desc=desc,
+                **map_kw,
             )
     except DataError:
         raise

@@ -217,7 +217,9 @@ def build_dataloader(
     elif cfg.source == "files":
         source = _file_source(cfg, tok, dp_rank=dp_rank, dp_world=dp_world, progress=progress, tag=tag, **kw)
     elif cfg.source == "builtin":
-        source = _builtin_source(cfg, tok, progress=progress, tag=tag, **kw)
+        docs = build_builtin_corpus(cfg, tok, progress=progress)
+        source = _packed_stream(cfg, tok, docs, split, vocab_size, "built-in corpus")
+        tag.update(documents=len(source.doc_ids), tokens_per_epoch=source.epoch_len)
     else:
         raise DataError(
             f"unknown data.source {cfg.source!r}; expected 'builtin', 'files', 'recall', "
@@ -253,14 +255,6 @@ def _vision_source(cfg: DataConfig, tok, *, split: str, vocab_size, progress: bo
         tag["samples"] = len(samples.good)  # a resume on other data (or another index of it) is refused
         tag["sample_index"] = samples.index.fingerprint()
     return VisionRows(cfg, tok, vision, split=split, samples=samples)
-
-
-def _builtin_source(cfg: DataConfig, tok, *, split: str, vocab_size, progress: bool, tag: dict):
-    """The built-in corpus packed into rows."""
-    docs = build_builtin_corpus(cfg, tok, progress=progress)
-    stream = _packed_stream(cfg, tok, docs, split, vocab_size, "built-in corpus")
-    tag.update(documents=len(stream.doc_ids), tokens_per_epoch=stream.epoch_len)
-    return stream
 
 
 def _packed_stream(cfg: DataConfig, tok, docs, split: str, vocab_size, what: str) -> PackedStream:

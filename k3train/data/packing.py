@@ -39,22 +39,19 @@ class TokenizedDocs:
     def __len__(self) -> int:
         return len(self.doc_hash)
 
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
     def split_ids(self, split: str, eval_fraction: float) -> np.ndarray:
-        """Indices of the documents in `split`: eval holds documents whose hash falls below `eval_fraction`.
-
-        With eval_fraction > 0 and at least two documents both sides are non-empty: if no hash falls below the
-        fraction the document with the smallest hash goes to eval, and if all do, the largest stays in train.
-        A single document always trains. Identical texts share a hash, so they always land on the same side.
-        """
+        """Indices of the documents in `split` (split_indices of their hashes)."""
         return split_indices(self.doc_hash, split, eval_fraction)
 
 
 def split_indices(key_hash: np.ndarray, split: str, eval_fraction: float, what: str = "documents") -> np.ndarray:
-    """Indices of the items (documents, samples) in `split` from their 64-bit hashes; see TokenizedDocs.split_ids."""
+    """Indices of the items (documents, samples) in `split` from their 64-bit hashes: eval holds the items whose hash
+    falls below `eval_fraction`.
+
+    With eval_fraction > 0 and at least two items both sides are non-empty: if no hash falls below the fraction the
+    item with the smallest hash goes to eval, and if all do, the largest stays in train. A single item always trains.
+    Identical texts share a hash, so they always land on the same side.
+    """
     if split not in ("train", "eval"):
         raise DataError(f"unknown split {split!r}; expected 'train' or 'eval'")
     if not 0.0 <= eval_fraction < 1.0:
@@ -144,14 +141,10 @@ class PackedStream:
         seed: int,
         shuffle_each_epoch: bool = True,
     ):
-        if seq_len <= 0:
-            raise DataError(f"data.seq_len must be positive, got {seq_len}")
-        if len(doc_ids) == 0:
-            raise DataError("no documents to pack")
         self.docs, self.doc_ids = docs, np.asarray(doc_ids, dtype=np.int64)
         self.bos_id, self.eos_id, self.seq_len, self.seed = bos_id, eos_id, seq_len, seed
         self.shuffle_each_epoch = shuffle_each_epoch
-        self.doc_lens = docs.lengths[self.doc_ids]  # tokens without BOS/EOS
+        self.doc_lens = np.diff(docs.offsets)[self.doc_ids]  # tokens without BOS/EOS
         self.epoch_len = int(self.doc_lens.sum() + 2 * len(self.doc_ids))
         # A gather source that is never empty (documents may hold zero tokens after the split).
         self._src = docs.tokens if docs.tokens.size else np.zeros(1, dtype=docs.tokens.dtype)

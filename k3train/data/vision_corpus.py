@@ -270,18 +270,12 @@ class VisionRows:
         """(the tower's items [T, 3, H, W], the sample's tokens) of one sample: an image (T = 1), a clip, or a video
         of more frames than the tower's max_frames cut into consecutive frame groups of at most max_frames (each a
         clip for the tower; their tokens fill the sample's one placeholder span in order)."""
-        v, cfg = self.vision, self.cfg
+        v, cfg, tok = self.vision, self.cfg, self.tok
         px, caption = fetch()
         if cfg.blank_images:  # the ablation baseline: same sizes and token counts, no content
             px = torch.zeros_like(px)
         n = visual_tokens(v, px.shape[0], px.shape[2], px.shape[3])
-        ids = (
-            [self.tok.bos_id, self.start_id]
-            + [self.pad_img_id] * n
-            + [self.end_id]
-            + list(self.tok.encode(caption))
-            + [self.tok.eos_id]
-        )
+        ids = [tok.bos_id, self.start_id, *[self.pad_img_id] * n, self.end_id, *tok.encode(caption), tok.eos_id]
         if len(ids) > cfg.seq_len + 1:
             raise BadSample(
                 f"sample {name}: {len(ids)} tokens ({n} visual) do not fit a row of data.seq_len={cfg.seq_len}"
