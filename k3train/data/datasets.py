@@ -61,18 +61,12 @@ def expand_path(p: str, *, folder_files=lambda name: True, folder_holds: str = "
     raise DataError(f"data file not found: {p!r}")
 
 
-def resolve_paths(paths: list[str]) -> list[str]:
-    """Expand globs and folders into a sorted, de-duplicated list of files; DataError for anything missing."""
+def resolve_paths(paths: list[str], empty: str, **expand_kw) -> list[str]:
+    """Globs and folders expanded by expand_path into a de-duplicated list of files (first-seen order); DataError for
+    anything missing, `empty` when there are no paths."""
     if not paths:
-        raise DataError("data.source='files' needs data.paths (files, folders or globs); it is empty")
-    out: list[str] = []
-    for p in paths:
-        out += expand_path(
-            p,
-            folder_files=lambda f: os.path.splitext(f)[1].lower() in _EXT_FORMAT,
-            folder_holds=".txt/.jsonl/.parquet (or similar) files",
-        )
-    return list(dict.fromkeys(os.path.abspath(f) for f in out))  # keeps first-seen order
+        raise DataError(empty)
+    return list(dict.fromkeys(os.path.abspath(f) for p in paths for f in expand_path(p, **expand_kw)))
 
 
 def file_format(path: str, fmt: str) -> str:
@@ -91,7 +85,12 @@ def file_format(path: str, fmt: str) -> str:
 
 def source_files(src: SourceConfig) -> tuple[list[str], str]:
     """A source's files and their one format."""
-    files = resolve_paths(list(src.paths))
+    files = resolve_paths(
+        list(src.paths),
+        "data.source='files' needs data.paths (files, folders or globs); it is empty",
+        folder_files=lambda f: os.path.splitext(f)[1].lower() in _EXT_FORMAT,
+        folder_holds=".txt/.jsonl/.parquet (or similar) files",
+    )
     formats = sorted({file_format(f, src.format) for f in files})
     if len(formats) > 1:
         raise DataError(
@@ -225,19 +224,13 @@ def tokenize_dataset(cfg: DataConfig, ds, column: str, tok, what: str, empty: st
 
 
 def _docs_from_arrow(ds, tok) -> TokenizedDocs:
-    """The map result as one flat token array and offsets (vectorised over the Arrow chunks)."""
+    """The map result as one flat token array and offsets (vectorised over the Arrow columns)."""
     import pyarrow.compute as pc
 
     ids = ds.data.column("ids")
-    lengths = np.concatenate([pc.list_value_length(c).to_numpy(zero_copy_only=False) for c in ids.chunks])
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    dtype = np.dtype(np.uint16) if tok.vocab_size <= 1 << 16 else np.dtype(np.uint32)
-    tokens = np.concatenate(
-        [pc.list_flatten(c).to_numpy(zero_copy_only=False).astype(dtype) for c in ids.chunks]
-        + [np.zeros(0, dtype=dtype)]
-    )
-    hashes = np.concatenate([c.to_numpy(zero_copy_only=False) for c in ds.data.column("hash").chunks])
+    offsets = np.concatenate(([0], np.cumsum(pc.list_value_length(ids).to_numpy()))).astype(np.int64)
+    tokens = pc.list_flatten(ids).to_numpy().astype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
+    hashes = ds.data.column("hash").to_numpy()
     return TokenizedDocs(tokens=tokens, offsets=offsets, doc_hash=hashes.astype(np.uint64))
 
 

@@ -65,7 +65,7 @@ import numpy as np
 import torch
 
 from k3train.data.config import VISION_FORMATS
-from k3train.data.datasets import expand_path, load_files, progress_bars
+from k3train.data.datasets import expand_path, load_files, progress_bars, resolve_paths
 from k3train.data.packing import cache_lock, split_indices, text_hash
 from k3train.data.tokenizers import DataError
 from k3train.data.vision_corpus import EVAL_ROWS, BadSample, Fetch, fit_size, image_pixels, load_image
@@ -84,19 +84,12 @@ def vision_files(paths: list[str], fmt: str) -> tuple[list[str], str]:
             f"unknown data.format {fmt!r} for source 'vision_files'; expected 'auto', "
             f"{', '.join(repr(f) for f in VISION_FORMATS)}"
         )
-    if not paths:
-        raise DataError("data.source='vision_files' needs data.paths (folders, files or globs); it is empty")
-    files: list[str] = []
+    files = resolve_paths(paths, "data.source='vision_files' needs data.paths (folders, files or globs); it is empty")
     kinds: dict[str, str] = {}
-    for p in paths:
-        p = os.path.expanduser(str(p))
-        hits = expand_path(p)
-        if os.path.isdir(p):
-            kinds.setdefault("imagefolder", p)
-        else:
-            for h in hits:
-                kinds.setdefault(_EXT_FORMAT.get(os.path.splitext(h)[1].lower(), "imagefolder"), h)
-        files += hits
+    for p in map(os.path.expanduser, map(str, paths)):
+        for h in [p] if os.path.isdir(p) else expand_path(p):
+            kind = "imagefolder" if os.path.isdir(h) else _EXT_FORMAT.get(os.path.splitext(h)[1].lower(), "imagefolder")
+            kinds.setdefault(kind, h)
     if fmt == "auto":
         if len(kinds) > 1:
             raise DataError(
@@ -104,7 +97,7 @@ def vision_files(paths: list[str], fmt: str) -> tuple[list[str], str]:
                 f" give the files of one format, or set data.format"
             )
         fmt = next(iter(kinds))
-    return list(dict.fromkeys(os.path.abspath(f) for f in files)), fmt
+    return files, fmt
 
 
 def evenly_spaced(n: int, k: int) -> np.ndarray:
