@@ -205,7 +205,14 @@ def build_dataloader(
     vision: the model's VisionArgs (patch size, merge, largest side, frames), needed by the image-text sources.
     progress: tokenization progress bar (default: on rank 0 only).
     """
-    _check_loader_args(cfg, split, dp_rank, dp_world)
+    if split not in ("train", "eval"):
+        raise DataError(f"unknown split {split!r}; expected 'train' or 'eval'")
+    if cfg.seq_len <= 0:
+        raise DataError(f"data.seq_len must be positive, got {cfg.seq_len}")
+    if cfg.micro_batch <= 0:
+        raise DataError(f"data.micro_batch must be positive, got {cfg.micro_batch}")
+    if dp_world <= 0 or not 0 <= dp_rank < dp_world:
+        raise DataError(f"dp_rank {dp_rank} is not a rank of dp_world {dp_world}")
     if progress is None:
         progress = dp_rank == 0
     tag = {"source": cfg.source, "split": split, "seq_len": cfg.seq_len, "seed": cfg.seed}
@@ -229,17 +236,6 @@ def build_dataloader(
     n = None if split == "train" else max(1, source.rows_per_pass() // (cfg.micro_batch * dp_world))
     kw = dict(micro_batch=cfg.micro_batch, dp_rank=dp_rank, dp_world=dp_world)
     return MicroBatchLoader(source, num_batches=n, state_tag=tag, **kw)
-
-
-def _check_loader_args(cfg: DataConfig, split: str, dp_rank: int, dp_world: int) -> None:
-    if split not in ("train", "eval"):
-        raise DataError(f"unknown split {split!r}; expected 'train' or 'eval'")
-    if cfg.seq_len <= 0:
-        raise DataError(f"data.seq_len must be positive, got {cfg.seq_len}")
-    if cfg.micro_batch <= 0:
-        raise DataError(f"data.micro_batch must be positive, got {cfg.micro_batch}")
-    if dp_world <= 0 or not 0 <= dp_rank < dp_world:
-        raise DataError(f"dp_rank {dp_rank} is not a rank of dp_world {dp_world}")
 
 
 def _vision_source(cfg: DataConfig, tok, *, split: str, vocab_size, progress: bool, vision, tag: dict):
