@@ -4,8 +4,9 @@ Every machine with Python has it, so a run needs no download. Files are listed u
 (`sysconfig`'s 'stdlib' path, or the folder of `os.__file__`), without site-packages and __pycache__, sorted by
 relative path, and taken in that order while the running total stays within `cfg.builtin_max_bytes` (a file that
 would overflow is skipped and smaller later ones may still fit). Each file is one document; files that are empty or
-not valid UTF-8 are left out. The tokenized corpus is cached under `cache_root()/tokens`, keyed by the file list
-(relative paths and sizes), the standard library folder and the tokenizer, so the second build only loads an array.
+not valid UTF-8 are left out. They are tokenized by `Dataset.map` (k3train.data.datasets.tokenize_dataset), whose
+result is an Arrow file under `cache_root()/tokens` named by the file list (relative paths and sizes), the standard
+library folder and the tokenizer, so the second build only reads it.
 Two builds on one Python installation give the same documents in the same order.
 """
 

@@ -223,12 +223,12 @@ def cached_index(ds, key: str, measure: Measure, *, fail: bool, progress: bool, 
             new_fingerprint=key,
             desc=desc,
         )
-    reasons = np.array(out["reason"], dtype=str)
+    tokens, visual, reasons = (out.data.column(c).to_numpy() for c in ("tokens", "visual", "reason"))
+    reasons = reasons.astype(str)
     bad = np.flatnonzero(reasons != "")
-    tokens, visual = (np.asarray(out[c], dtype=np.int64) for c in ("tokens", "visual"))
     if fail and len(bad):
         raise BadSample(str(reasons[bad[0]]))
-    return SampleIndex(tokens=tokens, visual=visual, bad=bad, reasons=reasons[bad])
+    return SampleIndex(tokens=tokens.astype(np.int64), visual=visual.astype(np.int64), bad=bad, reasons=reasons[bad])
 
 
 class EpochPacking:
