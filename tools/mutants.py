@@ -1507,7 +1507,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "vision_epochs_same_order",
-        "k3train.data.vision_index:EpochPacking.__init__",
+        "k3train.data.vision_files:EpochPacking.__init__",
         "every epoch of image-text files reads its samples in the first epoch's order",
         _epochs_same_order,
         ("tests/unit/test_vision_files.py::test_epochs_read_every_sample_once_in_a_fresh_order",),

@@ -4,8 +4,9 @@ Every machine with Python has it, so a run needs no download. Files are listed u
 (`sysconfig`'s 'stdlib' path, or the folder of `os.__file__`), without site-packages and __pycache__, sorted by
 relative path, and taken in that order while the running total stays within `cfg.builtin_max_bytes` (a file that
 would overflow is skipped and smaller later ones may still fit). Each file is one document; files that are empty or
-not valid UTF-8 are left out. The tokenized corpus is cached under `cache_root()/tokens`, keyed by the file list
-(relative paths and sizes), the standard library folder and the tokenizer, so the second build only loads an array.
+not valid UTF-8 are left out. They are tokenized by `Dataset.map` (k3train.data.datasets.tokenize_dataset), whose
+result is an Arrow file under `cache_root()/tokens` named by the file list (relative paths and sizes), the standard
+library folder and the tokenizer, so the second build only reads it.
 Two builds on one Python installation give the same documents in the same order.
 """
 
@@ -16,8 +17,10 @@ import sys
 import sysconfig
 
 from k3train.data.config import DataConfig
-from k3train.data.packing import TokenizedDocs, cache_key, cache_lock, load_cached, save_cached, tokenize_texts
+from k3train.data.datasets import tokenize_dataset
+from k3train.data.packing import TokenizedDocs, cache_lock, cache_root
 from k3train.data.tokenizers import DataError
+from k3train.digest import values_sha256
 
 _EXTENSIONS = (".py", ".rst", ".txt")
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -71,19 +74,14 @@ def _read_texts(root: str, files: list[tuple[str, int]]):
 
 def build_builtin_corpus(cfg: DataConfig, tok, *, progress: bool = True) -> TokenizedDocs:
     """Tokenized built-in corpus (from the cache when the same files and tokenizer were seen before)."""
+    import datasets
+
     files = list_builtin_files(cfg.builtin_max_bytes)
     root = stdlib_dir()
-    key = cache_key("builtin-v1", sys.version_info[:3], root, files, tok.fingerprint)
-    docs = load_cached(key)
-    if docs is not None:
-        return docs
+    key = values_sha256("builtin-v2", sys.version_info[:3], root, files, tok.fingerprint)
+    what = f"the built-in corpus under {root!r}"
+    empty, cache = f"{what} holds no readable UTF-8 documents", os.path.join(cache_root(), "tokens", f"{key}.arrow")
     with cache_lock(f"builtin-{key}"):  # one process tokenizes; the others wait here, then read its cache
-        docs = load_cached(key)
-        if docs is None:
-            docs = tokenize_texts(
-                _read_texts(root, files), tok, desc="tokenizing built-in corpus", progress=progress, total=len(files)
-            )
-            if len(docs) == 0:
-                raise DataError(f"the built-in corpus under {root!r} holds no readable UTF-8 documents")
-            save_cached(key, docs)
-    return docs
+        texts = datasets.Dataset.from_dict({"text": list(_read_texts(root, files))})
+        desc = "tokenizing built-in corpus"
+        return tokenize_dataset(cfg, texts, "text", tok, what, empty, progress, desc=desc, cache_file_name=cache)

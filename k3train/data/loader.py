@@ -38,7 +38,7 @@ import torch
 from k3train.data.builtin_corpus import build_builtin_corpus
 from k3train.data.config import VISION_SOURCES, DataConfig
 from k3train.data.datasets import DocStream, build_source_docs
-from k3train.data.packing import PackedStream, StreamPacker, batch_from_rows, check_vocab, overlapping_rows
+from k3train.data.packing import PackedStream, batch_from_rows, check_vocab, hash_uniform, mix64
 from k3train.data.recall import EVAL_ROWS, RecallSource
 from k3train.data.tokenizers import DataError
 from k3train.data.vision_corpus import VisionRows
@@ -51,17 +51,9 @@ class MicroBatchLoader:
     state_dict/load_state_dict save and restore). Eval: `num_batches` micro-batches, every `iter()` from the start."""
 
     def __init__(
-        self,
-        source,
-        *,
-        split: str,
-        micro_batch: int,
-        dp_rank: int,
-        dp_world: int,
-        num_batches: int | None,
-        state_tag: dict,
+        self, source, *, micro_batch: int, dp_rank: int, dp_world: int, num_batches: int | None, state_tag: dict
     ):
-        self.source, self.split = source, split
+        self.source = source
         self.micro_batch, self.dp_rank, self.dp_world = micro_batch, dp_rank, dp_world
         self.num_batches = num_batches
         self.global_batch_rows = micro_batch * dp_world
@@ -99,11 +91,9 @@ class MicroBatchLoader:
         """Tokens drawn from each source of a mixture by all ranks so far (`data/tokens/<name>`); the image-text
         source's skipped samples (`data/skipped_samples`) and, reading files, the epochs read (`data/epoch`); {}
         otherwise."""
-        if isinstance(self.source, VisionRows):
-            return self.source.metrics(self._k * self.global_batch_rows)
-        if not isinstance(self.source, MixedRows) or len(self.source.names) < 2:
-            return {}
-        return self.source.metrics(self._k * self.global_batch_rows)
+        rows = self._k * self.global_batch_rows
+        mixture = isinstance(self.source, MixedRows) and len(self.source.names) > 1
+        return self.source.metrics(rows) if mixture or isinstance(self.source, VisionRows) else {}
 
     def load_state_dict(self, sd: dict) -> None:
         for key, value in self._tag.items():
@@ -127,25 +117,20 @@ class MicroBatchLoader:
 
 def row_sources(seed: int, first: int, n: int, cum_weights: np.ndarray) -> np.ndarray:
     """The source of global rows [first, first + n): splitmix64 of (seed, row) as a uniform draw over the
-    cumulative weights (vectorised; numpy's uint64 arithmetic wraps as the hash needs)."""
+    cumulative weights (vectorised)."""
     z = np.arange(first, first + n, dtype=np.uint64) + np.uint64((seed * 0x9E3779B97F4A7C15 + 1) % (1 << 64))
-    with np.errstate(over="ignore"):
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    u = (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
-    return np.searchsorted(cum_weights, u, side="right").astype(np.int64)
+    return np.searchsorted(cum_weights, hash_uniform(mix64(z)), side="right").astype(np.int64)
 
 
 class MixedRows:
     """Rows of one or more sources (see the module docstring): `parts` are PackedStreams (random access) or
-    StreamPackers (this rank's streams, read forwards)."""
+    DocStreams (this rank's streams, read forwards)."""
 
     def __init__(self, parts: list, *, names: list[str], weights: list[float], seq_len: int, seed: int):
         self.parts, self.names, self.seq_len, self.seed = parts, names, seq_len, seed
         w = np.asarray(weights, dtype=np.float64)
         self.cum = np.cumsum(w / w.sum())[:-1]  # boundaries between sources in [0, 1)
-        self.streaming = isinstance(parts[0], StreamPacker)
+        self.streaming = isinstance(parts[0], DocStream)
         self._cursor, self._counts = 0, np.zeros(len(parts), dtype=np.int64)
 
     def _advance(self, to: int) -> None:
@@ -170,17 +155,15 @@ class MixedRows:
             where = np.flatnonzero(src == j)
             if len(where) == 0:
                 continue
-            if self.streaming:
-                ids[where], is_bos[where] = part.take(len(where))
-            else:  # the source's rows counts[j] ... counts[j] + m - 1, cut from one window
-                w_ids, w_bos = part.window(int(self._counts[j]) * L, len(where) * L + 1)
-                ids[where], is_bos[where] = overlapping_rows(w_ids, w_bos, len(where), L)
+            # the source's rows counts[j] ... counts[j] + m - 1
+            ids[where], is_bos[where] = part.take(int(self._counts[j]), len(where))
         self._counts += np.bincount(src, minlength=len(self.parts))
         self._cursor = first + n
         return batch_from_rows(ids, is_bos)
 
     def rows_per_pass(self) -> int:
-        return sum(p.rows_per_pass() for p in self.parts)
+        """Rows of one pass over every source (streams: EVAL_ROWS, an eval pass)."""
+        return EVAL_ROWS if self.streaming else sum(p.rows_per_pass() for p in self.parts)
 
     def state_dict(self, global_rows: int) -> dict:
         self._advance(global_rows)
@@ -222,41 +205,6 @@ def build_dataloader(
     vision: the model's VisionArgs (patch size, merge, largest side, frames), needed by the image-text sources.
     progress: tokenization progress bar (default: on rank 0 only).
     """
-    _check_loader_args(cfg, split, dp_rank, dp_world)
-    if progress is None:
-        progress = dp_rank == 0
-    tag = {"source": cfg.source, "split": split, "seq_len": cfg.seq_len, "seed": cfg.seed}
-    if cfg.source == "recall":
-        source, eval_rows = RecallSource(cfg, tok, split=split, vocab_size=vocab_size), lambda: EVAL_ROWS
-    elif cfg.source in VISION_SOURCES:
-        source, eval_rows = _vision_source(
-            cfg, tok, split=split, vocab_size=vocab_size, progress=progress, vision=vision, tag=tag
-        )
-    elif cfg.source == "files":
-        source, eval_rows = _file_source(
-            cfg, tok, split=split, dp_rank=dp_rank, dp_world=dp_world, vocab_size=vocab_size, progress=progress, tag=tag
-        )
-    elif cfg.source == "builtin":
-        source, eval_rows = _builtin_source(cfg, tok, split=split, vocab_size=vocab_size, progress=progress, tag=tag)
-    else:
-        raise DataError(
-            f"unknown data.source {cfg.source!r}; expected 'builtin', 'files', 'recall', "
-            f"'builtin_vision' or 'vision_files'"
-        )
-    # Eval reads one pass in whole global batches; a set smaller than one global batch is cycled to fill it.
-    n = None if split == "train" else max(1, eval_rows() // (cfg.micro_batch * dp_world))
-    return MicroBatchLoader(
-        source,
-        split=split,
-        micro_batch=cfg.micro_batch,
-        dp_rank=dp_rank,
-        dp_world=dp_world,
-        num_batches=n,
-        state_tag=tag,
-    )
-
-
-def _check_loader_args(cfg: DataConfig, split: str, dp_rank: int, dp_world: int) -> None:
     if split not in ("train", "eval"):
         raise DataError(f"unknown split {split!r}; expected 'train' or 'eval'")
     if cfg.seq_len <= 0:
@@ -265,10 +213,33 @@ def _check_loader_args(cfg: DataConfig, split: str, dp_rank: int, dp_world: int)
         raise DataError(f"data.micro_batch must be positive, got {cfg.micro_batch}")
     if dp_world <= 0 or not 0 <= dp_rank < dp_world:
         raise DataError(f"dp_rank {dp_rank} is not a rank of dp_world {dp_world}")
+    if progress is None:
+        progress = dp_rank == 0
+    tag = {"source": cfg.source, "split": split, "seq_len": cfg.seq_len, "seed": cfg.seed}
+    kw = dict(split=split, vocab_size=vocab_size)
+    if cfg.source == "recall":
+        source = RecallSource(cfg, tok, **kw)
+    elif cfg.source in VISION_SOURCES:
+        source = _vision_source(cfg, tok, progress=progress, vision=vision, tag=tag, **kw)
+    elif cfg.source == "files":
+        source = _file_source(cfg, tok, dp_rank=dp_rank, dp_world=dp_world, progress=progress, tag=tag, **kw)
+    elif cfg.source == "builtin":
+        docs = build_builtin_corpus(cfg, tok, progress=progress)
+        source = _packed_stream(cfg, tok, docs, split, vocab_size, "built-in corpus")
+        tag.update(documents=len(source.doc_ids), tokens_per_epoch=source.epoch_len)
+    else:
+        raise DataError(
+            f"unknown data.source {cfg.source!r}; expected 'builtin', 'files', 'recall', "
+            f"'builtin_vision' or 'vision_files'"
+        )
+    # Eval reads one pass in whole global batches; a set smaller than one global batch is cycled to fill it.
+    n = None if split == "train" else max(1, source.rows_per_pass() // (cfg.micro_batch * dp_world))
+    kw = dict(micro_batch=cfg.micro_batch, dp_rank=dp_rank, dp_world=dp_world)
+    return MicroBatchLoader(source, num_batches=n, state_tag=tag, **kw)
 
 
 def _vision_source(cfg: DataConfig, tok, *, split: str, vocab_size, progress: bool, vision, tag: dict):
-    """Image-text rows (builtin_vision: drawn samples; vision_files: files) and their rows per eval pass."""
+    """Image-text rows (builtin_vision: drawn samples; vision_files: files)."""
     if vision is None:
         raise DataError(f"data.source={cfg.source!r} needs a model with a vision tower (model.overrides.vision)")
     check_vocab(None, tok, vocab_size, "image-text data")
@@ -279,34 +250,21 @@ def _vision_source(cfg: DataConfig, tok, *, split: str, vocab_size, progress: bo
         samples = FileSamples(cfg, vision, tok, split=split, progress=progress)
         tag["samples"] = len(samples.good)  # a resume on other data (or another index of it) is refused
         tag["sample_index"] = samples.index.fingerprint()
-    source = VisionRows(cfg, tok, vision, split=split, samples=samples)
-    return source, source.rows_per_pass
+    return VisionRows(cfg, tok, vision, split=split, samples=samples)
 
 
-def _builtin_source(cfg: DataConfig, tok, *, split: str, vocab_size, progress: bool, tag: dict):
-    """The built-in corpus packed into rows, and its rows per pass."""
-    docs = build_builtin_corpus(cfg, tok, progress=progress)
-    check_vocab(docs, tok, vocab_size, "built-in corpus")
+def _packed_stream(cfg: DataConfig, tok, docs, split: str, vocab_size, what: str) -> PackedStream:
+    """The packed stream of the split's documents, checked against the model's vocabulary first."""
+    check_vocab(docs.tokens, tok, vocab_size, what)
     ids = docs.split_ids(split, cfg.eval_fraction)
-    stream = PackedStream(
-        docs,
-        ids,
-        bos_id=tok.bos_id,
-        eos_id=tok.eos_id,
-        seq_len=cfg.seq_len,
-        seed=cfg.seed,
-        shuffle_each_epoch=(split == "train"),
-    )
-    tag["documents"] = len(ids)
-    tag["tokens_per_epoch"] = stream.epoch_len
-    return stream, stream.rows_per_pass
+    kw = dict(bos_id=tok.bos_id, eos_id=tok.eos_id, seq_len=cfg.seq_len, seed=cfg.seed)
+    return PackedStream(docs, ids, shuffle_each_epoch=(split == "train"), **kw)
 
 
 def _file_source(
     cfg: DataConfig, tok, *, split: str, dp_rank: int, dp_world: int, vocab_size: int | None, progress: bool, tag: dict
 ):
-    """source='files': data.paths (one source) or data.sources (a mixture), read whole or streamed; the rows and
-    their rows per eval pass."""
+    """source='files': data.paths (one source) or data.sources (a mixture), read whole or streamed, as rows."""
     if cfg.paths and cfg.sources:
         raise DataError("give data.paths (one source) or data.sources (a mixture), not both")
     sources = cfg.file_sources()
@@ -316,31 +274,22 @@ def _file_source(
     bad = [s.weight for s in sources if not s.weight > 0]
     if bad:
         raise DataError(f"data.sources weights must be > 0, got {[s.weight for s in sources]}")
-    kw = dict(bos_id=tok.bos_id, eos_id=tok.eos_id, seq_len=cfg.seq_len)
     if cfg.streaming:
         check_vocab(None, tok, vocab_size, "data files")  # the tokenizer itself; ids are checked as they come
-        parts = [
-            StreamPacker(
-                DocStream(cfg, s, split=split, dp_rank=dp_rank, dp_world=dp_world), vocab_size=vocab_size, **kw
-            )
-            for s in sources
-        ]
+        kw = dict(split=split, dp_rank=dp_rank, dp_world=dp_world, vocab_size=vocab_size)
+        parts = [DocStream(cfg, s, tok, **kw) for s in sources]
         tag.update(streaming=True, dp_world=dp_world, dp_rank=dp_rank, micro_batch=cfg.micro_batch)
-        eval_rows = lambda: EVAL_ROWS
     else:
         parts = []
         for s in sources:
             docs = build_source_docs(cfg, s, tok, progress=progress)
-            check_vocab(docs, tok, vocab_size, f"data files {list(s.paths)}")
-            ids = docs.split_ids(split, cfg.eval_fraction)
-            parts.append(PackedStream(docs, ids, seed=cfg.seed, shuffle_each_epoch=(split == "train"), **kw))
+            parts.append(_packed_stream(cfg, tok, docs, split, vocab_size, f"data files {list(s.paths)}"))
         tag["documents"] = [len(p.doc_ids) for p in parts] if len(parts) > 1 else len(parts[0].doc_ids)
         tag["tokens_per_epoch"] = [p.epoch_len for p in parts] if len(parts) > 1 else parts[0].epoch_len
-        eval_rows = lambda: sum(p.rows_per_pass() for p in parts)
     if len(parts) == 1 and not cfg.streaming:
         source = parts[0]  # one source read whole: the packed stream itself, as for the built-in corpus
     else:
         source = MixedRows(parts, names=names, weights=[s.weight for s in sources], seq_len=cfg.seq_len, seed=cfg.seed)
         if len(parts) > 1:
             tag["sources"] = [[nm, float(s.weight)] for nm, s in zip(names, sources)]
-    return source, eval_rows
+    return source

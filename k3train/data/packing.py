@@ -1,4 +1,4 @@
-"""Tokenized documents, their on-disk cache, the train/eval split, and packing into rows with cu_seqlens.
+"""Tokenized documents, the cache folder, the train/eval split, and packing into rows with cu_seqlens.
 
 The packed stream of a document set is the concatenation, in a seeded shuffled order, of `[BOS] + tokens + [EOS]`
 for every document; epoch e uses its own permutation (train) or epoch 0's order again (eval). The stream is cut into
@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 import torch
 
-from k3train.data.tokenizers import DataError
-from k3train.digest import values_sha256
+from k3train.data.tokenizers import DataError, check_tokenizer_vocab
 from k3train.models.k3.loss import IGNORE_INDEX
 
 """Label of a position that is not a target (cross-entropy's ignore_index)."""
@@ -42,22 +39,19 @@ class TokenizedDocs:
     def __len__(self) -> int:
         return len(self.doc_hash)
 
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
     def split_ids(self, split: str, eval_fraction: float) -> np.ndarray:
-        """Indices of the documents in `split`: eval holds documents whose hash falls below `eval_fraction`.
-
-        With eval_fraction > 0 and at least two documents both sides are non-empty: if no hash falls below the
-        fraction the document with the smallest hash goes to eval, and if all do, the largest stays in train.
-        A single document always trains. Identical texts share a hash, so they always land on the same side.
-        """
+        """Indices of the documents in `split` (split_indices of their hashes)."""
         return split_indices(self.doc_hash, split, eval_fraction)
 
 
 def split_indices(key_hash: np.ndarray, split: str, eval_fraction: float, what: str = "documents") -> np.ndarray:
-    """Indices of the items (documents, samples) in `split` from their 64-bit hashes; see TokenizedDocs.split_ids."""
+    """Indices of the items (documents, samples) in `split` from their 64-bit hashes: eval holds the items whose hash
+    falls below `eval_fraction`.
+
+    With eval_fraction > 0 and at least two items both sides are non-empty: if no hash falls below the fraction the
+    item with the smallest hash goes to eval, and if all do, the largest stays in train. A single item always trains.
+    Identical texts share a hash, so they always land on the same side.
+    """
     if split not in ("train", "eval"):
         raise DataError(f"unknown split {split!r}; expected 'train' or 'eval'")
     if not 0.0 <= eval_fraction < 1.0:
@@ -86,64 +80,26 @@ def hash_uniform(doc_hash: np.ndarray) -> np.ndarray:
     return (np.asarray(doc_hash, dtype=np.uint64) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
-def in_eval_split(doc_hash: np.ndarray, eval_fraction: float) -> np.ndarray:
-    """The eval side of the split of a stream, one document at a time (no corpus-wide fallbacks, unlike split_ids)."""
-    return hash_uniform(doc_hash) < eval_fraction
-
-
 def text_hash(text: str) -> int:
     """64-bit content hash of a document (stable across processes and machines, unlike hash())."""
     return int.from_bytes(hashlib.sha1(text.encode("utf-8", errors="surrogatepass")).digest()[:8], "little")
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's bijective 64-bit mixer (xor-shift / odd-multiply rounds) turning counters into uniform bits
+    (numpy's uint64 arithmetic wraps as the hash needs)."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
 
 
-def tokenize_texts(
-    texts: Iterable[str], tok, *, desc: str, progress: bool = True, total: int | None = None, batch: int = 256
-) -> TokenizedDocs:
-    """Encode documents (empty or whitespace-only ones are dropped) into a TokenizedDocs, with a progress bar."""
-    from tqdm.auto import tqdm
-
-    parts: list[np.ndarray] = []
-    hashes: list[int] = []
-    pending: list[str] = []
-
-    def flush():
-        for arr in tok.encode_batch(pending):
-            parts.append(np.asarray(arr))
-        hashes.extend(text_hash(t) for t in pending)
-        bar.update(len(pending))
-        pending.clear()
-
-    with tqdm(total=total, desc=desc, unit="doc", disable=not progress, leave=False) as bar:
-        for text in texts:
-            if not text or not text.strip():
-                continue
-            pending.append(text)
-            if len(pending) >= batch:
-                flush()
-        if pending:
-            flush()
-    dtype = token_dtype(tok.vocab_size)
-    lengths = np.array([len(p) for p in parts], dtype=np.int64)
-    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    tokens = np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
-    return TokenizedDocs(tokens=tokens, offsets=offsets, doc_hash=np.array(hashes, dtype=np.uint64))
-
-
-# ------------------------------------------------------------------------------------------------ token cache
+# ------------------------------------------------------------------------------------------------ cache folder
 
 
 def cache_root() -> str:
     """Cache folder: $K3TRAIN_CACHE, else ~/.cache/k3train."""
     return os.environ.get("K3TRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "k3train")
-
-
-def cache_key(*parts: object) -> str:
-    return values_sha256(*parts)
 
 
 def cache_lock(name: str):
@@ -156,47 +112,16 @@ def cache_lock(name: str):
     return FileLock(os.path.join(folder, f"{name}.lock"))
 
 
-def load_cached(key: str) -> TokenizedDocs | None:
-    path = os.path.join(cache_root(), "tokens", f"{key}.npz")
-    if not os.path.isfile(path):
-        return None
-    try:
-        with np.load(path) as z:
-            return TokenizedDocs(tokens=z["tokens"], offsets=z["offsets"], doc_hash=z["doc_hash"])
-    except (OSError, ValueError, KeyError):
-        return None  # a damaged cache entry is rebuilt
-
-
-def save_cached(key: str, docs: TokenizedDocs) -> None:
-    folder = os.path.join(cache_root(), "tokens")
-    os.makedirs(folder, exist_ok=True)
-    # Write then rename, so ranks building the same corpus at once never read a half-written file.
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, tokens=docs.tokens, offsets=docs.offsets, doc_hash=docs.doc_hash)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is plain data
-        os.replace(tmp, os.path.join(folder, f"{key}.npz"))
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def check_vocab(docs: TokenizedDocs | None, tok, vocab_size: int | None, what: str) -> None:
-    """DataError when the tokenizer or any token id of docs (if given) does not fit the model's vocabulary (one
-    vectorised max)."""
+def check_vocab(tokens: np.ndarray | None, tok, vocab_size: int | None, what: str) -> None:
+    """DataError when the tokenizer (if given) or any of the token ids `tokens` (if given) does not fit the model's
+    vocabulary (one vectorised max)."""
     if vocab_size is None:
         return
-    if tok.vocab_size > vocab_size:
-        raise DataError(
-            f"tokenizer vocabulary ({tok.vocab_size} ids, data.tokenizer={type(tok).__name__}) exceeds "
-            f"the model vocab_size {vocab_size}: token ids would fall outside the embedding"
-        )
-    if docs is not None and docs.tokens.size:
-        top = int(docs.tokens.max())
-        if top >= vocab_size:
-            raise DataError(f"{what}: token id {top} is outside the model vocabulary (vocab_size {vocab_size})")
+    if tok is not None:
+        check_tokenizer_vocab(tok, vocab_size)
+    top = int(tokens.max()) if tokens is not None and tokens.size else -1
+    if top >= vocab_size:
+        raise DataError(f"{what}: token id {top} is outside the model vocabulary (vocab_size {vocab_size})")
 
 
 # ------------------------------------------------------------------------------------------------ packing
@@ -216,14 +141,10 @@ class PackedStream:
         seed: int,
         shuffle_each_epoch: bool = True,
     ):
-        if seq_len <= 0:
-            raise DataError(f"data.seq_len must be positive, got {seq_len}")
-        if len(doc_ids) == 0:
-            raise DataError("no documents to pack")
         self.docs, self.doc_ids = docs, np.asarray(doc_ids, dtype=np.int64)
         self.bos_id, self.eos_id, self.seq_len, self.seed = bos_id, eos_id, seq_len, seed
         self.shuffle_each_epoch = shuffle_each_epoch
-        self.doc_lens = docs.lengths[self.doc_ids]  # tokens without BOS/EOS
+        self.doc_lens = np.diff(docs.offsets)[self.doc_ids]  # tokens without BOS/EOS
         self.epoch_len = int(self.doc_lens.sum() + 2 * len(self.doc_ids))
         # A gather source that is never empty (documents may hold zero tokens after the split).
         self._src = docs.tokens if docs.tokens.size else np.zeros(1, dtype=docs.tokens.dtype)
@@ -263,39 +184,28 @@ class PackedStream:
             done += take
         return ids, is_bos
 
+    def take(self, first_row: int, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows [first_row, first_row + n_rows) as [n_rows, seq_len + 1] ids and BOS masks, cut from one window."""
+        ids, is_bos = self.window(first_row * self.seq_len, n_rows * self.seq_len + 1)
+        return overlapping_rows(ids, is_bos, n_rows, self.seq_len)
+
     def rows(self, first_row: int, n_rows: int) -> dict[str, torch.Tensor]:
         """Rows [first_row, first_row + n_rows) of the packed stream as a micro-batch."""
-        L = self.seq_len
-        ids, is_bos = self.window(first_row * L, n_rows * L + 1)
-        return batch_from_window(ids, is_bos, n_rows, L)
+        return batch_from_rows(*self.take(first_row, n_rows))
 
     def rows_per_pass(self) -> int:
         """Whole rows that fit in one pass over the documents (each row needs seq_len + 1 stream tokens)."""
         return max(0, (self.epoch_len - 1) // self.seq_len)
 
 
-def batch_from_window(ids: np.ndarray, is_bos: np.ndarray, n_rows: int, seq_len: int) -> dict[str, torch.Tensor]:
-    """Cut a window of n_rows*seq_len + 1 stream tokens into inputs, labels and cu_seqlens (vectorised)."""
-    L = seq_len
-    inputs = ids[:-1].reshape(n_rows, L)
-    labels = np.where(is_bos[1:], IGNORE_INDEX, ids[1:]).reshape(n_rows, L)
-    seg_start = is_bos[:-1].reshape(n_rows, L).copy()
-    seg_start[:, 0] = True  # every row boundary is a segment boundary
-    cu = np.append(np.flatnonzero(seg_start.reshape(-1)), n_rows * L)
-    return {
-        "input_ids": torch.from_numpy(np.ascontiguousarray(inputs)),
-        "labels": torch.from_numpy(np.ascontiguousarray(labels)),
-        "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
-    }
-
-
-def batch_from_rows(ids: np.ndarray, is_bos: np.ndarray) -> dict[str, torch.Tensor]:
-    """Rows given as separate windows [n_rows, seq_len + 1] (rows of different streams) -> inputs, labels, cu_seqlens;
-    the same cut as batch_from_window."""
+def batch_from_rows(ids: np.ndarray, is_bos: np.ndarray, ignore: np.ndarray | None = None) -> dict[str, torch.Tensor]:
+    """Rows given as windows [n_rows, seq_len + 1] of stream tokens (the last token of a row is the label of its last
+    input) and their segment starts (BOS masks) -> inputs, labels and cu_seqlens (vectorised; see the module
+    docstring). A label is -100 where `ignore` [n_rows, seq_len] holds; by default where the next token is a BOS."""
     n_rows, L = ids.shape[0], ids.shape[1] - 1
-    labels = np.where(is_bos[:, 1:], IGNORE_INDEX, ids[:, 1:])
+    labels = np.where(is_bos[:, 1:] if ignore is None else ignore, IGNORE_INDEX, ids[:, 1:])
     seg_start = is_bos[:, :-1].copy()
-    seg_start[:, 0] = True
+    seg_start[:, 0] = True  # every row boundary is a segment boundary
     cu = np.append(np.flatnonzero(seg_start.reshape(-1)), n_rows * L)
     return {
         "input_ids": torch.from_numpy(np.ascontiguousarray(ids[:, :-1])),
@@ -308,72 +218,6 @@ def overlapping_rows(ids: np.ndarray, is_bos: np.ndarray, n_rows: int, seq_len: 
     """A window of n_rows*seq_len + 1 stream tokens as [n_rows, seq_len + 1] rows sharing their edge tokens."""
     idx = np.arange(n_rows)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
     return ids[idx], is_bos[idx]
-
-
-class StreamPacker:
-    """The packed stream of a DocStream (one source, one rank), read forwards only: the same [BOS] doc [EOS] stream
-    and row cut as PackedStream, in the stream's document order.
-
-    It buffers the token batches that the unread part of the stream overlaps; its state is the position of the first
-    buffered batch and the offset of the next row in it (small JSON whatever the buffer holds: the batch is read and
-    tokenized again on resume)."""
-
-    def __init__(self, stream, *, bos_id: int, eos_id: int, seq_len: int, vocab_size: int | None):
-        self.stream, self.bos_id, self.eos_id, self.seq_len = stream, bos_id, eos_id, seq_len
-        self.vocab_size = vocab_size
-        self.restart()
-
-    def _reset(self, position: dict | None, offset: int) -> None:
-        self._batches: list[tuple[dict, np.ndarray, np.ndarray]] = []  # (position before it, ids, is_bos)
-        self._first_position = position
-        self._offset = offset  # next row's first token, counted from the first buffered batch's start
-        self._pending_seek = position
-
-    def _pull(self) -> None:
-        if self._pending_seek is not None:
-            self.stream.seek(self._pending_seek)
-            self._pending_seek = None
-        position, docs = self.stream.next_batch()
-        lengths = np.array([len(d) for d in docs], dtype=np.int64) + 2
-        starts = np.zeros(len(docs), dtype=np.int64)
-        np.cumsum(lengths[:-1], out=starts[1:])
-        ids = np.empty(int(lengths.sum()), dtype=np.int64)
-        is_bos = np.zeros(len(ids), dtype=bool)
-        body = np.ones(len(ids), dtype=bool)
-        body[starts] = body[starts + lengths - 1] = False
-        ids[body] = np.concatenate([np.asarray(d, dtype=np.int64) for d in docs])
-        ids[starts], ids[starts + lengths - 1], is_bos[starts] = self.bos_id, self.eos_id, True
-        if self.vocab_size is not None and len(ids) and int(ids.max()) >= self.vocab_size:
-            raise DataError(
-                f"{self.stream.what}: token id {int(ids.max())} is outside the model vocabulary "
-                f"(vocab_size {self.vocab_size})"
-            )
-        if not self._batches:
-            self._first_position = position
-        self._batches.append((position, ids, is_bos))
-
-    def take(self, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """The next n_rows rows as [n_rows, seq_len + 1] ids and BOS masks."""
-        need = self._offset + n_rows * self.seq_len + 1
-        while sum(len(b[1]) for b in self._batches) < need:
-            self._pull()
-        ids = np.concatenate([b[1] for b in self._batches])[self._offset : need]
-        is_bos = np.concatenate([b[2] for b in self._batches])[self._offset : need]
-        self._offset += n_rows * self.seq_len
-        # Drop batches wholly read; the last one always holds the next row's first token (need > offset).
-        while len(self._batches[0][1]) <= self._offset:
-            self._offset -= len(self._batches.pop(0)[1])
-            self._first_position = self._batches[0][0]
-        return overlapping_rows(ids, is_bos, n_rows, self.seq_len)
-
-    def state_dict(self) -> dict:
-        return {"position": self._first_position, "offset": int(self._offset)}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self._reset(sd["position"], int(sd["offset"]))
-
-    def restart(self) -> None:
-        self._reset({"epoch": 0, "hf": self.stream._start}, 0)
 
 
 def pack_rows_reference(

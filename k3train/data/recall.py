@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from k3train.data.config import DataConfig
-from k3train.data.packing import IGNORE_INDEX
+from k3train.data.packing import IGNORE_INDEX, batch_from_rows, hash_uniform, mix64
 from k3train.data.tokenizers import DataError
 
 EVAL_ROWS = 256
@@ -27,21 +27,13 @@ EVAL_ROWS = 256
 _STREAMS = {"train": 0x5EED_0001, "eval": 0x5EED_0002}
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """A bijective 64-bit mixer (xor-shift / odd-multiply rounds) turning counters into uniform bits."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 def _uniform(seed: int, stream: int, draw: int, rows: np.ndarray, n_cols: int) -> np.ndarray:
     """[len(rows), n_cols] floats in [0, 1), a pure function of (seed, stream, draw, row, column)."""
-    base = _mix64(
+    base = mix64(
         np.array([(seed * 0x9E3779B97F4A7C15 + stream * 0x632BE59BD9B4E019 + draw) % (1 << 64)], dtype=np.uint64)
     )
-    r = _mix64(base + rows.astype(np.uint64)[:, None] * np.uint64(0xD6E8FEB86659FD93))
-    x = _mix64(r + np.arange(n_cols, dtype=np.uint64)[None, :])
-    return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    r = mix64(base + rows.astype(np.uint64)[:, None] * np.uint64(0xD6E8FEB86659FD93))
+    return hash_uniform(mix64(r + np.arange(n_cols, dtype=np.uint64)[None, :]))
 
 
 def symbol_ids(n_symbols: int, vocab: int, specials: tuple[int, ...]) -> np.ndarray:
@@ -70,8 +62,6 @@ class RecallSource:
     """Rows of the recall task for one split (see the module docstring)."""
 
     def __init__(self, cfg: DataConfig, tok, *, split: str, vocab_size: int | None):
-        if split not in _STREAMS:
-            raise DataError(f"unknown split {split!r}; expected 'train' or 'eval'")
         n, m, V, L = cfg.recall_pairs, cfg.recall_queries, cfg.recall_vocab, cfg.seq_len
         if n <= 0 or m <= 0:
             raise DataError(f"data.recall_pairs and data.recall_queries must be positive, got {n} and {m}")
@@ -106,17 +96,15 @@ class RecallSource:
             [np.stack([keys, values], 2).reshape(n_rows, 2 * n), sep, np.stack([qk, qa], 2).reshape(n_rows, 2 * m)],
             axis=1,
         )
-        inputs = np.full((n_rows, L), self.pad_id, dtype=np.int64)
-        inputs[:, : self.example_len] = self.ids[sym]
-        labels = np.full((n_rows, L), IGNORE_INDEX, dtype=np.int64)
-        q_cols = 2 * n + 1 + 2 * np.arange(m)  # the query positions; their next token is the answer
-        labels[:, q_cols] = self.ids[qa]
-        cu = np.arange(0, n_rows * L + 1, L, dtype=np.int32)
-        return {
-            "input_ids": torch.from_numpy(inputs),
-            "labels": torch.from_numpy(labels),
-            "cu_seqlens": torch.from_numpy(cu),
-        }
+        ids = np.full((n_rows, L + 1), self.pad_id, dtype=np.int64)
+        ids[:, : self.example_len] = self.ids[sym]
+        ignore = np.ones((n_rows, L), dtype=bool)
+        ignore[:, 2 * n + 1 + 2 * np.arange(m)] = False  # the query positions; their next token is the answer
+        return batch_from_rows(ids, np.zeros((n_rows, L + 1), dtype=bool), ignore)  # one segment a row
+
+    def rows_per_pass(self) -> int:
+        """Rows of an eval pass: the fixed eval set."""
+        return EVAL_ROWS
 
 
 def recall_row_reference(keys, values, qpos, *, ids, pad_id: int, seq_len: int) -> tuple[list[int], list[int]]:

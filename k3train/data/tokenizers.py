@@ -11,7 +11,6 @@ Nothing here downloads: the 'hf' and 'tiktoken' tokenizers read a file named by 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from typing import Sequence
@@ -19,15 +18,11 @@ from typing import Sequence
 import numpy as np
 
 from k3train.data.config import DataConfig
-from k3train.digest import file_sha256
+from k3train.digest import file_sha256, values_sha256
 
 
 class DataError(ValueError):
     """Bad data configuration or input: the message names the file, field or setting at fault."""
-
-
-def cache_text(value) -> str:
-    return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
 
 
 def _require_file(path: str, what: str) -> str:
@@ -50,6 +45,13 @@ def _added_ids(names: Sequence[str], first: int) -> dict[str, int]:
     return {n: first + i for i, n in enumerate(names)}
 
 
+def _append_specials(tok, n: int, names: Sequence[str]) -> None:
+    """Give `tok` BOS, EOS, PAD = n, n + 1, n + 2, then the added tokens `names`: its special_ids and vocab_size."""
+    tok.bos_id, tok.eos_id, tok.pad_id = n, n + 1, n + 2
+    tok.special_ids = {"bos": n, "eos": n + 1, "pad": n + 2, **_added_ids(names, n + 3)}
+    tok.vocab_size = n + len(tok.special_ids)
+
+
 def check_special_ids(tok, vocab_size: int) -> None:
     """DataError unless the model's vocabulary (vocab_size ids) holds the tokenizer and every special token."""
     outside = {name: i for name, i in tok.special_ids.items() if i >= vocab_size}
@@ -59,6 +61,11 @@ def check_special_ids(tok, vocab_size: int) -> None:
             f"raise model vocab_size to at least {max(outside.values()) + 1} or declare fewer "
             f"data.special_tokens"
         )
+    check_tokenizer_vocab(tok, vocab_size)
+
+
+def check_tokenizer_vocab(tok, vocab_size: int) -> None:
+    """DataError when the tokenizer's ids do not all fit the model's vocabulary (vocab_size ids)."""
     if tok.vocab_size > vocab_size:
         raise DataError(
             f"tokenizer vocabulary ({tok.vocab_size} ids, data.tokenizer={type(tok).__name__}) exceeds "
@@ -66,20 +73,19 @@ def check_special_ids(tok, vocab_size: int) -> None:
         )
 
 
-class ByteTokenizer:
+class _Encoder:
+    def encode(self, text: str) -> list[int]:
+        """The token ids of one text (as encode_batch gives them)."""
+        return self.encode_batch([text])[0].tolist()
+
+
+class ByteTokenizer(_Encoder):
     """UTF-8 bytes as ids 0..255, then BOS=256, EOS=257, PAD=258, then the added tokens (vocab 259 + added)."""
 
-    bos_id = 256
-    eos_id = 257
-    pad_id = 258
     fingerprint = "byte-v1"
 
     def __init__(self, special_tokens: Sequence[str] = ()):
-        self.special_ids = {"bos": 256, "eos": 257, "pad": 258, **_added_ids(special_tokens, 259)}
-        self.vocab_size = 259 + len(self.special_ids) - 3
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        _append_specials(self, 256, special_tokens)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
@@ -90,9 +96,11 @@ class ByteTokenizer:
 
 
 # Conventional spellings of the special tokens, looked up in a tokenizer.json before adding our own.
-_HF_BOS = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|bos|>")
-_HF_EOS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|eos|>")
-_HF_PAD = ("<pad>", "[PAD]", "<|pad|>")
+_HF_CONVENTIONAL = {
+    "bos": ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|bos|>"),
+    "eos": ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|eos|>"),
+    "pad": ("<pad>", "[PAD]", "<|pad|>"),
+}
 
 
 def _hf_declared_specials(folder: str) -> tuple[dict[str, str], list[str]]:
@@ -115,7 +123,7 @@ def _hf_declared_specials(folder: str) -> tuple[dict[str, str], list[str]]:
             raise DataError(f"cannot read {f!r}: {e}") from e
         if not isinstance(data, dict):
             raise DataError(f"{f!r} does not hold a JSON object")
-        for role in ("bos", "eos", "pad"):
+        for role in _HF_CONVENTIONAL:
             v = text(data.get(f"{role}_token"))
             if isinstance(v, str) and v:
                 roles[role] = v
@@ -126,7 +134,7 @@ def _hf_declared_specials(folder: str) -> tuple[dict[str, str], list[str]]:
     return roles, extra
 
 
-class HFTokenizer:
+class HFTokenizer(_Encoder):
     """A local `tokenizer.json` read with the `tokenizers` library.
 
     BOS/EOS/PAD: the spellings named by a tokenizer_config.json or special_tokens_map.json beside the file, else the
@@ -149,13 +157,10 @@ class HFTokenizer:
         extra += [t for t in special_tokens if t not in extra]
         _added_ids(extra, 0)  # the same checks as the other tokenizers (ids come from the vocabulary below)
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        names = {}
-        for role, conventional, fallback in (
-            ("bos", _HF_BOS, "<|bos|>"),
-            ("eos", _HF_EOS, "<|eos|>"),
-            ("pad", _HF_PAD, "<|pad|>"),
-        ):
-            names[role] = declared.get(role) or next((n for n in conventional if n in vocab), fallback)
+        names = {
+            role: declared.get(role) or next((n for n in conventional if n in vocab), f"<|{role}|>")
+            for role, conventional in _HF_CONVENTIONAL.items()
+        }
         # A role's spelling already in the vocabulary keeps its kind; the added tokens all become special.
         new = [n for n in names.values() if n not in vocab] + extra
         self._tok.add_special_tokens([AddedToken(n, special=True) for n in dict.fromkeys(new)])
@@ -164,10 +169,7 @@ class HFTokenizer:
         self.bos_id, self.eos_id, self.pad_id = (self.special_ids[r] for r in ("bos", "eos", "pad"))
         # Ids need not be contiguous in a hand-written file, so size the vocabulary by the largest id.
         self.vocab_size = max(vocab.values()) + 1
-        self.fingerprint = f"hf-{file_sha256(path)}-{cache_text(sorted(self.special_ids.items()))}"
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        self.fingerprint = f"hf-{file_sha256(path)}-{values_sha256(sorted(self.special_ids.items()), length=16)}"
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
@@ -184,7 +186,7 @@ class HFTokenizer:
 TIKTOKEN_PATTERN = r""" ?\p{L}+(?:'\p{L}+)?| ?\p{N}{1,3}| ?[^\s\p{L}\p{N}]+|\n+|[^\S\n]+(?!\S)|[^\S\n]+"""
 
 
-class TiktokenTokenizer:
+class TiktokenTokenizer(_Encoder):
     """A local tiktoken BPE ranks file (`base64(token) rank` per line) with `pattern` (data.tiktoken_pattern, by
     default `TIKTOKEN_PATTERN`) as the split regex, exactly as `tiktoken.Encoding` encodes with them.
 
@@ -205,31 +207,18 @@ class TiktokenTokenizer:
             raise DataError(f"cannot parse tiktoken ranks file {path!r}: {e}") from e
         if not ranks:
             raise DataError(f"tiktoken ranks file {path!r} holds no tokens")
-        n = max(ranks.values()) + 1
-        self.bos_id, self.eos_id, self.pad_id = n, n + 1, n + 2
-        self.special_ids = {"bos": n, "eos": n + 1, "pad": n + 2, **_added_ids(special_tokens, n + 3)}
-        self.vocab_size = n + len(self.special_ids)
+        _append_specials(self, max(ranks.values()) + 1, special_tokens)
+        specials = {(f"<|{t}|>" if t in ("bos", "eos", "pad") else t): i for t, i in self.special_ids.items()}
         try:
             self._enc = tiktoken.Encoding(
-                name=f"k3train-{digest[:12]}",
-                pat_str=pattern,
-                mergeable_ranks=ranks,
-                special_tokens={
-                    "<|bos|>": n,
-                    "<|eos|>": n + 1,
-                    "<|pad|>": n + 2,
-                    **{t: i for t, i in self.special_ids.items() if i >= n + 3},
-                },
+                name=f"k3train-{digest[:12]}", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
             )
         except ValueError as e:  # the regex engine rejects the pattern
             raise DataError(f"tiktoken cannot use data.tiktoken_pattern {pattern!r}: {e}") from e
-        self.fingerprint = f"tiktoken-{digest}-{hashlib.sha256(pattern.encode()).hexdigest()[:16]}"
-
-    def encode(self, text: str) -> list[int]:
-        # encode_ordinary: special-token spellings inside documents are plain text, never control ids.
-        return self._enc.encode_ordinary(text)
+        self.fingerprint = f"tiktoken-{digest}-{values_sha256(pattern, length=16)}"
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        # encode_ordinary: special-token spellings inside documents are plain text, never control ids.
         return [np.asarray(ids, dtype=np.int64) for ids in self._enc.encode_ordinary_batch(list(texts))]
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -36,7 +36,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from k3train.data.packing import IGNORE_INDEX
+from k3train.data.packing import batch_from_rows
 from k3train.data.tokenizers import DataError
 
 IMAGE_TOKENS = ("<|image_start|>", "<|image_pad|>", "<|image_end|>")
@@ -77,6 +77,11 @@ def image_token_ids(tok) -> tuple[int, int, int]:
     return tuple(tok.special_ids[t] for t in IMAGE_TOKENS)
 
 
+def visual_tokens(vision, frames: int, h: int, w: int) -> int:
+    """The tower's output tokens for `frames` frames of h x w pixels: frames x (h / patch) x (w / patch) / merge^2."""
+    return frames * (h // vision.patch_size) * (w // vision.patch_size) // vision.merge**2
+
+
 def fit_size(w: int, h: int, unit: int, max_side: int) -> tuple[int, int]:
     """(W, H): w x h scaled to sides that are multiples of `unit`, at most max_side, keeping the aspect ratio as
     closely as whole units allow (each side at least one unit)."""
@@ -102,9 +107,10 @@ def open_image(src: bytes | str, name: str, *, max_pixels: int):
     return img
 
 
-def load_image(data: bytes, name: str, *, unit: int, max_side: int, max_pixels: int) -> torch.Tensor:
-    """Encoded image bytes -> float32 [3, H, W] in [-1, 1], resized by fit_size; BadSample naming `name`."""
-    img = open_image(data, name, max_pixels=max_pixels)
+def load_image(src: bytes | str, name: str, *, unit: int, max_side: int, max_pixels: int) -> torch.Tensor:
+    """An image (encoded bytes or a file path) -> float32 [3, H, W] in [-1, 1], resized by fit_size; BadSample naming
+    `name`."""
+    img = open_image(src, name, max_pixels=max_pixels)
     try:
         img = img.convert("RGB")
     except (OSError, ValueError) as e:  # a truncated or corrupt body shows when the pixels are decoded
@@ -144,23 +150,31 @@ def render_sample(rng: np.random.Generator, unit: int, max_side: int) -> tuple[b
     fill = COLOURS[colour]
     cx, cy = w / 2 + rng.uniform(-0.05, 0.05) * w, h / 2 + rng.uniform(-0.05, 0.05) * h
     if kind == "shape":
-        r = 0.4 * min(w, h)
-        if thing == "circle":
-            d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
-        elif thing == "square":
-            d.rectangle([cx - r, cy - r, cx + r, cy + r], fill=fill)
-        elif thing == "triangle":
-            d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
-        else:
-            t = r / 3
-            d.rectangle([cx - r, cy - t, cx + r, cy + t], fill=fill)
-            d.rectangle([cx - t, cy - r, cx + t, cy + r], fill=fill)
+        draw_shape(d, thing, cx, cy, 0.4 * min(w, h), fill)
     else:
         font = ImageFont.load_default(size=max(6.0, min(0.95 * h, 1.6 * w / len(thing))))
         d.text((cx, cy), thing, fill=fill, font=font, anchor="mm")
+    return png_bytes(img), thing if kind == "number" else f"{colour} {thing}"
+
+
+def draw_shape(d, shape: str, cx: float, cy: float, r: float, fill) -> None:
+    """One of SHAPES of radius r centred at (cx, cy) on a Pillow ImageDraw."""
+    if shape == "circle":
+        d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    elif shape == "square":
+        d.rectangle([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    elif shape == "triangle":
+        d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
+    else:
+        t = r / 3
+        d.rectangle([cx - r, cy - t, cx + r, cy + t], fill=fill)
+        d.rectangle([cx - t, cy - r, cx + t, cy + r], fill=fill)
+
+
+def png_bytes(img) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
-    return buf.getvalue(), thing if kind == "number" else f"{colour} {thing}"
+    return buf.getvalue()
 
 
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
@@ -182,21 +196,15 @@ def render_clip(rng: np.random.Generator, unit: int, max_side: int) -> tuple[lis
     frames = []
     for t in range(CLIP_FRAMES):  # a loop over frames
         img = Image.new("RGB", (side, side), bg)
-        d = ImageDraw.Draw(img)
-        cx, cy = side / 2 + (t - 1) * step * dx, side / 2 + (t - 1) * step * dy
-        box = [cx - r, cy - r, cx + r, cy + r]
-        if shape == "circle":
-            d.ellipse(box, fill=COLOURS[colour])
-        elif shape == "triangle":
-            d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=COLOURS[colour])
-        elif shape == "square":
-            d.rectangle(box, fill=COLOURS[colour])
-        else:
-            d.rectangle([cx - r, cy - r / 3, cx + r, cy + r / 3], fill=COLOURS[colour])
-            d.rectangle([cx - r / 3, cy - r, cx + r / 3, cy + r], fill=COLOURS[colour])
-        buf = io.BytesIO()
-        img.save(buf, format="PNG")
-        frames.append(buf.getvalue())
+        draw_shape(
+            ImageDraw.Draw(img),
+            shape,
+            side / 2 + (t - 1) * step * dx,
+            side / 2 + (t - 1) * step * dy,
+            r,
+            COLOURS[colour],
+        )
+        frames.append(png_bytes(img))
     return frames, f"{colour} {shape} moving {direction}"
 
 
@@ -217,11 +225,11 @@ class DrawnSamples:
     def candidates(self, g: int) -> Iterator[tuple[str, Fetch]]:
         rng = np.random.default_rng([self.cfg.seed, 0 if self.split == "train" else 1, g])
         for k in itertools.count():
-            yield f"builtin_vision/{self.split}/row{g}/sample{k}", functools.partial(self._draw, rng, k, g)
+            name = f"builtin_vision/{self.split}/row{g}/sample{k}"
+            yield name, functools.partial(self._draw, rng, name)
 
-    def _draw(self, rng: np.random.Generator, k: int, g: int) -> tuple[torch.Tensor, str]:
+    def _draw(self, rng: np.random.Generator, name: str) -> tuple[torch.Tensor, str]:
         v, cfg = self.vision, self.cfg
-        name = f"builtin_vision/{self.split}/row{g}/sample{k}"
         # The draw for a clip happens only when clips are on, so image-only streams stay as they were.
         if cfg.vision_clips > 0 and rng.random() < cfg.vision_clips:
             frames, caption = render_clip(rng, self.unit, v.max_image_side)
@@ -262,18 +270,12 @@ class VisionRows:
         """(the tower's items [T, 3, H, W], the sample's tokens) of one sample: an image (T = 1), a clip, or a video
         of more frames than the tower's max_frames cut into consecutive frame groups of at most max_frames (each a
         clip for the tower; their tokens fill the sample's one placeholder span in order)."""
-        v, cfg = self.vision, self.cfg
+        v, cfg, tok = self.vision, self.cfg, self.tok
         px, caption = fetch()
         if cfg.blank_images:  # the ablation baseline: same sizes and token counts, no content
             px = torch.zeros_like(px)
-        n = px.shape[0] * (px.shape[2] // v.patch_size) * (px.shape[3] // v.patch_size) // v.merge**2
-        ids = (
-            [self.tok.bos_id, self.start_id]
-            + [self.pad_img_id] * n
-            + [self.end_id]
-            + list(self.tok.encode(caption))
-            + [self.tok.eos_id]
-        )
+        n = visual_tokens(v, px.shape[0], px.shape[2], px.shape[3])
+        ids = [tok.bos_id, self.start_id, *[self.pad_img_id] * n, self.end_id, *tok.encode(caption), tok.eos_id]
         if len(ids) > cfg.seq_len + 1:
             raise BadSample(
                 f"sample {name}: {len(ids)} tokens ({n} visual) do not fit a row of data.seq_len={cfg.seq_len}"
@@ -311,31 +313,23 @@ class VisionRows:
 
         L = self.cfg.seq_len
         ids = np.empty((n, L + 1), dtype=np.int64)
-        seg = np.zeros((n, L), dtype=bool)
+        seg = np.zeros((n, L + 1), dtype=bool)
         pixels: list[torch.Tensor] = []
         for r in range(n):
             row, used, starts, px, skipped = self._row(first + r)
             ids[r] = row
-            seg[r, [s for s in starts if s < L]] = True
+            seg[r, starts] = True
             if used < L:
                 seg[r, used] = True  # the padding tail is a segment of its own
             pixels += px
             if first + r >= self._next_uncounted:  # rows read again (eval passes, a resume) count once
                 self._next_uncounted = first + r + 1
                 self.skipped += skipped
-        seg[:, 0] = True
-        target = ids[:, 1:]
-        ignore = np.isin(target, [self.tok.bos_id, self.tok.pad_id, self.start_id, self.pad_img_id, self.end_id])
-        inputs = ids[:, :-1]
+        ignore = np.isin(ids[:, 1:], [self.tok.bos_id, self.tok.pad_id, self.start_id, self.pad_img_id, self.end_id])
         patches, grid = patchify(self.vision, pixels)
-        return {
-            "input_ids": torch.from_numpy(np.ascontiguousarray(inputs)),
-            "labels": torch.from_numpy(np.where(ignore, IGNORE_INDEX, target)),
-            "cu_seqlens": torch.from_numpy(np.append(np.flatnonzero(seg.reshape(-1)), n * L).astype(np.int32)),
-            "vision_pixels": patches,
-            "vision_grid": grid,
-            "vision_mask": torch.from_numpy(inputs == self.pad_img_id),
-        }
+        batch = batch_from_rows(ids, seg, ignore)
+        mask = batch["input_ids"] == self.pad_img_id
+        return {**batch, "vision_pixels": patches, "vision_grid": grid, "vision_mask": mask}
 
     def rows_per_pass(self) -> int:
         return self.samples.rows_per_pass()

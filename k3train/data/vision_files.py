@@ -19,19 +19,22 @@ and the last (frame indices round(linspace(0, n - 1, k))), so it covers its whol
 frames beyond max_frames are cut into consecutive frame groups by the packer, each a clip of its own; every frame is
 resized as an image would be.
 
-Epochs: an index pass (k3train.data.vision_index) measures every sample's tokens in a row without decoding pixels:
+Epochs: an index pass (`Dataset.map` over the samples, cached_index) measures every sample's tokens in a row without decoding pixels:
 an image's size from its header (Pillow opens lazily), resized by fit_size as load_image would; a video's frame
 count and size from PyAV's stream metadata (the container header's frame count; when it gives none, 0, the
-stream is decoded once, frames dropped as they come), sampled to max_frames; the caption by the tokenizer. It is
-cached by the dataset's fingerprint, the tokenizer, the columns, the tower's patch, merge, max_image_side and
+stream is decoded once, frames dropped as they come), sampled to max_frames; the caption by the tokenizer. datasets
+caches it beside the dataset under a fingerprint of the dataset's own, the tokenizer, the columns, the tower's patch, merge, max_image_side and
 max_frames, data.image_max_pixels and data.seq_len; one process builds it under a file lock, the others (every rank,
 a second run) read it. Samples that cannot be used (an unreadable header, a missing file, a video without frames,
 an empty caption, over the pixel limit, longer than a row) are met there: BadSample naming the file and row
 (data.on_bad_sample=fail), or left out of every epoch and counted once in `data/skipped_samples` (skip).
 Epoch e of the train split visits each of its good samples once, in a permutation seeded by (data.seed, e), packed
 greedily into rows (consecutive samples while they fit in seq_len + 1 tokens; the one that does not starts the next
-row; the epoch's last row is padded), so row g is a function of (data.seed, split, g) and the index: any number
-of data-parallel ranks and a resume read the same rows. `data/epoch` gives the epochs read (fractional). A
+row; the epoch's last row is padded). So the rows of epoch e, R_e, depend on e, and global row g is row
+g - (R_0 + ... + R_{e-1}) of the epoch e that holds it, a function of (data.seed, split, g) and the index: any number
+of data-parallel ranks and a resume read the same rows. An epoch's packing is computed on demand (a permutation, then
+one searchsorted per row over the prefix sums of the token counts); reading row g after a resume packs every epoch
+before it once, to count its rows. `data/epoch` gives the epochs read (fractional). A
 resume onto data whose index differs (another count of good samples, other token counts) is refused. The eval
 split packs its samples once, in the order seeded by (data.seed, 0), and a pass is the first min(64, rows) rows of
 it. The split is fixed by a hash of each sample's position in the dataset (files in sorted order):
@@ -50,20 +53,24 @@ fail so is a DataError.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import io
 import os
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
 from k3train.data.config import VISION_FORMATS
-from k3train.data.datasets import expand_path, load_files
-from k3train.data.packing import cache_key, cache_lock, split_indices, text_hash
+from k3train.data.datasets import expand_path, load_files, progress_bars, resolve_paths
+from k3train.data.packing import cache_lock, split_indices, text_hash
 from k3train.data.tokenizers import DataError
-from k3train.data.vision_corpus import EVAL_ROWS, BadSample, Fetch, fit_size, image_pixels, load_image, open_image
-from k3train.data.vision_index import INDEX_VERSION, EpochPacking, cached_index
+from k3train.data.vision_corpus import EVAL_ROWS, BadSample, Fetch, fit_size, image_pixels, load_image
+from k3train.data.vision_corpus import open_image, visual_tokens
+from k3train.digest import values_sha256
 
 _EXT_FORMAT = {".parquet": "parquet", ".pq": "parquet", ".tar": "webdataset"}
 """Extensions of the one-file-per-shard formats; any other file (images, metadata) belongs to an imagefolder."""
@@ -77,19 +84,12 @@ def vision_files(paths: list[str], fmt: str) -> tuple[list[str], str]:
             f"unknown data.format {fmt!r} for source 'vision_files'; expected 'auto', "
             f"{', '.join(repr(f) for f in VISION_FORMATS)}"
         )
-    if not paths:
-        raise DataError("data.source='vision_files' needs data.paths (folders, files or globs); it is empty")
-    files: list[str] = []
+    files = resolve_paths(paths, "data.source='vision_files' needs data.paths (folders, files or globs); it is empty")
     kinds: dict[str, str] = {}
-    for p in paths:
-        p = os.path.expanduser(str(p))
-        hits = expand_path(p)
-        if os.path.isdir(p):
-            kinds.setdefault("imagefolder", p)
-        if not os.path.isdir(p):
-            for h in hits:
-                kinds.setdefault(_EXT_FORMAT.get(os.path.splitext(h)[1].lower(), "imagefolder"), h)
-        files += hits
+    for p in map(os.path.expanduser, map(str, paths)):
+        for h in [p] if os.path.isdir(p) else expand_path(p):
+            kind = "imagefolder" if os.path.isdir(h) else _EXT_FORMAT.get(os.path.splitext(h)[1].lower(), "imagefolder")
+            kinds.setdefault(kind, h)
     if fmt == "auto":
         if len(kinds) > 1:
             raise DataError(
@@ -97,7 +97,7 @@ def vision_files(paths: list[str], fmt: str) -> tuple[list[str], str]:
                 f" give the files of one format, or set data.format"
             )
         fmt = next(iter(kinds))
-    return list(dict.fromkeys(os.path.abspath(f) for f in files)), fmt
+    return files, fmt
 
 
 def evenly_spaced(n: int, k: int) -> np.ndarray:
@@ -105,34 +105,38 @@ def evenly_spaced(n: int, k: int) -> np.ndarray:
     return np.linspace(0, n - 1, min(n, k)).round().astype(np.int64)
 
 
-def video_header(src: bytes | str, name: str, *, max_pixels: int) -> tuple[int, int, int]:
-    """(frames, width, height) of a video (encoded bytes or a file path) without converting frames: the frame count
-    from the container's header, or, when the header does not say (0), by decoding the stream once; BadSample naming
-    `name` (no video stream, frames over max_pixels, no frames, unreadable)."""
+@contextlib.contextmanager
+def open_video(src: bytes | str, name: str):
+    """A PyAV container of a video (encoded bytes or a file path); PyAV's errors in the block are BadSample naming
+    `name`."""
     import av
 
-    def open_video():
-        return av.open(io.BytesIO(src) if isinstance(src, bytes) else src)
-
     try:
-        with open_video() as container:
-            if not container.streams.video:
-                raise BadSample(f"sample {name}: no video stream in the video")
-            stream = container.streams.video[0]
-            w, h = stream.codec_context.width, stream.codec_context.height
-            if w * h > max_pixels:
-                raise BadSample(
-                    f"sample {name}: video frames {w}x{h} have {w * h:,} pixels, over "
-                    f"data.image_max_pixels={max_pixels:,}"
-                )
-            n = stream.frames  # from the container's header; 0 when it does not say
-        if n <= 0:
-            with open_video() as container:
-                n = sum(1 for _ in container.decode(video=0))  # a loop over frames, each dropped as decoded
+        with av.open(io.BytesIO(src) if isinstance(src, bytes) else src) as container:
+            yield container
     except BadSample:
         raise
     except (av.error.FFmpegError, OSError, ValueError, EOFError, IndexError) as e:
         raise BadSample(f"sample {name}: cannot read the video ({type(e).__name__}: {e})") from None
+
+
+def video_header(src: bytes | str, name: str, *, max_pixels: int) -> tuple[int, int, int]:
+    """(frames, width, height) of a video (encoded bytes or a file path) without converting frames: the frame count
+    from the container's header, or, when the header does not say (0), by decoding the stream once; BadSample naming
+    `name` (no video stream, frames over max_pixels, no frames, unreadable)."""
+    with open_video(src, name) as container:
+        if not container.streams.video:
+            raise BadSample(f"sample {name}: no video stream in the video")
+        stream = container.streams.video[0]
+        w, h = stream.codec_context.width, stream.codec_context.height
+        if w * h > max_pixels:
+            raise BadSample(
+                f"sample {name}: video frames {w}x{h} have {w * h:,} pixels, over data.image_max_pixels={max_pixels:,}"
+            )
+        n = stream.frames  # from the container's header; 0 when it does not say
+    if n <= 0:
+        with open_video(src, name) as container:
+            n = sum(1 for _ in container.decode(video=0))  # a loop over frames, each dropped as decoded
     if n == 0:
         raise BadSample(f"sample {name}: the video has no frames")
     return n, w, h
@@ -143,20 +147,15 @@ def decode_video(
 ) -> torch.Tensor:
     """A video (encoded bytes or a file path) -> float32 [T, 3, H, W] in [-1, 1], T = min(frames, max_frames) evenly
     spaced frames (see the module docstring), each resized by fit_size; BadSample naming `name`."""
-    import av
-
     n, w, h = video_header(src, name, max_pixels=max_pixels)
     keep = set(evenly_spaced(n, max_frames).tolist())
     frames: list[torch.Tensor] = []
-    try:
-        with av.open(io.BytesIO(src) if isinstance(src, bytes) else src) as container:
-            for k, frame in enumerate(container.decode(video=0)):  # a loop over frames, converting the kept ones
-                if k in keep:
-                    frames.append(image_pixels(frame.to_image(width=w, height=h), unit=unit, max_side=max_side))
-                    if len(frames) == len(keep):
-                        break
-    except (av.error.FFmpegError, OSError, ValueError, EOFError, IndexError) as e:
-        raise BadSample(f"sample {name}: cannot read the video ({type(e).__name__}: {e})") from None
+    with open_video(src, name) as container:
+        for k, frame in enumerate(container.decode(video=0)):  # a loop over frames, converting the kept ones
+            if k in keep:
+                frames.append(image_pixels(frame.to_image(width=w, height=h), unit=unit, max_side=max_side))
+                if len(frames) == len(keep):
+                    break
     if not frames:
         raise BadSample(f"sample {name}: the video has no frames")
     return torch.stack(frames)
@@ -173,6 +172,128 @@ def _media(value) -> tuple[bytes | None, str | None]:
     return None, None
 
 
+INDEX_VERSION = "vision-index-v1"
+
+
+@dataclass(kw_only=True)
+class SampleIndex:
+    """Token counts of a dataset's samples and the unusable ones."""
+
+    tokens: np.ndarray
+    """int64 [n]: tokens of sample i in a row; 0 for an unusable sample."""
+    visual: np.ndarray
+    """int64 [n]: visual tokens of sample i (frames x patches / merge^2); 0 for an unusable sample."""
+    bad: np.ndarray
+    """int64: indices of the unusable samples, ascending."""
+    reasons: np.ndarray
+    """str: the BadSample message of each of `bad`."""
+
+    def fingerprint(self) -> str:
+        """A hash of the counts: what the rows' layout depends on (a resume onto another index is refused)."""
+        h = hashlib.sha256(INDEX_VERSION.encode())
+        h.update(self.tokens.astype("<i8").tobytes())
+        h.update(self.bad.astype("<i8").tobytes())
+        return h.hexdigest()[:32]
+
+
+Measure = Callable[[int], tuple[int, int]]
+"""Measures dataset sample i: (tokens in a row, visual tokens); BadSample naming it when it cannot be used."""
+
+
+def cached_index(ds, key: str, measure: Measure, *, fail: bool, progress: bool, desc: str) -> SampleIndex:
+    """The index of dataset `ds` under the fingerprint `key`: `Dataset.map` measures every sample (a progress bar
+    when `progress`) and keeps the result in the dataset's Arrow cache, which the next process (waiting on the key's
+    file lock) or run reads. With `fail` the first BadSample is raised, met now or found in the cache."""
+
+    def measured(i: int) -> dict:
+        try:
+            tokens, visual = measure(i)
+        except BadSample as e:
+            if fail:
+                raise
+            return {"tokens": 0, "visual": 0, "reason": str(e)}
+        return {"tokens": tokens, "visual": visual, "reason": ""}
+
+    with cache_lock("vision-index-" + key), progress_bars(progress):
+        out = ds.map(
+            measured,
+            input_columns=[],
+            with_indices=True,
+            remove_columns=ds.column_names,
+            new_fingerprint=key,
+            desc=desc,
+        )
+    tokens, visual, reasons = (out.data.column(c).to_numpy() for c in ("tokens", "visual", "reason"))
+    reasons = reasons.astype(str)
+    bad = np.flatnonzero(reasons != "")
+    if fail and len(bad):
+        raise BadSample(str(reasons[bad[0]]))
+    return SampleIndex(tokens=tokens.astype(np.int64), visual=visual.astype(np.int64), bad=bad, reasons=reasons[bad])
+
+
+class EpochPacking:
+    """Rows of epochs over samples with token counts `lengths` (see the module docstring): `locate(g)` gives
+    (epoch, row in the epoch) of global row g, `row(g)` the positions into `lengths` of its samples."""
+
+    def __init__(self, lengths: np.ndarray, *, seq_len: int, seed: int, shuffle_each_epoch: bool = True):
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        if len(self.lengths) == 0:
+            raise DataError("no samples to pack")
+        if int(self.lengths.max()) > seq_len + 1 or int(self.lengths.min()) <= 0:
+            raise DataError(
+                f"samples of {int(self.lengths.min())}..{int(self.lengths.max())} tokens cannot all be "
+                f"packed into rows of {seq_len + 1}"
+            )
+        self.seq_len, self.seed, self.shuffle_each_epoch = seq_len, seed, shuffle_each_epoch
+        self._packed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._first_rows = [0]  # first global row of epochs 0, 1, ...: grows as epochs are packed
+
+    def epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """(order: positions into lengths in epoch e's order, row_starts: int64 [R_e + 1] offsets into order)."""
+        key = e if self.shuffle_each_epoch else 0
+        if key not in self._packed:
+            order = np.random.default_rng([self.seed, key]).permutation(len(self.lengths))
+            ends = np.cumsum(self.lengths[order])  # ends[j]: tokens of samples order[0..j]
+            starts = [0]
+            done = 0  # tokens before the current row
+            while starts[-1] < len(order):  # one searchsorted per row: the furthest sample that still fits
+                nxt = int(np.searchsorted(ends, done + self.seq_len + 1, side="right"))
+                starts.append(nxt)
+                done = int(ends[nxt - 1])
+            if len(self._packed) >= 2:
+                self._packed.pop(next(iter(self._packed)))
+            self._packed[key] = (order, np.array(starts, dtype=np.int64))
+        return self._packed[key]
+
+    def rows_in(self, e: int) -> int:
+        return len(self.epoch(e)[1]) - 1
+
+    def first_row(self, e: int) -> int:
+        """Global index of epoch e's first row (packs the epochs before it once, to count their rows)."""
+        while len(self._first_rows) <= e:
+            k = len(self._first_rows) - 1
+            self._first_rows.append(self._first_rows[k] + self.rows_in(k))
+        return self._first_rows[e]
+
+    def locate(self, g: int) -> tuple[int, int]:
+        """(epoch, row within it) of global row g."""
+        e = max(0, int(np.searchsorted(self._first_rows, g, side="right")) - 1)
+        while self.first_row(e + 1) <= g:
+            e += 1
+        return e, g - self._first_rows[e]
+
+    def row(self, g: int) -> np.ndarray:
+        """Positions into lengths of global row g's samples, in row order."""
+        e, r = self.locate(g)
+        order, starts = self.epoch(e)
+        return order[starts[r] : starts[r + 1]]
+
+    def epochs_done(self, rows: int) -> float:
+        """Epochs read by the first `rows` global rows, fractional within the current one."""
+        e, r = self.locate(rows)
+        return e + r / self.rows_in(e)
+
+
 class FileSamples:
     """The sample source of vision_files for one split (see the module docstring): `candidates(g)` gives the
     samples of global row g from the epochs' packing; `load(i)` reads sample i of the dataset and `measure(i)` its
@@ -187,15 +308,14 @@ class FileSamples:
         self.files, self.format = vision_files(list(cfg.paths), cfg.format)
         shown = self.files[0] + (f" (+{len(self.files) - 1} more)" if len(self.files) > 1 else "")
         self.what = f"{self.format} data {shown!r}"
-        with cache_lock("vision-" + cache_key(self.files)):  # one process per machine writes the Arrow cache
+        with cache_lock("vision-" + values_sha256(self.files)):  # one process per machine writes the Arrow cache
             ds = load_files(self.files, self.format, streaming=False, progress=progress)
-        for key, column in (
-            ("data.image_field", cfg.image_field),
-            ("data.video_field", cfg.video_field),
-            ("data.text_field", cfg.text_field),
-        ):
+        for key in ("image_field", "video_field", "text_field"):
+            column = getattr(cfg, key)
             if column and column not in ds.column_names:
-                raise DataError(f"{key}={column!r} is not a column of {self.what}; it has {sorted(ds.column_names)}")
+                raise DataError(
+                    f"data.{key}={column!r} is not a column of {self.what}; it has {sorted(ds.column_names)}"
+                )
         self.fields = [c for c in (cfg.image_field, cfg.video_field) if c]
         for column in self.fields:  # left encoded: load_image checks the pixel limit before decoding, PyAV decodes
             feature = ds.features[column]
@@ -216,26 +336,13 @@ class FileSamples:
         self.name = f"vision_files {self.what}"
 
         # The index of the whole dataset (both splits share it): its key holds everything a count depends on.
-        key = cache_key(
-            INDEX_VERSION,
-            self.ds._fingerprint,
-            tok.fingerprint,
-            self.fields,
-            cfg.text_field,
-            vision.patch_size,
-            vision.merge,
-            vision.max_image_side,
-            self.video_frames,
-            cfg.image_max_pixels,
-            cfg.seq_len,
+        sizes = (vision.patch_size, vision.merge, vision.max_image_side, self.video_frames, cfg.image_max_pixels)
+        key = values_sha256(
+            INDEX_VERSION, self.ds._fingerprint, tok.fingerprint, self.fields, cfg.text_field, *sizes, cfg.seq_len
         )
+        fail = cfg.on_bad_sample == "fail"
         self.index = cached_index(
-            key,
-            len(self.ds),
-            self.measure,
-            fail=cfg.on_bad_sample == "fail",
-            progress=progress,
-            desc=f"indexing {self.what}",
+            self.ds, key, self.measure, fail=fail, progress=progress, desc=f"indexing {self.what}"
         )
         usable = np.ones(len(self.ds), dtype=bool)
         usable[self.index.bad] = False
@@ -267,26 +374,9 @@ class FileSamples:
         for i in self.good[self.packing.row(g)].tolist():
             yield self.where(i), functools.partial(self.load_measured, i)
 
-    def _read(self, value, name: str, *, whole: bool = True) -> bytes | str | None:
-        """A media cell's bytes, or (whole=False: a file PyAV or Pillow opens itself) its checked file path."""
-        data, path = _media(value)
-        if data is not None:
-            return data
-        if path is None:
-            return None
-        if not whole:
-            if not os.path.isfile(path):
-                raise BadSample(f"sample {name}: cannot read {path!r} (No such file or directory)")
-            return path
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except OSError as e:
-            raise BadSample(f"sample {name}: cannot read {path!r} ({e.strerror or e})") from None
-
-    def _sample(self, i: int) -> tuple[str, str, str, object]:
-        """(name, caption, 'image' or 'video', media cell) of dataset sample i; BadSample for a missing caption or
-        media, or both an image and a video."""
+    def _sample(self, i: int) -> tuple[str, str, str, bytes | str]:
+        """(name, caption, 'image' or 'video', the media's bytes or file path) of dataset sample i; BadSample for a
+        missing caption, media or file, or both an image and a video."""
         cfg = self.cfg
         row = self.ds[i]
         name = self.where(i, row)
@@ -303,47 +393,37 @@ class FileSamples:
                 f"sample {name}: holds an image ({cfg.image_field!r}) and a video ({cfg.video_field!r}); "
                 f"a sample is one of them"
             )
-        if image is not None and _media(image) != (None, None):
-            return name, caption, "image", image
-        if video is not None and _media(video) != (None, None):
-            return name, caption, "video", video
+        for kind, (data, path) in (("image", _media(image)), ("video", _media(video))):
+            if data is not None:
+                return name, caption, kind, data
+            if path is not None:  # a file that Pillow or PyAV opens itself
+                if not os.path.isfile(path):
+                    raise BadSample(f"sample {name}: cannot read {path!r} (No such file or directory)")
+                return name, caption, kind, path
         raise BadSample(f"sample {name}: no image or video (columns {self.fields} are empty)")
 
     def load(self, i: int) -> tuple[torch.Tensor, str]:
         """(pixels [T, 3, H, W], caption) of dataset sample i; BadSample naming its file and row."""
-        cfg, v = self.cfg, self.vision
-        name, caption, kind, value = self._sample(i)
+        name, caption, kind, src = self._sample(i)
+        kw = {"unit": self.unit, "max_side": self.vision.max_image_side, "max_pixels": self.cfg.image_max_pixels}
         if kind == "image":
-            return load_image(
-                self._read(value, name),
-                name,
-                unit=self.unit,
-                max_side=v.max_image_side,
-                max_pixels=cfg.image_max_pixels,
-            )[None], caption
-        return decode_video(
-            self._read(value, name, whole=False),
-            name,
-            max_frames=self.video_frames,
-            unit=self.unit,
-            max_side=v.max_image_side,
-            max_pixels=cfg.image_max_pixels,
-        ), caption
+            return load_image(src, name, **kw)[None], caption
+        return decode_video(src, name, max_frames=self.video_frames, **kw), caption
 
     def measure(self, i: int) -> tuple[int, int]:
         """(tokens in a row, visual tokens) of dataset sample i from the image's header or the video's metadata
         (see video_header) and the caption's tokens, decoding no pixels; BadSample naming its file and row."""
         cfg, v = self.cfg, self.vision
-        name, caption, kind, value = self._sample(i)
+        name, caption, kind, src = self._sample(i)
         if kind == "image":
-            img = open_image(self._read(value, name, whole=False), name, max_pixels=cfg.image_max_pixels)
+            img = open_image(src, name, max_pixels=cfg.image_max_pixels)
             frames, (w, h) = 1, img.size
             img.close()
         else:
-            n, w, h = video_header(self._read(value, name, whole=False), name, max_pixels=cfg.image_max_pixels)
+            n, w, h = video_header(src, name, max_pixels=cfg.image_max_pixels)
             frames = min(n, self.video_frames)
         W, H = fit_size(w, h, self.unit, v.max_image_side)
-        visual = frames * (H // v.patch_size) * (W // v.patch_size) // v.merge**2
+        visual = visual_tokens(v, frames, H, W)
         tokens = 4 + visual + len(self.tok.encode(caption))  # BOS, image start, image end, EOS
         if tokens > cfg.seq_len + 1:
             raise BadSample(
@@ -356,8 +436,7 @@ class FileSamples:
         said (a video whose metadata misstates its frames), is a BadSample, remembered for the skip count."""
         try:
             px, caption = self.load(i)
-            v = self.vision
-            visual = px.shape[0] * (px.shape[2] // v.patch_size) * (px.shape[3] // v.patch_size) // v.merge**2
+            visual = visual_tokens(self.vision, px.shape[0], px.shape[2], px.shape[3])
             if visual != int(self.index.visual[i]):
                 raise BadSample(
                     f"sample {self.where(i)}: decoded to {px.shape[0]} frame(s) of {px.shape[3]}x"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from k3train.data import DataConfig, DataError, build_dataloader, build_tokenizer, recall_accuracy
-from k3train.data import builtin_corpus
+from k3train.data import datasets as data_files
 from k3train.data.builtin_corpus import build_builtin_corpus, list_builtin_files, stdlib_dir
 from k3train.data.datasets import build_file_corpus
 from k3train.data.packing import IGNORE_INDEX, PackedStream, TokenizedDocs, check_vocab, pack_rows_reference, text_hash
@@ -271,7 +271,7 @@ def test_builtin_corpus_deterministic_and_cached(cache, monkeypatch):
     d1 = build_builtin_corpus(cfg, tok, progress=False)
     assert len(os.listdir(cache / "tokens")) == 1
     with monkeypatch.context() as m:  # the second build must come from the cache, without tokenizing
-        m.setattr(builtin_corpus, "tokenize_texts", lambda *a, **k: pytest.fail("tokenized again"))
+        m.setattr(data_files.Tokenize, "__call__", lambda *a: pytest.fail("tokenized again"))
         d2 = build_builtin_corpus(cfg, tok, progress=False)
     monkeypatch.setenv("K3TRAIN_CACHE", str(cache) + "_fresh")
     d3 = build_builtin_corpus(cfg, tok, progress=False)
@@ -348,8 +348,8 @@ def test_vocab_errors(tmp_path):
     docs = docs_from_lists([[1, 2, 290], [5]])
     fake = SimpleNamespace(vocab_size=259)
     with pytest.raises(DataError, match="290 is outside the model vocabulary"):
-        check_vocab(docs, fake, 280, "test docs")
-    check_vocab(docs, fake, 300, "test docs")  # fits: no error
+        check_vocab(docs.tokens, fake, 280, "test docs")
+    check_vocab(docs.tokens, fake, 300, "test docs")  # fits: no error
     with pytest.raises(DataError, match="seq_len"):
         build_dataloader(cfg_(seq_len=0), tok)
     with pytest.raises(DataError, match="data.source"):
