@@ -105,11 +105,6 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
 _LAYER_RE = re.compile(k3_rules.LAYER_NAME)
 
 
-def _layer_of(name: str) -> str | None:
-    m = _LAYER_RE.match(name)
-    return m.group(1) if m else None
-
-
 @contextlib.contextmanager
 def _quiet_routers(module: nn.Module):
     """Recomputation must not count a router's tokens twice or feed its balancer twice."""
@@ -219,7 +214,8 @@ class _Site:
 
     def __init__(self, handle: "ActivationHandle", name: str, module: nn.Module, policy: dict[str, str]):
         self.handle, self.name, self.module, self.policy = handle, name, module, policy
-        self.layer = _layer_of(name)
+        m = _LAYER_RE.match(name)
+        self.layer = m.group(1) if m else None  # the layer this module is in, from its name
         self.calls = 0
 
     @property
