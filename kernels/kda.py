@@ -148,6 +148,13 @@ def _load_state(ptr, offs, m, PRESENT: tl.constexpr, BK: tl.constexpr, BV: tl.co
 
 
 @triton.jit
+def _chunk_program(bos_ptr, eos_ptr):
+    """A per-chunk program (chunk c, head h): c and h, and the chunk's tokens [bos, eos)."""
+    c = tl.program_id(0).to(tl.int64)
+    return c, tl.program_id(1), tl.load(bos_ptr + c), tl.load(eos_ptr + c)
+
+
+@triton.jit
 def _row(x, i, R: tl.constexpr):
     """Row i of x [R, N] as a vector [N]."""
     return tl.sum(tl.where(tl.arange(0, R)[:, None] == i, x, 0.0), 0)
@@ -158,10 +165,7 @@ def _row(x, i, R: tl.constexpr):
 
 @triton.jit
 def _kda_cumsum(g, Gc, bos_ptr, eos_ptr, H, K, BK: tl.constexpr):
-    c = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    bos = tl.load(bos_ptr + c)
-    eos = tl.load(eos_ptr + c)
+    c, h, bos, eos = _chunk_program(bos_ptr, eos_ptr)
     x = _ld_tok(g, bos, eos, h, H, K, 0, BK, 64)
     _st_chk(Gc, tl.cumsum(x, 0), c, 0, h, H, K, 0, BK, 64)
 
@@ -216,18 +220,13 @@ def _inv16(A):
 
 @triton.jit
 def _kda_intra(q, k, beta, Gc, Tm, Aqk, bos_ptr, eos_ptr, scale, H, K, BK: tl.constexpr, PREC: tl.constexpr):
-    c = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    bos = tl.load(bos_ptr + c)
-    eos = tl.load(eos_ptr + c)
-    # Aqk, tile by tile (upper tiles written as zeros)
+    c, h, bos, eos = _chunk_program(bos_ptr, eos_ptr)
+    # Aqk, tile by tile (the buffer is zero-filled: the upper tiles stay zero)
     for I in tl.static_range(4):
         for J in tl.static_range(4):
             if J <= I:
                 a = _score(q, k, Gc, bos, eos, c, h, H, K, scale, I, J, False, BK, PREC)
-            else:
-                a = tl.zeros([16, 16], dtype=tl.float32)
-            _st_chk(Aqk, a, c, I * 16, h, H, 64, J * 16, 16, 16)
+                _st_chk(Aqk, a, c, I * 16, h, H, 64, J * 16, 16, 16)
     # Akk = beta_i P_kk
     b0 = _ld_tok1(beta, bos, eos, h, H, 16)[:, None]
     b1 = _ld_tok1(beta, bos + 16, eos, h, H, 16)[:, None]
@@ -264,19 +263,13 @@ def _kda_intra(q, k, beta, Gc, Tm, Aqk, bos_ptr, eos_ptr, scale, H, K, BK: tl.co
         + tl.dot(A32, T20, input_precision=PREC),
         input_precision=PREC,
     )
-    z = tl.zeros([16, 16], dtype=tl.float32)
+    # (the buffer is zero-filled: the upper tiles stay zero)
     _st_chk(Tm, T00, c, 0, h, H, 64, 0, 16, 16)
-    _st_chk(Tm, z, c, 0, h, H, 64, 16, 16, 16)
-    _st_chk(Tm, z, c, 0, h, H, 64, 32, 16, 16)
-    _st_chk(Tm, z, c, 0, h, H, 64, 48, 16, 16)
     _st_chk(Tm, T10, c, 16, h, H, 64, 0, 16, 16)
     _st_chk(Tm, T11, c, 16, h, H, 64, 16, 16, 16)
-    _st_chk(Tm, z, c, 16, h, H, 64, 32, 16, 16)
-    _st_chk(Tm, z, c, 16, h, H, 64, 48, 16, 16)
     _st_chk(Tm, T20, c, 32, h, H, 64, 0, 16, 16)
     _st_chk(Tm, T21, c, 32, h, H, 64, 16, 16, 16)
     _st_chk(Tm, T22, c, 32, h, H, 64, 32, 16, 16)
-    _st_chk(Tm, z, c, 32, h, H, 64, 48, 16, 16)
     _st_chk(Tm, T30, c, 48, h, H, 64, 0, 16, 16)
     _st_chk(Tm, T31, c, 48, h, H, 64, 16, 16, 16)
     _st_chk(Tm, T32, c, 48, h, H, 64, 32, 16, 16)
@@ -287,10 +280,7 @@ def _kda_intra(q, k, beta, Gc, Tm, Aqk, bos_ptr, eos_ptr, scale, H, K, BK: tl.co
 def _kda_wu(
     k, v, beta, Gc, Tm, W, U, bos_ptr, eos_ptr, H, K, V, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr
 ):
-    c = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    bos = tl.load(bos_ptr + c)
-    eos = tl.load(eos_ptr + c)
+    c, h, bos, eos = _chunk_program(bos_ptr, eos_ptr)
     T = _ld_chk(Tm, c, 0, h, H, 64, 0, 64, 64)
     b = _ld_tok1(beta, bos, eos, h, H, 64)[:, None]
     kk = _ld_tok(k, bos, eos, h, H, K, 0, BK, 64)
@@ -468,10 +458,7 @@ def _kda_bwd_dense(
     BV: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    c = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    bos = tl.load(bos_ptr + c)
-    eos = tl.load(eos_ptr + c)
+    c, h, bos, eos = _chunk_program(bos_ptr, eos_ptr)
     T = _ld_chk(Tm, c, 0, h, H, 64, 0, 64, 64)
     Wc = _ld_chk(W, c, 0, h, H, K, 0, BK, 64)
     G = _ld_chk(Gc, c, 0, h, H, K, 0, BK, 64)
@@ -572,10 +559,7 @@ def _kda_bwd_intra(
     """Score gradients. For P[i,j] = sum_d R[i,d] K[j,d] e^{G[i,d]-G[j,d]} with gradient dP: dR = (dP (K e^-G)) e^G
     (row side, through the first row of the row tile), dK = (dP^T (R e^G)) e^-G (column side, through the last row of
     the column tile), dG += R dR - K dK."""
-    c = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    bos = tl.load(bos_ptr + c)
-    eos = tl.load(eos_ptr + c)
+    c, h, bos, eos = _chunk_program(bos_ptr, eos_ptr)
     i = tl.arange(0, 16)
     for t in tl.static_range(4):
         qt = _ld_tok(q, bos + t * 16, eos, h, H, K, 0, BK, 16) * scale
@@ -621,10 +605,7 @@ def _kda_bwd_intra(
 
 @triton.jit
 def _kda_bwd_dg(dGp, dGx, dGl, dg, bos_ptr, eos_ptr, H, K, BK: tl.constexpr):
-    c = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    bos = tl.load(bos_ptr + c)
-    eos = tl.load(eos_ptr + c)
+    c, h, bos, eos = _chunk_program(bos_ptr, eos_ptr)
     x = _ld_chk(dGp, c, 0, h, H, K, 0, BK, 64)
     cols = tl.arange(0, BK)
     gl = tl.load(dGl + (c * H + h) * K + cols, mask=cols < K, other=0.0)
@@ -671,8 +652,7 @@ def _intra(q, k, v, g, beta, table, scale, prec):
     BK, BV = _sizes(K, V)
     f32 = dict(device=k.device, dtype=torch.float32)
     Gc = torch.empty(NC * CHUNK, H, K, **f32)
-    Tm = torch.empty(NC * CHUNK, H, CHUNK, **f32)
-    Aqk = torch.empty(NC * CHUNK, H, CHUNK, **f32)
+    Tm, Aqk = (torch.zeros(NC * CHUNK, H, CHUNK, **f32) for _ in range(2))  # the kernel writes the lower tiles only
     W = torch.empty(NC * CHUNK, H, K, **f32)
     U = torch.empty(NC * CHUNK, H, V, **f32)
     grid = (NC, H)
@@ -691,38 +671,13 @@ class _ChunkKDAFunction(torch.autograd.Function):
         q, k, v, g = (x.reshape(B * T, H, -1).contiguous() for x in (q, k, v, g))
         beta = beta.reshape(B * T, H).contiguous()
         h0c = h0.contiguous() if h0 is not None else None
-        bos, eos, c0, c1 = table
-        N, NC = c0.numel(), bos.numel()
-        BK, BV = _sizes(K, V)
         prec = _precision(q, k, v)
         Gc, _, Aqk, W, U = _intra(q, k, v, g, beta, table, scale, prec)
         o = torch.empty_like(v)
-        hs = torch.empty(NC, H, K, V, device=k.device, dtype=torch.float32)
-        ht = torch.empty(N, H, K, V, device=k.device, dtype=torch.float32)
-        _kda_fwd_state[(N, H, triton.cdiv(V, BV))](
-            q,
-            k,
-            Gc,
-            W,
-            U,
-            Aqk,
-            o,
-            h0c if h0c is not None else ht,
-            hs,
-            ht,
-            bos,
-            eos,
-            c0,
-            c1,
-            scale,
-            H,
-            K,
-            V,
-            HAS_H0=h0c is not None,
-            BK=BK,
-            BV=BV,
-            PREC=prec,
-        )
+        hs = torch.empty(table[0].numel(), H, K, V, device=k.device, dtype=torch.float32)
+        ht = torch.empty(table[2].numel(), H, K, V, device=k.device, dtype=torch.float32)
+        bufs = (q, k, Gc, W, U, Aqk, o, h0c if h0c is not None else ht, hs, ht)
+        _state_pass(_kda_fwd_state, bufs, table, scale, prec, HAS_H0=h0c is not None)
         ctx.save_for_backward(q, k, v, g, beta, h0c, hs, *table)
         ctx.scale, ctx.shape, ctx.prec = scale, (B, T, H, K, V), prec
         return o.view(B, T, H, V), ht
@@ -735,57 +690,32 @@ class _ChunkKDAFunction(torch.autograd.Function):
         chunks = _intra(q, k, v, g, beta, table, ctx.scale, ctx.prec)
         dhs, dU, dh0 = _bwd_state(q, k, do, dht, chunks, table, ctx.scale, ctx.prec)
         dq, dk, dv, dg, dbeta = _bwd_chunks(q, k, v, g, beta, hs, do, chunks, dhs, dU, table, ctx.scale, ctx.prec)
-        shape = lambda x: x.view(B, T, H, -1)
-        return (
-            shape(dq),
-            shape(dk),
-            shape(dv),
-            shape(dg),
-            dbeta.view(B, T, H),
-            dh0.to(h0.dtype) if h0 is not None else None,
-            None,
-            None,
-        )
+        dh0 = dh0.to(h0.dtype) if h0 is not None else None
+        return (*(x.view(B, T, H, -1) for x in (dq, dk, dv, dg)), dbeta.view(B, T, H), dh0, None, None)
+
+
+def _state_pass(kernel, tensors, table, scale, prec, **flag):
+    """kernel[sequences x heads x V-tiles](*tensors, *table, scale, H, K, V, ...): a pass that carries a state across
+    each sequence's chunks; the last tensor is a [N, H, K, V] state."""
+    N, H, K, V = tensors[-1].shape
+    BK, BV = _sizes(K, V)
+    kernel[(N, H, triton.cdiv(V, BV))](*tensors, *table, scale, H, K, V, **flag, BK=BK, BV=BV, PREC=prec)
 
 
 def _bwd_state(q, k, do, dht, chunks, table, scale, prec):
     """Backward through the state recurrence, chunk by chunk from the last: the gradient of the state at each chunk's
     end (dhs), of the chunks' pseudo-values U (dU) and of the initial states (dh0)."""
     Gc, _, Aqk, W, _ = chunks
-    bos, eos, c0, c1 = table
-    N, NC = c0.numel(), bos.numel()
+    NC, N = table[0].numel(), table[2].numel()
     _, H, K = k.shape
     V = do.shape[-1]
-    BK, BV = _sizes(K, V)
     f32 = dict(device=k.device, dtype=torch.float32)
     dhs = torch.empty(NC, H, K, V, **f32)
     dU = torch.empty(NC * CHUNK, H, V, **f32)
     dh0 = torch.empty(N, H, K, V, **f32)
     dhtc = dht.contiguous() if dht is not None else None
-    _kda_bwd_state[(N, H, triton.cdiv(V, BV))](
-        q,
-        k,
-        Gc,
-        W,
-        Aqk,
-        do,
-        dhtc if dhtc is not None else dh0,
-        dhs,
-        dU,
-        dh0,
-        bos,
-        eos,
-        c0,
-        c1,
-        scale,
-        H,
-        K,
-        V,
-        HAS_DHT=dhtc is not None,
-        BK=BK,
-        BV=BV,
-        PREC=prec,
-    )
+    bufs = (q, k, Gc, W, Aqk, do, dhtc if dhtc is not None else dh0, dhs, dU, dh0)
+    _state_pass(_kda_bwd_state, bufs, table, scale, prec, HAS_DHT=dhtc is not None)
     return dhs, dU, dh0
 
 
@@ -802,41 +732,12 @@ def _bwd_chunks(q, k, v, g, beta, hs, do, chunks, dhs, dU, table, scale, prec):
     dqp, dkp, dGp, dGx = (torch.empty(NC * CHUNK, H, K, **f32) for _ in range(4))
     dbp = torch.empty(NC * CHUNK, H, **f32)
     dGl = torch.empty(NC, H, K, **f32)
-    dAqk = torch.empty(NC * CHUNK, H, CHUNK, **f32)
-    dAkk = torch.empty(NC * CHUNK, H, CHUNK, **f32)
+    dAqk, dAkk = (torch.empty(NC * CHUNK, H, CHUNK, **f32) for _ in range(2))
     dv = torch.empty_like(v)
+    dense = (dqp, dkp, dGp, dGx, dbp, dGl, dAqk, dAkk)  # the dense pass's partial gradients
     grid = (NC, H)
     _kda_bwd_dense[grid](
-        q,
-        k,
-        v,
-        beta,
-        Gc,
-        Tm,
-        W,
-        U,
-        hs,
-        dhs,
-        do,
-        dU,
-        dv,
-        dqp,
-        dkp,
-        dGp,
-        dGx,
-        dbp,
-        dGl,
-        dAqk,
-        dAkk,
-        bos,
-        eos,
-        scale,
-        H,
-        K,
-        V,
-        BK=BK,
-        BV=BV,
-        PREC=prec,
+        q, k, v, beta, Gc, Tm, W, U, hs, dhs, do, dU, dv, *dense, bos, eos, scale, H, K, V, BK=BK, BV=BV, PREC=prec
     )
     dq, dk, dbeta, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(beta), torch.empty_like(g)
     _kda_bwd_intra[grid](

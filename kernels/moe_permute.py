@@ -25,25 +25,24 @@ TILE = 4096  # elements of a [BLOCK_N, BLOCK_K, BLOCK_D] tile: BLOCK_N shrinks a
 
 
 @triton.jit
-def _tile(n0, d0, N, K, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Token, slot and feature indices of a tile (int64 tokens) and the masks of the [BN, BK] and [BN, BK, BD] tiles."""
-    n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+def _tile(pos_ptr, N, K, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's tile (tokens from program 0, features from program 1): token, slot and feature indices (int64
+    tokens), each (token, slot)'s row pos, and the masks of the [BN, BK], [BN, BD] and [BN, BK, BD] tiles."""
+    n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     k = tl.arange(0, BLOCK_K)
-    d = d0 + tl.arange(0, BLOCK_D)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     nk_mask = (n[:, None] < N) & (k[None, :] < K)
-    nkd_mask = nk_mask[:, :, None] & (d[None, None, :] < D)
-    return n, k, d, nk_mask, nkd_mask
+    pos = tl.load(pos_ptr + n[:, None] * K + k[None, :], mask=nk_mask, other=0)
+    nd_mask = (n[:, None] < N) & (d[None, :] < D)
+    return n, k, d, pos, nk_mask, nd_mask, nk_mask[:, :, None] & (d[None, None, :] < D)
 
 
 @triton.jit
 def _permute_fwd(
     x_ptr, pos_ptr, rows_ptr, N, K, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr
 ):
-    n, k, d, nk_mask, nkd_mask = _tile(
-        tl.program_id(0) * BLOCK_N, tl.program_id(1) * BLOCK_D, N, K, D, BLOCK_N, BLOCK_K, BLOCK_D
-    )
-    pos = tl.load(pos_ptr + n[:, None] * K + k[None, :], mask=nk_mask, other=0)
-    xd = tl.load(x_ptr + n[:, None] * D + d[None, :], mask=(n[:, None] < N) & (d[None, :] < D), other=0.0)
+    n, k, d, pos, nk_mask, nd_mask, nkd_mask = _tile(pos_ptr, N, K, D, BLOCK_N, BLOCK_K, BLOCK_D)
+    xd = tl.load(x_ptr + n[:, None] * D + d[None, :], mask=nd_mask, other=0.0)
     out = tl.broadcast_to(xd[:, None, :], (BLOCK_N, BLOCK_K, BLOCK_D))
     tl.store(rows_ptr + pos[:, :, None] * D + d[None, None, :], out, mask=nkd_mask)
 
@@ -52,31 +51,21 @@ def _permute_fwd(
 def _permute_bwd(
     drows_ptr, pos_ptr, dx_ptr, N, K, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr
 ):
-    n, k, d, nk_mask, nkd_mask = _tile(
-        tl.program_id(0) * BLOCK_N, tl.program_id(1) * BLOCK_D, N, K, D, BLOCK_N, BLOCK_K, BLOCK_D
-    )
-    pos = tl.load(pos_ptr + n[:, None] * K + k[None, :], mask=nk_mask, other=0)
+    n, k, d, pos, nk_mask, nd_mask, nkd_mask = _tile(pos_ptr, N, K, D, BLOCK_N, BLOCK_K, BLOCK_D)
     g = tl.load(drows_ptr + pos[:, :, None] * D + d[None, None, :], mask=nkd_mask, other=0.0).to(tl.float32)
     dx = tl.sum(g, axis=1)
-    tl.store(
-        dx_ptr + n[:, None] * D + d[None, :], dx.to(dx_ptr.dtype.element_ty), mask=(n[:, None] < N) & (d[None, :] < D)
-    )
+    tl.store(dx_ptr + n[:, None] * D + d[None, :], dx.to(dx_ptr.dtype.element_ty), mask=nd_mask)
 
 
 @triton.jit
 def _unpermute_fwd(
     y_ptr, w_ptr, pos_ptr, u_ptr, N, K, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr
 ):
-    n, k, d, nk_mask, nkd_mask = _tile(
-        tl.program_id(0) * BLOCK_N, tl.program_id(1) * BLOCK_D, N, K, D, BLOCK_N, BLOCK_K, BLOCK_D
-    )
-    pos = tl.load(pos_ptr + n[:, None] * K + k[None, :], mask=nk_mask, other=0)
+    n, k, d, pos, nk_mask, nd_mask, nkd_mask = _tile(pos_ptr, N, K, D, BLOCK_N, BLOCK_K, BLOCK_D)
     w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nk_mask, other=0.0).to(tl.float32)
     y = tl.load(y_ptr + pos[:, :, None] * D + d[None, None, :], mask=nkd_mask, other=0.0).to(tl.float32)
     u = tl.sum(w[:, :, None] * y, axis=1)
-    tl.store(
-        u_ptr + n[:, None] * D + d[None, :], u.to(u_ptr.dtype.element_ty), mask=(n[:, None] < N) & (d[None, :] < D)
-    )
+    tl.store(u_ptr + n[:, None] * D + d[None, :], u.to(u_ptr.dtype.element_ty), mask=nd_mask)
 
 
 @triton.jit
@@ -94,9 +83,8 @@ def _unpermute_bwd(
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # One program owns its tokens' whole rows: dw[n, k] sums over all of D here, without atomics.
-    n, k, _, nk_mask, _ = _tile(tl.program_id(0) * BLOCK_N, 0, N, K, D, BLOCK_N, BLOCK_K, BLOCK_D)
-    pos = tl.load(pos_ptr + n[:, None] * K + k[None, :], mask=nk_mask, other=0)
+    # One program owns its tokens' whole rows (one program along D): dw[n, k] sums over all of D here, without atomics.
+    n, k, _, pos, nk_mask, _, _ = _tile(pos_ptr, N, K, D, BLOCK_N, BLOCK_K, BLOCK_D)
     w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nk_mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
@@ -112,13 +100,13 @@ def _unpermute_bwd(
     tl.store(dw_ptr + n[:, None] * K + k[None, :], dw.to(dw_ptr.dtype.element_ty), mask=nk_mask)
 
 
-def _blocks(K: int) -> dict:
+def _launch(kernel, N: int, K: int, D: int, *tensors: torch.Tensor, split_d: bool = True) -> None:
+    """kernel[grid](*tensors, N, K, D, blocks): tiles of BLOCK_N tokens x all K slots x BLOCK_D features, one program
+    per tile (split_d=False: one program along D, which loops over the features)."""
     block_k = triton.next_power_of_2(K)
-    return dict(BLOCK_N=max(1, min(16, TILE // (block_k * BLOCK_D))), BLOCK_K=block_k, BLOCK_D=BLOCK_D)
-
-
-def _grid(N: int, D: int, blocks: dict, split_d: bool = True):
-    return (triton.cdiv(N, blocks["BLOCK_N"]), triton.cdiv(D, BLOCK_D) if split_d else 1)
+    block_n = max(1, min(16, TILE // (block_k * BLOCK_D)))
+    grid = (triton.cdiv(N, block_n), triton.cdiv(D, BLOCK_D) if split_d else 1)
+    kernel[grid](*tensors, N, K, D, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_D=BLOCK_D)
 
 
 class _Permute(torch.autograd.Function):
@@ -128,8 +116,7 @@ class _Permute(torch.autograd.Function):
         (N, D), K = x.shape, pos.shape[1]
         rows = x.new_empty(N * K, D)
         if rows.numel():
-            b = _blocks(K)
-            _permute_fwd[_grid(N, D, b)](x, pos, rows, N, K, D, **b)
+            _launch(_permute_fwd, N, K, D, x, pos, rows)
         ctx.save_for_backward(pos)
         return rows
 
@@ -141,8 +128,7 @@ class _Permute(torch.autograd.Function):
         D = drows.shape[1]
         dx = drows.new_empty(N, D)
         if dx.numel():
-            b = _blocks(K)
-            _permute_bwd[_grid(N, D, b)](drows, pos, dx, N, K, D, **b)
+            _launch(_permute_bwd, N, K, D, drows, pos, dx)
         return dx, None
 
 
@@ -154,8 +140,7 @@ class _Unpermute(torch.autograd.Function):
         D = y.shape[1]
         u = y.new_empty(N, D)
         if u.numel():
-            b = _blocks(K)
-            _unpermute_fwd[_grid(N, D, b)](y, w, pos, u, N, K, D, **b)
+            _launch(_unpermute_fwd, N, K, D, y, w, pos, u)
         ctx.save_for_backward(y, w, pos)
         return u
 
@@ -168,8 +153,7 @@ class _Unpermute(torch.autograd.Function):
         dy = torch.empty_like(y)
         dw = torch.empty_like(w)
         if N * K:
-            b = _blocks(K)
-            _unpermute_bwd[_grid(N, D, b, split_d=False)](du, y, w, pos, dy, dw, N, K, D, **b)
+            _launch(_unpermute_bwd, N, K, D, du, y, w, pos, dy, dw, split_d=False)
         return dy, dw, None
 
 

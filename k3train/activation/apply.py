@@ -10,7 +10,7 @@ policy of each managed module (inherited from, covered by or taken out of its ma
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -168,8 +168,7 @@ def _effective_policies(resolved: dict, tree: _Tree, handle: ActivationHandle) -
 
 
 def _policy_text(pol: dict[str, str]) -> str:
-    if pol["activation"] == "recompute":
-        return "recompute"
+    # (recompute is a whole-module policy: both roles are 'recompute' then)
     if pol["input"] == pol["activation"]:
         return pol["input"]
     return f"input={pol['input']}, activation={pol['activation']}"
@@ -200,9 +199,7 @@ def _install(handle: ActivationHandle, tree: _Tree, effective: dict[str, dict[st
 
 
 def _log_plan(handle: ActivationHandle) -> None:
-    counts: dict[str, int] = defaultdict(int)
-    for text in handle.plan.values():
-        counts[text] += 1
+    counts = Counter(handle.plan.values())
     log.info(
         "activation policies: %d managed modules (%s)%s",
         len(handle.sites),

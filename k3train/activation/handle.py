@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any, Callable
 
 import torch
@@ -66,10 +66,7 @@ class ActivationHandle:
         modules under their own name, '<root>' for what no layer holds). Keys per entry: BUCKETS, plus fp8_source
         (the original bytes of what is stored in fp8), fp8_elements, on_device (device + fp8 + recompute),
         offloaded (local + remote) and saved (on_device + offloaded). Parameters are never in saved."""
-        total: dict[str, int] = defaultdict(int)
-        for d in self._stats.values():
-            for k, v in d.items():
-                total[k] += v
+        total = sum((Counter(d) for d in self._stats.values()), Counter())
         out = {
             "total": self._summarise(total),
             "layers": {k: self._summarise(v) for k, v in sorted(self._stats.items())},

@@ -102,16 +102,7 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
     return p or None
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 _LAYER_RE = re.compile(k3_rules.LAYER_NAME)
-
-
-def _layer_of(name: str) -> str | None:
-    m = _LAYER_RE.match(name)
-    return m.group(1) if m else None
 
 
 @contextlib.contextmanager
@@ -157,7 +148,7 @@ class _Call:
             # A storage counts once per call; a dead earlier reference means the address was freed and reused.
             if ptr is not None:
                 self.counted[ptr] = weakref.ref(kept)
-            self.handle.add(self._layer(), bucket, t.untyped_storage().nbytes() if ptr else _nbytes(t), ptr)
+            self.handle.add(self._layer(), bucket, t.untyped_storage().nbytes() if ptr else t.nbytes, ptr)
         return kept
 
     def pack(self, t: torch.Tensor):
@@ -168,30 +159,26 @@ class _Call:
             policy = self.site.policy["input" if ptr is not None and ptr in self.input_ptrs else "activation"]
             if policy == "keep" or ptr is None or t.device.type == "meta":
                 return self._keep(t, ptr, "device")
+            if policy == "fp8" and (
+                not t.is_floating_point() or t.numel() < FP8_MIN_NUMEL or t.element_size() > self.handle.dtype.itemsize
+            ):
+                return self._keep(t, ptr, "device")
             key = (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
             hit = self.cache.get(key)
             if hit is not None:
                 return hit[1]
             layer = self._layer()
             if policy == "fp8":
-                if (
-                    not t.is_floating_point()
-                    or t.numel() < FP8_MIN_NUMEL
-                    or t.element_size() > self.handle.dtype.itemsize
-                ):
-                    return self._keep(t, ptr, "device")
                 packed = FP8Saved(t)
-                self.handle.add(layer, "fp8", packed.nbytes)
-                self.handle.add(layer, "fp8_source", _nbytes(t))
+                self.handle.add(layer, "fp8_source", t.nbytes)
                 self.handle.add(layer, "fp8_elements", t.numel())
             elif policy == "offload_local":
                 packed = HostSaved(t, self.handle.offloader)
-                self.handle.add(layer, "offload_local", packed.nbytes)
                 if t.device.type != "cpu":
                     self.host_items.append(packed)
             else:  # offload_remote
                 packed = RemoteSaved(t, self.remote)
-                self.handle.add(layer, "offload_remote", packed.nbytes)
+            self.handle.add(layer, policy, packed.nbytes)  # the bucket of each stored form is its policy's name
             self.cache[key] = (t, packed)  # the original stays referenced until the call ends: no address reuse
             return packed
 
@@ -205,10 +192,8 @@ class _Call:
                 # No gradient can reach this call (the same on every rank): nothing to exchange, keep locally.
                 self.remote.restored = self.remote.pending
                 self.remote.pending = []
-        if not outs:
-            return
         remote, host_items, handle = self.remote, self.host_items, self.handle
-        if remote is None and not host_items:
+        if not outs or (remote is None and not host_items):
             return
         if host_items:
             handle.queue_offloaded(host_items)
@@ -229,7 +214,8 @@ class _Site:
 
     def __init__(self, handle: "ActivationHandle", name: str, module: nn.Module, policy: dict[str, str]):
         self.handle, self.name, self.module, self.policy = handle, name, module, policy
-        self.layer = _layer_of(name)
+        m = _LAYER_RE.match(name)
+        self.layer = m.group(1) if m else None  # the layer this module is in, from its name
         self.calls = 0
 
     @property
@@ -237,10 +223,7 @@ class _Site:
         return self.policy["activation"] == "recompute"
 
     def param_ptrs(self) -> set[int]:
-        ptrs = {_storage_ptr(p) for p in self.module.parameters()}
-        ptrs |= {_storage_ptr(b) for b in self.module.buffers()}
-        ptrs.discard(None)
-        return ptrs
+        return {_storage_ptr(t) for t in (*self.module.parameters(), *self.module.buffers())} - {None}
 
     def _account_inputs(self, inputs) -> None:
         params, seen = self.param_ptrs(), set()
@@ -249,7 +232,7 @@ class _Site:
                 p = _storage_ptr(t)
                 if p is not None and p not in params and p not in seen:
                     seen.add(p)
-                    self.handle.add(self.layer or self.name or "<root>", "recompute", _nbytes(t), p)
+                    self.handle.add(self.layer or self.name or "<root>", "recompute", t.nbytes, p)
 
     def run(self, fn: Callable, *args, **kwargs):
         """Call fn(*args, **kwargs) under this site's policy."""

@@ -67,8 +67,9 @@ class Rule:
     """May match no module (the built-in defaults). Otherwise a rule that matches nothing is an error."""
 
     def __post_init__(self):
-        check_policy(self.policy)
         policy = self.policy
+        if policy not in POLICIES:
+            raise ValueError(f"unknown activation policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if self.kind is not None and self.kind not in KINDS:
             raise ValueError(f"unknown module kind {self.kind!r} in activation rule; choose one of {list(KINDS)}")
         if self.role is not None and self.role not in ROLES:
@@ -86,19 +87,8 @@ class Rule:
         )
 
     def describe(self) -> str:
-        parts = [
-            f"match={self.match!r}" if self.match is not None else "",
-            f"kind={self.kind!r}" if self.kind else "",
-            f"role={self.role!r}" if self.role else "",
-            f"policy={self.policy!r}",
-        ]
-        return "(" + ", ".join(p for p in parts if p) + ")"
-
-
-def check_policy(policy: Any) -> None:
-    """ValueError unless `policy` is one of POLICIES (the message lists them)."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown activation policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        fields = ("match", "kind", "role", "policy")
+        return "(" + ", ".join(f"{f}={getattr(self, f)!r}" for f in fields if getattr(self, f) is not None) + ")"
 
 
 def default_rules() -> list[Rule]:
@@ -133,7 +123,6 @@ def rules_from_config(cfg: Any) -> list[Rule]:
     then its default policy for every decoder layer."""
     rules = [as_rule(r) for r in (getattr(cfg, "rules", None) or [])]
     rules += default_rules()
-    check_policy(cfg.policy)
-    if cfg.policy != "keep":
+    if cfg.policy != "keep":  # (an unknown policy fails in Rule)
         rules.append(Rule(kind="layer", policy=cfg.policy, optional=True))
     return rules

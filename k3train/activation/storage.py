@@ -85,7 +85,7 @@ class HostSaved:
 
     @property
     def nbytes(self) -> int:
-        return self.host.numel() * self.host.element_size()
+        return self.host.nbytes
 
     def prefetch(self) -> None:
         if self.device_copy is None and self.layout.device.type != "cpu":
@@ -152,7 +152,7 @@ class RemoteCall:
     def __init__(self, key, exchange: "RemoteExchange"):
         self.key, self.exchange = key, exchange
         self.pending: list[torch.Tensor] = []  # compact bases until the end of the forward
-        self.meta: list[tuple[torch.dtype, torch.Size, int]] = []  # (dtype, shape, byte offset) per base
+        self.meta: list[tuple[torch.dtype, torch.Size, int, int]] = []  # (dtype, shape, byte offset, bytes) per base
         self.restored: list[torch.Tensor] | None = None
         self.device = None
 
@@ -166,7 +166,7 @@ class RemoteCall:
         parts, offset = [], 0
         for b in self.pending:
             raw = b.reshape(-1).view(torch.uint8)
-            self.meta.append((b.dtype, b.shape, offset))
+            self.meta.append((b.dtype, b.shape, offset, raw.numel()))
             parts.append(raw)
             offset += raw.numel()
             pad = -offset % 16  # every part starts 16-byte aligned, so it can be viewed as its dtype again
@@ -183,11 +183,7 @@ class RemoteCall:
         if self.restored is not None:
             return
         payload = self.exchange.retrieve(self.key, self.device)
-        out = []
-        for dtype, shape, off in self.meta:
-            n = shape.numel() * torch.empty((), dtype=dtype).element_size()
-            out.append(payload[off : off + n].view(dtype).view(shape))
-        self.restored = out
+        self.restored = [payload[off : off + n].view(dtype).view(shape) for dtype, shape, off, n in self.meta]
 
 
 class RemoteSaved:
@@ -197,7 +193,7 @@ class RemoteSaved:
         self.layout, base = Layout.compact(t)
         self.call = call
         self.index = call.add(base)
-        self.nbytes = base.numel() * base.element_size()
+        self.nbytes = base.nbytes
 
     def unpack(self) -> torch.Tensor:
         if self.call.restored is None:
@@ -259,8 +255,7 @@ class RemoteExchange:
         self.hosted[key] = self._swap(payload, None)
 
     def retrieve(self, key, device) -> torch.Tensor:
-        theirs = self.hosted.pop(key)
-        return self._swap(theirs, device)
+        return self._swap(self.hosted.pop(key), device)
 
     def clear(self) -> None:
         self.hosted.clear()
