@@ -32,14 +32,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from k3train.activation import (
-    Rule,
-    activation_groups,
-    apply_activation_policies,
-    default_rules,
-    load_activation_group,
-    rules_from_config,
-)
+from k3train.activation import Rule, apply_activation_policies, default_rules, rules_from_config
+from k3train.config.store import activation_groups, load_activation_group
 from k3train.models.k3.args import get_preset
 from k3train.models.k3.model import K3Model
 
