@@ -30,6 +30,7 @@ from torch import nn
 from k3train.models.structure import MatrixStructure
 from k3train.optim.config import OptimConfig
 from k3train.optim.muon import PerHeadMuon, check_structure, piece_shapes
+from k3train.optim.sharding import ShardingPlan
 
 
 def _embedding_params(model: nn.Module) -> set[int]:
@@ -144,11 +145,14 @@ def build_optimizer(
     experts: set[str] = frozenset(),
     process_group=None,
     process_groups: dict | None = None,
+    sharding: ShardingPlan | None = None,
 ) -> tuple[torch.optim.Optimizer, list[str]]:
     """The torch optimizer over tensor_for(name) of the names in `order` (model order), and the names in the
     optimizer's group order. experts: the home-expert parameters (Muon group "muon_experts", sharded over
     process_groups["edp"] when given); process_group: Muon's owner group for the dense matrices (None: every rank
-    orthogonalises every matrix). The vision tower's tensors form groups of their own, with cfg.vision_weight_decay."""
+    orthogonalises every matrix). The vision tower's tensors form groups of their own, with cfg.vision_weight_decay.
+    sharding: the run's ShardingPlan ("dense" and "expert" groups); its `owners` are the Muon owners the optimizer
+    steps with, so the two cannot disagree (without it PerHeadMuon balances its own groups' matrices)."""
     tower = {n for n in order if n.startswith("vision.")}
     names = {
         "adamw": [n for n in order if kinds[n][0] == "adamw" and n not in tower],
@@ -176,6 +180,11 @@ def build_optimizer(
             | {"weight_decay": decay, "name": g}
         )
     gs[-1] |= {"shard_over": "edp", "sharded": bool(process_groups)}
+    owners = {}  # the plan's owners in the optimizer's group order (the plan's is model order)
+    for shard, key, groups in (("dp_cp", "dense", ("muon", "muon_vision")), ("edp", "expert", ("muon_experts",))):
+        if sharding is not None and sharding.owner_sharded(key):
+            of = sharding.param_owners(key)
+            owners[shard] = [o for g in groups for n in muon_names[g] for o in of[n]]
     gs += [g | {"algorithm": "adamw"} for g in adamw]
     opt = PerHeadMuon(
         [g for g in gs if g["params"]],
@@ -188,5 +197,6 @@ def build_optimizer(
         eps=cfg.eps,
         process_group=process_group,
         process_groups=process_groups or {},
+        owners=owners,
     )
     return opt, [n for ns in (*muon_names.values(), *names.values()) for n in ns]

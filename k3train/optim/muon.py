@@ -54,14 +54,7 @@ from k3train.ops.dtypes import wide
 from k3train.models.structure import MatrixStructure
 from k3train.distributed import comm
 from k3train.optim.muon_state import new_owned_momentum, owned_piece_views, owns_any, state_dtype
-from k3train.optim.pieces import (  # noqa: F401  (re-exported: the matrix layout is part of Muon's interface)
-    from_matrices,
-    from_pieces,
-    matrix_shape,
-    piece_shapes,
-    to_matrices,
-    to_pieces,
-)
+from k3train.optim.pieces import from_pieces, piece_shapes, to_pieces
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 MUON_RMS_SCALE = 0.2
@@ -297,7 +290,10 @@ class PerHeadMuon(Optimizer):
     process_group: shard the Muon state and Newton-Schulz work across this group (ZeRO-1; the group named "dp_cp");
     every rank must hold the same parameters of the sharded groups and the same reduced gradients, and ends with the
     same parameters. process_groups: more named groups for ``shard_over`` (e.g. "edp": the replicas of expert-parallel
-    home experts). Each named group has its own ownership plan.
+    home experts). Each named group has its own ownership plan. owners: {named group: owner rank of every matrix of
+    the Muon params sharded over it, in group/param order, piece after piece}; k3train.optim.build passes the
+    assignment of the run's k3train.optim.sharding.ShardingPlan, so the optimizer and the plan (memory facts, the
+    planner) agree. A named group without one balances its matrices here with `assign_owners`.
     """
 
     def __init__(
@@ -316,6 +312,7 @@ class PerHeadMuon(Optimizer):
         eps: float = 1e-8,
         process_group: dist.ProcessGroup | None = None,
         process_groups: dict[str, dist.ProcessGroup | None] | None = None,
+        owners: dict[str, Sequence[int]] | None = None,
     ):
         if not lr >= 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -329,6 +326,7 @@ class PerHeadMuon(Optimizer):
         self.process_group = process_group
         self.process_groups = {"dp_cp": process_group, **(process_groups or {})}
         self._plans: dict[str, dict] = {}  # shard_over name -> ZeRO-1 ownership plan, built when first needed
+        self.owners = dict(owners or {})
         self.full_grads: dict[int, Tensor] = {}  # id(p) -> reduced fp32 gradient standing in for p.grad
         self.owned_grads: dict[int, Tensor] = {}  # id(p) -> reduced gradient of the owned matrices only (flat)
         defaults = dict(
@@ -404,18 +402,6 @@ class PerHeadMuon(Optimizer):
         self._muon_step(local_only=True)
         return loss
 
-    # The dense ("dp_cp") plan under its historical name.
-    @property
-    def _plan(self) -> dict | None:
-        return self._plans.get("dp_cp")
-
-    @_plan.setter
-    def _plan(self, plan: dict | None) -> None:
-        if plan is None:
-            self._plans.pop("dp_cp", None)
-        else:
-            self._plans["dp_cp"] = plan
-
     def _sharding_live(self, name: str) -> bool:
         g = self.process_groups.get(name)
         return g is not None and dist.is_initialized() and dist.get_world_size(g) > 1
@@ -436,9 +422,6 @@ class PerHeadMuon(Optimizer):
                 out.append(name)
         return out
 
-    def _sharded(self) -> bool:
-        return bool(self.shardings())
-
     def _nesterov_update(self, group: dict, g: Tensor, buf: Tensor) -> Tensor:
         """Advance the momentum buffer in place and return the (Nesterov) update, in buf's dtype."""
         mu = group["momentum"]
@@ -458,10 +441,6 @@ class PerHeadMuon(Optimizer):
         if wd:
             p.mul_(1 - lr * wd)
         p.add_(upd.to(p.dtype), alpha=-lr * scale)
-
-    def is_sharded(self, p: Tensor) -> bool:
-        """Whether p's Muon state is split over the owners of a process group (else it is kept whole on every rank)."""
-        return any(self._sharding_of(g) is not None and any(q is p for q in g["params"]) for g in self.param_groups)
 
     def _muon_step(self, local_only: bool = False) -> None:
         """Every Muon group on this rank (local_only: only the groups that are not sharded)."""
@@ -507,7 +486,12 @@ class PerHeadMuon(Optimizer):
                 params.append((gi, p, pieces, len(shapes)))
                 for n, r, c in pieces:
                     shapes.extend([(r, c)] * n)
-        owners = torch.tensor(assign_owners(shapes, world), dtype=torch.long)
+        given = self.owners.get(name)
+        if given is not None and (len(given) != len(shapes) or not all(0 <= o < world for o in given)):
+            raise ValueError(
+                f"owners[{name!r}] must give each of the {len(shapes)} Muon matrices a rank in [0, {world})"
+            )
+        owners = torch.tensor(assign_owners(shapes, world) if given is None else list(given), dtype=torch.long)
         per_param = []
         offsets = [0] * world  # running offset of each rank's packed update buffer
         for gi, p, pieces, start in params:
@@ -721,13 +705,6 @@ class PerHeadMuon(Optimizer):
             m2,
             [],
             steps,
-            foreach=None,
-            capturable=False,
-            differentiable=False,
-            fused=None,
-            grad_scale=None,
-            found_inf=None,
-            has_complex=False,
             amsgrad=False,
             beta1=beta1,
             beta2=beta2,

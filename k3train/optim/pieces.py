@@ -82,12 +82,6 @@ def _one_piece(s: MatrixStructure, per_head: bool) -> None:
         raise ValueError(f"{s} decomposes into {len(s.splits)} matrix shapes: use piece_shapes/to_pieces/from_pieces")
 
 
-def matrix_shape(shape: Sequence[int], s: MatrixStructure, per_head: bool = True) -> tuple[int, int, int]:
-    """(number of matrices, rows, cols) of the matrices a tensor of `shape` decomposes into (one piece only)."""
-    _one_piece(s, per_head)
-    return piece_shapes(shape, s, per_head)[0]
-
-
 def to_matrices(t: Tensor, s: MatrixStructure, per_head: bool = True) -> Tensor:
     """View/copy t [..., R, C] as its independent matrices [N, r, c] (one piece only)."""
     _one_piece(s, per_head)

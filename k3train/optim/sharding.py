@@ -113,6 +113,15 @@ class ShardingPlan:
             (ps.stage, r, c) for ps in self.params if ps.group == group for cnt, r, c in ps.matrices for _ in range(cnt)
         ]
 
+    def param_owners(self, group: str) -> dict[str, tuple[int, ...]]:
+        """Name -> owner of each of its matrices (piece after piece), for the Muon parameters of an owner-sharded
+        group: the assignment the optimizer steps with (k3train.optim.build.build_optimizer)."""
+        owners, out = iter(dict(self.owners)[group]), {}
+        for ps in self.params:
+            if ps.group == group and ps.matrices:
+                out[ps.name] = tuple(next(owners) for cnt, _, _ in ps.matrices for _ in range(cnt))
+        return out
+
     def muon_numel(self, group: str, q: int | None = None) -> int:
         """Elements of the group's Muon matrices that rank q owns (None, or a group not owner-sharded: all)."""
         owners = dict(self.owners).get(group)

@@ -26,16 +26,12 @@ from k3train.optim.muon import (
     PerHeadMuon,
     assign_owners,
     check_structure,
-    from_matrices,
-    from_pieces,
     newton_schulz5,
     newton_schulz5_reference,
     ns_cost,
     orthogonalise_bucketed,
-    piece_shapes,
-    to_matrices,
-    to_pieces,
 )
+from k3train.optim.pieces import from_matrices, from_pieces, piece_shapes, to_matrices, to_pieces
 from k3train.optim.qk_clip import apply_qk_clip, qk_clip_
 from k3train.optim.build import describe_groups, split_params
 from k3train.parallel.zero import ShardedOptimizer
@@ -214,7 +210,7 @@ def test_whole_matrix_step_matches_torch_muon():
     grads = [torch.randn(48, 80, generator=g) for _ in range(3)]
     ours, theirs = nn.Parameter(W0.clone()), nn.Parameter(W0.clone())
     opt = PerHeadMuon(
-        [{"params": [ours], "structures": [MatrixStructure("rows", 4)]}],
+        [{"params": [ours], "structures": [MatrixStructure("rows", 3)]}],
         lr=0.02,
         weight_decay=0.1,
         momentum=0.95,
@@ -573,7 +569,7 @@ def test_split_plan_and_checkpoint_over_two_ranks(monkeypatch):
         monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None, r=rank: r)
         params = [nn.Parameter(torch.zeros(*shape, dtype=torch.float64)) for shape, _ in specs]
         opt = PerHeadMuon([{"params": params, "structures": [s for _, s in specs]}])
-        plan = opt._plan = opt._build_plan()
+        plan = opt.plan()
         gathered.append([])
         for (shape, s), p, e, full in zip(specs, params, plan["params"], moms):
             assert [(pc["n"], pc["rows"], pc["cols"]) for pc in e["pieces"]] == piece_shapes(shape, s)
@@ -718,6 +714,65 @@ def test_build_optimizer_muon_and_adamw_groups():
         build_optimizer(m, OptimConfig(name="sgd"))
     with pytest.raises(ValueError, match="muon_structure"):
         build_optimizer(nn.Linear(3, 3), OptimConfig(name="muon"))
+
+
+class VisionToy(nn.Module):
+    """A vision tower (ahead of the text model in model order, with head matrices of the text's qkv shape) and ToyModel."""
+
+    def __init__(self):
+        super().__init__()
+        self.vision = nn.Linear(16, 3 * 8, bias=False)
+        self.text = ToyModel()
+
+    def muon_structure(self):
+        text = {f"text.{n}": s for n, s in self.text.muon_structure().items()}
+        return {"vision.weight": MatrixStructure("rows", 3), **text}
+
+
+def _owners_used(opt: PerHeadMuon, names: dict[int, str]) -> dict[str, list[int]]:
+    """Name -> owner of each of its matrices, read off the optimizer's dense ZeRO-1 plan."""
+    used = {}
+    for e in opt.plan("dp_cp")["params"]:
+        used[names[id(e["param"])]] = []
+        for pc in e["pieces"]:
+            o = torch.empty(pc["n"], dtype=torch.long)
+            for q, (idx, _, _) in enumerate(pc["by_rank"]):
+                o[idx] = q
+            used[names[id(e["param"])]] += o.tolist()
+    return used
+
+
+def test_muon_owners_are_the_sharding_plans(monkeypatch):
+    """The dense group holds vision and text matrices: model order (the plan's) puts the tower first, the optimizer
+    keeps it in a group after the text one. The owners PerHeadMuon steps with are ShardingPlan.owners, matrix by
+    matrix; balanced by the optimizer itself in its group order, they would differ for this model."""
+    import torch.distributed as dist
+
+    from k3train.optim.build import build_optimizer as build_torch_optimizer, param_kinds
+    from k3train.optim.sharding import ShardingPlan
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    model, cfg = VisionToy(), OptimConfig(name="muon")
+    kinds = param_kinds([model], cfg)
+    params = {n: p for n, p in model.named_parameters() if n in kinds}
+    plan = ShardingPlan.build([(n, tuple(p.shape), *kinds[n], "dense", 0) for n, p in params.items()], {"dense": 2}, 1)
+    names = {id(p): n for n, p in params.items()}
+    got = []
+    for sharding in (plan, None):
+        opt, _ = build_torch_optimizer(
+            cfg, list(params), kinds, params.__getitem__, process_group=object(), sharding=sharding
+        )
+        assert [g["name"] for g in opt.param_groups][:2] == ["muon", "muon_vision"]
+        used = _owners_used(opt, names)
+        got.append([o for n in params if n in used for o in used[n]])
+    assert got[0] == list(dict(plan.owners)["dense"])
+    assert got[1] != got[0]  # the disagreement the shared plan removes
+    vision = [{"params": [params["vision.weight"]], "structures": [MatrixStructure("rows", 3)]}]
+    for bad in ([0, 1], [0, 1, 2]):  # one owner per matrix, each a rank of the group
+        with pytest.raises(ValueError, match=r"each of the 3 Muon matrices a rank in \[0, 2\)"):
+            PerHeadMuon(vision, process_group=object(), owners={"dp_cp": bad}).plan()
 
 
 def test_describe_groups_table():
