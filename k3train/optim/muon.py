@@ -53,7 +53,7 @@ from torch.optim.adamw import adamw as _adamw_functional
 from k3train.ops.dtypes import wide
 from k3train.models.structure import MatrixStructure
 from k3train.distributed import comm
-from k3train.optim.muon_state import new_owned_momentum, owned_piece_views, owns_any, state_dtype
+from k3train.optim.muon_state import load_owned, new_owned_momentum, owned_of, owned_piece_views, owns_any, state_dtype
 from k3train.optim.pieces import from_pieces, piece_shapes, to_pieces
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -514,12 +514,10 @@ class PerHeadMuon(Optimizer):
         return self._plans[name]
 
     def plan_of(self, p: Tensor) -> dict:
-        """The ownership plan of a sharded Muon parameter."""
+        """The ownership plan of a parameter of a sharded Muon group."""
         for group in self.param_groups:
-            if any(q is p for q in group["params"]):
-                name = self._sharding_of(group)
-                if name is not None:
-                    return self.plan(name)
+            if group["algorithm"] == "muon" and group["sharded"] and any(q is p for q in group["params"]):
+                return self.plan(group.get("shard_over", "dp_cp"))
         raise KeyError("parameter is not in a sharded Muon group")
 
     def entry_of(self, p: Tensor) -> dict:
@@ -534,23 +532,15 @@ class PerHeadMuon(Optimizer):
     def init_sharded_state(self, masters: bool) -> None:
         """Create the owned momentum (zeros, what the first step would create) and, with masters, the fp32 master
         copy of the owned matrices, for every sharded Muon parameter this rank owns matrices of."""
-        for name in self.shardings():
-            self._init_owned_state(self.plan(name), masters)
-
-    def _init_owned_state(self, plan: dict, masters: bool) -> None:
-        rank = plan["rank"]
-        for e in plan["params"]:
-            if not owns_any(e, rank):
-                continue
-            p, group = e["param"], self.param_groups[e["group"]]
-            st = self.state[p]
-            st.setdefault("momentum_owned", new_owned_momentum(e, rank, p))
-            if masters and "master_owned" not in st:
-                buf = new_owned_momentum(e, rank, p)
-                pieces = to_pieces(p.detach(), self._structure[id(p)], group["per_head"])
-                for pc, w, dst in zip(e["pieces"], pieces, owned_piece_views(e, rank, buf)):
-                    dst.copy_(w.index_select(0, pc["by_rank"][rank][0]))
-                st["master_owned"] = buf
+        for plan in map(self.plan, self.shardings()):
+            rank = plan["rank"]
+            for e in [e for e in plan["params"] if owns_any(e, rank)]:
+                p = e["param"]
+                st = self.state[p]
+                st.setdefault("momentum_owned", new_owned_momentum(e, rank, p))
+                if masters and "master_owned" not in st:
+                    st["master_owned"] = new_owned_momentum(e, rank, p)
+                    load_owned(self, p, p.detach(), st["master_owned"])
 
     @torch.no_grad()
     def reduce_scatter_owned(self, params: Sequence[Tensor], grad_of, dim: str = "dp_cp") -> None:
@@ -607,8 +597,7 @@ class PerHeadMuon(Optimizer):
             if id(p) in self.owned_grads:  # already only the owned matrices
                 grads = owned_piece_views(e, rank, self.owned_grads[id(p)])
             else:
-                full = to_pieces(self._grad_of(p), self._structure[id(p)], group["per_head"])
-                grads = [g.index_select(0, pc["by_rank"][rank][0]) for pc, g in zip(e["pieces"], full)]
+                grads = owned_of(e, rank, to_pieces(self._grad_of(p), self._structure[id(p)], group["per_head"]))
             master = owned_piece_views(e, rank, state["master_owned"]) if "master_owned" in state else None
             for j, (pc, g, buf) in enumerate(
                 zip(e["pieces"], grads, owned_piece_views(e, rank, state["momentum_owned"]))
@@ -667,16 +656,10 @@ class PerHeadMuon(Optimizer):
         if "master_owned" not in st:
             return
         e, rank = self.entry_of(p), self.plan_of(p)["rank"]
-        group = self.param_groups[e["group"]]
         full = row_scale.to(torch.float32).view(-1, *([1] * (p.dim() - 1))).expand(p.shape)
-        for pc, s, W in zip(
-            e["pieces"],
-            to_pieces(full, self._structure[id(p)], group["per_head"]),
-            owned_piece_views(e, rank, st["master_owned"]),
-        ):
-            idx = pc["by_rank"][rank][0]
-            if idx.numel():
-                W.mul_(s.index_select(0, idx))
+        pieces = to_pieces(full, self._structure[id(p)], self.param_groups[e["group"]]["per_head"])
+        for W, s in zip(owned_piece_views(e, rank, st["master_owned"]), owned_of(e, rank, pieces)):
+            W.mul_(s)
 
     # -- AdamW groups ------------------------------------------------------------------------------------------
     def _adamw_step(self, group: dict) -> None:
