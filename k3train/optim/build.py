@@ -82,46 +82,30 @@ def _category(s: MatrixStructure | None, group: str, per_head: bool) -> str:
 
 def describe_groups(model: nn.Module, cfg: OptimConfig) -> str:
     """A table of which parameters get which update, aggregated over layers (layer indices shown as *)."""
-    parts = split_params(model, cfg)
-    rows: OrderedDict[tuple, list[int]] = OrderedDict()
-    for group, items in parts.items():
+    rows: dict[tuple, list[int]] = {}  # (category, pattern, matrix) -> [tensors, matrices, elements]
+    for group, items in split_params(model, cfg).items():
         for name, p, s in items:
-            cat = _category(s, group, cfg.per_head)
+            n, mat = 0, "-"
             if group == "muon":
                 pieces = piece_shapes(p.shape, s, cfg.per_head)
                 n = sum(k for k, _, _ in pieces)
                 mat = ",".join(dict.fromkeys(f"{r}x{c}" for _, r, c in pieces))  # distinct shapes, e.g. K_h,V_h
-            else:
-                n, mat = 0, "-"
-            pattern = re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name)
-            acc = rows.setdefault((cat, pattern, mat), [0, 0, 0])
-            acc[0] += 1
-            acc[1] += n
-            acc[2] += p.numel()
-    order = ["muon per-head", "muon per-expert", "muon whole", "adamw", "adamw_no_decay"]
-    lines = [
-        f"optimizer {cfg.name}: lr {cfg.lr:g}, weight decay {cfg.weight_decay:g}"
-        + (
-            f", momentum {cfg.momentum:g}, {cfg.ns_steps} Newton-Schulz steps, per_head={cfg.per_head}"
-            if cfg.name == "muon"
-            else ""
-        )
-    ]
+            key = (_category(s, group, cfg.per_head), re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name), mat)
+            rows[key] = [a + b for a, b in zip(rows.get(key, [0, 0, 0]), (1, n, p.numel()))]
+    title = f"optimizer {cfg.name}: lr {cfg.lr:g}, weight decay {cfg.weight_decay:g}"
+    if cfg.name == "muon":
+        title += f", momentum {cfg.momentum:g}, {cfg.ns_steps} Newton-Schulz steps, per_head={cfg.per_head}"
     header = f"{'update':<16} {'parameter':<44} {'tensors':>7} {'matrices':>9} {'matrix':>11} {'elements':>15}"
-    lines += [header, "-" * len(header)]
-    totals: OrderedDict[str, list[int]] = OrderedDict()
-    for cat in order:
-        for (c, pattern, mat), (t, n, e) in rows.items():
-            if c != cat:
-                continue
-            lines.append(f"{cat:<16} {pattern:<44} {t:>7} {n if n else '-':>9} {mat:>11} {e:>15,}")
-            tot = totals.setdefault(cat, [0, 0, 0])
-            tot[0] += t
-            tot[1] += n
-            tot[2] += e
+    lines = [title, header, "-" * len(header)]
+    order = ["muon per-head", "muon per-expert", "muon whole", "adamw", "adamw_no_decay"]
+    totals: dict[str, list[int]] = {}
+    for (cat, pattern, mat), (t, n, e) in sorted(rows.items(), key=lambda kv: order.index(kv[0][0])):
+        lines.append(f"{cat:<16} {pattern:<44} {t:>7} {n if n else '-':>9} {mat:>11} {e:>15,}")
+        totals[cat] = [a + b for a, b in zip(totals.get(cat, [0, 0, 0]), (t, n, e))]
     lines.append("-" * len(header))
-    for cat, (t, n, e) in totals.items():
-        lines.append(f"{cat + ' total':<61} {t:>7} {n if n else '-':>9} {'':>11} {e:>15,}")
+    lines += [
+        f"{cat + ' total':<61} {t:>7} {n if n else '-':>9} {'':>11} {e:>15,}" for cat, (t, n, e) in totals.items()
+    ]
     return "\n".join(lines)
 
 
