@@ -24,12 +24,12 @@ The same optimizer also steps plain AdamW groups (`algorithm="adamw"` in a param
 norms, biases and 1-D vectors live in one optimizer object with one state dict and one set of `lr` entries for an LR
 scheduler; the project builds it through `k3train.parallel.zero.ShardedOptimizer`.
 
-ZeRO-1 (`process_group=`): every independent matrix (a head or a split of one, an expert, a whole matrix) has one
-owner rank, chosen by `assign_owners` to balance Newton-Schulz cost. The owner keeps that matrix's momentum
-(optimizer state is sharded), orthogonalises it, and the orthogonalised updates are all-gathered in one collective so
-every rank applies the same update to its full replica of the parameters. Gradients must already be reduced over the
-data-parallel group: either full on every rank (`p.grad`, or `full_grads[id(p)]` for an fp32 gradient of a bf16
-weight), or only the owned matrices (`owned_grads[id(p)]`, from `reduce_scatter_owned`: Pipeline ZeRO-2).
+ZeRO-1 (`process_group=`): every independent matrix (a head or a split of one, an expert, a whole matrix) has one owner
+rank, chosen by `assign_owners` to balance Newton-Schulz cost (in a run: the ShardingPlan's assignment). The owner keeps
+that matrix's momentum (optimizer state is sharded), orthogonalises it, and the orthogonalised updates are all-gathered
+in one collective so every rank applies the same update to its full replica of the parameters. Gradients must already be
+reduced over the data-parallel group: either full on every rank (`p.grad`, or `full_grads[id(p)]` for an fp32 gradient
+of a bf16 weight), or only the owned matrices (`owned_grads[id(p)]`, from `reduce_scatter_owned`: Pipeline ZeRO-2).
 
 Master weights (`init_sharded_state(masters=True)`, for bf16 weights): the owner also keeps an fp32 copy of its
 matrices ("master_owned", laid out like "momentum_owned"); it steps the master and the all-gather carries the new

@@ -74,8 +74,8 @@ def owned_of(entry: dict, rank: int, pieces) -> list[Tensor]:
 def matrix_region(
     shape, s: MatrixStructure, per_head: bool, piece: int, i: int, rows: int, cols: int
 ) -> tuple[list[int], list[int]]:
-    """(offsets, sizes) in a tensor of `shape` of matrix i of piece `piece` (see k3train.optim.pieces.to_pieces): leading dims of
-    size 1, then its rows and columns."""
+    """(offsets, sizes) in a tensor of `shape` of matrix i of piece `piece` (see k3train.optim.pieces.to_pieces):
+    leading dims of size 1, then its rows and columns."""
     *lead, R, C = shape
     heads = per_head and s.kind in ("rows", "cols")
     split_off = sum(s.splits[:piece]) if heads and s.splits else 0

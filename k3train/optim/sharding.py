@@ -9,7 +9,8 @@ its shard groups from the same description:
   owning rows [q c, min((q + 1) c, d0)) (`ParamSharding.rows_of`, `owned_numel`);
 - Muon parameters are kept whole and decompose into matrices (k3train.optim.pieces); when their group is
   owner-sharded (zero >= 1 over more than one rank) each matrix has one owner, chosen by
-  k3train.optim.muon.assign_owners over all the group's matrices in plan order (`ShardingPlan.owners`).
+  k3train.optim.muon.assign_owners over all the group's matrices in plan order (`ShardingPlan.owners`); the
+  optimizer steps with these owners (`param_owners`, passed to PerHeadMuon by k3train.optim.build).
 """
 
 from __future__ import annotations

@@ -717,7 +717,7 @@ def test_build_optimizer_muon_and_adamw_groups():
 
 
 class VisionToy(nn.Module):
-    """A vision tower (ahead of the text model in model order, with head matrices of the text's qkv shape) and ToyModel."""
+    """A vision tower (ahead of the text in model order; head matrices of the text's qkv shape) and ToyModel."""
 
     def __init__(self):
         super().__init__()
