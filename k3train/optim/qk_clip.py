@@ -135,36 +135,6 @@ def _scale_rows(weight: Tensor, row_scale: Tensor) -> None:
 
 
 @torch.no_grad()
-def qk_clip_(
-    q_weight: Tensor,
-    k_weight: Tensor,
-    max_logits: Tensor,
-    threshold: float,
-    *,
-    n_heads: int,
-    qk_dim: int | None = None,
-    shared_dim: int = 0,
-) -> Tensor:
-    """Rescale whole query/key weights in place (see qk_clip_scales for the rows); returns gamma [H].
-
-    q_weight [H * q_rows, in]: per head, rows [0, qk_dim) pair with the head's own key rows, rows
-      [qk_dim, qk_dim + shared_dim) pair with the shared key slice; q_rows = qk_dim + shared_dim.
-    k_weight [H * k_rows, in]: per head, rows [0, qk_dim) are the key; further rows are untouched."""
-    qs, ks, gamma = _target_scales(
-        max_logits,
-        threshold,
-        q_weight=q_weight,
-        k_weight=k_weight,
-        n_heads=n_heads,
-        qk_dim=qk_dim,
-        shared_dim=shared_dim,
-    )
-    _scale_rows(q_weight, qs)
-    _scale_rows(k_weight, ks)
-    return gamma
-
-
-@torch.no_grad()
 def apply_qk_clip(model: nn.Module, threshold: float, group: dist.ProcessGroup | None = None) -> dict[str, Tensor]:
     """QK-Clip every attention module of `model` that reported max logits, on whole weights (one process, or
     replicas that all hold the whole model); MAX-reduces over `group` when it has several ranks. Returns gamma per

@@ -31,8 +31,9 @@ from k3train.optim.muon import (
     ns_cost,
     orthogonalise_bucketed,
 )
-from k3train.optim.pieces import from_matrices, from_pieces, piece_shapes, to_matrices, to_pieces
-from k3train.optim.qk_clip import apply_qk_clip, qk_clip_
+from k3train.optim.pieces import from_pieces, piece_shapes, to_pieces
+from k3train.optim import qk_clip
+from k3train.optim.qk_clip import apply_qk_clip
 from k3train.optim.build import describe_groups, split_params
 from k3train.parallel.zero import ShardedOptimizer
 
@@ -189,8 +190,8 @@ def test_matrix_over_the_cap_runs_alone(monkeypatch):
 def test_views_round_trip(kind, shape, groups):
     s = MatrixStructure(kind, groups)
     t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
-    m = to_matrices(t, s)
-    assert torch.equal(from_matrices(m, shape, s), t)
+    (m,) = to_pieces(t, s)
+    assert torch.equal(from_pieces([m], shape, s), t)
     if kind == "cols" and len(shape) == 2:
         h = shape[1] // groups
         for i in range(groups):
@@ -295,10 +296,10 @@ def test_cols_and_batch_and_bucketing_float64():
         for step in grads:
             M = 0.9 * M + step[k]
             U = step[k] + 0.9 * M
-            mats = to_matrices(U, s)
+            (mats,) = to_pieces(U, s)
             O = torch.stack([newton_schulz5_reference(m_) for m_ in mats])
             scale = 0.2 * math.sqrt(max(O.shape[-2:]))
-            W = W * (1 - 0.03 * 0.1) - 0.03 * scale * from_matrices(O, shape, s)
+            W = W * (1 - 0.03 * 0.1) - 0.03 * scale * from_pieces([O], shape, s)
         torch.testing.assert_close(params[k].detach(), W, rtol=0, atol=2e-14)  # measured 4.4e-16
 
 
@@ -315,7 +316,7 @@ def test_rank_limited_fused_matrix():
     s = MatrixStructure("rows", 12)
     out = {}
     for per_head in (False, True):
-        O = from_matrices(newton_schulz5(to_matrices(G, s, per_head)), G.shape, s, per_head)
+        O = from_pieces([newton_schulz5(to_pieces(G, s, per_head)[0])], G.shape, s, per_head)
         out[per_head] = O.view(12, 16, 64).norm(dim=(1, 2))
     quiet_whole, quiet_head = float(out[False][4:].mean()), float(out[True][4:].mean())
     assert quiet_whole == pytest.approx(0.59, rel=0.15)
@@ -407,11 +408,9 @@ def test_split_views_round_trip(kind, shape):
             assert torch.equal(pieces[1][h], t[:, 8 * h + 3 : 8 * h + 8])
     assert [tuple(p.shape) for p in pieces] == piece_shapes(shape, s)
     assert torch.equal(from_pieces(pieces, shape, s), t)
-    # whole-matrix mode ignores the splits; the one-piece functions refuse a structure of two matrix shapes
+    # whole-matrix mode ignores the splits
     assert piece_shapes(shape, s, per_head=False) == [(L, *shape[-2:])]
     assert torch.equal(from_pieces(to_pieces(t, s, False), shape, s, False), t)
-    with pytest.raises(ValueError, match="to_pieces"):
-        to_matrices(t, s)
 
 
 def test_split_structure_errors():
@@ -898,12 +897,12 @@ def test_qk_clip():
     assert att.max_logits is None  # reset for the next step
     assert apply_qk_clip(model, tau) == {}  # nothing reported: nothing to do
     # directly: the shared-key query rows get gamma, own rows sqrt(gamma)
-    q, k = torch.ones(4, 3), torch.ones(4, 3)
-    qk_clip_(q, k, torch.tensor([4.0, 1.0]), 2.0, n_heads=2, qk_dim=1, shared_dim=1)
-    assert q[:, 0].tolist() == pytest.approx([math.sqrt(0.5), 0.5, 1.0, 1.0])
-    assert k[:, 0].tolist() == pytest.approx([math.sqrt(0.5), 1.0, 1.0, 1.0])
+    rows = dict(n_heads=2, q_rows=2, k_rows=2, qk_dim=1, shared_dim=1)
+    q, k, _ = qk_clip.qk_clip_scales(torch.tensor([4.0, 1.0]), 2.0, **rows)
+    assert q.tolist() == pytest.approx([math.sqrt(0.5), 0.5, 1.0, 1.0])
+    assert k.tolist() == pytest.approx([math.sqrt(0.5), 1.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="max_logits"):
-        qk_clip_(q, k, torch.ones(3), 2.0, n_heads=2, qk_dim=1, shared_dim=1)
+        qk_clip.qk_clip_scales(torch.ones(3), 2.0, **rows)
 
 
 def test_qk_clip_hook_from_config():
