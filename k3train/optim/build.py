@@ -138,38 +138,32 @@ def build_optimizer(
     sharding: the run's ShardingPlan ("dense" and "expert" groups); its `owners` are the Muon owners the optimizer
     steps with, so the two cannot disagree (without it PerHeadMuon balances its own groups' matrices)."""
     tower = {n for n in order if n.startswith("vision.")}
-    names = {
-        "adamw": [n for n in order if kinds[n][0] == "adamw" and n not in tower],
-        "adamw_vision": [n for n in order if kinds[n][0] == "adamw" and n in tower],
-        "adamw_no_decay": [n for n in order if kinds[n][0] == "adamw_no_decay"],
-    }
-    decays = {"adamw": cfg.weight_decay, "adamw_vision": cfg.vision_weight_decay, "adamw_no_decay": 0.0}
-    adamw = [{"params": [tensor_for(n) for n in ns], "weight_decay": decays[g], "name": g} for g, ns in names.items()]
+
+    def group_of(n: str) -> str:
+        # Expert-parallel experts differ from rank to rank, so they cannot join the dense group's ZeRO-1 owners:
+        # sharded, they have owners among their edp replicas (which hold the same home experts).
+        kind = kinds[n][0]
+        if kind == "muon" and n in experts:
+            return "muon_experts"
+        return kind + ("_vision" if n in tower and kind != "adamw_no_decay" else "")
+
+    wd, vision_wd = cfg.weight_decay, cfg.vision_weight_decay
+    decays = dict(muon=wd, muon_vision=vision_wd, muon_experts=wd, adamw=wd, adamw_vision=vision_wd, adamw_no_decay=0.0)
+    names = {g: [n for n in order if group_of(n) == g] for g in decays}
+    gs = [{"params": [tensor_for(n) for n in ns], "weight_decay": decays[g], "name": g} for g, ns in names.items()]
     if cfg.name == "adamw":
-        opt = torch.optim.AdamW([g for g in adamw if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        opt = torch.optim.AdamW([g for g in gs if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
         return opt, [n for ns in names.values() for n in ns]
-    muon = [n for n in order if kinds[n][0] == "muon"]
-    # Expert-parallel experts differ from rank to rank, so they cannot join the dense group's ZeRO-1 owners:
-    # sharded, they have owners among their edp replicas (which hold the same home experts).
-    muon_names = {
-        "muon": [n for n in muon if n not in experts and n not in tower],
-        "muon_vision": [n for n in muon if n in tower],
-        "muon_experts": [n for n in muon if n in experts],
-    }
-    gs = []
-    for g, ns in muon_names.items():
-        decay = cfg.vision_weight_decay if g == "muon_vision" else cfg.weight_decay
-        gs.append(
-            {"params": [tensor_for(n) for n in ns], "structures": [kinds[n][1] for n in ns], "algorithm": "muon"}
-            | {"weight_decay": decay, "name": g}
-        )
-    gs[-1] |= {"shard_over": "edp", "sharded": bool(process_groups)}
+    for g in gs:
+        g["algorithm"] = "muon" if g["name"].startswith("muon") else "adamw"
+        if g["algorithm"] == "muon":
+            g["structures"] = [kinds[n][1] for n in names[g["name"]]]
+    gs[2] |= {"shard_over": "edp", "sharded": bool(process_groups)}
     owners = {}  # the plan's owners in the optimizer's group order (the plan's is model order)
     for shard, key, groups in (("dp_cp", "dense", ("muon", "muon_vision")), ("edp", "expert", ("muon_experts",))):
         if sharding is not None and sharding.owner_sharded(key):
             of = sharding.param_owners(key)
-            owners[shard] = [o for g in groups for n in muon_names[g] for o in of[n]]
-    gs += [g | {"algorithm": "adamw"} for g in adamw]
+            owners[shard] = [o for g in groups for n in names[g] for o in of[n]]
     opt = PerHeadMuon(
         [g for g in gs if g["params"]],
         lr=cfg.lr,
@@ -183,4 +177,4 @@ def build_optimizer(
         process_groups=process_groups or {},
         owners=owners,
     )
-    return opt, [n for ns in (*muon_names.values(), *names.values()) for n in ns]
+    return opt, [n for ns in names.values() for n in ns]
