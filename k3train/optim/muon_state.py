@@ -202,14 +202,9 @@ def gather_owned_momentum(opt, p: torch.Tensor) -> torch.Tensor:
     group = opt.param_groups[e["group"]]
     # Every piece's matrices in one flat buffer, so one all-reduce assembles the whole parameter; in the state's
     # dtype (fp32 for low-precision weights), so a full momentum round-trips exactly.
-    flat = torch.zeros(
-        sum(pc["n"] * pc["rows"] * pc["cols"] for pc in e["pieces"]), dtype=state_dtype(p), device=p.device
-    )
-    mats, off = [], 0
-    for pc in e["pieces"]:
-        k = pc["n"] * pc["rows"] * pc["cols"]
-        mats.append(flat[off : off + k].view(pc["n"], pc["rows"], pc["cols"]))
-        off += k
+    sizes = [pc["n"] * pc["rows"] * pc["cols"] for pc in e["pieces"]]
+    flat = torch.zeros(sum(sizes), dtype=state_dtype(p), device=p.device)
+    mats = [m.view(pc["n"], pc["rows"], pc["cols"]) for pc, m in zip(e["pieces"], flat.split(sizes))]
     st, rank = opt.state.get(p, {}), plan["rank"]
     if "momentum_owned" in st:
         for pc, m, own in zip(e["pieces"], mats, owned_piece_views(e, rank, st["momentum_owned"])):

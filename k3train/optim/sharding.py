@@ -91,12 +91,12 @@ class ShardingPlan:
         for name, shape, kind, structure, group, stage in entries:
             mats = piece_shapes(shape, structure, per_head) if kind == "muon" else ()
             params.append(ParamSharding(name, kind, group, tuple(shape), group_sizes[group], stage, tuple(mats)))
-        owners = []
+        plan, owners = ShardingPlan(tuple(params), zero), []
         for group, n in group_sizes.items():
-            shapes = [(r, c) for ps in params if ps.group == group for cnt, r, c in ps.matrices for _ in range(cnt)]
+            shapes = [(r, c) for _, r, c in plan.muon_matrices(group)]
             if shapes and zero >= 1 and n > 1:
                 owners.append((group, tuple(assign_owners(shapes, n))))
-        return ShardingPlan(tuple(params), zero, tuple(owners))
+        return ShardingPlan(plan.params, zero, tuple(owners))
 
     def param(self, name: str) -> ParamSharding:
         for ps in self.params:
