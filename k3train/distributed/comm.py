@@ -29,7 +29,6 @@ the rank was waiting in.
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
 from contextlib import contextmanager
 from functools import partial
 
@@ -67,10 +66,8 @@ class CommCounter:
         return {(w, o): self.entry(d, o, w) for d, o, w in sorted(self._rows, key=str) if d == dim and w is not None}
 
     def by_dim(self, kind: str = "wire") -> dict[str, float]:
-        out: dict[str, float] = defaultdict(float)
-        for (dim, _, _), row in self._rows.items():
-            out[dim] += row[2] if kind == "wire" else row[1]
-        return dict(out)
+        key = "wire" if kind == "wire" else "payload"
+        return {d: self.entry(d)[key] for d in dict.fromkeys(d for d, _, _ in self._rows)}
 
     def table(self) -> list[dict]:
         """Rows {dim, op, calls, payload, wire}, sorted."""

@@ -30,6 +30,7 @@ from torch import nn
 from k3train.models.structure import MatrixStructure
 from k3train.optim.config import OptimConfig
 from k3train.optim.muon import PerHeadMuon, check_structure, piece_shapes
+from k3train.optim.sharding import ShardingPlan
 
 
 def _embedding_params(model: nn.Module) -> set[int]:
@@ -81,46 +82,30 @@ def _category(s: MatrixStructure | None, group: str, per_head: bool) -> str:
 
 def describe_groups(model: nn.Module, cfg: OptimConfig) -> str:
     """A table of which parameters get which update, aggregated over layers (layer indices shown as *)."""
-    parts = split_params(model, cfg)
-    rows: OrderedDict[tuple, list[int]] = OrderedDict()
-    for group, items in parts.items():
+    rows: dict[tuple, list[int]] = {}  # (category, pattern, matrix) -> [tensors, matrices, elements]
+    for group, items in split_params(model, cfg).items():
         for name, p, s in items:
-            cat = _category(s, group, cfg.per_head)
+            n, mat = 0, "-"
             if group == "muon":
                 pieces = piece_shapes(p.shape, s, cfg.per_head)
                 n = sum(k for k, _, _ in pieces)
                 mat = ",".join(dict.fromkeys(f"{r}x{c}" for _, r, c in pieces))  # distinct shapes, e.g. K_h,V_h
-            else:
-                n, mat = 0, "-"
-            pattern = re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name)
-            acc = rows.setdefault((cat, pattern, mat), [0, 0, 0])
-            acc[0] += 1
-            acc[1] += n
-            acc[2] += p.numel()
-    order = ["muon per-head", "muon per-expert", "muon whole", "adamw", "adamw_no_decay"]
-    lines = [
-        f"optimizer {cfg.name}: lr {cfg.lr:g}, weight decay {cfg.weight_decay:g}"
-        + (
-            f", momentum {cfg.momentum:g}, {cfg.ns_steps} Newton-Schulz steps, per_head={cfg.per_head}"
-            if cfg.name == "muon"
-            else ""
-        )
-    ]
+            key = (_category(s, group, cfg.per_head), re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name), mat)
+            rows[key] = [a + b for a, b in zip(rows.get(key, [0, 0, 0]), (1, n, p.numel()))]
+    title = f"optimizer {cfg.name}: lr {cfg.lr:g}, weight decay {cfg.weight_decay:g}"
+    if cfg.name == "muon":
+        title += f", momentum {cfg.momentum:g}, {cfg.ns_steps} Newton-Schulz steps, per_head={cfg.per_head}"
     header = f"{'update':<16} {'parameter':<44} {'tensors':>7} {'matrices':>9} {'matrix':>11} {'elements':>15}"
-    lines += [header, "-" * len(header)]
-    totals: OrderedDict[str, list[int]] = OrderedDict()
-    for cat in order:
-        for (c, pattern, mat), (t, n, e) in rows.items():
-            if c != cat:
-                continue
-            lines.append(f"{cat:<16} {pattern:<44} {t:>7} {n if n else '-':>9} {mat:>11} {e:>15,}")
-            tot = totals.setdefault(cat, [0, 0, 0])
-            tot[0] += t
-            tot[1] += n
-            tot[2] += e
+    lines = [title, header, "-" * len(header)]
+    order = ["muon per-head", "muon per-expert", "muon whole", "adamw", "adamw_no_decay"]
+    totals: dict[str, list[int]] = {}
+    for (cat, pattern, mat), (t, n, e) in sorted(rows.items(), key=lambda kv: order.index(kv[0][0])):
+        lines.append(f"{cat:<16} {pattern:<44} {t:>7} {n if n else '-':>9} {mat:>11} {e:>15,}")
+        totals[cat] = [a + b for a, b in zip(totals.get(cat, [0, 0, 0]), (t, n, e))]
     lines.append("-" * len(header))
-    for cat, (t, n, e) in totals.items():
-        lines.append(f"{cat + ' total':<61} {t:>7} {n if n else '-':>9} {'':>11} {e:>15,}")
+    lines += [
+        f"{cat + ' total':<61} {t:>7} {n if n else '-':>9} {'':>11} {e:>15,}" for cat, (t, n, e) in totals.items()
+    ]
     return "\n".join(lines)
 
 
@@ -144,39 +129,41 @@ def build_optimizer(
     experts: set[str] = frozenset(),
     process_group=None,
     process_groups: dict | None = None,
+    sharding: ShardingPlan | None = None,
 ) -> tuple[torch.optim.Optimizer, list[str]]:
     """The torch optimizer over tensor_for(name) of the names in `order` (model order), and the names in the
     optimizer's group order. experts: the home-expert parameters (Muon group "muon_experts", sharded over
     process_groups["edp"] when given); process_group: Muon's owner group for the dense matrices (None: every rank
-    orthogonalises every matrix). The vision tower's tensors form groups of their own, with cfg.vision_weight_decay."""
+    orthogonalises every matrix). The vision tower's tensors form groups of their own, with cfg.vision_weight_decay.
+    sharding: the run's ShardingPlan ("dense" and "expert" groups); its `owners` are the Muon owners the optimizer
+    steps with, so the two cannot disagree (without it PerHeadMuon balances its own groups' matrices)."""
     tower = {n for n in order if n.startswith("vision.")}
-    names = {
-        "adamw": [n for n in order if kinds[n][0] == "adamw" and n not in tower],
-        "adamw_vision": [n for n in order if kinds[n][0] == "adamw" and n in tower],
-        "adamw_no_decay": [n for n in order if kinds[n][0] == "adamw_no_decay"],
-    }
-    decays = {"adamw": cfg.weight_decay, "adamw_vision": cfg.vision_weight_decay, "adamw_no_decay": 0.0}
-    adamw = [{"params": [tensor_for(n) for n in ns], "weight_decay": decays[g], "name": g} for g, ns in names.items()]
+
+    def group_of(n: str) -> str:
+        # Expert-parallel experts differ from rank to rank, so they cannot join the dense group's ZeRO-1 owners:
+        # sharded, they have owners among their edp replicas (which hold the same home experts).
+        kind = kinds[n][0]
+        if kind == "muon" and n in experts:
+            return "muon_experts"
+        return kind + ("_vision" if n in tower and kind != "adamw_no_decay" else "")
+
+    wd, vision_wd = cfg.weight_decay, cfg.vision_weight_decay
+    decays = dict(muon=wd, muon_vision=vision_wd, muon_experts=wd, adamw=wd, adamw_vision=vision_wd, adamw_no_decay=0.0)
+    names = {g: [n for n in order if group_of(n) == g] for g in decays}
+    gs = [{"params": [tensor_for(n) for n in ns], "weight_decay": decays[g], "name": g} for g, ns in names.items()]
     if cfg.name == "adamw":
-        opt = torch.optim.AdamW([g for g in adamw if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        opt = torch.optim.AdamW([g for g in gs if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
         return opt, [n for ns in names.values() for n in ns]
-    muon = [n for n in order if kinds[n][0] == "muon"]
-    # Expert-parallel experts differ from rank to rank, so they cannot join the dense group's ZeRO-1 owners:
-    # sharded, they have owners among their edp replicas (which hold the same home experts).
-    muon_names = {
-        "muon": [n for n in muon if n not in experts and n not in tower],
-        "muon_vision": [n for n in muon if n in tower],
-        "muon_experts": [n for n in muon if n in experts],
-    }
-    gs = []
-    for g, ns in muon_names.items():
-        decay = cfg.vision_weight_decay if g == "muon_vision" else cfg.weight_decay
-        gs.append(
-            {"params": [tensor_for(n) for n in ns], "structures": [kinds[n][1] for n in ns], "algorithm": "muon"}
-            | {"weight_decay": decay, "name": g}
-        )
-    gs[-1] |= {"shard_over": "edp", "sharded": bool(process_groups)}
-    gs += [g | {"algorithm": "adamw"} for g in adamw]
+    for g in gs:
+        g["algorithm"] = "muon" if g["name"].startswith("muon") else "adamw"
+        if g["algorithm"] == "muon":
+            g["structures"] = [kinds[n][1] for n in names[g["name"]]]
+    gs[2] |= {"shard_over": "edp", "sharded": bool(process_groups)}
+    owners = {}  # the plan's owners in the optimizer's group order (the plan's is model order)
+    for shard, key, groups in (("dp_cp", "dense", ("muon", "muon_vision")), ("edp", "expert", ("muon_experts",))):
+        if sharding is not None and sharding.owner_sharded(key):
+            of = sharding.param_owners(key)
+            owners[shard] = [o for g in groups for n in names[g] for o in of[n]]
     opt = PerHeadMuon(
         [g for g in gs if g["params"]],
         lr=cfg.lr,
@@ -188,5 +175,6 @@ def build_optimizer(
         eps=cfg.eps,
         process_group=process_group,
         process_groups=process_groups or {},
+        owners=owners,
     )
-    return opt, [n for ns in (*muon_names.values(), *names.values()) for n in ns]
+    return opt, [n for ns in names.values() for n in ns]

@@ -24,12 +24,12 @@ The same optimizer also steps plain AdamW groups (`algorithm="adamw"` in a param
 norms, biases and 1-D vectors live in one optimizer object with one state dict and one set of `lr` entries for an LR
 scheduler; the project builds it through `k3train.parallel.zero.ShardedOptimizer`.
 
-ZeRO-1 (`process_group=`): every independent matrix (a head or a split of one, an expert, a whole matrix) has one
-owner rank, chosen by `assign_owners` to balance Newton-Schulz cost. The owner keeps that matrix's momentum
-(optimizer state is sharded), orthogonalises it, and the orthogonalised updates are all-gathered in one collective so
-every rank applies the same update to its full replica of the parameters. Gradients must already be reduced over the
-data-parallel group: either full on every rank (`p.grad`, or `full_grads[id(p)]` for an fp32 gradient of a bf16
-weight), or only the owned matrices (`owned_grads[id(p)]`, from `reduce_scatter_owned`: Pipeline ZeRO-2).
+ZeRO-1 (`process_group=`): every independent matrix (a head or a split of one, an expert, a whole matrix) has one owner
+rank, chosen by `assign_owners` to balance Newton-Schulz cost (in a run: the ShardingPlan's assignment). The owner keeps
+that matrix's momentum (optimizer state is sharded), orthogonalises it, and the orthogonalised updates are all-gathered
+in one collective so every rank applies the same update to its full replica of the parameters. Gradients must already be
+reduced over the data-parallel group: either full on every rank (`p.grad`, or `full_grads[id(p)]` for an fp32 gradient
+of a bf16 weight), or only the owned matrices (`owned_grads[id(p)]`, from `reduce_scatter_owned`: Pipeline ZeRO-2).
 
 Master weights (`init_sharded_state(masters=True)`, for bf16 weights): the owner also keeps an fp32 copy of its
 matrices ("master_owned", laid out like "momentum_owned"); it steps the master and the all-gather carries the new
@@ -53,15 +53,8 @@ from torch.optim.adamw import adamw as _adamw_functional
 from k3train.ops.dtypes import wide
 from k3train.models.structure import MatrixStructure
 from k3train.distributed import comm
-from k3train.optim.muon_state import new_owned_momentum, owned_piece_views, owns_any, state_dtype
-from k3train.optim.pieces import (  # noqa: F401  (re-exported: the matrix layout is part of Muon's interface)
-    from_matrices,
-    from_pieces,
-    matrix_shape,
-    piece_shapes,
-    to_matrices,
-    to_pieces,
-)
+from k3train.optim.muon_state import load_owned, new_owned_momentum, owned_of, owned_piece_views, owns_any, state_dtype
+from k3train.optim.pieces import from_pieces, piece_shapes, to_pieces
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 MUON_RMS_SCALE = 0.2
@@ -297,7 +290,10 @@ class PerHeadMuon(Optimizer):
     process_group: shard the Muon state and Newton-Schulz work across this group (ZeRO-1; the group named "dp_cp");
     every rank must hold the same parameters of the sharded groups and the same reduced gradients, and ends with the
     same parameters. process_groups: more named groups for ``shard_over`` (e.g. "edp": the replicas of expert-parallel
-    home experts). Each named group has its own ownership plan.
+    home experts). Each named group has its own ownership plan. owners: {named group: owner rank of every matrix of
+    the Muon params sharded over it, in group/param order, piece after piece}; k3train.optim.build passes the
+    assignment of the run's k3train.optim.sharding.ShardingPlan, so the optimizer and the plan (memory facts, the
+    planner) agree. A named group without one balances its matrices here with `assign_owners`.
     """
 
     def __init__(
@@ -316,6 +312,7 @@ class PerHeadMuon(Optimizer):
         eps: float = 1e-8,
         process_group: dist.ProcessGroup | None = None,
         process_groups: dict[str, dist.ProcessGroup | None] | None = None,
+        owners: dict[str, Sequence[int]] | None = None,
     ):
         if not lr >= 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -329,6 +326,7 @@ class PerHeadMuon(Optimizer):
         self.process_group = process_group
         self.process_groups = {"dp_cp": process_group, **(process_groups or {})}
         self._plans: dict[str, dict] = {}  # shard_over name -> ZeRO-1 ownership plan, built when first needed
+        self.owners = dict(owners or {})
         self.full_grads: dict[int, Tensor] = {}  # id(p) -> reduced fp32 gradient standing in for p.grad
         self.owned_grads: dict[int, Tensor] = {}  # id(p) -> reduced gradient of the owned matrices only (flat)
         defaults = dict(
@@ -404,18 +402,6 @@ class PerHeadMuon(Optimizer):
         self._muon_step(local_only=True)
         return loss
 
-    # The dense ("dp_cp") plan under its historical name.
-    @property
-    def _plan(self) -> dict | None:
-        return self._plans.get("dp_cp")
-
-    @_plan.setter
-    def _plan(self, plan: dict | None) -> None:
-        if plan is None:
-            self._plans.pop("dp_cp", None)
-        else:
-            self._plans["dp_cp"] = plan
-
     def _sharding_live(self, name: str) -> bool:
         g = self.process_groups.get(name)
         return g is not None and dist.is_initialized() and dist.get_world_size(g) > 1
@@ -436,9 +422,6 @@ class PerHeadMuon(Optimizer):
                 out.append(name)
         return out
 
-    def _sharded(self) -> bool:
-        return bool(self.shardings())
-
     def _nesterov_update(self, group: dict, g: Tensor, buf: Tensor) -> Tensor:
         """Advance the momentum buffer in place and return the (Nesterov) update, in buf's dtype."""
         mu = group["momentum"]
@@ -458,10 +441,6 @@ class PerHeadMuon(Optimizer):
         if wd:
             p.mul_(1 - lr * wd)
         p.add_(upd.to(p.dtype), alpha=-lr * scale)
-
-    def is_sharded(self, p: Tensor) -> bool:
-        """Whether p's Muon state is split over the owners of a process group (else it is kept whole on every rank)."""
-        return any(self._sharding_of(g) is not None and any(q is p for q in g["params"]) for g in self.param_groups)
 
     def _muon_step(self, local_only: bool = False) -> None:
         """Every Muon group on this rank (local_only: only the groups that are not sharded)."""
@@ -507,7 +486,12 @@ class PerHeadMuon(Optimizer):
                 params.append((gi, p, pieces, len(shapes)))
                 for n, r, c in pieces:
                     shapes.extend([(r, c)] * n)
-        owners = torch.tensor(assign_owners(shapes, world), dtype=torch.long)
+        given = self.owners.get(name)
+        if given is not None and (len(given) != len(shapes) or not all(0 <= o < world for o in given)):
+            raise ValueError(
+                f"owners[{name!r}] must give each of the {len(shapes)} Muon matrices a rank in [0, {world})"
+            )
+        owners = torch.tensor(assign_owners(shapes, world) if given is None else list(given), dtype=torch.long)
         per_param = []
         offsets = [0] * world  # running offset of each rank's packed update buffer
         for gi, p, pieces, start in params:
@@ -530,12 +514,10 @@ class PerHeadMuon(Optimizer):
         return self._plans[name]
 
     def plan_of(self, p: Tensor) -> dict:
-        """The ownership plan of a sharded Muon parameter."""
+        """The ownership plan of a parameter of a sharded Muon group."""
         for group in self.param_groups:
-            if any(q is p for q in group["params"]):
-                name = self._sharding_of(group)
-                if name is not None:
-                    return self.plan(name)
+            if group["algorithm"] == "muon" and group["sharded"] and any(q is p for q in group["params"]):
+                return self.plan(group.get("shard_over", "dp_cp"))
         raise KeyError("parameter is not in a sharded Muon group")
 
     def entry_of(self, p: Tensor) -> dict:
@@ -550,23 +532,15 @@ class PerHeadMuon(Optimizer):
     def init_sharded_state(self, masters: bool) -> None:
         """Create the owned momentum (zeros, what the first step would create) and, with masters, the fp32 master
         copy of the owned matrices, for every sharded Muon parameter this rank owns matrices of."""
-        for name in self.shardings():
-            self._init_owned_state(self.plan(name), masters)
-
-    def _init_owned_state(self, plan: dict, masters: bool) -> None:
-        rank = plan["rank"]
-        for e in plan["params"]:
-            if not owns_any(e, rank):
-                continue
-            p, group = e["param"], self.param_groups[e["group"]]
-            st = self.state[p]
-            st.setdefault("momentum_owned", new_owned_momentum(e, rank, p))
-            if masters and "master_owned" not in st:
-                buf = new_owned_momentum(e, rank, p)
-                pieces = to_pieces(p.detach(), self._structure[id(p)], group["per_head"])
-                for pc, w, dst in zip(e["pieces"], pieces, owned_piece_views(e, rank, buf)):
-                    dst.copy_(w.index_select(0, pc["by_rank"][rank][0]))
-                st["master_owned"] = buf
+        for plan in map(self.plan, self.shardings()):
+            rank = plan["rank"]
+            for e in [e for e in plan["params"] if owns_any(e, rank)]:
+                p = e["param"]
+                st = self.state[p]
+                st.setdefault("momentum_owned", new_owned_momentum(e, rank, p))
+                if masters and "master_owned" not in st:
+                    st["master_owned"] = new_owned_momentum(e, rank, p)
+                    load_owned(self, p, p.detach(), st["master_owned"])
 
     @torch.no_grad()
     def reduce_scatter_owned(self, params: Sequence[Tensor], grad_of, dim: str = "dp_cp") -> None:
@@ -623,8 +597,7 @@ class PerHeadMuon(Optimizer):
             if id(p) in self.owned_grads:  # already only the owned matrices
                 grads = owned_piece_views(e, rank, self.owned_grads[id(p)])
             else:
-                full = to_pieces(self._grad_of(p), self._structure[id(p)], group["per_head"])
-                grads = [g.index_select(0, pc["by_rank"][rank][0]) for pc, g in zip(e["pieces"], full)]
+                grads = owned_of(e, rank, to_pieces(self._grad_of(p), self._structure[id(p)], group["per_head"]))
             master = owned_piece_views(e, rank, state["master_owned"]) if "master_owned" in state else None
             for j, (pc, g, buf) in enumerate(
                 zip(e["pieces"], grads, owned_piece_views(e, rank, state["momentum_owned"]))
@@ -683,16 +656,10 @@ class PerHeadMuon(Optimizer):
         if "master_owned" not in st:
             return
         e, rank = self.entry_of(p), self.plan_of(p)["rank"]
-        group = self.param_groups[e["group"]]
         full = row_scale.to(torch.float32).view(-1, *([1] * (p.dim() - 1))).expand(p.shape)
-        for pc, s, W in zip(
-            e["pieces"],
-            to_pieces(full, self._structure[id(p)], group["per_head"]),
-            owned_piece_views(e, rank, st["master_owned"]),
-        ):
-            idx = pc["by_rank"][rank][0]
-            if idx.numel():
-                W.mul_(s.index_select(0, idx))
+        pieces = to_pieces(full, self._structure[id(p)], self.param_groups[e["group"]]["per_head"])
+        for W, s in zip(owned_piece_views(e, rank, st["master_owned"]), owned_of(e, rank, pieces)):
+            W.mul_(s)
 
     # -- AdamW groups ------------------------------------------------------------------------------------------
     def _adamw_step(self, group: dict) -> None:
@@ -721,13 +688,6 @@ class PerHeadMuon(Optimizer):
             m2,
             [],
             steps,
-            foreach=None,
-            capturable=False,
-            differentiable=False,
-            fused=None,
-            grad_scale=None,
-            found_inf=None,
-            has_complex=False,
             amsgrad=False,
             beta1=beta1,
             beta2=beta2,

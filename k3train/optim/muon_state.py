@@ -63,14 +63,19 @@ def owned_piece_views(entry: dict, rank: int, buf: Tensor) -> list[Tensor]:
     return out
 
 
+def owned_of(entry: dict, rank: int, pieces) -> list[Tensor]:
+    """The matrices `rank` owns of each piece (`to_pieces` of a tensor of the entry's parameter's shape)."""
+    return [t.index_select(0, pc["by_rank"][rank][0]) for pc, t in zip(entry["pieces"], pieces)]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Checkpoint form
 # ---------------------------------------------------------------------------------------------------------------------
 def matrix_region(
     shape, s: MatrixStructure, per_head: bool, piece: int, i: int, rows: int, cols: int
 ) -> tuple[list[int], list[int]]:
-    """(offsets, sizes) in a tensor of `shape` of matrix i of piece `piece` (see muon.to_pieces): leading dims of
-    size 1, then its rows and columns."""
+    """(offsets, sizes) in a tensor of `shape` of matrix i of piece `piece` (see k3train.optim.pieces.to_pieces):
+    leading dims of size 1, then its rows and columns."""
     *lead, R, C = shape
     heads = per_head and s.kind in ("rows", "cols")
     split_off = sum(s.splits[:piece]) if heads and s.splits else 0
@@ -160,10 +165,8 @@ def load_owned(opt, p: torch.Tensor, v, buf: torch.Tensor | None, *, row0: int =
         v = v[row0 : row0 + p.shape[0]]
     per_head = opt.param_groups[e["group"]]["per_head"]
     pieces = to_pieces(v.to(device=buf.device, dtype=buf.dtype), opt.structure_of(p), per_head)
-    for pc, src, dst in zip(e["pieces"], pieces, owned_piece_views(e, rank, buf)):
-        idx = pc["by_rank"][rank][0]
-        if idx.numel():
-            dst.copy_(src.index_select(0, idx))
+    for dst, src in zip(owned_piece_views(e, rank, buf), owned_of(e, rank, pieces)):
+        dst.copy_(src)
 
 
 def owned_matrix_state(opt, p: Tensor, *, masters: bool, block: int = 0, n_blocks: int = 1, rank_table=None) -> dict:
@@ -193,62 +196,26 @@ def load_owned_matrices(opt, p: Tensor, entry: dict, *, masters: bool, row0: int
 # ---------------------------------------------------------------------------------------------------------------------
 # Full momentum <-> owned matrices (checkpoints of the plain optimizer, tests)
 # ---------------------------------------------------------------------------------------------------------------------
-def _dense_entry(opt, p: Tensor) -> dict:
-    for e in opt.plan("dp_cp")["params"]:
-        if e["param"] is p:
-            return e
-    raise KeyError("parameter is not in the Muon plan")
-
-
 def gather_owned_momentum(opt, p: torch.Tensor) -> torch.Tensor:
-    """The full momentum of a dense ("dp_cp") owner-sharded parameter p, on every rank (one all-reduce)."""
-    e, rank = _dense_entry(opt, p), opt.plan("dp_cp")["rank"]
+    """The full momentum of an owner-sharded parameter p, on every rank of its group (one all-reduce)."""
+    e, plan = opt.entry_of(p), opt.plan_of(p)
     group = opt.param_groups[e["group"]]
     # Every piece's matrices in one flat buffer, so one all-reduce assembles the whole parameter; in the state's
     # dtype (fp32 for low-precision weights), so a full momentum round-trips exactly.
-    flat = torch.zeros(
-        sum(pc["n"] * pc["rows"] * pc["cols"] for pc in e["pieces"]), dtype=state_dtype(p), device=p.device
-    )
-    mats, off = [], 0
-    for pc in e["pieces"]:
-        k = pc["n"] * pc["rows"] * pc["cols"]
-        mats.append(flat[off : off + k].view(pc["n"], pc["rows"], pc["cols"]))
-        off += k
-    st = opt.state.get(p, {})
+    sizes = [pc["n"] * pc["rows"] * pc["cols"] for pc in e["pieces"]]
+    flat = torch.zeros(sum(sizes), dtype=state_dtype(p), device=p.device)
+    mats = [m.view(pc["n"], pc["rows"], pc["cols"]) for pc, m in zip(e["pieces"], flat.split(sizes))]
+    st, rank = opt.state.get(p, {}), plan["rank"]
     if "momentum_owned" in st:
         for pc, m, own in zip(e["pieces"], mats, owned_piece_views(e, rank, st["momentum_owned"])):
-            idx = pc["by_rank"][rank][0]
-            if idx.numel():
-                m.index_copy_(0, idx, own.to(m.dtype))
-    comm.all_reduce(flat, opt.process_group, "dp_cp")  # each matrix lives on one owner: the sum assembles them
+            m.index_copy_(0, pc["by_rank"][rank][0], own.to(m.dtype))
+    comm.all_reduce(flat, plan["pg"], plan["name"])  # each matrix lives on one owner: the sum assembles them
     return from_pieces(mats, p.shape, opt.structure_of(p), group["per_head"]).to(p.dtype)
 
 
 def scatter_owned_momentum(opt, p: torch.Tensor, full: torch.Tensor) -> None:
-    """Set this rank's owned momentum of a dense owner-sharded parameter p from its full momentum."""
-    e, rank = _dense_entry(opt, p), opt.plan("dp_cp")["rank"]
-    group = opt.param_groups[e["group"]]
-    if not owns_any(e, rank):
-        return
-    buf = new_owned_momentum(e, rank, p)
-    pieces = to_pieces(full.to(p.device), opt.structure_of(p), group["per_head"])
-    for pc, src, dst in zip(e["pieces"], pieces, owned_piece_views(e, rank, buf)):
-        idx = pc["by_rank"][rank][0]
-        if idx.numel():
-            dst.copy_(src.index_select(0, idx))
-    opt.state[p]["momentum_owned"] = buf
-
-
-__all__ = [
-    "state_dtype",
-    "owns_any",
-    "new_owned_momentum",
-    "owned_piece_views",
-    "matrix_region",
-    "owned_sharded_tensor",
-    "load_owned",
-    "owned_matrix_state",
-    "load_owned_matrices",
-    "gather_owned_momentum",
-    "scatter_owned_momentum",
-]
+    """Set this rank's owned momentum of an owner-sharded parameter p from its full momentum."""
+    e, rank = opt.entry_of(p), opt.plan_of(p)["rank"]
+    if owns_any(e, rank):
+        opt.state[p]["momentum_owned"] = new_owned_momentum(e, rank, p)
+        load_owned(opt, p, full, opt.state[p]["momentum_owned"])

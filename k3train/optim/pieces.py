@@ -75,26 +75,3 @@ def from_pieces(pieces: Sequence[Tensor], shape: Sequence[int], s: MatrixStructu
     dim = _split_dim(s, per_head)
     m = pieces[0] if dim is None else torch.cat(list(pieces), dim=dim)
     return _from_heads(m, shape, s, per_head)
-
-
-def _one_piece(s: MatrixStructure, per_head: bool) -> None:
-    if _split_dim(s, per_head) is not None and len(s.splits) > 1:
-        raise ValueError(f"{s} decomposes into {len(s.splits)} matrix shapes: use piece_shapes/to_pieces/from_pieces")
-
-
-def matrix_shape(shape: Sequence[int], s: MatrixStructure, per_head: bool = True) -> tuple[int, int, int]:
-    """(number of matrices, rows, cols) of the matrices a tensor of `shape` decomposes into (one piece only)."""
-    _one_piece(s, per_head)
-    return piece_shapes(shape, s, per_head)[0]
-
-
-def to_matrices(t: Tensor, s: MatrixStructure, per_head: bool = True) -> Tensor:
-    """View/copy t [..., R, C] as its independent matrices [N, r, c] (one piece only)."""
-    _one_piece(s, per_head)
-    return to_pieces(t, s, per_head)[0]
-
-
-def from_matrices(m: Tensor, shape: Sequence[int], s: MatrixStructure, per_head: bool = True) -> Tensor:
-    """Inverse of `to_matrices`: repack matrices [N, r, c] into a tensor of `shape`."""
-    _one_piece(s, per_head)
-    return from_pieces([m], shape, s, per_head)

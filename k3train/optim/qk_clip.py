@@ -70,34 +70,40 @@ class QKClip:
         for _, m in self.attn:  # attention modules record per-head max logits only while QK-Clip is on
             m.track_max_logits = True
 
-    @torch.no_grad()
     def apply(self, scale_rows: Callable[[nn.Parameter, Tensor], None]) -> dict[str, Tensor]:
         """Clip after the optimizer step; returns gamma [H] per module name. Every rank of `group` issues the same
         collective (a module that saw no forward contributes zeros, which clip nothing)."""
-        if not self.attn:
-            return {}
-        per = []
-        p0 = next((p for _, m in self.attn for p in m.parameters()), torch.zeros(()))
-        dev, acc = p0.device, wide(p0.dtype)  # fp32, or fp64 in fp64 runs
-        for _, m in self.attn:
-            H = m.qk_clip_targets()["n_heads"]
-            seen = m.max_logits
-            per.append(seen.detach().to(acc).reshape(H) if seen is not None else torch.zeros(H, dtype=acc))
-        logits = torch.cat([t.to(dev) for t in per])
-        if self.group is not None:
-            comm.all_reduce(logits, self.group, "dp_cp", op=dist.ReduceOp.MAX, what="qk_max_logits")
-        out, off = {}, 0
-        for (name, m), t in zip(self.attn, per):
-            tg = m.qk_clip_targets()
-            H = tg["n_heads"]
-            qs, ks, gamma = _target_scales(logits[off : off + H], self.threshold, **tg)
-            if bool((gamma < 1).any()):
-                scale_rows(tg["q_weight"], qs)
-                scale_rows(tg["k_weight"], ks)
-            out[name] = gamma
-            off += H
-            m.max_logits = None
-        return out
+        return _clip(self.attn, self.threshold, self.group, scale_rows)
+
+
+@torch.no_grad()
+def _clip(attn, threshold: float, group, scale_rows) -> dict[str, Tensor]:
+    """MAX-reduce the max logits of the modules `attn` [(name, module)] over `group` (None: none), hand each clipped
+    head's row scales to scale_rows and reset the logits; returns gamma [H] per module name."""
+    if not attn:
+        return {}
+    per = []
+    p0 = next((p for _, m in attn for p in m.parameters()), torch.zeros(()))
+    dev, acc = p0.device, wide(p0.dtype)  # fp32, or fp64 in fp64 runs
+    for _, m in attn:
+        H = m.qk_clip_targets()["n_heads"]
+        seen = m.max_logits
+        per.append(seen.detach().to(acc).reshape(H) if seen is not None else torch.zeros(H, dtype=acc))
+    logits = torch.cat([t.to(dev) for t in per])
+    if group is not None:
+        comm.all_reduce(logits, group, "dp_cp", op=dist.ReduceOp.MAX, what="qk_max_logits")
+    out, off = {}, 0
+    for name, m in attn:
+        tg = m.qk_clip_targets()
+        H = tg["n_heads"]
+        qs, ks, gamma = _target_scales(logits[off : off + H], threshold, **tg)
+        if bool((gamma < 1).any()):
+            scale_rows(tg["q_weight"], qs)
+            scale_rows(tg["k_weight"], ks)
+        out[name] = gamma
+        off += H
+        m.max_logits = None
+    return out
 
 
 def _target_scales(
@@ -129,54 +135,10 @@ def _scale_rows(weight: Tensor, row_scale: Tensor) -> None:
 
 
 @torch.no_grad()
-def qk_clip_(
-    q_weight: Tensor,
-    k_weight: Tensor,
-    max_logits: Tensor,
-    threshold: float,
-    *,
-    n_heads: int,
-    qk_dim: int | None = None,
-    shared_dim: int = 0,
-) -> Tensor:
-    """Rescale whole query/key weights in place (see qk_clip_scales for the rows); returns gamma [H].
-
-    q_weight [H * q_rows, in]: per head, rows [0, qk_dim) pair with the head's own key rows, rows
-      [qk_dim, qk_dim + shared_dim) pair with the shared key slice; q_rows = qk_dim + shared_dim.
-    k_weight [H * k_rows, in]: per head, rows [0, qk_dim) are the key; further rows are untouched."""
-    qs, ks, gamma = _target_scales(
-        max_logits,
-        threshold,
-        q_weight=q_weight,
-        k_weight=k_weight,
-        n_heads=n_heads,
-        qk_dim=qk_dim,
-        shared_dim=shared_dim,
-    )
-    _scale_rows(q_weight, qs)
-    _scale_rows(k_weight, ks)
-    return gamma
-
-
-@torch.no_grad()
 def apply_qk_clip(model: nn.Module, threshold: float, group: dist.ProcessGroup | None = None) -> dict[str, Tensor]:
     """QK-Clip every attention module of `model` that reported max logits, on whole weights (one process, or
     replicas that all hold the whole model); MAX-reduces over `group` when it has several ranks. Returns gamma per
     module name ({} when nothing was reported). Training uses QKClip through the optimizer instead."""
-    mods = [
-        (n, m)
-        for n, m in model.named_modules()
-        if hasattr(m, "qk_clip_targets") and getattr(m, "max_logits", None) is not None
-    ]
-    if not mods:
-        return {}
-    logits = torch.cat([m.max_logits.detach().to(wide(m.max_logits.dtype)).reshape(-1) for _, m in mods])
-    if group is not None and dist.is_initialized():
-        comm.all_reduce(logits, group, "dp_cp", op=dist.ReduceOp.MAX, what="qk_max_logits")
-    out, off = {}, 0
-    for name, m in mods:
-        H = m.max_logits.numel()
-        out[name] = qk_clip_(max_logits=logits[off : off + H], threshold=threshold, **m.qk_clip_targets())
-        off += H
-        m.max_logits = None
-    return out
+    reported = [(n, m) for n, m in model.named_modules() if getattr(m, "max_logits", None) is not None]
+    attn = [(n, m) for n, m in reported if hasattr(m, "qk_clip_targets")]
+    return _clip(attn, threshold, group if dist.is_initialized() else None, _scale_rows)

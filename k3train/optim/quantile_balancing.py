@@ -111,6 +111,20 @@ class _Balancer:
     def router(self) -> nn.Module | None:
         return self._router() if self._router is not None else None
 
+    def _start(self, bias: Tensor) -> None:
+        self.bias = bias.detach().float().clone()
+        self.loads = torch.zeros(self.n_experts, dtype=torch.int32, device=bias.device)
+
+    def _pack(self, bias: Tensor | None) -> Tensor:
+        """This step's counts as one int32 vector (a rank that observed no tokens starts from `bias`)."""
+        if self.loads is None:
+            if bias is None:
+                raise ValueError(
+                    f"{type(self).__name__} observed no tokens this step: pass the current bias to compute()"
+                )
+            self._start(bias)
+        return self._counts()
+
     def compute(self, group=None, bias: Tensor | None = None) -> Tensor:
         """All-reduce this step's counts over `group` (SUM; None: the default group if initialised), return the new
         bias and reset. `bias` (the current one) is needed only when this rank observed no tokens."""
@@ -133,17 +147,15 @@ class QuantileBalancer(_Balancer):
         self.bias: Tensor | None = None
 
     def _start(self, bias: Tensor) -> None:
-        b = bias.detach().float()
-        self.bias = b.clone()
-        self.lo, self.hi = b.min() - 1, b.max() + 1
-        self.hist = torch.zeros(self.n_experts, self.bins, dtype=torch.int32, device=b.device)
-        self.loads = torch.zeros(self.n_experts, dtype=torch.int32, device=b.device)
+        super()._start(bias)
+        self.lo, self.hi = self.bias.min() - 1, self.bias.max() + 1
+        self.hist = torch.zeros(self.n_experts, self.bins, dtype=torch.int32, device=self.bias.device)
 
     @torch.no_grad()
     def observe(self, scores: Tensor, bias: Tensor) -> None:
         """Add the tokens' required biases to the histogram. scores [m, E] after the sigmoid; bias [E] (current)."""
         _check(scores, bias, self.top_k)
-        if self.hist is None:
+        if self.loads is None:
             self._start(bias)
         s = scores.detach().to(torch.promote_types(scores.dtype, torch.float32))
         r, sel = required_bias(s, self.bias.to(s.dtype), self.top_k)
@@ -155,11 +167,7 @@ class QuantileBalancer(_Balancer):
         self.hist += expert_counts(idx.reshape(-1), E * B).view(E, B).to(torch.int32)
         self.loads += expert_counts(sel.reshape(-1), E).to(torch.int32)
 
-    def _pack(self, bias: Tensor | None) -> Tensor:
-        if self.hist is None:
-            if bias is None:
-                raise ValueError("QuantileBalancer observed no tokens this step: pass the current bias to compute()")
-            self._start(bias)
+    def _counts(self) -> Tensor:
         return torch.cat([self.hist.reshape(-1), self.loads])
 
     def _finish(self, buf: Tensor) -> Tensor:
@@ -204,17 +212,11 @@ class SignBalancer(_Balancer):
     def observe(self, scores: Tensor, bias: Tensor) -> None:
         _check(scores, bias, self.top_k)
         if self.loads is None:
-            self.bias = bias.detach().float().clone()
-            self.loads = torch.zeros(self.n_experts, dtype=torch.int32, device=bias.device)
+            self._start(bias)
         sel = torch.topk(scores.detach() + self.bias.to(scores.dtype), self.top_k, dim=-1).indices
         self.loads += expert_counts(sel.reshape(-1), self.n_experts).to(torch.int32)
 
-    def _pack(self, bias: Tensor | None) -> Tensor:
-        if self.loads is None:
-            if bias is None:
-                raise ValueError("SignBalancer observed no tokens this step: pass the current bias to compute()")
-            self.bias = bias.detach().float().clone()
-            self.loads = torch.zeros(self.n_experts, dtype=torch.int32, device=bias.device)
+    def _counts(self) -> Tensor:
         return self.loads.clone()
 
     def _finish(self, buf: Tensor) -> Tensor:

@@ -9,7 +9,8 @@ its shard groups from the same description:
   owning rows [q c, min((q + 1) c, d0)) (`ParamSharding.rows_of`, `owned_numel`);
 - Muon parameters are kept whole and decompose into matrices (k3train.optim.pieces); when their group is
   owner-sharded (zero >= 1 over more than one rank) each matrix has one owner, chosen by
-  k3train.optim.muon.assign_owners over all the group's matrices in plan order (`ShardingPlan.owners`).
+  k3train.optim.muon.assign_owners over all the group's matrices in plan order (`ShardingPlan.owners`); the
+  optimizer steps with these owners (`param_owners`, passed to PerHeadMuon by k3train.optim.build).
 """
 
 from __future__ import annotations
@@ -90,12 +91,12 @@ class ShardingPlan:
         for name, shape, kind, structure, group, stage in entries:
             mats = piece_shapes(shape, structure, per_head) if kind == "muon" else ()
             params.append(ParamSharding(name, kind, group, tuple(shape), group_sizes[group], stage, tuple(mats)))
-        owners = []
+        plan, owners = ShardingPlan(tuple(params), zero), []
         for group, n in group_sizes.items():
-            shapes = [(r, c) for ps in params if ps.group == group for cnt, r, c in ps.matrices for _ in range(cnt)]
+            shapes = [(r, c) for _, r, c in plan.muon_matrices(group)]
             if shapes and zero >= 1 and n > 1:
                 owners.append((group, tuple(assign_owners(shapes, n))))
-        return ShardingPlan(tuple(params), zero, tuple(owners))
+        return ShardingPlan(plan.params, zero, tuple(owners))
 
     def param(self, name: str) -> ParamSharding:
         for ps in self.params:
@@ -112,6 +113,15 @@ class ShardingPlan:
         return [
             (ps.stage, r, c) for ps in self.params if ps.group == group for cnt, r, c in ps.matrices for _ in range(cnt)
         ]
+
+    def param_owners(self, group: str) -> dict[str, tuple[int, ...]]:
+        """Name -> owner of each of its matrices (piece after piece), for the Muon parameters of an owner-sharded
+        group: the assignment the optimizer steps with (k3train.optim.build.build_optimizer)."""
+        owners, out = iter(dict(self.owners)[group]), {}
+        for ps in self.params:
+            if ps.group == group and ps.matrices:
+                out[ps.name] = tuple(next(owners) for cnt, _, _ in ps.matrices for _ in range(cnt))
+        return out
 
     def muon_numel(self, group: str, q: int | None = None) -> int:
         """Elements of the group's Muon matrices that rank q owns (None, or a group not owner-sharded: all)."""

@@ -635,6 +635,7 @@ class ShardedOptimizer:
             experts={it.name for it in self.shard_groups["expert"].items} if "expert" in self.shard_groups else set(),
             process_group=groups["dense"][0] if sharded else None,
             process_groups={"edp": groups["expert"][0]} if sharded and "expert" in groups else {},
+            sharding=self.sharding,
         )
         self._init_state()
         self.qk_clip = QKClip(parts, optim_cfg.qk_clip, groups["dense"][0]) if optim_cfg.qk_clip > 0 else None

@@ -26,17 +26,14 @@ from k3train.optim.muon import (
     PerHeadMuon,
     assign_owners,
     check_structure,
-    from_matrices,
-    from_pieces,
     newton_schulz5,
     newton_schulz5_reference,
     ns_cost,
     orthogonalise_bucketed,
-    piece_shapes,
-    to_matrices,
-    to_pieces,
 )
-from k3train.optim.qk_clip import apply_qk_clip, qk_clip_
+from k3train.optim.pieces import from_pieces, piece_shapes, to_pieces
+from k3train.optim import qk_clip
+from k3train.optim.qk_clip import apply_qk_clip
 from k3train.optim.build import describe_groups, split_params
 from k3train.parallel.zero import ShardedOptimizer
 
@@ -193,8 +190,8 @@ def test_matrix_over_the_cap_runs_alone(monkeypatch):
 def test_views_round_trip(kind, shape, groups):
     s = MatrixStructure(kind, groups)
     t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
-    m = to_matrices(t, s)
-    assert torch.equal(from_matrices(m, shape, s), t)
+    (m,) = to_pieces(t, s)
+    assert torch.equal(from_pieces([m], shape, s), t)
     if kind == "cols" and len(shape) == 2:
         h = shape[1] // groups
         for i in range(groups):
@@ -214,7 +211,7 @@ def test_whole_matrix_step_matches_torch_muon():
     grads = [torch.randn(48, 80, generator=g) for _ in range(3)]
     ours, theirs = nn.Parameter(W0.clone()), nn.Parameter(W0.clone())
     opt = PerHeadMuon(
-        [{"params": [ours], "structures": [MatrixStructure("rows", 4)]}],
+        [{"params": [ours], "structures": [MatrixStructure("rows", 3)]}],
         lr=0.02,
         weight_decay=0.1,
         momentum=0.95,
@@ -299,10 +296,10 @@ def test_cols_and_batch_and_bucketing_float64():
         for step in grads:
             M = 0.9 * M + step[k]
             U = step[k] + 0.9 * M
-            mats = to_matrices(U, s)
+            (mats,) = to_pieces(U, s)
             O = torch.stack([newton_schulz5_reference(m_) for m_ in mats])
             scale = 0.2 * math.sqrt(max(O.shape[-2:]))
-            W = W * (1 - 0.03 * 0.1) - 0.03 * scale * from_matrices(O, shape, s)
+            W = W * (1 - 0.03 * 0.1) - 0.03 * scale * from_pieces([O], shape, s)
         torch.testing.assert_close(params[k].detach(), W, rtol=0, atol=2e-14)  # measured 4.4e-16
 
 
@@ -319,7 +316,7 @@ def test_rank_limited_fused_matrix():
     s = MatrixStructure("rows", 12)
     out = {}
     for per_head in (False, True):
-        O = from_matrices(newton_schulz5(to_matrices(G, s, per_head)), G.shape, s, per_head)
+        O = from_pieces([newton_schulz5(to_pieces(G, s, per_head)[0])], G.shape, s, per_head)
         out[per_head] = O.view(12, 16, 64).norm(dim=(1, 2))
     quiet_whole, quiet_head = float(out[False][4:].mean()), float(out[True][4:].mean())
     assert quiet_whole == pytest.approx(0.59, rel=0.15)
@@ -411,11 +408,9 @@ def test_split_views_round_trip(kind, shape):
             assert torch.equal(pieces[1][h], t[:, 8 * h + 3 : 8 * h + 8])
     assert [tuple(p.shape) for p in pieces] == piece_shapes(shape, s)
     assert torch.equal(from_pieces(pieces, shape, s), t)
-    # whole-matrix mode ignores the splits; the one-piece functions refuse a structure of two matrix shapes
+    # whole-matrix mode ignores the splits
     assert piece_shapes(shape, s, per_head=False) == [(L, *shape[-2:])]
     assert torch.equal(from_pieces(to_pieces(t, s, False), shape, s, False), t)
-    with pytest.raises(ValueError, match="to_pieces"):
-        to_matrices(t, s)
 
 
 def test_split_structure_errors():
@@ -573,7 +568,7 @@ def test_split_plan_and_checkpoint_over_two_ranks(monkeypatch):
         monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None, r=rank: r)
         params = [nn.Parameter(torch.zeros(*shape, dtype=torch.float64)) for shape, _ in specs]
         opt = PerHeadMuon([{"params": params, "structures": [s for _, s in specs]}])
-        plan = opt._plan = opt._build_plan()
+        plan = opt.plan()
         gathered.append([])
         for (shape, s), p, e, full in zip(specs, params, plan["params"], moms):
             assert [(pc["n"], pc["rows"], pc["cols"]) for pc in e["pieces"]] == piece_shapes(shape, s)
@@ -720,6 +715,65 @@ def test_build_optimizer_muon_and_adamw_groups():
         build_optimizer(nn.Linear(3, 3), OptimConfig(name="muon"))
 
 
+class VisionToy(nn.Module):
+    """A vision tower (ahead of the text in model order; head matrices of the text's qkv shape) and ToyModel."""
+
+    def __init__(self):
+        super().__init__()
+        self.vision = nn.Linear(16, 3 * 8, bias=False)
+        self.text = ToyModel()
+
+    def muon_structure(self):
+        text = {f"text.{n}": s for n, s in self.text.muon_structure().items()}
+        return {"vision.weight": MatrixStructure("rows", 3), **text}
+
+
+def _owners_used(opt: PerHeadMuon, names: dict[int, str]) -> dict[str, list[int]]:
+    """Name -> owner of each of its matrices, read off the optimizer's dense ZeRO-1 plan."""
+    used = {}
+    for e in opt.plan("dp_cp")["params"]:
+        used[names[id(e["param"])]] = []
+        for pc in e["pieces"]:
+            o = torch.empty(pc["n"], dtype=torch.long)
+            for q, (idx, _, _) in enumerate(pc["by_rank"]):
+                o[idx] = q
+            used[names[id(e["param"])]] += o.tolist()
+    return used
+
+
+def test_muon_owners_are_the_sharding_plans(monkeypatch):
+    """The dense group holds vision and text matrices: model order (the plan's) puts the tower first, the optimizer
+    keeps it in a group after the text one. The owners PerHeadMuon steps with are ShardingPlan.owners, matrix by
+    matrix; balanced by the optimizer itself in its group order, they would differ for this model."""
+    import torch.distributed as dist
+
+    from k3train.optim.build import build_optimizer as build_torch_optimizer, param_kinds
+    from k3train.optim.sharding import ShardingPlan
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    model, cfg = VisionToy(), OptimConfig(name="muon")
+    kinds = param_kinds([model], cfg)
+    params = {n: p for n, p in model.named_parameters() if n in kinds}
+    plan = ShardingPlan.build([(n, tuple(p.shape), *kinds[n], "dense", 0) for n, p in params.items()], {"dense": 2}, 1)
+    names = {id(p): n for n, p in params.items()}
+    got = []
+    for sharding in (plan, None):
+        opt, _ = build_torch_optimizer(
+            cfg, list(params), kinds, params.__getitem__, process_group=object(), sharding=sharding
+        )
+        assert [g["name"] for g in opt.param_groups][:2] == ["muon", "muon_vision"]
+        used = _owners_used(opt, names)
+        got.append([o for n in params if n in used for o in used[n]])
+    assert got[0] == list(dict(plan.owners)["dense"])
+    assert got[1] != got[0]  # the disagreement the shared plan removes
+    vision = [{"params": [params["vision.weight"]], "structures": [MatrixStructure("rows", 3)]}]
+    for bad in ([0, 1], [0, 1, 2]):  # one owner per matrix, each a rank of the group
+        with pytest.raises(ValueError, match=r"each of the 3 Muon matrices a rank in \[0, 2\)"):
+            PerHeadMuon(vision, process_group=object(), owners={"dp_cp": bad}).plan()
+
+
 def test_describe_groups_table():
     m = ToyModel()
     text = describe_groups(m, OptimConfig(name="muon"))
@@ -843,12 +897,12 @@ def test_qk_clip():
     assert att.max_logits is None  # reset for the next step
     assert apply_qk_clip(model, tau) == {}  # nothing reported: nothing to do
     # directly: the shared-key query rows get gamma, own rows sqrt(gamma)
-    q, k = torch.ones(4, 3), torch.ones(4, 3)
-    qk_clip_(q, k, torch.tensor([4.0, 1.0]), 2.0, n_heads=2, qk_dim=1, shared_dim=1)
-    assert q[:, 0].tolist() == pytest.approx([math.sqrt(0.5), 0.5, 1.0, 1.0])
-    assert k[:, 0].tolist() == pytest.approx([math.sqrt(0.5), 1.0, 1.0, 1.0])
+    rows = dict(n_heads=2, q_rows=2, k_rows=2, qk_dim=1, shared_dim=1)
+    q, k, _ = qk_clip.qk_clip_scales(torch.tensor([4.0, 1.0]), 2.0, **rows)
+    assert q.tolist() == pytest.approx([math.sqrt(0.5), 0.5, 1.0, 1.0])
+    assert k.tolist() == pytest.approx([math.sqrt(0.5), 1.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="max_logits"):
-        qk_clip_(q, k, torch.ones(3), 2.0, n_heads=2, qk_dim=1, shared_dim=1)
+        qk_clip.qk_clip_scales(torch.ones(3), 2.0, **rows)
 
 
 def test_qk_clip_hook_from_config():
