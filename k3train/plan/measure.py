@@ -185,42 +185,36 @@ def measure_layout(layout: Layout, results: list[dict] | None = None) -> list[di
     from k3train.plan.comm_bytes import analytic_step_bytes
     from k3train.parallel.pipeline import split_layers
     from k3train.plan.activations import policy_plan, stage_activation_bytes
-    from k3train.plan.state_memory import rank_state_bytes
+    from k3train.plan.state_memory import StateModel
 
     if results is None:
         results = _run_layouts([layout])[0]
-    args = get_preset("tiny")
-    dims = layout.dims
-    optim = _optim_cfg(layout)
-    pplan = policy_plan(_activation_cfg(layout))
+    args, dims, prec = get_preset("tiny"), layout.dims, layout.precision
+    splits = {T: split_layers(args, dims.n_stages, seq_len=T) for T in SEQS}
+    layers = splits[SEQS[0]]
+    state = StateModel(args, dims, layers, _optim_cfg(layout), precision=prec)
+    kw = dict(plan=policy_plan(_activation_cfg(layout)), act_bytes=2 if prec == "bf16" else 4)
     rows = []
     for res in results:
         predicted_acts = {}
         for key in res["acts"]:
             s, T = map(int, key.split(":"))
-            layers = split_layers(args, dims.n_stages, seq_len=T)
             predicted_acts[key] = stage_activation_bytes(
                 args,
-                layers[s],
+                splits[T][s],
                 first=s == 0,
                 last=s == dims.n_stages - 1,
                 tokens=MICRO_BATCH * T // dims.cp,
                 seq_len=T,
-                plan=pplan,
-                act_bytes=2 if layout.precision == "bf16" else 4,
+                **kw,
             )
-        layers = split_layers(args, dims.n_stages, seq_len=SEQS[0])
-        st = rank_state_bytes(
-            args, dims, layers, optim, pp_rank=res["pp_rank"], dp_cp_rank=res["dp_cp_rank"], precision=layout.precision
-        )
+        st = state.rank_bytes(res["pp_rank"], res["dp_cp_rank"])
+        # Engine.last_memory's param_bytes, grad_bytes, master_bytes and optim_bytes
         measured = {
-            "params": res["state"]["param_bytes"],
-            "grads": res["state"]["grad_bytes"],
-            "master": res["state"].get("master_bytes", 0),
-            "optim": res["state"]["optim_bytes"],
+            k: res["state"].get(f"{k.removesuffix('s')}_bytes", 0) for k in ("params", "grads", "master", "optim")
         }
         comm = analytic_step_bytes(
-            args, dims, layers, pp_rank=res["pp_rank"], mb=MICRO_BATCH, seq=SEQS[0], precision=layout.precision
+            args, dims, layers, pp_rank=res["pp_rank"], mb=MICRO_BATCH, seq=SEQS[0], precision=prec
         )
         comm_measured = dict(res["comm"])
         if "ep/all_to_all" in comm_measured:  # routing decides a rank's rows: the EP group's mean is predicted

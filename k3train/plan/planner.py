@@ -42,7 +42,6 @@ class RankPlan:
     layers: list[list[int]]
     state: dict[str, int]  # params, grads, master, optim (at the measurement point: after the reduction)
     params_by_dtype: dict[str, int]
-    activations_per_mb: dict[int, float]  # stage -> one micro-batch's saved activations
     peak_activations: float
     peak_gradients: float
     boundary: float
@@ -133,14 +132,6 @@ class Plan:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-def _intra(group_size: int, stride: int, gpus_per_node: int) -> bool:
-    return group_size * stride <= gpus_per_node
-
-
-def _bandwidth(gpu: GPU, intra: bool) -> float:
-    return gpu.nvlink_bytes_s if intra else gpu.network_bytes_s
-
-
 def plan_world(cfg) -> int:
     """The number of GPUs a plan is for: plan.world, else pp x dp x cp of the layout."""
     p = cfg.parallel
@@ -161,7 +152,6 @@ class _Inputs:
     peak: float  # FLOP/s one GPU sustains: efficiency x the datasheet peak of the precision
     act_bytes: int
     pplan: object  # k3train.plan.activations.PolicyPlan
-    cache: dict = field(default_factory=dict)
 
     @property
     def args(self):
@@ -170,6 +160,14 @@ class _Inputs:
     @property
     def dims(self):
         return self.spec.layout
+
+    @cached_property
+    def state(self):
+        """The training state's model (k3train.plan.state_memory), its stage parameters listed once per plan."""
+        from k3train.plan.state_memory import StateModel
+
+        s = self.spec
+        return StateModel(self.args, self.dims, self.stage_layers, s.config.optim, s.trains_vision, s.precision)
 
     @cached_property
     def stage_layers(self) -> list[list[int]]:  # read by every stage's and rank's figure: converted once
@@ -188,16 +186,16 @@ class _Inputs:
         return self.mb * self.seq // self.dims.cp
 
     def bandwidth(self, group_size: int, stride: int) -> float:
-        return _bandwidth(self.gpu, _intra(group_size, stride, self.gpus_per_node))
+        """NVLink when the group (its ranks `stride` apart) fits in a node, the network otherwise."""
+        return self.gpu.nvlink_bytes_s if group_size * stride <= self.gpus_per_node else self.gpu.network_bytes_s
 
 
 def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
-    """One stage's StageCost for one micro-batch, with its EP and CP buffers, backward workspace and in-stage
-    communication seconds."""
+    """One stage's StageCost for one micro-batch, its buffers ({"ep", "cp", "work"}: EP and CP buffers, backward
+    workspace) and its in-stage communication seconds ({"ep_in_stages", "cp_in_stages"})."""
     from k3train.models.k3.model import sources_after
     from k3train.plan.activations import stage_activation_bytes, stage_workspace_bytes
     from k3train.plan.schedule_sim import StageCost
-    from k3train.plan.state_memory import stage_grad_bytes
 
     args, dims, tokens, ab, n = x.args, x.dims, x.tokens, x.act_bytes, x.dims.n_stages
     layers = x.stage_layers[s]
@@ -228,47 +226,18 @@ def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
         cp_buf = lat if n_mla else 0.0
     pp_bw = x.bandwidth(2, dims.dp_cp)
     send = (sources_after(args, layers[-1]) * tokens * args.dim * ab / pp_bw) if s < n - 1 else 0.0
-    cfg = x.spec.config
-    full, shard = stage_grad_bytes(
-        args,
-        dims,
-        x.stage_layers,
-        s,
-        cfg.optim,
-        train_vision=x.spec.trains_vision,
-        precision=x.spec.precision,
-        _params_cache=x.cache,
-    )
-    cost = StageCost(
-        forward_s=fwd + (a2a + cpt) / 2,
-        backward_s=bwd + (a2a + cpt) / 2,
-        act_bytes=act,
-        grad_bytes=full,
-        grad_shard_bytes=shard,
-        send_s=send,
-    )
-    return cost, ep_buf, cp_buf, work, a2a, cpt
+    cost = StageCost(fwd + (a2a + cpt) / 2, bwd + (a2a + cpt) / 2, act, *x.state.stage_grad_bytes(s), send_s=send)
+    return cost, {"ep": ep_buf, "cp": cp_buf, "work": work}, {"ep_in_stages": a2a, "cp_in_stages": cpt}
 
 
-def _rank_plan(x: _Inputs, r: int, costs: dict, bufs: dict, timeline) -> RankPlan:
+def _rank_plan(x: _Inputs, r: int, stages: list, timeline) -> RankPlan:
     """Pipeline rank r's memory: its state (worst data-parallel rank), activations at the timeline's peak, the
     boundary send buffer and the largest transient buffers of its stages."""
     from k3train.models.k3.model import sources_after
     from k3train.parallel.mesh import stages_of_rank
-    from k3train.plan.state_memory import rank_state_bytes
 
     args, dims, n, sl = x.args, x.dims, x.dims.n_stages, x.stage_layers
-    st = rank_state_bytes(
-        args,
-        dims,
-        sl,
-        x.spec.config.optim,
-        pp_rank=r,
-        dp_cp_rank=0,
-        _params_cache=x.cache,
-        precision=x.spec.precision,
-        train_vision=x.spec.trains_vision,
-    )
+    st = x.state.rank_bytes(r)
     mine = stages_of_rank(dims, r)
     boundary = max(
         (sources_after(args, sl[s][-1]) * x.tokens * args.dim * x.act_bytes for s in mine if s < n - 1), default=0.0
@@ -279,13 +248,12 @@ def _rank_plan(x: _Inputs, r: int, costs: dict, bufs: dict, timeline) -> RankPla
         layers=[sl[s] for s in mine],
         state=st.as_dict(),
         params_by_dtype=st.params_by_dtype,
-        activations_per_mb={s: costs[s].act_bytes for s in mine},
         peak_activations=timeline.peak_parts[r]["activations"],
         peak_gradients=max(timeline.peak_parts[r]["gradients"], st.grads),
         boundary=boundary,
-        ep_buffers=max((bufs["ep"][s] for s in mine), default=0.0),
-        cp_buffers=max((bufs["cp"][s] for s in mine), default=0.0),
-        workspace=max((bufs["work"][s] for s in mine), default=0.0),
+        ep_buffers=max((stages[s][1]["ep"] for s in mine), default=0.0),
+        cp_buffers=max((stages[s][1]["cp"] for s in mine), default=0.0),
+        workspace=max((stages[s][1]["work"] for s in mine), default=0.0),
     )
     rp.total = sum(rp.by_kind().values())
     return rp
@@ -300,7 +268,7 @@ def _dp_seconds(x: _Inputs) -> float:
     bw = {
         "dp_cp": x.bandwidth(dims.dp_cp, 1),
         "edp": x.bandwidth(dims.edp, dims.ep),
-        "world": _bandwidth(x.gpu, dims.world <= x.gpus_per_node),
+        "world": x.bandwidth(dims.world, 1),
     }
     worst = 0.0
     for r in range(dims.pp):
@@ -328,19 +296,20 @@ def plan_run(spec, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, 
     peak = gpu.peak_flops(precision) * efficiency
     x = _Inputs(spec, gpu, gpus_per_node, peak, ELEMENT_BYTES[precision]["param"], policy_plan(spec.config.activation))
     flops_tok = executed_flops(spec.model, x.seq)
-    costs, bufs, ep_time, cp_time = {}, {"ep": {}, "cp": {}, "work": {}}, {}, {}
-    for s in range(dims.n_stages):
-        costs[s], bufs["ep"][s], bufs["cp"][s], bufs["work"][s], ep_time[s], cp_time[s] = _stage_cost(x, s, flops_tok)
+    stages = [_stage_cost(x, s, flops_tok) for s in range(dims.n_stages)]
+    costs = {s: c for s, (c, _, _) in enumerate(stages)}
     timeline = simulate(dims, costs, zero=dims.zero)
-    ranks = [_rank_plan(x, r, costs, bufs, timeline) for r in range(dims.pp)]
+    ranks = [_rank_plan(x, r, stages, timeline) for r in range(dims.pp)]
     comm = {"dp": _dp_seconds(x)}
-    for key, per_stage in (("ep_in_stages", ep_time), ("cp_in_stages", cp_time)):  # part of the stages' time
-        comm[key] = max(sum(per_stage[s] for s in stages_of_rank(dims, r)) * dims.microbatches for r in range(dims.pp))
+    for key in ("ep_in_stages", "cp_in_stages"):  # part of the stages' time
+        comm[key] = max(
+            sum(stages[s][2][key] for s in stages_of_rank(dims, r)) * dims.microbatches for r in range(dims.pp)
+        )
     compute = max(
         sum((costs[s].forward_s + costs[s].backward_s) * dims.microbatches for s in stages_of_rank(dims, r))
         for r in range(dims.pp)
     )
-    optimizer_s = _muon_seconds(spec.model, dims, x.stage_layers, spec.config.optim, peak, x.cache)
+    optimizer_s = _muon_seconds(x)
     return Plan(
         recipe=spec.recipe,
         gpu=gpu,
@@ -362,35 +331,25 @@ def plan_run(spec, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, 
     )
 
 
-def _muon_seconds(args, dims, stage_layers, optim_cfg, peak: float, cache: dict) -> float:
-    """Newton-Schulz time of the busiest rank: its owned matrices (all of them without sharding)."""
-    from k3train.optim.muon import assign_owners, piece_shapes
+def _muon_seconds(x: _Inputs) -> float:
+    """Newton-Schulz time of the busiest pipeline rank: the Muon matrices its dp x cp rank 0 steps, by the
+    optimizer's own ShardingPlan (each matrix on its owner where the group is owner-sharded, all of the group's
+    matrices otherwise)."""
     from k3train.parallel.mesh import stages_of_rank
-    from k3train.plan.state_memory import _local_shape, stage_parameters
 
-    if optim_cfg.name != "muon":
+    o, dims = x.spec.config.optim, x.dims
+    if o.name != "muon":
         return 0.0
     worst = 0.0
     for r in range(dims.pp):
-        shapes, expert_flops = [], 0.0
-        for s in stages_of_rank(dims, r):
-            if s not in cache:
-                cache[s] = stage_parameters(
-                    args, stage_layers, s, optim_cfg, _layer_cache=cache.setdefault("layers", {})
-                )
-            for name, shape, kind, structure, trainable in cache[s]:
-                if kind != "muon" or not trainable:
-                    continue
-                local = _local_shape(name, shape, dims.ep)
-                for cnt, a, b in piece_shapes(local, structure, optim_cfg.per_head):
-                    if dims.ep > 1 and ".ffn.experts." in name:
-                        expert_flops += cnt * _ns_flops(a, b, optim_cfg.ns_steps)
-                    else:
-                        shapes.extend([(a, b)] * cnt)
-        n = dims.dp_cp if dims.zero >= 1 else 1
-        owners = assign_owners(shapes, n) if shapes else []
-        dense = sum(_ns_flops(a, b, optim_cfg.ns_steps) for (a, b), o in zip(shapes, owners) if o == 0)
-        worst = max(worst, (dense + expert_flops) / peak)
+        plan = x.state.sharding_plan(stages_of_rank(dims, r))
+        flops = 0.0
+        for group, owners in ((g, dict(plan.owners).get(g)) for g in ("dense", "expert")):
+            mats = plan.muon_matrices(group)
+            flops += sum(
+                _ns_flops(a, b, o.ns_steps) for i, (_, a, b) in enumerate(mats) if not owners or owners[i] == 0
+            )
+        worst = max(worst, flops / x.peak)
     return worst
 
 
