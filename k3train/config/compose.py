@@ -63,17 +63,9 @@ def _reject_unknown_keys(node, schema, prefix: str) -> None:
 
 def _clean(e: BaseException) -> str:
     """Hydra/OmegaConf messages carry the full key already; drop their noise lines."""
-    lines = [
-        ln
-        for ln in str(e).splitlines()
-        if ln.strip() and not ln.strip().startswith(("reference_type", "object_type", "Set the environment"))
-    ]
-    if e.__cause__ is not None and str(e.__cause__) not in str(e):
-        lines += [
-            ln
-            for ln in str(e.__cause__).splitlines()
-            if ln.strip() and not ln.strip().startswith(("reference_type", "object_type"))
-        ]
+    noise = ("reference_type", "object_type", "Set the environment")
+    text = str(e) + ("\n" + str(e.__cause__) if e.__cause__ is not None and str(e.__cause__) not in str(e) else "")
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(noise)]
     return "\n".join(lines)
 
 

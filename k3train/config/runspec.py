@@ -17,7 +17,6 @@ from functools import cached_property
 from k3train.activation import rules_from_config
 from k3train.data.config import VISION_SOURCES
 from k3train.models.k3.args import K3ModelArgs
-from k3train.models.k3.model import required_seq_multiple
 from k3train.parallel.mesh import ParallelDims
 from k3train.parallel.pipeline import split_layers
 
@@ -58,11 +57,6 @@ class RunSpec:
     @property
     def precision(self) -> str:
         return self.config.train.precision
-
-    @property
-    def seq_multiple(self) -> int:
-        """What data.seq_len must be a multiple of: the model's own rule times the pieces CP cuts a row into."""
-        return required_seq_multiple(self.model) * self.layout.cp_pieces
 
     @property
     def trains_vision(self) -> bool:
