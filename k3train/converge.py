@@ -42,17 +42,6 @@ from pathlib import Path
 from k3train.errors import ConfigError
 from k3train.parallel.mesh import ParallelDims
 
-__all__ = [
-    "ConvergeConfig",
-    "TOLERANCES",
-    "compare",
-    "converge",
-    "layout_overrides",
-    "main",
-    "parse_args",
-    "parse_layout",
-]
-
 EXIT_REGRESSION = 1
 EXIT_BAD_INPUT = 2
 
@@ -181,20 +170,14 @@ def parse_args(argv: list[str]) -> tuple[str, ConvergeConfig, list[str]]:
         raise ConfigError(
             "name the recipe: python -m k3train.converge --config-name RECIPE [converge.*=...] [overrides]"
         )
-    rest, conv = [], []
-    skip = False
-    for i, a in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if a in ("--config-name", "-cn"):
-            skip = True
-        elif a.startswith(("--config-name=", "-cn=")):
-            continue
-        elif a.startswith("converge."):
-            conv.append(a[len("converge.") :])
-        else:
-            rest.append(a)
+    flags = ("--config-name", "-cn")  # the recipe's flag and its value go; converge.* keys are the harness's
+    rest = [
+        a
+        for i, a in enumerate(argv)
+        if not (a in flags or a.startswith(("--config-name=", "-cn=")) or (i and argv[i - 1] in flags))
+    ]
+    conv = [a.removeprefix("converge.") for a in rest if a.startswith("converge.")]
+    rest = [a for a in rest if not a.startswith("converge.")]
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(ConvergeConfig), OmegaConf.from_dotlist(conv))
         return recipe, OmegaConf.to_object(cfg), rest
@@ -224,32 +207,19 @@ def load_golden(path: Path) -> dict:
     return g
 
 
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=Path(__file__).resolve().parent,
-        )
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def _machine() -> dict:
+def _provenance() -> dict:
+    """The commit, machine and versions a golden curve is recorded with."""
     import torch
 
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=here)
+        commit = out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
     m = {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
     if torch.cuda.is_available():
         m["gpu"] = torch.cuda.get_device_name(0)
-    return m
-
-
-def _versions() -> dict:
-    import torch
-
     v = {"python": platform.python_version(), "torch": torch.__version__}
     try:
         import triton
@@ -257,11 +227,15 @@ def _versions() -> dict:
         v["triton"] = triton.__version__
     except ImportError:
         pass
-    return v
+    return {"commit": commit, "machine": m, "versions": v}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Runs
+
+
+_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""A launcher's variables: each run gets its own launch, not the harness's."""
 
 
 def _free_port() -> int:
@@ -279,23 +253,11 @@ def read_losses(run_dir: Path) -> list[float]:
 def run_layout(recipe: str, name: str, nproc: int, overrides: list[str], out: Path, timeout_s: float) -> list[float]:
     """Train the recipe under one layout (torchrun above one process); its losses, one per step."""
     run_dir = out / name
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
     cmd = [sys.executable]
     if nproc > 1:
-        cmd += [
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(_free_port()),
-        ]
+        cmd += ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+        cmd += ["--master-addr=127.0.0.1", f"--master-port={_free_port()}"]
     cmd += ["-m", "k3train.train", "--config-name", recipe, *overrides, f"train.run_dir={run_dir}"]
     log = out / f"{name}.log"
     with open(log, "w") as f:
@@ -491,9 +453,7 @@ def _record_golden(e: Experiment, curves: dict[str, list[float]], verdict: dict)
             "layout": e.reference,
             "precision": e.precision,
             "overrides": e.user,
-            "commit": _git_commit(),
-            "machine": _machine(),
-            "versions": _versions(),
+            **_provenance(),
             "recorded": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         },
     }
