@@ -24,8 +24,7 @@ def _task(dcfg) -> None:
 
         gpu = gpu_spec(cfg.plan.gpu)
         spec = resolve_run(cfg, world_size=plan_world(cfg), recipe=recipe, here=False)
-        p = cfg.plan
-        plan = plan_run(spec, gpu, gpus_per_node=p.gpus_per_node, headroom=p.headroom, efficiency=p.efficiency)
+        plan = plan_run(spec, gpu)
         print(format_plan(plan), flush=True)
         if cfg.plan.png != "none":
             # Generated output goes under runs/ (ignored by git), never beside the user's files.

@@ -41,27 +41,13 @@ class RankPlan:
     stages: list[int]
     layers: list[list[int]]
     state: dict[str, int]  # params, grads, master, optim (at the measurement point: after the reduction)
-    params_by_dtype: dict[str, int]
-    peak_activations: float
-    peak_gradients: float
-    boundary: float
-    ep_buffers: float
-    cp_buffers: float
-    workspace: float = 0.0
-    total: float = 0.0
+    by_kind: dict[str, float]
+    """Peak bytes by kind: params, master, optim, grads, activations, pp_buffers (the boundary send buffer),
+    ep_buffers, cp_buffers and workspace."""
 
-    def by_kind(self) -> dict[str, float]:
-        return {
-            "params": self.state["params"],
-            "master": self.state["master"],
-            "optim": self.state["optim"],
-            "grads": self.peak_gradients,
-            "activations": self.peak_activations,
-            "pp_buffers": self.boundary,
-            "ep_buffers": self.ep_buffers,
-            "cp_buffers": self.cp_buffers,
-            "workspace": self.workspace,
-        }
+    @property
+    def total(self) -> float:
+        return sum(self.by_kind.values())
 
 
 @dataclass
@@ -102,7 +88,7 @@ class Plan:
         return self.flops_per_token * self.tokens_per_s / (self.dims.world * self.gpu.bf16_flops)
 
     def biggest_term(self, r: RankPlan) -> tuple[str, float]:
-        return max(r.by_kind().items(), key=lambda kv: kv[1])
+        return max(r.by_kind.items(), key=lambda kv: kv[1])
 
     def summary(self) -> dict:
         m = self.max_rank
@@ -120,7 +106,7 @@ class Plan:
             "step_s": self.step_s,
             "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
-            "by_kind": {k: int(v) for k, v in m.by_kind().items()},
+            "by_kind": {k: int(v) for k, v in m.by_kind.items()},
             "per_rank_bytes": [int(r.total) for r in self.ranks],
             "time": {
                 "compute_s": self.compute_s,
@@ -242,21 +228,20 @@ def _rank_plan(x: _Inputs, r: int, stages: list, timeline) -> RankPlan:
     boundary = max(
         (sources_after(args, sl[s][-1]) * x.tokens * args.dim * x.act_bytes for s in mine if s < n - 1), default=0.0
     )
-    rp = RankPlan(
-        pp_rank=r,
-        stages=mine,
-        layers=[sl[s] for s in mine],
-        state=st.as_dict(),
-        params_by_dtype=st.params_by_dtype,
-        peak_activations=timeline.peak_parts[r]["activations"],
-        peak_gradients=max(timeline.peak_parts[r]["gradients"], st.grads),
-        boundary=boundary,
-        ep_buffers=max((stages[s][1]["ep"] for s in mine), default=0.0),
-        cp_buffers=max((stages[s][1]["cp"] for s in mine), default=0.0),
-        workspace=max((stages[s][1]["work"] for s in mine), default=0.0),
-    )
-    rp.total = sum(rp.by_kind().values())
-    return rp
+    peak = timeline.peak_parts[r]
+    buf = {k: max((stages[s][1][k] for s in mine), default=0.0) for k in ("ep", "cp", "work")}
+    by_kind = {
+        "params": st.params,
+        "master": st.master,
+        "optim": st.optim,
+        "grads": max(peak["gradients"], st.grads),
+        "activations": peak["activations"],
+        "pp_buffers": boundary,
+        "ep_buffers": buf["ep"],
+        "cp_buffers": buf["cp"],
+        "workspace": buf["work"],
+    }
+    return RankPlan(r, mine, [sl[s] for s in mine], st.as_dict(), by_kind)
 
 
 def _dp_seconds(x: _Inputs) -> float:
@@ -280,20 +265,23 @@ def _dp_seconds(x: _Inputs) -> float:
     return worst
 
 
-def plan_run(spec, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, efficiency: float = 0.45) -> Plan:
-    """The plan of a resolved run (k3train.config.runspec.RunSpec; its world is the number of GPUs) on `gpu`."""
+def plan_run(spec, gpu: GPU, *, gpus_per_node: int | None = None) -> Plan:
+    """The plan of a resolved run (k3train.config.runspec.RunSpec; its world is the number of GPUs) on `gpu`, with
+    the run's plan settings (headroom, efficiency, and gpus_per_node where not given)."""
     from k3train.models.k3.counts import executed_flops, flops_per_token
     from k3train.parallel.mesh import stages_of_rank
     from k3train.parallel.zero import ELEMENT_BYTES
     from k3train.plan.activations import policy_plan
     from k3train.plan.schedule_sim import simulate
 
+    p = spec.config.plan
+    gpus_per_node = p.gpus_per_node if gpus_per_node is None else gpus_per_node
     if gpus_per_node < 1:
         raise ConfigError(f"plan.gpus_per_node: must be >= 1, got {gpus_per_node}")
     dims, precision = spec.layout, spec.precision
     if dims.world > gpus_per_node and dims.world % gpus_per_node:
         raise ConfigError(f"plan.gpus_per_node: {dims.world} ranks do not fill nodes of {gpus_per_node} GPUs")
-    peak = gpu.peak_flops(precision) * efficiency
+    peak = gpu.peak_flops(precision) * p.efficiency
     x = _Inputs(spec, gpu, gpus_per_node, peak, ELEMENT_BYTES[precision]["param"], policy_plan(spec.config.activation))
     flops_tok = executed_flops(spec.model, x.seq)
     stages = [_stage_cost(x, s, flops_tok) for s in range(dims.n_stages)]
@@ -319,7 +307,7 @@ def plan_run(spec, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, 
         seq_len=x.seq,
         micro_batch=x.mb,
         ranks=ranks,
-        headroom=headroom,
+        headroom=p.headroom,
         compute_s=compute,
         bubble_s=timeline.makespan_s - compute,
         comm_s=comm,
@@ -365,22 +353,18 @@ def _gib(x: float) -> str:
 
 def format_plan(plan: Plan) -> str:
     d = plan.dims
+    heads = ("params", "master", "optim", "grads", "acts", "pp_buf", "ep_buf", "cp_buf", "work", "total")
     lines = [
         f"k3train plan: {plan.recipe} on {d.world} x {plan.gpu.name} ({plan.gpus_per_node} per node), "
         f"{d.describe()}, {plan.precision}, {plan.micro_batch} x {plan.seq_len} tokens per micro-batch",
         "",
         "memory per pipeline rank (GiB; worst data-parallel rank)",
-        f"{'rank':>4} {'stages':>10} {'layers':>7} {'params':>8} {'master':>8} {'optim':>8} {'grads':>8} "
-        f"{'acts':>8} {'pp_buf':>8} {'ep_buf':>8} {'cp_buf':>8} {'work':>8} {'total':>8} {'of GPU':>7}",
+        f"{'rank':>4} {'stages':>10} {'layers':>7} {' '.join(f'{h:>8}' for h in heads)} {'of GPU':>7}",
     ]
-    for r in plan.ranks:
-        k = r.by_kind()
+    for r in plan.ranks:  # the columns in by_kind's order
         lines.append(
             f"{r.pp_rank:>4} {','.join(map(str, r.stages)):>10} {sum(len(x) for x in r.layers):>7} "
-            f"{_gib(k['params'])} {_gib(k['master'])} {_gib(k['optim'])} {_gib(k['grads'])} "
-            f"{_gib(k['activations'])} {_gib(k['pp_buffers'])} {_gib(k['ep_buffers'])} "
-            f"{_gib(k['cp_buffers'])} {_gib(k['workspace'])} {_gib(r.total)} "
-            f"{100 * r.total / plan.gpu.memory_bytes:6.1f}%"
+            f"{' '.join(_gib(v) for v in (*r.by_kind.values(), r.total))} {100 * r.total / plan.gpu.memory_bytes:6.1f}%"
         )
     m = plan.max_rank
     kind, val = plan.biggest_term(m)
@@ -422,10 +406,10 @@ def plot_plan(plan: Plan, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(12, 8))
-    kinds = list(plan.ranks[0].by_kind())
+    kinds = list(plan.ranks[0].by_kind)
     bottom = [0.0] * len(plan.ranks)
     for k in kinds:
-        vals = [r.by_kind()[k] / GiB for r in plan.ranks]
+        vals = [r.by_kind[k] / GiB for r in plan.ranks]
         ax1.bar([r.pp_rank for r in plan.ranks], vals, bottom=bottom, label=k)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax1.axhline(plan.gpu.memory_bytes / GiB, color="k", linestyle="--", label=plan.gpu.name)

@@ -39,7 +39,6 @@ class StateBytes:
     grads: int = 0
     master: int = 0
     optim: int = 0
-    params_by_dtype: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"params": self.params, "grads": self.grads, "master": self.master, "optim": self.optim}
@@ -123,7 +122,7 @@ class StateModel:
     def rank_bytes(self, pp_rank: int, dp_cp_rank: int = 0) -> StateBytes:
         """Exact bytes of parameters, gradients, master weights and optimizer states on the rank at (pp_rank,
         dp_cp_rank) of the layout: the formulas of k3train.parallel.zero's module doc, read off its ShardingPlan."""
-        from k3train.parallel.zero import ELEMENT_BYTES, PARAM_DTYPES
+        from k3train.parallel.zero import ELEMENT_BYTES
 
         dims = self.dims
         plan = self.sharding_plan(stages_of_rank(dims, pp_rank))
@@ -153,7 +152,6 @@ class StateModel:
                 out.grads += mine * g_elem
             out.optim += mine * s_elem
             out.master += mine * m_elem
-        out.params_by_dtype = {str(PARAM_DTYPES[self.precision]).replace("torch.", ""): out.params}
         return out
 
     def stage_grad_bytes(self, stage: int) -> tuple[int, int]:
