@@ -39,6 +39,12 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from k3train.config.app import config_name
+from k3train.config.compose import load_spec
+from k3train.config.store import recipes_dir
 from k3train.errors import ConfigError
 from k3train.parallel.mesh import ParallelDims
 
@@ -160,11 +166,6 @@ def within(stats: dict, tol: dict) -> bool:
 
 def parse_args(argv: list[str]) -> tuple[str, ConvergeConfig, list[str]]:
     """argv -> (recipe, converge settings, training overrides). converge.* keys are typed by ConvergeConfig."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from k3train.config.app import config_name
-
     recipe = config_name(argv)
     if recipe is None:
         raise ConfigError(
@@ -190,8 +191,6 @@ def parse_args(argv: list[str]) -> tuple[str, ConvergeConfig, list[str]]:
 
 
 def golden_path(recipe: str, cfg: ConvergeConfig) -> Path:
-    from k3train.config.store import recipes_dir
-
     return Path(cfg.golden) if cfg.golden else recipes_dir() / "golden" / f"{recipe}.json"
 
 
@@ -332,8 +331,6 @@ class Experiment:
 def _experiment(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> Experiment:
     """The experiment from the golden file and the command line; every layout's run resolved (and so validated)
     before any of them starts."""
-    from k3train.config.compose import load_spec
-
     gpath = golden_path(recipe, cfg)
     golden = load_golden(gpath)
     exp = golden.get("converge", {})

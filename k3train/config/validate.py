@@ -11,10 +11,14 @@ import math
 import os
 from pathlib import Path
 
+from k3train.activation.policy import POLICIES as activation_policies  # one list of names, the policies' own
 from k3train.data.config import VISION_FORMATS, VISION_SOURCES
 from k3train.errors import ConfigError
 from k3train.models.k3.args import K3ModelArgs, get_preset
+from k3train.models.k3.mixers import layer_mixer
 from k3train.models.k3.model import required_seq_multiple
+from k3train.ops.backend import resolve_kernels
+from k3train.optim.quantile_balancing import BALANCING
 from k3train.parallel.mesh import ParallelDims
 
 from .schema import K3TrainConfig
@@ -48,8 +52,6 @@ def _overrides(cfg: K3TrainConfig) -> dict:
 
 def model_args(cfg: K3TrainConfig) -> K3ModelArgs:
     """The validated K3ModelArgs of cfg.model (preset + overrides); every layer kind it names is registered."""
-    from k3train.models.k3.mixers import layer_mixer
-
     overrides = _overrides(cfg)
     try:
         args = get_preset(cfg.model.preset, **overrides)
@@ -91,8 +93,6 @@ def check_kernels(cfg: K3TrainConfig) -> str:
         "fp64 cannot run model.kernels=triton (the Triton kernels compute in fp32); use model.kernels=torch or auto "
         "(auto runs the PyTorch ops on fp64 tensors)",
     )
-    from k3train.ops.backend import resolve_kernels
-
     try:
         return resolve_kernels(cfg.model.kernels, train_device_type(cfg.train.device))
     except ValueError as e:
@@ -285,8 +285,6 @@ def check_optim(cfg: K3TrainConfig) -> None:
 
 
 def check_activation(cfg: K3TrainConfig) -> None:
-    from k3train.activation.policy import POLICIES as activation_policies  # one list of names, the policies' own
-
     a = cfg.activation
     _need(
         a.policy in activation_policies,
@@ -329,8 +327,6 @@ def check_train(cfg: K3TrainConfig, args: K3ModelArgs) -> None:
     _need(
         t.precision in ("fp32", "bf16", "fp64"), "train.precision", f"must be fp32, bf16 or fp64, got {t.precision!r}"
     )
-    from k3train.optim.quantile_balancing import BALANCING
-
     _need(
         t.balancing in BALANCING,
         "train.balancing",

@@ -18,6 +18,21 @@ from dataclasses import dataclass
 
 import torch
 
+from k3train.activation import rules_from_config
+from k3train.activation.config import ActivationConfig, ActivationRule
+from k3train.models.k3.args import get_preset
+from k3train.models.k3.context import BatchContext
+from k3train.models.k3.loss import linear_cross_entropy
+from k3train.models.k3.model import sources_after
+from k3train.optim.config import OptimConfig
+from k3train.parallel.engine import build_engine
+from k3train.parallel.mesh import ParallelDims, rank_coords
+from k3train.parallel.pipeline import split_layers
+from k3train.plan.activations import policy_plan, stage_activation_bytes
+from k3train.plan.comm_bytes import analytic_step_bytes
+from k3train.plan.meter import SavedBytesMeter
+from k3train.plan.state_memory import StateModel
+
 SEQS = (64, 128)
 MICRO_BATCH = 2
 
@@ -36,8 +51,6 @@ class Layout:
 
     @property
     def dims(self):
-        from k3train.parallel.mesh import ParallelDims
-
         return ParallelDims.parse(self.layout)
 
     @property
@@ -63,14 +76,10 @@ LAYOUTS = (
 
 
 def _activation_cfg(layout: Layout):
-    from k3train.activation.config import ActivationConfig, ActivationRule
-
     return ActivationConfig(policy=layout.policy, rules=[ActivationRule(match=m, policy=p) for m, p in layout.rules])
 
 
 def _optim_cfg(layout: Layout):
-    from k3train.optim.config import OptimConfig
-
     return OptimConfig(name=layout.optim)
 
 
@@ -104,14 +113,6 @@ def _worker(rank: int, layouts: list[Layout], out_dir: str, init_file: str) -> N
 
 def _measure_rank(rank: int, layout: Layout) -> dict:
     """This rank's measured state, communication and saved activations of one layout."""
-    from k3train.activation import rules_from_config
-    from k3train.models.k3.args import get_preset
-    from k3train.models.k3.context import BatchContext
-    from k3train.models.k3.loss import linear_cross_entropy
-    from k3train.parallel.engine import build_engine
-    from k3train.parallel.mesh import rank_coords
-    from k3train.plan.meter import SavedBytesMeter
-
     args = get_preset("tiny")
     dims = layout.dims
     acfg = _activation_cfg(layout)
@@ -144,8 +145,6 @@ def _measure_rank(rank: int, layout: Layout) -> dict:
             if s == 0:
                 x = b["input_ids"]
             else:
-                from k3train.models.k3.model import sources_after
-
                 S = sources_after(args, eng.stage_layers[s][0] - 1)
                 x = torch.randn(S, *b["input_ids"].shape, args.dim, dtype=low or torch.float32, requires_grad=True)
             ctx = b["ctx"] if dims.pp == 1 else BatchContext()
@@ -181,12 +180,6 @@ def _run_layouts(layouts: list[Layout]) -> list[list[dict]]:
 def measure_layout(layout: Layout, results: list[dict] | None = None) -> list[dict]:
     """Run one layout on CPU (or take its ranks' `results`); per rank: the measured state and activations, with the
     planner's predictions."""
-    from k3train.models.k3.args import get_preset
-    from k3train.plan.comm_bytes import analytic_step_bytes
-    from k3train.parallel.pipeline import split_layers
-    from k3train.plan.activations import policy_plan, stage_activation_bytes
-    from k3train.plan.state_memory import StateModel
-
     if results is None:
         results = _run_layouts([layout])[0]
     args, dims, prec = get_preset("tiny"), layout.dims, layout.precision

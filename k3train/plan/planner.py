@@ -26,11 +26,19 @@ rank's compute.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 from k3train.errors import ConfigError
+from k3train.models.k3.counts import executed_flops, flops_per_token
+from k3train.models.k3.model import sources_after
+from k3train.parallel.mesh import stages_of_rank
+from k3train.parallel.zero import ELEMENT_BYTES
+from k3train.plan.activations import policy_plan, stage_activation_bytes, stage_workspace_bytes
+from k3train.plan.comm_bytes import analytic_step_bytes
 from k3train.plan.gpus import GPU
+from k3train.plan.schedule_sim import StageCost, simulate
+from k3train.plan.state_memory import StateModel
 
 GiB = 2**30
 
@@ -52,24 +60,25 @@ class RankPlan:
 
 @dataclass
 class Plan:
-    recipe: str
+    spec: object  # the resolved run (k3train.config.runspec.RunSpec)
     gpu: GPU
     gpus_per_node: int
-    dims: object
-    precision: str
-    seq_len: int
-    micro_batch: int
     ranks: list[RankPlan]
-    headroom: float
     compute_s: float
     bubble_s: float
     comm_s: dict[str, float]
     optimizer_s: float
     step_s: float
-    tokens_per_step: int
     flops_per_token: float
     timeline: object = None
-    notes: list[str] = field(default_factory=list)
+
+    @property
+    def dims(self):
+        return self.spec.layout
+
+    @property
+    def headroom(self) -> float:
+        return self.spec.config.plan.headroom
 
     @property
     def max_rank(self) -> RankPlan:
@@ -81,7 +90,7 @@ class Plan:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens_per_step / self.step_s
+        return self.spec.tokens_per_step / self.step_s
 
     @property
     def mfu(self) -> float:
@@ -93,11 +102,11 @@ class Plan:
     def summary(self) -> dict:
         m = self.max_rank
         return {
-            "recipe": self.recipe,
+            "recipe": self.spec.recipe,
             "gpu": self.gpu.name,
             "ranks": self.dims.world,
             "layout": self.dims.describe(),
-            "precision": self.precision,
+            "precision": self.spec.precision,
             "max_rank_bytes": int(m.total),
             "max_rank": m.pp_rank,
             "gpu_bytes": self.gpu.memory_bytes,
@@ -150,8 +159,6 @@ class _Inputs:
     @cached_property
     def state(self):
         """The training state's model (k3train.plan.state_memory), its stage parameters listed once per plan."""
-        from k3train.plan.state_memory import StateModel
-
         s = self.spec
         return StateModel(self.args, self.dims, self.stage_layers, s.config.optim, s.trains_vision, s.precision)
 
@@ -179,10 +186,6 @@ class _Inputs:
 def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
     """One stage's StageCost for one micro-batch, its buffers ({"ep", "cp", "work"}: EP and CP buffers, backward
     workspace) and its in-stage communication seconds ({"ep_in_stages", "cp_in_stages"})."""
-    from k3train.models.k3.model import sources_after
-    from k3train.plan.activations import stage_activation_bytes, stage_workspace_bytes
-    from k3train.plan.schedule_sim import StageCost
-
     args, dims, tokens, ab, n = x.args, x.dims, x.tokens, x.act_bytes, x.dims.n_stages
     layers = x.stage_layers[s]
     n_moe = sum(args.ffn_kind(i) == "moe" for i in layers)
@@ -219,9 +222,6 @@ def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
 def _rank_plan(x: _Inputs, r: int, stages: list, timeline) -> RankPlan:
     """Pipeline rank r's memory: its state (worst data-parallel rank), activations at the timeline's peak, the
     boundary send buffer and the largest transient buffers of its stages."""
-    from k3train.models.k3.model import sources_after
-    from k3train.parallel.mesh import stages_of_rank
-
     args, dims, n, sl = x.args, x.dims, x.dims.n_stages, x.stage_layers
     st = x.state.rank_bytes(r)
     mine = stages_of_rank(dims, r)
@@ -247,8 +247,6 @@ def _rank_plan(x: _Inputs, r: int, stages: list, timeline) -> RankPlan:
 def _dp_seconds(x: _Inputs) -> float:
     """Data-parallel reductions and gathers after the pipeline drains (the busiest pipeline rank's), from the same
     bytes the communication ledger records."""
-    from k3train.plan.comm_bytes import analytic_step_bytes
-
     dims, spec = x.dims, x.spec
     bw = {
         "dp_cp": x.bandwidth(dims.dp_cp, 1),
@@ -268,12 +266,6 @@ def _dp_seconds(x: _Inputs) -> float:
 def plan_run(spec, gpu: GPU, *, gpus_per_node: int | None = None) -> Plan:
     """The plan of a resolved run (k3train.config.runspec.RunSpec; its world is the number of GPUs) on `gpu`, with
     the run's plan settings (headroom, efficiency, and gpus_per_node where not given)."""
-    from k3train.models.k3.counts import executed_flops, flops_per_token
-    from k3train.parallel.mesh import stages_of_rank
-    from k3train.parallel.zero import ELEMENT_BYTES
-    from k3train.plan.activations import policy_plan
-    from k3train.plan.schedule_sim import simulate
-
     p = spec.config.plan
     gpus_per_node = p.gpus_per_node if gpus_per_node is None else gpus_per_node
     if gpus_per_node < 1:
@@ -299,21 +291,15 @@ def plan_run(spec, gpu: GPU, *, gpus_per_node: int | None = None) -> Plan:
     )
     optimizer_s = _muon_seconds(x)
     return Plan(
-        recipe=spec.recipe,
+        spec=spec,
         gpu=gpu,
         gpus_per_node=gpus_per_node,
-        dims=dims,
-        precision=precision,
-        seq_len=x.seq,
-        micro_batch=x.mb,
         ranks=ranks,
-        headroom=p.headroom,
         compute_s=compute,
         bubble_s=timeline.makespan_s - compute,
         comm_s=comm,
         optimizer_s=optimizer_s,
         step_s=timeline.makespan_s + comm["dp"] + optimizer_s,
-        tokens_per_step=spec.tokens_per_step,
         flops_per_token=flops_per_token(spec.model, x.seq),
         timeline=timeline,
     )
@@ -323,8 +309,6 @@ def _muon_seconds(x: _Inputs) -> float:
     """Newton-Schulz time of the busiest pipeline rank: the Muon matrices its dp x cp rank 0 steps, by the
     optimizer's own ShardingPlan (each matrix on its owner where the group is owner-sharded, all of the group's
     matrices otherwise)."""
-    from k3train.parallel.mesh import stages_of_rank
-
     o, dims = x.spec.config.optim, x.dims
     if o.name != "muon":
         return 0.0
@@ -352,11 +336,11 @@ def _gib(x: float) -> str:
 
 
 def format_plan(plan: Plan) -> str:
-    d = plan.dims
+    d, c = plan.dims, plan.spec.config
     heads = ("params", "master", "optim", "grads", "acts", "pp_buf", "ep_buf", "cp_buf", "work", "total")
     lines = [
-        f"k3train plan: {plan.recipe} on {d.world} x {plan.gpu.name} ({plan.gpus_per_node} per node), "
-        f"{d.describe()}, {plan.precision}, {plan.micro_batch} x {plan.seq_len} tokens per micro-batch",
+        f"k3train plan: {plan.spec.recipe} on {d.world} x {plan.gpu.name} ({plan.gpus_per_node} per node), "
+        f"{d.describe()}, {plan.spec.precision}, {c.data.micro_batch} x {c.data.seq_len} tokens per micro-batch",
         "",
         "memory per pipeline rank (GiB; worst data-parallel rank)",
         f"{'rank':>4} {'stages':>10} {'layers':>7} {' '.join(f'{h:>8}' for h in heads)} {'of GPU':>7}",
@@ -373,13 +357,13 @@ def format_plan(plan: Plan) -> str:
         f"step time {plan.step_s:.3f} s = pipeline {plan.compute_s + plan.bubble_s:.3f} s (compute "
         f"{plan.compute_s:.3f} s incl. EP/CP exchanges, bubble {plan.bubble_s:.3f} s) + data-parallel "
         f"communication {plan.comm_s['dp']:.3f} s + optimizer {plan.optimizer_s:.3f} s",
-        f"tokens/s {plan.tokens_per_s:,.0f}  MFU {100 * plan.mfu:.1f}%  ({plan.tokens_per_step:,} tokens per step)",
+        f"tokens/s {plan.tokens_per_s:,.0f}  MFU {100 * plan.mfu:.1f}%  ({plan.spec.tokens_per_step:,} tokens per step)",
         f"verdict: {'FITS' if plan.fits else 'DOES NOT FIT'}: largest rank {m.pp_rank} needs "
         f"{m.total / GiB:.1f} GiB of {plan.gpu.memory_bytes / GiB:.1f} GiB "
         f"(limit {(1 - plan.headroom) * plan.gpu.memory_bytes / GiB:.1f} GiB with {100 * plan.headroom:.0f}% "
         f"headroom); biggest term there: {kind} {val / GiB:.1f} GiB",
     ]
-    return "\n".join(lines + plan.notes)
+    return "\n".join(lines)
 
 
 def plan_json(plan: Plan) -> str:
@@ -417,7 +401,7 @@ def plot_plan(plan: Plan, path: str) -> None:
     ax1.set_xlabel("pipeline rank")
     ax1.set_ylabel("GiB")
     ax1.legend(fontsize=7, ncol=5)
-    ax1.set_title(f"{plan.recipe}: memory per pipeline rank")
+    ax1.set_title(f"{plan.spec.recipe}: memory per pipeline rank")
     colors = {"F": "tab:blue", "B": "tab:orange", "I": "tab:green", "W": "tab:purple"}
     for r, evs in plan.timeline.events.items():
         for s, e, a in evs:
