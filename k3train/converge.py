@@ -314,7 +314,7 @@ class Experiment:
     layouts: dict[str, ParallelDims]
     steps: int
     window: int
-    user: list[str]
+    overrides: list[str]
     rows: int = 0
     precision: str = "fp32"
     runs: dict[str, list[str]] = field(default_factory=dict)
@@ -350,7 +350,7 @@ def _experiment(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> Exper
             f"first step on: run converge.steps={e.gcurve['steps']}, or record a curve of {steps} steps "
             f"with converge.update_golden=true"
         )
-    for o in e.user:
+    for o in e.overrides:
         if o.lstrip("+~").split("=")[0].startswith(("parallel.", "train.run_dir", "train.steps")):
             raise ConfigError(
                 f"converge: {o!r}: the harness sets parallel.*, train.steps and train.run_dir itself "
@@ -358,12 +358,17 @@ def _experiment(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> Exper
             )
     base = list(exp.get("overrides", [])) + [f"train.steps={steps}"]
     # The recipe as it runs in one process: its rows per step and precision, and bad overrides refused now.
-    one = load_spec(recipe, base + e.user, world_size=1).config
+    one = load_spec(recipe, base + e.overrides, world_size=1).config
     e.rows = cfg.rows or one.data.micro_batch * one.parallel.microbatches * max(one.parallel.dp, 1)
     e.precision = one.train.precision
     det = ["train.deterministic=true"] if cfg.deterministic else []
     for name, dims in e.layouts.items():
-        e.runs[name] = [*base, *e.user, *OUTPUT_OVERRIDES, *layout_overrides(dims, e.rows, one.parallel.microbatches)]
+        e.runs[name] = [
+            *base,
+            *e.overrides,
+            *OUTPUT_OVERRIDES,
+            *layout_overrides(dims, e.rows, one.parallel.microbatches),
+        ]
         e.runs[name] += det
         load_spec(recipe, e.runs[name], world_size=dims.world)
     return e
@@ -388,12 +393,7 @@ def _verdict(e: Experiment, cfg: ConvergeConfig, curves: dict[str, list[float]],
     """Each layout against the reference layout, and against the golden curve where one is recorded."""
     ref = e.reference
     verdict = {
-        "recipe": e.recipe,
-        "steps": e.steps,
-        "window": e.window,
-        "rows": e.rows,
-        "precision": e.precision,
-        "overrides": e.user,
+        **{k: getattr(e, k) for k in ("recipe", "steps", "window", "rows", "precision", "overrides")},
         "reference": ref,
         "golden": str(e.golden_path),
         "statistic": "d_t = |loss_t - ref_t| / |ref_t|; window = mean of d_t over the last `window` steps; "
@@ -449,7 +449,7 @@ def _record_golden(e: Experiment, curves: dict[str, list[float]], verdict: dict)
             "steps": e.steps,
             "layout": e.reference,
             "precision": e.precision,
-            "overrides": e.user,
+            "overrides": e.overrides,
             **_provenance(),
             "recorded": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         },
@@ -473,7 +473,7 @@ def converge(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> dict:
     if cfg.update_golden:
         _record_golden(e, curves, verdict)
     png = out / "curves.png"
-    title = f"{recipe}: {e.steps} steps, {e.precision}" + (f", {' '.join(e.user)}" if e.user else "")
+    title = f"{recipe}: {e.steps} steps, {e.precision}" + (f", {' '.join(e.overrides)}" if e.overrides else "")
     plot(png, curves, e.gcurve["losses"][: e.steps] if e.gcurve else None, diffs, title)
     verdict["png"] = str(png)
     (out / "verdict.json").write_text(json.dumps(verdict, indent=1) + "\n")
@@ -483,14 +483,13 @@ def converge(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> dict:
 def _summary(v: dict) -> str:
     lines = []
     for name, e in v["layouts"].items():
-        for what in ("vs_reference", "vs_golden"):
-            if what in e:
-                s = e[what]
-                lines.append(
-                    f"  {name:<20} {what:<13} window {s['window']:.2e} (<= {s['tolerance']['window']:.0e})"
-                    f"  max {s['max']:.2e} (<= {s['tolerance']['max']:.0e})  "
-                    f"{'not judged (another precision)' if s['pass'] is None else 'ok' if s['pass'] else 'REGRESSION'}"
-                )
+        for what in [w for w in ("vs_reference", "vs_golden") if w in e]:
+            s = e[what]
+            lines.append(
+                f"  {name:<20} {what:<13} window {s['window']:.2e} (<= {s['tolerance']['window']:.0e})"
+                f"  max {s['max']:.2e} (<= {s['tolerance']['max']:.0e})  "
+                f"{'not judged (another precision)' if s['pass'] is None else 'ok' if s['pass'] else 'REGRESSION'}"
+            )
     return "\n".join(lines)
 
 

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
+
+from k3train.config import ConfigError, from_omegaconf, resolve_run
+from k3train.config.app import DEFAULT_RECIPE, fail, run_app
+from k3train.plan.gpus import gpu_spec
+from k3train.plan.planner import format_plan, plan_json, plan_run, plan_world, plot_plan
+
 
 def _task(dcfg) -> None:
-    from hydra.core.hydra_config import HydraConfig
-
-    from k3train.config import ConfigError, from_omegaconf, resolve_run
-    from k3train.config.app import DEFAULT_RECIPE, fail
-
     try:
         cfg = from_omegaconf(dcfg)
         recipe = HydraConfig.get().job.config_name or DEFAULT_RECIPE
-        from k3train.plan.gpus import gpu_spec
-        from k3train.plan.planner import format_plan, plan_json, plan_run, plan_world, plot_plan
-
         gpu = gpu_spec(cfg.plan.gpu)
         spec = resolve_run(cfg, world_size=plan_world(cfg), recipe=recipe, here=False)
         plan = plan_run(spec, gpu)
@@ -42,8 +41,6 @@ def _task(dcfg) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from k3train.config.app import run_app
-
     run_app(_task, argv)
 
 

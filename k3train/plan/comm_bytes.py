@@ -39,16 +39,10 @@ def analytic_step_bytes(
     # Under CP a rank runs its pieces of each row: seq / cp tokens per row (the pieces as rows, same count).
     tok = mb * seq // dims.cp
     if dims.cp > 1:
+        layers = [i for s in mine for i in stage_layers[s]]
+        mtp = bool(args.mtp_layers) and len(stage_layers) - 1 in mine  # the MTP module sits on the last stage
         _add_cp_bytes(
-            add,
-            args,
-            dims,
-            [i for s in mine for i in stage_layers[s]],
-            mb=mb,
-            seq=seq,
-            elem=elem,
-            summary_elem=8 if precision == "fp64" else 4,
-            mtp=bool(args.mtp_layers) and len(stage_layers) - 1 in mine,
+            add, args, dims, layers, mb=mb, seq=seq, elem=elem, summary_elem=8 if precision == "fp64" else 4, mtp=mtp
         )
         if dims.pp > 1:  # every stage rebuilds its handle from the pieces' document starts (1 byte per token)
             b = len(mine) * dims.microbatches * mb * seq
@@ -101,16 +95,7 @@ def _add_reduction_bytes(add, args: K3ModelArgs, dims, stage_layers: list[list[i
 
 
 def _add_cp_bytes(
-    add,
-    args: K3ModelArgs,
-    dims,
-    layers: list[int],
-    *,
-    mb: int,
-    seq: int,
-    elem: int,
-    summary_elem: int = 4,
-    mtp: bool = False,
+    add, args: K3ModelArgs, dims, layers: list[int], *, mb: int, seq: int, elem: int, summary_elem: int, mtp: bool
 ) -> None:
     """Context-parallel collectives of one step (forward all-gathers, their backward reduce-scatters of the same
     size) for these layers: per KDA layer the pieces' fp32 summaries [H, K, K+V] (independent of seq) and the

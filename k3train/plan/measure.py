@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -119,18 +119,9 @@ def _measure_rank(rank: int, layout: Layout) -> dict:
     rules = rules_from_config(acfg) if acfg.policy != "keep" or acfg.rules else []
     result = {"rank": rank, "acts": {}}
     low = torch.bfloat16 if layout.precision == "bf16" else None
+    kw = dict(seed=0, device="cpu", activation_rules=rules, precision=layout.precision, autocast_dtype=low)
     for T in SEQS:
-        eng = build_engine(
-            args,
-            dims,
-            _optim_cfg(layout),
-            seed=0,
-            device="cpu",
-            seq_len_hint=T,
-            activation_rules=rules,
-            precision=layout.precision,
-            autocast_dtype=low,
-        )
+        eng = build_engine(args, dims, _optim_cfg(layout), seq_len_hint=T, **kw)
         coords = rank_coords(dims, rank)
         if T == SEQS[0]:
             dp_index = coords["dp"]
@@ -217,7 +208,7 @@ def measure_layout(layout: Layout, results: list[dict] | None = None) -> list[di
             {
                 "layout": layout.name,
                 "rank": res["rank"],
-                "predicted": st.as_dict(),
+                "predicted": asdict(st),
                 "measured": measured,
                 "acts_measured": res["acts"],
                 "acts_predicted": predicted_acts,

@@ -26,7 +26,7 @@ rank's compute.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
 
 from k3train.errors import ConfigError
@@ -241,7 +241,7 @@ def _rank_plan(x: _Inputs, r: int, stages: list, timeline) -> RankPlan:
         "cp_buffers": buf["cp"],
         "workspace": buf["work"],
     }
-    return RankPlan(r, mine, [sl[s] for s in mine], st.as_dict(), by_kind)
+    return RankPlan(r, mine, [sl[s] for s in mine], asdict(st), by_kind)
 
 
 def _dp_seconds(x: _Inputs) -> float:

@@ -5,7 +5,7 @@ compute actions; an action starts when its rank is free and its input is there).
 
 Memory follows the same timeline per rank: a forward allocates the micro-batch's saved activations, a full backward
 frees them; under a split backward I frees the part only the input gradient needed and W the rest (the inputs of the
-weight matmuls, `weight_share` of the whole). A stage's full gradient lives from its first backward to its
+weight matmuls, WEIGHT_SHARE of the whole). A stage's full gradient lives from its first backward to its
 REDUCE_GRAD point (its last backward) under Pipeline ZeRO-2, and to the end of the step otherwise.
 """
 
@@ -35,15 +35,12 @@ class Timeline:
     events: dict[int, list[tuple[float, float, Act]]] = field(default_factory=dict)  # (start, end, action)
 
 
-def simulate(
-    dims: ParallelDims,
-    costs: dict[int, StageCost],
-    *,
-    zero: int,
-    weight_share: float = 0.5,
-    orders: dict[int, list[Act]] | None = None,
-) -> Timeline:
-    orders = orders or schedule_order(dims)
+WEIGHT_SHARE = 0.5
+"""The share of a micro-batch's saved activations that only the weight gradient (W) reads under a split backward."""
+
+
+def simulate(dims: ParallelDims, costs: dict[int, StageCost], *, zero: int) -> Timeline:
+    orders = schedule_order(dims)
 
     def duration(a: Act) -> float:
         c = costs[a.stage]
@@ -66,7 +63,7 @@ def simulate(
             if total > best:
                 best, best_parts = total, {"activations": live_act, "gradients": sum(grads.values())}
             # a full backward frees what the forward saved; I the part only the input gradient needed, W the rest
-            live_act -= c.act_bytes * {"B": 1.0, "I": 1 - weight_share, "W": weight_share}.get(a.kind, 0.0)
+            live_act -= c.act_bytes * {"B": 1.0, "I": 1 - WEIGHT_SHARE, "W": WEIGHT_SHARE}.get(a.kind, 0.0)
             if a.kind in ("B", "W"):
                 backward_left[a.stage] -= 1
                 if backward_left[a.stage] == 0 and zero == 2:

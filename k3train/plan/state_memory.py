@@ -29,8 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from k3train.models.k3.args import K3ModelArgs
+from k3train.optim.build import param_kinds
 from k3train.optim.sharding import ShardingPlan
 from k3train.parallel.mesh import ParallelDims, stages_of_rank
+from k3train.parallel.pipeline import stage_part_on_meta
+from k3train.parallel.zero import ELEMENT_BYTES
 
 
 @dataclass
@@ -40,16 +43,10 @@ class StateBytes:
     master: int = 0
     optim: int = 0
 
-    def as_dict(self) -> dict:
-        return {"params": self.params, "grads": self.grads, "master": self.master, "optim": self.optim}
-
 
 def _part_parameters(
     args: K3ModelArgs, layers: list[int], first: bool, last: bool, optim_cfg, train_vision: bool
 ) -> list[tuple[str, tuple, str, object]]:
-    from k3train.optim.build import param_kinds
-    from k3train.parallel.pipeline import stage_part_on_meta
-
     part = stage_part_on_meta(args, layers, first=first, last=last)
     if getattr(part, "vision", None) is not None and not train_vision:
         part.vision.requires_grad_(False)
@@ -122,8 +119,6 @@ class StateModel:
     def rank_bytes(self, pp_rank: int, dp_cp_rank: int = 0) -> StateBytes:
         """Exact bytes of parameters, gradients, master weights and optimizer states on the rank at (pp_rank,
         dp_cp_rank) of the layout: the formulas of k3train.parallel.zero's module doc, read off its ShardingPlan."""
-        from k3train.parallel.zero import ELEMENT_BYTES
-
         dims = self.dims
         plan = self.sharding_plan(stages_of_rank(dims, pp_rank))
         eb = ELEMENT_BYTES[self.precision]
@@ -156,8 +151,6 @@ class StateModel:
 
     def stage_grad_bytes(self, stage: int) -> tuple[int, int]:
         """(the stage's full gradient on a rank, what remains of it after its reduction) on dp_cp rank 0."""
-        from k3train.parallel.zero import ELEMENT_BYTES
-
         g_elem, full, kept = ELEMENT_BYTES[self.precision]["grad"], 0, 0
         for ps in self.sharding_plan([stage]).params:
             if ps.kind == "frozen":
