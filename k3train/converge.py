@@ -36,7 +36,7 @@ import platform
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -183,15 +183,8 @@ def parse_args(argv: list[str]) -> tuple[str, ConvergeConfig, list[str]]:
         cfg = OmegaConf.merge(OmegaConf.structured(ConvergeConfig), OmegaConf.from_dotlist(conv))
         return recipe, OmegaConf.to_object(cfg), rest
     except OmegaConfBaseException as e:
-        msg = str(e).splitlines()[0]
-        raise ConfigError(
-            f"converge settings: {msg} (keys: "
-            f"{', '.join(f.name for f in ConvergeConfig.__dataclass_fields__.values())})"
-        ) from None
-
-
-def golden_path(recipe: str, cfg: ConvergeConfig) -> Path:
-    return Path(cfg.golden) if cfg.golden else recipes_dir() / "golden" / f"{recipe}.json"
+        keys = ", ".join(f.name for f in fields(ConvergeConfig))
+        raise ConfigError(f"converge settings: {str(e).splitlines()[0]} (keys: {keys})") from None
 
 
 def load_golden(path: Path) -> dict:
@@ -331,7 +324,7 @@ class Experiment:
 def _experiment(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> Experiment:
     """The experiment from the golden file and the command line; every layout's run resolved (and so validated)
     before any of them starts."""
-    gpath = golden_path(recipe, cfg)
+    gpath = Path(cfg.golden) if cfg.golden else recipes_dir() / "golden" / f"{recipe}.json"
     golden = load_golden(gpath)
     exp = golden.get("converge", {})
     names = list(cfg.layouts or exp.get("layouts") or ["single"])

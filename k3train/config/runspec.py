@@ -79,7 +79,8 @@ def resolve_run(
     world = checks.world_size_from_env() if world_size is None else world_size
     args = checks.model_args(cfg)
     kernels = checks.check_kernels(cfg) if here else cfg.model.kernels
-    dims = checks.check_layout(cfg, world, args)
+    # parallel: one parser and one set of rules for every layout (k3train.parallel.mesh)
+    dims = ParallelDims.from_config(cfg.parallel, world).validate(world_size=world, model_args=args)
     checks.check_data(cfg, args, dims, sources=here)
     tok = checks.check_tokenizer(cfg, args) if here else None
     checks.check_optim(cfg)

@@ -19,7 +19,6 @@ from k3train.models.k3.mixers import layer_mixer
 from k3train.models.k3.model import required_seq_multiple
 from k3train.ops.backend import resolve_kernels
 from k3train.optim.quantile_balancing import BALANCING
-from k3train.parallel.mesh import ParallelDims
 
 from .schema import K3TrainConfig
 
@@ -97,11 +96,6 @@ def check_kernels(cfg: K3TrainConfig) -> str:
         return resolve_kernels(cfg.model.kernels, train_device_type(cfg.train.device))
     except ValueError as e:
         raise ConfigError(f"model.kernels: {e}") from None
-
-
-def check_layout(cfg: K3TrainConfig, world: int, args: K3ModelArgs):
-    """parallel: one parser and one set of rules for every layout (k3train.parallel.mesh); returns the layout."""
-    return ParallelDims.from_config(cfg.parallel, world).validate(world_size=world, model_args=args)
 
 
 def check_data(cfg: K3TrainConfig, args: K3ModelArgs, dims, *, sources: bool = True) -> None:

@@ -7,6 +7,7 @@ CPU and prints predicted vs measured bytes per kind. Bad input exits with code 2
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -14,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from k3train.config import ConfigError, from_omegaconf, resolve_run
 from k3train.config.app import DEFAULT_RECIPE, fail, run_app
 from k3train.plan.gpus import gpu_spec
-from k3train.plan.planner import format_plan, plan_json, plan_run, plan_world, plot_plan
+from k3train.plan.planner import format_plan, plan_run, plan_world, plot_plan
 
 
 def _task(dcfg) -> None:
@@ -35,7 +36,7 @@ def _task(dcfg) -> None:
             from k3train.plan.measure import format_measurements, measure_layouts
 
             print(format_measurements(measure_layouts()), flush=True)
-        print(plan_json(plan), flush=True)
+        print(json.dumps(plan.summary(), sort_keys=True), flush=True)
     except ConfigError as e:
         fail("config error", e)
 

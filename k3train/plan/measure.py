@@ -79,10 +79,6 @@ def _activation_cfg(layout: Layout):
     return ActivationConfig(policy=layout.policy, rules=[ActivationRule(match=m, policy=p) for m, p in layout.rules])
 
 
-def _optim_cfg(layout: Layout):
-    return OptimConfig(name=layout.optim)
-
-
 def _batch(args, T: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, args.vocab_size, (MICRO_BATCH, T + 1), generator=g)
@@ -121,7 +117,7 @@ def _measure_rank(rank: int, layout: Layout) -> dict:
     low = torch.bfloat16 if layout.precision == "bf16" else None
     kw = dict(seed=0, device="cpu", activation_rules=rules, precision=layout.precision, autocast_dtype=low)
     for T in SEQS:
-        eng = build_engine(args, dims, _optim_cfg(layout), seq_len_hint=T, **kw)
+        eng = build_engine(args, dims, OptimConfig(name=layout.optim), seq_len_hint=T, **kw)
         coords = rank_coords(dims, rank)
         if T == SEQS[0]:
             dp_index = coords["dp"]
@@ -176,7 +172,7 @@ def measure_layout(layout: Layout, results: list[dict] | None = None) -> list[di
     args, dims, prec = get_preset("tiny"), layout.dims, layout.precision
     splits = {T: split_layers(args, dims.n_stages, seq_len=T) for T in SEQS}
     layers = splits[SEQS[0]]
-    state = StateModel(args, dims, layers, _optim_cfg(layout), precision=prec)
+    state = StateModel(args, dims, layers, OptimConfig(name=layout.optim), precision=prec)
     kw = dict(plan=policy_plan(_activation_cfg(layout)), act_bytes=2 if prec == "bf16" else 4)
     rows = []
     for res in results:

@@ -25,7 +25,6 @@ rank's compute.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
@@ -364,10 +363,6 @@ def format_plan(plan: Plan) -> str:
         f"headroom); biggest term there: {kind} {val / GiB:.1f} GiB",
     ]
     return "\n".join(lines)
-
-
-def plan_json(plan: Plan) -> str:
-    return json.dumps(plan.summary(), sort_keys=True)
 
 
 def refusal(plan: Plan) -> str:
