@@ -44,6 +44,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from k3train.config.app import config_name
 from k3train.config.compose import load_spec
+from k3train.config.schema import ParallelConfig
 from k3train.config.store import recipes_dir
 from k3train.errors import ConfigError
 from k3train.parallel.mesh import ParallelDims
@@ -124,7 +125,7 @@ def layout_overrides(dims: ParallelDims, rows: int, microbatches: int) -> list[s
             f"converge: layout {dims.name!r} splits each step's {rows} rows over dp={dims.dp} ranks x {m} "
             f"micro-batches, which does not divide them; set converge.rows to a multiple of {dims.dp * m}"
         )
-    fixed = ("pp", "vpp", "dp", "cp", "ep", "zero", "schedule", "ep_dispatcher", "cp_layout", "vision_placement")
+    fixed = [f.name for f in fields(ParallelConfig) if f.name != "microbatches"]  # the layout's, every one
     return [f"parallel.{f}={getattr(dims, f)}" for f in fixed] + [
         f"parallel.microbatches={m}",
         f"data.micro_batch={rows // (dims.dp * m)}",
