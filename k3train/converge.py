@@ -36,22 +36,18 @@ import platform
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from k3train.config.app import config_name
+from k3train.config.compose import load_spec
+from k3train.config.schema import ParallelConfig
+from k3train.config.store import recipes_dir
 from k3train.errors import ConfigError
 from k3train.parallel.mesh import ParallelDims
-
-__all__ = [
-    "ConvergeConfig",
-    "TOLERANCES",
-    "compare",
-    "converge",
-    "layout_overrides",
-    "main",
-    "parse_args",
-    "parse_layout",
-]
 
 EXIT_REGRESSION = 1
 EXIT_BAD_INPUT = 2
@@ -129,7 +125,7 @@ def layout_overrides(dims: ParallelDims, rows: int, microbatches: int) -> list[s
             f"converge: layout {dims.name!r} splits each step's {rows} rows over dp={dims.dp} ranks x {m} "
             f"micro-batches, which does not divide them; set converge.rows to a multiple of {dims.dp * m}"
         )
-    fixed = ("pp", "vpp", "dp", "cp", "ep", "zero", "schedule", "ep_dispatcher", "cp_layout", "vision_placement")
+    fixed = [f.name for f in fields(ParallelConfig) if f.name != "microbatches"]  # the layout's, every one
     return [f"parallel.{f}={getattr(dims, f)}" for f in fixed] + [
         f"parallel.microbatches={m}",
         f"data.micro_batch={rows // (dims.dp * m)}",
@@ -171,45 +167,25 @@ def within(stats: dict, tol: dict) -> bool:
 
 def parse_args(argv: list[str]) -> tuple[str, ConvergeConfig, list[str]]:
     """argv -> (recipe, converge settings, training overrides). converge.* keys are typed by ConvergeConfig."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from k3train.config.app import config_name
-
     recipe = config_name(argv)
     if recipe is None:
         raise ConfigError(
             "name the recipe: python -m k3train.converge --config-name RECIPE [converge.*=...] [overrides]"
         )
-    rest, conv = [], []
-    skip = False
-    for i, a in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if a in ("--config-name", "-cn"):
-            skip = True
-        elif a.startswith(("--config-name=", "-cn=")):
-            continue
-        elif a.startswith("converge."):
-            conv.append(a[len("converge.") :])
-        else:
-            rest.append(a)
+    flags = ("--config-name", "-cn")  # the recipe's flag and its value go; converge.* keys are the harness's
+    rest = [
+        a
+        for i, a in enumerate(argv)
+        if not (a in flags or a.startswith(("--config-name=", "-cn=")) or (i and argv[i - 1] in flags))
+    ]
+    conv = [a.removeprefix("converge.") for a in rest if a.startswith("converge.")]
+    rest = [a for a in rest if not a.startswith("converge.")]
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(ConvergeConfig), OmegaConf.from_dotlist(conv))
         return recipe, OmegaConf.to_object(cfg), rest
     except OmegaConfBaseException as e:
-        msg = str(e).splitlines()[0]
-        raise ConfigError(
-            f"converge settings: {msg} (keys: "
-            f"{', '.join(f.name for f in ConvergeConfig.__dataclass_fields__.values())})"
-        ) from None
-
-
-def golden_path(recipe: str, cfg: ConvergeConfig) -> Path:
-    from k3train.config.store import recipes_dir
-
-    return Path(cfg.golden) if cfg.golden else recipes_dir() / "golden" / f"{recipe}.json"
+        keys = ", ".join(f.name for f in fields(ConvergeConfig))
+        raise ConfigError(f"converge settings: {str(e).splitlines()[0]} (keys: {keys})") from None
 
 
 def load_golden(path: Path) -> dict:
@@ -224,32 +200,19 @@ def load_golden(path: Path) -> dict:
     return g
 
 
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=Path(__file__).resolve().parent,
-        )
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def _machine() -> dict:
+def _provenance() -> dict:
+    """The commit, machine and versions a golden curve is recorded with."""
     import torch
 
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=here)
+        commit = out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
     m = {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
     if torch.cuda.is_available():
         m["gpu"] = torch.cuda.get_device_name(0)
-    return m
-
-
-def _versions() -> dict:
-    import torch
-
     v = {"python": platform.python_version(), "torch": torch.__version__}
     try:
         import triton
@@ -257,11 +220,15 @@ def _versions() -> dict:
         v["triton"] = triton.__version__
     except ImportError:
         pass
-    return v
+    return {"commit": commit, "machine": m, "versions": v}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Runs
+
+
+_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""A launcher's variables: each run gets its own launch, not the harness's."""
 
 
 def _free_port() -> int:
@@ -279,23 +246,11 @@ def read_losses(run_dir: Path) -> list[float]:
 def run_layout(recipe: str, name: str, nproc: int, overrides: list[str], out: Path, timeout_s: float) -> list[float]:
     """Train the recipe under one layout (torchrun above one process); its losses, one per step."""
     run_dir = out / name
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
     cmd = [sys.executable]
     if nproc > 1:
-        cmd += [
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(_free_port()),
-        ]
+        cmd += ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+        cmd += ["--master-addr=127.0.0.1", f"--master-port={_free_port()}"]
     cmd += ["-m", "k3train.train", "--config-name", recipe, *overrides, f"train.run_dir={run_dir}"]
     log = out / f"{name}.log"
     with open(log, "w") as f:
@@ -353,7 +308,7 @@ class Experiment:
     layouts: dict[str, ParallelDims]
     steps: int
     window: int
-    user: list[str]
+    overrides: list[str]
     rows: int = 0
     precision: str = "fp32"
     runs: dict[str, list[str]] = field(default_factory=dict)
@@ -370,9 +325,7 @@ class Experiment:
 def _experiment(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> Experiment:
     """The experiment from the golden file and the command line; every layout's run resolved (and so validated)
     before any of them starts."""
-    from k3train.config.compose import load_spec
-
-    gpath = golden_path(recipe, cfg)
+    gpath = Path(cfg.golden) if cfg.golden else recipes_dir() / "golden" / f"{recipe}.json"
     golden = load_golden(gpath)
     exp = golden.get("converge", {})
     names = list(cfg.layouts or exp.get("layouts") or ["single"])
@@ -391,7 +344,7 @@ def _experiment(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> Exper
             f"first step on: run converge.steps={e.gcurve['steps']}, or record a curve of {steps} steps "
             f"with converge.update_golden=true"
         )
-    for o in e.user:
+    for o in e.overrides:
         if o.lstrip("+~").split("=")[0].startswith(("parallel.", "train.run_dir", "train.steps")):
             raise ConfigError(
                 f"converge: {o!r}: the harness sets parallel.*, train.steps and train.run_dir itself "
@@ -399,12 +352,17 @@ def _experiment(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> Exper
             )
     base = list(exp.get("overrides", [])) + [f"train.steps={steps}"]
     # The recipe as it runs in one process: its rows per step and precision, and bad overrides refused now.
-    one = load_spec(recipe, base + e.user, world_size=1).config
+    one = load_spec(recipe, base + e.overrides, world_size=1).config
     e.rows = cfg.rows or one.data.micro_batch * one.parallel.microbatches * max(one.parallel.dp, 1)
     e.precision = one.train.precision
     det = ["train.deterministic=true"] if cfg.deterministic else []
     for name, dims in e.layouts.items():
-        e.runs[name] = [*base, *e.user, *OUTPUT_OVERRIDES, *layout_overrides(dims, e.rows, one.parallel.microbatches)]
+        e.runs[name] = [
+            *base,
+            *e.overrides,
+            *OUTPUT_OVERRIDES,
+            *layout_overrides(dims, e.rows, one.parallel.microbatches),
+        ]
         e.runs[name] += det
         load_spec(recipe, e.runs[name], world_size=dims.world)
     return e
@@ -429,12 +387,7 @@ def _verdict(e: Experiment, cfg: ConvergeConfig, curves: dict[str, list[float]],
     """Each layout against the reference layout, and against the golden curve where one is recorded."""
     ref = e.reference
     verdict = {
-        "recipe": e.recipe,
-        "steps": e.steps,
-        "window": e.window,
-        "rows": e.rows,
-        "precision": e.precision,
-        "overrides": e.user,
+        **{k: getattr(e, k) for k in ("recipe", "steps", "window", "rows", "precision", "overrides")},
         "reference": ref,
         "golden": str(e.golden_path),
         "statistic": "d_t = |loss_t - ref_t| / |ref_t|; window = mean of d_t over the last `window` steps; "
@@ -490,10 +443,8 @@ def _record_golden(e: Experiment, curves: dict[str, list[float]], verdict: dict)
             "steps": e.steps,
             "layout": e.reference,
             "precision": e.precision,
-            "overrides": e.user,
-            "commit": _git_commit(),
-            "machine": _machine(),
-            "versions": _versions(),
+            "overrides": e.overrides,
+            **_provenance(),
             "recorded": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         },
     }
@@ -516,7 +467,7 @@ def converge(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> dict:
     if cfg.update_golden:
         _record_golden(e, curves, verdict)
     png = out / "curves.png"
-    title = f"{recipe}: {e.steps} steps, {e.precision}" + (f", {' '.join(e.user)}" if e.user else "")
+    title = f"{recipe}: {e.steps} steps, {e.precision}" + (f", {' '.join(e.overrides)}" if e.overrides else "")
     plot(png, curves, e.gcurve["losses"][: e.steps] if e.gcurve else None, diffs, title)
     verdict["png"] = str(png)
     (out / "verdict.json").write_text(json.dumps(verdict, indent=1) + "\n")
@@ -526,14 +477,13 @@ def converge(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> dict:
 def _summary(v: dict) -> str:
     lines = []
     for name, e in v["layouts"].items():
-        for what in ("vs_reference", "vs_golden"):
-            if what in e:
-                s = e[what]
-                lines.append(
-                    f"  {name:<20} {what:<13} window {s['window']:.2e} (<= {s['tolerance']['window']:.0e})"
-                    f"  max {s['max']:.2e} (<= {s['tolerance']['max']:.0e})  "
-                    f"{'not judged (another precision)' if s['pass'] is None else 'ok' if s['pass'] else 'REGRESSION'}"
-                )
+        for what in [w for w in ("vs_reference", "vs_golden") if w in e]:
+            s = e[what]
+            lines.append(
+                f"  {name:<20} {what:<13} window {s['window']:.2e} (<= {s['tolerance']['window']:.0e})"
+                f"  max {s['max']:.2e} (<= {s['tolerance']['max']:.0e})  "
+                f"{'not judged (another precision)' if s['pass'] is None else 'ok' if s['pass'] else 'REGRESSION'}"
+            )
     return "\n".join(lines)
 
 

@@ -8,6 +8,13 @@ import os
 import sys
 from typing import Callable
 
+import hydra
+
+from k3train.errors import ConfigError
+
+from .compose import check_recipe
+from .store import recipes_dir, register_configs
+
 DEFAULT_RECIPE = "tiny_cpu"
 EXIT_BAD_INPUT = 2
 
@@ -42,12 +49,6 @@ def fail(kind: str, err: BaseException) -> None:
 
 def run_app(task: Callable, argv: list[str] | None = None) -> None:
     """Check the recipe name, then run `task(composed DictConfig)` under hydra.main."""
-    import hydra
-
-    from k3train.config.compose import check_recipe
-    from k3train.errors import ConfigError
-    from k3train.config.store import recipes_dir, register_configs
-
     argv = list(sys.argv[1:] if argv is None else argv)
     register_configs()
     user_dir = config_dir(argv)

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
 from k3train.errors import ConfigError
+
+from .runspec import RunSpec, resolve_run
 from .schema import K3TrainConfig
 from .store import available_recipes, recipes_dir, register_configs
-from .runspec import RunSpec, resolve_run
 
 
 def check_recipe(name: str, user_dirs: list[str] | tuple[str, ...] = ()) -> None:
     """ConfigError listing the available recipes when `name` is neither a package recipe nor a yaml file in one of
     `user_dirs` (folders given with --config-dir)."""
-    from pathlib import Path
-
     names = available_recipes()
     if name in names or any((Path(d) / f"{name}.yaml").is_file() for d in user_dirs):
         return
@@ -22,9 +30,6 @@ def check_recipe(name: str, user_dirs: list[str] | tuple[str, ...] = ()) -> None
 
 def from_omegaconf(dcfg) -> K3TrainConfig:
     """Typed dataclass tree from a composed DictConfig (lists become tuples where the schema says tuple)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     _reject_unknown_keys(dcfg, K3TrainConfig, "")
     try:
         cfg = OmegaConf.to_object(dcfg)
@@ -41,11 +46,6 @@ def from_omegaconf(dcfg) -> K3TrainConfig:
 
 def _reject_unknown_keys(node, schema, prefix: str) -> None:
     """Hydra lets `+key=value` add keys even to a structured config; a key the schema lacks is a typo."""
-    import dataclasses
-    import typing
-
-    from omegaconf import DictConfig
-
     if not isinstance(node, DictConfig) or not dataclasses.is_dataclass(schema):
         return
     hints = typing.get_type_hints(schema)
@@ -63,26 +63,14 @@ def _reject_unknown_keys(node, schema, prefix: str) -> None:
 
 def _clean(e: BaseException) -> str:
     """Hydra/OmegaConf messages carry the full key already; drop their noise lines."""
-    lines = [
-        ln
-        for ln in str(e).splitlines()
-        if ln.strip() and not ln.strip().startswith(("reference_type", "object_type", "Set the environment"))
-    ]
-    if e.__cause__ is not None and str(e.__cause__) not in str(e):
-        lines += [
-            ln
-            for ln in str(e.__cause__).splitlines()
-            if ln.strip() and not ln.strip().startswith(("reference_type", "object_type"))
-        ]
+    noise = ("reference_type", "object_type", "Set the environment")
+    text = str(e) + ("\n" + str(e.__cause__) if e.__cause__ is not None and str(e.__cause__) not in str(e) else "")
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(noise)]
     return "\n".join(lines)
 
 
 def compose_config(recipe: str, overrides: list[str] | tuple[str, ...] = ()):
     """Compose a recipe with Hydra overrides into a DictConfig (schema-checked: unknown keys and wrong types fail)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     register_configs()
     check_recipe(recipe)
     try:

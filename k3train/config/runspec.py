@@ -17,7 +17,6 @@ from functools import cached_property
 from k3train.activation import rules_from_config
 from k3train.data.config import VISION_SOURCES
 from k3train.models.k3.args import K3ModelArgs
-from k3train.models.k3.model import required_seq_multiple
 from k3train.parallel.mesh import ParallelDims
 from k3train.parallel.pipeline import split_layers
 
@@ -60,11 +59,6 @@ class RunSpec:
         return self.config.train.precision
 
     @property
-    def seq_multiple(self) -> int:
-        """What data.seq_len must be a multiple of: the model's own rule times the pieces CP cuts a row into."""
-        return required_seq_multiple(self.model) * self.layout.cp_pieces
-
-    @property
     def trains_vision(self) -> bool:
         """Whether the data feeds images (the vision tower then trains; else it stays frozen)."""
         return self.config.data.source in VISION_SOURCES
@@ -85,7 +79,8 @@ def resolve_run(
     world = checks.world_size_from_env() if world_size is None else world_size
     args = checks.model_args(cfg)
     kernels = checks.check_kernels(cfg) if here else cfg.model.kernels
-    dims = checks.check_layout(cfg, world, args)
+    # parallel: one parser and one set of rules for every layout (k3train.parallel.mesh)
+    dims = ParallelDims.from_config(cfg.parallel, world).validate(world_size=world, model_args=args)
     checks.check_data(cfg, args, dims, sources=here)
     tok = checks.check_tokenizer(cfg, args) if here else None
     checks.check_optim(cfg)

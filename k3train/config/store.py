@@ -13,12 +13,18 @@ to name it.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
+from hydra.core.plugins import Plugins
+from hydra_plugins.k3train_searchpath import K3TrainSearchPath
 from omegaconf import OmegaConf
+
+from k3train.activation import rules_from_config
+from k3train.activation.config import ActivationConfig
 
 from .schema import K3TrainConfig
 
@@ -54,24 +60,15 @@ def available_recipes() -> list[str]:
     return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else []
 
 
-_registered = False
-
-
+@functools.cache
 def register_configs() -> None:
     """Register the schema in Hydra's ConfigStore and the `k3train_configs` resolver (idempotent)."""
-    global _registered
-    if _registered:
-        return
     ConfigStore.instance().store(name=SCHEMA_NAME, node=K3TrainConfig)
     # Hydra discovers plugins by walking the hydra_plugins folders on sys.path; an editable install maps the package
     # through an import hook that walk misses, so the search path is also registered by name here.
-    from hydra.core.plugins import Plugins
-    from hydra_plugins.k3train_searchpath import K3TrainSearchPath
-
     Plugins.instance().register(K3TrainSearchPath)
     if not OmegaConf.has_resolver("k3train_configs"):
         OmegaConf.register_new_resolver("k3train_configs", lambda: configs_dir().as_posix())
-    _registered = True
 
 
 def activation_groups() -> list[str]:
@@ -82,11 +79,6 @@ def activation_groups() -> list[str]:
 def load_activation_group(name: str):
     """The ActivationConfig of the config group configs/activation/<name>.yaml, checked against the schema (what a
     recipe's `activation: <name>` selects). Turn it into rules with rules_from_config."""
-    from omegaconf import OmegaConf
-
-    from k3train.activation import rules_from_config
-    from k3train.activation.config import ActivationConfig
-
     path = configs_dir() / "activation" / f"{name}.yaml"
     if not path.is_file():
         raise ValueError(f"unknown activation config {name!r}; choose one of {', '.join(activation_groups())}")

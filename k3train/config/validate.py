@@ -7,15 +7,18 @@ WORLD_SIZE, ...). Nothing here builds a model, touches a device or starts a proc
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from pathlib import Path
 
+from k3train.activation.policy import POLICIES as activation_policies  # one list of names, the policies' own
 from k3train.data.config import VISION_FORMATS, VISION_SOURCES
-from k3train.models.k3.args import K3ModelArgs, get_preset
-
 from k3train.errors import ConfigError
+from k3train.models.k3.args import K3ModelArgs, get_preset
+from k3train.models.k3.mixers import layer_mixer
+from k3train.models.k3.model import required_seq_multiple
+from k3train.ops.backend import resolve_kernels
+from k3train.optim.quantile_balancing import BALANCING
 
 from .schema import K3TrainConfig
 
@@ -48,8 +51,6 @@ def _overrides(cfg: K3TrainConfig) -> dict:
 
 def model_args(cfg: K3TrainConfig) -> K3ModelArgs:
     """The validated K3ModelArgs of cfg.model (preset + overrides); every layer kind it names is registered."""
-    from k3train.models.k3.mixers import layer_mixer
-
     overrides = _overrides(cfg)
     try:
         args = get_preset(cfg.model.preset, **overrides)
@@ -91,26 +92,14 @@ def check_kernels(cfg: K3TrainConfig) -> str:
         "fp64 cannot run model.kernels=triton (the Triton kernels compute in fp32); use model.kernels=torch or auto "
         "(auto runs the PyTorch ops on fp64 tensors)",
     )
-    from k3train.ops.backend import resolve_kernels
-
     try:
         return resolve_kernels(cfg.model.kernels, train_device_type(cfg.train.device))
     except ValueError as e:
         raise ConfigError(f"model.kernels: {e}") from None
 
 
-def check_layout(cfg: K3TrainConfig, world: int, args: K3ModelArgs):
-    """parallel: one parser and one set of rules for every layout (k3train.parallel.mesh); returns the layout."""
-    p = cfg.parallel
-    from k3train.parallel.mesh import ParallelDims
-
-    return ParallelDims.from_config(p, world).validate(world_size=world, model_args=args)
-
-
 def check_data(cfg: K3TrainConfig, args: K3ModelArgs, dims, *, sources: bool = True) -> None:
     """data: its rows against the model and the layout, and (sources) the source and its files."""
-    from k3train.models.k3.model import required_seq_multiple
-
     d, p = cfg.data, cfg.parallel
     _need(d.source in DATA_SOURCES, "data.source", f"unknown source {d.source!r}; choose one of {list(DATA_SOURCES)}")
     _need(
@@ -203,21 +192,12 @@ def _check_vision_data(cfg: K3TrainConfig, args: K3ModelArgs) -> None:
             "keeps frames of videos, but data.video_field is empty (the data has no videos)",
         )
     else:
-        _need(
-            d.image_field == "image",
-            "data.image_field",
-            f"names the image column of source 'vision_files', not of {d.source!r}",
-        )
-        _need(
-            not d.video_field,
-            "data.video_field",
-            f"names the video column of source 'vision_files', not of {d.source!r}",
-        )
-        _need(
-            d.video_frames == 0,
-            "data.video_frames",
-            f"keeps frames of the videos of source 'vision_files', not of {d.source!r}",
-        )
+        for key, unset, what in (
+            ("image_field", "image", "names the image column"),
+            ("video_field", "", "names the video column"),
+            ("video_frames", 0, "keeps frames of the videos"),
+        ):
+            _need(getattr(d, key) == unset, f"data.{key}", f"{what} of source 'vision_files', not of {d.source!r}")
     if d.source in VISION_SOURCES:
         _need(
             args.vision is not None,
@@ -252,26 +232,26 @@ def check_tokenizer(cfg: K3TrainConfig, args: K3ModelArgs):
     # The special tokens must fit the model's vocabulary; checked here when the tokenizer file is at hand (a plan
     # for another machine may name a file this one lacks).
     if d.tokenizer == "byte" or (d.tokenizer_path and os.path.isfile(os.path.expanduser(d.tokenizer_path))):
-        from k3train.data.tokenizers import DataError, build_tokenizer, check_special_ids
+        from k3train.data.tokenizers import build_tokenizer, check_special_ids
 
-        try:
-            tok = build_tokenizer(d)
-        except DataError as e:
-            raise ConfigError(f"data.tokenizer_path: {e}") from e
-        try:
-            check_special_ids(tok, args.vocab_size)
-        except DataError as e:
-            raise ConfigError(f"data.tokenizer: {e}") from e
+        tok = _data_step("data.tokenizer_path", build_tokenizer, d)
+        _data_step("data.tokenizer", check_special_ids, tok, args.vocab_size)
         if d.source in VISION_SOURCES:
             from k3train.data.vision_corpus import image_token_ids
 
-            try:
-                image_token_ids(tok)
-            except DataError as e:
-                raise ConfigError(f"data.special_tokens: {e}") from e
-
+            _data_step("data.special_tokens", image_token_ids, tok)
         return tok
     return None
+
+
+def _data_step(key: str, fn, *args):
+    """fn(*args); a DataError it raises becomes a ConfigError naming `key`."""
+    from k3train.data.tokenizers import DataError
+
+    try:
+        return fn(*args)
+    except DataError as e:
+        raise ConfigError(f"{key}: {e}") from e
 
 
 def check_optim(cfg: K3TrainConfig) -> None:
@@ -299,8 +279,6 @@ def check_optim(cfg: K3TrainConfig) -> None:
 
 
 def check_activation(cfg: K3TrainConfig) -> None:
-    from k3train.activation.policy import POLICIES as activation_policies  # one list of names, the policies' own
-
     a = cfg.activation
     _need(
         a.policy in activation_policies,
@@ -343,8 +321,6 @@ def check_train(cfg: K3TrainConfig, args: K3ModelArgs) -> None:
     _need(
         t.precision in ("fp32", "bf16", "fp64"), "train.precision", f"must be fp32, bf16 or fp64, got {t.precision!r}"
     )
-    from k3train.optim.quantile_balancing import BALANCING
-
     _need(
         t.balancing in BALANCING,
         "train.balancing",
@@ -369,9 +345,3 @@ def check_train(cfg: K3TrainConfig, args: K3ModelArgs) -> None:
             "train.resume",
             f"must be auto, never or an existing checkpoint/run directory; {t.resume!r} does not exist",
         )
-    return args
-
-
-def to_dict(cfg: K3TrainConfig) -> dict:
-    """Plain nested dict of the config (for logging and the saved config.yaml)."""
-    return dataclasses.asdict(cfg)

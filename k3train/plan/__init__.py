@@ -20,8 +20,7 @@ def startup_check(spec, gpu: GPU, *, gpus_per_node: int) -> None:
     from k3train.errors import ConfigError
     from k3train.plan.planner import plan_run, refusal
 
-    p = spec.config.plan
-    plan = plan_run(spec, gpu, gpus_per_node=max(1, gpus_per_node), headroom=p.headroom, efficiency=p.efficiency)
+    plan = plan_run(spec, gpu, gpus_per_node=max(1, gpus_per_node))
     if not plan.fits:
         raise ConfigError(f"plan: {refusal(plan)}")
 

@@ -7,25 +7,24 @@ CPU and prints predicted vs measured bytes per kind. Bad input exits with code 2
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+
+from k3train.config import ConfigError, from_omegaconf, resolve_run
+from k3train.config.app import DEFAULT_RECIPE, fail, run_app
+from k3train.plan.gpus import gpu_spec
+from k3train.plan.planner import format_plan, plan_run, plan_world, plot_plan
 
 
 def _task(dcfg) -> None:
-    from hydra.core.hydra_config import HydraConfig
-
-    from k3train.config import ConfigError, from_omegaconf, resolve_run
-    from k3train.config.app import DEFAULT_RECIPE, fail
-
     try:
         cfg = from_omegaconf(dcfg)
         recipe = HydraConfig.get().job.config_name or DEFAULT_RECIPE
-        from k3train.plan.gpus import gpu_spec
-        from k3train.plan.planner import format_plan, plan_json, plan_run, plan_world, plot_plan
-
         gpu = gpu_spec(cfg.plan.gpu)
         spec = resolve_run(cfg, world_size=plan_world(cfg), recipe=recipe, here=False)
-        p = cfg.plan
-        plan = plan_run(spec, gpu, gpus_per_node=p.gpus_per_node, headroom=p.headroom, efficiency=p.efficiency)
+        plan = plan_run(spec, gpu)
         print(format_plan(plan), flush=True)
         if cfg.plan.png != "none":
             # Generated output goes under runs/ (ignored by git), never beside the user's files.
@@ -37,14 +36,12 @@ def _task(dcfg) -> None:
             from k3train.plan.measure import format_measurements, measure_layouts
 
             print(format_measurements(measure_layouts()), flush=True)
-        print(plan_json(plan), flush=True)
+        print(json.dumps(plan.summary(), sort_keys=True), flush=True)
     except ConfigError as e:
         fail("config error", e)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from k3train.config.app import run_app
-
     run_app(_task, argv)
 
 

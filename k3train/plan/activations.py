@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from k3train.models.costs import Saved
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.model import K3Layer, K3Model, sources_after
+from k3train.ops.attention.blocked import K_BLOCK, Q_BLOCK
 
 FP8_BYTES = 1 + 4 / 128  # e4m3 element plus its share of one fp32 scale per 128-element block
 
@@ -149,8 +150,6 @@ def stage_workspace_bytes(
     - Gated MLA's blocked attention holds one tile of fp32 scores, probabilities and their gradient,
       [rows, H, q_block, k_block] each, and one key block's keys and values with their gradients
       (k3train.ops.attention.blocked)."""
-    from k3train.ops.attention.blocked import K_BLOCK, Q_BLOCK
-
     keep = PolicyPlan()
     S = 1 if first else sources_after(args, layers[0] - 1)
     worst = 0.0

@@ -13,29 +13,20 @@ from k3train.parallel.zero import ELEMENT_BYTES
 
 
 def analytic_step_bytes(
-    args: K3ModelArgs,
-    dims,
-    stage_layers: list[list[int]],
-    *,
-    pp_rank: int,
-    mb: int,
-    seq: int,
-    elem: int | None = None,
-    precision: str = "fp32",
+    args: K3ModelArgs, dims, stage_layers: list[list[int]], *, pp_rank: int, mb: int, seq: int, precision: str = "fp32"
 ) -> dict[tuple[str, str], dict]:
     """Expected {(dim, op): {"payload", "wire"}} of one step on a rank of pipeline rank `pp_rank`, in the terms of
     k3train.distributed.comm (AdamW; zero padding assumed, i.e. every parameter's first dim divisible by its group).
 
     precision (train.precision): gradients are reduced in fp32 (fp64 under fp64); parameters are all-gathered and
     activations (pipeline boundaries, expert dispatch, context-parallel halos and latents) travel in the parameter
-    dtype, 4 bytes under fp32, 2 under bf16 and 8 under fp64 (`elem` overrides the activation element size); the
-    KDA piece summaries are fp32 (fp64 under fp64).
+    dtype, 4 bytes under fp32, 2 under bf16 and 8 under fp64; the KDA piece summaries are fp32 (fp64 under fp64).
 
     Expert all-to-all (payload only): per MoE layer and micro-batch a rank sends its N K token-expert rows of the
     latent (width L) forward and their gradients backward, plus the M rows its home experts received (outputs
     forward, gradients backward) and the [E] routing counts. M depends on routing but averages N K over an EP group,
     so the ("ep", "all_to_all") entry is the EP-group mean: 4 N K L elem + 8 E."""
-    elem = ELEMENT_BYTES[precision]["param"] if elem is None else elem
+    elem = ELEMENT_BYTES[precision]["param"]
     mine = stages_of_rank(dims, pp_rank)
     out: dict[tuple[str, str], dict] = {}
 
@@ -48,16 +39,10 @@ def analytic_step_bytes(
     # Under CP a rank runs its pieces of each row: seq / cp tokens per row (the pieces as rows, same count).
     tok = mb * seq // dims.cp
     if dims.cp > 1:
+        layers = [i for s in mine for i in stage_layers[s]]
+        mtp = bool(args.mtp_layers) and len(stage_layers) - 1 in mine  # the MTP module sits on the last stage
         _add_cp_bytes(
-            add,
-            args,
-            dims,
-            [i for s in mine for i in stage_layers[s]],
-            mb=mb,
-            seq=seq,
-            elem=elem,
-            summary_elem=8 if precision == "fp64" else 4,
-            mtp=bool(args.mtp_layers) and len(stage_layers) - 1 in mine,
+            add, args, dims, layers, mb=mb, seq=seq, elem=elem, summary_elem=8 if precision == "fp64" else 4, mtp=mtp
         )
         if dims.pp > 1:  # every stage rebuilds its handle from the pieces' document starts (1 byte per token)
             b = len(mine) * dims.microbatches * mb * seq
@@ -110,16 +95,7 @@ def _add_reduction_bytes(add, args: K3ModelArgs, dims, stage_layers: list[list[i
 
 
 def _add_cp_bytes(
-    add,
-    args: K3ModelArgs,
-    dims,
-    layers: list[int],
-    *,
-    mb: int,
-    seq: int,
-    elem: int,
-    summary_elem: int = 4,
-    mtp: bool = False,
+    add, args: K3ModelArgs, dims, layers: list[int], *, mb: int, seq: int, elem: int, summary_elem: int, mtp: bool
 ) -> None:
     """Context-parallel collectives of one step (forward all-gathers, their backward reduce-scatters of the same
     size) for these layers: per KDA layer the pieces' fp32 summaries [H, K, K+V] (independent of seq) and the

@@ -63,7 +63,4 @@ def detect_gpu(device=None) -> GPU | None:
         return None
     props = torch.cuda.get_device_properties(device if device is not None and device.index is not None else 0)
     name = props.name.lower()
-    for key, family in (("b200", "b200_192g"), ("h200", "h200_141g"), ("h100", "h100_80g")):
-        if key in name:
-            return GPUS[family]
-    return None
+    return next((gpu for key, gpu in GPUS.items() if key.split("_")[0] in name), None)  # h100_80g: "h100" in name

@@ -14,9 +14,24 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
+
+from k3train.activation import rules_from_config
+from k3train.activation.config import ActivationConfig, ActivationRule
+from k3train.models.k3.args import get_preset
+from k3train.models.k3.context import BatchContext
+from k3train.models.k3.loss import linear_cross_entropy
+from k3train.models.k3.model import sources_after
+from k3train.optim.config import OptimConfig
+from k3train.parallel.engine import build_engine
+from k3train.parallel.mesh import ParallelDims, rank_coords
+from k3train.parallel.pipeline import split_layers
+from k3train.plan.activations import policy_plan, stage_activation_bytes
+from k3train.plan.comm_bytes import analytic_step_bytes
+from k3train.plan.meter import SavedBytesMeter
+from k3train.plan.state_memory import StateModel
 
 SEQS = (64, 128)
 MICRO_BATCH = 2
@@ -36,8 +51,6 @@ class Layout:
 
     @property
     def dims(self):
-        from k3train.parallel.mesh import ParallelDims
-
         return ParallelDims.parse(self.layout)
 
     @property
@@ -63,15 +76,7 @@ LAYOUTS = (
 
 
 def _activation_cfg(layout: Layout):
-    from k3train.activation.config import ActivationConfig, ActivationRule
-
     return ActivationConfig(policy=layout.policy, rules=[ActivationRule(match=m, policy=p) for m, p in layout.rules])
-
-
-def _optim_cfg(layout: Layout):
-    from k3train.optim.config import OptimConfig
-
-    return OptimConfig(name=layout.optim)
 
 
 def _batch(args, T: int, seed: int) -> dict:
@@ -104,32 +109,15 @@ def _worker(rank: int, layouts: list[Layout], out_dir: str, init_file: str) -> N
 
 def _measure_rank(rank: int, layout: Layout) -> dict:
     """This rank's measured state, communication and saved activations of one layout."""
-    from k3train.activation import rules_from_config
-    from k3train.models.k3.args import get_preset
-    from k3train.models.k3.context import BatchContext
-    from k3train.models.k3.loss import linear_cross_entropy
-    from k3train.parallel.engine import build_engine
-    from k3train.parallel.mesh import rank_coords
-    from k3train.plan.meter import SavedBytesMeter
-
     args = get_preset("tiny")
     dims = layout.dims
     acfg = _activation_cfg(layout)
     rules = rules_from_config(acfg) if acfg.policy != "keep" or acfg.rules else []
     result = {"rank": rank, "acts": {}}
     low = torch.bfloat16 if layout.precision == "bf16" else None
+    kw = dict(seed=0, device="cpu", activation_rules=rules, precision=layout.precision, autocast_dtype=low)
     for T in SEQS:
-        eng = build_engine(
-            args,
-            dims,
-            _optim_cfg(layout),
-            seed=0,
-            device="cpu",
-            seq_len_hint=T,
-            activation_rules=rules,
-            precision=layout.precision,
-            autocast_dtype=low,
-        )
+        eng = build_engine(args, dims, OptimConfig(name=layout.optim), seq_len_hint=T, **kw)
         coords = rank_coords(dims, rank)
         if T == SEQS[0]:
             dp_index = coords["dp"]
@@ -144,8 +132,6 @@ def _measure_rank(rank: int, layout: Layout) -> dict:
             if s == 0:
                 x = b["input_ids"]
             else:
-                from k3train.models.k3.model import sources_after
-
                 S = sources_after(args, eng.stage_layers[s][0] - 1)
                 x = torch.randn(S, *b["input_ids"].shape, args.dim, dtype=low or torch.float32, requires_grad=True)
             ctx = b["ctx"] if dims.pp == 1 else BatchContext()
@@ -181,46 +167,34 @@ def _run_layouts(layouts: list[Layout]) -> list[list[dict]]:
 def measure_layout(layout: Layout, results: list[dict] | None = None) -> list[dict]:
     """Run one layout on CPU (or take its ranks' `results`); per rank: the measured state and activations, with the
     planner's predictions."""
-    from k3train.models.k3.args import get_preset
-    from k3train.plan.comm_bytes import analytic_step_bytes
-    from k3train.parallel.pipeline import split_layers
-    from k3train.plan.activations import policy_plan, stage_activation_bytes
-    from k3train.plan.state_memory import rank_state_bytes
-
     if results is None:
         results = _run_layouts([layout])[0]
-    args = get_preset("tiny")
-    dims = layout.dims
-    optim = _optim_cfg(layout)
-    pplan = policy_plan(_activation_cfg(layout))
+    args, dims, prec = get_preset("tiny"), layout.dims, layout.precision
+    splits = {T: split_layers(args, dims.n_stages, seq_len=T) for T in SEQS}
+    layers = splits[SEQS[0]]
+    state = StateModel(args, dims, layers, OptimConfig(name=layout.optim), precision=prec)
+    kw = dict(plan=policy_plan(_activation_cfg(layout)), act_bytes=2 if prec == "bf16" else 4)
     rows = []
     for res in results:
         predicted_acts = {}
         for key in res["acts"]:
             s, T = map(int, key.split(":"))
-            layers = split_layers(args, dims.n_stages, seq_len=T)
             predicted_acts[key] = stage_activation_bytes(
                 args,
-                layers[s],
+                splits[T][s],
                 first=s == 0,
                 last=s == dims.n_stages - 1,
                 tokens=MICRO_BATCH * T // dims.cp,
                 seq_len=T,
-                plan=pplan,
-                act_bytes=2 if layout.precision == "bf16" else 4,
+                **kw,
             )
-        layers = split_layers(args, dims.n_stages, seq_len=SEQS[0])
-        st = rank_state_bytes(
-            args, dims, layers, optim, pp_rank=res["pp_rank"], dp_cp_rank=res["dp_cp_rank"], precision=layout.precision
-        )
+        st = state.rank_bytes(res["pp_rank"], res["dp_cp_rank"])
+        # Engine.last_memory's param_bytes, grad_bytes, master_bytes and optim_bytes
         measured = {
-            "params": res["state"]["param_bytes"],
-            "grads": res["state"]["grad_bytes"],
-            "master": res["state"].get("master_bytes", 0),
-            "optim": res["state"]["optim_bytes"],
+            k: res["state"].get(f"{k.removesuffix('s')}_bytes", 0) for k in ("params", "grads", "master", "optim")
         }
         comm = analytic_step_bytes(
-            args, dims, layers, pp_rank=res["pp_rank"], mb=MICRO_BATCH, seq=SEQS[0], precision=layout.precision
+            args, dims, layers, pp_rank=res["pp_rank"], mb=MICRO_BATCH, seq=SEQS[0], precision=prec
         )
         comm_measured = dict(res["comm"])
         if "ep/all_to_all" in comm_measured:  # routing decides a rank's rows: the EP group's mean is predicted
@@ -230,7 +204,7 @@ def measure_layout(layout: Layout, results: list[dict] | None = None) -> list[di
             {
                 "layout": layout.name,
                 "rank": res["rank"],
-                "predicted": st.as_dict(),
+                "predicted": asdict(st),
                 "measured": measured,
                 "acts_measured": res["acts"],
                 "acts_predicted": predicted_acts,

@@ -37,10 +37,7 @@ class SavedBytesMeter:
 
     def _pack(self, t: torch.Tensor):
         p = _ptr(t)
-        if p is None:
-            self.anonymous += t.numel() * t.element_size()
-        elif p not in self.frozen and p not in self.seen:
-            self.seen[p] = t.untyped_storage().nbytes()
+        self._observe(p, t.numel() * t.element_size() if p is None else t.untyped_storage().nbytes(), "device")
         return t
 
     def _observe(self, ptr: int | None, nbytes: int, bucket: str) -> None:

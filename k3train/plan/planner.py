@@ -25,12 +25,19 @@ rank's compute.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from functools import cached_property
 
 from k3train.errors import ConfigError
+from k3train.models.k3.counts import executed_flops, flops_per_token
+from k3train.models.k3.model import sources_after
+from k3train.parallel.mesh import stages_of_rank
+from k3train.parallel.zero import ELEMENT_BYTES
+from k3train.plan.activations import policy_plan, stage_activation_bytes, stage_workspace_bytes
+from k3train.plan.comm_bytes import analytic_step_bytes
 from k3train.plan.gpus import GPU
+from k3train.plan.schedule_sim import StageCost, simulate
+from k3train.plan.state_memory import StateModel
 
 GiB = 2**30
 
@@ -41,50 +48,36 @@ class RankPlan:
     stages: list[int]
     layers: list[list[int]]
     state: dict[str, int]  # params, grads, master, optim (at the measurement point: after the reduction)
-    params_by_dtype: dict[str, int]
-    activations_per_mb: dict[int, float]  # stage -> one micro-batch's saved activations
-    peak_activations: float
-    peak_gradients: float
-    boundary: float
-    ep_buffers: float
-    cp_buffers: float
-    workspace: float = 0.0
-    total: float = 0.0
+    by_kind: dict[str, float]
+    """Peak bytes by kind: params, master, optim, grads, activations, pp_buffers (the boundary send buffer),
+    ep_buffers, cp_buffers and workspace."""
 
-    def by_kind(self) -> dict[str, float]:
-        return {
-            "params": self.state["params"],
-            "master": self.state["master"],
-            "optim": self.state["optim"],
-            "grads": self.peak_gradients,
-            "activations": self.peak_activations,
-            "pp_buffers": self.boundary,
-            "ep_buffers": self.ep_buffers,
-            "cp_buffers": self.cp_buffers,
-            "workspace": self.workspace,
-        }
+    @property
+    def total(self) -> float:
+        return sum(self.by_kind.values())
 
 
 @dataclass
 class Plan:
-    recipe: str
+    spec: object  # the resolved run (k3train.config.runspec.RunSpec)
     gpu: GPU
     gpus_per_node: int
-    dims: object
-    precision: str
-    seq_len: int
-    micro_batch: int
     ranks: list[RankPlan]
-    headroom: float
     compute_s: float
     bubble_s: float
     comm_s: dict[str, float]
     optimizer_s: float
     step_s: float
-    tokens_per_step: int
     flops_per_token: float
     timeline: object = None
-    notes: list[str] = field(default_factory=list)
+
+    @property
+    def dims(self):
+        return self.spec.layout
+
+    @property
+    def headroom(self) -> float:
+        return self.spec.config.plan.headroom
 
     @property
     def max_rank(self) -> RankPlan:
@@ -96,23 +89,23 @@ class Plan:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens_per_step / self.step_s
+        return self.spec.tokens_per_step / self.step_s
 
     @property
     def mfu(self) -> float:
         return self.flops_per_token * self.tokens_per_s / (self.dims.world * self.gpu.bf16_flops)
 
     def biggest_term(self, r: RankPlan) -> tuple[str, float]:
-        return max(r.by_kind().items(), key=lambda kv: kv[1])
+        return max(r.by_kind.items(), key=lambda kv: kv[1])
 
     def summary(self) -> dict:
         m = self.max_rank
         return {
-            "recipe": self.recipe,
+            "recipe": self.spec.recipe,
             "gpu": self.gpu.name,
             "ranks": self.dims.world,
             "layout": self.dims.describe(),
-            "precision": self.precision,
+            "precision": self.spec.precision,
             "max_rank_bytes": int(m.total),
             "max_rank": m.pp_rank,
             "gpu_bytes": self.gpu.memory_bytes,
@@ -121,7 +114,7 @@ class Plan:
             "step_s": self.step_s,
             "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
-            "by_kind": {k: int(v) for k, v in m.by_kind().items()},
+            "by_kind": {k: int(v) for k, v in m.by_kind.items()},
             "per_rank_bytes": [int(r.total) for r in self.ranks],
             "time": {
                 "compute_s": self.compute_s,
@@ -133,14 +126,6 @@ class Plan:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-def _intra(group_size: int, stride: int, gpus_per_node: int) -> bool:
-    return group_size * stride <= gpus_per_node
-
-
-def _bandwidth(gpu: GPU, intra: bool) -> float:
-    return gpu.nvlink_bytes_s if intra else gpu.network_bytes_s
-
-
 def plan_world(cfg) -> int:
     """The number of GPUs a plan is for: plan.world, else pp x dp x cp of the layout."""
     p = cfg.parallel
@@ -161,7 +146,6 @@ class _Inputs:
     peak: float  # FLOP/s one GPU sustains: efficiency x the datasheet peak of the precision
     act_bytes: int
     pplan: object  # k3train.plan.activations.PolicyPlan
-    cache: dict = field(default_factory=dict)
 
     @property
     def args(self):
@@ -170,6 +154,12 @@ class _Inputs:
     @property
     def dims(self):
         return self.spec.layout
+
+    @cached_property
+    def state(self):
+        """The training state's model (k3train.plan.state_memory), its stage parameters listed once per plan."""
+        s = self.spec
+        return StateModel(self.args, self.dims, self.stage_layers, s.config.optim, s.trains_vision, s.precision)
 
     @cached_property
     def stage_layers(self) -> list[list[int]]:  # read by every stage's and rank's figure: converted once
@@ -188,17 +178,13 @@ class _Inputs:
         return self.mb * self.seq // self.dims.cp
 
     def bandwidth(self, group_size: int, stride: int) -> float:
-        return _bandwidth(self.gpu, _intra(group_size, stride, self.gpus_per_node))
+        """NVLink when the group (its ranks `stride` apart) fits in a node, the network otherwise."""
+        return self.gpu.nvlink_bytes_s if group_size * stride <= self.gpus_per_node else self.gpu.network_bytes_s
 
 
 def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
-    """One stage's StageCost for one micro-batch, with its EP and CP buffers, backward workspace and in-stage
-    communication seconds."""
-    from k3train.models.k3.model import sources_after
-    from k3train.plan.activations import stage_activation_bytes, stage_workspace_bytes
-    from k3train.plan.schedule_sim import StageCost
-    from k3train.plan.state_memory import stage_grad_bytes
-
+    """One stage's StageCost for one micro-batch, its buffers ({"ep", "cp", "work"}: EP and CP buffers, backward
+    workspace) and its in-stage communication seconds ({"ep_in_stages", "cp_in_stages"})."""
     args, dims, tokens, ab, n = x.args, x.dims, x.tokens, x.act_bytes, x.dims.n_stages
     layers = x.stage_layers[s]
     n_moe = sum(args.ffn_kind(i) == "moe" for i in layers)
@@ -228,79 +214,43 @@ def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
         cp_buf = lat if n_mla else 0.0
     pp_bw = x.bandwidth(2, dims.dp_cp)
     send = (sources_after(args, layers[-1]) * tokens * args.dim * ab / pp_bw) if s < n - 1 else 0.0
-    cfg = x.spec.config
-    full, shard = stage_grad_bytes(
-        args,
-        dims,
-        x.stage_layers,
-        s,
-        cfg.optim,
-        train_vision=x.spec.trains_vision,
-        precision=x.spec.precision,
-        _params_cache=x.cache,
-    )
-    cost = StageCost(
-        forward_s=fwd + (a2a + cpt) / 2,
-        backward_s=bwd + (a2a + cpt) / 2,
-        act_bytes=act,
-        grad_bytes=full,
-        grad_shard_bytes=shard,
-        send_s=send,
-    )
-    return cost, ep_buf, cp_buf, work, a2a, cpt
+    cost = StageCost(fwd + (a2a + cpt) / 2, bwd + (a2a + cpt) / 2, act, *x.state.stage_grad_bytes(s), send_s=send)
+    return cost, {"ep": ep_buf, "cp": cp_buf, "work": work}, {"ep_in_stages": a2a, "cp_in_stages": cpt}
 
 
-def _rank_plan(x: _Inputs, r: int, costs: dict, bufs: dict, timeline) -> RankPlan:
+def _rank_plan(x: _Inputs, r: int, stages: list, timeline) -> RankPlan:
     """Pipeline rank r's memory: its state (worst data-parallel rank), activations at the timeline's peak, the
     boundary send buffer and the largest transient buffers of its stages."""
-    from k3train.models.k3.model import sources_after
-    from k3train.parallel.mesh import stages_of_rank
-    from k3train.plan.state_memory import rank_state_bytes
-
     args, dims, n, sl = x.args, x.dims, x.dims.n_stages, x.stage_layers
-    st = rank_state_bytes(
-        args,
-        dims,
-        sl,
-        x.spec.config.optim,
-        pp_rank=r,
-        dp_cp_rank=0,
-        _params_cache=x.cache,
-        precision=x.spec.precision,
-        train_vision=x.spec.trains_vision,
-    )
+    st = x.state.rank_bytes(r)
     mine = stages_of_rank(dims, r)
     boundary = max(
         (sources_after(args, sl[s][-1]) * x.tokens * args.dim * x.act_bytes for s in mine if s < n - 1), default=0.0
     )
-    rp = RankPlan(
-        pp_rank=r,
-        stages=mine,
-        layers=[sl[s] for s in mine],
-        state=st.as_dict(),
-        params_by_dtype=st.params_by_dtype,
-        activations_per_mb={s: costs[s].act_bytes for s in mine},
-        peak_activations=timeline.peak_parts[r]["activations"],
-        peak_gradients=max(timeline.peak_parts[r]["gradients"], st.grads),
-        boundary=boundary,
-        ep_buffers=max((bufs["ep"][s] for s in mine), default=0.0),
-        cp_buffers=max((bufs["cp"][s] for s in mine), default=0.0),
-        workspace=max((bufs["work"][s] for s in mine), default=0.0),
-    )
-    rp.total = sum(rp.by_kind().values())
-    return rp
+    peak = timeline.peak_parts[r]
+    buf = {k: max((stages[s][1][k] for s in mine), default=0.0) for k in ("ep", "cp", "work")}
+    by_kind = {
+        "params": st.params,
+        "master": st.master,
+        "optim": st.optim,
+        "grads": max(peak["gradients"], st.grads),
+        "activations": peak["activations"],
+        "pp_buffers": boundary,
+        "ep_buffers": buf["ep"],
+        "cp_buffers": buf["cp"],
+        "workspace": buf["work"],
+    }
+    return RankPlan(r, mine, [sl[s] for s in mine], asdict(st), by_kind)
 
 
 def _dp_seconds(x: _Inputs) -> float:
     """Data-parallel reductions and gathers after the pipeline drains (the busiest pipeline rank's), from the same
     bytes the communication ledger records."""
-    from k3train.plan.comm_bytes import analytic_step_bytes
-
     dims, spec = x.dims, x.spec
     bw = {
         "dp_cp": x.bandwidth(dims.dp_cp, 1),
         "edp": x.bandwidth(dims.edp, dims.ep),
-        "world": _bandwidth(x.gpu, dims.world <= x.gpus_per_node),
+        "world": x.bandwidth(dims.world, 1),
     }
     worst = 0.0
     for r in range(dims.pp):
@@ -312,85 +262,65 @@ def _dp_seconds(x: _Inputs) -> float:
     return worst
 
 
-def plan_run(spec, gpu: GPU, *, gpus_per_node: int = 8, headroom: float = 0.10, efficiency: float = 0.45) -> Plan:
-    """The plan of a resolved run (k3train.config.runspec.RunSpec; its world is the number of GPUs) on `gpu`."""
-    from k3train.models.k3.counts import executed_flops, flops_per_token
-    from k3train.parallel.mesh import stages_of_rank
-    from k3train.parallel.zero import ELEMENT_BYTES
-    from k3train.plan.activations import policy_plan
-    from k3train.plan.schedule_sim import simulate
-
+def plan_run(spec, gpu: GPU, *, gpus_per_node: int | None = None) -> Plan:
+    """The plan of a resolved run (k3train.config.runspec.RunSpec; its world is the number of GPUs) on `gpu`, with
+    the run's plan settings (headroom, efficiency, and gpus_per_node where not given)."""
+    p = spec.config.plan
+    gpus_per_node = p.gpus_per_node if gpus_per_node is None else gpus_per_node
     if gpus_per_node < 1:
         raise ConfigError(f"plan.gpus_per_node: must be >= 1, got {gpus_per_node}")
     dims, precision = spec.layout, spec.precision
     if dims.world > gpus_per_node and dims.world % gpus_per_node:
         raise ConfigError(f"plan.gpus_per_node: {dims.world} ranks do not fill nodes of {gpus_per_node} GPUs")
-    peak = gpu.peak_flops(precision) * efficiency
+    peak = gpu.peak_flops(precision) * p.efficiency
     x = _Inputs(spec, gpu, gpus_per_node, peak, ELEMENT_BYTES[precision]["param"], policy_plan(spec.config.activation))
     flops_tok = executed_flops(spec.model, x.seq)
-    costs, bufs, ep_time, cp_time = {}, {"ep": {}, "cp": {}, "work": {}}, {}, {}
-    for s in range(dims.n_stages):
-        costs[s], bufs["ep"][s], bufs["cp"][s], bufs["work"][s], ep_time[s], cp_time[s] = _stage_cost(x, s, flops_tok)
+    stages = [_stage_cost(x, s, flops_tok) for s in range(dims.n_stages)]
+    costs = {s: c for s, (c, _, _) in enumerate(stages)}
     timeline = simulate(dims, costs, zero=dims.zero)
-    ranks = [_rank_plan(x, r, costs, bufs, timeline) for r in range(dims.pp)]
+    ranks = [_rank_plan(x, r, stages, timeline) for r in range(dims.pp)]
     comm = {"dp": _dp_seconds(x)}
-    for key, per_stage in (("ep_in_stages", ep_time), ("cp_in_stages", cp_time)):  # part of the stages' time
-        comm[key] = max(sum(per_stage[s] for s in stages_of_rank(dims, r)) * dims.microbatches for r in range(dims.pp))
+    for key in ("ep_in_stages", "cp_in_stages"):  # part of the stages' time
+        comm[key] = max(
+            sum(stages[s][2][key] for s in stages_of_rank(dims, r)) * dims.microbatches for r in range(dims.pp)
+        )
     compute = max(
         sum((costs[s].forward_s + costs[s].backward_s) * dims.microbatches for s in stages_of_rank(dims, r))
         for r in range(dims.pp)
     )
-    optimizer_s = _muon_seconds(spec.model, dims, x.stage_layers, spec.config.optim, peak, x.cache)
+    optimizer_s = _muon_seconds(x)
     return Plan(
-        recipe=spec.recipe,
+        spec=spec,
         gpu=gpu,
         gpus_per_node=gpus_per_node,
-        dims=dims,
-        precision=precision,
-        seq_len=x.seq,
-        micro_batch=x.mb,
         ranks=ranks,
-        headroom=headroom,
         compute_s=compute,
         bubble_s=timeline.makespan_s - compute,
         comm_s=comm,
         optimizer_s=optimizer_s,
         step_s=timeline.makespan_s + comm["dp"] + optimizer_s,
-        tokens_per_step=spec.tokens_per_step,
         flops_per_token=flops_per_token(spec.model, x.seq),
         timeline=timeline,
     )
 
 
-def _muon_seconds(args, dims, stage_layers, optim_cfg, peak: float, cache: dict) -> float:
-    """Newton-Schulz time of the busiest rank: its owned matrices (all of them without sharding)."""
-    from k3train.optim.muon import assign_owners, piece_shapes
-    from k3train.parallel.mesh import stages_of_rank
-    from k3train.plan.state_memory import _local_shape, stage_parameters
-
-    if optim_cfg.name != "muon":
+def _muon_seconds(x: _Inputs) -> float:
+    """Newton-Schulz time of the busiest pipeline rank: the Muon matrices its dp x cp rank 0 steps, by the
+    optimizer's own ShardingPlan (each matrix on its owner where the group is owner-sharded, all of the group's
+    matrices otherwise)."""
+    o, dims = x.spec.config.optim, x.dims
+    if o.name != "muon":
         return 0.0
     worst = 0.0
     for r in range(dims.pp):
-        shapes, expert_flops = [], 0.0
-        for s in stages_of_rank(dims, r):
-            if s not in cache:
-                cache[s] = stage_parameters(
-                    args, stage_layers, s, optim_cfg, _layer_cache=cache.setdefault("layers", {})
-                )
-            for name, shape, kind, structure, trainable in cache[s]:
-                if kind != "muon" or not trainable:
-                    continue
-                local = _local_shape(name, shape, dims.ep)
-                for cnt, a, b in piece_shapes(local, structure, optim_cfg.per_head):
-                    if dims.ep > 1 and ".ffn.experts." in name:
-                        expert_flops += cnt * _ns_flops(a, b, optim_cfg.ns_steps)
-                    else:
-                        shapes.extend([(a, b)] * cnt)
-        n = dims.dp_cp if dims.zero >= 1 else 1
-        owners = assign_owners(shapes, n) if shapes else []
-        dense = sum(_ns_flops(a, b, optim_cfg.ns_steps) for (a, b), o in zip(shapes, owners) if o == 0)
-        worst = max(worst, (dense + expert_flops) / peak)
+        plan = x.state.sharding_plan(stages_of_rank(dims, r))
+        flops = 0.0
+        for group, owners in ((g, dict(plan.owners).get(g)) for g in ("dense", "expert")):
+            mats = plan.muon_matrices(group)
+            flops += sum(
+                _ns_flops(a, b, o.ns_steps) for i, (_, a, b) in enumerate(mats) if not owners or owners[i] == 0
+            )
+        worst = max(worst, flops / x.peak)
     return worst
 
 
@@ -405,23 +335,19 @@ def _gib(x: float) -> str:
 
 
 def format_plan(plan: Plan) -> str:
-    d = plan.dims
+    d, c = plan.dims, plan.spec.config
+    heads = ("params", "master", "optim", "grads", "acts", "pp_buf", "ep_buf", "cp_buf", "work", "total")
     lines = [
-        f"k3train plan: {plan.recipe} on {d.world} x {plan.gpu.name} ({plan.gpus_per_node} per node), "
-        f"{d.describe()}, {plan.precision}, {plan.micro_batch} x {plan.seq_len} tokens per micro-batch",
+        f"k3train plan: {plan.spec.recipe} on {d.world} x {plan.gpu.name} ({plan.gpus_per_node} per node), "
+        f"{d.describe()}, {plan.spec.precision}, {c.data.micro_batch} x {c.data.seq_len} tokens per micro-batch",
         "",
         "memory per pipeline rank (GiB; worst data-parallel rank)",
-        f"{'rank':>4} {'stages':>10} {'layers':>7} {'params':>8} {'master':>8} {'optim':>8} {'grads':>8} "
-        f"{'acts':>8} {'pp_buf':>8} {'ep_buf':>8} {'cp_buf':>8} {'work':>8} {'total':>8} {'of GPU':>7}",
+        f"{'rank':>4} {'stages':>10} {'layers':>7} {' '.join(f'{h:>8}' for h in heads)} {'of GPU':>7}",
     ]
-    for r in plan.ranks:
-        k = r.by_kind()
+    for r in plan.ranks:  # the columns in by_kind's order
         lines.append(
             f"{r.pp_rank:>4} {','.join(map(str, r.stages)):>10} {sum(len(x) for x in r.layers):>7} "
-            f"{_gib(k['params'])} {_gib(k['master'])} {_gib(k['optim'])} {_gib(k['grads'])} "
-            f"{_gib(k['activations'])} {_gib(k['pp_buffers'])} {_gib(k['ep_buffers'])} "
-            f"{_gib(k['cp_buffers'])} {_gib(k['workspace'])} {_gib(r.total)} "
-            f"{100 * r.total / plan.gpu.memory_bytes:6.1f}%"
+            f"{' '.join(_gib(v) for v in (*r.by_kind.values(), r.total))} {100 * r.total / plan.gpu.memory_bytes:6.1f}%"
         )
     m = plan.max_rank
     kind, val = plan.biggest_term(m)
@@ -430,17 +356,13 @@ def format_plan(plan: Plan) -> str:
         f"step time {plan.step_s:.3f} s = pipeline {plan.compute_s + plan.bubble_s:.3f} s (compute "
         f"{plan.compute_s:.3f} s incl. EP/CP exchanges, bubble {plan.bubble_s:.3f} s) + data-parallel "
         f"communication {plan.comm_s['dp']:.3f} s + optimizer {plan.optimizer_s:.3f} s",
-        f"tokens/s {plan.tokens_per_s:,.0f}  MFU {100 * plan.mfu:.1f}%  ({plan.tokens_per_step:,} tokens per step)",
+        f"tokens/s {plan.tokens_per_s:,.0f}  MFU {100 * plan.mfu:.1f}%  ({plan.spec.tokens_per_step:,} tokens per step)",
         f"verdict: {'FITS' if plan.fits else 'DOES NOT FIT'}: largest rank {m.pp_rank} needs "
         f"{m.total / GiB:.1f} GiB of {plan.gpu.memory_bytes / GiB:.1f} GiB "
         f"(limit {(1 - plan.headroom) * plan.gpu.memory_bytes / GiB:.1f} GiB with {100 * plan.headroom:.0f}% "
         f"headroom); biggest term there: {kind} {val / GiB:.1f} GiB",
     ]
-    return "\n".join(lines + plan.notes)
-
-
-def plan_json(plan: Plan) -> str:
-    return json.dumps(plan.summary(), sort_keys=True)
+    return "\n".join(lines)
 
 
 def refusal(plan: Plan) -> str:
@@ -463,10 +385,10 @@ def plot_plan(plan: Plan, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(12, 8))
-    kinds = list(plan.ranks[0].by_kind())
+    kinds = list(plan.ranks[0].by_kind)
     bottom = [0.0] * len(plan.ranks)
     for k in kinds:
-        vals = [r.by_kind()[k] / GiB for r in plan.ranks]
+        vals = [r.by_kind[k] / GiB for r in plan.ranks]
         ax1.bar([r.pp_rank for r in plan.ranks], vals, bottom=bottom, label=k)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax1.axhline(plan.gpu.memory_bytes / GiB, color="k", linestyle="--", label=plan.gpu.name)
@@ -474,7 +396,7 @@ def plot_plan(plan: Plan, path: str) -> None:
     ax1.set_xlabel("pipeline rank")
     ax1.set_ylabel("GiB")
     ax1.legend(fontsize=7, ncol=5)
-    ax1.set_title(f"{plan.recipe}: memory per pipeline rank")
+    ax1.set_title(f"{plan.spec.recipe}: memory per pipeline rank")
     colors = {"F": "tab:blue", "B": "tab:orange", "I": "tab:green", "W": "tab:purple"}
     for r, evs in plan.timeline.events.items():
         for s, e, a in evs:

@@ -5,12 +5,13 @@ compute actions; an action starts when its rank is free and its input is there).
 
 Memory follows the same timeline per rank: a forward allocates the micro-batch's saved activations, a full backward
 frees them; under a split backward I frees the part only the input gradient needed and W the rest (the inputs of the
-weight matmuls, `weight_share` of the whole). A stage's full gradient lives from its first backward to its
+weight matmuls, WEIGHT_SHARE of the whole). A stage's full gradient lives from its first backward to its
 REDUCE_GRAD point (its last backward) under Pipeline ZeRO-2, and to the end of the step otherwise.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from k3train.parallel.mesh import ParallelDims
@@ -30,21 +31,16 @@ class StageCost:
 @dataclass
 class Timeline:
     makespan_s: float
-    busy_s: dict[int, float]
-    peak_bytes: dict[int, float]  # per rank: activations + gradients at the worst moment
     peak_parts: dict[int, dict[str, float]]
     events: dict[int, list[tuple[float, float, Act]]] = field(default_factory=dict)  # (start, end, action)
 
 
-def simulate(
-    dims: ParallelDims,
-    costs: dict[int, StageCost],
-    *,
-    zero: int,
-    weight_share: float = 0.5,
-    orders: dict[int, list[Act]] | None = None,
-) -> Timeline:
-    orders = orders or schedule_order(dims)
+WEIGHT_SHARE = 0.5
+"""The share of a micro-batch's saved activations that only the weight gradient (W) reads under a split backward."""
+
+
+def simulate(dims: ParallelDims, costs: dict[int, StageCost], *, zero: int) -> Timeline:
+    orders = schedule_order(dims)
 
     def duration(a: Act) -> float:
         c = costs[a.stage]
@@ -52,34 +48,25 @@ def simulate(
 
     events = replay(dims, orders, duration, lambda stage: costs[stage].send_s)
     makespan = max((evs[-1][1] for evs in events.values() if evs), default=0.0)
-    peak, parts, busy = {}, {}, {}
+    parts = {}
     for r, evs in events.items():
-        busy[r] = sum(e - s for s, e, _ in evs)
         live_act, best, best_parts = 0.0, 0.0, {"activations": 0.0, "gradients": 0.0}
         grads: dict[int, float] = {}
-        backward_left = {
-            s: sum(1 for a in orders[r] if a.stage == s and a.kind in ("B", "W")) for s in {a.stage for a in orders[r]}
-        }
+        backward_left = Counter(a.stage for a in orders[r] if a.kind in ("B", "W"))
         for _, _, a in sorted(evs, key=lambda e: e[0]):
             c = costs[a.stage]
             if a.kind == "F":
                 live_act += c.act_bytes
-            elif a.kind == "B":
-                grads.setdefault(a.stage, c.grad_bytes)
-            elif a.kind == "W":
+            elif a.kind in ("B", "W"):  # the stage's full gradient lives from its first backward on
                 grads.setdefault(a.stage, c.grad_bytes)
             total = live_act + sum(grads.values())
             if total > best:
                 best, best_parts = total, {"activations": live_act, "gradients": sum(grads.values())}
-            if a.kind == "B":
-                live_act -= c.act_bytes
-            elif a.kind == "I":
-                live_act -= c.act_bytes * (1 - weight_share)
-            elif a.kind == "W":
-                live_act -= c.act_bytes * weight_share
+            # a full backward frees what the forward saved; I the part only the input gradient needed, W the rest
+            live_act -= c.act_bytes * {"B": 1.0, "I": 1 - WEIGHT_SHARE, "W": WEIGHT_SHARE}.get(a.kind, 0.0)
             if a.kind in ("B", "W"):
                 backward_left[a.stage] -= 1
                 if backward_left[a.stage] == 0 and zero == 2:
                     grads[a.stage] = c.grad_shard_bytes
-        peak[r], parts[r] = best, best_parts
-    return Timeline(makespan_s=makespan, busy_s=busy, peak_bytes=peak, peak_parts=parts, events=events)
+        parts[r] = best_parts
+    return Timeline(makespan_s=makespan, peak_parts=parts, events=events)
