@@ -14,6 +14,9 @@ counts), by op class, so a step-time model can give each class its own rate: den
 multiplies with: forward, input and weight gradient), grouped GEMMs (the routed experts), softmax attention, KDA's
 chunked recurrence and short convolutions, and elementwise work counted as FLOPs (the AttnRes depth mixing).
 
+A token mixer also declares what does not scale with saved tokens: `workspace_bytes` (the transient bytes one
+sequence row holds while the layer runs backward) and `cp_gather` (a `CPGather`, its context-parallel traffic).
+
 Parameters by optimizer kind (Muon matrices, AdamW vectors and embeddings) are not declared here: a module's
 `muon_structure` names its Muon matrices, and k3train.models.k3.counts counts parameters from the module shapes.
 """
@@ -70,6 +73,17 @@ class Costs:
 
     def __add__(self, o: Costs) -> Costs:
         return Costs(self.saved + o.saved, self.flops + o.flops)
+
+
+@dataclass(frozen=True)
+class CPGather:
+    """Elements one layer all-gathers over its context-parallel group per micro-batch row (forward; backward
+    reduce-scatters the same): per piece, fp32 (KDA's summaries) and in the compute dtype (halos), and per token in
+    the compute dtype, gathered again in backward (Gated MLA's latent, not kept for it)."""
+
+    piece_fp32: float = 0.0
+    piece_act: float = 0.0
+    token_act: float = 0.0
 
 
 def gemm(weights: float) -> Flops:

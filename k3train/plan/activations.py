@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from k3train.models.costs import Saved
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.model import K3Layer, K3Model, sources_after
-from k3train.ops.attention.blocked import K_BLOCK, Q_BLOCK
+from k3train.models.k3.mixers import layer_mixer
 
 FP8_BYTES = 1 + 4 / 128  # e4m3 element plus its share of one fp32 scale per 128-element block
 
@@ -147,20 +147,14 @@ def stage_workspace_bytes(
     """Transient device bytes of the stage's most expensive layer while it runs backward (one layer at a time):
 
     - a recomputed layer rebuilds everything it saves under keep for its own backward (one micro-batch);
-    - Gated MLA's blocked attention holds one tile of fp32 scores, probabilities and their gradient,
-      [rows, H, q_block, k_block] each, and one key block's keys and values with their gradients
-      (k3train.ops.attention.blocked)."""
+    - its token mixer's declared `workspace_bytes` per row (Gated MLA: one tile of its blocked attention)."""
     keep = PolicyPlan()
     S = 1 if first else sources_after(args, layers[0] - 1)
     worst = 0.0
     for i in layers:
         policy = (plan.of(f"layers.{i}") or plan.default) if plan.k3_defaults else "keep"
         w = layer_bytes_per_token(args, i, seq_len, keep, act_bytes, S) * tokens if policy == "recompute" else 0.0
-        if args.layer_kind(i) == "mla":
-            tq = tokens // max(rows, 1)
-            bk = min(K_BLOCK, seq_len)
-            w += 3 * 4.0 * rows * args.mla_heads * min(Q_BLOCK, tq) * bk
-            w += 2 * 4.0 * rows * args.mla_heads * bk * (args.mla_qk_head_dim + args.mla_v_head_dim)
+        w += rows * layer_mixer(args, i).workspace_bytes(args, tokens // max(rows, 1), seq_len, act_bytes)
         worst = max(worst, w)
         S = sources_after(args, i)
     return worst

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.counts import stage_param_counts
+from k3train.models.k3.mixers import layer_mixer
+from k3train.models.k3.mla import GatedMLA
 from k3train.models.k3.model import sources_after
 from k3train.parallel.mesh import stage_to_rank, stages_of_rank
 from k3train.parallel.zero import ELEMENT_BYTES
@@ -98,19 +100,17 @@ def _add_cp_bytes(
     add, args: K3ModelArgs, dims, layers: list[int], *, mb: int, seq: int, elem: int, summary_elem: int, mtp: bool
 ) -> None:
     """Context-parallel collectives of one step (forward all-gathers, their backward reduce-scatters of the same
-    size) for these layers: per KDA layer the pieces' fp32 summaries [H, K, K+V] (independent of seq) and the
-    conv halos (W-1 tokens of q, k and v per piece); per MLA layer the latent of every token, all-gathered in forward
-    and again in backward (not kept for it), its gradient reduce-scattered once. mtp (the MTP module is among them):
-    its MLA layer's latent, and the one-token halo of the next piece's first embedding (D per piece)."""
+    size) for these layers, from each token mixer's declared `cp_gather` (KDA: the pieces' fp32 summaries and conv
+    halos; Gated MLA: the latent of every token, all-gathered in forward and again in backward (not kept for it),
+    its gradient reduce-scattered once). mtp (the MTP module is among them): its MLA layer's latent, and the
+    one-token halo of the next piece's first embedding (D per piece)."""
     m, g = dims.microbatches, dims.cp
     n_pieces = 2 * g if dims.cp_layout == "zigzag" else g
     rows = mb * n_pieces  # pieces gathered over the group per micro-batch
-    H, K = args.kda_heads, args.kda_head_dim
-    n_kda = sum(args.layer_kind(i) == "kda" for i in layers)
-    n_mla = sum(args.layer_kind(i) == "mla" for i in layers) + int(mtp)
-    summary = n_kda * m * rows * H * K * 2 * K * summary_elem
-    halo = n_kda * m * rows * (args.kda_conv_size - 1) * 3 * H * K * elem
-    latent = n_mla * m * mb * seq * (args.mla_kv_rank + args.mla_shared_k_dim) * elem
+    gathers = [layer_mixer(args, i).cp_gather(args) for i in layers] + ([GatedMLA.cp_gather(args)] if mtp else [])
+    summary = m * rows * sum(c.piece_fp32 for c in gathers) * summary_elem
+    halo = m * rows * sum(c.piece_act for c in gathers) * elem
+    latent = m * mb * seq * sum(c.token_act for c in gathers) * elem
     total = summary + halo + latent + (m * rows * args.dim * elem if mtp else 0)
     if total:
         add("cp", "all_gather", total + latent, (g - 1) / g * (total + latent))

@@ -30,6 +30,7 @@ from functools import cached_property
 
 from k3train.errors import ConfigError
 from k3train.models.k3.counts import executed_flops, flops_per_token
+from k3train.models.k3.mixers import layer_mixer
 from k3train.models.k3.model import sources_after
 from k3train.parallel.mesh import stages_of_rank
 from k3train.parallel.zero import ELEMENT_BYTES
@@ -188,7 +189,7 @@ def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
     args, dims, tokens, ab, n = x.args, x.dims, x.tokens, x.act_bytes, x.dims.n_stages
     layers = x.stage_layers[s]
     n_moe = sum(args.ffn_kind(i) == "moe" for i in layers)
-    n_mla = sum(args.layer_kind(i) == "mla" for i in layers)
+    latent = [layer_mixer(args, i).cp_gather(args).token_act for i in layers]  # per token, gathered again in bwd
     kw = dict(first=s == 0, tokens=tokens, seq_len=x.seq, plan=x.pplan, act_bytes=ab)
     act = stage_activation_bytes(args, layers, last=s == n - 1, **kw)
     work = stage_workspace_bytes(args, layers, rows=x.mb, **kw)
@@ -209,9 +210,9 @@ def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
         rows = tokens * args.top_k * args.moe_latent_dim * ab
         ep_buf = 2 * rows + (G * expert_numel * ab * 2 if dims.ep_dispatcher == "moonep" else 0)
     if dims.cp > 1:
-        lat = x.mb * x.seq * (args.mla_kv_rank + args.mla_shared_k_dim) * ab
-        cpt = 3 * n_mla * lat * (dims.cp - 1) / dims.cp / x.bandwidth(dims.cp, 1)  # gather, again in bwd, scatter
-        cp_buf = lat if n_mla else 0.0
+        lat = x.mb * x.seq * ab
+        cpt = 3 * sum(latent) * lat * (dims.cp - 1) / dims.cp / x.bandwidth(dims.cp, 1)  # gather, again, scatter
+        cp_buf = max(latent) * lat
     pp_bw = x.bandwidth(2, dims.dp_cp)
     send = (sources_after(args, layers[-1]) * tokens * args.dim * ab / pp_bw) if s < n - 1 else 0.0
     cost = StageCost(fwd + (a2a + cpt) / 2, bwd + (a2a + cpt) / 2, act, *x.state.stage_grad_bytes(s), send_s=send)

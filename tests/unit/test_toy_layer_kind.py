@@ -93,6 +93,26 @@ def test_declared_costs_are_what_the_module_saves_and_executes():
     assert fc.get_total_flops() == declared.flops.total * B * T
 
 
+def test_planner_reads_the_kinds_workspace_and_cp_declarations():
+    """The backward workspace and the context-parallel traffic come from the mixers' declarations: the toy kind's
+    [T, T] gradients set the stage's workspace, and it gathers nothing where the KDA layer it replaces did."""
+    from k3train.parallel.mesh import ParallelDims
+    from k3train.plan.activations import stage_workspace_bytes
+    from k3train.plan.comm_bytes import analytic_step_bytes
+
+    args, T = toy_args(), 64
+    kw = dict(first=False, tokens=2 * T, rows=2, seq_len=T, plan=PolicyPlan(), act_bytes=4)
+    assert stage_workspace_bytes(args, [TOY_LAYER], **kw) == 2 * DenseAttention.workspace_bytes(args, T, T, 4)
+    assert stage_workspace_bytes(args, [5, 6, 7, 8], **kw) >= 2 * 2.0 * 4 * args.mla_heads * T * T
+    dims = ParallelDims.parse("cp2")  # zigzag: 4 pieces of each row gathered
+    one = dict(pp_rank=0, mb=1, seq=T, precision="fp32")
+    base = analytic_step_bytes(get_preset("tiny"), dims, [list(range(1, 9))], **one)[("cp", "all_gather")]
+    toy = analytic_step_bytes(args, dims, [list(range(1, 9))], **one)[("cp", "all_gather")]
+    kda = MIXERS["kda"].cp_gather(args)
+    assert kda.piece_fp32 and kda.piece_act
+    assert base["payload"] - toy["payload"] == dims.cp_pieces * 4 * (kda.piece_fp32 + kda.piece_act)
+
+
 def test_planner_counts_and_muon_pick_it_up():
     args = toy_args()
     kw = dict(first=False, last=True, tokens=64, seq_len=64, plan=PolicyPlan(), act_bytes=4)

@@ -17,7 +17,7 @@ from torch import nn
 
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
-from k3train.models.costs import Costs, Flops, Saved, gemm
+from k3train.models.costs import Costs, CPGather, Flops, Saved, gemm
 from k3train.models.structure import MatrixStructure
 from k3train.ops.backend import AUTO, Kernels
 from k3train.ops.kda import kda_gate
@@ -120,6 +120,19 @@ class KDA(nn.Module):
             kda=H * (6 * K**3 / C + 18 * K * K + 22 * K * C + 96 * K) - 6 * H * K**3 / seq_len
         )
         return Costs(saved, flops)
+
+    @staticmethod
+    def workspace_bytes(args: K3ModelArgs, q_tokens: int, seq_len: int, act_bytes: int) -> float:
+        """Transient backward bytes per row beyond what the layer saves: none counted (the chunked kernels'
+        per-chunk buffers are the saved maps)."""
+        return 0.0
+
+    @staticmethod
+    def cp_gather(args: K3ModelArgs) -> CPGather:
+        """Per piece: the fp32 summary [H, K, 2K] of its chunks, and the short convolutions' halos (W-1 tokens of q,
+        k and v) (k3train.ops.kda.cp, k3train.ops.short_conv)."""
+        H, K = args.kda_heads, args.kda_head_dim
+        return CPGather(piece_fp32=H * K * 2 * K, piece_act=(args.kda_conv_size - 1) * 3 * H * K)
 
     @staticmethod
     def core_flops(args: K3ModelArgs, seq_len: int) -> int:

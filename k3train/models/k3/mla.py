@@ -17,7 +17,7 @@ from torch import nn
 
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
-from k3train.models.costs import Costs, Flops, Saved, gemm
+from k3train.models.costs import Costs, CPGather, Flops, Saved, gemm
 from k3train.models.structure import MatrixStructure
 from k3train.ops.attention import latent_block_attention
 from k3train.ops.attention.cp import attend_rows
@@ -126,6 +126,22 @@ class GatedMLA(nn.Module):
         weights = D * q + q * H * (k + s) + D * (kv + s) + kv * H * (k + v) + 2 * D * H * v
         attention = 2.0 * visited_keys(seq_len) * H * (4 * args.mla_qk_head_dim + 3 * v)
         return Costs(Saved(act=act, fp32=H, i64=1, bf16=bf16), gemm(weights) + Flops(attention=attention))
+
+    @staticmethod
+    def workspace_bytes(args: K3ModelArgs, q_tokens: int, seq_len: int, act_bytes: int) -> float:
+        """Transient backward bytes per row (q_tokens of its queries on this rank, seq_len keys): the blocked
+        attention holds one tile of fp32 scores, probabilities and their gradient, [H, q_block, k_block] each, and
+        one key block's keys and values with their gradients (k3train.ops.attention.blocked)."""
+        H, bk = args.mla_heads, min(K_BLOCK, seq_len)
+        return 3 * 4.0 * H * min(Q_BLOCK, q_tokens) * bk + 2 * 4.0 * H * bk * (
+            args.mla_qk_head_dim + args.mla_v_head_dim
+        )
+
+    @staticmethod
+    def cp_gather(args: K3ModelArgs) -> CPGather:
+        """Per token: the latent (kv_rank + shared key width) every piece's queries attend to
+        (k3train.ops.attention.cp)."""
+        return CPGather(token_act=args.mla_kv_rank + args.mla_shared_k_dim)
 
     @staticmethod
     def core_flops(args: K3ModelArgs, seq_len: int) -> int:

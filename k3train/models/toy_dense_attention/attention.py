@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3train.models.costs import Costs, Flops, Saved, gemm
+from k3train.models.costs import Costs, CPGather, Flops, Saved, gemm
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
 from k3train.models.structure import MatrixStructure
@@ -72,6 +72,17 @@ class DenseAttention(nn.Module):
         D, H, d = args.dim, args.mla_heads, args.mla_v_head_dim
         saved = Saved(act=D + 4 * H * d + H * seq_len)
         return Costs(saved, gemm(4 * D * H * d) + Flops(attention=3 * 4.0 * seq_len * H * d))
+
+    @staticmethod
+    def workspace_bytes(args: K3ModelArgs, q_tokens: int, seq_len: int, act_bytes: int) -> float:
+        """Transient backward bytes per row: the gradients of the probabilities and of the scores, [H, T, T] each in
+        the compute dtype."""
+        return 2.0 * act_bytes * args.mla_heads * q_tokens * seq_len
+
+    @staticmethod
+    def cp_gather(args: K3ModelArgs) -> CPGather:
+        """No context-parallel form (forward refuses one): nothing gathered."""
+        return CPGather()
 
     @staticmethod
     def core_flops(args: K3ModelArgs, seq_len: int) -> int:
