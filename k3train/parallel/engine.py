@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -67,44 +67,55 @@ class StepTimes:
         return 1.0 - self.busy_s / self.schedule_s if self.schedule_s > 0 else 0.0
 
 
+@dataclass(kw_only=True, eq=False, repr=False)
 class Engine:
     """Trains one step at a time with collaborators built by `build_engine`: this rank's model parts (already
-    parallelized), the sharded optimizer, the pipeline (pp > 1) and the context-parallel plan (cp > 1)."""
+    parallelized), the sharded optimizer and the context-parallel plan (cp > 1); it builds the pipeline over its
+    parts (pp > 1)."""
 
-    def __init__(
-        self,
-        *,
-        args: K3ModelArgs,
-        dims: ParallelDims,
-        mesh: ParallelMesh | None,
-        device: torch.device,
-        autocast_dtype: torch.dtype | None,
-        stage_layers: list[list[int]],
-        stage_ids: list[int],
-        model_parts: list[nn.Module],
-        optimizer: ShardedOptimizer,
-        pipeline: Pipeline | None,
-        cp_plan=None,
-        activation_handles: list | None = None,
-        boundary_dtype: torch.dtype = torch.float32,
-    ):
-        self.args, self.dims, self.mesh = args, dims, mesh
-        self.boundary_dtype = boundary_dtype  # what crosses a pipeline boundary (bf16 under train.precision=bf16)
-        self.device, self.autocast_dtype = device, autocast_dtype
-        self.stage_layers, self.stage_ids = stage_layers, stage_ids
-        self.model_parts = model_parts
-        self.zero = optimizer
-        self.optimizer = optimizer.optimizer
-        self.pipeline = pipeline
-        self.cp_plan = cp_plan
-        self.activation_handles = activation_handles or []
-        """One per model part with activation-storage policies (stats(), remove())."""
+    args: K3ModelArgs
+    dims: ParallelDims
+    mesh: ParallelMesh | None
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    stage_layers: list[list[int]]
+    stage_ids: list[int]
+    model_parts: list[nn.Module]
+    zero: ShardedOptimizer
+    cp_plan: object = None
+    activation_handles: list = field(default_factory=list)
+    """One per model part with activation-storage policies (stats(), remove())."""
+    boundary_dtype: torch.dtype = torch.float32
+    """What crosses a pipeline boundary (bf16 under train.precision=bf16)."""
+
+    def __post_init__(self):
+        self.optimizer = self.zero.optimizer
         self.comm = comm.CommCounter()
         self.times = StepTimes()
         self.last_memory: dict = {}
         self.step_count = 0
-        self.mtp_weight = float(optimizer.cfg.mtp_loss_weight) if args.mtp_layers else None
+        self.mtp_weight = float(self.zero.cfg.mtp_loss_weight) if self.args.mtp_layers else None
         """optim.mtp_loss_weight with the MTP module (k3train.models.k3.mtp), else None."""
+        self.pipeline = self._build_pipeline() if self.dims.pp > 1 else None
+
+    def _build_pipeline(self) -> Pipeline:
+        """The pipeline over this rank's stages; the optimizer reduces each stage's gradients, and activations cross
+        stage boundaries in the parameters' dtype."""
+        n, cp = self.dims.n_stages, (self._group("cp"), self.dims.cp_layout) if self.dims.cp > 1 else None
+        kw = dict(autocast_dtype=self.autocast_dtype, boundary_dtype=self.boundary_dtype, cp=cp)
+        modules = {
+            s: StageModule(p, first=s == 0, last=s == n - 1, **kw) for s, p in zip(self.stage_ids, self.model_parts)
+        }
+        return Pipeline(
+            args=self.args,
+            dims=self.dims,
+            stage_layers=self.stage_layers,
+            modules=modules,
+            pp_group=self._group("pp"),
+            device=self.device,
+            grad_reducer=self.zero,
+            mtp_weight=self.mtp_weight or 0.0,
+        )
 
     # ---- helpers ----------------------------------------------------------------------------------------------------
     def _group(self, name: str):
@@ -193,19 +204,15 @@ class Engine:
         part = self.model_parts[0]
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         t = time.perf_counter()
-        w = part.output.weight
+        w, mtp = part.output.weight, self.mtp_weight is not None
         for k, b in enumerate(mbs):
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
                 # The head's matmul runs inside the chunked loss: no [mb, T, V] logits are kept.
-                if self.mtp_weight is None:
-                    hidden = part(b["input_ids"], b["ctx"], return_hidden=True, **b["vision"])
-                    terms = [linear_cross_entropy(hidden, w, b["labels"])[0] / denom]
-                else:
-                    hidden, u = part(b["input_ids"], b["ctx"], return_hidden=True, mtp=True, **b["vision"])
-                    terms = [
-                        linear_cross_entropy(hidden, w, b["labels"])[0] / denom,
-                        linear_cross_entropy(u, w, b["mtp_labels"])[0] / mtp_denom,
-                    ]
+                out = part(b["input_ids"], b["ctx"], return_hidden=True, mtp=mtp, **b["vision"])
+                hidden, u = out if mtp else (out, None)
+                terms = [linear_cross_entropy(hidden, w, b["labels"])[0] / denom]
+                if mtp:
+                    terms.append(linear_cross_entropy(u, w, b["mtp_labels"])[0] / mtp_denom)
             loss = terms[0] if len(terms) == 1 else terms[0] + self.mtp_weight * terms[1]
             if k == len(mbs) - 1:  # the last backward: buckets are reduced as their gradients complete
                 self.zero.arm()
@@ -375,23 +382,14 @@ class Engine:
         stride = torch.empty(shape, device="meta").stride()
         sharded = self.dims.zero >= 1 and self.zero.shard_groups[key].n > 1 and not whole
         if key == "expert":  # home blocks over ep, then ZeRO chunks over edp
-            if sharded:
-                return DTensor.from_local(
-                    local,
-                    self.mesh.submesh("ep_edp"),
-                    [Shard(0), Shard(0)],
-                    run_check=False,
-                    shape=shape,
-                    stride=stride,
-                )
-            return DTensor.from_local(
-                local, self.mesh.submesh("ep"), [Shard(0)], run_check=False, shape=shape, stride=stride
-            )
-        if sharded:
-            return DTensor.from_local(
-                local, self.mesh.submesh("dp_cp"), [Shard(0)], run_check=False, shape=shape, stride=stride
-            )
-        return local
+            mesh, placements = ("ep_edp", [Shard(0), Shard(0)]) if sharded else ("ep", [Shard(0)])
+        elif sharded:
+            mesh, placements = "dp_cp", [Shard(0)]
+        else:
+            return local
+        return DTensor.from_local(
+            local, self.mesh.submesh(mesh), placements, run_check=False, shape=shape, stride=stride
+        )
 
     def load_state_dict(self, sd: dict) -> None:
         """Load a state produced by state_dict() (after torch.distributed.checkpoint filled it) or any FQN-keyed
@@ -513,12 +511,6 @@ def build_engine(
         train_vision=train_vision,
     )
     parts, handles = _build_parts(model_args, stage_layers, stage_ids, setup, param_dtype)
-    optimizer = _build_optimizer(parts, dims, mesh, optim_cfg, bucket_numel, precision)
-    pipeline = None
-    if dims.pp > 1:
-        stages = dict(zip(stage_ids, parts))
-        dtypes = (autocast_dtype, param_dtype)
-        pipeline = _build_pipeline(model_args, dims, mesh, stage_layers, stages, optimizer, device, *dtypes)
     return Engine(
         args=model_args,
         dims=dims,
@@ -529,8 +521,7 @@ def build_engine(
         stage_layers=stage_layers,
         stage_ids=stage_ids,
         model_parts=parts,
-        optimizer=optimizer,
-        pipeline=pipeline,
+        zero=_build_optimizer(parts, dims, mesh, optim_cfg, bucket_numel, precision),
         cp_plan=_build_cp(parts, dims, mesh, seq_len_hint),
         activation_handles=handles,
     )
@@ -569,19 +560,15 @@ def _build_parts(model_args, stage_layers, stage_ids, setup, param_dtype) -> tup
 def _build_optimizer(parts, dims, mesh, optim_cfg, bucket_numel: int, precision: str) -> ShardedOptimizer:
     """The sharded optimizer over the parts: dense parameters reduced over dp_cp, home experts over edp only, each
     with a group of its own for the reductions that overlap backward."""
-    groups = {"dense": (mesh.group("dp_cp") if mesh else None, "dp_cp")}
+    dims_of = {"dense": "dp_cp", "expert": "edp"} if dims.ep > 1 else {"dense": "dp_cp"}
+    groups = {key: (mesh.group(d) if mesh else None, d) for key, d in dims_of.items()}
+    reduce_groups = {key: mesh.reduce_group(d) for key, d in dims_of.items()} if mesh else {}
     expert_blocks: dict[str, tuple[int, int]] = {}
     if dims.ep > 1:
         from k3train.parallel.expert_parallel import expert_parameters
 
-        groups["expert"] = (mesh.group("edp"), "edp")
         for part in parts:  # home experts: replicated (and reduced, and ZeRO-sharded) over the edp ranks only
             expert_blocks.update(expert_parameters(part))
-    reduce_groups = {}
-    if mesh is not None:
-        reduce_groups = {"dense": mesh.reduce_group("dp_cp")}
-        if dims.ep > 1:
-            reduce_groups["expert"] = mesh.reduce_group("edp")
     return ShardedOptimizer(
         parts,
         optim_cfg,
@@ -591,30 +578,4 @@ def _build_optimizer(parts, dims, mesh, optim_cfg, bucket_numel: int, precision:
         bucket_numel=bucket_numel,
         precision=precision,
         reduce_groups=reduce_groups,
-    )
-
-
-def _build_pipeline(
-    model_args, dims, mesh, stage_layers, parts: dict, optimizer, device, autocast_dtype, param_dtype
-) -> Pipeline:
-    """The pipeline over this rank's stages (stage id -> part); the optimizer reduces each stage's gradients, and
-    activations cross stage boundaries in the parameters' dtype."""
-    n = dims.n_stages
-    cp = (mesh.group("cp"), dims.cp_layout) if dims.cp > 1 else None
-    modules = {
-        s: StageModule(
-            p, first=s == 0, last=s == n - 1, autocast_dtype=autocast_dtype, boundary_dtype=param_dtype, cp=cp
-        )
-        for s, p in parts.items()
-    }
-    return Pipeline(
-        args=model_args,
-        dims=dims,
-        stage_layers=stage_layers,
-        modules=modules,
-        pp_group=mesh.group("pp"),
-        device=device,
-        grad_reducer=optimizer,
-        boundary_dtype=param_dtype,
-        mtp_weight=float(optimizer.cfg.mtp_loss_weight) if model_args.mtp_layers else 0.0,
     )

@@ -428,16 +428,16 @@ class Pipeline:
         pp_group,
         device: torch.device,
         grad_reducer=None,
-        boundary_dtype: torch.dtype = torch.float32,
         mtp_weight: float = 0.0,
     ):
         """grad_reducer: an object with reduce_part(part) (k3train.parallel.zero.ShardedOptimizer), called for each
-        stage's model part right after its last backward of the step. mtp_weight: optim.mtp_loss_weight."""
+        stage's model part right after its last backward of the step. mtp_weight: optim.mtp_loss_weight. What
+        crosses a stage boundary has the modules' boundary_dtype."""
         self.args, self.dims, self.stage_layers = args, dims, stage_layers
         self.modules = modules  # stage index -> StageModule held by this rank
         self.pp_group, self.device = pp_group, device
         self.grad_reducer = grad_reducer
-        self.boundary_dtype = boundary_dtype
+        self.boundary_dtype = next(iter(modules.values())).boundary_dtype
         self.loss_fn = GlobalTokenLoss(modules.get(dims.n_stages - 1), mtp_weight)
         self.vision_feed = None
         first = modules.get(0)
