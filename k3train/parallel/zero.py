@@ -104,6 +104,8 @@ ELEMENT_BYTES = {
 optimizer states (the memory facts below; the planner and the communication counts read the same table)."""
 MASTER_DTYPE = torch.float32
 """Master weights (and, through them, optimizer states) under bf16."""
+_STATE_KEYS = {False: ("step", "exp_avg", "exp_avg_sq"), True: ("momentum_buffer",)}
+"""Optimizer state of a parameter stepped by AdamW (False) or by Muon on every replica (True)."""
 
 
 @dataclass
@@ -205,6 +207,7 @@ class _Flight:
     bucket: Bucket
     key: object  # the arming that queued it (a model part, or the whole group)
     waiting: set[int]  # id(param) of the parameters whose gradient of the last backward has not arrived
+    scatter: bool = False  # reduce-scattered (zero=2, not Muon), else all-reduced
     launched: bool = False
     finished: bool = False
     work: object = None
@@ -227,6 +230,15 @@ def _chunk_pairs(it: ShardedParam, rows: torch.Tensor, buf: torch.Tensor, off: i
     rest = d0 - full * c
     if rest:
         pairs.append((rows[full * c :].reshape(-1), buf[full, off : off + rest * R]))
+    return pairs
+
+
+def _bucket_pairs(items: list[ShardedParam], tensors: list[torch.Tensor], buf: torch.Tensor) -> list[tuple]:
+    """_chunk_pairs of every [d0, ...] tensor of a bucket (one per parameter) in its rank-major [n, L] buffer."""
+    pairs, off = [], 0
+    for it, t in zip(items, tensors):
+        pairs += _chunk_pairs(it, t.reshape(it.d0, it.row_numel), buf, off)
+        off += it.padded_chunk_numel
     return pairs
 
 
@@ -339,10 +351,9 @@ class ShardGroup:
                 self.muon_reducer(items[::-1])  # registration order, as the owners' plan lists them
         for k in mine:
             self._finish(self._queue[k])
-        self._keys.discard(key)
-        for k in mine:
             for it in self._queue[k].bucket.items:
                 self._armed.pop(id(it.param), None)
+        self._keys.discard(key)
         if all(f.finished for f in self._queue):
             self._reset_queue()
 
@@ -357,7 +368,8 @@ class ShardGroup:
             self._scopes = comm.current_scopes()
         self._keys.add(key)
         for b in buckets:
-            f = _Flight(bucket=b, key=key, waiting={id(it.param) for it in b.items})
+            scatter = self.zero == 2 and not b.items[0].muon
+            f = _Flight(bucket=b, key=key, waiting={id(it.param) for it in b.items}, scatter=scatter)
             self._queue.append(f)
             for it in b.items:
                 self._armed[id(it.param)] = f
@@ -388,18 +400,10 @@ class ShardGroup:
     def _launch(self, f: _Flight) -> None:
         f.launched = True
         with comm.in_scopes(self._scopes):
-            if self.zero == 2 and not f.bucket.items[0].muon:
-                self._start_reduce_scatter(f)
-            else:
-                self._start_all_reduce(f)
+            (self._start_reduce_scatter if f.scatter else self._start_all_reduce)(f)
 
     def _finish(self, f: _Flight) -> None:
-        if not f.launched:  # cannot happen once _launch_ready ran through it; kept for safety
-            self._launch(f)
-        if self.zero == 2 and not f.bucket.items[0].muon:
-            self._finish_reduce_scatter(f)
-        else:
-            self._finish_all_reduce(f)
+        (self._finish_reduce_scatter if f.scatter else self._finish_all_reduce)(f)
         f.finished = True
 
     def _reset_queue(self) -> None:
@@ -451,14 +455,9 @@ class ShardGroup:
         dev = b.items[0].param.device
         dtype = self.grad_dtype or b.items[0].param.dtype
         buf = torch.zeros(n, L, device=dev, dtype=dtype)
-        dst, src, off = [], [], 0
-        for it in b.items:
-            for g, piece in _chunk_pairs(it, self._grad_or_zeros(it).reshape(it.d0, it.row_numel), buf, off):
-                dst.append(piece)
-                src.append(g)
-            off += it.padded_chunk_numel
-        _copy_all(dst, src)
-        del dst, src
+        pairs = _bucket_pairs(b.items, [self._grad_or_zeros(it) for it in b.items], buf)
+        _copy_all([piece for _, piece in pairs], [g for g, _ in pairs])
+        del pairs
         for it in b.items:
             self.set_full_grad(it, None)  # the full gradient is freed: the buffer holds it until the chunk arrives
         f.out = torch.empty(L, device=dev, dtype=dtype)
@@ -536,15 +535,9 @@ class ShardGroup:
         recv = torch.empty(n * L, device=dev, dtype=dtype)
         comm.all_gather(recv, send, self.group, self.dim)
         recv = recv.view(n, L)
-        with torch.no_grad():
-            dst, src, off = [], [], 0
-            for it in b.items:
-                # every chunk, the rank's own included (it comes back as sent)
-                for rows, piece in _chunk_pairs(it, it.param.data.view(it.d0, it.row_numel), recv, off):
-                    dst.append(rows)
-                    src.append(piece)
-                off += it.padded_chunk_numel
-            _copy_all(dst, src)
+        with torch.no_grad():  # every chunk, the rank's own included (it comes back as sent)
+            pairs = _bucket_pairs(b.items, [it.param.data for it in b.items], recv)
+            _copy_all([rows for rows, _ in pairs], [piece for _, piece in pairs])
 
     def _device(self):
         return self.items[0].param.device if self.items else torch.device("cpu")
@@ -596,16 +589,15 @@ class ShardedOptimizer:
         expert_blocks = expert_blocks or {}
         # Group assignment (Muon / AdamW with decay / AdamW without) by the project's rules, part by part.
         kinds = param_kinds(parts, optim_cfg)
-        order = [n for part in parts for n, p in part.named_parameters() if n in kinds]
         named = {n: p for part in parts for n, p in part.named_parameters() if n in kinds}
+        order = list(named)
         self._part_cache: dict[int, set[int]] = {}
-        self.sharding = self._plan_sharding(order, named, kinds, groups, expert_blocks)
+        self.sharding = self._plan_sharding(named, kinds, groups, expert_blocks)
         self.shard_groups: dict[str, ShardGroup] = {}
-        for key in ("dense", "expert"):
-            sel = [(n, named[n], kinds[n][0] == "muon") for n in order if (n in expert_blocks) == (key == "expert")]
-            if key in groups and sel:
-                pg, dim = groups[key]
-                sharding = {ps.name: ps for ps in self.sharding.params if ps.group == key}
+        for key, (pg, dim) in groups.items():
+            sharding = {ps.name: ps for ps in self.sharding.params if ps.group == key}
+            if sharding:
+                sel = [(n, named[n], ps.kind == "muon") for n, ps in sharding.items()]
                 args = (sel, pg, dim, zero, bucket_numel, expert_blocks, precision)
                 self.shard_groups[key] = ShardGroup(
                     *args, reduce_group=(reduce_groups or {}).get(key), sharding=sharding
@@ -615,13 +607,8 @@ class ShardedOptimizer:
         # Muon matrices under ZeRO >= 1 live with their owners (PerHeadMuon's plan per group: dense over dp x cp, home
         # experts over their edp replicas): momentum and, under bf16, master; everything else is stepped by whoever
         # holds the optimizer tensor of _tensor_for.
-        self._matrix_owned = {
-            it.name
-            for key, g in self.shard_groups.items()
-            if self.sharding.owner_sharded(key)
-            for it in g.items
-            if it.muon
-        }
+        plan = self.sharding.params
+        self._matrix_owned = {ps.name for ps in plan if ps.kind == "muon" and self.sharding.owner_sharded(ps.group)}
         if self.low:
             for it in self.items.values():
                 if it.name not in self._matrix_owned:
@@ -632,7 +619,7 @@ class ShardedOptimizer:
             order,
             kinds,
             self._tensor_for,
-            experts={it.name for it in self.shard_groups["expert"].items} if "expert" in self.shard_groups else set(),
+            experts={ps.name for ps in plan if ps.group == "expert"},
             process_group=groups["dense"][0] if sharded else None,
             process_groups={"edp": groups["expert"][0]} if sharded and "expert" in groups else {},
         )
@@ -643,10 +630,12 @@ class ShardedOptimizer:
                 g.muon_owned = self.optimizer.owned_grads
                 g.muon_reducer = self._muon_reducer(g)
 
-    def _plan_sharding(self, order, named, kinds, groups, expert_blocks) -> ShardingPlan:
+    def _plan_sharding(self, named, kinds, groups, expert_blocks) -> ShardingPlan:
         """The ShardingPlan of the trainable parameters (in model order) over the groups' sizes."""
         sizes = {key: _group_size(pg) for key, (pg, _) in groups.items()}
-        entries = [(n, tuple(named[n].shape), *kinds[n], "expert" if n in expert_blocks else "dense", 0) for n in order]
+        entries = [
+            (n, tuple(p.shape), *kinds[n], "expert" if n in expert_blocks else "dense", 0) for n, p in named.items()
+        ]
         return ShardingPlan.build([e for e in entries if e[4] in sizes], sizes, self.zero, self.cfg.per_head)
 
     def _stepped(self, it: ShardedParam) -> torch.Tensor:
@@ -699,27 +688,26 @@ class ShardedOptimizer:
         for g in self.shard_groups.values():
             g.reduce_grads()
 
-    def _part_ids(self, part: nn.Module) -> set[int]:
+    def _part_groups(self, part: nn.Module) -> tuple[set[int], list[ShardGroup]]:
+        """(id of each parameter of the part, the groups holding some of them)."""
         ids = self._part_cache.get(id(part))
         if ids is None:
             ids = self._part_cache[id(part)] = {id(p) for p in part.parameters()}
-        return ids
+        return ids, [g for g in self.shard_groups.values() if any(id(it.param) in ids for it in g.items)]
 
     def arm_part(self, part: nn.Module) -> None:
         """One model part's (a pipeline stage's) last backward of the step is about to run: reduce each of its
         buckets as soon as its gradients are complete."""
-        ids = self._part_ids(part)
-        for g in self.shard_groups.values():
-            if any(id(it.param) in ids for it in g.items):
-                g.arm(ids, key=id(part))
+        ids, groups = self._part_groups(part)
+        for g in groups:
+            g.arm(ids, key=id(part))
 
     def reduce_part(self, part: nn.Module) -> None:
         """Reduce the gradients of one model part (a pipeline stage) right after its last backward, and wait for
         them."""
-        ids = self._part_ids(part)
-        for g in self.shard_groups.values():
-            if any(id(it.param) in ids for it in g.items):
-                g.reduce_grads(ids, key=id(part))
+        ids, groups = self._part_groups(part)
+        for g in groups:
+            g.reduce_grads(ids, key=id(part))
 
     def local_sq_norm(self) -> torch.Tensor:
         out = torch.zeros((), dtype=torch.float64)
@@ -813,16 +801,12 @@ class ShardedOptimizer:
                     )
                     continue
                 st = self.optimizer.state[self._tensor_for(it.name)]
-                whole = it.muon
-                if it.muon:
-                    entry = {"momentum_buffer": st["momentum_buffer"]}
-                else:
-                    entry = {"step": st["step"], "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"]}
+                entry = {k: st[k] for k in _STATE_KEYS[it.muon]}
                 if it.master is not None:
                     entry["master"] = it.master
                 for k in [k for k in entry if k != "step"]:
-                    if present is not None and (not whole or key == "expert"):  # Muon home experts: EP blocks
-                        entry[k] = present(key, it, entry[k], whole=whole)
+                    if present is not None and (not it.muon or key == "expert"):  # Muon home experts: EP blocks
+                        entry[k] = present(key, it, entry[k], whole=it.muon)
                 out[it.name] = entry
         return out
 
@@ -839,20 +823,14 @@ class ShardedOptimizer:
                 continue
             t = self._tensor_for(name)
             st = self.optimizer.state[t]
-            if it.muon:
-                if "momentum_buffer" in entry:
-                    st["momentum_buffer"].copy_(self._whole(it, entry["momentum_buffer"]))
-            else:
-                st["step"].copy_(torch.as_tensor(entry["step"]))
-                for k in ("exp_avg", "exp_avg_sq"):
-                    st[k].copy_(self._owned_rows(it, entry[k], st[k]))
+            for k in _STATE_KEYS[it.muon]:
+                if k == "step":
+                    st[k].copy_(torch.as_tensor(entry[k]))
+                elif k in entry or not it.muon:  # a Muon entry may come without momentum
+                    st[k].copy_(self._loaded(it, entry[k], st[k]))
             if it.master is not None:
                 with torch.no_grad():
-                    if "master" in entry:
-                        v = self._whole(it, entry["master"]) if it.muon else self._owned_rows(it, entry["master"], t)
-                        it.master.copy_(v)
-                    else:
-                        it.master.copy_(self._stepped(it))
+                    it.master.copy_(self._loaded(it, entry["master"], t) if "master" in entry else self._stepped(it))
 
     @torch.no_grad()
     def masters_from_weights(self) -> None:
@@ -866,26 +844,18 @@ class ShardedOptimizer:
                 if "master_owned" in st:
                     load_owned(self.optimizer, it.param, it.param.detach(), st["master_owned"])
 
-    def _whole(self, it: ShardedParam, v) -> torch.Tensor:
-        """A loaded tensor covering this rank's whole parameter (its EP block of a logical tensor)."""
+    def _loaded(self, it: ShardedParam, v, like: torch.Tensor) -> torch.Tensor:
+        """A loaded tensor placed as `like`: Muon state covers this rank's whole parameter (its EP block of a
+        logical tensor), AdamW state its owned rows."""
         from torch.distributed.tensor import DTensor
 
-        if isinstance(v, DTensor):  # an expert-parallel block (or, replicated, the whole tensor)
-            v = v.to_local() if v.to_local().shape == it.param.shape else v.full_tensor()
-        if v.shape[0] == it.global_d0 and it.global_d0 != it.d0:  # the logical tensor: our block
-            v = v[it.global_offset : it.global_offset + it.d0]
-        return v
-
-    def _owned_rows(self, it: ShardedParam, v, like: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(v, DTensor):
-            v = v.to_local()
-        if v.shape == like.shape:
+        if isinstance(v, DTensor):  # Muon: an expert-parallel block (or, replicated, the whole tensor)
+            v = v.to_local() if not it.muon or v.to_local().shape == it.param.shape else v.full_tensor()
+        if v.shape == like.shape and not it.muon:
             return v
         if v.shape[0] == it.global_d0 and it.global_d0 != it.d0:  # the logical full tensor: our EP block first
             v = v[it.global_offset : it.global_offset + it.d0]
-        if v.shape == like.shape:
+        if it.muon or v.shape == like.shape:
             return v
         if v.shape == it.param.shape:
             return v.reshape(it.d0, -1)[it.start : it.stop].view_as(like)
