@@ -80,7 +80,7 @@ parameters (no padding), so their bytes are the sums above.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -110,18 +110,26 @@ _STATE_KEYS = {False: ("step", "exp_avg", "exp_avg_sq"), True: ("momentum_buffer
 
 @dataclass
 class ShardedParam:
-    """One parameter's place in a sharding group: its entry of the ShardingPlan and this rank's tensors."""
+    """One parameter's place in a sharding group: its entry of the ShardingPlan and this rank's tensors, p placed
+    on the group's rank `rank`. block: (first row, rows in all) when p holds a block of rows of a larger logical
+    tensor (home experts)."""
 
     param: nn.Parameter
     sharding: ParamSharding
     rank: int  # this rank's index in the group
-    start: int = 0  # first owned row
-    stop: int = 0  # one past the last owned row
-    shard: torch.Tensor | None = None  # view of the owned rows (the optimizer's tensor under zero >= 1)
-    global_d0: int = 0  # rows of the logical full tensor (an expert-parallel shard is a block of it)
-    global_offset: int = 0  # first row of this rank's parameter inside the logical full tensor
+    block: InitVar[tuple[int, int] | None] = None
     grad32: torch.Tensor | None = None  # bf16: the fp32 gradient (accumulated over micro-batches, then reduced)
     master: torch.Tensor | None = None  # bf16: the fp32 master of what this rank steps (None: the optimizer's own)
+
+    def __post_init__(self, block):
+        ps, p = self.sharding, self.param
+        if ps.shape != tuple(p.shape):
+            raise ValueError(f"{ps.name}: planned shape {ps.shape}, but the parameter has {tuple(p.shape)}")
+        self.start, self.stop = ps.rows_of(self.rank)  # the owned rows [start, stop)
+        # rows of the logical full tensor (an expert-parallel shard is a block of it), and our first row in it
+        self.global_offset, self.global_d0 = block or (0, ps.d0)
+        rows = p.detach().reshape(ps.d0, ps.row_numel)[self.start : self.stop]
+        self.shard = rows.view((self.stop - self.start,) + tuple(p.shape[1:]))  # the optimizer's tensor (zero >= 1)
 
     name = property(lambda self: self.sharding.name)
     n = property(lambda self: self.sharding.n)  # group size
@@ -130,17 +138,6 @@ class ShardedParam:
     rows_per_chunk = property(lambda self: self.sharding.rows_per_chunk)
     row_numel = property(lambda self: self.sharding.row_numel)
     padded_chunk_numel = property(lambda self: self.sharding.padded_chunk_numel)
-
-
-def make_sharded(ps: ParamSharding, p: nn.Parameter, rank: int, block: tuple[int, int] | None = None) -> ShardedParam:
-    """p placed as its plan entry says, on the group's rank `rank`. block: (first row, rows in all) when p holds a
-    block of rows of a larger logical tensor (home experts)."""
-    if ps.shape != tuple(p.shape):
-        raise ValueError(f"{ps.name}: planned shape {ps.shape}, but the parameter has {tuple(p.shape)}")
-    sp = ShardedParam(param=p, sharding=ps, rank=rank)
-    sp.start, sp.stop = ps.rows_of(rank)
-    sp.global_offset, sp.global_d0 = block or (0, ps.d0)
-    return sp
 
 
 def _group_size(group) -> int:
@@ -279,15 +276,9 @@ class ShardGroup:
         if sharding is None:
             kind = {True: "muon", False: "adamw"}
             sharding = {nm: ParamSharding(nm, kind[m], "dense", tuple(p.shape), self.n) for nm, p, m in named}
-        self.items = [make_sharded(sharding[nm], p, self.rank, (blocks or {}).get(nm)) for nm, p, _ in named]
+        self.items = [ShardedParam(p, sharding[nm], self.rank, (blocks or {}).get(nm)) for nm, p, _ in named]
         if any(it.n != self.n for it in self.items):
             raise ValueError(f"{dim}: the sharding plan's group size differs from the group's {self.n} ranks")
-        for it in self.items:
-            it.shard = (
-                it.param.detach()
-                .reshape(it.d0, it.row_numel)[it.start : it.stop]
-                .view((it.stop - it.start,) + tuple(it.param.shape[1:]))
-            )
         # Buckets in reverse registration order, roughly the order backward produces the gradients, so the first
         # buckets are complete (and launched) first.
         rev = self.items[::-1]
@@ -316,14 +307,10 @@ class ShardGroup:
     @staticmethod
     def _make_buckets(items: list[ShardedParam], cap: int) -> list[Bucket]:
         out: list[Bucket] = []
-        cur = Bucket()
         for it in items:
-            if cur.items and cur.numel + it.param.numel() > cap:
-                out.append(cur)
-                cur = Bucket()
-            cur.items.append(it)
-        if cur.items:
-            out.append(cur)
+            if not out or out[-1].numel + it.param.numel() > cap:
+                out.append(Bucket())
+            out[-1].items.append(it)
         return out
 
     # ---- gradient reduction ---------------------------------------------------------------------------------------
@@ -512,8 +499,7 @@ class ShardGroup:
         for it in self.items:
             it.param.grad = None
             it.grad32 = None
-            if it.shard is not None:
-                it.shard.grad = None
+            it.shard.grad = None
             if it.master is not None:
                 it.master.grad = None
         self.shard_grads.clear()
