@@ -126,7 +126,11 @@ class Engine:
             return t
         return comm.all_reduce(t, self._group(name), name)
 
-    def _check_microbatches(self, microbatches) -> None:
+    # ---- training ---------------------------------------------------------------------------------------------------
+    def train_step(self, microbatches: list[dict], extra_sums=None) -> dict:
+        """One optimizer step. `extra_sums`: an optional callable returning a few numbers that are summed over all
+        ranks inside the step's one world all-reduce (read just before it; the trainer's stop requests) and come
+        back as out["extra_sums"]."""
         m = self.dims.microbatches
         if not isinstance(microbatches, (list, tuple)) or len(microbatches) != m:
             got = len(microbatches) if isinstance(microbatches, (list, tuple)) else type(microbatches).__name__
@@ -134,13 +138,6 @@ class Engine:
         shapes = {tuple(b["input_ids"].shape) for b in microbatches}
         if len(shapes) != 1:
             raise ValueError(f"micro-batches must share one shape, got {sorted(shapes)}")
-
-    # ---- training ---------------------------------------------------------------------------------------------------
-    def train_step(self, microbatches: list[dict], extra_sums=None) -> dict:
-        """One optimizer step. `extra_sums`: an optional callable returning a few numbers that are summed over all
-        ranks inside the step's one world all-reduce (read just before it; the trainer's stop requests) and come
-        back as out["extra_sums"]."""
-        self._check_microbatches(microbatches)
         t0 = time.perf_counter()
         with comm.counting(self.comm):
             self.comm.reset()
@@ -155,13 +152,11 @@ class Engine:
             denom = max(float(counts[0]), 1.0)
             mtp_denom = max(float(counts[2]), 1.0) if self.mtp_weight is not None else 1.0
             t1 = time.perf_counter()
-            if self.pipeline is None:
-                loss_local, busy = self._forward_backward_local(mbs, denom, mtp_denom)
-                sched = time.perf_counter() - t1
+            run = self._forward_backward_local if self.pipeline is None else self._forward_backward_pipeline
+            loss_local, busy = run(mbs, denom, mtp_denom)
+            sched = time.perf_counter() - t1
+            if self.pipeline is None:  # a pipeline stage reduces its gradients in its schedule
                 self.zero.reduce()
-            else:
-                loss_local, busy = self._forward_backward_pipeline(mbs, denom, mtp_denom)
-                sched = time.perf_counter() - t1
             # One collective for the losses (nonzero on last stages) and the gradient norm (each element counted on
             # exactly one rank: its owner in the data-parallel group, its stage in the pipeline).
             losses = loss_local.double().to(dev)[: 2 if self.mtp_weight is not None else 1]
@@ -248,23 +243,17 @@ class Engine:
             from k3train.models.k3.mtp import mtp_labels
 
             mtp = mtp_labels(labels, Documents.from_cu_seqlens(cu, B, T, dev).start)
+        out = {"input_ids": ids, "labels": labels, "ctx": BatchContext(cu), "doc_start": None, "mtp_labels": mtp}
         if self.cp_plan is None:
-            ctx = BatchContext(cu)
             # Pipeline stages receive the document starts (a micro-batch without documents: None).
-            doc_start = ctx.documents(B, T, dev).start if cu is not None and self.pipeline is not None else None
-            return {
-                "input_ids": ids,
-                "labels": labels,
-                "ctx": ctx,
-                "doc_start": doc_start,
-                "mtp_labels": mtp,
-                "vision": vision,
-            }
-        out = self.cp_plan.shard_batch({**b, "input_ids": ids, "labels": labels})
-        out["mtp_labels"] = out["ctx"].cp.shard_rows(mtp) if mtp is not None else None
-        out["doc_start"], out["vision"] = None, vision  # global images: the model's CP handle spreads them
-        if self.pipeline is not None:  # stages rebuild their handle from the pieces' document starts
-            out["doc_start"] = out["ctx"].cp.shard_rows(Documents.from_cu_seqlens(cu, B, T, dev).start)
+            if cu is not None and self.pipeline is not None:
+                out["doc_start"] = out["ctx"].documents(B, T, dev).start
+        else:
+            out = {**self.cp_plan.shard_batch({**b, "input_ids": ids, "labels": labels}), "doc_start": None}
+            out["mtp_labels"] = out["ctx"].cp.shard_rows(mtp) if mtp is not None else None
+            if self.pipeline is not None:  # stages rebuild their handle from the pieces' document starts
+                out["doc_start"] = out["ctx"].cp.shard_rows(Documents.from_cu_seqlens(cu, B, T, dev).start)
+        out["vision"] = vision  # under CP the global images: the model's CP handle spreads them
         return out
 
     # ---- evaluation -------------------------------------------------------------------------------------------------
@@ -352,11 +341,8 @@ class Engine:
 
     # ---- checkpoints ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        model: dict[str, torch.Tensor] = {}
-        for part in self.model_parts:
-            model.update(part.state_dict())
         return {
-            "model": model,
+            "model": {k: v for part in self.model_parts for k, v in part.state_dict().items()},
             "optim": self.zero.state_dict(self._present_state, self._rank_table),
             "meta": {"step": torch.tensor(self.step_count)},
         }

@@ -219,13 +219,10 @@ class GlobalTokenLoss:
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         main, mtp = self.stage.head_loss(hidden, labels)
-        loss = main / self.denominator
-        if mtp is None:
-            self.sums.append(torch.stack([loss.detach(), torch.zeros_like(loss)]))
-            return loss
-        mtp = mtp / self.mtp_denominator
+        loss, has_mtp = main / self.denominator, mtp is not None
+        mtp = mtp / self.mtp_denominator if has_mtp else torch.zeros_like(loss)
         self.sums.append(torch.stack([loss.detach(), mtp.detach()]))
-        return loss + self.mtp_weight * mtp
+        return loss + self.mtp_weight * mtp if has_mtp else loss
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -432,14 +429,7 @@ class Pipeline:
         self._key = None
         self.stages: list = []
         self.schedule = None
-
-    @property
-    def has_last_stage(self) -> bool:
-        return self.dims.n_stages - 1 in self.modules
-
-    @property
-    def has_first_stage(self) -> bool:
-        return 0 in self.modules
+        self.has_first_stage, self.has_last_stage = 0 in modules, dims.n_stages - 1 in modules
 
     def _example(self, stage: int, mb: int, T: int, *, output: bool):
         D, n = self.args.dim, self.dims.n_stages

@@ -79,6 +79,7 @@ parameters (no padding), so their bytes are the sums above.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import InitVar, dataclass, field
 
@@ -535,9 +536,6 @@ class ShardGroup:
         tensors += [g for it in self.items for g in (it.param.grad, it.grad32) if g is not None]
         return _storage_bytes(tensors)
 
-    def master_bytes(self) -> int:
-        return _storage_bytes([it.master for it in self.items if it.master is not None])
-
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The optimizer over sharded / replicated tensors
@@ -614,7 +612,7 @@ class ShardedOptimizer:
         for g in self.shard_groups.values():  # Pipeline ZeRO-2: Muon gradients go to their matrices' owners
             if zero == 2 and any(it.name in self._matrix_owned for it in g.items):
                 g.muon_owned = self.optimizer.owned_grads
-                g.muon_reducer = self._muon_reducer(g)
+                g.muon_reducer = functools.partial(self._reduce_scatter_muon, g)
 
     def _plan_sharding(self, named, kinds, groups, expert_blocks) -> ShardingPlan:
         """The ShardingPlan of the trainable parameters (in model order) over the groups' sizes."""
@@ -628,15 +626,13 @@ class ShardedOptimizer:
         """The part of the (bf16 or fp32) parameter this rank steps: all of it, or its ZeRO chunk (AdamW)."""
         return it.param if it.muon or self.zero == 0 else it.shard
 
-    def _muon_reducer(self, g: ShardGroup):
-        def reduce_scatter_muon(items: list[ShardedParam]) -> None:
-            self.optimizer.reduce_scatter_owned(
-                [it.param for it in items], lambda p: g.full_grad(self._by_param[id(p)]), dim=g.dim
-            )
-            for it in items:
-                g.set_full_grad(it, None)
-
-        return reduce_scatter_muon
+    def _reduce_scatter_muon(self, g: ShardGroup, items: list[ShardedParam]) -> None:
+        """Pipeline ZeRO-2: the group's Muon gradients reduce-scattered to their matrices' owners, then freed."""
+        self.optimizer.reduce_scatter_owned(
+            [it.param for it in items], lambda p: g.full_grad(self._by_param[id(p)]), dim=g.dim
+        )
+        for it in items:
+            g.set_full_grad(it, None)
 
     def _tensor_for(self, name: str) -> torch.Tensor:
         """The tensor the torch optimizer steps: the fp32 master under bf16, else the parameter or its chunk."""
@@ -763,7 +759,9 @@ class ShardedOptimizer:
 
     def master_bytes(self) -> int:
         owned = [st["master_owned"] for st in self.optimizer.state.values() if "master_owned" in st]
-        return sum(g.master_bytes() for g in self.shard_groups.values()) + _storage_bytes(owned)
+        return _storage_bytes([it.master for it in self.items.values() if it.master is not None]) + _storage_bytes(
+            owned
+        )
 
     def grad_bytes(self) -> int:
         return sum(g.grad_bytes() for g in self.shard_groups.values())
