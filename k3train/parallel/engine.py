@@ -122,9 +122,7 @@ class Engine:
         return self.mesh.group(name) if self.mesh is not None else None
 
     def _all_reduce(self, t: torch.Tensor, name: str) -> torch.Tensor:
-        if self.mesh is None:
-            return t
-        return comm.all_reduce(t, self._group(name), name)
+        return t if self.mesh is None else comm.all_reduce(t, self._group(name), name)
 
     # ---- training ---------------------------------------------------------------------------------------------------
     def train_step(self, microbatches: list[dict], extra_sums=None) -> dict:
@@ -167,12 +165,10 @@ class Engine:
             n_loss = losses.numel()
             loss, norm = float(red[0]), math.sqrt(float(red[n_loss]))
             self.last_memory = self.memory_report()  # gradients reduced, optimizer not yet stepped
-            coef = 1.0
             clip = float(self.zero.cfg.grad_clip or 0.0)
-            if clip > 0:
-                coef = min(1.0, clip / (norm + 1e-6))
-                if coef < 1.0:
-                    self.zero.scale_grads(coef)
+            coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+            if coef < 1.0:
+                self.zero.scale_grads(coef)
             self.zero.step()
         self.step_count += 1
         self.times = StepTimes(step_s=time.perf_counter() - t0, busy_s=busy, schedule_s=sched)

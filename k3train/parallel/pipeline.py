@@ -359,19 +359,19 @@ class _K3Stage:
             feed.run_after(act)
         return []
 
-    def get_fwd_send_ops(self, fwd_chunk_id):
-        ops = super().get_fwd_send_ops(fwd_chunk_id)
+    @staticmethod
+    def _counted(ops: list, what: str) -> list:
         for op in ops:
-            comm.record("pp", "send_fwd", op.tensor.numel() * op.tensor.element_size())
+            comm.record("pp", what, op.tensor.numel() * op.tensor.element_size())
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        ops = self._counted(super().get_fwd_send_ops(fwd_chunk_id), "send_fwd")
         return self._send_then_vision(ops, Act("F", self.stage_index, fwd_chunk_id))
 
     def get_bwd_send_ops(self, bwd_chunk_id):
-        ops = super().get_bwd_send_ops(bwd_chunk_id)
-        for op in ops:
-            comm.record("pp", "send_bwd", op.tensor.numel() * op.tensor.element_size())
-        if self.is_first:
-            return ops
-        return self._send_then_vision(ops, Act("B", self.stage_index, bwd_chunk_id))
+        ops = self._counted(super().get_bwd_send_ops(bwd_chunk_id), "send_bwd")
+        return ops if self.is_first else self._send_then_vision(ops, Act("B", self.stage_index, bwd_chunk_id))
 
 
 def _pipeline_stage_cls():

@@ -209,7 +209,6 @@ class _Flight:
     launched: bool = False
     finished: bool = False
     work: object = None
-    flat: torch.Tensor | None = None  # all-reduce: the bucket's flat gradients (reduced in place)
     buf: torch.Tensor | None = None  # reduce-scatter: the [n, L] input
     out: torch.Tensor | None = None  # reduce-scatter: this rank's [L] result
 
@@ -430,12 +429,11 @@ class ShardGroup:
         # are held once while the collective runs.
         for it, g in zip(items, flat.split([it.param.numel() for it in items])):
             self.set_full_grad(it, g.view(it.param.shape))
-        f.flat = flat
         f.work = comm.start_all_reduce(flat, self.reduce_group, self.dim)
 
     def _finish_all_reduce(self, f: _Flight) -> None:
         comm.wait(f.work, "all_reduce", self.dim)
-        f.work = f.flat = None
+        f.work = None
 
     def _start_reduce_scatter(self, f: _Flight) -> None:
         b = f.bucket
@@ -472,7 +470,7 @@ class ShardGroup:
     def local_sq_norm(self) -> torch.Tensor:
         """Sum of squares of the owned rows' (Muon under ZeRO-2: owned matrices') gradients: summed over the group
         it counts every element once."""
-        acc = torch.zeros((), dtype=torch.float64, device=self._device())
+        acc = torch.zeros((), dtype=torch.float64, device=self.items[0].param.device if self.items else "cpu")
         for it in self.items:
             if id(it.param) in self.muon_owned:
                 acc += self.muon_owned[id(it.param)].double().pow(2).sum()
@@ -526,9 +524,6 @@ class ShardGroup:
             pairs = _bucket_pairs(b.items, [it.param.data for it in b.items], recv)
             _copy_all([rows for rows, _ in pairs], [piece for _, piece in pairs])
 
-    def _device(self):
-        return self.items[0].param.device if self.items else torch.device("cpu")
-
     # ---- memory facts -------------------------------------------------------------------------------------------
     def grad_bytes(self) -> int:
         """Bytes of gradients this rank holds now (full gradients, reduce-scattered chunks, owned Muon matrices)."""
@@ -576,7 +571,11 @@ class ShardedOptimizer:
         named = {n: p for part in parts for n, p in part.named_parameters() if n in kinds}
         order = list(named)
         self._part_cache: dict[int, set[int]] = {}
-        self.sharding = self._plan_sharding(named, kinds, groups, expert_blocks)
+        # The ShardingPlan of the trainable parameters (in model order) over the groups' sizes.
+        sizes = {key: _group_size(pg) for key, (pg, _) in groups.items()}
+        where = {n: "expert" if n in expert_blocks else "dense" for n in named}
+        entries = [(n, tuple(p.shape), *kinds[n], where[n], 0) for n, p in named.items() if where[n] in sizes]
+        self.sharding = ShardingPlan.build(entries, sizes, zero, optim_cfg.per_head)
         self.shard_groups: dict[str, ShardGroup] = {}
         for key, (pg, dim) in groups.items():
             sharding = {ps.name: ps for ps in self.sharding.params if ps.group == key}
@@ -613,14 +612,6 @@ class ShardedOptimizer:
             if zero == 2 and any(it.name in self._matrix_owned for it in g.items):
                 g.muon_owned = self.optimizer.owned_grads
                 g.muon_reducer = functools.partial(self._reduce_scatter_muon, g)
-
-    def _plan_sharding(self, named, kinds, groups, expert_blocks) -> ShardingPlan:
-        """The ShardingPlan of the trainable parameters (in model order) over the groups' sizes."""
-        sizes = {key: _group_size(pg) for key, (pg, _) in groups.items()}
-        entries = [
-            (n, tuple(p.shape), *kinds[n], "expert" if n in expert_blocks else "dense", 0) for n, p in named.items()
-        ]
-        return ShardingPlan.build([e for e in entries if e[4] in sizes], sizes, self.zero, self.cfg.per_head)
 
     def _stepped(self, it: ShardedParam) -> torch.Tensor:
         """The part of the (bf16 or fp32) parameter this rank steps: all of it, or its ZeRO chunk (AdamW)."""
