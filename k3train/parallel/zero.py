@@ -216,8 +216,9 @@ class _Flight:
 def _chunk_pairs(it: ShardedParam, rows: torch.Tensor, buf: torch.Tensor, off: int) -> list[tuple]:
     """(piece of rows, piece of buf) pairs that place a [d0, R] tensor's dim-0 chunks into the rank-major [n, L]
     buffer at column off (chunk q -> row q): at most two pairs per parameter (the full chunks as one [k, c R] block,
-    then a shorter last chunk), so packing and unpacking are a batched copy, not a loop over ranks."""
-    c, R, d0 = it.rows_per_chunk, it.row_numel, it.d0
+    then a shorter last chunk), so packing and unpacking are a batched copy, not a loop over ranks. rows may also
+    be one rank's chunk (d0 <= c rows), placed in a one-row buffer."""
+    c, R, d0 = it.rows_per_chunk, it.row_numel, rows.shape[0]
     if c == 0 or R == 0:
         return []
     full = d0 // c
@@ -230,17 +231,16 @@ def _chunk_pairs(it: ShardedParam, rows: torch.Tensor, buf: torch.Tensor, off: i
     return pairs
 
 
-def _bucket_pairs(items: list[ShardedParam], tensors: list[torch.Tensor], buf: torch.Tensor) -> list[tuple]:
-    """_chunk_pairs of every [d0, ...] tensor of a bucket (one per parameter) in its rank-major [n, L] buffer."""
+def _copy_chunks(items: list[ShardedParam], tensors: list[torch.Tensor], buf: torch.Tensor, to_buf: bool) -> None:
+    """One batched copy of a bucket's [d0, ...] tensors (one per parameter) into its rank-major buffer (to_buf) or
+    back out of it (_chunk_pairs, each parameter at its padded column)."""
     pairs, off = [], 0
     for it, t in zip(items, tensors):
-        pairs += _chunk_pairs(it, t.reshape(it.d0, it.row_numel), buf, off)
+        pairs += _chunk_pairs(it, t.reshape(t.shape[0] if t.dim() else 1, it.row_numel), buf, off)
         off += it.padded_chunk_numel
-    return pairs
-
-
-def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    if dst:
+    if pairs:
+        rows, pieces = (list(x) for x in zip(*pairs))
+        dst, src = (pieces, rows) if to_buf else (rows, pieces)
         torch._foreach_copy_(dst, src)
 
 
@@ -441,9 +441,7 @@ class ShardGroup:
         dev = b.items[0].param.device
         dtype = self.grad_dtype or b.items[0].param.dtype
         buf = torch.zeros(n, L, device=dev, dtype=dtype)
-        pairs = _bucket_pairs(b.items, [self._grad_or_zeros(it) for it in b.items], buf)
-        _copy_all([piece for _, piece in pairs], [g for g, _ in pairs])
-        del pairs
+        _copy_chunks(b.items, [self._grad_or_zeros(it) for it in b.items], buf, to_buf=True)
         for it in b.items:
             self.set_full_grad(it, None)  # the full gradient is freed: the buffer holds it until the chunk arrives
         f.out = torch.empty(L, device=dev, dtype=dtype)
@@ -480,12 +478,11 @@ class ShardGroup:
 
     def scale_grads(self, coef: float) -> None:
         for it in self.items:
-            if id(it.param) in self.muon_owned:
-                self.muon_owned[id(it.param)].mul_(coef)
-            elif id(it.param) in self.shard_grads:
-                self.shard_grads[id(it.param)].mul_(coef)
-            elif self.full_grad(it) is not None:
-                self.full_grad(it).mul_(coef)
+            k = id(it.param)
+            g = self.muon_owned[k] if k in self.muon_owned else self.shard_grads.get(k)
+            g = self.full_grad(it) if g is None else g
+            if g is not None:
+                g.mul_(coef)
 
     def after_step(self) -> None:
         """Refill every replica from the owners' updated rows (zero >= 1), then drop gradients."""
@@ -509,20 +506,12 @@ class ShardGroup:
         n, L = self.n, b.shard_len
         dev, dtype = b.items[0].param.device, b.items[0].param.dtype
         send = torch.zeros(L, device=dev, dtype=dtype)
-        dst, src, off = [], [], 0
-        for it in b.items:
-            k = it.shard.numel()
-            if k:
-                dst.append(send[off : off + k])
-                src.append(it.shard.reshape(-1))
-            off += it.padded_chunk_numel
-        _copy_all(dst, src)
+        _copy_chunks(b.items, [it.shard for it in b.items], send.view(1, L), to_buf=True)
         recv = torch.empty(n * L, device=dev, dtype=dtype)
         comm.all_gather(recv, send, self.group, self.dim)
         recv = recv.view(n, L)
         with torch.no_grad():  # every chunk, the rank's own included (it comes back as sent)
-            pairs = _bucket_pairs(b.items, [it.param.data for it in b.items], recv)
-            _copy_all([rows for rows, _ in pairs], [piece for _, piece in pairs])
+            _copy_chunks(b.items, [it.param.data for it in b.items], recv, to_buf=False)
 
     # ---- memory facts -------------------------------------------------------------------------------------------
     def grad_bytes(self) -> int:
