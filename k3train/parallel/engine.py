@@ -297,9 +297,7 @@ class Engine:
         x = b["input_ids"]
         out = torch.zeros(2, dtype=torch.float64, device=self.device)
         local = dict(zip(self.stage_ids, self.model_parts))
-        for s in range(n):
-            if s not in local:
-                continue
+        for s in sorted(local):
             if s > 0 and owner[s - 1] != owner[s]:  # else x already holds the previous stage's output
                 S = sources_after(self.args, self.stage_layers[s][0] - 1)
                 x = torch.empty(S, B, T, self.args.dim, device=self.device, dtype=self.boundary_dtype)

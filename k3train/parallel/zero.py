@@ -286,12 +286,9 @@ class ShardGroup:
         self.muon_buckets = self._make_buckets([it for it in rev if it.muon], bucket_numel)
         self._position = {id(it.param): k for k, it in enumerate(rev)}
         self.shard_grads: dict[int, torch.Tensor] = {}  # id(param) -> reduced gradient of the owned rows
-        if (
-            reduce_group is not None
-            and distributed
-            and (dist.get_world_size(reduce_group), dist.get_rank(reduce_group)) != (self.n, self.rank)
-        ):
-            raise ValueError(f"{dim}: the gradient-reduction group must rank its members as the group does")
+        if reduce_group is not None and distributed:
+            if (dist.get_world_size(reduce_group), dist.get_rank(reduce_group)) != (self.n, self.rank):
+                raise ValueError(f"{dim}: the gradient-reduction group must rank its members as the group does")
         self.reduce_group = reduce_group if reduce_group is not None else group
         self.overlap = reduce_group is not None and self.n > 1
         self._queue: list[_Flight] = []  # this step's bucket reductions, launched strictly in this order
@@ -625,8 +622,7 @@ class ShardedOptimizer:
         if self.cfg.name == "muon":  # owned momentum (and masters), so memory facts hold from the first step
             self.optimizer.init_sharded_state(masters=self.low)
         for name in self._order:
-            it = self.items[name]
-            t = self._tensor_for(name)
+            it, t = self.items[name], self._tensor_for(name)
             st = self.optimizer.state[t]
             if it.muon:
                 if name not in self._matrix_owned and "momentum_buffer" not in st:
