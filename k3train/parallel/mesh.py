@@ -231,8 +231,7 @@ class ParallelDims:
 
     def _validate_schedule(self, need) -> None:
         """The micro-batch and virtual-stage rules of torch.distributed.pipelining's schedules (torch 2.13)."""
-        name, placement, _ = SCHEDULES[self.schedule]
-        m, pp, vpp = self.microbatches, self.pp, self.vpp
+        m, pp, vpp, placement = self.microbatches, self.pp, self.vpp, self.placement
         if placement == "single":
             need(
                 vpp == 1,
@@ -263,10 +262,7 @@ class ParallelDims:
             )
 
     def describe(self) -> str:
-        s = (
-            f"pp={self.pp} vpp={self.vpp} dp={self.dp} cp={self.cp} ep={self.ep} zero={self.zero} "
-            f"microbatches={self.microbatches}"
-        )
+        s = " ".join(f"{f}={getattr(self, f)}" for f in _DEGREES.values())
         return s + (f" schedule={self.schedule}" if self.pp > 1 else "")
 
 

@@ -502,9 +502,7 @@ class Pipeline:
         for st in self.stages:  # schedules that never issue REDUCE_GRAD still get their reduction
             st.reduce_once()
             st.wait_early_sends()
-        if self.has_last_stage:
-            return torch.stack(self.loss_fn.sums).sum(0)
-        return torch.zeros(2, device=self.device)
+        return torch.stack(self.loss_fn.sums).sum(0) if self.has_last_stage else torch.zeros(2, device=self.device)
 
     @property
     def busy_s(self) -> float:
@@ -515,8 +513,7 @@ def build_schedule(dims: ParallelDims, stages: list, loss_fn: Callable):
     """The torch schedule named by dims.schedule (one stage object for single-stage schedules)."""
     import torch.distributed.pipelining as pipelining
 
-    cls_name, placement, _ = SCHEDULES[dims.schedule]
-    cls = getattr(pipelining, cls_name)
+    cls = getattr(pipelining, SCHEDULES[dims.schedule][0])
     # The loss is already divided by the global token count: no further scaling by the micro-batch count.
-    stages = stages[0] if placement == "single" else stages
+    stages = stages[0] if dims.placement == "single" else stages
     return cls(stages, n_microbatches=dims.microbatches, loss_fn=loss_fn, scale_grads=False)

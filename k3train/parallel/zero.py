@@ -192,10 +192,6 @@ class Bucket:
     def shard_len(self) -> int:  # padded elements per rank
         return sum(s.padded_chunk_numel for s in self.items)
 
-    @property
-    def numel(self) -> int:
-        return sum(s.param.numel() for s in self.items)
-
 
 @dataclass
 class _Flight:
@@ -305,7 +301,7 @@ class ShardGroup:
     def _make_buckets(items: list[ShardedParam], cap: int) -> list[Bucket]:
         out: list[Bucket] = []
         for it in items:
-            if not out or out[-1].numel + it.param.numel() > cap:
+            if not out or sum(s.param.numel() for s in out[-1].items) + it.param.numel() > cap:
                 out.append(Bucket())
             out[-1].items.append(it)
         return out
