@@ -350,17 +350,17 @@ class Engine:
         pg = self.mesh.group("dp_cp")
         return [[dist.get_global_rank(pg, q) for q in range(dist.get_world_size(pg))]]
 
-    def _present_state(self, key: str, it, local: torch.Tensor, whole: bool = False):
+    def _present_state(self, key: str, it, local: torch.Tensor):
         """A rank's owned optimizer-moment rows as a DTensor of the logical full shape (sharded state), or the
-        tensor itself when it is the full replicated state. whole: `local` covers the rank's whole parameter (Muon
-        momentum), not its ZeRO chunk."""
+        tensor itself when it is the full replicated state. Muon state stepped on every replica covers the rank's
+        whole parameter, not its ZeRO chunk: a DTensor over the EP blocks for home experts, else itself."""
         from torch.distributed.tensor import DTensor, Shard
 
         if self.mesh is None:
             return local
         shape = (it.global_d0,) + tuple(it.param.shape[1:])
         stride = torch.empty(shape, device="meta").stride()
-        sharded = self.dims.zero >= 1 and self.zero.shard_groups[key].n > 1 and not whole
+        sharded = self.dims.zero >= 1 and self.zero.shard_groups[key].n > 1 and not it.muon
         if key == "expert":  # home blocks over ep, then ZeRO chunks over edp
             mesh, placements = ("ep_edp", [Shard(0), Shard(0)]) if sharded else ("ep", [Shard(0)])
         elif sharded:

@@ -741,7 +741,7 @@ class ShardedOptimizer:
     # ---- checkpoint state -------------------------------------------------------------------------------------------
     def state_dict(self, present=None, rank_table=None) -> dict:
         """{fqn: {"step", "exp_avg", "exp_avg_sq"} or {"momentum_buffer"}, plus "master" under bf16}. present(group_key,
-        item, local, whole=False) turns a rank's owned rows into what is saved (the engine makes DTensors over the
+        item, local) turns a rank's owned rows (Muon: its whole parameter) into what is saved (the engine makes DTensors over the
         sharding mesh); None keeps the local tensors. The momentum (and master) of owner-sharded Muon matrices is a
         ShardedTensor of the parameter's logical shape whose local shards are views of the owner's own matrices:
         saving builds no full tensor and moves nothing between ranks (k3train.optim.muon_state). rank_table(key):
@@ -760,9 +760,8 @@ class ShardedOptimizer:
                 entry = {k: st[k] for k in _STATE_KEYS[it.muon]}
                 if it.master is not None:
                     entry["master"] = it.master
-                for k in [k for k in entry if k != "step"]:
-                    if present is not None and (not it.muon or key == "expert"):  # Muon home experts: EP blocks
-                        entry[k] = present(key, it, entry[k], whole=it.muon)
+                for k in [k for k in entry if k != "step" and present is not None]:
+                    entry[k] = present(key, it, entry[k])
                 out[it.name] = entry
         return out
 
