@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -67,55 +67,68 @@ class StepTimes:
         return 1.0 - self.busy_s / self.schedule_s if self.schedule_s > 0 else 0.0
 
 
+@dataclass(kw_only=True, eq=False, repr=False)
 class Engine:
     """Trains one step at a time with collaborators built by `build_engine`: this rank's model parts (already
-    parallelized), the sharded optimizer, the pipeline (pp > 1) and the context-parallel plan (cp > 1)."""
+    parallelized), the sharded optimizer and the context-parallel plan (cp > 1); it builds the pipeline over its
+    parts (pp > 1)."""
 
-    def __init__(
-        self,
-        *,
-        args: K3ModelArgs,
-        dims: ParallelDims,
-        mesh: ParallelMesh | None,
-        device: torch.device,
-        autocast_dtype: torch.dtype | None,
-        stage_layers: list[list[int]],
-        stage_ids: list[int],
-        model_parts: list[nn.Module],
-        optimizer: ShardedOptimizer,
-        pipeline: Pipeline | None,
-        cp_plan=None,
-        activation_handles: list | None = None,
-        boundary_dtype: torch.dtype = torch.float32,
-    ):
-        self.args, self.dims, self.mesh = args, dims, mesh
-        self.boundary_dtype = boundary_dtype  # what crosses a pipeline boundary (bf16 under train.precision=bf16)
-        self.device, self.autocast_dtype = device, autocast_dtype
-        self.stage_layers, self.stage_ids = stage_layers, stage_ids
-        self.model_parts = model_parts
-        self.zero = optimizer
-        self.optimizer = optimizer.optimizer
-        self.pipeline = pipeline
-        self.cp_plan = cp_plan
-        self.activation_handles = activation_handles or []
-        """One per model part with activation-storage policies (stats(), remove())."""
+    args: K3ModelArgs
+    dims: ParallelDims
+    mesh: ParallelMesh | None
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    stage_layers: list[list[int]]
+    stage_ids: list[int]
+    model_parts: list[nn.Module]
+    zero: ShardedOptimizer
+    cp_plan: object = None
+    activation_handles: list = field(default_factory=list)
+    """One per model part with activation-storage policies (stats(), remove())."""
+    boundary_dtype: torch.dtype = torch.float32
+    """What crosses a pipeline boundary (bf16 under train.precision=bf16)."""
+
+    def __post_init__(self):
+        self.optimizer = self.zero.optimizer
         self.comm = comm.CommCounter()
         self.times = StepTimes()
         self.last_memory: dict = {}
         self.step_count = 0
-        self.mtp_weight = float(optimizer.cfg.mtp_loss_weight) if args.mtp_layers else None
+        self.mtp_weight = float(self.zero.cfg.mtp_loss_weight) if self.args.mtp_layers else None
         """optim.mtp_loss_weight with the MTP module (k3train.models.k3.mtp), else None."""
+        self.pipeline = self._build_pipeline() if self.dims.pp > 1 else None
+
+    def _build_pipeline(self) -> Pipeline:
+        """The pipeline over this rank's stages; the optimizer reduces each stage's gradients, and activations cross
+        stage boundaries in the parameters' dtype."""
+        n, cp = self.dims.n_stages, (self._group("cp"), self.dims.cp_layout) if self.dims.cp > 1 else None
+        kw = dict(autocast_dtype=self.autocast_dtype, boundary_dtype=self.boundary_dtype, cp=cp)
+        modules = {
+            s: StageModule(p, first=s == 0, last=s == n - 1, **kw) for s, p in zip(self.stage_ids, self.model_parts)
+        }
+        return Pipeline(
+            args=self.args,
+            dims=self.dims,
+            stage_layers=self.stage_layers,
+            modules=modules,
+            pp_group=self._group("pp"),
+            device=self.device,
+            grad_reducer=self.zero,
+            mtp_weight=self.mtp_weight or 0.0,
+        )
 
     # ---- helpers ----------------------------------------------------------------------------------------------------
     def _group(self, name: str):
         return self.mesh.group(name) if self.mesh is not None else None
 
     def _all_reduce(self, t: torch.Tensor, name: str) -> torch.Tensor:
-        if self.mesh is None:
-            return t
-        return comm.all_reduce(t, self._group(name), name)
+        return t if self.mesh is None else comm.all_reduce(t, self._group(name), name)
 
-    def _check_microbatches(self, microbatches) -> None:
+    # ---- training ---------------------------------------------------------------------------------------------------
+    def train_step(self, microbatches: list[dict], extra_sums=None) -> dict:
+        """One optimizer step. `extra_sums`: an optional callable returning a few numbers that are summed over all
+        ranks inside the step's one world all-reduce (read just before it; the trainer's stop requests) and come
+        back as out["extra_sums"]."""
         m = self.dims.microbatches
         if not isinstance(microbatches, (list, tuple)) or len(microbatches) != m:
             got = len(microbatches) if isinstance(microbatches, (list, tuple)) else type(microbatches).__name__
@@ -123,13 +136,6 @@ class Engine:
         shapes = {tuple(b["input_ids"].shape) for b in microbatches}
         if len(shapes) != 1:
             raise ValueError(f"micro-batches must share one shape, got {sorted(shapes)}")
-
-    # ---- training ---------------------------------------------------------------------------------------------------
-    def train_step(self, microbatches: list[dict], extra_sums=None) -> dict:
-        """One optimizer step. `extra_sums`: an optional callable returning a few numbers that are summed over all
-        ranks inside the step's one world all-reduce (read just before it; the trainer's stop requests) and come
-        back as out["extra_sums"]."""
-        self._check_microbatches(microbatches)
         t0 = time.perf_counter()
         with comm.counting(self.comm):
             self.comm.reset()
@@ -144,13 +150,11 @@ class Engine:
             denom = max(float(counts[0]), 1.0)
             mtp_denom = max(float(counts[2]), 1.0) if self.mtp_weight is not None else 1.0
             t1 = time.perf_counter()
-            if self.pipeline is None:
-                loss_local, busy = self._forward_backward_local(mbs, denom, mtp_denom)
-                sched = time.perf_counter() - t1
+            run = self._forward_backward_local if self.pipeline is None else self._forward_backward_pipeline
+            loss_local, busy = run(mbs, denom, mtp_denom)
+            sched = time.perf_counter() - t1
+            if self.pipeline is None:  # a pipeline stage reduces its gradients in its schedule
                 self.zero.reduce()
-            else:
-                loss_local, busy = self._forward_backward_pipeline(mbs, denom, mtp_denom)
-                sched = time.perf_counter() - t1
             # One collective for the losses (nonzero on last stages) and the gradient norm (each element counted on
             # exactly one rank: its owner in the data-parallel group, its stage in the pipeline).
             losses = loss_local.double().to(dev)[: 2 if self.mtp_weight is not None else 1]
@@ -161,12 +165,10 @@ class Engine:
             n_loss = losses.numel()
             loss, norm = float(red[0]), math.sqrt(float(red[n_loss]))
             self.last_memory = self.memory_report()  # gradients reduced, optimizer not yet stepped
-            coef = 1.0
             clip = float(self.zero.cfg.grad_clip or 0.0)
-            if clip > 0:
-                coef = min(1.0, clip / (norm + 1e-6))
-                if coef < 1.0:
-                    self.zero.scale_grads(coef)
+            coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+            if coef < 1.0:
+                self.zero.scale_grads(coef)
             self.zero.step()
         self.step_count += 1
         self.times = StepTimes(step_s=time.perf_counter() - t0, busy_s=busy, schedule_s=sched)
@@ -193,19 +195,15 @@ class Engine:
         part = self.model_parts[0]
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         t = time.perf_counter()
-        w = part.output.weight
+        w, mtp = part.output.weight, self.mtp_weight is not None
         for k, b in enumerate(mbs):
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
                 # The head's matmul runs inside the chunked loss: no [mb, T, V] logits are kept.
-                if self.mtp_weight is None:
-                    hidden = part(b["input_ids"], b["ctx"], return_hidden=True, **b["vision"])
-                    terms = [linear_cross_entropy(hidden, w, b["labels"])[0] / denom]
-                else:
-                    hidden, u = part(b["input_ids"], b["ctx"], return_hidden=True, mtp=True, **b["vision"])
-                    terms = [
-                        linear_cross_entropy(hidden, w, b["labels"])[0] / denom,
-                        linear_cross_entropy(u, w, b["mtp_labels"])[0] / mtp_denom,
-                    ]
+                out = part(b["input_ids"], b["ctx"], return_hidden=True, mtp=mtp, **b["vision"])
+                hidden, u = out if mtp else (out, None)
+                terms = [linear_cross_entropy(hidden, w, b["labels"])[0] / denom]
+                if mtp:
+                    terms.append(linear_cross_entropy(u, w, b["mtp_labels"])[0] / mtp_denom)
             loss = terms[0] if len(terms) == 1 else terms[0] + self.mtp_weight * terms[1]
             if k == len(mbs) - 1:  # the last backward: buckets are reduced as their gradients complete
                 self.zero.arm()
@@ -241,23 +239,17 @@ class Engine:
             from k3train.models.k3.mtp import mtp_labels
 
             mtp = mtp_labels(labels, Documents.from_cu_seqlens(cu, B, T, dev).start)
+        out = {"input_ids": ids, "labels": labels, "ctx": BatchContext(cu), "doc_start": None, "mtp_labels": mtp}
         if self.cp_plan is None:
-            ctx = BatchContext(cu)
             # Pipeline stages receive the document starts (a micro-batch without documents: None).
-            doc_start = ctx.documents(B, T, dev).start if cu is not None and self.pipeline is not None else None
-            return {
-                "input_ids": ids,
-                "labels": labels,
-                "ctx": ctx,
-                "doc_start": doc_start,
-                "mtp_labels": mtp,
-                "vision": vision,
-            }
-        out = self.cp_plan.shard_batch({**b, "input_ids": ids, "labels": labels})
-        out["mtp_labels"] = out["ctx"].cp.shard_rows(mtp) if mtp is not None else None
-        out["doc_start"], out["vision"] = None, vision  # global images: the model's CP handle spreads them
-        if self.pipeline is not None:  # stages rebuild their handle from the pieces' document starts
-            out["doc_start"] = out["ctx"].cp.shard_rows(Documents.from_cu_seqlens(cu, B, T, dev).start)
+            if cu is not None and self.pipeline is not None:
+                out["doc_start"] = out["ctx"].documents(B, T, dev).start
+        else:
+            out = {**self.cp_plan.shard_batch({**b, "input_ids": ids, "labels": labels}), "doc_start": None}
+            out["mtp_labels"] = out["ctx"].cp.shard_rows(mtp) if mtp is not None else None
+            if self.pipeline is not None:  # stages rebuild their handle from the pieces' document starts
+                out["doc_start"] = out["ctx"].cp.shard_rows(Documents.from_cu_seqlens(cu, B, T, dev).start)
+        out["vision"] = vision  # under CP the global images: the model's CP handle spreads them
         return out
 
     # ---- evaluation -------------------------------------------------------------------------------------------------
@@ -305,9 +297,7 @@ class Engine:
         x = b["input_ids"]
         out = torch.zeros(2, dtype=torch.float64, device=self.device)
         local = dict(zip(self.stage_ids, self.model_parts))
-        for s in range(n):
-            if s not in local:
-                continue
+        for s in sorted(local):
             if s > 0 and owner[s - 1] != owner[s]:  # else x already holds the previous stage's output
                 S = sources_after(self.args, self.stage_layers[s][0] - 1)
                 x = torch.empty(S, B, T, self.args.dim, device=self.device, dtype=self.boundary_dtype)
@@ -345,11 +335,8 @@ class Engine:
 
     # ---- checkpoints ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        model: dict[str, torch.Tensor] = {}
-        for part in self.model_parts:
-            model.update(part.state_dict())
         return {
-            "model": model,
+            "model": {k: v for part in self.model_parts for k, v in part.state_dict().items()},
             "optim": self.zero.state_dict(self._present_state, self._rank_table),
             "meta": {"step": torch.tensor(self.step_count)},
         }
@@ -363,35 +350,26 @@ class Engine:
         pg = self.mesh.group("dp_cp")
         return [[dist.get_global_rank(pg, q) for q in range(dist.get_world_size(pg))]]
 
-    def _present_state(self, key: str, it, local: torch.Tensor, whole: bool = False):
+    def _present_state(self, key: str, it, local: torch.Tensor):
         """A rank's owned optimizer-moment rows as a DTensor of the logical full shape (sharded state), or the
-        tensor itself when it is the full replicated state. whole: `local` covers the rank's whole parameter (Muon
-        momentum), not its ZeRO chunk."""
+        tensor itself when it is the full replicated state. Muon state stepped on every replica covers the rank's
+        whole parameter, not its ZeRO chunk: a DTensor over the EP blocks for home experts, else itself."""
         from torch.distributed.tensor import DTensor, Shard
 
         if self.mesh is None:
             return local
         shape = (it.global_d0,) + tuple(it.param.shape[1:])
         stride = torch.empty(shape, device="meta").stride()
-        sharded = self.dims.zero >= 1 and self.zero.shard_groups[key].n > 1 and not whole
+        sharded = self.dims.zero >= 1 and self.zero.shard_groups[key].n > 1 and not it.muon
         if key == "expert":  # home blocks over ep, then ZeRO chunks over edp
-            if sharded:
-                return DTensor.from_local(
-                    local,
-                    self.mesh.submesh("ep_edp"),
-                    [Shard(0), Shard(0)],
-                    run_check=False,
-                    shape=shape,
-                    stride=stride,
-                )
-            return DTensor.from_local(
-                local, self.mesh.submesh("ep"), [Shard(0)], run_check=False, shape=shape, stride=stride
-            )
-        if sharded:
-            return DTensor.from_local(
-                local, self.mesh.submesh("dp_cp"), [Shard(0)], run_check=False, shape=shape, stride=stride
-            )
-        return local
+            mesh, placements = ("ep_edp", [Shard(0), Shard(0)]) if sharded else ("ep", [Shard(0)])
+        elif sharded:
+            mesh, placements = "dp_cp", [Shard(0)]
+        else:
+            return local
+        return DTensor.from_local(
+            local, self.mesh.submesh(mesh), placements, run_check=False, shape=shape, stride=stride
+        )
 
     def load_state_dict(self, sd: dict) -> None:
         """Load a state produced by state_dict() (after torch.distributed.checkpoint filled it) or any FQN-keyed
@@ -513,12 +491,6 @@ def build_engine(
         train_vision=train_vision,
     )
     parts, handles = _build_parts(model_args, stage_layers, stage_ids, setup, param_dtype)
-    optimizer = _build_optimizer(parts, dims, mesh, optim_cfg, bucket_numel, precision)
-    pipeline = None
-    if dims.pp > 1:
-        stages = dict(zip(stage_ids, parts))
-        dtypes = (autocast_dtype, param_dtype)
-        pipeline = _build_pipeline(model_args, dims, mesh, stage_layers, stages, optimizer, device, *dtypes)
     return Engine(
         args=model_args,
         dims=dims,
@@ -529,8 +501,7 @@ def build_engine(
         stage_layers=stage_layers,
         stage_ids=stage_ids,
         model_parts=parts,
-        optimizer=optimizer,
-        pipeline=pipeline,
+        zero=_build_optimizer(parts, dims, mesh, optim_cfg, bucket_numel, precision),
         cp_plan=_build_cp(parts, dims, mesh, seq_len_hint),
         activation_handles=handles,
     )
@@ -569,19 +540,15 @@ def _build_parts(model_args, stage_layers, stage_ids, setup, param_dtype) -> tup
 def _build_optimizer(parts, dims, mesh, optim_cfg, bucket_numel: int, precision: str) -> ShardedOptimizer:
     """The sharded optimizer over the parts: dense parameters reduced over dp_cp, home experts over edp only, each
     with a group of its own for the reductions that overlap backward."""
-    groups = {"dense": (mesh.group("dp_cp") if mesh else None, "dp_cp")}
+    dims_of = {"dense": "dp_cp", "expert": "edp"} if dims.ep > 1 else {"dense": "dp_cp"}
+    groups = {key: (mesh.group(d) if mesh else None, d) for key, d in dims_of.items()}
+    reduce_groups = {key: mesh.reduce_group(d) for key, d in dims_of.items()} if mesh else {}
     expert_blocks: dict[str, tuple[int, int]] = {}
     if dims.ep > 1:
         from k3train.parallel.expert_parallel import expert_parameters
 
-        groups["expert"] = (mesh.group("edp"), "edp")
         for part in parts:  # home experts: replicated (and reduced, and ZeRO-sharded) over the edp ranks only
             expert_blocks.update(expert_parameters(part))
-    reduce_groups = {}
-    if mesh is not None:
-        reduce_groups = {"dense": mesh.reduce_group("dp_cp")}
-        if dims.ep > 1:
-            reduce_groups["expert"] = mesh.reduce_group("edp")
     return ShardedOptimizer(
         parts,
         optim_cfg,
@@ -591,30 +558,4 @@ def _build_optimizer(parts, dims, mesh, optim_cfg, bucket_numel: int, precision:
         bucket_numel=bucket_numel,
         precision=precision,
         reduce_groups=reduce_groups,
-    )
-
-
-def _build_pipeline(
-    model_args, dims, mesh, stage_layers, parts: dict, optimizer, device, autocast_dtype, param_dtype
-) -> Pipeline:
-    """The pipeline over this rank's stages (stage id -> part); the optimizer reduces each stage's gradients, and
-    activations cross stage boundaries in the parameters' dtype."""
-    n = dims.n_stages
-    cp = (mesh.group("cp"), dims.cp_layout) if dims.cp > 1 else None
-    modules = {
-        s: StageModule(
-            p, first=s == 0, last=s == n - 1, autocast_dtype=autocast_dtype, boundary_dtype=param_dtype, cp=cp
-        )
-        for s, p in parts.items()
-    }
-    return Pipeline(
-        args=model_args,
-        dims=dims,
-        stage_layers=stage_layers,
-        modules=modules,
-        pp_group=mesh.group("pp"),
-        device=device,
-        grad_reducer=optimizer,
-        boundary_dtype=param_dtype,
-        mtp_weight=float(optimizer.cfg.mtp_loss_weight) if model_args.mtp_layers else 0.0,
     )

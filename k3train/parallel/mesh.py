@@ -45,16 +45,15 @@ AUTO_SCHEDULE = "auto"
 """The default: interleaved_1f1b when vpp > 1, 1f1b otherwise."""
 
 
-_SHORT = (
-    ("pp", "pp"),
-    ("vpp", "vpp"),
-    ("dp", "dp"),
-    ("cp", "cp"),
-    ("ep", "ep"),
-    ("zero", "zero"),
-    ("mb", "microbatches"),
-)
-_WORDS = ("ep_dispatcher", "cp_layout", "vision_placement")
+_DEGREES = {"pp": "pp", "vpp": "vpp", "dp": "dp", "cp": "cp", "ep": "ep", "zero": "zero", "mb": "microbatches"}
+"""Short name of each degree in a layout name -> its field."""
+_CHOICES = {
+    "schedule": ("schedule", tuple(SCHEDULES)),
+    "ep_dispatcher": ("dispatcher", EP_DISPATCHERS),
+    "cp_layout": ("context-parallel layout", CP_LAYOUTS),
+    "vision_placement": ("placement", VISION_PLACEMENTS),
+}
+"""Fields a layout gives by value -> (what an error calls them, the values they take)."""
 
 
 def resolve_schedule(name: str, vpp: int) -> str:
@@ -133,17 +132,11 @@ class ParallelDims:
         `ep2`, `zero1`, `mb4` (micro-batches), and option values by their own name (a schedule such as
         `interleaved_1f1b`, a dispatcher `moonep`, a CP layout `contiguous`, a vision placement `bubbles`), e.g.
         `pp2xdp2xep2xzero1` or `pp2xvpp2xmb2xinterleaved_1f1b`. Each part at most once; validate() checks the rest."""
-        words = {
-            **{s: "schedule" for s in (*SCHEDULES, AUTO_SCHEDULE)},
-            **{d: "ep_dispatcher" for d in EP_DISPATCHERS},
-            **{c: "cp_layout" for c in CP_LAYOUTS},
-            **{v: "vision_placement" for v in VISION_PLACEMENTS},
-        }
-        degrees = {"pp": "pp", "vpp": "vpp", "dp": "dp", "cp": "cp", "ep": "ep", "zero": "zero", "mb": "microbatches"}
+        words = {w: f for f, (_, values) in _CHOICES.items() for w in values} | {AUTO_SCHEDULE: "schedule"}
         fields: dict = {}
         for part in [] if name == "single" else name.split("x"):
-            m = re.fullmatch(r"(pp|vpp|dp|cp|ep|zero|mb)(\d+)", part)
-            key, value = (degrees[m.group(1)], int(m.group(2))) if m else (words.get(part), part)
+            m = re.fullmatch(rf"({'|'.join(_DEGREES)})(\d+)", part)
+            key, value = (_DEGREES[m.group(1)], int(m.group(2))) if m else (words.get(part), part)
             if key is None or key in fields:
                 raise ConfigError(
                     f"bad layout {name!r}: {part!r} is {'repeated' if key else 'unknown'}: write 'single' or parts joined "
@@ -157,8 +150,10 @@ class ParallelDims:
     def name(self) -> str:
         """The short name parse() reads back (defaults left out; `single` for one process)."""
         default = ParallelDims()
-        parts = [f"{short}{getattr(self, f)}" for short, f in _SHORT if getattr(self, f) != getattr(default, f)]
-        parts += [getattr(self, f) for f in _WORDS if getattr(self, f) != getattr(default, f)]
+        parts = [
+            f"{short}{getattr(self, f)}" for short, f in _DEGREES.items() if getattr(self, f) != getattr(default, f)
+        ]
+        parts += [getattr(self, f) for f in _CHOICES if f != "schedule" and getattr(self, f) != getattr(default, f)]
         if self.pp > 1 and self.schedule != resolve_schedule(AUTO_SCHEDULE, self.vpp):
             parts.append(self.schedule)
         return "x".join(parts) or "single"
@@ -177,21 +172,8 @@ class ParallelDims:
                     f"parallel.dp: cannot fill dp: WORLD_SIZE={world_size} is not divisible by pp*cp={pp_cp}"
                 )
             dp = world_size // pp_cp
-        schedule = getattr(cfg, "schedule", AUTO_SCHEDULE)
-        disp = getattr(cfg, "ep_dispatcher", "alltoall")
-        return cls(
-            pp=int(cfg.pp),
-            vpp=int(cfg.vpp),
-            ep=int(cfg.ep),
-            cp=int(cfg.cp),
-            dp=dp,
-            zero=int(cfg.zero),
-            microbatches=int(cfg.microbatches),
-            schedule=str(schedule),
-            ep_dispatcher=str(disp),
-            cp_layout=str(getattr(cfg, "cp_layout", "zigzag")),
-            vision_placement=str(getattr(cfg, "vision_placement", "stage")),
-        )
+        degrees = {f: int(getattr(cfg, f)) for f in ("pp", "vpp", "ep", "cp", "zero", "microbatches")}
+        return cls(**degrees, dp=dp, **{f: str(getattr(cfg, f, getattr(cls, f))) for f in _CHOICES})
 
     # ---- validation ---------------------------------------------------------------------------------------------
     def validate(self, world_size: int | None = None, model_args: K3ModelArgs | None = None) -> "ParallelDims":
@@ -205,26 +187,10 @@ class ParallelDims:
             v = getattr(self, f)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f, f"must be an integer >= 1, got {v!r}")
         need(self.zero in (0, 1, 2), "zero", f"must be 0, 1 or 2, got {self.zero!r}")
-        need(
-            self.schedule in SCHEDULES,
-            "schedule",
-            f"unknown schedule {self.schedule!r}; choose auto or one of {sorted(SCHEDULES)}",
-        )
-        need(
-            self.cp_layout in CP_LAYOUTS,
-            "cp_layout",
-            f"unknown context-parallel layout {self.cp_layout!r}; choose one of {list(CP_LAYOUTS)}",
-        )
-        need(
-            self.ep_dispatcher in EP_DISPATCHERS,
-            "ep_dispatcher",
-            f"unknown dispatcher {self.ep_dispatcher!r}; choose one of {list(EP_DISPATCHERS)}",
-        )
-        need(
-            self.vision_placement in VISION_PLACEMENTS,
-            "vision_placement",
-            f"unknown placement {self.vision_placement!r}; choose one of {list(VISION_PLACEMENTS)}",
-        )
+        for f, (what, values) in _CHOICES.items():
+            v, choices = getattr(self, f), f"one of {list(values)}"
+            choices = f"auto or one of {sorted(values)}" if f == "schedule" else choices
+            need(v in values, f, f"unknown {what} {v!r}; choose {choices}")
         if self.vision_placement == "bubbles":
             need(
                 self.pp > 1,
@@ -265,8 +231,7 @@ class ParallelDims:
 
     def _validate_schedule(self, need) -> None:
         """The micro-batch and virtual-stage rules of torch.distributed.pipelining's schedules (torch 2.13)."""
-        name, placement, _ = SCHEDULES[self.schedule]
-        m, pp, vpp = self.microbatches, self.pp, self.vpp
+        m, pp, vpp, placement = self.microbatches, self.pp, self.vpp, self.placement
         if placement == "single":
             need(
                 vpp == 1,
@@ -297,10 +262,7 @@ class ParallelDims:
             )
 
     def describe(self) -> str:
-        s = (
-            f"pp={self.pp} vpp={self.vpp} dp={self.dp} cp={self.cp} ep={self.ep} zero={self.zero} "
-            f"microbatches={self.microbatches}"
-        )
+        s = " ".join(f"{f}={getattr(self, f)}" for f in _DEGREES.values())
         return s + (f" schedule={self.schedule}" if self.pp > 1 else "")
 
 
@@ -341,7 +303,6 @@ class ParallelMesh:
     ep_mesh: object
     expert_mesh: object
     dp_cp_mesh: object  # the flattened dp x cp mesh (kept: slicing a flattened dim from the root is deprecated)
-    rank: int
     coords: dict
     reduce_groups: dict = field(default_factory=dict)
     """'dp_cp' / 'edp' -> a process group over the same ranks as that dimension's group, for the gradient reductions
@@ -350,36 +311,25 @@ class ParallelMesh:
 
     def group(self, name: str) -> dist.ProcessGroup:
         """'pp', 'dp', 'cp', 'dp_cp', 'ep', 'edp' or 'world'."""
-        if name == "world":
-            return dist.group.WORLD
-        if name == "dp_cp":
-            return self.dp_cp_mesh.get_group()
-        if name in ("pp", "dp", "cp"):
-            return self.mesh.get_group(name)
-        if name in ("ep", "edp"):
-            if self.ep_mesh is None:
-                raise ValueError(f"no {name!r} group: the layout has ep=1")
-            return self.ep_mesh.get_group(name)
-        raise ValueError(f"unknown mesh dimension {name!r}")
+        return dist.group.WORLD if name == "world" else self.submesh(name).get_group()
 
     def reduce_group(self, name: str) -> dist.ProcessGroup | None:
         """The gradient-reduction group of 'dp_cp' or 'edp' (None when the dimension has one rank)."""
         return self.reduce_groups.get(name)
 
     def submesh(self, name: str):
-        """A 1-D DeviceMesh of one dimension (for DTensor state)."""
+        """A 1-D DeviceMesh of one dimension (for DTensor state and process groups)."""
         if name == "dp_cp":
             return self.dp_cp_mesh
         if name in ("pp", "dp", "cp"):
             return self.mesh[name]
+        if name in ("ep", "edp", "ep_edp") and self.ep_mesh is None:
+            raise ValueError(f"no {name!r} group: the layout has ep=1")
         if name in ("ep", "edp"):
             return self.ep_mesh[name]
         if name == "ep_edp":
             return self.expert_mesh["ep", "edp"]
         raise ValueError(f"unknown mesh dimension {name!r}")
-
-    def size(self, name: str) -> int:
-        return dist.get_world_size(self.group(name))
 
 
 def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> ParallelMesh:
@@ -393,33 +343,26 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> ParallelMesh:
     mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.cp), mesh_dim_names=("pp", "dp", "cp"))
     dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
     ep_mesh = expert_mesh = None
+    # Gradient-reduction groups ([pp, members, other] rank grids): every rank creates every group, in the same order
+    # (torch's rule for new_group).
+    spans = {"dp_cp": torch.arange(dims.world).view(dims.pp, dims.dp_cp, 1)}
     if dims.ep > 1:
-        ranks = torch.arange(dims.world).view(dims.pp, dims.edp, dims.ep)
+        ranks = spans["edp"] = torch.arange(dims.world).view(dims.pp, dims.edp, dims.ep)
         ep_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "ep"))
         expert_mesh = DeviceMesh(device_type, ranks.transpose(1, 2).contiguous(), mesh_dim_names=("pp", "ep", "edp"))
     rank = dist.get_rank()
-    # Gradient-reduction groups: every rank creates every group, in the same order (torch's rule for new_group).
-    grid = torch.arange(dims.world).view(dims.pp, dims.dp * dims.cp, 1)  # (pp, dp_cp, 1)
-    spans = {"dp_cp": grid}
-    if dims.ep > 1:
-        spans["edp"] = torch.arange(dims.world).view(dims.pp, dims.edp, dims.ep)  # (pp, edp, ep)
     reduce_groups = {}
     for name, ranks in spans.items():
-        if ranks.shape[1] == 1:
-            continue
-        for p in range(ranks.shape[0]):
-            for e in range(ranks.shape[2]):
-                members = ranks[p, :, e].tolist()
-                g = dist.new_group(members)
-                if rank in members:
-                    reduce_groups[name] = g
+        for members in ranks.transpose(1, 2).reshape(-1, ranks.shape[1]).tolist() if ranks.shape[1] > 1 else []:
+            g = dist.new_group(members)
+            if rank in members:
+                reduce_groups[name] = g
     return ParallelMesh(
         dims=dims,
         mesh=mesh,
         ep_mesh=ep_mesh,
         expert_mesh=expert_mesh,
         dp_cp_mesh=dp_cp_mesh,
-        rank=rank,
         coords=rank_coords(dims, rank),
         reduce_groups=reduce_groups,
     )

@@ -30,6 +30,7 @@ bucket once per stage per step.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Callable
 
@@ -51,18 +52,15 @@ from k3train.parallel.pipeline_order import Act
 # ---------------------------------------------------------------------------------------------------------------------
 # Split
 # ---------------------------------------------------------------------------------------------------------------------
-def _stage_costs(costs: dict, cuts: list[int]) -> list[float]:
-    """Cost of each stage for cut points (layer counts per stage)."""
-    out, start = [], 0
-    for k, n in enumerate(cuts):
-        c = sum(costs["layers"][start : start + n])
-        if k == 0:
-            c += costs["embed"]
-        if k == len(cuts) - 1:
-            c += costs["head"]
-        out.append(c)
-        start += n
-    return out
+def stage_cost_of(costs: dict, stage_layers: list[list[int]]) -> list[float]:
+    """Cost of each stage (1-based layer ids): its layers, plus the embedding on the first and the head on the last."""
+    n = len(stage_layers)
+    return [
+        sum(costs["layers"][i - 1] for i in s)
+        + (costs["embed"] if k == 0 else 0.0)
+        + (costs["head"] if k == n - 1 else 0.0)
+        for k, s in enumerate(stage_layers)
+    ]
 
 
 def split_layers(
@@ -74,22 +72,15 @@ def split_layers(
     if not 1 <= n_stages <= n:
         raise ValueError(f"cannot split {n} layers into {n_stages} non-empty stages")
     costs = costs or layer_costs(args, seq_len)
-    c = costs["layers"]
-    prefix = [0.0]
-    for x in c:
-        prefix.append(prefix[-1] + x)
+    prefix = list(itertools.accumulate(costs["layers"], initial=0.0))
 
     def seg(i: int, j: int, k: int) -> float:  # layers [i, j) as stage k
-        v = prefix[j] - prefix[i]
-        if k == 0:
-            v += costs["embed"]
-        if k == n_stages - 1:
-            v += costs["head"]
-        return v
+        return (
+            prefix[j] - prefix[i] + (costs["embed"] if k == 0 else 0.0) + (costs["head"] if k == n_stages - 1 else 0.0)
+        )
 
-    INF = float("inf")
     # best[k][j]: minimal max cost of stages 0..k covering layers [0, j); choice[k][j]: start of stage k.
-    best = [[INF] * (n + 1) for _ in range(n_stages)]
+    best = [[float("inf")] * (n + 1) for _ in range(n_stages)]
     choice = [[0] * (n + 1) for _ in range(n_stages)]
     for j in range(1, n + 1):
         best[0][j] = seg(0, j, 0)
@@ -99,30 +90,22 @@ def split_layers(
                 v = max(best[k - 1][i], seg(i, j, k))
                 if v < best[k][j] * (1 - 1e-12):
                     best[k][j], choice[k][j] = v, i
-    bounds, j = [], n
+    stages, j = [], n
     for k in range(n_stages - 1, -1, -1):
         i = choice[k][j] if k > 0 else 0
-        bounds.append((i, j))
+        stages.insert(0, list(range(i + 1, j + 1)))
         j = i
-    bounds.reverse()
-    return [list(range(i + 1, j + 1)) for i, j in bounds]
+    return stages
 
 
 def split_reference(args: K3ModelArgs, n_stages: int, *, costs: dict) -> float:
     """The optimal max stage cost by enumerating every split (exponential; for tests)."""
-    import itertools
-
     n = args.n_layers
     best = float("inf")
     for cut in itertools.combinations(range(1, n), n_stages - 1):
         edges = (0, *cut, n)
-        sizes = [edges[k + 1] - edges[k] for k in range(n_stages)]
-        best = min(best, max(_stage_costs(costs, sizes)))
+        best = min(best, max(stage_cost_of(costs, [list(range(a + 1, b + 1)) for a, b in zip(edges, edges[1:])])))
     return best
-
-
-def stage_cost_of(costs: dict, stage_layers: list[list[int]]) -> list[float]:
-    return _stage_costs(costs, [len(s) for s in stage_layers])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -236,13 +219,10 @@ class GlobalTokenLoss:
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         main, mtp = self.stage.head_loss(hidden, labels)
-        loss = main / self.denominator
-        if mtp is None:
-            self.sums.append(torch.stack([loss.detach(), torch.zeros_like(loss)]))
-            return loss
-        mtp = mtp / self.mtp_denominator
+        loss, has_mtp = main / self.denominator, mtp is not None
+        mtp = mtp / self.mtp_denominator if has_mtp else torch.zeros_like(loss)
         self.sums.append(torch.stack([loss.detach(), mtp.detach()]))
-        return loss + self.mtp_weight * mtp
+        return loss + self.mtp_weight * mtp if has_mtp else loss
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -286,10 +266,9 @@ class BusyClock:
         return self._host
 
 
-class _StageReduction:
-    """The gradient reduction and busy time of a pipeline stage (a mixin of PipelineStage: self.submod, self.is_first):
-    `grad_reducer.arm_part(part)` as its last backward of the step begins, `grad_reducer.reduce_part(part)` once per
-    step at the schedule's REDUCE_GRAD point."""
+class _K3Stage:
+    """What K3PipelineStage adds to torch's PipelineStage (self.submod, self.is_first, self.stage_index; see its
+    docstring): the gradient reduction, busy time, point-to-point byte counts and vision work of a stage."""
 
     grad_reducer = None
     vision_feed = None
@@ -330,14 +309,11 @@ class _StageReduction:
     def arm(self):
         """The stage's last backward of the step is about to run: its buckets are reduced as their gradients
         complete (then waited for at reduce_once)."""
-        if not self.reduced and self.grad_reducer is not None and hasattr(self.grad_reducer, "arm_part"):
+        if not self.reduced and self.grad_reducer is not None:
             self.grad_reducer.arm_part(self.submod.part)
 
-
-class _StageChunks:
-    """A pipeline stage's forward and backward chunks (a mixin of PipelineStage): timed, the backward arming the
-    reduction, and the vision work a VisionFeed's plan places before or after each action run around them."""
-
+    # The forward and backward chunks: timed, the last backward arming the reduction, and the vision work a
+    # VisionFeed's plan places before or after each action run around them.
     def forward_one_chunk(self, fwd_chunk_id, *a, **k):
         feed = self.vision_feed
         with self.clock.span():
@@ -370,11 +346,8 @@ class _StageChunks:
         with self.clock.span():
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
-
-class _StageSends:
-    """A pipeline stage's point-to-point sends (a mixin of PipelineStage): their bytes counted, and vision work placed
-    in the idle time after an action run once its sends are posted."""
-
+    # The point-to-point sends: their bytes counted, and vision work placed in the idle time after an action run
+    # once its sends are posted.
     def _send_then_vision(self, ops: list, act: Act) -> list:
         """Vision work placed in the idle time after `act`: post act's sends first (so the next stage is not
         kept waiting), run the work, and hand the schedule nothing left to send."""
@@ -386,25 +359,25 @@ class _StageSends:
             feed.run_after(act)
         return []
 
-    def get_fwd_send_ops(self, fwd_chunk_id):
-        ops = super().get_fwd_send_ops(fwd_chunk_id)
+    @staticmethod
+    def _counted(ops: list, what: str) -> list:
         for op in ops:
-            comm.record("pp", "send_fwd", op.tensor.numel() * op.tensor.element_size())
+            comm.record("pp", what, op.tensor.numel() * op.tensor.element_size())
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        ops = self._counted(super().get_fwd_send_ops(fwd_chunk_id), "send_fwd")
         return self._send_then_vision(ops, Act("F", self.stage_index, fwd_chunk_id))
 
     def get_bwd_send_ops(self, bwd_chunk_id):
-        ops = super().get_bwd_send_ops(bwd_chunk_id)
-        for op in ops:
-            comm.record("pp", "send_bwd", op.tensor.numel() * op.tensor.element_size())
-        if self.is_first:
-            return ops
-        return self._send_then_vision(ops, Act("B", self.stage_index, bwd_chunk_id))
+        ops = self._counted(super().get_bwd_send_ops(bwd_chunk_id), "send_bwd")
+        return ops if self.is_first else self._send_then_vision(ops, Act("B", self.stage_index, bwd_chunk_id))
 
 
 def _pipeline_stage_cls():
     from torch.distributed.pipelining import PipelineStage
 
-    class K3PipelineStage(_StageSends, _StageChunks, _StageReduction, PipelineStage):
+    class K3PipelineStage(_K3Stage, PipelineStage):
         """PipelineStage that (1) has `grad_reducer.arm_part(its model part)` run as its last backward of the step
         begins (buckets are then reduced as their gradients complete) and `grad_reducer.reduce_part(its model
         part)` once per step right after that backward (the schedule's REDUCE_GRAD point: what is still missing is
@@ -428,16 +401,16 @@ class Pipeline:
         pp_group,
         device: torch.device,
         grad_reducer=None,
-        boundary_dtype: torch.dtype = torch.float32,
         mtp_weight: float = 0.0,
     ):
         """grad_reducer: an object with reduce_part(part) (k3train.parallel.zero.ShardedOptimizer), called for each
-        stage's model part right after its last backward of the step. mtp_weight: optim.mtp_loss_weight."""
+        stage's model part right after its last backward of the step. mtp_weight: optim.mtp_loss_weight. What
+        crosses a stage boundary has the modules' boundary_dtype."""
         self.args, self.dims, self.stage_layers = args, dims, stage_layers
         self.modules = modules  # stage index -> StageModule held by this rank
         self.pp_group, self.device = pp_group, device
         self.grad_reducer = grad_reducer
-        self.boundary_dtype = boundary_dtype
+        self.boundary_dtype = next(iter(modules.values())).boundary_dtype
         self.loss_fn = GlobalTokenLoss(modules.get(dims.n_stages - 1), mtp_weight)
         self.vision_feed = None
         first = modules.get(0)
@@ -456,14 +429,7 @@ class Pipeline:
         self._key = None
         self.stages: list = []
         self.schedule = None
-
-    @property
-    def has_last_stage(self) -> bool:
-        return self.dims.n_stages - 1 in self.modules
-
-    @property
-    def has_first_stage(self) -> bool:
-        return 0 in self.modules
+        self.has_first_stage, self.has_last_stage = 0 in modules, dims.n_stages - 1 in modules
 
     def _example(self, stage: int, mb: int, T: int, *, output: bool):
         D, n = self.args.dim, self.dims.n_stages
@@ -536,9 +502,7 @@ class Pipeline:
         for st in self.stages:  # schedules that never issue REDUCE_GRAD still get their reduction
             st.reduce_once()
             st.wait_early_sends()
-        if self.has_last_stage:
-            return torch.stack(self.loss_fn.sums).sum(0)
-        return torch.zeros(2, device=self.device)
+        return torch.stack(self.loss_fn.sums).sum(0) if self.has_last_stage else torch.zeros(2, device=self.device)
 
     @property
     def busy_s(self) -> float:
@@ -549,9 +513,7 @@ def build_schedule(dims: ParallelDims, stages: list, loss_fn: Callable):
     """The torch schedule named by dims.schedule (one stage object for single-stage schedules)."""
     import torch.distributed.pipelining as pipelining
 
-    cls_name, placement, _ = SCHEDULES[dims.schedule]
-    cls = getattr(pipelining, cls_name)
+    cls = getattr(pipelining, SCHEDULES[dims.schedule][0])
     # The loss is already divided by the global token count: no further scaling by the micro-batch count.
-    if placement == "single":
-        return cls(stages[0], n_microbatches=dims.microbatches, loss_fn=loss_fn, scale_grads=False)
+    stages = stages[0] if dims.placement == "single" else stages
     return cls(stages, n_microbatches=dims.microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -67,19 +67,16 @@ def schedule_order(dims: ParallelDims) -> dict[int, list[Act]]:
         for s in stages_of_rank(dims, 0)
     ]
     sched = cls(stages, n_microbatches=dims.microbatches, loss_fn=lambda out, target: out)
-    names = {"F": "F", "B": "B", "I": "I", "W": "W"}
-    orders: dict[int, list[Act]] = {}
-    for rank, actions in sched.pipeline_order.items():
-        flat = []
-        for a in actions:
-            if a is None:
-                continue
-            for sub in a.sub_actions or (a,):
-                kind = sub.computation_type.value
-                if kind in names:
-                    flat.append(Act(names[kind], sub.stage_index, sub.microbatch_index))
-        orders[rank] = flat
-    return orders
+    return {
+        rank: [
+            Act(sub.computation_type.value, sub.stage_index, sub.microbatch_index)
+            for a in actions
+            if a is not None
+            for sub in a.sub_actions or (a,)
+            if sub.computation_type.value in ("F", "B", "I", "W")
+        ]
+        for rank, actions in sched.pipeline_order.items()
+    }
 
 
 Events = dict[int, list[tuple[float, float, Act]]]

@@ -79,8 +79,9 @@ parameters (no padding), so their bytes are the sums above.
 
 from __future__ import annotations
 
+import functools
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -104,22 +105,32 @@ ELEMENT_BYTES = {
 optimizer states (the memory facts below; the planner and the communication counts read the same table)."""
 MASTER_DTYPE = torch.float32
 """Master weights (and, through them, optimizer states) under bf16."""
+_STATE_KEYS = {False: ("step", "exp_avg", "exp_avg_sq"), True: ("momentum_buffer",)}
+"""Optimizer state of a parameter stepped by AdamW (False) or by Muon on every replica (True)."""
 
 
 @dataclass
 class ShardedParam:
-    """One parameter's place in a sharding group: its entry of the ShardingPlan and this rank's tensors."""
+    """One parameter's place in a sharding group: its entry of the ShardingPlan and this rank's tensors, p placed
+    on the group's rank `rank`. block: (first row, rows in all) when p holds a block of rows of a larger logical
+    tensor (home experts)."""
 
     param: nn.Parameter
     sharding: ParamSharding
     rank: int  # this rank's index in the group
-    start: int = 0  # first owned row
-    stop: int = 0  # one past the last owned row
-    shard: torch.Tensor | None = None  # view of the owned rows (the optimizer's tensor under zero >= 1)
-    global_d0: int = 0  # rows of the logical full tensor (an expert-parallel shard is a block of it)
-    global_offset: int = 0  # first row of this rank's parameter inside the logical full tensor
+    block: InitVar[tuple[int, int] | None] = None
     grad32: torch.Tensor | None = None  # bf16: the fp32 gradient (accumulated over micro-batches, then reduced)
     master: torch.Tensor | None = None  # bf16: the fp32 master of what this rank steps (None: the optimizer's own)
+
+    def __post_init__(self, block):
+        ps, p = self.sharding, self.param
+        if ps.shape != tuple(p.shape):
+            raise ValueError(f"{ps.name}: planned shape {ps.shape}, but the parameter has {tuple(p.shape)}")
+        self.start, self.stop = ps.rows_of(self.rank)  # the owned rows [start, stop)
+        # rows of the logical full tensor (an expert-parallel shard is a block of it), and our first row in it
+        self.global_offset, self.global_d0 = block or (0, ps.d0)
+        rows = p.detach().reshape(ps.d0, ps.row_numel)[self.start : self.stop]
+        self.shard = rows.view((self.stop - self.start,) + tuple(p.shape[1:]))  # the optimizer's tensor (zero >= 1)
 
     name = property(lambda self: self.sharding.name)
     n = property(lambda self: self.sharding.n)  # group size
@@ -128,17 +139,6 @@ class ShardedParam:
     rows_per_chunk = property(lambda self: self.sharding.rows_per_chunk)
     row_numel = property(lambda self: self.sharding.row_numel)
     padded_chunk_numel = property(lambda self: self.sharding.padded_chunk_numel)
-
-
-def make_sharded(ps: ParamSharding, p: nn.Parameter, rank: int, block: tuple[int, int] | None = None) -> ShardedParam:
-    """p placed as its plan entry says, on the group's rank `rank`. block: (first row, rows in all) when p holds a
-    block of rows of a larger logical tensor (home experts)."""
-    if ps.shape != tuple(p.shape):
-        raise ValueError(f"{ps.name}: planned shape {ps.shape}, but the parameter has {tuple(p.shape)}")
-    sp = ShardedParam(param=p, sharding=ps, rank=rank)
-    sp.start, sp.stop = ps.rows_of(rank)
-    sp.global_offset, sp.global_d0 = block or (0, ps.d0)
-    return sp
 
 
 def _group_size(group) -> int:
@@ -192,10 +192,6 @@ class Bucket:
     def shard_len(self) -> int:  # padded elements per rank
         return sum(s.padded_chunk_numel for s in self.items)
 
-    @property
-    def numel(self) -> int:
-        return sum(s.param.numel() for s in self.items)
-
 
 @dataclass
 class _Flight:
@@ -205,10 +201,10 @@ class _Flight:
     bucket: Bucket
     key: object  # the arming that queued it (a model part, or the whole group)
     waiting: set[int]  # id(param) of the parameters whose gradient of the last backward has not arrived
+    scatter: bool = False  # reduce-scattered (zero=2, not Muon), else all-reduced
     launched: bool = False
     finished: bool = False
     work: object = None
-    flat: torch.Tensor | None = None  # all-reduce: the bucket's flat gradients (reduced in place)
     buf: torch.Tensor | None = None  # reduce-scatter: the [n, L] input
     out: torch.Tensor | None = None  # reduce-scatter: this rank's [L] result
 
@@ -216,8 +212,9 @@ class _Flight:
 def _chunk_pairs(it: ShardedParam, rows: torch.Tensor, buf: torch.Tensor, off: int) -> list[tuple]:
     """(piece of rows, piece of buf) pairs that place a [d0, R] tensor's dim-0 chunks into the rank-major [n, L]
     buffer at column off (chunk q -> row q): at most two pairs per parameter (the full chunks as one [k, c R] block,
-    then a shorter last chunk), so packing and unpacking are a batched copy, not a loop over ranks."""
-    c, R, d0 = it.rows_per_chunk, it.row_numel, it.d0
+    then a shorter last chunk), so packing and unpacking are a batched copy, not a loop over ranks. rows may also
+    be one rank's chunk (d0 <= c rows), placed in a one-row buffer."""
+    c, R, d0 = it.rows_per_chunk, it.row_numel, rows.shape[0]
     if c == 0 or R == 0:
         return []
     full = d0 // c
@@ -230,8 +227,16 @@ def _chunk_pairs(it: ShardedParam, rows: torch.Tensor, buf: torch.Tensor, off: i
     return pairs
 
 
-def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    if dst:
+def _copy_chunks(items: list[ShardedParam], tensors: list[torch.Tensor], buf: torch.Tensor, to_buf: bool) -> None:
+    """One batched copy of a bucket's [d0, ...] tensors (one per parameter) into its rank-major buffer (to_buf) or
+    back out of it (_chunk_pairs, each parameter at its padded column)."""
+    pairs, off = [], 0
+    for it, t in zip(items, tensors):
+        pairs += _chunk_pairs(it, t.reshape(t.shape[0] if t.dim() else 1, it.row_numel), buf, off)
+        off += it.padded_chunk_numel
+    if pairs:
+        rows, pieces = (list(x) for x in zip(*pairs))
+        dst, src = (pieces, rows) if to_buf else (rows, pieces)
         torch._foreach_copy_(dst, src)
 
 
@@ -267,15 +272,9 @@ class ShardGroup:
         if sharding is None:
             kind = {True: "muon", False: "adamw"}
             sharding = {nm: ParamSharding(nm, kind[m], "dense", tuple(p.shape), self.n) for nm, p, m in named}
-        self.items = [make_sharded(sharding[nm], p, self.rank, (blocks or {}).get(nm)) for nm, p, _ in named]
+        self.items = [ShardedParam(p, sharding[nm], self.rank, (blocks or {}).get(nm)) for nm, p, _ in named]
         if any(it.n != self.n for it in self.items):
             raise ValueError(f"{dim}: the sharding plan's group size differs from the group's {self.n} ranks")
-        for it in self.items:
-            it.shard = (
-                it.param.detach()
-                .reshape(it.d0, it.row_numel)[it.start : it.stop]
-                .view((it.stop - it.start,) + tuple(it.param.shape[1:]))
-            )
         # Buckets in reverse registration order, roughly the order backward produces the gradients, so the first
         # buckets are complete (and launched) first.
         rev = self.items[::-1]
@@ -283,12 +282,9 @@ class ShardGroup:
         self.muon_buckets = self._make_buckets([it for it in rev if it.muon], bucket_numel)
         self._position = {id(it.param): k for k, it in enumerate(rev)}
         self.shard_grads: dict[int, torch.Tensor] = {}  # id(param) -> reduced gradient of the owned rows
-        if (
-            reduce_group is not None
-            and distributed
-            and (dist.get_world_size(reduce_group), dist.get_rank(reduce_group)) != (self.n, self.rank)
-        ):
-            raise ValueError(f"{dim}: the gradient-reduction group must rank its members as the group does")
+        if reduce_group is not None and distributed:
+            if (dist.get_world_size(reduce_group), dist.get_rank(reduce_group)) != (self.n, self.rank):
+                raise ValueError(f"{dim}: the gradient-reduction group must rank its members as the group does")
         self.reduce_group = reduce_group if reduce_group is not None else group
         self.overlap = reduce_group is not None and self.n > 1
         self._queue: list[_Flight] = []  # this step's bucket reductions, launched strictly in this order
@@ -304,14 +300,10 @@ class ShardGroup:
     @staticmethod
     def _make_buckets(items: list[ShardedParam], cap: int) -> list[Bucket]:
         out: list[Bucket] = []
-        cur = Bucket()
         for it in items:
-            if cur.items and cur.numel + it.param.numel() > cap:
-                out.append(cur)
-                cur = Bucket()
-            cur.items.append(it)
-        if cur.items:
-            out.append(cur)
+            if not out or sum(s.param.numel() for s in out[-1].items) + it.param.numel() > cap:
+                out.append(Bucket())
+            out[-1].items.append(it)
         return out
 
     # ---- gradient reduction ---------------------------------------------------------------------------------------
@@ -339,10 +331,9 @@ class ShardGroup:
                 self.muon_reducer(items[::-1])  # registration order, as the owners' plan lists them
         for k in mine:
             self._finish(self._queue[k])
-        self._keys.discard(key)
-        for k in mine:
             for it in self._queue[k].bucket.items:
                 self._armed.pop(id(it.param), None)
+        self._keys.discard(key)
         if all(f.finished for f in self._queue):
             self._reset_queue()
 
@@ -357,7 +348,8 @@ class ShardGroup:
             self._scopes = comm.current_scopes()
         self._keys.add(key)
         for b in buckets:
-            f = _Flight(bucket=b, key=key, waiting={id(it.param) for it in b.items})
+            scatter = self.zero == 2 and not b.items[0].muon
+            f = _Flight(bucket=b, key=key, waiting={id(it.param) for it in b.items}, scatter=scatter)
             self._queue.append(f)
             for it in b.items:
                 self._armed[id(it.param)] = f
@@ -388,18 +380,10 @@ class ShardGroup:
     def _launch(self, f: _Flight) -> None:
         f.launched = True
         with comm.in_scopes(self._scopes):
-            if self.zero == 2 and not f.bucket.items[0].muon:
-                self._start_reduce_scatter(f)
-            else:
-                self._start_all_reduce(f)
+            (self._start_reduce_scatter if f.scatter else self._start_all_reduce)(f)
 
     def _finish(self, f: _Flight) -> None:
-        if not f.launched:  # cannot happen once _launch_ready ran through it; kept for safety
-            self._launch(f)
-        if self.zero == 2 and not f.bucket.items[0].muon:
-            self._finish_reduce_scatter(f)
-        else:
-            self._finish_all_reduce(f)
+        (self._finish_reduce_scatter if f.scatter else self._finish_all_reduce)(f)
         f.finished = True
 
     def _reset_queue(self) -> None:
@@ -438,12 +422,11 @@ class ShardGroup:
         # are held once while the collective runs.
         for it, g in zip(items, flat.split([it.param.numel() for it in items])):
             self.set_full_grad(it, g.view(it.param.shape))
-        f.flat = flat
         f.work = comm.start_all_reduce(flat, self.reduce_group, self.dim)
 
     def _finish_all_reduce(self, f: _Flight) -> None:
         comm.wait(f.work, "all_reduce", self.dim)
-        f.work = f.flat = None
+        f.work = None
 
     def _start_reduce_scatter(self, f: _Flight) -> None:
         b = f.bucket
@@ -451,14 +434,7 @@ class ShardGroup:
         dev = b.items[0].param.device
         dtype = self.grad_dtype or b.items[0].param.dtype
         buf = torch.zeros(n, L, device=dev, dtype=dtype)
-        dst, src, off = [], [], 0
-        for it in b.items:
-            for g, piece in _chunk_pairs(it, self._grad_or_zeros(it).reshape(it.d0, it.row_numel), buf, off):
-                dst.append(piece)
-                src.append(g)
-            off += it.padded_chunk_numel
-        _copy_all(dst, src)
-        del dst, src
+        _copy_chunks(b.items, [self._grad_or_zeros(it) for it in b.items], buf, to_buf=True)
         for it in b.items:
             self.set_full_grad(it, None)  # the full gradient is freed: the buffer holds it until the chunk arrives
         f.out = torch.empty(L, device=dev, dtype=dtype)
@@ -485,7 +461,7 @@ class ShardGroup:
     def local_sq_norm(self) -> torch.Tensor:
         """Sum of squares of the owned rows' (Muon under ZeRO-2: owned matrices') gradients: summed over the group
         it counts every element once."""
-        acc = torch.zeros((), dtype=torch.float64, device=self._device())
+        acc = torch.zeros((), dtype=torch.float64, device=self.items[0].param.device if self.items else "cpu")
         for it in self.items:
             if id(it.param) in self.muon_owned:
                 acc += self.muon_owned[id(it.param)].double().pow(2).sum()
@@ -495,12 +471,11 @@ class ShardGroup:
 
     def scale_grads(self, coef: float) -> None:
         for it in self.items:
-            if id(it.param) in self.muon_owned:
-                self.muon_owned[id(it.param)].mul_(coef)
-            elif id(it.param) in self.shard_grads:
-                self.shard_grads[id(it.param)].mul_(coef)
-            elif self.full_grad(it) is not None:
-                self.full_grad(it).mul_(coef)
+            k = id(it.param)
+            g = self.muon_owned[k] if k in self.muon_owned else self.shard_grads.get(k)
+            g = self.full_grad(it) if g is None else g
+            if g is not None:
+                g.mul_(coef)
 
     def after_step(self) -> None:
         """Refill every replica from the owners' updated rows (zero >= 1), then drop gradients."""
@@ -513,8 +488,7 @@ class ShardGroup:
         for it in self.items:
             it.param.grad = None
             it.grad32 = None
-            if it.shard is not None:
-                it.shard.grad = None
+            it.shard.grad = None
             if it.master is not None:
                 it.master.grad = None
         self.shard_grads.clear()
@@ -525,29 +499,12 @@ class ShardGroup:
         n, L = self.n, b.shard_len
         dev, dtype = b.items[0].param.device, b.items[0].param.dtype
         send = torch.zeros(L, device=dev, dtype=dtype)
-        dst, src, off = [], [], 0
-        for it in b.items:
-            k = it.shard.numel()
-            if k:
-                dst.append(send[off : off + k])
-                src.append(it.shard.reshape(-1))
-            off += it.padded_chunk_numel
-        _copy_all(dst, src)
+        _copy_chunks(b.items, [it.shard for it in b.items], send.view(1, L), to_buf=True)
         recv = torch.empty(n * L, device=dev, dtype=dtype)
         comm.all_gather(recv, send, self.group, self.dim)
         recv = recv.view(n, L)
-        with torch.no_grad():
-            dst, src, off = [], [], 0
-            for it in b.items:
-                # every chunk, the rank's own included (it comes back as sent)
-                for rows, piece in _chunk_pairs(it, it.param.data.view(it.d0, it.row_numel), recv, off):
-                    dst.append(rows)
-                    src.append(piece)
-                off += it.padded_chunk_numel
-            _copy_all(dst, src)
-
-    def _device(self):
-        return self.items[0].param.device if self.items else torch.device("cpu")
+        with torch.no_grad():  # every chunk, the rank's own included (it comes back as sent)
+            _copy_chunks(b.items, [it.param.data for it in b.items], recv, to_buf=False)
 
     # ---- memory facts -------------------------------------------------------------------------------------------
     def grad_bytes(self) -> int:
@@ -555,9 +512,6 @@ class ShardGroup:
         tensors = list(self.shard_grads.values()) + list(self.muon_owned.values())
         tensors += [g for it in self.items for g in (it.param.grad, it.grad32) if g is not None]
         return _storage_bytes(tensors)
-
-    def master_bytes(self) -> int:
-        return _storage_bytes([it.master for it in self.items if it.master is not None])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -596,16 +550,19 @@ class ShardedOptimizer:
         expert_blocks = expert_blocks or {}
         # Group assignment (Muon / AdamW with decay / AdamW without) by the project's rules, part by part.
         kinds = param_kinds(parts, optim_cfg)
-        order = [n for part in parts for n, p in part.named_parameters() if n in kinds]
         named = {n: p for part in parts for n, p in part.named_parameters() if n in kinds}
+        order = list(named)
         self._part_cache: dict[int, set[int]] = {}
-        self.sharding = self._plan_sharding(order, named, kinds, groups, expert_blocks)
+        # The ShardingPlan of the trainable parameters (in model order) over the groups' sizes.
+        sizes = {key: _group_size(pg) for key, (pg, _) in groups.items()}
+        where = {n: "expert" if n in expert_blocks else "dense" for n in named}
+        entries = [(n, tuple(p.shape), *kinds[n], where[n], 0) for n, p in named.items() if where[n] in sizes]
+        self.sharding = ShardingPlan.build(entries, sizes, zero, optim_cfg.per_head)
         self.shard_groups: dict[str, ShardGroup] = {}
-        for key in ("dense", "expert"):
-            sel = [(n, named[n], kinds[n][0] == "muon") for n in order if (n in expert_blocks) == (key == "expert")]
-            if key in groups and sel:
-                pg, dim = groups[key]
-                sharding = {ps.name: ps for ps in self.sharding.params if ps.group == key}
+        for key, (pg, dim) in groups.items():
+            sharding = {ps.name: ps for ps in self.sharding.params if ps.group == key}
+            if sharding:
+                sel = [(n, named[n], ps.kind == "muon") for n, ps in sharding.items()]
                 args = (sel, pg, dim, zero, bucket_numel, expert_blocks, precision)
                 self.shard_groups[key] = ShardGroup(
                     *args, reduce_group=(reduce_groups or {}).get(key), sharding=sharding
@@ -615,13 +572,8 @@ class ShardedOptimizer:
         # Muon matrices under ZeRO >= 1 live with their owners (PerHeadMuon's plan per group: dense over dp x cp, home
         # experts over their edp replicas): momentum and, under bf16, master; everything else is stepped by whoever
         # holds the optimizer tensor of _tensor_for.
-        self._matrix_owned = {
-            it.name
-            for key, g in self.shard_groups.items()
-            if self.sharding.owner_sharded(key)
-            for it in g.items
-            if it.muon
-        }
+        plan = self.sharding.params
+        self._matrix_owned = {ps.name for ps in plan if ps.kind == "muon" and self.sharding.owner_sharded(ps.group)}
         if self.low:
             for it in self.items.values():
                 if it.name not in self._matrix_owned:
@@ -632,7 +584,7 @@ class ShardedOptimizer:
             order,
             kinds,
             self._tensor_for,
-            experts={it.name for it in self.shard_groups["expert"].items} if "expert" in self.shard_groups else set(),
+            experts={ps.name for ps in plan if ps.group == "expert"},
             process_group=groups["dense"][0] if sharded else None,
             process_groups={"edp": groups["expert"][0]} if sharded and "expert" in groups else {},
             sharding=self.sharding,
@@ -642,27 +594,19 @@ class ShardedOptimizer:
         for g in self.shard_groups.values():  # Pipeline ZeRO-2: Muon gradients go to their matrices' owners
             if zero == 2 and any(it.name in self._matrix_owned for it in g.items):
                 g.muon_owned = self.optimizer.owned_grads
-                g.muon_reducer = self._muon_reducer(g)
-
-    def _plan_sharding(self, order, named, kinds, groups, expert_blocks) -> ShardingPlan:
-        """The ShardingPlan of the trainable parameters (in model order) over the groups' sizes."""
-        sizes = {key: _group_size(pg) for key, (pg, _) in groups.items()}
-        entries = [(n, tuple(named[n].shape), *kinds[n], "expert" if n in expert_blocks else "dense", 0) for n in order]
-        return ShardingPlan.build([e for e in entries if e[4] in sizes], sizes, self.zero, self.cfg.per_head)
+                g.muon_reducer = functools.partial(self._reduce_scatter_muon, g)
 
     def _stepped(self, it: ShardedParam) -> torch.Tensor:
         """The part of the (bf16 or fp32) parameter this rank steps: all of it, or its ZeRO chunk (AdamW)."""
         return it.param if it.muon or self.zero == 0 else it.shard
 
-    def _muon_reducer(self, g: ShardGroup):
-        def reduce_scatter_muon(items: list[ShardedParam]) -> None:
-            self.optimizer.reduce_scatter_owned(
-                [it.param for it in items], lambda p: g.full_grad(self._by_param[id(p)]), dim=g.dim
-            )
-            for it in items:
-                g.set_full_grad(it, None)
-
-        return reduce_scatter_muon
+    def _reduce_scatter_muon(self, g: ShardGroup, items: list[ShardedParam]) -> None:
+        """Pipeline ZeRO-2: the group's Muon gradients reduce-scattered to their matrices' owners, then freed."""
+        self.optimizer.reduce_scatter_owned(
+            [it.param for it in items], lambda p: g.full_grad(self._by_param[id(p)]), dim=g.dim
+        )
+        for it in items:
+            g.set_full_grad(it, None)
 
     def _tensor_for(self, name: str) -> torch.Tensor:
         """The tensor the torch optimizer steps: the fp32 master under bf16, else the parameter or its chunk."""
@@ -675,8 +619,7 @@ class ShardedOptimizer:
         if self.cfg.name == "muon":  # owned momentum (and masters), so memory facts hold from the first step
             self.optimizer.init_sharded_state(masters=self.low)
         for name in self._order:
-            it = self.items[name]
-            t = self._tensor_for(name)
+            it, t = self.items[name], self._tensor_for(name)
             st = self.optimizer.state[t]
             if it.muon:
                 if name not in self._matrix_owned and "momentum_buffer" not in st:
@@ -700,27 +643,26 @@ class ShardedOptimizer:
         for g in self.shard_groups.values():
             g.reduce_grads()
 
-    def _part_ids(self, part: nn.Module) -> set[int]:
+    def _part_groups(self, part: nn.Module) -> tuple[set[int], list[ShardGroup]]:
+        """(id of each parameter of the part, the groups holding some of them)."""
         ids = self._part_cache.get(id(part))
         if ids is None:
             ids = self._part_cache[id(part)] = {id(p) for p in part.parameters()}
-        return ids
+        return ids, [g for g in self.shard_groups.values() if any(id(it.param) in ids for it in g.items)]
 
     def arm_part(self, part: nn.Module) -> None:
         """One model part's (a pipeline stage's) last backward of the step is about to run: reduce each of its
         buckets as soon as its gradients are complete."""
-        ids = self._part_ids(part)
-        for g in self.shard_groups.values():
-            if any(id(it.param) in ids for it in g.items):
-                g.arm(ids, key=id(part))
+        ids, groups = self._part_groups(part)
+        for g in groups:
+            g.arm(ids, key=id(part))
 
     def reduce_part(self, part: nn.Module) -> None:
         """Reduce the gradients of one model part (a pipeline stage) right after its last backward, and wait for
         them."""
-        ids = self._part_ids(part)
-        for g in self.shard_groups.values():
-            if any(id(it.param) in ids for it in g.items):
-                g.reduce_grads(ids, key=id(part))
+        ids, groups = self._part_groups(part)
+        for g in groups:
+            g.reduce_grads(ids, key=id(part))
 
     def local_sq_norm(self) -> torch.Tensor:
         out = torch.zeros((), dtype=torch.float64)
@@ -790,7 +732,9 @@ class ShardedOptimizer:
 
     def master_bytes(self) -> int:
         owned = [st["master_owned"] for st in self.optimizer.state.values() if "master_owned" in st]
-        return sum(g.master_bytes() for g in self.shard_groups.values()) + _storage_bytes(owned)
+        return _storage_bytes([it.master for it in self.items.values() if it.master is not None]) + _storage_bytes(
+            owned
+        )
 
     def grad_bytes(self) -> int:
         return sum(g.grad_bytes() for g in self.shard_groups.values())
@@ -798,7 +742,7 @@ class ShardedOptimizer:
     # ---- checkpoint state -------------------------------------------------------------------------------------------
     def state_dict(self, present=None, rank_table=None) -> dict:
         """{fqn: {"step", "exp_avg", "exp_avg_sq"} or {"momentum_buffer"}, plus "master" under bf16}. present(group_key,
-        item, local, whole=False) turns a rank's owned rows into what is saved (the engine makes DTensors over the
+        item, local) turns a rank's owned rows (Muon: its whole parameter) into what is saved (the engine makes DTensors over the
         sharding mesh); None keeps the local tensors. The momentum (and master) of owner-sharded Muon matrices is a
         ShardedTensor of the parameter's logical shape whose local shards are views of the owner's own matrices:
         saving builds no full tensor and moves nothing between ranks (k3train.optim.muon_state). rank_table(key):
@@ -814,16 +758,11 @@ class ShardedOptimizer:
                     )
                     continue
                 st = self.optimizer.state[self._tensor_for(it.name)]
-                whole = it.muon
-                if it.muon:
-                    entry = {"momentum_buffer": st["momentum_buffer"]}
-                else:
-                    entry = {"step": st["step"], "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"]}
+                entry = {k: st[k] for k in _STATE_KEYS[it.muon]}
                 if it.master is not None:
                     entry["master"] = it.master
-                for k in [k for k in entry if k != "step"]:
-                    if present is not None and (not whole or key == "expert"):  # Muon home experts: EP blocks
-                        entry[k] = present(key, it, entry[k], whole=whole)
+                for k in [k for k in entry if k != "step" and present is not None]:
+                    entry[k] = present(key, it, entry[k])
                 out[it.name] = entry
         return out
 
@@ -840,20 +779,14 @@ class ShardedOptimizer:
                 continue
             t = self._tensor_for(name)
             st = self.optimizer.state[t]
-            if it.muon:
-                if "momentum_buffer" in entry:
-                    st["momentum_buffer"].copy_(self._whole(it, entry["momentum_buffer"]))
-            else:
-                st["step"].copy_(torch.as_tensor(entry["step"]))
-                for k in ("exp_avg", "exp_avg_sq"):
-                    st[k].copy_(self._owned_rows(it, entry[k], st[k]))
+            for k in _STATE_KEYS[it.muon]:
+                if k == "step":
+                    st[k].copy_(torch.as_tensor(entry[k]))
+                elif k in entry or not it.muon:  # a Muon entry may come without momentum
+                    st[k].copy_(self._loaded(it, entry[k], st[k]))
             if it.master is not None:
                 with torch.no_grad():
-                    if "master" in entry:
-                        v = self._whole(it, entry["master"]) if it.muon else self._owned_rows(it, entry["master"], t)
-                        it.master.copy_(v)
-                    else:
-                        it.master.copy_(self._stepped(it))
+                    it.master.copy_(self._loaded(it, entry["master"], t) if "master" in entry else self._stepped(it))
 
     @torch.no_grad()
     def masters_from_weights(self) -> None:
@@ -867,26 +800,18 @@ class ShardedOptimizer:
                 if "master_owned" in st:
                     load_owned(self.optimizer, it.param, it.param.detach(), st["master_owned"])
 
-    def _whole(self, it: ShardedParam, v) -> torch.Tensor:
-        """A loaded tensor covering this rank's whole parameter (its EP block of a logical tensor)."""
+    def _loaded(self, it: ShardedParam, v, like: torch.Tensor) -> torch.Tensor:
+        """A loaded tensor placed as `like`: Muon state covers this rank's whole parameter (its EP block of a
+        logical tensor), AdamW state its owned rows."""
         from torch.distributed.tensor import DTensor
 
-        if isinstance(v, DTensor):  # an expert-parallel block (or, replicated, the whole tensor)
-            v = v.to_local() if v.to_local().shape == it.param.shape else v.full_tensor()
-        if v.shape[0] == it.global_d0 and it.global_d0 != it.d0:  # the logical tensor: our block
-            v = v[it.global_offset : it.global_offset + it.d0]
-        return v
-
-    def _owned_rows(self, it: ShardedParam, v, like: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(v, DTensor):
-            v = v.to_local()
-        if v.shape == like.shape:
+        if isinstance(v, DTensor):  # Muon: an expert-parallel block (or, replicated, the whole tensor)
+            v = v.to_local() if not it.muon or v.to_local().shape == it.param.shape else v.full_tensor()
+        if v.shape == like.shape and not it.muon:
             return v
         if v.shape[0] == it.global_d0 and it.global_d0 != it.d0:  # the logical full tensor: our EP block first
             v = v[it.global_offset : it.global_offset + it.d0]
-        if v.shape == like.shape:
+        if it.muon or v.shape == like.shape:
             return v
         if v.shape == it.param.shape:
             return v.reshape(it.d0, -1)[it.start : it.stop].view_as(like)
