@@ -5,7 +5,8 @@ from this package's location, so `python -m k3train.train` works from any workin
 an editable install. A wheel installs copies under `<prefix>/share/k3train/` (pyproject's data-files); those are used
 when the repository folders are absent. `K3TRAIN_RECIPES` / `K3TRAIN_CONFIGS` override both.
 
-Both folders reach Hydra's search path through the plugin in hydra_plugins/k3train_searchpath (Hydra imports the
+Both folders are found, and reach Hydra's search path, through the plugin in hydra_plugins/k3train_searchpath (which
+imports nothing of k3train; Hydra imports the
 `hydra_plugins` namespace package), as absolute paths: a recipe from the user's --config-dir can list `tiny_cpu` or
 `model: tiny` in its defaults. The `k3train_configs` resolver below gives the groups' folder to a config that wants
 to name it.
@@ -14,13 +15,10 @@ to name it.
 from __future__ import annotations
 
 import functools
-import os
-import sys
-from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.plugins import Plugins
-from hydra_plugins.k3train_searchpath import K3TrainSearchPath
+from hydra_plugins.k3train_searchpath import K3TrainSearchPath, configs_dir, recipes_dir
 from omegaconf import OmegaConf
 
 from k3train.activation import rules_from_config
@@ -30,28 +28,6 @@ from .schema import K3TrainConfig
 
 SCHEMA_NAME = "k3train_schema"
 """Name of the structured schema node every recipe lists first in its defaults."""
-
-_PKG = Path(__file__).resolve().parents[1]  # k3train/
-_REPO = _PKG.parent
-
-
-def _find(env: str, repo_sub: str) -> Path:
-    if os.environ.get(env):
-        return Path(os.environ[env]).resolve()
-    for cand in (_REPO / repo_sub, Path(sys.prefix) / "share" / "k3train" / repo_sub):
-        if cand.is_dir():
-            return cand
-    return _REPO / repo_sub  # reported as missing by available_recipes()
-
-
-def recipes_dir() -> Path:
-    """Absolute folder of the top-level recipes."""
-    return _find("K3TRAIN_RECIPES", "recipes")
-
-
-def configs_dir() -> Path:
-    """Absolute folder of the config groups (model/, parallel/, optim/, data/, activation/, logging/)."""
-    return _find("K3TRAIN_CONFIGS", "configs")
 
 
 def available_recipes() -> list[str]:

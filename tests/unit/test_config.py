@@ -217,12 +217,14 @@ def test_installed_recipes_found_under_the_prefix(tmp_path, monkeypatch):
     # <prefix>/share/k3train, where pyproject's data-files put them.
     import sys
 
+    import hydra_plugins.k3train_searchpath as searchpath
+
     from k3train.config import store
 
     for sub in ("recipes", "configs"):
         (tmp_path / "share" / "k3train" / sub).mkdir(parents=True)
     (tmp_path / "share" / "k3train" / "recipes" / "mine.yaml").write_text("{}\n")
-    monkeypatch.setattr(store, "_REPO", tmp_path / "no_checkout")
+    monkeypatch.setattr(searchpath, "_REPO", tmp_path / "no_checkout")
     monkeypatch.setattr(sys, "prefix", str(tmp_path))
     monkeypatch.delenv("K3TRAIN_RECIPES", raising=False)
     monkeypatch.delenv("K3TRAIN_CONFIGS", raising=False)
