@@ -29,6 +29,8 @@ from pathlib import Path
 
 from k3train.config import ConfigError
 
+from .checkpoint import write_atomic
+
 LOCK = "run.lock"
 HISTORY = "config_history"
 SCHEDULE_KEYS = (
@@ -191,15 +193,6 @@ def release(run_dir: Path | None = None) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 # Config record
 # ---------------------------------------------------------------------------------------------------------------------
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def config_yaml(cfg, *, peak_flops: float = 0.0) -> str:
     """The config as YAML; a measured MFU peak is written into logging.peak_flops, so later starts reuse it."""
     from omegaconf import OmegaConf
@@ -219,8 +212,8 @@ def record_config(run_dir: Path, cfg, step: int, *, peak_flops: float = 0.0) -> 
     path, n = hist / f"step-{step:06d}.yaml", 1
     while path.exists():
         path, n = hist / f"step-{step:06d}-{n}.yaml", n + 1
-    _write_atomic(path, text)
-    _write_atomic(Path(run_dir) / "config.yaml", text)
+    write_atomic(path, text)
+    write_atomic(Path(run_dir) / "config.yaml", text)
     return path
 
 
