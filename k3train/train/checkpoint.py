@@ -149,10 +149,6 @@ def write_atomic(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
-def step_dir_name(step: int) -> str:
-    return f"step-{step:06d}"
-
-
 def rank_file(rank: int) -> str:
     return f"rank-{rank}.json"
 
@@ -657,7 +653,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         group = self._checkpoint_group()
         rank, world = _rank_world()
-        final = self.root / step_dir_name(step)
+        final = self.root / f"step-{step:06d}"
         tmp = self.root / (final.name + ".tmp")
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)

@@ -43,8 +43,8 @@ from k3train.parallel.mesh import rank_coords
 from k3train.parallel.zero import PARAM_DTYPES
 
 from . import resilience, rundir
-from .checkpoint import Checkpointer
-from .logs import log
+from .checkpoint import Checkpointer, init_weights_from
+from .logs import ensure_console, log
 from .metrics import MetricsLogger, measure_peak_flops
 
 
@@ -278,8 +278,6 @@ class Trainer:
                     f"resume/changed)"
                 )
         elif t.init_from:  # a new run from another run's weights (nothing of its own to resume yet)
-            from .checkpoint import init_weights_from
-
             with _quiet_checkpoint_warnings():
                 source = init_weights_from(t.init_from, self.engine)
             self._print(f"weights from {source}; step, schedule, optimizer and data start fresh")
@@ -566,8 +564,6 @@ def run(spec: RunSpec, *, output_dir: str | None = None, output_dir_named: bool 
     'steps', 'first_loss', 'last' (the final record), 'stopped' (the signals' names, or None)}. A collective that
     times out or loses a peer raises resilience.CommFailure naming the rank, the operation and the step.
     output_dir, output_dir_named: Hydra's output directory (see Trainer)."""
-    from .logs import ensure_console
-
     ensure_console()
     env = dist_env()
     progress = resilience.Progress(rank=env.rank, timeout_s=spec.config.train.timeout_s)
