@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import dataclasses
 import datetime as _dt
 import hashlib
 import io
@@ -84,7 +83,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.futures import Future
 
 from k3train.digest import file_sha256
 
@@ -406,11 +404,26 @@ def read_metadata(folder: Path, files: set[str], what: str = "", *, allow_bytes_
     return md
 
 
+class _NamingFileSystem(FileSystem):
+    """DCP's local file system for reading, refusing by name a data file that holds anything but plain tensors (DCP
+    reads them with torch.load(weights_only=True) while the file's stream is open)."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(f"{path} holds more than plain tensors; refused ({str(e)[:300]})") from e
+
+
 class _CheckedReader(FileSystemReader):
-    """FileSystemReader that hands DCP the metadata read by read_metadata() instead of unpickling `.metadata`."""
+    """FileSystemReader that hands DCP the metadata read by read_metadata() instead of unpickling `.metadata`, and
+    reads through _NamingFileSystem."""
 
     def __init__(self, folder: Path, metadata: Metadata):
         super().__init__(str(folder))
+        self.fs = _NamingFileSystem()
         self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -418,23 +431,6 @@ class _CheckedReader(FileSystemReader):
             raise CheckpointError(f"checkpoint {self.path}: per-rank metadata files are not read")
         self._metadata.storage_meta.load_id = self.load_id
         return self._metadata
-
-    def read_data(self, plan, planner):
-        """DCP's reads (tensors through torch.load(weights_only=True)), one data file at a time, so that a file
-        holding anything but plain tensors is refused by name."""
-        by_file: dict[str, list] = {}
-        for item in plan.items:
-            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for name, items in by_file.items():
-            try:
-                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
-            except pickle.UnpicklingError as e:
-                raise CheckpointError(
-                    f"{self.path / name} holds more than plain tensors; refused ({str(e)[:300]})"
-                ) from e
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
 
 
 class _TensorsOnlyPlanner(DefaultLoadPlanner):
