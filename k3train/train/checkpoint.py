@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import dataclasses
 import datetime as _dt
 import hashlib
 import io
@@ -64,7 +63,7 @@ import shutil
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +83,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.futures import Future
 
 from k3train.digest import file_sha256
 
@@ -108,25 +106,16 @@ class CheckpointError(RuntimeError):
     message names it."""
 
 
-def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _dist_on() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if _dist_on() else 1
-
-
-def _barrier(group=None) -> None:
-    if _dist_on():
-        dist.barrier(group=group)
+def _rank_world() -> tuple[int, int]:
+    """(rank, world size) of the default group; (0, 1) in one process."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def _all_gather_object(obj: Any, group=None) -> list[Any]:
-    if not _dist_on():
+    """Every rank's `obj`, in rank order ([obj] in one process)."""
+    if not (dist.is_available() and dist.is_initialized()):
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
@@ -150,15 +139,12 @@ def _write_synced(path: Path, data: bytes) -> dict:
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` by `text` atomically and durably (a synced `.<name>.tmp` renamed over it; the folder synced)."""
+    tmp = path.with_name(f".{path.name}.tmp")
     _write_synced(tmp, text.encode())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:06d}"
 
 
 def rank_file(rank: int) -> str:
@@ -169,12 +155,7 @@ def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
     """Finished checkpoints (step, folder) in ckpt_root, oldest first; `.tmp` folders are not listed."""
     if not ckpt_root.is_dir():
         return []
-    out = []
-    for p in ckpt_root.iterdir():
-        m = _STEP_RE.match(p.name)
-        if m and p.is_dir():
-            out.append((int(m.group(1)), p))
-    return sorted(out)
+    return sorted((int(m.group(1)), p) for p in ckpt_root.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -233,12 +214,16 @@ def set_rng_state(st: dict) -> None:
 # Writing: DCP storage writer that checksums while writing
 # ---------------------------------------------------------------------------------------------------------------------
 class _HashingStream:
-    """A binary output stream that passes bytes to `raw` and hashes them on the way."""
+    """A binary output stream that passes bytes to `raw` and hashes them on the way; everything but write() is
+    raw's (tell, fileno, flush, close, ...)."""
 
     def __init__(self, raw):
         self.raw = raw
         self.sha = hashlib.sha256()
         self.size = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.raw, name)
 
     def write(self, b) -> int:
         view = memoryview(b).cast("B")
@@ -248,25 +233,6 @@ class _HashingStream:
         self.sha.update(view)
         self.size += view.nbytes
         return view.nbytes
-
-    def tell(self) -> int:
-        return self.raw.tell()
-
-    def fileno(self) -> int:
-        return self.raw.fileno()
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-    def close(self) -> None:
-        self.raw.close()
-
-    @property
-    def closed(self) -> bool:
-        return self.raw.closed
-
-    def writable(self) -> bool:
-        return True
 
 
 class _HashingFileSystem(FileSystem):
@@ -280,10 +246,6 @@ class _HashingFileSystem(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
-        if "r" in mode and "+" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
         if mode not in ("wb", "w+b"):
             raise ValueError(f"checkpoint files are written whole ('wb'), not with mode {mode!r}")
         with super().create_stream(path, mode) as raw:
@@ -328,12 +290,16 @@ def _leaves(tree: Any, prefix: str = ""):
         yield prefix[:-1], tree
 
 
+def _state_bytes(state: dict) -> int:
+    return sum(_local_tensor_bytes(v) for _, v in _leaves(state))
+
+
 def staging_bytes(engine) -> int:
     """Host bytes of the copy an asynchronous save makes of this rank's state before writing it in the background:
     every tensor of engine.state_dict() as this rank holds it (parameters and persistent buffers, fp32 masters under
     bf16, optimizer state; of sharded state only the rank's own shards). Replicated tensors are staged on every rank
     that holds them even though DCP writes them once, so this is the rank's state bytes, not its written bytes."""
-    return sum(_local_tensor_bytes(v) for _, v in _leaves(engine.state_dict()))
+    return _state_bytes(engine.state_dict())
 
 
 def _tensors_only(state: dict) -> None:
@@ -365,15 +331,15 @@ reading it cannot call anything else (the Python docs' "Restricting Globals").""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only _METADATA_GLOBALS and torch dtypes (persistent ids are refused by pickle itself: no
+    persistent_load)."""
+
     def find_class(self, module: str, name: str):
         if (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
-
-    def persistent_load(self, pid):
-        raise pickle.UnpicklingError("persistent ids are not allowed")
 
 
 def _check_metadata(md: Any, files: set[str], *, allow_bytes_entries: bool) -> None:
@@ -420,12 +386,12 @@ def _check_metadata(md: Any, files: set[str], *, allow_bytes_entries: bool) -> N
             raise ValueError(f"storage of {index.fqn!r} asks for stream transforms")
 
 
-def read_metadata(folder: Path, files: set[str], *, allow_bytes_entries: bool = False) -> Metadata:
+def read_metadata(folder: Path, files: set[str], what: str = "", *, allow_bytes_entries: bool = False) -> Metadata:
     """DCP's `.metadata` of `folder`, read without running anything it names and checked (see _check_metadata).
-    files: the file names of the (verified) manifest. CheckpointError naming the file otherwise."""
+    files: the file names of the (verified) manifest. CheckpointError naming the file otherwise (after `what`)."""
     path = folder / METADATA
     if METADATA not in files:
-        raise CheckpointError(f"checkpoint {folder}: {METADATA} is not in its manifest")
+        raise CheckpointError(f"{what}checkpoint {folder}: {METADATA} is not in its manifest")
     try:
         with open(path, "rb") as f:
             md = _MetadataUnpickler(f).load()
@@ -433,16 +399,31 @@ def read_metadata(folder: Path, files: set[str], *, allow_bytes_entries: bool = 
     except CheckpointError:
         raise
     except Exception as e:
-        raise CheckpointError(f"checkpoint {folder}: {path} refused ({type(e).__name__}: {e})") from e
+        raise CheckpointError(f"{what}checkpoint {folder}: {path} refused ({type(e).__name__}: {e})") from e
     md.storage_meta = StorageMeta()
     return md
 
 
+class _NamingFileSystem(FileSystem):
+    """DCP's local file system for reading, refusing by name a data file that holds anything but plain tensors (DCP
+    reads them with torch.load(weights_only=True) while the file's stream is open)."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(f"{path} holds more than plain tensors; refused ({str(e)[:300]})") from e
+
+
 class _CheckedReader(FileSystemReader):
-    """FileSystemReader that hands DCP the metadata read by read_metadata() instead of unpickling `.metadata`."""
+    """FileSystemReader that hands DCP the metadata read by read_metadata() instead of unpickling `.metadata`, and
+    reads through _NamingFileSystem."""
 
     def __init__(self, folder: Path, metadata: Metadata):
         super().__init__(str(folder))
+        self.fs = _NamingFileSystem()
         self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -451,29 +432,17 @@ class _CheckedReader(FileSystemReader):
         self._metadata.storage_meta.load_id = self.load_id
         return self._metadata
 
-    def read_data(self, plan, planner):
-        """DCP's reads (tensors through torch.load(weights_only=True)), one data file at a time, so that a file
-        holding anything but plain tensors is refused by name."""
-        by_file: dict[str, list] = {}
-        for item in plan.items:
-            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for name, items in by_file.items():
-            try:
-                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
-            except pickle.UnpicklingError as e:
-                raise CheckpointError(
-                    f"{self.path / name} holds more than plain tensors; refused ({str(e)[:300]})"
-                ) from e
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
-
 
 class _TensorsOnlyPlanner(DefaultLoadPlanner):
     """DCP's load planner, refusing non-tensor entries (DCP would torch.load them with weights_only=False)."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         raise CheckpointError(f"entry {read_item.dest_index.fqn!r} is not a tensor; refused")
+
+
+def _failures(e: CheckpointException) -> list[BaseException]:
+    """The exception each rank raised, behind DCP's CheckpointException."""
+    return [x[0] if isinstance(x, tuple) else x for x in e.failures.values()]
 
 
 def _refused_content(e: BaseException) -> BaseException | None:
@@ -487,7 +456,7 @@ def _refused_content(e: BaseException) -> BaseException | None:
         if isinstance(x, (pickle.UnpicklingError, CheckpointError)):
             return x
         if isinstance(x, CheckpointException):
-            todo += [f[0] if isinstance(f, tuple) else f for f in x.failures.values()]
+            todo += _failures(x)
         todo += [x.__cause__, x.__context__]
     return None
 
@@ -495,14 +464,27 @@ def _refused_content(e: BaseException) -> BaseException | None:
 def _describe(e: BaseException) -> str:
     """One line for an exception; for DCP's CheckpointException, the exception each rank raised."""
     if isinstance(e, CheckpointException):
-        parts = [x[0] if isinstance(x, tuple) else x for x in e.failures.values()]
-        return "; ".join(f"{type(x).__name__}: {str(x)[:300]}" for x in parts) or "CheckpointException"
+        return "; ".join(f"{type(x).__name__}: {str(x)[:300]}" for x in _failures(e)) or "CheckpointException"
     return f"{type(e).__name__}: {str(e)[:500]}"
 
 
-def _dcp_load(state: dict, folder: Path, metadata: Metadata, what: str) -> None:
+def _load_tensors(state: dict, folder: Path, files: set[str], what: str, *, version: int = FORMAT_VERSION, warn=None):
+    """Fill `state` ({"engine": {"model": ..., "optim": ...}}: this run's tensors, the templates) from the verified
+    checkpoint `folder` (files: its manifest's names): `.metadata` read by read_metadata, the model compared with the
+    job's (check_model_entries), optimizer state the checkpoint lacks left out (_drop_unsaved_optimizer_state; `warn`
+    is told of state another optimizer saved), then DCP's load through _CheckedReader and _TensorsOnlyPlanner.
+    CheckpointError, its message after `what`, for anything refused or a checkpoint of another shape."""
+    meta = read_metadata(folder, files, what, allow_bytes_entries=version == 1)
+    model, saved = state["engine"]["model"], set(meta.state_dict_metadata)
+    check_model_entries(model, meta.state_dict_metadata, folder, what, job_names=job_model_names(model))
+    other = _drop_unsaved_optimizer_state(state["engine"].get("optim", {}), saved, "engine.optim.")
+    if other:
+        warn(
+            f"checkpoint {folder}: the optimizer state of {len(other)} parameters (e.g. {other[0]}) was "
+            f"saved by another optimizer; they start with fresh state"
+        )
     try:
-        dcp.load(state, storage_reader=_CheckedReader(folder, metadata), planner=_TensorsOnlyPlanner())
+        dcp.load(state, storage_reader=_CheckedReader(folder, meta), planner=_TensorsOnlyPlanner())
     except (Exception, CheckpointException) as e:  # DCP raises several types for a checkpoint of another shape
         refused = _refused_content(e)
         if isinstance(refused, CheckpointError):
@@ -528,25 +510,26 @@ def _read_manifest(folder: Path) -> dict | None:
     return m if isinstance(m, dict) and isinstance(m.get("files"), dict) else None
 
 
-def format_version(folder: Path) -> int | None:
-    """The checkpoint's format version (1 when its manifest records none); None without a readable manifest."""
+def _check_version(folder: Path, allowed: tuple[int, ...], what: str = "") -> int | None:
+    """The checkpoint's format version (1 when its manifest records none, -1 when not a number; None without a
+    readable manifest); CheckpointError, its message after `what`, for a version not in `allowed`."""
     m = _read_manifest(folder)
     if m is None:
         return None
-    v = m.get("format_version", 1)
-    return v if type(v) is int else -1
-
-
-def _version_problem(folder: Path, version: int) -> str:
+    version = m.get("format_version", 1) if type(m.get("format_version", 1)) is int else -1
+    if version in allowed:
+        return version
     if version == 1:
-        return (
-            f"checkpoint {folder} has format version 1 (its manifest records none); this k3train reads version "
+        raise CheckpointError(
+            f"{what}checkpoint {folder} has format version 1 (its manifest records none); this k3train reads version "
             f"{FORMAT_VERSION}. Version 1 kept each rank's state as a pickle, which loading would run, so it "
             f"is not resumed. Resume it with the k3train release that wrote it, or start a new run from its "
             f"weights with train.init_from={folder} (that reads its tensors only) and let that run save version "
             f"{FORMAT_VERSION}."
         )
-    return f"checkpoint {folder} has format version {version}; this k3train reads version {FORMAT_VERSION}"
+    raise CheckpointError(
+        f"{what}checkpoint {folder} has format version {version}; this k3train reads version {FORMAT_VERSION}"
+    )
 
 
 def verify_checkpoint(folder: Path) -> str | None:
@@ -558,7 +541,7 @@ def verify_checkpoint(folder: Path) -> str | None:
         problem = f"{MANIFEST} is missing" if not (folder / MANIFEST).exists() else f"{MANIFEST} is unreadable"
     else:
         files = manifest["files"]
-        rank, world = _rank(), _world()
+        rank, world = _rank_world()
         names = sorted(files)
         for name in names[rank::world]:
             p = folder / name
@@ -610,19 +593,16 @@ class SavedCheckpoint:
 
 @dataclass
 class _Pending:
-    step: int
+    """A save in flight; `saved` is filled in as it goes."""
+
+    saved: SavedCheckpoint
     tmp: Path
-    final: Path
     writer: _HashingWriter
     own_files: dict
     group: Any
     t0: float
-    staging_bytes: int
     future: Any = None
     thread: threading.Thread | None = None
-    blocking_s: float = 0.0
-    save_s: float = 0.0
-    rank_bytes: list[int] = field(default_factory=list)
     error: BaseException | None = None
 
 
@@ -652,16 +632,12 @@ class Checkpointer:
         self.warn = warn or (lambda msg: warnings.warn(msg, stacklevel=2))
         self._pending: _Pending | None = None
         self._group = None
-        self._group_made = False
 
     def _checkpoint_group(self):
         """The gloo group DCP saves over (created once, collectively, at the first save), None in one process."""
-        if not _dist_on():
-            return None
-        if not self._group_made:
+        if self._group is None and dist.is_available() and dist.is_initialized():
             kw = {} if self.group_timeout_s is None else {"timeout": _dt.timedelta(seconds=self.group_timeout_s)}
             self._group = dist.new_group(backend="gloo", **kw)
-            self._group_made = True
         return self._group
 
     # ---- save --------------------------------------------------------------------------------------------------
@@ -672,8 +648,8 @@ class Checkpointer:
         done = self.finish()
         t0 = time.perf_counter()
         group = self._checkpoint_group()
-        rank, world = _rank(), _world()
-        final = self.root / step_dir_name(step)
+        rank, world = _rank_world()
+        final = self.root / f"step-{step:06d}"
         tmp = self.root / (final.name + ".tmp")
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -681,7 +657,8 @@ class Checkpointer:
                 if _TMP_RE.match(stale.name) and stale.is_dir():
                     shutil.rmtree(stale)
             tmp.mkdir()
-        _barrier(group)
+        if group is not None:
+            dist.barrier(group=group)
         own = {
             "format_version": FORMAT_VERSION,
             "rank": rank,
@@ -699,29 +676,27 @@ class Checkpointer:
         state = {"engine": engine.state_dict()}
         _tensors_only(state)
         writer = _HashingWriter(tmp)
-        p = _Pending(
-            step=step, tmp=tmp, final=final, writer=writer, own_files=own_files, group=group, t0=t0, staging_bytes=0
-        )
+        saved = SavedCheckpoint(step=step, path=final, blocking_s=0.0, save_s=0.0, rank_bytes=[], staging_bytes=0)
+        p = _Pending(saved=saved, tmp=tmp, writer=writer, own_files=own_files, group=group, t0=t0)
         if self.async_save:
-            p.staging_bytes = sum(_local_tensor_bytes(v) for _, v in _leaves(state))
+            saved.staging_bytes = _state_bytes(state)
             p.future = dcp.async_save(state, storage_writer=writer, process_group=group)
             p.thread = threading.Thread(target=self._complete, args=(p,), name=f"k3train-publish-{step}", daemon=True)
             p.thread.start()
-            p.blocking_s = time.perf_counter() - t0
-            self._pending = p
-            return done
-        try:
-            dcp.save(state, storage_writer=writer, process_group=group)
-        except (Exception, CheckpointException) as e:
-            p.error = e
-        self._complete(p)
-        p.blocking_s = time.perf_counter() - t0
+        else:
+            try:
+                dcp.save(state, storage_writer=writer, process_group=group)
+            except (Exception, CheckpointException) as e:
+                p.error = e
+            self._complete(p)
+        saved.blocking_s = time.perf_counter() - t0
         self._pending = p
-        return done + self.finish()
+        return done if self.async_save else done + self.finish()
 
     def _complete(self, p: _Pending) -> None:
         """Once this rank's write is done: gather every rank's files and outcome; rank 0 publishes. Runs on the
         publishing thread (asynchronous saves) or inline."""
+        final = p.saved.path
         try:
             if p.future is not None:
                 try:
@@ -734,66 +709,60 @@ class Checkpointer:
             failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e]
             if failed:
                 raise CheckpointError(
-                    f"checkpoint {p.final} was not saved ({failed[0]}); its {p.tmp.name} folder is never resumed from"
+                    f"checkpoint {final} was not saved ({failed[0]}); its {p.tmp.name} folder is never resumed from"
                 )
             all_files: dict[str, dict] = {}
             for _, f in gathered:
                 all_files.update(f)
-            p.rank_bytes = [0] * len(gathered)
+            p.saved.rank_bytes = [0] * len(gathered)
             for name, entry in all_files.items():
-                p.rank_bytes[_owner(name)] += entry["size"]
+                p.saved.rank_bytes[_owner(name)] += entry["size"]
             problem, cause = None, None
-            if _rank() == 0:
+            if _rank_world()[0] == 0:
                 try:
                     self._publish(p, all_files)
                 except Exception as e:
                     problem, cause = _describe(e), e
             problem = _all_gather_object(problem, p.group)[0]  # every rank learns whether rank 0 published
             if problem is not None:
-                raise CheckpointError(f"checkpoint {p.final} was not published (rank 0: {problem})") from cause
-            p.save_s = time.perf_counter() - p.t0
+                raise CheckpointError(f"checkpoint {final} was not published (rank 0: {problem})") from cause
+            p.saved.save_s = time.perf_counter() - p.t0
         except BaseException as e:
             p.error = e
 
     def _publish(self, p: _Pending, files: dict[str, dict]) -> None:
+        final = p.saved.path
         on_disk = {q.name for q in p.tmp.iterdir()} - {MANIFEST}
         if on_disk != set(files):
             raise CheckpointError(
-                f"checkpoint {p.final}: files written {sorted(on_disk)} but checksummed {sorted(files)}"
+                f"checkpoint {final}: files written {sorted(on_disk)} but checksummed {sorted(files)}"
             )
         manifest = {
             "format_version": FORMAT_VERSION,
-            "step": p.step,
-            "world_size": len(p.rank_bytes),
-            "rank_bytes": p.rank_bytes,
+            "step": p.saved.step,
+            "world_size": len(p.saved.rank_bytes),
+            "rank_bytes": p.saved.rank_bytes,
             "files": files,
         }
         _write_synced(p.tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         _fsync_dir(p.tmp)
-        if p.final.exists():  # a corrupt checkpoint of the same step that a resume fell back from
-            shutil.rmtree(p.final)
-        os.rename(p.tmp, p.final)
+        if final.exists():  # a corrupt checkpoint of the same step that a resume fell back from
+            shutil.rmtree(final)
+        os.rename(p.tmp, final)
         _fsync_dir(self.root)
-        _write_atomic(self.root / LATEST, p.final.name + "\n")
+        write_atomic(self.root / LATEST, final.name + "\n")
         self._prune()
 
     def _collect(self) -> SavedCheckpoint:
         p, self._pending = self._pending, None
+        if isinstance(p.error, CheckpointError):
+            raise p.error
         if p.error is not None:
-            if isinstance(p.error, CheckpointError):
-                raise p.error
             raise CheckpointError(
-                f"checkpoint {p.final} was not saved ({_describe(p.error)}); its {p.tmp.name} "
+                f"checkpoint {p.saved.path} was not saved ({_describe(p.error)}); its {p.tmp.name} "
                 f"folder is never resumed from"
             ) from p.error
-        return SavedCheckpoint(
-            step=p.step,
-            path=p.final,
-            blocking_s=p.blocking_s,
-            save_s=p.save_s,
-            rank_bytes=p.rank_bytes,
-            staging_bytes=p.staging_bytes,
-        )
+        return p.saved
 
     def poll(self) -> list[SavedCheckpoint]:
         """The save in flight if it has been published since (no waiting, no collective); a failed one is kept for
@@ -811,7 +780,7 @@ class Checkpointer:
         if p.thread is not None:
             t = time.perf_counter()
             p.thread.join()
-            p.blocking_s += time.perf_counter() - t
+            p.saved.blocking_s += time.perf_counter() - t
         return [self._collect()]
 
     def _prune(self) -> None:
@@ -842,9 +811,7 @@ class Checkpointer:
         checkpoint of another format version."""
         cands = self.candidates(resume)
         for i, folder in enumerate(cands):
-            version = format_version(folder)
-            if version is not None and version != FORMAT_VERSION:
-                raise CheckpointError(_version_problem(folder, version))
+            _check_version(folder, (FORMAT_VERSION,))
             problem = verify_checkpoint(folder)
             if problem is not None:
                 nxt = f"trying {cands[i + 1].name}" if i + 1 < len(cands) else "no older checkpoint is left"
@@ -858,27 +825,12 @@ class Checkpointer:
         return None
 
     def _load_one(self, folder: Path, engine, scheduler) -> LoadedState:
-        rank = _rank()
+        rank = _rank_world()[0]
         files = set(_read_manifest(folder)["files"])
         mine = rank_file(rank) if rank_file(rank) in files else rank_file(0)
         own = _read_rank_state(folder, mine, files)
-        meta = read_metadata(folder, files)
         state = {"engine": engine.state_dict()}
-        saved = set(meta.state_dict_metadata)
-        check_model_entries(
-            state["engine"]["model"],
-            meta.state_dict_metadata,
-            folder,
-            "",
-            job_names=job_model_names(state["engine"]["model"]),
-        )
-        other = _drop_unsaved_optimizer_state(state["engine"]["optim"], saved, "engine.optim.")
-        if other:
-            self.warn(
-                f"checkpoint {folder}: the optimizer state of {len(other)} parameters (e.g. {other[0]}) was "
-                f"saved by another optimizer; they start with fresh state"
-            )
-        _dcp_load(state, folder, meta, "")
+        _load_tensors(state, folder, files, "", warn=self.warn)
         try:
             engine.load_state_dict(state["engine"])
         except Exception as e:
@@ -899,8 +851,6 @@ class Checkpointer:
 
 def job_model_names(model: dict) -> set[str]:
     """The model tensor names of the whole job: every rank's (a pipeline stage holds only its own layers)."""
-    if not _dist_on():
-        return set(model)
     return set().union(*_all_gather_object(sorted(model)))
 
 
@@ -1007,21 +957,12 @@ def init_weights_from(path: str, engine, warn=None) -> Path:
     if not cands:
         raise CheckpointError(f"train.init_from={path!r}: no checkpoint (step-N folder) there")
     folder = cands[0]
-    version = format_version(folder)
-    if version is not None and version not in (1, FORMAT_VERSION):
-        raise CheckpointError(f"train.init_from: {_version_problem(folder, version)}")
+    version = _check_version(folder, (1, FORMAT_VERSION), "train.init_from: ")
     problem = verify_checkpoint(folder)
     if problem is not None:
         raise CheckpointError(f"train.init_from: checkpoint {folder} is corrupt ({problem})")
-    files = set(_read_manifest(folder)["files"])
-    try:
-        md = read_metadata(folder, files, allow_bytes_entries=version == 1)
-    except CheckpointError as e:
-        raise CheckpointError(f"train.init_from: {e}") from e
-    model = {k: v for k, v in engine.state_dict()["model"].items()}
-    check_model_entries(model, md.state_dict_metadata, folder, "train.init_from: ", job_names=job_model_names(model))
-    state = {"engine": {"model": model}}
-    _dcp_load(state, folder, md, "train.init_from: ")
+    state = {"engine": {"model": dict(engine.state_dict()["model"])}}
+    _load_tensors(state, folder, set(_read_manifest(folder)["files"]), "train.init_from: ", version=version)
     try:
         engine.load_weights(state["engine"]["model"])
     except Exception as e:

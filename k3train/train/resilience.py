@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -77,7 +77,7 @@ def stop_signals(env=os.environ) -> list[signal.Signals]:
 
 
 class StopRequest:
-    """Records the stop signals this process received (as handlers, from `install` until `restore`)."""
+    """Records the stop signals this process received (its handler, installed by stop_requests)."""
 
     FLAGS = (signal.SIGTERM, signal.SIGUSR1)
     """The order of `flags()`: one number per signal, summed over the ranks."""
@@ -85,18 +85,6 @@ class StopRequest:
     def __init__(self, rank: int = 0):
         self.rank = rank
         self.received: list[signal.Signals] = []
-        self._saved: dict[signal.Signals, object] = {}
-
-    def install(self, env=os.environ) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():
-            for sig in stop_signals(env):
-                self._saved[sig] = signal.signal(sig, self._on_signal)
-        return self
-
-    def restore(self) -> None:
-        for sig, handler in self._saved.items():
-            signal.signal(sig, handler)
-        self._saved.clear()
 
     def _on_signal(self, signum, frame) -> None:
         sig = signal.Signals(signum)
@@ -114,13 +102,17 @@ class StopRequest:
 
 
 @contextlib.contextmanager
-def stop_requests(rank: int = 0):
-    """A StopRequest whose handlers are installed for the duration (the previous handlers come back after)."""
-    req = StopRequest(rank).install()
+def stop_requests(rank: int = 0, env=os.environ):
+    """A StopRequest whose handlers are installed for the duration, from the main thread (the previous handlers come
+    back after)."""
+    req, saved = StopRequest(rank), {}
+    if threading.current_thread() is threading.main_thread():
+        saved = {sig: signal.signal(sig, req._on_signal) for sig in stop_signals(env)}
     try:
         yield req
     finally:
-        req.restore()
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 @dataclass(frozen=True)
@@ -175,7 +167,6 @@ class Progress:
     step: int | None = None
     timeout_s: float = 0.0
     """The bound of the wait that is running (train.timeout_s, or host_work_timeout_s in long waits)."""
-    notes: list[str] = field(default_factory=list)
 
 
 _TIMEOUT_WORDS = ("timed out", "timeout")
@@ -233,13 +224,6 @@ def set_new_group_timeout(timeout: _dt.timedelta) -> None:
         c10d.default_pg_nccl_timeout = timeout
 
 
-def set_group_timeout(timeout: _dt.timedelta, group=None) -> None:
-    """Set the timeout of an existing group's collectives (the default group when None)."""
-    from torch.distributed.distributed_c10d import _set_pg_timeout
-
-    _set_pg_timeout(timeout, group)
-
-
 def host_work_group(host_timeout_s: float):
     """A gloo group over all ranks whose collectives wait up to host_timeout_s: where ranks wait for a peer's long
     host work (on GPU too, away from NCCL's watchdog)."""
@@ -250,27 +234,18 @@ def host_work_group(host_timeout_s: float):
 def long_waits(progress: Progress, host_timeout_s: float, timeout_s: float):
     """The default group waits up to host_timeout_s inside (a checkpoint saved or verified: peers checksum and
     prune files meanwhile); back to timeout_s after."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout  # an existing group's timeout
+
     on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if on:
-        set_group_timeout(_dt.timedelta(seconds=host_timeout_s))
+        _set_pg_timeout(_dt.timedelta(seconds=host_timeout_s))
     progress.timeout_s = host_timeout_s
     try:
         yield
     finally:
         progress.timeout_s = timeout_s
         if on:
-            set_group_timeout(_dt.timedelta(seconds=timeout_s))
-
-
-def uses_agent_store(env=os.environ) -> bool:
-    """torchrun tells its workers to connect to the agent's store at MASTER_ADDR:MASTER_PORT (c10d and static
-    rendezvous alike)."""
-    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-
-
-def agent_store(timeout: _dt.timedelta, env=os.environ) -> dist.Store:
-    """A client of torchrun's agent store (it outlives the restart rounds of one launch)."""
-    return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+            _set_pg_timeout(_dt.timedelta(seconds=timeout_s))
 
 
 def _answers(host: str, port: int, wait_s: float = 2.0) -> bool:
@@ -320,11 +295,14 @@ def init_process_group(
     timeout = _dt.timedelta(seconds=timeout_s)
     set_new_group_timeout(timeout)
     kw = {"device_id": device} if device is not None and device.type == "cuda" else {}
-    if not uses_agent_store():
+    # torchrun tells its workers to connect to its agent's store at MASTER_ADDR:MASTER_PORT (c10d and static
+    # rendezvous alike); that store outlives the restart rounds of one launch.
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend=backend, timeout=timeout, **kw)  # env://: rank 0 serves a new store
         return None
-    agent = agent_store(timeout)
-    store = round_store(agent, rank, timeout, os.environ["MASTER_ADDR"])
+    host = os.environ["MASTER_ADDR"]
+    agent = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    store = round_store(agent, rank, timeout, host)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
     return agent
 

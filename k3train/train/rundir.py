@@ -29,6 +29,8 @@ from pathlib import Path
 
 from k3train.config import ConfigError
 
+from .checkpoint import write_atomic
+
 LOCK = "run.lock"
 HISTORY = "config_history"
 SCHEDULE_KEYS = (
@@ -45,13 +47,8 @@ _held: set[Path] = set()
 
 
 def default_run_dir(recipe: str) -> Path:
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    d = Path("runs") / recipe / stamp
-    n = 1
-    while d.exists():  # two runs started in the same second
-        d = Path("runs") / recipe / f"{stamp}-{n}"
-        n += 1
-    return d
+    """runs/<recipe>/<time>, a name no directory has yet."""
+    return unused(Path("runs") / recipe / _dt.datetime.now().strftime("%Y%m%d-%H%M%S"), taken=Path.exists)
 
 
 def run_dir_of_resume(resume: str) -> Path | None:
@@ -82,10 +79,12 @@ def choose(train_cfg, recipe: str, agent, *, output_dir: str | None = None, outp
     return resilience.stable_run_dir(recipe, agent, fresh)
 
 
-def unused(d: Path) -> Path:
-    """`d`, or `d-1`, `d-2`, ... when a run already uses it (two starts in the same second of ${now:})."""
+def unused(d: Path, taken=None) -> Path:
+    """`d`, or `d-1`, `d-2`, ... when a run already uses it (two starts in the same second of ${now:}). taken: whether
+    a candidate is in use (by default: it holds a run's lock or metrics)."""
+    taken = taken or (lambda c: (c / LOCK).exists() or (c / "metrics.jsonl").exists())
     cand, n = d, 1
-    while (cand / LOCK).exists() or (cand / "metrics.jsonl").exists():
+    while taken(cand):
         cand = d.with_name(f"{d.name}-{n}")
         n += 1
     return cand
@@ -191,15 +190,6 @@ def release(run_dir: Path | None = None) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 # Config record
 # ---------------------------------------------------------------------------------------------------------------------
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def config_yaml(cfg, *, peak_flops: float = 0.0) -> str:
     """The config as YAML; a measured MFU peak is written into logging.peak_flops, so later starts reuse it."""
     from omegaconf import OmegaConf
@@ -219,8 +209,8 @@ def record_config(run_dir: Path, cfg, step: int, *, peak_flops: float = 0.0) -> 
     path, n = hist / f"step-{step:06d}.yaml", 1
     while path.exists():
         path, n = hist / f"step-{step:06d}-{n}.yaml", n + 1
-    _write_atomic(path, text)
-    _write_atomic(Path(run_dir) / "config.yaml", text)
+    write_atomic(path, text)
+    write_atomic(Path(run_dir) / "config.yaml", text)
     return path
 
 

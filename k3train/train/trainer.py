@@ -43,8 +43,8 @@ from k3train.parallel.mesh import rank_coords
 from k3train.parallel.zero import PARAM_DTYPES
 
 from . import resilience, rundir
-from .checkpoint import Checkpointer
-from .logs import log
+from .checkpoint import Checkpointer, init_weights_from
+from .logs import ensure_console, log
 from .metrics import MetricsLogger, measure_peak_flops
 
 
@@ -103,14 +103,6 @@ def _cpu_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
-
-
-def _broadcast_str(value: str, env: DistEnv, group=None) -> str:
-    if env.world == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -231,13 +223,17 @@ class Trainer:
                 chosen = str(rd)
             except (ConfigError, OSError) as e:
                 chosen = f"\0{e}"
-        chosen = _broadcast_str(chosen, env)
+        if env.world > 1:
+            box = [chosen]
+            dist.broadcast_object_list(box, src=0)
+            chosen = box[0]
         if chosen.startswith("\0"):  # every rank stops on rank 0's refusal
             raise ConfigError(chosen[1:])
         self.run_dir = Path(chosen)
         rundir.drop_unused_output_dir(output_dir, self.run_dir)
         self._print(f"run directory {self.run_dir}")
-        self._barrier()
+        if env.world > 1:
+            dist.barrier()
 
     def _build_engine(self) -> None:
         """Model, parallelism, optimizer and kernels: one engine for every layout; then the schedule."""
@@ -282,8 +278,6 @@ class Trainer:
                     f"resume/changed)"
                 )
         elif t.init_from:  # a new run from another run's weights (nothing of its own to resume yet)
-            from .checkpoint import init_weights_from
-
             with _quiet_checkpoint_warnings():
                 source = init_weights_from(t.init_from, self.engine)
             self._print(f"weights from {source}; step, schedule, optimizer and data start fresh")
@@ -324,10 +318,6 @@ class Trainer:
             rundir.record_config(self.run_dir, cfg, self.step, peak_flops=measured)
 
     # ---- helpers -----------------------------------------------------------------------------------------------
-    def _barrier(self, group=None) -> None:
-        if self.env.world > 1:
-            dist.barrier(group=group)
-
     def _long_waits(self):
         """Collectives of the default group wait up to train.host_work_timeout_s inside (checkpoints)."""
         t = self.cfg.train
@@ -495,14 +485,11 @@ class Trainer:
             tps = self.tokens_per_step / dt
             record = {
                 "step": step,
-                "loss": rec["loss"],
-                "grad_norm": rec["grad_norm"],
-                "lr": rec["lr"],
+                **{k: v for k, v in rec.items() if k not in ("targets", "stop")},  # loss, grad_norm, lr, mtp_loss...
                 "tokens_per_s": tps,
                 "tokens": step * self.tokens_per_step,
                 "step_time_s": dt,
                 "flops_per_token": self.flops_per_token,
-                **{k: rec[k] for k in ("mtp_loss", "vision/cp_balance") if k in rec},
             }
             if self.peak_flops > 0:
                 record["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.env.world)
@@ -577,8 +564,6 @@ def run(spec: RunSpec, *, output_dir: str | None = None, output_dir_named: bool 
     'steps', 'first_loss', 'last' (the final record), 'stopped' (the signals' names, or None)}. A collective that
     times out or loses a peer raises resilience.CommFailure naming the rank, the operation and the step.
     output_dir, output_dir_named: Hydra's output directory (see Trainer)."""
-    from .logs import ensure_console
-
     ensure_console()
     env = dist_env()
     progress = resilience.Progress(rank=env.rank, timeout_s=spec.config.train.timeout_s)
