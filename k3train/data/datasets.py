@@ -220,17 +220,17 @@ def tokenize_dataset(cfg: DataConfig, ds, column: str, tok, what: str, empty: st
         raise DataError(f"cannot tokenize {what}: {type(e).__name__}: {e}") from e
     if len(out) == 0:
         raise DataError(empty)
-    return _docs_from_arrow(out, tok)
+    return docs_from_arrow(out.data, tok)
 
 
-def _docs_from_arrow(ds, tok) -> TokenizedDocs:
-    """The map result as one flat token array and offsets (vectorised over the Arrow columns)."""
+def docs_from_arrow(table, tok) -> TokenizedDocs:
+    """The map result (its Arrow table) as one flat token array and offsets (vectorised over the columns)."""
     import pyarrow.compute as pc
 
-    ids = ds.data.column("ids")
+    ids = table.column("ids")
     offsets = np.concatenate(([0], np.cumsum(pc.list_value_length(ids).to_numpy()))).astype(np.int64)
     tokens = pc.list_flatten(ids).to_numpy().astype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
-    hashes = ds.data.column("hash").to_numpy()
+    hashes = table.column("hash").to_numpy()
     return TokenizedDocs(tokens=tokens, offsets=offsets, doc_hash=hashes.astype(np.uint64))
 
 
