@@ -6,7 +6,8 @@ relative path, and taken in that order while the running total stays within `cfg
 would overflow is skipped and smaller later ones may still fit). Each file is one document; files that are empty or
 not valid UTF-8 are left out. They are tokenized by `Dataset.map` (k3train.data.datasets.tokenize_dataset), whose
 result is an Arrow file under `cache_root()/tokens` named by the file list (relative paths and sizes), the standard
-library folder and the tokenizer, so the second build only reads it.
+library folder and the tokenizer, so the second build only reads it, with pyarrow alone (importing `datasets` takes
+seconds a process).
 Two builds on one Python installation give the same documents in the same order.
 """
 
@@ -17,7 +18,7 @@ import sys
 import sysconfig
 
 from k3train.data.config import DataConfig
-from k3train.data.datasets import tokenize_dataset
+from k3train.data.datasets import docs_from_arrow, tokenize_dataset
 from k3train.data.packing import TokenizedDocs, cache_lock, cache_root
 from k3train.data.tokenizers import DataError
 from k3train.digest import values_sha256
@@ -74,14 +75,18 @@ def _read_texts(root: str, files: list[tuple[str, int]]):
 
 def build_builtin_corpus(cfg: DataConfig, tok, *, progress: bool = True) -> TokenizedDocs:
     """Tokenized built-in corpus (from the cache when the same files and tokenizer were seen before)."""
-    import datasets
-
     files = list_builtin_files(cfg.builtin_max_bytes)
     root = stdlib_dir()
     key = values_sha256("builtin-v2", sys.version_info[:3], root, files, tok.fingerprint)
     what = f"the built-in corpus under {root!r}"
     empty, cache = f"{what} holds no readable UTF-8 documents", os.path.join(cache_root(), "tokens", f"{key}.arrow")
     with cache_lock(f"builtin-{key}"):  # one process tokenizes; the others wait here, then read its cache
+        if os.path.isfile(cache):  # map moves its result into place when complete
+            import pyarrow as pa
+
+            return docs_from_arrow(pa.ipc.open_stream(pa.memory_map(cache)).read_all(), tok)
+        import datasets
+
         texts = datasets.Dataset.from_dict({"text": list(_read_texts(root, files))})
         desc = "tokenizing built-in corpus"
         return tokenize_dataset(cfg, texts, "text", tok, what, empty, progress, desc=desc, cache_file_name=cache)

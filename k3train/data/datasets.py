@@ -140,6 +140,13 @@ def progress_bars(on: bool):
             datasets.enable_progress_bars()
 
 
+def cached_map(ds, fn, fingerprint: str, progress: bool, **map_kw):
+    """`ds.map(fn, **map_kw)` in place of the dataset's columns, cached by datasets under `fingerprint` (ours: the
+    functions map here hold objects that datasets cannot hash reliably), its progress bar shown when `progress`."""
+    with progress_bars(progress):
+        return ds.map(fn, remove_columns=ds.column_names, new_fingerprint=fingerprint, **map_kw)
+
+
 class Tokenize:
     """The batched map function: a batch of records -> {"ids": token ids, "hash": text hash} per kept document.
 
@@ -205,32 +212,24 @@ def tokenize_dataset(cfg: DataConfig, ds, column: str, tok, what: str, empty: st
     # the files (paths, sizes, modification times); the tokenizer's names everything its ids depend on.
     fingerprint = values_sha256("tokenize-v1", ds._fingerprint, column, tok.fingerprint)
     try:
-        with progress_bars(progress):
-            out = ds.map(
-                Tokenize(cfg, column, what),
-                batched=True,
-                batch_size=256,
-                remove_columns=ds.column_names,
-                new_fingerprint=fingerprint,
-                **map_kw,
-            )
+        out = cached_map(ds, Tokenize(cfg, column, what), fingerprint, progress, batched=True, batch_size=256, **map_kw)
     except DataError:
         raise
     except Exception as e:
         raise DataError(f"cannot tokenize {what}: {type(e).__name__}: {e}") from e
     if len(out) == 0:
         raise DataError(empty)
-    return _docs_from_arrow(out, tok)
+    return docs_from_arrow(out.data, tok)
 
 
-def _docs_from_arrow(ds, tok) -> TokenizedDocs:
-    """The map result as one flat token array and offsets (vectorised over the Arrow columns)."""
+def docs_from_arrow(table, tok) -> TokenizedDocs:
+    """The map result (its Arrow table) as one flat token array and offsets (vectorised over the columns)."""
     import pyarrow.compute as pc
 
-    ids = ds.data.column("ids")
+    ids = table.column("ids")
     offsets = np.concatenate(([0], np.cumsum(pc.list_value_length(ids).to_numpy()))).astype(np.int64)
     tokens = pc.list_flatten(ids).to_numpy().astype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
-    hashes = ds.data.column("hash").to_numpy()
+    hashes = table.column("hash").to_numpy()
     return TokenizedDocs(tokens=tokens, offsets=offsets, doc_hash=hashes.astype(np.uint64))
 
 

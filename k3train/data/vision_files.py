@@ -65,7 +65,7 @@ import numpy as np
 import torch
 
 from k3train.data.config import VISION_FORMATS
-from k3train.data.datasets import expand_path, load_files, progress_bars, resolve_paths
+from k3train.data.datasets import cached_map, expand_path, load_files, resolve_paths
 from k3train.data.packing import cache_lock, split_indices, text_hash
 from k3train.data.tokenizers import DataError
 from k3train.data.vision_corpus import EVAL_ROWS, BadSample, Fetch, fit_size, image_pixels, load_image
@@ -214,15 +214,8 @@ def cached_index(ds, key: str, measure: Measure, *, fail: bool, progress: bool, 
             return {"tokens": 0, "visual": 0, "reason": str(e)}
         return {"tokens": tokens, "visual": visual, "reason": ""}
 
-    with cache_lock("vision-index-" + key), progress_bars(progress):
-        out = ds.map(
-            measured,
-            input_columns=[],
-            with_indices=True,
-            remove_columns=ds.column_names,
-            new_fingerprint=key,
-            desc=desc,
-        )
+    with cache_lock("vision-index-" + key):
+        out = cached_map(ds, measured, key, progress, input_columns=[], with_indices=True, desc=desc)
     tokens, visual, reasons = (out.data.column(c).to_numpy() for c in ("tokens", "visual", "reason"))
     reasons = reasons.astype(str)
     bad = np.flatnonzero(reasons != "")
