@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,26 +39,17 @@ def module_kinds(module: nn.Module, parent: nn.Module | None) -> set[str]:
     return k
 
 
-@dataclass
 class _Tree:
     """A model's modules by name (in module order), each one's parent and its kinds."""
 
-    named: list[tuple[str, nn.Module]]
-    parent_of: dict[int, nn.Module]
-    kinds: dict[str, set[str]]
-
-    @classmethod
-    def of(cls, model: nn.Module) -> _Tree:
-        named = list(model.named_modules())
-        parent_of: dict[int, nn.Module] = {}
-        for _, m in named:
+    def __init__(self, model: nn.Module):
+        self.named = list(model.named_modules())
+        self.modules = dict(self.named)
+        self.parent_of: dict[int, nn.Module] = {}
+        for _, m in self.named:
             for c in m.children():
-                parent_of.setdefault(id(c), m)
-        return cls(named, parent_of, {name: module_kinds(m, parent_of.get(id(m))) for name, m in named})
-
-    @property
-    def modules(self) -> dict[str, nn.Module]:
-        return dict(self.named)
+                self.parent_of.setdefault(id(c), m)
+        self.kinds = {name: module_kinds(m, self.parent(m)) for name, m in self.named}
 
     def parent(self, m: nn.Module) -> nn.Module | None:
         return self.parent_of.get(id(m))
@@ -100,37 +90,32 @@ def _resolve(rules: list[Rule], tree: _Tree, model_name: str) -> dict[str, dict[
     return resolved
 
 
-def _check_fp8(name: str, pol: dict[str, str | None], module: nn.Module, dtype: torch.dtype, device) -> None:
-    """ValueError if fp8 storage, asked for `module`, cannot work: activations that are not floating, a device
-    without float8_e4m3fn, or an embedding's integer inputs."""
-    if "fp8" not in pol.values():
-        return
-    if not dtype.is_floating_point:
-        raise ValueError(
-            f"fp8 activation storage requested for {name or '<root>'!r}, but activations are {dtype}: "
-            "only floating tensors can be stored in fp8"
-        )
-    if not fp8_supported(device):
-        raise ValueError(
-            f"fp8 activation storage requested for {name or '<root>'!r}, but torch.float8_e4m3fn "
-            f"is not supported on device {device} by this torch build"
-        )
-    if isinstance(module, nn.Embedding) and pol["input"] == "fp8":
-        raise ValueError(
-            f"fp8 activation storage requested for the inputs of embedding {name!r}: they are "
-            "integer token ids; give this module keep"
-        )
-
-
-def _check_requests(model: nn.Module, resolved: dict, tree: _Tree, dtype: torch.dtype | None) -> torch.dtype:
-    """Start-up checks of what the rules ask for; returns the activations' dtype (default: the parameters')."""
+def _check_fp8(model: nn.Module, resolved: dict, tree: _Tree, dtype: torch.dtype | None) -> torch.dtype:
+    """Start-up checks of what the rules ask for; returns the activations' dtype (default: the parameters').
+    ValueError if fp8 storage, asked for a module, cannot work: activations that are not floating, a device without
+    float8_e4m3fn, or an embedding's integer inputs."""
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     if dtype is None:
         dtype = next((p.dtype for p in params if p.is_floating_point()), torch.get_default_dtype())
-    mods = tree.modules
     for name, pol in resolved.items():
-        _check_fp8(name, pol, mods[name], dtype, device)
+        if "fp8" not in pol.values():
+            continue
+        if not dtype.is_floating_point:
+            raise ValueError(
+                f"fp8 activation storage requested for {name or '<root>'!r}, but activations are {dtype}: "
+                "only floating tensors can be stored in fp8"
+            )
+        if not fp8_supported(device):
+            raise ValueError(
+                f"fp8 activation storage requested for {name or '<root>'!r}, but torch.float8_e4m3fn "
+                f"is not supported on device {device} by this torch build"
+            )
+        if isinstance(tree.modules[name], nn.Embedding) and pol["input"] == "fp8":
+            raise ValueError(
+                f"fp8 activation storage requested for the inputs of embedding {name!r}: they are "
+                "integer token ids; give this module keep"
+            )
     return dtype
 
 
@@ -222,10 +207,10 @@ def apply_activation_policies(
     the device has no float8_e4m3fn or the activations are not floating, and offload_remote without a valid group.
     """
     rules = [as_rule(r) for r in rules]
-    tree = _Tree.of(model)
+    tree = _Tree(model)
     resolved = _resolve(rules, tree, type(model).__name__)
     handle = ActivationHandle()
-    handle.dtype = _check_requests(model, resolved, tree, dtype)
+    handle.dtype = _check_fp8(model, resolved, tree, dtype)
     if any("offload_remote" in p.values() for p in resolved.values()):
         handle.exchange = RemoteExchange(group)
     if account_all and "" not in resolved:

@@ -1,4 +1,4 @@
-"""What apply_activation_policies returns: the plan, the storage accounting, offload prefetch, and remove()."""
+"""What apply_activation_policies returns: the plan, the storage accounting, and remove()."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from k3train.activation.storage import HostSaved, LocalOffloader, RemoteExchange
+from k3train.activation.storage import RemoteExchange
 
 log = logging.getLogger("k3train.activation")
 
@@ -34,8 +34,9 @@ class ActivationHandle:
         """Modules taken out of a recomputed ancestor (selective recompute) -> that ancestor. They run once and store
         what they save, and their outputs, under their own policy."""
         self.current_layer: str | None = None
-        self.offloader = LocalOffloader()
-        self.offload_queue: list[list[weakref.ref]] = []
+        self.last_offloaded: list[weakref.ref] = []
+        """The host copies (HostSaved) of the last call that made any, weakly: the backward of the call after it
+        prefetches them, since theirs comes next."""
         self.exchange: RemoteExchange | None = None
         self.dtype: torch.dtype = torch.float32
         """The compute dtype of activations (fp8 keeps wider tensors as they are)."""
@@ -90,29 +91,6 @@ class ActivationHandle:
             " ".join(f"{k}={v}MiB" for k, v in mib.items()),
         )
         return mib
-
-    # ---- offload prefetch (CUDA) ---------------------------------------------------------------------------------
-    def queue_offloaded(self, items: list[HostSaved]) -> None:
-        """Remember a call's host copies in forward order (weakly: a graph that is dropped without backward frees
-        them as usual)."""
-        self.offload_queue = [refs for refs in self.offload_queue if any(r() is not None for r in refs)]
-        self.offload_queue.append([weakref.ref(it) for it in items])
-
-    def prefetch(self, items: list[HostSaved]) -> None:
-        """The backward of the call owning `items` is starting: bring its copies back, and start those of the call
-        before it in forward order, whose backward comes next, so that copy overlaps this call's backward."""
-        for it in items:
-            it.prefetch()
-        q = self.offload_queue
-        for i in range(len(q) - 1, -1, -1):
-            if q[i] and q[i][0]() is items[0]:
-                if i > 0:
-                    for r in q[i - 1]:
-                        it = r()
-                        if it is not None:
-                            it.prefetch()
-                del q[i]
-                break
 
     # ---- installing ----------------------------------------------------------------------------------------------
     def _install(self, module: nn.Module, make: Callable[[Callable], Callable], attr: str = "forward") -> None:

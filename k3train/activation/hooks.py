@@ -173,7 +173,7 @@ class _Call:
                 self.handle.add(layer, "fp8_source", t.nbytes)
                 self.handle.add(layer, "fp8_elements", t.numel())
             elif policy == "offload_local":
-                packed = HostSaved(t, self.handle.offloader)
+                packed = HostSaved(t)
                 if t.device.type != "cpu":
                     self.host_items.append(packed)
             else:  # offload_remote
@@ -195,8 +195,9 @@ class _Call:
         remote, host_items, handle = self.remote, self.host_items, self.handle
         if not outs or (remote is None and not host_items):
             return
+        before = handle.last_offloaded  # the host copies of the call before this one in forward order (weakly)
         if host_items:
-            handle.queue_offloaded(host_items)
+            handle.last_offloaded = [weakref.ref(it) for it in host_items]
 
         def reached_backward(_grad):
             # Runs before any node of this call's backward: fetch the remote stash, prefetch the host copies of
@@ -204,7 +205,9 @@ class _Call:
             if remote is not None:
                 remote.fetch()
             if host_items:
-                handle.prefetch(host_items)
+                for it in (*host_items, *(r() for r in before)):
+                    if it is not None:
+                        it.prefetch()
 
         torch.autograd.graph.register_multi_grad_hook(outs, reached_backward, mode="any")
 

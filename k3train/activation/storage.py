@@ -7,12 +7,14 @@ original strides), which matters for kernels that check strides.
 
 - `FP8Saved`:   block-wise e4m3fn + fp32 scales on the tensor's device (k3train.activation.fp8).
 - `HostSaved`:  a copy in host memory. On CUDA: pinned memory, copied on a side stream after the producer's work,
-                brought back on the side stream when the module's backward is reached (`LocalOffloader.prefetch`)
+                brought back on the side stream when the module's backward is reached (`HostSaved.prefetch`)
                 so the copy overlaps the backward of the modules after it. On CPU: a plain copy into a new buffer.
 - `RemoteSaved`: bytes held by a peer rank; see `RemoteExchange` for the pairing and the exchange points.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -74,22 +76,49 @@ class FP8Saved:
         return self.layout.rebuild(dequantize(self.q, self.scales, self.layout.dtype))
 
 
-class HostSaved:
-    __slots__ = ("layout", "host", "event", "device_copy", "offloader", "__weakref__")
+@functools.cache
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The copy stream of a CUDA device, shared by every host copy made on it."""
+    return torch.cuda.Stream(device)
 
-    def __init__(self, t: torch.Tensor, offloader: "LocalOffloader"):
+
+class HostSaved:
+    """A copy in host memory. On CUDA: a pinned buffer, filled on the device's side stream after the producing
+    stream's work, and brought back on that stream by `prefetch` (the module's backward is reached)."""
+
+    __slots__ = ("layout", "host", "device_copy", "__weakref__")
+
+    def __init__(self, t: torch.Tensor):
         self.layout, base = Layout.compact(t)
-        self.offloader = offloader
         self.device_copy = None
-        self.host, self.event = offloader.to_host(base)
+        if base.device.type != "cuda":
+            self.host = base.to("cpu", copy=True)  # on CPU too: a separate buffer
+            return
+        side = _side_stream(base.device)
+        side.wait_stream(torch.cuda.current_stream(base.device))
+        self.host = torch.empty(base.shape, dtype=base.dtype, pin_memory=True)
+        with torch.cuda.stream(side):
+            self.host.copy_(base, non_blocking=True)
+            base.record_stream(side)  # the device buffer is not reused before the copy has read it
 
     @property
     def nbytes(self) -> int:
         return self.host.nbytes
 
     def prefetch(self) -> None:
-        if self.device_copy is None and self.layout.device.type != "cpu":
-            self.device_copy = self.offloader.to_device(self.host, self.layout.device)
+        device = self.layout.device
+        if self.device_copy is not None or device.type == "cpu":
+            return
+        if device.type != "cuda":
+            self.device_copy = self.host.to(device), None
+            return
+        side = _side_stream(device)
+        with torch.cuda.stream(side):
+            dev = torch.empty(self.host.shape, dtype=self.host.dtype, device=device)
+            dev.copy_(self.host, non_blocking=True)  # ordered after this buffer's device-to-host copy (same stream)
+            event = torch.cuda.Event()
+            event.record(side)
+        self.device_copy = dev, event
 
     def unpack(self) -> torch.Tensor:
         if self.layout.device.type == "cpu":
@@ -101,46 +130,6 @@ class HostSaved:
             stream.wait_event(event)
             base.record_stream(stream)  # the side stream allocated it; the compute stream now reads it
         return self.layout.rebuild(base)
-
-
-class LocalOffloader:
-    """Host copies. On CUDA: pinned buffers and one side stream per device, ordered after the producing stream."""
-
-    def __init__(self):
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-
-    def _stream(self, device: torch.device):
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        return self._streams[device]
-
-    def to_host(self, base: torch.Tensor):
-        if base.device.type == "cpu":
-            host = torch.empty_like(base, memory_format=torch.contiguous_format)
-            host.copy_(base)
-            return host, None
-        if base.device.type != "cuda":
-            return base.to("cpu"), None
-        side = self._stream(base.device)
-        side.wait_stream(torch.cuda.current_stream(base.device))
-        host = torch.empty(base.shape, dtype=base.dtype, pin_memory=True)
-        with torch.cuda.stream(side):
-            host.copy_(base, non_blocking=True)
-            base.record_stream(side)  # the device buffer is not reused before the copy has read it
-            event = torch.cuda.Event()
-            event.record(side)
-        return host, event
-
-    def to_device(self, host: torch.Tensor, device: torch.device):
-        if device.type != "cuda":
-            return host.to(device), None
-        side = self._stream(device)
-        with torch.cuda.stream(side):
-            dev = torch.empty(host.shape, dtype=host.dtype, device=device)
-            dev.copy_(host, non_blocking=True)  # ordered after this buffer's own device-to-host copy (same stream)
-            event = torch.cuda.Event()
-            event.record(side)
-        return dev, event
 
 
 class RemoteCall:
