@@ -18,25 +18,12 @@ import torch
 from torch import nn
 
 from k3train.activation.fp8 import fp8_supported
-from k3train.activation.handle import ActivationHandle, log
-from k3train.activation.hooks import _Site
+from k3train.activation.hooks import ActivationHandle, _Site, log, module_kinds
 from k3train.activation.policy import ROLES, Rule, as_rule
 from k3train.activation.storage import RemoteExchange
 from k3train.models.k3 import activation_rules as k3_rules
 
 KEEP_ALL = {"input": "keep", "activation": "keep"}
-
-
-def module_kinds(module: nn.Module, parent: nn.Module | None) -> set[str]:
-    """The kinds of `module` (whose parent module is `parent`), from the classes and attributes the model declares."""
-    k: set[str] = set()
-    for cls, kinds in k3_rules.CLASS_KINDS:
-        if isinstance(module, cls):
-            k.update(kinds)
-    for parent_cls, attr, cls, kinds in k3_rules.CHILD_KINDS:
-        if isinstance(parent, parent_cls) and module is getattr(parent, attr) and isinstance(module, cls):
-            k.update(kinds)
-    return k
 
 
 class _Tree:
@@ -76,16 +63,15 @@ def _module_policy(name: str, rules: list[Rule], matching: list[int]) -> dict[st
 def _resolve(rules: list[Rule], tree: _Tree, model_name: str) -> dict[str, dict[str, str | None]]:
     """Module FQN -> its policy per role, for every module some rule matches. A rule that is not optional and matches
     no module is an error."""
-    hits = [0] * len(rules)
+    hit: set[int] = set()
     resolved: dict[str, dict[str, str | None]] = {}
     for name, _ in tree.named:
         matching = [i for i, r in enumerate(rules) if r.matches(name, tree.kinds[name])]
-        for i in matching:
-            hits[i] += 1
+        hit.update(matching)
         if matching:
             resolved[name] = _module_policy(name, rules, matching)
     for i, r in enumerate(rules):
-        if hits[i] == 0 and not r.optional:
+        if i not in hit and not r.optional:
             raise ValueError(f"activation rule #{i} {r.describe()} matches no module of {model_name}")
     return resolved
 
@@ -152,46 +138,30 @@ def _effective_policies(resolved: dict, tree: _Tree, handle: ActivationHandle) -
     return effective
 
 
-def _policy_text(pol: dict[str, str]) -> str:
-    # (recompute is a whole-module policy: both roles are 'recompute' then)
-    if pol["input"] == pol["activation"]:
-        return pol["input"]
-    return f"input={pol['input']}, activation={pol['activation']}"
-
-
 def _install(handle: ActivationHandle, tree: _Tree, effective: dict[str, dict[str, str]]) -> None:
     """Sites for the managed modules, then: MoE routed-block regions, layer trackers, module wrappers (a module that
     is both a region host and managed gets the wrapper around the region)."""
     mods = tree.modules
-    for name in effective:
-        site = _Site(handle, name, mods[name], effective[name])
-        handle.sites[name] = site
-        handle.plan[name] = _policy_text(site.policy)
+    for name, pol in effective.items():
+        handle.sites[name] = _Site(handle, name, mods[name], pol)
+        # (recompute is a whole-module policy: both roles are 'recompute' then)
+        same = pol["input"] == pol["activation"]
+        handle.plan[name] = pol["input"] if same else f"input={pol['input']}, activation={pol['activation']}"
+    # A LatentMoE (kind 'moe') runs its routed block as one unit under the policy of its experts ('moe_experts').
     region_sites = {
         n: s
         for n, s in handle.sites.items()
-        if k3_rules.ROUTED_KIND in tree.kinds[n] and isinstance(tree.parent(mods[n]), k3_rules.MOE)
+        if "moe_experts" in tree.kinds[n] and "moe" in module_kinds(tree.parent(mods[n]), None)
     }
     for n, s in region_sites.items():
         moe = tree.parent(mods[n])
         handle._install(moe, lambda orig, s=s, moe=moe: _moe_routed_with_region(s, moe), attr="routed")
     for name, m in tree.named:
-        if isinstance(m, k3_rules.LAYER):
+        if "layer" in tree.kinds[name]:  # saved bytes are accounted per decoder layer while one runs
             handle._install(m, lambda orig, name=name: _tracked(handle, name, orig))
     for name, site in handle.sites.items():
         if name not in region_sites:
             handle._install(site.module, lambda orig, site=site: lambda *a, **k: site.run(orig, *a, **k))
-
-
-def _log_plan(handle: ActivationHandle) -> None:
-    counts = Counter(handle.plan.values())
-    log.info(
-        "activation policies: %d managed modules (%s)%s",
-        len(handle.sites),
-        ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())),
-        f", {len(handle.lifted)} taken out of a recomputed module" if handle.lifted else "",
-    )
-    log.debug("activation plan:\n%s", handle.describe())
 
 
 def apply_activation_policies(
@@ -216,7 +186,13 @@ def apply_activation_policies(
     if account_all and "" not in resolved:
         resolved[""] = dict(KEEP_ALL)
     _install(handle, tree, _effective_policies(resolved, tree, handle))
-    _log_plan(handle)
+    log.info(
+        "activation policies: %d managed modules (%s)%s",
+        len(handle.sites),
+        ", ".join(f"{k}: {v}" for k, v in sorted(Counter(handle.plan.values()).items())),
+        f", {len(handle.lifted)} taken out of a recomputed module" if handle.lifted else "",
+    )
+    log.debug("activation plan:\n%s", handle.describe())
     return handle
 
 
@@ -237,7 +213,7 @@ def _moe_routed_with_region(site: _Site, moe: nn.Module) -> Callable:
     (no router, no communication). A dispatcher that communicates keeps its received rows instead, and only the
     expert compute is checkpointed, so no all-to-all runs twice."""
     experts = site.module
-    block = k3_rules.MOE.routed.__get__(moe)  # the class method, not a previously installed wrapper
+    block = type(moe).routed.__get__(moe)  # the class method, not a previously installed wrapper
 
     def routed(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if site.recompute and not isinstance(moe.dispatcher, k3_rules.LOCAL_DISPATCHER):

@@ -19,7 +19,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from k3train.activation.fp8 import dequantize, fp8_nbytes, quantize
+from k3train.activation.fp8 import fp8_nbytes, kernels
 from k3train.distributed import comm
 
 
@@ -31,7 +31,6 @@ class Layout:
     def __init__(self, t: torch.Tensor):
         self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
         self.perm = self.inv_perm = None
-        self.base_shape = t.shape
 
     @staticmethod
     def compact(t: torch.Tensor) -> tuple["Layout", torch.Tensor]:
@@ -66,14 +65,14 @@ class FP8Saved:
 
     def __init__(self, t: torch.Tensor):
         self.layout, base = Layout.compact(t)
-        self.q, self.scales = quantize(base)
+        self.q, self.scales = kernels(base.is_cuda)[0](base)
 
     @property
     def nbytes(self) -> int:
         return fp8_nbytes(self.q.numel())
 
     def unpack(self) -> torch.Tensor:
-        return self.layout.rebuild(dequantize(self.q, self.scales, self.layout.dtype))
+        return self.layout.rebuild(kernels(self.q.is_cuda)[1](self.q, self.scales, self.layout.dtype))
 
 
 @functools.cache
@@ -230,15 +229,13 @@ class RemoteExchange:
             out = out.cpu()
         size_out = torch.tensor([out.numel()], dtype=torch.int64, device=out.device)
         size_in = torch.empty_like(size_out)
-        self._p2p(size_out, size_in)
+        # Through the one communication ledger, on the dp x cp replicas this exchange pairs.
+        comm.send_recv(size_out, size_in, self.peer, self.group, "dp_cp", what="activation_offload")
         inp = torch.empty(int(size_in.item()), dtype=torch.uint8, device=out.device)
         # Both sides now know both sizes, so they agree on which of the two transfers exist.
-        self._p2p(out if out.numel() else None, inp if inp.numel() else None)
-        return inp if device is None else inp.to(device)
-
-    def _p2p(self, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
-        # Through the one communication ledger, on the dp x cp replicas this exchange pairs.
+        send, recv = out if out.numel() else None, inp if inp.numel() else None
         comm.send_recv(send, recv, self.peer, self.group, "dp_cp", what="activation_offload")
+        return inp if device is None else inp.to(device)
 
     def store(self, key, payload: torch.Tensor) -> None:
         self.hosted[key] = self._swap(payload, None)
