@@ -12,15 +12,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from k3train.activation.fp8 import fp8_supported
-from k3train.activation.handle import ActivationHandle, log
-from k3train.activation.hooks import _Site
+from k3train.activation.hooks import ActivationHandle, _Site, log, module_kinds
 from k3train.activation.policy import ROLES, Rule, as_rule
 from k3train.activation.storage import RemoteExchange
 from k3train.models.k3 import activation_rules as k3_rules
@@ -28,38 +26,17 @@ from k3train.models.k3 import activation_rules as k3_rules
 KEEP_ALL = {"input": "keep", "activation": "keep"}
 
 
-def module_kinds(module: nn.Module, parent: nn.Module | None) -> set[str]:
-    """The kinds of `module` (whose parent module is `parent`), from the classes and attributes the model declares."""
-    k: set[str] = set()
-    for cls, kinds in k3_rules.CLASS_KINDS:
-        if isinstance(module, cls):
-            k.update(kinds)
-    for parent_cls, attr, cls, kinds in k3_rules.CHILD_KINDS:
-        if isinstance(parent, parent_cls) and module is getattr(parent, attr) and isinstance(module, cls):
-            k.update(kinds)
-    return k
-
-
-@dataclass
 class _Tree:
     """A model's modules by name (in module order), each one's parent and its kinds."""
 
-    named: list[tuple[str, nn.Module]]
-    parent_of: dict[int, nn.Module]
-    kinds: dict[str, set[str]]
-
-    @classmethod
-    def of(cls, model: nn.Module) -> _Tree:
-        named = list(model.named_modules())
-        parent_of: dict[int, nn.Module] = {}
-        for _, m in named:
+    def __init__(self, model: nn.Module):
+        self.named = list(model.named_modules())
+        self.modules = dict(self.named)
+        self.parent_of: dict[int, nn.Module] = {}
+        for _, m in self.named:
             for c in m.children():
-                parent_of.setdefault(id(c), m)
-        return cls(named, parent_of, {name: module_kinds(m, parent_of.get(id(m))) for name, m in named})
-
-    @property
-    def modules(self) -> dict[str, nn.Module]:
-        return dict(self.named)
+                self.parent_of.setdefault(id(c), m)
+        self.kinds = {name: module_kinds(m, self.parent(m)) for name, m in self.named}
 
     def parent(self, m: nn.Module) -> nn.Module | None:
         return self.parent_of.get(id(m))
@@ -86,51 +63,45 @@ def _module_policy(name: str, rules: list[Rule], matching: list[int]) -> dict[st
 def _resolve(rules: list[Rule], tree: _Tree, model_name: str) -> dict[str, dict[str, str | None]]:
     """Module FQN -> its policy per role, for every module some rule matches. A rule that is not optional and matches
     no module is an error."""
-    hits = [0] * len(rules)
+    hit: set[int] = set()
     resolved: dict[str, dict[str, str | None]] = {}
     for name, _ in tree.named:
         matching = [i for i, r in enumerate(rules) if r.matches(name, tree.kinds[name])]
-        for i in matching:
-            hits[i] += 1
+        hit.update(matching)
         if matching:
             resolved[name] = _module_policy(name, rules, matching)
     for i, r in enumerate(rules):
-        if hits[i] == 0 and not r.optional:
+        if i not in hit and not r.optional:
             raise ValueError(f"activation rule #{i} {r.describe()} matches no module of {model_name}")
     return resolved
 
 
-def _check_fp8(name: str, pol: dict[str, str | None], module: nn.Module, dtype: torch.dtype, device) -> None:
-    """ValueError if fp8 storage, asked for `module`, cannot work: activations that are not floating, a device
-    without float8_e4m3fn, or an embedding's integer inputs."""
-    if "fp8" not in pol.values():
-        return
-    if not dtype.is_floating_point:
-        raise ValueError(
-            f"fp8 activation storage requested for {name or '<root>'!r}, but activations are {dtype}: "
-            "only floating tensors can be stored in fp8"
-        )
-    if not fp8_supported(device):
-        raise ValueError(
-            f"fp8 activation storage requested for {name or '<root>'!r}, but torch.float8_e4m3fn "
-            f"is not supported on device {device} by this torch build"
-        )
-    if isinstance(module, nn.Embedding) and pol["input"] == "fp8":
-        raise ValueError(
-            f"fp8 activation storage requested for the inputs of embedding {name!r}: they are "
-            "integer token ids; give this module keep"
-        )
-
-
-def _check_requests(model: nn.Module, resolved: dict, tree: _Tree, dtype: torch.dtype | None) -> torch.dtype:
-    """Start-up checks of what the rules ask for; returns the activations' dtype (default: the parameters')."""
+def _check_fp8(model: nn.Module, resolved: dict, tree: _Tree, dtype: torch.dtype | None) -> torch.dtype:
+    """Start-up checks of what the rules ask for; returns the activations' dtype (default: the parameters').
+    ValueError if fp8 storage, asked for a module, cannot work: activations that are not floating, a device without
+    float8_e4m3fn, or an embedding's integer inputs."""
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     if dtype is None:
         dtype = next((p.dtype for p in params if p.is_floating_point()), torch.get_default_dtype())
-    mods = tree.modules
     for name, pol in resolved.items():
-        _check_fp8(name, pol, mods[name], dtype, device)
+        if "fp8" not in pol.values():
+            continue
+        if not dtype.is_floating_point:
+            raise ValueError(
+                f"fp8 activation storage requested for {name or '<root>'!r}, but activations are {dtype}: "
+                "only floating tensors can be stored in fp8"
+            )
+        if not fp8_supported(device):
+            raise ValueError(
+                f"fp8 activation storage requested for {name or '<root>'!r}, but torch.float8_e4m3fn "
+                f"is not supported on device {device} by this torch build"
+            )
+        if isinstance(tree.modules[name], nn.Embedding) and pol["input"] == "fp8":
+            raise ValueError(
+                f"fp8 activation storage requested for the inputs of embedding {name!r}: they are "
+                "integer token ids; give this module keep"
+            )
     return dtype
 
 
@@ -167,46 +138,30 @@ def _effective_policies(resolved: dict, tree: _Tree, handle: ActivationHandle) -
     return effective
 
 
-def _policy_text(pol: dict[str, str]) -> str:
-    # (recompute is a whole-module policy: both roles are 'recompute' then)
-    if pol["input"] == pol["activation"]:
-        return pol["input"]
-    return f"input={pol['input']}, activation={pol['activation']}"
-
-
 def _install(handle: ActivationHandle, tree: _Tree, effective: dict[str, dict[str, str]]) -> None:
     """Sites for the managed modules, then: MoE routed-block regions, layer trackers, module wrappers (a module that
     is both a region host and managed gets the wrapper around the region)."""
     mods = tree.modules
-    for name in effective:
-        site = _Site(handle, name, mods[name], effective[name])
-        handle.sites[name] = site
-        handle.plan[name] = _policy_text(site.policy)
+    for name, pol in effective.items():
+        handle.sites[name] = _Site(handle, name, mods[name], pol)
+        # (recompute is a whole-module policy: both roles are 'recompute' then)
+        same = pol["input"] == pol["activation"]
+        handle.plan[name] = pol["input"] if same else f"input={pol['input']}, activation={pol['activation']}"
+    # A LatentMoE (kind 'moe') runs its routed block as one unit under the policy of its experts ('moe_experts').
     region_sites = {
         n: s
         for n, s in handle.sites.items()
-        if k3_rules.ROUTED_KIND in tree.kinds[n] and isinstance(tree.parent(mods[n]), k3_rules.MOE)
+        if "moe_experts" in tree.kinds[n] and "moe" in module_kinds(tree.parent(mods[n]), None)
     }
     for n, s in region_sites.items():
         moe = tree.parent(mods[n])
         handle._install(moe, lambda orig, s=s, moe=moe: _moe_routed_with_region(s, moe), attr="routed")
     for name, m in tree.named:
-        if isinstance(m, k3_rules.LAYER):
+        if "layer" in tree.kinds[name]:  # saved bytes are accounted per decoder layer while one runs
             handle._install(m, lambda orig, name=name: _tracked(handle, name, orig))
     for name, site in handle.sites.items():
         if name not in region_sites:
             handle._install(site.module, lambda orig, site=site: lambda *a, **k: site.run(orig, *a, **k))
-
-
-def _log_plan(handle: ActivationHandle) -> None:
-    counts = Counter(handle.plan.values())
-    log.info(
-        "activation policies: %d managed modules (%s)%s",
-        len(handle.sites),
-        ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())),
-        f", {len(handle.lifted)} taken out of a recomputed module" if handle.lifted else "",
-    )
-    log.debug("activation plan:\n%s", handle.describe())
 
 
 def apply_activation_policies(
@@ -222,16 +177,22 @@ def apply_activation_policies(
     the device has no float8_e4m3fn or the activations are not floating, and offload_remote without a valid group.
     """
     rules = [as_rule(r) for r in rules]
-    tree = _Tree.of(model)
+    tree = _Tree(model)
     resolved = _resolve(rules, tree, type(model).__name__)
     handle = ActivationHandle()
-    handle.dtype = _check_requests(model, resolved, tree, dtype)
+    handle.dtype = _check_fp8(model, resolved, tree, dtype)
     if any("offload_remote" in p.values() for p in resolved.values()):
         handle.exchange = RemoteExchange(group)
     if account_all and "" not in resolved:
         resolved[""] = dict(KEEP_ALL)
     _install(handle, tree, _effective_policies(resolved, tree, handle))
-    _log_plan(handle)
+    log.info(
+        "activation policies: %d managed modules (%s)%s",
+        len(handle.sites),
+        ", ".join(f"{k}: {v}" for k, v in sorted(Counter(handle.plan.values()).items())),
+        f", {len(handle.lifted)} taken out of a recomputed module" if handle.lifted else "",
+    )
+    log.debug("activation plan:\n%s", handle.describe())
     return handle
 
 
@@ -252,7 +213,7 @@ def _moe_routed_with_region(site: _Site, moe: nn.Module) -> Callable:
     (no router, no communication). A dispatcher that communicates keeps its received rows instead, and only the
     expert compute is checkpointed, so no all-to-all runs twice."""
     experts = site.module
-    block = k3_rules.MOE.routed.__get__(moe)  # the class method, not a previously installed wrapper
+    block = type(moe).routed.__get__(moe)  # the class method, not a previously installed wrapper
 
     def routed(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if site.recompute and not isinstance(moe.dispatcher, k3_rules.LOCAL_DISPATCHER):

@@ -13,6 +13,8 @@ k3kernels.fp8_quant do the same arithmetic in one pass and are tested against it
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -23,9 +25,7 @@ FP8_MAX = 448.0
 
 
 def fp8_supported(device: torch.device | str) -> bool:
-    """Whether torch.float8_e4m3fn exists and round-trips on `device` (checked once per device at start-up)."""
-    if not hasattr(torch, "float8_e4m3fn"):
-        return False
+    """Whether torch.float8_e4m3fn round-trips on `device` (checked once per device at start-up)."""
     device = torch.device(device)
     if device.type == "meta":
         return True
@@ -36,49 +36,39 @@ def fp8_supported(device: torch.device | str) -> bool:
         return False
 
 
-def fp8_nbytes(numel: int, block: int = FP8_BLOCK) -> int:
+def fp8_nbytes(numel: int) -> int:
     """Bytes of the FP8 form of `numel` elements: one byte each plus one fp32 scale per block."""
-    return numel + 4 * (-(-numel // block))
+    return numel + 4 * (-(-numel // FP8_BLOCK))
 
 
-def quantize_fp8_blockwise(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (any shape, floating) -> (q [n] float8_e4m3fn, scales [ceil(n / block)] float32), blocks over x's flat
+def quantize_fp8_blockwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (any shape, floating) -> (q [n] float8_e4m3fn, scales [ceil(n / FP8_BLOCK)] float32), blocks over x's flat
     contiguous elements. Reference implementation."""
     if not x.is_floating_point():
         raise ValueError(f"quantize_fp8_blockwise: needs a floating tensor, got {x.dtype}")
     flat = x.detach().reshape(-1).float()
     n = flat.numel()
-    nb = -(-n // block)
-    blocks = F.pad(flat, (0, nb * block - n)).view(nb, block)
+    nb = -(-n // FP8_BLOCK)
+    blocks = F.pad(flat, (0, nb * FP8_BLOCK - n)).view(nb, FP8_BLOCK)
     amax = blocks.abs().amax(dim=1)
     scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (blocks / scales[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(-1)[:n].clone(), scales
 
 
-def dequantize_fp8_blockwise(
-    q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, block: int = FP8_BLOCK
-) -> torch.Tensor:
+def dequantize_fp8_blockwise(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of quantize_fp8_blockwise: -> flat [n] tensor of `dtype` (reshape it to the original shape)."""
     n, nb = q.numel(), scales.numel()
-    if nb != -(-n // block):
-        raise ValueError(f"dequantize_fp8_blockwise: {nb} scales do not fit {n} elements in blocks of {block}")
-    x = F.pad(q.float(), (0, nb * block - n)).view(nb, block) * scales[:, None]
+    if nb != -(-n // FP8_BLOCK):
+        raise ValueError(f"dequantize_fp8_blockwise: {nb} scales do not fit {n} elements in blocks of {FP8_BLOCK}")
+    x = F.pad(q.float(), (0, nb * FP8_BLOCK - n)).view(nb, FP8_BLOCK) * scales[:, None]
     return x.view(-1)[:n].to(dtype)
 
 
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fast path where there is one (the Triton kernel on CUDA), else the reference."""
-    if x.is_cuda:
-        from k3kernels.fp8_quant import quantize_fp8_triton
+def kernels(cuda: bool) -> tuple[Callable, Callable]:
+    """(quantize, dequantize): the fast path where there is one (the Triton kernels on CUDA), else the reference."""
+    if not cuda:
+        return quantize_fp8_blockwise, dequantize_fp8_blockwise
+    from k3kernels.fp8_quant import dequantize_fp8_triton, quantize_fp8_triton
 
-        return quantize_fp8_triton(x)
-    return quantize_fp8_blockwise(x)
-
-
-def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if q.is_cuda:
-        from k3kernels.fp8_quant import dequantize_fp8_triton
-
-        return dequantize_fp8_triton(q, scales, dtype)
-    return dequantize_fp8_blockwise(q, scales, dtype)
+    return quantize_fp8_triton, dequantize_fp8_triton

@@ -1,9 +1,10 @@
-"""The saved-tensor hooks and recomputation behind activation storage policies.
+"""The saved-tensor hooks and recomputation behind activation storage policies, and the handle that holds them.
 
 A managed module (`_Site`) runs its forward either under torch.utils.checkpoint (recompute: a `_Region` per call,
 which also records and replays the modules taken out of it) or under torch.autograd.graph.saved_tensors_hooks, where
 a `_Call` packs each saved tensor by its role and policy (k3train.activation.storage: FP8, host and peer copies) and
-accounts for it on the ActivationHandle. Which modules run under which policy is decided by
+accounts for it on the ActivationHandle (what apply_activation_policies returns: the plan, the storage accounting,
+and remove()). Which modules run under which policy is decided by
 k3train.activation.apply; the model's rules (k3train.models.k3.activation_rules) name the routers a recomputation
 must keep quiet and how a module name gives its layer.
 """
@@ -11,20 +12,121 @@ must keep quiet and how a module name gives its layer.
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from collections import Counter, defaultdict
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from k3train.activation.storage import FP8Saved, HostSaved, RemoteCall, RemoteSaved
+from k3train.activation.storage import FP8Saved, HostSaved, RemoteCall, RemoteExchange, RemoteSaved
 from k3train.models.k3 import activation_rules as k3_rules
 
-if TYPE_CHECKING:
-    from k3train.activation.handle import ActivationHandle
+log = logging.getLogger("k3train.activation")
+
+BUCKETS = ("device", "fp8", "offload_local", "offload_remote", "recompute", "params")
+"""Stats buckets (bytes): device = saved tensors kept in full on the device; fp8 = FP8 bytes incl. scales (on the
+device); offload_local / offload_remote = bytes moved off the device; recompute = inputs kept by checkpointed modules;
+params = saved references to weights (not copies, not activations)."""
+
+
+class ActivationHandle:
+    """What apply_activation_policies returns: the plan, the accounting, and remove()."""
+
+    def __init__(self):
+        self.sites: dict[str, Any] = {}
+        """Managed module FQN -> its site (k3train.activation.hooks._Site)."""
+        self.plan: dict[str, str] = {}
+        """Module FQN -> the policy it runs under ('recompute', or 'input=..., activation=...')."""
+        self.covered: dict[str, str] = {}
+        """Matched modules that need no wrapper of their own -> the managed ancestor that covers them."""
+        self.lifted: dict[str, str] = {}
+        """Modules taken out of a recomputed ancestor (selective recompute) -> that ancestor. They run once and store
+        what they save, and their outputs, under their own policy."""
+        self.current_layer: str | None = None
+        self.last_offloaded: list[weakref.ref] = []
+        """The host copies (HostSaved) of the last call that made any, weakly: the backward of the call after it
+        prefetches them, since theirs comes next."""
+        self.exchange: RemoteExchange | None = None
+        self.dtype: torch.dtype = torch.float32
+        """The compute dtype of activations (fp8 keeps wider tensors as they are)."""
+        self._installed: list[tuple[nn.Module, str, Any]] = []
+        self.observers: list[Callable[[int | None, int, str], None]] = []
+        """Called with (storage address or None, bytes, bucket) for everything stored: a meter that deduplicates
+        storages across calls (k3train.plan.measure) listens here."""
+        self._stats: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    # ---- accounting ----------------------------------------------------------------------------------------------
+    def add(self, layer: str, bucket: str, nbytes: int, ptr: int | None = None) -> None:
+        self._stats[layer][bucket] += int(nbytes)
+        for obs in self.observers:
+            obs(ptr, int(nbytes), bucket)
+
+    @staticmethod
+    def _summarise(d: dict[str, int]) -> dict[str, int]:
+        out = {b: int(d.get(b, 0)) for b in (*BUCKETS, "fp8_source", "fp8_elements")}
+        out["on_device"] = out["device"] + out["fp8"] + out["recompute"]
+        out["offloaded"] = out["offload_local"] + out["offload_remote"]
+        out["saved"] = out["on_device"] + out["offloaded"]
+        return out
+
+    def stats(self) -> dict:
+        """Bytes of saved activations since the last reset_stats(), in total and per layer ('layers.N'; other
+        modules under their own name, '<root>' for what no layer holds). Keys per entry: BUCKETS, plus fp8_source
+        (the original bytes of what is stored in fp8), fp8_elements, on_device (device + fp8 + recompute),
+        offloaded (local + remote) and saved (on_device + offloaded). Parameters are never in saved."""
+        total = sum((Counter(d) for d in self._stats.values()), Counter())
+        return {
+            "total": self._summarise(total),
+            "layers": {k: self._summarise(v) for k, v in sorted(self._stats.items())},
+            "hosted_for_peer": self.exchange.hosted_bytes if self.exchange is not None else 0,
+        }
+
+    def reset_stats(self) -> None:
+        self._stats.clear()
+
+    def log_stats(self, step: int | None = None) -> dict:
+        """Log one line of totals (MiB) and return them."""
+        t = self.stats()["total"]
+        mib = {
+            k: round(t[k] / 2**20, 3)
+            for k in ("on_device", "device", "fp8", "recompute", "offload_local", "offload_remote", "saved")
+        }
+        log.info(
+            "activation storage%s: %s",
+            "" if step is None else f" step {step}",
+            " ".join(f"{k}={v}MiB" for k, v in mib.items()),
+        )
+        return mib
+
+    # ---- installing ----------------------------------------------------------------------------------------------
+    def _install(self, module: nn.Module, make: Callable[[Callable], Callable], attr: str = "forward") -> None:
+        self._installed.append((module, attr, module.__dict__.get(attr)))  # None: the class's method
+        setattr(module, attr, make(getattr(module, attr)))
+
+    def remove(self) -> None:
+        """Restore every wrapped method; drop any stash held for a peer."""
+        for module, attr, old in reversed(self._installed):
+            if old is not None:
+                setattr(module, attr, old)
+            else:
+                delattr(module, attr)
+        self._installed.clear()
+        if self.exchange is not None:
+            self.exchange.clear()
+
+    def describe(self) -> str:
+        lines = [
+            f"{name or '<root>'}: {p}"
+            + (f" (taken out of {self.lifted[name]}'s recompute)" if name in self.lifted else "")
+            for name, p in self.plan.items()
+        ]
+        return "\n".join(lines)
+
 
 FP8_MIN_NUMEL = 1024
 """Smaller saved tensors stay as they are under fp8 (per-token statistics such as RMSNorm's reciprocal RMS: their
@@ -55,7 +157,7 @@ class _Region:
         self.runs += 1
         self.next = 0
 
-    def record(self, call: "_Call", out) -> None:
+    def record(self, call: _Call, out) -> None:
         leaves, spec = tree_flatten(out)
         packed = []
         for t in leaves:
@@ -105,10 +207,22 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
 _LAYER_RE = re.compile(k3_rules.LAYER_NAME)
 
 
+def module_kinds(module: nn.Module, parent: nn.Module | None) -> set[str]:
+    """The kinds of `module` (whose parent module is `parent`), from the classes and attributes the model declares."""
+    k: set[str] = set()
+    for cls, kinds in k3_rules.CLASS_KINDS:
+        if isinstance(module, cls):
+            k.update(kinds)
+    for parent_cls, attr, cls, kinds in k3_rules.CHILD_KINDS:
+        if isinstance(parent, parent_cls) and module is getattr(parent, attr) and isinstance(module, cls):
+            k.update(kinds)
+    return k
+
+
 @contextlib.contextmanager
 def _quiet_routers(module: nn.Module):
-    """Recomputation must not count a router's tokens twice or feed its balancer twice."""
-    saved = [(r, r.load.clone(), r.balancer) for r in module.modules() if isinstance(r, k3_rules.ROUTER)]
+    """Recomputation must not count a router's tokens (its `load`) twice or feed its `balancer` twice."""
+    saved = [(r, r.load.clone(), r.balancer) for r in module.modules() if "router" in module_kinds(r, None)]
     for r, _, _ in saved:
         r.balancer = None
     try:
@@ -126,7 +240,7 @@ def _unpack(packed):
 class _Call:
     """One forward call of a managed module under hooks: packs its saved tensors by role and policy."""
 
-    def __init__(self, site: "_Site", inputs: Iterable[Any]):
+    def __init__(self, site: _Site, inputs: Iterable[Any]):
         self.site, self.handle = site, site.handle
         self.input_ptrs = {_storage_ptr(t) for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)}
         self.param_ptrs = site.param_ptrs()
@@ -173,7 +287,7 @@ class _Call:
                 self.handle.add(layer, "fp8_source", t.nbytes)
                 self.handle.add(layer, "fp8_elements", t.numel())
             elif policy == "offload_local":
-                packed = HostSaved(t, self.handle.offloader)
+                packed = HostSaved(t)
                 if t.device.type != "cpu":
                     self.host_items.append(packed)
             else:  # offload_remote
@@ -190,13 +304,13 @@ class _Call:
                 self.remote.send()
             else:
                 # No gradient can reach this call (the same on every rank): nothing to exchange, keep locally.
-                self.remote.restored = self.remote.pending
-                self.remote.pending = []
+                self.remote.restored, self.remote.pending = self.remote.pending, []
         remote, host_items, handle = self.remote, self.host_items, self.handle
         if not outs or (remote is None and not host_items):
             return
+        before = handle.last_offloaded  # the host copies of the call before this one in forward order (weakly)
         if host_items:
-            handle.queue_offloaded(host_items)
+            handle.last_offloaded = [weakref.ref(it) for it in host_items]
 
         def reached_backward(_grad):
             # Runs before any node of this call's backward: fetch the remote stash, prefetch the host copies of
@@ -204,7 +318,9 @@ class _Call:
             if remote is not None:
                 remote.fetch()
             if host_items:
-                handle.prefetch(host_items)
+                for it in (*host_items, *(r() for r in before)):
+                    if it is not None:
+                        it.prefetch()
 
         torch.autograd.graph.register_multi_grad_hook(outs, reached_backward, mode="any")
 
@@ -212,7 +328,7 @@ class _Call:
 class _Site:
     """A managed module: its resolved policy per role (or recompute) and how its forward is wrapped."""
 
-    def __init__(self, handle: "ActivationHandle", name: str, module: nn.Module, policy: dict[str, str]):
+    def __init__(self, handle: ActivationHandle, name: str, module: nn.Module, policy: dict[str, str]):
         self.handle, self.name, self.module, self.policy = handle, name, module, policy
         m = _LAYER_RE.match(name)
         self.layer = m.group(1) if m else None  # the layer this module is in, from its name

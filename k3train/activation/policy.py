@@ -101,21 +101,15 @@ def as_rule(r: Any) -> Rule:
     """A Rule from a Rule, a mapping or an object with the same fields (e.g. the config's ActivationRule)."""
     if isinstance(r, Rule):
         return r
-    get = r.get if isinstance(r, dict) else (lambda k, d=None: getattr(r, k, d))
+    keys = ("policy", "match", "kind", "role", "optional")
     if isinstance(r, dict):
-        unknown = set(r) - {"policy", "match", "kind", "role", "optional"}
+        unknown = set(r) - set(keys)
         if unknown:
             raise ValueError(f"activation rule {r!r}: unknown key(s) {sorted(unknown)}")
-    if get("policy") is None:
+    fields = dict(r) if isinstance(r, dict) else {k: getattr(r, k) for k in keys if hasattr(r, k)}
+    if fields.get("policy") is None:
         raise ValueError(f"activation rule {r!r} has no policy")
-    match = get("match")
-    return Rule(
-        policy=get("policy"),
-        match=match if match not in ("", None) else None,
-        kind=get("kind"),
-        role=get("role"),
-        optional=bool(get("optional", False)),
-    )
+    return Rule(**{**fields, "match": fields.get("match") or None, "optional": bool(fields.get("optional", False))})
 
 
 def rules_from_config(cfg: Any) -> list[Rule]:

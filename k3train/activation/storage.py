@@ -7,17 +7,19 @@ original strides), which matters for kernels that check strides.
 
 - `FP8Saved`:   block-wise e4m3fn + fp32 scales on the tensor's device (k3train.activation.fp8).
 - `HostSaved`:  a copy in host memory. On CUDA: pinned memory, copied on a side stream after the producer's work,
-                brought back on the side stream when the module's backward is reached (`LocalOffloader.prefetch`)
+                brought back on the side stream when the module's backward is reached (`HostSaved.prefetch`)
                 so the copy overlaps the backward of the modules after it. On CPU: a plain copy into a new buffer.
 - `RemoteSaved`: bytes held by a peer rank; see `RemoteExchange` for the pairing and the exchange points.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
-from k3train.activation.fp8 import dequantize, fp8_nbytes, quantize
+from k3train.activation.fp8 import fp8_nbytes, kernels
 from k3train.distributed import comm
 
 
@@ -29,7 +31,6 @@ class Layout:
     def __init__(self, t: torch.Tensor):
         self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
         self.perm = self.inv_perm = None
-        self.base_shape = t.shape
 
     @staticmethod
     def compact(t: torch.Tensor) -> tuple["Layout", torch.Tensor]:
@@ -64,32 +65,59 @@ class FP8Saved:
 
     def __init__(self, t: torch.Tensor):
         self.layout, base = Layout.compact(t)
-        self.q, self.scales = quantize(base)
+        self.q, self.scales = kernels(base.is_cuda)[0](base)
 
     @property
     def nbytes(self) -> int:
         return fp8_nbytes(self.q.numel())
 
     def unpack(self) -> torch.Tensor:
-        return self.layout.rebuild(dequantize(self.q, self.scales, self.layout.dtype))
+        return self.layout.rebuild(kernels(self.q.is_cuda)[1](self.q, self.scales, self.layout.dtype))
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The copy stream of a CUDA device, shared by every host copy made on it."""
+    return torch.cuda.Stream(device)
 
 
 class HostSaved:
-    __slots__ = ("layout", "host", "event", "device_copy", "offloader", "__weakref__")
+    """A copy in host memory. On CUDA: a pinned buffer, filled on the device's side stream after the producing
+    stream's work, and brought back on that stream by `prefetch` (the module's backward is reached)."""
 
-    def __init__(self, t: torch.Tensor, offloader: "LocalOffloader"):
+    __slots__ = ("layout", "host", "device_copy", "__weakref__")
+
+    def __init__(self, t: torch.Tensor):
         self.layout, base = Layout.compact(t)
-        self.offloader = offloader
         self.device_copy = None
-        self.host, self.event = offloader.to_host(base)
+        if base.device.type != "cuda":
+            self.host = base.to("cpu", copy=True)  # on CPU too: a separate buffer
+            return
+        side = _side_stream(base.device)
+        side.wait_stream(torch.cuda.current_stream(base.device))
+        self.host = torch.empty(base.shape, dtype=base.dtype, pin_memory=True)
+        with torch.cuda.stream(side):
+            self.host.copy_(base, non_blocking=True)
+            base.record_stream(side)  # the device buffer is not reused before the copy has read it
 
     @property
     def nbytes(self) -> int:
         return self.host.nbytes
 
     def prefetch(self) -> None:
-        if self.device_copy is None and self.layout.device.type != "cpu":
-            self.device_copy = self.offloader.to_device(self.host, self.layout.device)
+        device = self.layout.device
+        if self.device_copy is not None or device.type == "cpu":
+            return
+        if device.type != "cuda":
+            self.device_copy = self.host.to(device), None
+            return
+        side = _side_stream(device)
+        with torch.cuda.stream(side):
+            dev = torch.empty(self.host.shape, dtype=self.host.dtype, device=device)
+            dev.copy_(self.host, non_blocking=True)  # ordered after this buffer's device-to-host copy (same stream)
+            event = torch.cuda.Event()
+            event.record(side)
+        self.device_copy = dev, event
 
     def unpack(self) -> torch.Tensor:
         if self.layout.device.type == "cpu":
@@ -101,46 +129,6 @@ class HostSaved:
             stream.wait_event(event)
             base.record_stream(stream)  # the side stream allocated it; the compute stream now reads it
         return self.layout.rebuild(base)
-
-
-class LocalOffloader:
-    """Host copies. On CUDA: pinned buffers and one side stream per device, ordered after the producing stream."""
-
-    def __init__(self):
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-
-    def _stream(self, device: torch.device):
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        return self._streams[device]
-
-    def to_host(self, base: torch.Tensor):
-        if base.device.type == "cpu":
-            host = torch.empty_like(base, memory_format=torch.contiguous_format)
-            host.copy_(base)
-            return host, None
-        if base.device.type != "cuda":
-            return base.to("cpu"), None
-        side = self._stream(base.device)
-        side.wait_stream(torch.cuda.current_stream(base.device))
-        host = torch.empty(base.shape, dtype=base.dtype, pin_memory=True)
-        with torch.cuda.stream(side):
-            host.copy_(base, non_blocking=True)
-            base.record_stream(side)  # the device buffer is not reused before the copy has read it
-            event = torch.cuda.Event()
-            event.record(side)
-        return host, event
-
-    def to_device(self, host: torch.Tensor, device: torch.device):
-        if device.type != "cuda":
-            return host.to(device), None
-        side = self._stream(device)
-        with torch.cuda.stream(side):
-            dev = torch.empty(host.shape, dtype=host.dtype, device=device)
-            dev.copy_(host, non_blocking=True)  # ordered after this buffer's own device-to-host copy (same stream)
-            event = torch.cuda.Event()
-            event.record(side)
-        return dev, event
 
 
 class RemoteCall:
@@ -241,15 +229,13 @@ class RemoteExchange:
             out = out.cpu()
         size_out = torch.tensor([out.numel()], dtype=torch.int64, device=out.device)
         size_in = torch.empty_like(size_out)
-        self._p2p(size_out, size_in)
+        # Through the one communication ledger, on the dp x cp replicas this exchange pairs.
+        comm.send_recv(size_out, size_in, self.peer, self.group, "dp_cp", what="activation_offload")
         inp = torch.empty(int(size_in.item()), dtype=torch.uint8, device=out.device)
         # Both sides now know both sizes, so they agree on which of the two transfers exist.
-        self._p2p(out if out.numel() else None, inp if inp.numel() else None)
-        return inp if device is None else inp.to(device)
-
-    def _p2p(self, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
-        # Through the one communication ledger, on the dp x cp replicas this exchange pairs.
+        send, recv = out if out.numel() else None, inp if inp.numel() else None
         comm.send_recv(send, recv, self.peer, self.group, "dp_cp", what="activation_offload")
+        return inp if device is None else inp.to(device)
 
     def store(self, key, payload: torch.Tensor) -> None:
         self.hosted[key] = self._swap(payload, None)

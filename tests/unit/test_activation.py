@@ -25,7 +25,7 @@ from k3train.activation import (
     rules_from_config,
 )
 from k3train.config.store import activation_groups, load_activation_group
-from k3train.activation.storage import FP8Saved, HostSaved, LocalOffloader, RemoteCall, RemoteSaved
+from k3train.activation.storage import FP8Saved, HostSaved, RemoteCall, RemoteSaved
 from k3train.models.k3.args import get_preset
 from k3train.models.k3.model import K3Model
 from k3train.models.k3.moe import LatentMoE, LocalDispatcher
@@ -141,7 +141,7 @@ def test_packed_forms_rebuild_shape_and_strides():
         "permute": torch.randn(4, 5, 70, generator=g).permute(2, 0, 1),
     }
     for name, t in cases.items():
-        h = HostSaved(t, LocalOffloader())
+        h = HostSaved(t)
         r = h.unpack()
         assert torch.equal(r, t), name
         if name in ("transpose", "permute"):
@@ -151,7 +151,7 @@ def test_packed_forms_rebuild_shape_and_strides():
         assert r.untyped_storage().data_ptr() != t.untyped_storage().data_ptr(), name
         f = FP8Saved(t)
         assert f.unpack().shape == t.shape and f.unpack().dtype == t.dtype, name
-    assert HostSaved(cases["expand"], LocalOffloader()).nbytes == 6 * 4  # a broadcast is stored once
+    assert HostSaved(cases["expand"]).nbytes == 6 * 4  # a broadcast is stored once
 
 
 def test_remote_stash_round_trip_mixed_dtypes():

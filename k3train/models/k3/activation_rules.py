@@ -54,24 +54,12 @@ kinds when it is an instance of the child class."""
 
 DEFAULT_POLICIES: tuple[tuple[str, str], ...] = (("attn_res", "recompute"), ("moe_experts", "recompute"))
 """(kind, policy) for what the recipe does not say: every AttnRes mixer is checkpointed, and the routed-expert block
-of each LatentMoE (dispatch permutation/gather, expert compute, combine) is recomputed in backward from the saved
-routing (expert ids and mixture weights) and the latent input: neither the router nor any communication runs twice."""
-
-LAYER = K3Layer
-"""A decoder layer (kind 'layer'): saved bytes are accounted per layer while one runs."""
+of each LatentMoE (dispatch permutation/gather, expert compute, combine: its `routed` method, run as one unit under
+the policy of its experts) is recomputed in backward from the saved routing (expert ids and mixture weights) and the
+latent input: neither the router nor any communication runs twice."""
 
 LAYER_NAME = r"^(.*?\blayers\.[^.]+)"
 """The prefix of a fully-qualified module name that names its decoder layer ('layers.N')."""
-
-ROUTER = Router
-"""Routers count their tokens (`load`) and feed a `balancer`: a recomputation must do neither a second time."""
-
-MOE = LatentMoE
-"""Its `routed` method (dispatch -> experts -> combine) runs as one unit under the policy of its experts (kind
-ROUTED_KIND): recomputed from the saved routing and latent input, without the router."""
-
-ROUTED_KIND = "moe_experts"
-"""The kind of a LatentMoE's routed experts, whose policy its routed block follows."""
 
 LOCAL_DISPATCHER = LocalDispatcher
 """The dispatcher that communicates nothing: under recompute the whole routed block is rerun in backward. Any other
