@@ -529,10 +529,10 @@ def _zero_bucket_launched_early(orig):
 
 
 def _zero_overlap_never_armed(orig):
-    def arm(self):
+    def arm_part(self, part):
         return None  # the last micro-batch is not announced: every bucket waits for the reduction point
 
-    return arm
+    return arm_part
 
 
 def _zero_gather_skipped(orig):
@@ -1215,7 +1215,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "zero_overlap_never_armed",
-        "k3train.parallel.zero:ShardedOptimizer.arm",
+        "k3train.parallel.zero:ShardedOptimizer.arm_part",
         "the engine never arms the reduction for the last micro-batch: no overlap with backward",
         _zero_overlap_never_armed,
         (f"{PIECES}::test_engine_reduces_while_the_last_backward_runs",),

@@ -44,7 +44,7 @@ from k3train.models.k3.documents import Documents
 from k3train.models.k3.loss import IGNORE_INDEX, linear_cross_entropy
 from k3train.distributed import comm
 from k3train.parallel.mesh import ParallelDims, ParallelMesh, build_mesh, stage_to_rank, stages_of_rank
-from k3train.parallel.pipeline import Pipeline, StageModule, sources_after, split_layers
+from k3train.parallel.pipeline import GlobalTokenLoss, Pipeline, StageModule, sources_after, split_layers
 from k3train.parallel.zero import ShardedOptimizer
 
 
@@ -96,26 +96,26 @@ class Engine:
         self.step_count = 0
         self.mtp_weight = float(self.zero.cfg.mtp_loss_weight) if self.args.mtp_layers else None
         """optim.mtp_loss_weight with the MTP module (k3train.models.k3.mtp), else None."""
-        self.pipeline = self._build_pipeline() if self.dims.pp > 1 else None
-
-    def _build_pipeline(self) -> Pipeline:
-        """The pipeline over this rank's stages; the optimizer reduces each stage's gradients, and activations cross
-        stage boundaries in the parameters' dtype."""
+        # One engine for every layout: this rank's stage modules and the last stage's loss, run by the pipeline's
+        # schedule when pp > 1, one micro-batch after another in one process.
         n, cp = self.dims.n_stages, (self._group("cp"), self.dims.cp_layout) if self.dims.cp > 1 else None
         kw = dict(autocast_dtype=self.autocast_dtype, boundary_dtype=self.boundary_dtype, cp=cp)
-        modules = {
+        self.stage_modules = {
             s: StageModule(p, first=s == 0, last=s == n - 1, **kw) for s, p in zip(self.stage_ids, self.model_parts)
         }
-        return Pipeline(
-            args=self.args,
-            dims=self.dims,
-            stage_layers=self.stage_layers,
-            modules=modules,
-            pp_group=self._group("pp"),
-            device=self.device,
-            grad_reducer=self.zero,
-            mtp_weight=self.mtp_weight or 0.0,
-        )
+        self.loss_fn = GlobalTokenLoss(self.stage_modules.get(n - 1), self.mtp_weight or 0.0)
+        self.pipeline = None
+        if self.dims.pp > 1:  # the optimizer reduces each stage's gradients
+            self.pipeline = Pipeline(
+                args=self.args,
+                dims=self.dims,
+                stage_layers=self.stage_layers,
+                modules=self.stage_modules,
+                pp_group=self._group("pp"),
+                device=self.device,
+                grad_reducer=self.zero,
+                loss_fn=self.loss_fn,
+            )
 
     # ---- helpers ----------------------------------------------------------------------------------------------------
     def _group(self, name: str):
@@ -154,7 +154,7 @@ class Engine:
             loss_local, busy = run(mbs, denom, mtp_denom)
             sched = time.perf_counter() - t1
             if self.pipeline is None:  # a pipeline stage reduces its gradients in its schedule
-                self.zero.reduce()
+                self.zero.reduce_part(self.model_parts[0])
             # One collective for the losses (nonzero on last stages) and the gradient norm (each element counted on
             # exactly one rank: its owner in the data-parallel group, its stage in the pipeline).
             losses = loss_local.double().to(dev)[: 2 if self.mtp_weight is not None else 1]
@@ -191,24 +191,18 @@ class Engine:
     def _forward_backward_local(
         self, mbs: list[dict], denom: float, mtp_denom: float = 1.0
     ) -> tuple[torch.Tensor, float]:
-        """[next-token, MTP] normalised loss sums of the micro-batches (MTP 0 without it), and the busy time."""
-        part = self.model_parts[0]
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        """[next-token, MTP] normalised loss sums of the micro-batches (MTP 0 without it), and the busy time: the
+        one stage's module and loss run on each micro-batch with its own context."""
+        stage, loss_fn = self.stage_modules[0], self.loss_fn
+        loss_fn.start(denom, mtp_denom)
         t = time.perf_counter()
-        w, mtp = part.output.weight, self.mtp_weight is not None
         for k, b in enumerate(mbs):
-            with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-                # The head's matmul runs inside the chunked loss: no [mb, T, V] logits are kept.
-                out = part(b["input_ids"], b["ctx"], return_hidden=True, mtp=mtp, **b["vision"])
-                hidden, u = out if mtp else (out, None)
-                terms = [linear_cross_entropy(hidden, w, b["labels"])[0] / denom]
-                if mtp:
-                    terms.append(linear_cross_entropy(u, w, b["mtp_labels"])[0] / mtp_denom)
-            loss = terms[0] if len(terms) == 1 else terms[0] + self.mtp_weight * terms[1]
+            target = b["labels"] if self.mtp_weight is None else torch.stack([b["labels"], b["mtp_labels"]], dim=-1)
+            loss = loss_fn(stage.run(b["input_ids"], b["ctx"], b["vision"]), target)
             if k == len(mbs) - 1:  # the last backward: buckets are reduced as their gradients complete
-                self.zero.arm()
+                self.zero.arm_part(stage.part)
             loss.backward()
-            total[: len(terms)] += torch.stack([x.detach().double() for x in terms])
+        total = sum((x.double() for x in loss_fn.sums), torch.zeros(2, dtype=torch.float64, device=self.device))
         return total, time.perf_counter() - t
 
     def _forward_backward_pipeline(
@@ -278,19 +272,10 @@ class Engine:
         n = max(float(cnt[0]), 1.0)
         return {"eval_loss": float(sums[0]) / n, "eval_accuracy": float(sums[1]) / n}
 
-    def _scores(self, part: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """[CE sum, correct argmax count] of one micro-batch's target tokens from the final hidden, fp64; the head
-        runs chunk by chunk (under the caller's autocast)."""
-        loss, correct = linear_cross_entropy(hidden, part.output.weight, labels)
-        return torch.stack([loss.double(), correct.double()])
-
     def _eval_forward(self, b: dict) -> torch.Tensor:
-        ctx = b["ctx"]
-        if self.pipeline is None:
-            part = self.model_parts[0]
-            with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-                return self._scores(part, part(b["input_ids"], ctx, return_hidden=True, **b["vision"]), b["labels"])
-        # Simple stage-by-stage relay for evaluation (no schedule needed): stage s waits for s - 1.
+        """[CE sum, correct argmax count] of one micro-batch's target tokens (fp64, on the last stage's rank; the head
+        runs chunk by chunk). A simple stage-by-stage relay (no schedule needed): stage s waits for s - 1; one
+        process runs its one stage."""
         B, T = b["input_ids"].shape
         n, pp_group = self.dims.n_stages, self._group("pp")
         owner = stage_to_rank(self.dims)
@@ -303,9 +288,11 @@ class Engine:
                 x = torch.empty(S, B, T, self.args.dim, device=self.device, dtype=self.boundary_dtype)
                 comm.send_recv(None, x, owner[s - 1], pp_group, "pp")
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-                y = local[s](x, ctx, return_hidden=s == n - 1, **(b["vision"] if s == 0 else {}))
+                y = local[s](x, b["ctx"], return_hidden=s == n - 1, **(b["vision"] if s == 0 else {}))
                 if s == n - 1:
-                    out = self._scores(local[s], y, b["labels"])
+                    out = torch.stack(
+                        [v.double() for v in linear_cross_entropy(y, local[s].output.weight, b["labels"])]
+                    )
             if s < n - 1:
                 y = y.to(self.boundary_dtype)
                 if owner[s + 1] != owner[s]:

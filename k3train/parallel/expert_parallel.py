@@ -37,7 +37,6 @@ __all__ = [
     "expert_parameters",
     "gather_full_experts",
     "optimizer_state_to_dtensor",
-    "optimizer_state_to_local",
 ]
 
 
@@ -119,31 +118,15 @@ def optimizer_state_to_dtensor(model: nn.Module, osd: dict) -> dict:
     instead of keeping one rank's shard. In place; returns osd."""
     from torch.distributed.tensor import DTensor, Shard
 
-    def convert(m: EPGroupedExperts, leaf: str, v):
-        if isinstance(v, Tensor) and not isinstance(v, DTensor) and v.shape == getattr(m, leaf).shape:
-            return DTensor.from_local(v, m.device_mesh(), [Shard(0)], run_check=False)
-        return v
-
-    return _map_expert_state(model, osd, convert)
-
-
-def optimizer_state_to_local(model: nn.Module, osd: dict) -> dict:
-    """The inverse of optimizer_state_to_dtensor (for set_optimizer_state_dict after a DCP load). In place."""
-    from torch.distributed.tensor import DTensor
-
-    return _map_expert_state(model, osd, lambda m, leaf, v: m.local_rows(v) if isinstance(v, DTensor) else v)
+    owners = _ep_modules(model)
+    for fqn, st in osd.get("state", {}).items():
+        mod_name, _, leaf = fqn.rpartition(".")
+        m = owners.get(mod_name)
+        for k, v in st.items() if m is not None else ():
+            if isinstance(v, Tensor) and not isinstance(v, DTensor) and v.shape == getattr(m, leaf).shape:
+                st[k] = DTensor.from_local(v, m.device_mesh(), [Shard(0)], run_check=False)
+    return osd
 
 
 def _ep_modules(model: nn.Module) -> dict[str, EPGroupedExperts]:
     return {n: m for n, m in model.named_modules() if isinstance(m, EPGroupedExperts)}
-
-
-def _map_expert_state(model: nn.Module, osd: dict, convert) -> dict:
-    """Replaces each value v of a home expert's per-parameter state with convert(module, parameter name, v)."""
-    owners = _ep_modules(model)
-    for fqn, st in osd.get("state", {}).items():
-        mod_name, _, leaf = fqn.rpartition(".")
-        if mod_name in owners:
-            for k, v in st.items():
-                st[k] = convert(owners[mod_name], leaf, v)
-    return osd

@@ -293,14 +293,13 @@ def rank_coords(dims: ParallelDims, rank: int) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------------------------------
 @dataclass
 class ParallelMesh:
-    """The device mesh and the groups the engine uses. `mesh` has dims ("pp", "dp", "cp"); `ep_mesh` has dims
-    ("pp", "edp", "ep") over the same ranks, and `expert_mesh` the same ranks as ("pp", "ep", "edp"): its ("ep",
-    "edp") submesh lays an expert tensor's rows out as EP home blocks, each chunked over the expert-data ranks.
-    ep_mesh and expert_mesh exist only when ep > 1."""
+    """The device mesh and the groups the engine uses. `mesh` has dims ("pp", "dp", "cp"); `expert_mesh` has the
+    same ranks as ("pp", "ep", "edp") (only when ep > 1): its "ep" and "edp" dimensions are the expert groups, and
+    its ("ep", "edp") submesh lays an expert tensor's rows out as EP home blocks, each chunked over the expert-data
+    ranks."""
 
     dims: ParallelDims
     mesh: object  # torch.distributed.device_mesh.DeviceMesh
-    ep_mesh: object
     expert_mesh: object
     dp_cp_mesh: object  # the flattened dp x cp mesh (kept: slicing a flattened dim from the root is deprecated)
     coords: dict
@@ -323,12 +322,10 @@ class ParallelMesh:
             return self.dp_cp_mesh
         if name in ("pp", "dp", "cp"):
             return self.mesh[name]
-        if name in ("ep", "edp", "ep_edp") and self.ep_mesh is None:
+        if name in ("ep", "edp", "ep_edp") and self.expert_mesh is None:
             raise ValueError(f"no {name!r} group: the layout has ep=1")
-        if name in ("ep", "edp"):
-            return self.ep_mesh[name]
-        if name == "ep_edp":
-            return self.expert_mesh["ep", "edp"]
+        if name in ("ep", "edp", "ep_edp"):
+            return self.expert_mesh[("ep", "edp") if name == "ep_edp" else name]
         raise ValueError(f"unknown mesh dimension {name!r}")
 
 
@@ -342,13 +339,12 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> ParallelMesh:
     dims.validate(world_size=dist.get_world_size())
     mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.cp), mesh_dim_names=("pp", "dp", "cp"))
     dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
-    ep_mesh = expert_mesh = None
+    expert_mesh = None
     # Gradient-reduction groups ([pp, members, other] rank grids): every rank creates every group, in the same order
     # (torch's rule for new_group).
     spans = {"dp_cp": torch.arange(dims.world).view(dims.pp, dims.dp_cp, 1)}
     if dims.ep > 1:
         ranks = spans["edp"] = torch.arange(dims.world).view(dims.pp, dims.edp, dims.ep)
-        ep_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "ep"))
         expert_mesh = DeviceMesh(device_type, ranks.transpose(1, 2).contiguous(), mesh_dim_names=("pp", "ep", "edp"))
     rank = dist.get_rank()
     reduce_groups = {}
@@ -360,7 +356,6 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> ParallelMesh:
     return ParallelMesh(
         dims=dims,
         mesh=mesh,
-        ep_mesh=ep_mesh,
         expert_mesh=expert_mesh,
         dp_cp_mesh=dp_cp_mesh,
         coords=rank_coords(dims, rank),

@@ -179,10 +179,13 @@ class StageModule(nn.Module):
             ctx = BatchContext.of(Documents(doc_start))
         else:
             ctx = BatchContext()
-        dev = x.device.type
+        return self.run(x, ctx, self.vision_feed.stage_inputs(self.chunk) if self.vision_feed is not None else {})
+
+    def run(self, x: torch.Tensor, ctx: BatchContext, vision: dict) -> torch.Tensor:
+        """The part on (tokens or stacked sources, its BatchContext, image inputs): what forward returns. One process
+        calls it directly with the micro-batch's own context; a pipeline stage through forward."""
         mtp = self.last and self.part.mtp is not None
-        vision = self.vision_feed.stage_inputs(self.chunk) if self.vision_feed is not None else {}
-        with torch.autocast(dev, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+        with torch.autocast(x.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             out = self.part(x, ctx, return_hidden=self.last, mtp=mtp, **vision)
         if mtp:  # one output tensor for the schedule: [final hidden ; MTP hidden] along the width
             out = torch.cat(out, dim=-1)
@@ -202,7 +205,7 @@ class StageModule(nn.Module):
 
 
 class GlobalTokenLoss:
-    """loss_fn for the last stage: summed token loss of a micro-batch / the step's global target-token count, so
+    """loss_fn for the last stage (the only stage in one process): summed token loss of a micro-batch / the step's global target-token count, so
     summing micro-batches and data-parallel ranks gives the one-process mean exactly. With MTP, plus mtp_weight x
     the summed MTP loss / the step's global MTP target count; `sums` keeps each micro-batch's two normalised terms.
 
@@ -216,6 +219,11 @@ class GlobalTokenLoss:
         self.mtp_weight = mtp_weight
         self.denominator = self.mtp_denominator = 1.0
         self.sums: list[torch.Tensor] = []
+
+    def start(self, denominator: float, mtp_denominator: float) -> None:
+        """A new step with these global target counts."""
+        self.denominator, self.mtp_denominator = float(denominator), float(mtp_denominator)
+        self.sums = []
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         main, mtp = self.stage.head_loss(hidden, labels)
@@ -401,17 +409,17 @@ class Pipeline:
         pp_group,
         device: torch.device,
         grad_reducer=None,
-        mtp_weight: float = 0.0,
+        loss_fn: GlobalTokenLoss | None = None,
     ):
         """grad_reducer: an object with reduce_part(part) (k3train.parallel.zero.ShardedOptimizer), called for each
-        stage's model part right after its last backward of the step. mtp_weight: optim.mtp_loss_weight. What
-        crosses a stage boundary has the modules' boundary_dtype."""
+        stage's model part right after its last backward of the step. loss_fn: the last stage's GlobalTokenLoss
+        (default: one without MTP weight). What crosses a stage boundary has the modules' boundary_dtype."""
         self.args, self.dims, self.stage_layers = args, dims, stage_layers
         self.modules = modules  # stage index -> StageModule held by this rank
         self.pp_group, self.device = pp_group, device
         self.grad_reducer = grad_reducer
         self.boundary_dtype = next(iter(modules.values())).boundary_dtype
-        self.loss_fn = GlobalTokenLoss(modules.get(dims.n_stages - 1), mtp_weight)
+        self.loss_fn = loss_fn or GlobalTokenLoss(modules.get(dims.n_stages - 1))
         self.vision_feed = None
         first = modules.get(0)
         if first is not None and getattr(first.part, "vision", None) is not None:
@@ -483,9 +491,7 @@ class Pipeline:
         if input_ids.shape[0] % m:
             raise ValueError(f"local batch of {input_ids.shape[0]} rows does not split into {m} micro-batches")
         self.ensure(input_ids.shape[0] // m, input_ids.shape[1])
-        self.loss_fn.denominator = float(denominator)
-        self.loss_fn.mtp_denominator = float(mtp_denominator)
-        self.loss_fn.sums = []
+        self.loss_fn.start(denominator, mtp_denominator)
         for st in self.stages:
             st.new_step()
         if self.vision_feed is not None:

@@ -25,12 +25,12 @@ PREMUL_SUM (gloo has no PREMUL_SUM).
 
 When each bucket is reduced. Buckets are formed in reverse registration order (about the order backward produces
 gradients). Earlier micro-batches only accumulate. Right before the last backward of the step (pp == 1: the last
-micro-batch, `ShardedOptimizer.arm`; a pipeline stage: the backward the schedule flags last_backward,
-`arm_part`), the buckets are queued; a post-accumulate-grad hook (the bf16 fold hook, under bf16) marks each
+micro-batch; a pipeline stage: the backward the schedule flags last_backward; `ShardedOptimizer.arm_part` for
+the part), the buckets are queued; a post-accumulate-grad hook (the bf16 fold hook, under bf16) marks each
 parameter's gradient complete, and a bucket whose parameters are all complete has its collective launched at once
 (async_op) while backward goes on. Launches follow the queue order strictly (a bucket waits for those before it),
 so every rank issues the same collectives in the same order whatever its gradients. At the reduction point
-(`reduce` / `reduce_part`: after the last backward, or the stage's REDUCE_GRAD) the buckets that never became
+(`reduce_part`: after the last backward, or the stage's REDUCE_GRAD) the buckets that never became
 complete (parameters without a gradient in the last backward: zeros or the earlier micro-batches' sum; gradients
 that a split backward's weight pass writes without the hook) are launched, owner-sharded Muon gradients are
 reduce-scattered, and every bucket is waited for before the optimizer steps. These collectives run on a process
@@ -631,18 +631,6 @@ class ShardedOptimizer:
                 st["exp_avg_sq"] = torch.zeros_like(t, memory_format=torch.preserve_format)
 
     # ---- the step's phases ------------------------------------------------------------------------------------------
-    def arm(self) -> None:
-        """The last micro-batch's backward is about to run (pp == 1): reduce each bucket as soon as its gradients
-        are complete."""
-        for g in self.shard_groups.values():
-            g.arm()
-
-    def reduce(self) -> None:
-        """Reduce the gradients of every parameter and wait for them (pp == 1: after the last micro-batch's
-        backward)."""
-        for g in self.shard_groups.values():
-            g.reduce_grads()
-
     def _part_groups(self, part: nn.Module) -> tuple[set[int], list[ShardGroup]]:
         """(id of each parameter of the part, the groups holding some of them)."""
         ids = self._part_cache.get(id(part))
@@ -651,15 +639,15 @@ class ShardedOptimizer:
         return ids, [g for g in self.shard_groups.values() if any(id(it.param) in ids for it in g.items)]
 
     def arm_part(self, part: nn.Module) -> None:
-        """One model part's (a pipeline stage's) last backward of the step is about to run: reduce each of its
-        buckets as soon as its gradients are complete."""
+        """One model part's (a pipeline stage's, or the one part's in one process) last backward of the step is about
+        to run: reduce each of its buckets as soon as its gradients are complete."""
         ids, groups = self._part_groups(part)
         for g in groups:
             g.arm(ids, key=id(part))
 
     def reduce_part(self, part: nn.Module) -> None:
-        """Reduce the gradients of one model part (a pipeline stage) right after its last backward, and wait for
-        them."""
+        """Reduce the gradients of one model part (a pipeline stage, or the one part in one process) right after its
+        last backward, and wait for them."""
         ids, groups = self._part_groups(part)
         for g in groups:
             g.reduce_grads(ids, key=id(part))
