@@ -148,13 +148,8 @@ def compare(curve: list[float], ref: list[float], window: int) -> dict:
 
 def tolerance(precisions: list[str], cfg: ConvergeConfig) -> dict:
     """The band for comparing curves of these precisions: the loosest of them, or the configured one."""
-    bands = [TOLERANCES[p] for p in precisions]
-    tol = {k: max(b[k] for b in bands) for k in ("window", "max")}
-    if cfg.tolerance_window > 0:
-        tol["window"] = cfg.tolerance_window
-    if cfg.tolerance_max > 0:
-        tol["max"] = cfg.tolerance_max
-    return tol
+    own = {"window": cfg.tolerance_window, "max": cfg.tolerance_max}
+    return {k: own[k] if own[k] > 0 else max(TOLERANCES[p][k] for p in precisions) for k in own}
 
 
 def within(stats: dict, tol: dict) -> bool:

@@ -84,6 +84,7 @@ def layer_bytes_per_token(
     layer_policy = plan.layer(layer_id)
     attn_policy = plan.of(f"{name}.attn") or layer_policy
     ffn_policy = plan.of(f"{name}.ffn") or layer_policy
+    exp_policy = plan.of(f"{name}.ffn.experts")
     total = 0.0
     if layer_policy == "recompute":
         total += args.dim * act_bytes  # the layer's new input (its partial sum)
@@ -91,7 +92,6 @@ def layer_bytes_per_token(
         if attn_policy != "recompute":
             total += _device_bytes(attn + Saved(act=args.dim), attn_policy, act_bytes)
         if experts is not None:
-            exp_policy = plan.of(f"{name}.ffn.experts")
             if exp_policy not in (None, "recompute"):
                 total += _device_bytes(experts + Saved(act=args.moe_latent_dim * args.top_k), exp_policy, act_bytes)
         return total
@@ -102,7 +102,6 @@ def layer_bytes_per_token(
     total += _device_bytes(attn, attn_policy, act_bytes)
     total += _device_bytes(ffn_other, ffn_policy, act_bytes)
     if experts is not None:
-        exp_policy = plan.of(f"{name}.ffn.experts")
         if exp_policy in (None, "recompute"):
             total += args.moe_latent_dim * act_bytes + args.top_k * (8 + 4)
         else:

@@ -184,8 +184,9 @@ class _Inputs:
 
 
 def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
-    """One stage's StageCost for one micro-batch, its buffers ({"ep", "cp", "work"}: EP and CP buffers, backward
-    workspace, "pp": the boundary send buffer) and its in-stage communication seconds ({"ep_in_stages", "cp_in_stages"})."""
+    """One stage's StageCost for one micro-batch, its buffers ({"pp", "ep", "cp", "work"}: the boundary send buffer,
+    EP and CP buffers, backward workspace) and its in-stage communication seconds ({"ep_in_stages",
+    "cp_in_stages"})."""
     args, dims, tokens, ab, n = x.args, x.dims, x.tokens, x.act_bytes, x.dims.n_stages
     layers = x.stage_layers[s]
     n_moe = sum(args.ffn_kind(i) == "moe" for i in layers)
