@@ -110,19 +110,11 @@ class Plan:
             "max_rank_bytes": int(m.total),
             "max_rank": m.pp_rank,
             "gpu_bytes": self.gpu.memory_bytes,
-            "headroom": self.headroom,
-            "fits": self.fits,
-            "step_s": self.step_s,
-            "tokens_per_s": self.tokens_per_s,
-            "mfu": self.mfu,
+            **{k: getattr(self, k) for k in ("headroom", "fits", "step_s", "tokens_per_s", "mfu")},
             "by_kind": {k: int(v) for k, v in m.by_kind.items()},
             "per_rank_bytes": [int(r.total) for r in self.ranks],
-            "time": {
-                "compute_s": self.compute_s,
-                "bubble_s": self.bubble_s,
-                "optimizer_s": self.optimizer_s,
-                **{f"{k}_s": v for k, v in self.comm_s.items()},
-            },
+            "time": {k: getattr(self, k) for k in ("compute_s", "bubble_s", "optimizer_s")}
+            | {f"{k}_s": v for k, v in self.comm_s.items()},
         }
 
 
