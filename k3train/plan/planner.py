@@ -266,15 +266,11 @@ def plan_run(spec, gpu: GPU, *, gpus_per_node: int | None = None) -> Plan:
     costs = {s: c for s, (c, _, _) in enumerate(stages)}
     timeline = simulate(dims, costs, zero=dims.zero)
     ranks = [_rank_plan(x, r, stages, timeline) for r in range(dims.pp)]
+    per_rank, m = [stages_of_rank(dims, r) for r in range(dims.pp)], dims.microbatches
     comm = {"dp": _dp_seconds(x)}
     for key in ("ep_in_stages", "cp_in_stages"):  # part of the stages' time
-        comm[key] = max(
-            sum(stages[s][2][key] for s in stages_of_rank(dims, r)) * dims.microbatches for r in range(dims.pp)
-        )
-    compute = max(
-        sum((costs[s].forward_s + costs[s].backward_s) * dims.microbatches for s in stages_of_rank(dims, r))
-        for r in range(dims.pp)
-    )
+        comm[key] = max(sum(stages[s][2][key] for s in mine) * m for mine in per_rank)
+    compute = max(sum((costs[s].forward_s + costs[s].backward_s) * m for s in mine) for mine in per_rank)
     optimizer_s = _muon_seconds(x)
     return Plan(
         spec=spec,
