@@ -148,13 +148,8 @@ def compare(curve: list[float], ref: list[float], window: int) -> dict:
 
 def tolerance(precisions: list[str], cfg: ConvergeConfig) -> dict:
     """The band for comparing curves of these precisions: the loosest of them, or the configured one."""
-    bands = [TOLERANCES[p] for p in precisions]
-    tol = {k: max(b[k] for b in bands) for k in ("window", "max")}
-    if cfg.tolerance_window > 0:
-        tol["window"] = cfg.tolerance_window
-    if cfg.tolerance_max > 0:
-        tol["max"] = cfg.tolerance_max
-    return tol
+    own = {"window": cfg.tolerance_window, "max": cfg.tolerance_max}
+    return {k: own[k] if own[k] > 0 else max(TOLERANCES[p][k] for p in precisions) for k in own}
 
 
 def within(stats: dict, tol: dict) -> bool:
@@ -167,17 +162,11 @@ def within(stats: dict, tol: dict) -> bool:
 
 def parse_args(argv: list[str]) -> tuple[str, ConvergeConfig, list[str]]:
     """argv -> (recipe, converge settings, training overrides). converge.* keys are typed by ConvergeConfig."""
-    recipe = config_name(argv)
+    recipe, rest = config_name(argv)  # the recipe's flag and its value go; converge.* keys are the harness's
     if recipe is None:
         raise ConfigError(
             "name the recipe: python -m k3train.converge --config-name RECIPE [converge.*=...] [overrides]"
         )
-    flags = ("--config-name", "-cn")  # the recipe's flag and its value go; converge.* keys are the harness's
-    rest = [
-        a
-        for i, a in enumerate(argv)
-        if not (a in flags or a.startswith(("--config-name=", "-cn=")) or (i and argv[i - 1] in flags))
-    ]
     conv = [a.removeprefix("converge.") for a in rest if a.startswith("converge.")]
     rest = [a for a in rest if not a.startswith("converge.")]
     try:
@@ -362,8 +351,8 @@ def _experiment(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> Exper
             *e.overrides,
             *OUTPUT_OVERRIDES,
             *layout_overrides(dims, e.rows, one.parallel.microbatches),
+            *det,
         ]
-        e.runs[name] += det
         load_spec(recipe, e.runs[name], world_size=dims.world)
     return e
 

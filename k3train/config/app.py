@@ -19,24 +19,25 @@ DEFAULT_RECIPE = "tiny_cpu"
 EXIT_BAD_INPUT = 2
 
 
-def _flag(argv: list[str], *flags: str) -> str | None:
+def _flag(argv: list[str], *flags: str) -> tuple[str | None, list[str]]:
+    """The value of the first of `flags` in argv (`FLAG VALUE` or `FLAG=VALUE`), if any, and argv without it."""
     for i, a in enumerate(argv):
         for flag in flags:
             if a == flag and i + 1 < len(argv):
-                return argv[i + 1]
+                return argv[i + 1], argv[:i] + argv[i + 2 :]
             if a.startswith(flag + "="):
-                return a.split("=", 1)[1]
-    return None
+                return a.split("=", 1)[1], argv[:i] + argv[i + 1 :]
+    return None, argv
 
 
-def config_name(argv: list[str]) -> str | None:
-    """The recipe named by --config-name / -cn in argv, if any."""
+def config_name(argv: list[str]) -> tuple[str | None, list[str]]:
+    """The recipe named by --config-name / -cn in argv, if any, and the other arguments."""
     return _flag(argv, "--config-name", "-cn")
 
 
 def config_dir(argv: list[str]) -> str | None:
     """The user's recipe folder named by --config-dir / -cd in argv, if any."""
-    return _flag(argv, "--config-dir", "-cd")
+    return _flag(argv, "--config-dir", "-cd")[0]
 
 
 def fail(kind: str, err: BaseException) -> None:
@@ -53,7 +54,7 @@ def run_app(task: Callable, argv: list[str] | None = None) -> None:
     register_configs()
     user_dir = config_dir(argv)
     try:
-        check_recipe(config_name(argv) or DEFAULT_RECIPE, [user_dir] if user_dir else [])
+        check_recipe(config_name(argv)[0] or DEFAULT_RECIPE, [user_dir] if user_dir else [])
     except ConfigError as e:
         fail("config error", e)
     sys.argv = [sys.argv[0]] + argv

@@ -31,6 +31,11 @@ def _need(ok: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
+def _known(key: str, value, noun: str, choices) -> None:
+    """A name from a fixed list: ConfigError 'unknown <noun> ...; choose one of [...]' otherwise."""
+    _need(value in choices, key, f"unknown {noun} {value!r}; choose one of {list(choices)}")
+
+
 def _overrides(cfg: K3TrainConfig) -> dict:
     """model.overrides with model.mtp_layers (the same field, settable either way) folded in."""
     out, mtp = dict(cfg.model.overrides), cfg.model.mtp_layers
@@ -101,12 +106,8 @@ def check_kernels(cfg: K3TrainConfig) -> str:
 def check_data(cfg: K3TrainConfig, args: K3ModelArgs, dims, *, sources: bool = True) -> None:
     """data: its rows against the model and the layout, and (sources) the source and its files."""
     d, p = cfg.data, cfg.parallel
-    _need(d.source in DATA_SOURCES, "data.source", f"unknown source {d.source!r}; choose one of {list(DATA_SOURCES)}")
-    _need(
-        d.tokenizer in TOKENIZERS,
-        "data.tokenizer",
-        f"unknown tokenizer {d.tokenizer!r}; choose one of {list(TOKENIZERS)}",
-    )
+    _known("data.source", d.source, "source", DATA_SOURCES)
+    _known("data.tokenizer", d.tokenizer, "tokenizer", TOKENIZERS)
     _need(d.seq_len >= 1, "data.seq_len", f"must be >= 1, got {d.seq_len}")
     _need(d.micro_batch >= 1, "data.micro_batch", f"must be >= 1, got {d.micro_batch}")
     pieces = dims.cp_pieces
@@ -280,18 +281,11 @@ def check_optim(cfg: K3TrainConfig) -> None:
 
 def check_activation(cfg: K3TrainConfig) -> None:
     a = cfg.activation
-    _need(
-        a.policy in activation_policies,
-        "activation.policy",
-        f"unknown policy {a.policy!r}; choose one of {', '.join(activation_policies)}",
-    )
-    for i, r in enumerate(a.rules):
-        _need(
-            r.policy in activation_policies,
-            f"activation.rules[{i}].policy",
-            f"unknown policy {r.policy!r}; choose one of {', '.join(activation_policies)}",
-        )
-        _need(bool(r.match), f"activation.rules[{i}].match", "must be a non-empty pattern")
+    choices = ", ".join(activation_policies)
+    for i, r in enumerate([a, *a.rules]):  # the policy, then each rule's policy and pattern
+        key = f"activation.rules[{i - 1}]." if i else "activation."
+        _need(r.policy in activation_policies, key + "policy", f"unknown policy {r.policy!r}; choose one of {choices}")
+        _need(i == 0 or bool(r.match), key + "match", "must be a non-empty pattern")
 
 
 def check_logging(cfg: K3TrainConfig) -> None:
@@ -321,11 +315,7 @@ def check_train(cfg: K3TrainConfig, args: K3ModelArgs) -> None:
     _need(
         t.precision in ("fp32", "bf16", "fp64"), "train.precision", f"must be fp32, bf16 or fp64, got {t.precision!r}"
     )
-    _need(
-        t.balancing in BALANCING,
-        "train.balancing",
-        f"unknown balancing {t.balancing!r}; choose one of {list(BALANCING)}",
-    )
+    _known("train.balancing", t.balancing, "balancing", BALANCING)
     _need(
         t.balancing == "none" or args.top_k < args.n_experts,
         "train.balancing",

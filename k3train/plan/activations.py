@@ -47,6 +47,13 @@ class PolicyPlan:
                 return policy
         return None
 
+    def layer(self, i: int) -> str:
+        """The policy decoder layer i's saves take as a whole ("keep" without the K3 defaults)."""
+        return (self.of(f"layers.{i}") or self.default) if self.k3_defaults else "keep"
+
+
+KEEP = PolicyPlan()
+
 
 def policy_plan(activation_cfg) -> PolicyPlan:
     return PolicyPlan(
@@ -74,9 +81,10 @@ def layer_bytes_per_token(
     norms = parts["attn_norm"] + parts["ffn_norm"]
     if not plan.k3_defaults:
         return (mixers + norms + attn + ffn_other + (experts or Saved())).bytes(act_bytes)
-    layer_policy = plan.of(name) or plan.default
+    layer_policy = plan.layer(layer_id)
     attn_policy = plan.of(f"{name}.attn") or layer_policy
     ffn_policy = plan.of(f"{name}.ffn") or layer_policy
+    exp_policy = plan.of(f"{name}.ffn.experts")
     total = 0.0
     if layer_policy == "recompute":
         total += args.dim * act_bytes  # the layer's new input (its partial sum)
@@ -84,7 +92,6 @@ def layer_bytes_per_token(
         if attn_policy != "recompute":
             total += _device_bytes(attn + Saved(act=args.dim), attn_policy, act_bytes)
         if experts is not None:
-            exp_policy = plan.of(f"{name}.ffn.experts")
             if exp_policy not in (None, "recompute"):
                 total += _device_bytes(experts + Saved(act=args.moe_latent_dim * args.top_k), exp_policy, act_bytes)
         return total
@@ -95,7 +102,6 @@ def layer_bytes_per_token(
     total += _device_bytes(attn, attn_policy, act_bytes)
     total += _device_bytes(ffn_other, ffn_policy, act_bytes)
     if experts is not None:
-        exp_policy = plan.of(f"{name}.ffn.experts")
         if exp_policy in (None, "recompute"):
             total += args.moe_latent_dim * act_bytes + args.top_k * (8 + 4)
         else:
@@ -103,26 +109,44 @@ def layer_bytes_per_token(
     return total
 
 
-def stage_activation_bytes(
+def stage_activation_bytes(args: K3ModelArgs, layers: list[int], *, tokens: int, rows: int = 1, **kw) -> float:
+    """Device bytes of one micro-batch's saved activations on a stage: stage_bytes' first figure."""
+    return stage_bytes(args, layers, tokens=tokens, rows=rows, **kw)[0]
+
+
+def stage_bytes(
     args: K3ModelArgs,
     layers: list[int],
     *,
     first: bool,
     last: bool,
     tokens: int,
+    rows: int,
     seq_len: int,
     plan: PolicyPlan,
     act_bytes: int,
-) -> float:
-    """Device bytes of one micro-batch's saved activations on a stage (tokens = rows x local sequence length)."""
+) -> tuple[float, float]:
+    """(saved activations, backward workspace) of one micro-batch of `rows` rows on a stage, in device bytes
+    (tokens = rows x local sequence length), from one walk over its layers.
+
+    The workspace is the transient bytes of the stage's most expensive layer while it runs backward (one layer at a
+    time): a recomputed layer rebuilds everything it saves under keep for its own backward (one micro-batch), and its
+    token mixer's declared `workspace_bytes` per row (Gated MLA: one tile of its blocked attention)."""
     S = 1 if first else sources_after(args, layers[0] - 1)
-    total = 0.0
+    total = worst = 0.0
     if first:
         total += 8 * tokens  # the token ids (int64), saved by the embedding lookup
-    elif plan.k3_defaults and (plan.of(f"layers.{layers[0]}") or plan.default) == "recompute":
+    elif plan.layer(layers[0]) == "recompute":
         total += (S - 1) * args.dim * act_bytes * tokens  # received sources the layers read (the last is counted)
     for i in layers:
         total += layer_bytes_per_token(args, i, seq_len, plan, act_bytes, S) * tokens
+        w = (
+            layer_bytes_per_token(args, i, seq_len, KEEP, act_bytes, S) * tokens
+            if plan.layer(i) == "recompute"
+            else 0.0
+        )
+        w += rows * layer_mixer(args, i).workspace_bytes(args, tokens // max(rows, 1), seq_len, act_bytes)
+        worst = max(worst, w)
         S = sources_after(args, i)
     if last:
         head = {k: c.saved for k, c in K3Model.head_costs(args, S, seq_len).items()}
@@ -130,31 +154,4 @@ def stage_activation_bytes(
             head["final_res"] = Saved(act=args.dim, bf16=2.0 * args.dim)
         total += (head["final_res"] + head["norm"] + head["output"]).bytes(act_bytes) * tokens
         total += head.get("mtp", Saved()).bytes(act_bytes) * tokens
-    return total
-
-
-def stage_workspace_bytes(
-    args: K3ModelArgs,
-    layers: list[int],
-    *,
-    first: bool,
-    tokens: int,
-    rows: int,
-    seq_len: int,
-    plan: PolicyPlan,
-    act_bytes: int,
-) -> float:
-    """Transient device bytes of the stage's most expensive layer while it runs backward (one layer at a time):
-
-    - a recomputed layer rebuilds everything it saves under keep for its own backward (one micro-batch);
-    - its token mixer's declared `workspace_bytes` per row (Gated MLA: one tile of its blocked attention)."""
-    keep = PolicyPlan()
-    S = 1 if first else sources_after(args, layers[0] - 1)
-    worst = 0.0
-    for i in layers:
-        policy = (plan.of(f"layers.{i}") or plan.default) if plan.k3_defaults else "keep"
-        w = layer_bytes_per_token(args, i, seq_len, keep, act_bytes, S) * tokens if policy == "recompute" else 0.0
-        w += rows * layer_mixer(args, i).workspace_bytes(args, tokens // max(rows, 1), seq_len, act_bytes)
-        worst = max(worst, w)
-        S = sources_after(args, i)
-    return worst
+    return total, worst

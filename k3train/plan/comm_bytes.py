@@ -31,50 +31,52 @@ def analytic_step_bytes(
     elem = ELEMENT_BYTES[precision]["param"]
     mine = stages_of_rank(dims, pp_rank)
     out: dict[tuple[str, str], dict] = {}
-
-    def add(dim, op, payload, wire):
-        e = out.setdefault((dim, op), {"payload": 0, "wire": 0.0})
-        e["payload"] += payload
-        e["wire"] += wire
-
-    _add_reduction_bytes(add, args, dims, stage_layers, mine, precision)
+    add_reduction_bytes(out, args, dims, stage_param_counts(args, stage_layers), mine, precision)
     # Under CP a rank runs its pieces of each row: seq / cp tokens per row (the pieces as rows, same count).
     tok = mb * seq // dims.cp
     if dims.cp > 1:
         layers = [i for s in mine for i in stage_layers[s]]
         mtp = bool(args.mtp_layers) and len(stage_layers) - 1 in mine  # the MTP module sits on the last stage
         _add_cp_bytes(
-            add, args, dims, layers, mb=mb, seq=seq, elem=elem, summary_elem=8 if precision == "fp64" else 4, mtp=mtp
+            out, args, dims, layers, mb=mb, seq=seq, elem=elem, summary_elem=8 if precision == "fp64" else 4, mtp=mtp
         )
         if dims.pp > 1:  # every stage rebuilds its handle from the pieces' document starts (1 byte per token)
             b = len(mine) * dims.microbatches * mb * seq
-            add("cp", "all_gather", b, (dims.cp - 1) / dims.cp * b)
+            _add(out, "cp", "all_gather", b, (dims.cp - 1) / dims.cp * b)
     if dims.ep > 1:
         n_moe = sum(args.ffn_kind(i) == "moe" for s in mine for i in stage_layers[s])
         NK = tok * args.top_k
         b = n_moe * dims.microbatches * (4 * NK * args.moe_latent_dim * elem + 8 * args.n_experts)
-        add("ep", "all_to_all", b, b * (dims.ep - 1) / dims.ep)
+        _add(out, "ep", "all_to_all", b, b * (dims.ep - 1) / dims.ep)
     if dims.pp > 1:
         owner, D, last = stage_to_rank(dims), args.dim, dims.n_stages - 1
         for s in mine:
             if s < last and owner[s + 1] != pp_rank:
                 b = sources_after(args, stage_layers[s][-1]) * tok * D * elem * dims.microbatches
-                add("pp", "send_fwd", b, b)
+                _add(out, "pp", "send_fwd", b, b)
             if s > 0 and owner[s - 1] != pp_rank:
                 b = sources_after(args, stage_layers[s][0] - 1) * tok * D * elem * dims.microbatches
-                add("pp", "send_bwd", b, b)
+                _add(out, "pp", "send_bwd", b, b)
     return out
 
 
-def _add_reduction_bytes(add, args: K3ModelArgs, dims, stage_layers: list[list[int]], mine, precision: str) -> None:
-    """The data-parallel collectives of one step: the loss normalisers' counts, the gradients reduced (and the
-    parameters gathered under ZeRO) over each replica group, and the loss and squared norm over the world."""
+def _add(out: dict, dim: str, op: str, payload, wire) -> None:
+    """One collective's bytes added to out[(dim, op)]."""
+    e = out.setdefault((dim, op), {"payload": 0, "wire": 0.0})
+    e["payload"] += payload
+    e["wire"] += wire
+
+
+def add_reduction_bytes(out: dict, args: K3ModelArgs, dims, counts: list[dict], mine, precision: str) -> None:
+    """The data-parallel collectives of one step of the stages `mine` (counts: every stage's parameters,
+    k3train.models.k3.counts.stage_param_counts), added to `out`: the loss normalisers' counts, the gradients
+    reduced (and the parameters gathered under ZeRO) over each replica group, and the loss and squared norm over the
+    world."""
     param_elem, grad_elem = ELEMENT_BYTES[precision]["param"], ELEMENT_BYTES[precision]["grad"]
-    counts = stage_param_counts(args, stage_layers)
     n = dims.dp_cp
     n_counts = 3 if args.mtp_layers else 2  # target, token (and MTP target) counts, float64 each
     if n > 1:
-        add("dp_cp", "all_reduce", 8 * n_counts, 2 * (n - 1) / n * 8 * n_counts)
+        _add(out, "dp_cp", "all_reduce", 8 * n_counts, 2 * (n - 1) / n * 8 * n_counts)
     if dims.ep > 1:  # home experts are reduced over their replicas only, each rank holding 1/ep of them
         groups = [("dp_cp", dims.dp_cp, lambda c: c["dense"]), ("edp", dims.edp, lambda c: c["expert"] // dims.ep)]
     else:
@@ -85,19 +87,19 @@ def _add_reduction_bytes(add, args: K3ModelArgs, dims, stage_layers: list[list[i
         numel = sum(held(counts[s]) for s in mine)
         B = numel * grad_elem
         if dims.zero == 2:
-            add(dim, "reduce_scatter", B, (g - 1) / g * B)
+            _add(out, dim, "reduce_scatter", B, (g - 1) / g * B)
         else:
-            add(dim, "all_reduce", B, 2 * (g - 1) / g * B)
+            _add(out, dim, "all_reduce", B, 2 * (g - 1) / g * B)
         if dims.zero >= 1:
             W = numel * param_elem
-            add(dim, "all_gather", W, (g - 1) / g * W)
+            _add(out, dim, "all_gather", W, (g - 1) / g * W)
     if dims.world > 1:  # the loss (and the MTP loss) and the squared norm, float64 each
         b = 8 * n_counts
-        add("world", "all_reduce", b, 2 * (dims.world - 1) / dims.world * b)
+        _add(out, "world", "all_reduce", b, 2 * (dims.world - 1) / dims.world * b)
 
 
 def _add_cp_bytes(
-    add, args: K3ModelArgs, dims, layers: list[int], *, mb: int, seq: int, elem: int, summary_elem: int, mtp: bool
+    out: dict, args: K3ModelArgs, dims, layers: list[int], *, mb: int, seq: int, elem: int, summary_elem: int, mtp: bool
 ) -> None:
     """Context-parallel collectives of one step (forward all-gathers, their backward reduce-scatters of the same
     size) for these layers, from each token mixer's declared `cp_gather` (KDA: the pieces' fp32 summaries and conv
@@ -113,5 +115,5 @@ def _add_cp_bytes(
     latent = m * mb * seq * sum(c.token_act for c in gathers) * elem
     total = summary + halo + latent + (m * rows * args.dim * elem if mtp else 0)
     if total:
-        add("cp", "all_gather", total + latent, (g - 1) / g * (total + latent))
-        add("cp", "reduce_scatter", total, (g - 1) / g * total)
+        _add(out, "cp", "all_gather", total + latent, (g - 1) / g * (total + latent))
+        _add(out, "cp", "reduce_scatter", total, (g - 1) / g * total)

@@ -174,20 +174,14 @@ def measure_layout(layout: Layout, results: list[dict] | None = None) -> list[di
     layers = splits[SEQS[0]]
     state = StateModel(args, dims, layers, OptimConfig(name=layout.optim), precision=prec)
     kw = dict(plan=policy_plan(_activation_cfg(layout)), act_bytes=2 if prec == "bf16" else 4)
+
+    def acts(key: str) -> float:  # the planner's saved activations of stage s at length T (key "s:T")
+        s, T = map(int, key.split(":"))
+        tok, last = MICRO_BATCH * T // dims.cp, s == dims.n_stages - 1
+        return stage_activation_bytes(args, splits[T][s], first=s == 0, last=last, tokens=tok, seq_len=T, **kw)
+
     rows = []
     for res in results:
-        predicted_acts = {}
-        for key in res["acts"]:
-            s, T = map(int, key.split(":"))
-            predicted_acts[key] = stage_activation_bytes(
-                args,
-                splits[T][s],
-                first=s == 0,
-                last=s == dims.n_stages - 1,
-                tokens=MICRO_BATCH * T // dims.cp,
-                seq_len=T,
-                **kw,
-            )
         st = state.rank_bytes(res["pp_rank"], res["dp_cp_rank"])
         # Engine.last_memory's param_bytes, grad_bytes, master_bytes and optim_bytes
         measured = {
@@ -207,7 +201,7 @@ def measure_layout(layout: Layout, results: list[dict] | None = None) -> list[di
                 "predicted": asdict(st),
                 "measured": measured,
                 "acts_measured": res["acts"],
-                "acts_predicted": predicted_acts,
+                "acts_predicted": {key: acts(key) for key in res["acts"]},
                 "optim": layout.optim,
                 "comm_predicted": {f"{d}/{o}": v["payload"] for (d, o), v in comm.items()},
                 "comm_measured": comm_measured,
@@ -235,23 +229,14 @@ def format_measurements(rows: list[dict]) -> str:
         f"{'layout':>22} {'rank':>4} {'kind':>16} {'predicted':>12} {'measured':>12} {'ratio':>7}",
     ]
     for r in rows:
-        for k in ("params", "grads", "master", "optim"):
-            p, m = r["predicted"][k], r["measured"][k]
-            lines.append(
-                f"{r['layout']:>22} {r['rank']:>4} {k:>16} {p:>12,} {m:>12,} "
-                f"{(p / m if m else (1.0 if p == 0 else float('inf'))):7.3f}"
-            )
-        for key, m in r["acts_measured"].items():
-            p = r["acts_predicted"][key]
-            s, T = key.split(":")
-            lines.append(
-                f"{r['layout']:>22} {r['rank']:>4} {f'acts s{s} T{T}':>16} {int(p):>12,} {m:>12,} {p / m:7.3f}"
-            )
-        if r["optim"] == "adamw":
-            for key in sorted(set(r["comm_predicted"]) | set(r["comm_measured"])):
-                p, m = r["comm_predicted"].get(key, 0), r["comm_measured"].get(key, 0)
-                lines.append(
-                    f"{r['layout']:>22} {r['rank']:>4} {key:>16} {int(p):>12,} {int(m):>12,} "
-                    f"{(p / m if m else float(p == 0)):7.3f}"
-                )
+        state = [(k, r["predicted"][k], r["measured"][k]) for k in ("params", "grads", "master", "optim")]
+        acts = [
+            ("acts s{} T{}".format(*k.split(":")), r["acts_predicted"][k], m) for k, m in r["acts_measured"].items()
+        ]
+        keys = sorted(set(r["comm_predicted"]) | set(r["comm_measured"])) if r["optim"] == "adamw" else []
+        comm = [(k, r["comm_predicted"].get(k, 0), r["comm_measured"].get(k, 0)) for k in keys]
+        for group, unmeasured in ((state + acts, float("inf")), (comm, 0.0)):  # the ratio shown where nothing was
+            for kind, p, m in group:
+                ratio = p / m if m else float(p == 0) or unmeasured
+                lines.append(f"{r['layout']:>22} {r['rank']:>4} {kind:>16} {int(p):>12,} {int(m):>12,} {ratio:7.3f}")
     return "\n".join(lines)

@@ -9,7 +9,7 @@ group holds the largest ZeRO chunks):
 - saved activations (k3train.plan.activations) of every micro-batch in flight, at the peak of the schedule's own
   timeline (k3train.plan.schedule_sim), with the stage's full gradient live from its first backward on; the
   received AttnRes sources each in-flight micro-batch holds, and the send buffer of one micro-batch;
-- the workspace of the stage's most expensive layer in backward (k3train.plan.activations.stage_workspace_bytes):
+- the workspace of the stage's most expensive layer in backward (k3train.plan.activations.stage_bytes):
   a recomputed layer's rebuilt activations, Gated MLA's [T, T] softmax gradient;
 - transient buffers, the largest of one layer at a time: EP dispatch (the S K latent rows out and back; under
   MoonEP also the weights of up to E / ep hosted experts, saved for backward, and their gradients), and CP (the
@@ -29,13 +29,13 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 
 from k3train.errors import ConfigError
-from k3train.models.k3.counts import executed_flops, flops_per_token
+from k3train.models.k3.counts import executed_flops, flops_per_token, stage_param_counts
 from k3train.models.k3.mixers import layer_mixer
 from k3train.models.k3.model import sources_after
 from k3train.parallel.mesh import stages_of_rank
 from k3train.parallel.zero import ELEMENT_BYTES
-from k3train.plan.activations import policy_plan, stage_activation_bytes, stage_workspace_bytes
-from k3train.plan.comm_bytes import analytic_step_bytes
+from k3train.plan.activations import policy_plan, stage_bytes
+from k3train.plan.comm_bytes import add_reduction_bytes
 from k3train.plan.gpus import GPU
 from k3train.plan.schedule_sim import StageCost, simulate
 from k3train.plan.state_memory import StateModel
@@ -110,19 +110,11 @@ class Plan:
             "max_rank_bytes": int(m.total),
             "max_rank": m.pp_rank,
             "gpu_bytes": self.gpu.memory_bytes,
-            "headroom": self.headroom,
-            "fits": self.fits,
-            "step_s": self.step_s,
-            "tokens_per_s": self.tokens_per_s,
-            "mfu": self.mfu,
+            **{k: getattr(self, k) for k in ("headroom", "fits", "step_s", "tokens_per_s", "mfu")},
             "by_kind": {k: int(v) for k, v in m.by_kind.items()},
             "per_rank_bytes": [int(r.total) for r in self.ranks],
-            "time": {
-                "compute_s": self.compute_s,
-                "bubble_s": self.bubble_s,
-                "optimizer_s": self.optimizer_s,
-                **{f"{k}_s": v for k, v in self.comm_s.items()},
-            },
+            "time": {k: getattr(self, k) for k in ("compute_s", "bubble_s", "optimizer_s")}
+            | {f"{k}_s": v for k, v in self.comm_s.items()},
         }
 
 
@@ -184,15 +176,15 @@ class _Inputs:
 
 
 def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
-    """One stage's StageCost for one micro-batch, its buffers ({"ep", "cp", "work"}: EP and CP buffers, backward
-    workspace) and its in-stage communication seconds ({"ep_in_stages", "cp_in_stages"})."""
+    """One stage's StageCost for one micro-batch, its buffers ({"pp", "ep", "cp", "work"}: the boundary send buffer,
+    EP and CP buffers, backward workspace) and its in-stage communication seconds ({"ep_in_stages",
+    "cp_in_stages"})."""
     args, dims, tokens, ab, n = x.args, x.dims, x.tokens, x.act_bytes, x.dims.n_stages
     layers = x.stage_layers[s]
     n_moe = sum(args.ffn_kind(i) == "moe" for i in layers)
     latent = [layer_mixer(args, i).cp_gather(args).token_act for i in layers]  # per token, gathered again in bwd
-    kw = dict(first=s == 0, tokens=tokens, seq_len=x.seq, plan=x.pplan, act_bytes=ab)
-    act = stage_activation_bytes(args, layers, last=s == n - 1, **kw)
-    work = stage_workspace_bytes(args, layers, rows=x.mb, **kw)
+    kw = dict(first=s == 0, last=s == n - 1, tokens=tokens, rows=x.mb, seq_len=x.seq, plan=x.pplan, act_bytes=ab)
+    act, work = stage_bytes(args, layers, **kw)
     if s > 0:  # the received sources a micro-batch holds until its backward
         act += sources_after(args, layers[0] - 1) * tokens * args.dim * ab
     G = args.n_experts // dims.ep if dims.ep > 1 else 0
@@ -213,54 +205,48 @@ def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
         lat = x.mb * x.seq * ab
         cpt = 3 * sum(latent) * lat * (dims.cp - 1) / dims.cp / x.bandwidth(dims.cp, 1)  # gather, again, scatter
         cp_buf = max(latent) * lat
-    pp_bw = x.bandwidth(2, dims.dp_cp)
-    send = (sources_after(args, layers[-1]) * tokens * args.dim * ab / pp_bw) if s < n - 1 else 0.0
+    boundary = sources_after(args, layers[-1]) * tokens * args.dim * ab if s < n - 1 else 0.0  # the send buffer
+    send = boundary / x.bandwidth(2, dims.dp_cp)
     cost = StageCost(fwd + (a2a + cpt) / 2, bwd + (a2a + cpt) / 2, act, *x.state.stage_grad_bytes(s), send_s=send)
-    return cost, {"ep": ep_buf, "cp": cp_buf, "work": work}, {"ep_in_stages": a2a, "cp_in_stages": cpt}
+    return cost, {"pp": boundary, "ep": ep_buf, "cp": cp_buf, "work": work}, {"ep_in_stages": a2a, "cp_in_stages": cpt}
 
 
 def _rank_plan(x: _Inputs, r: int, stages: list, timeline) -> RankPlan:
     """Pipeline rank r's memory: its state (worst data-parallel rank), activations at the timeline's peak, the
     boundary send buffer and the largest transient buffers of its stages."""
-    args, dims, n, sl = x.args, x.dims, x.dims.n_stages, x.stage_layers
-    st = x.state.rank_bytes(r)
-    mine = stages_of_rank(dims, r)
-    boundary = max(
-        (sources_after(args, sl[s][-1]) * x.tokens * args.dim * x.act_bytes for s in mine if s < n - 1), default=0.0
-    )
-    peak = timeline.peak_parts[r]
-    buf = {k: max((stages[s][1][k] for s in mine), default=0.0) for k in ("ep", "cp", "work")}
+    st, mine, peak = x.state.rank_bytes(r), stages_of_rank(x.dims, r), timeline.peak_parts[r]
+    buf = {k: max((stages[s][1][k] for s in mine), default=0.0) for k in ("pp", "ep", "cp", "work")}
     by_kind = {
         "params": st.params,
         "master": st.master,
         "optim": st.optim,
         "grads": max(peak["gradients"], st.grads),
         "activations": peak["activations"],
-        "pp_buffers": boundary,
+        "pp_buffers": buf["pp"],
         "ep_buffers": buf["ep"],
         "cp_buffers": buf["cp"],
         "workspace": buf["work"],
     }
-    return RankPlan(r, mine, [sl[s] for s in mine], asdict(st), by_kind)
+    return RankPlan(r, mine, [x.stage_layers[s] for s in mine], asdict(st), by_kind)
 
 
 def _dp_seconds(x: _Inputs) -> float:
     """Data-parallel reductions and gathers after the pipeline drains (the busiest pipeline rank's), from the same
     bytes the communication ledger records."""
-    dims, spec = x.dims, x.spec
+    dims = x.dims
     bw = {
         "dp_cp": x.bandwidth(dims.dp_cp, 1),
         "edp": x.bandwidth(dims.edp, dims.ep),
         "world": x.bandwidth(dims.world, 1),
     }
-    worst = 0.0
-    for r in range(dims.pp):
-        step = analytic_step_bytes(
-            x.args, dims, x.stage_layers, pp_rank=r, mb=x.mb, seq=x.seq, precision=spec.precision
-        )
-        per_dim = {d: sum(v["wire"] / bw[d] for (e, _), v in step.items() if e == d) for d in bw}
-        worst = max(worst, per_dim["dp_cp"] + per_dim["edp"] + per_dim["world"])
-    return worst
+    counts = stage_param_counts(x.args, x.stage_layers)  # once for every rank: the count builds a meta model
+
+    def seconds(r: int) -> float:
+        step: dict = {}
+        add_reduction_bytes(step, x.args, dims, counts, stages_of_rank(dims, r), x.spec.precision)
+        return sum(sum(v["wire"] / bw[d] for (e, _), v in step.items() if e == d) for d in bw)
+
+    return max(seconds(r) for r in range(dims.pp))
 
 
 def plan_run(spec, gpu: GPU, *, gpus_per_node: int | None = None) -> Plan:
@@ -280,15 +266,11 @@ def plan_run(spec, gpu: GPU, *, gpus_per_node: int | None = None) -> Plan:
     costs = {s: c for s, (c, _, _) in enumerate(stages)}
     timeline = simulate(dims, costs, zero=dims.zero)
     ranks = [_rank_plan(x, r, stages, timeline) for r in range(dims.pp)]
+    per_rank, m = [stages_of_rank(dims, r) for r in range(dims.pp)], dims.microbatches
     comm = {"dp": _dp_seconds(x)}
     for key in ("ep_in_stages", "cp_in_stages"):  # part of the stages' time
-        comm[key] = max(
-            sum(stages[s][2][key] for s in stages_of_rank(dims, r)) * dims.microbatches for r in range(dims.pp)
-        )
-    compute = max(
-        sum((costs[s].forward_s + costs[s].backward_s) * dims.microbatches for s in stages_of_rank(dims, r))
-        for r in range(dims.pp)
-    )
+        comm[key] = max(sum(stages[s][2][key] for s in mine) * m for mine in per_rank)
+    compute = max(sum((costs[s].forward_s + costs[s].backward_s) * m for s in mine) for mine in per_rank)
     optimizer_s = _muon_seconds(x)
     return Plan(
         spec=spec,

@@ -97,13 +97,13 @@ def test_planner_reads_the_kinds_workspace_and_cp_declarations():
     """The backward workspace and the context-parallel traffic come from the mixers' declarations: the toy kind's
     [T, T] gradients set the stage's workspace, and it gathers nothing where the KDA layer it replaces did."""
     from k3train.parallel.mesh import ParallelDims
-    from k3train.plan.activations import stage_workspace_bytes
+    from k3train.plan.activations import stage_bytes
     from k3train.plan.comm_bytes import analytic_step_bytes
 
     args, T = toy_args(), 64
-    kw = dict(first=False, tokens=2 * T, rows=2, seq_len=T, plan=PolicyPlan(), act_bytes=4)
-    assert stage_workspace_bytes(args, [TOY_LAYER], **kw) == 2 * DenseAttention.workspace_bytes(args, T, T, 4)
-    assert stage_workspace_bytes(args, [5, 6, 7, 8], **kw) >= 2 * 2.0 * 4 * args.mla_heads * T * T
+    kw = dict(first=False, last=False, tokens=2 * T, rows=2, seq_len=T, plan=PolicyPlan(), act_bytes=4)
+    assert stage_bytes(args, [TOY_LAYER], **kw)[1] == 2 * DenseAttention.workspace_bytes(args, T, T, 4)
+    assert stage_bytes(args, [5, 6, 7, 8], **kw)[1] >= 2 * 2.0 * 4 * args.mla_heads * T * T
     dims = ParallelDims.parse("cp2")  # zigzag: 4 pieces of each row gathered
     one = dict(pp_rank=0, mb=1, seq=T, precision="fp32")
     base = analytic_step_bytes(get_preset("tiny"), dims, [list(range(1, 9))], **one)[("cp", "all_gather")]
