@@ -436,7 +436,12 @@ class PerHeadMuon(Optimizer):
             raise ValueError(f"Muon groups disagree on (ns_steps, ns_eps, ns_bf16): {sorted(keys)}")
         return keys.pop() if keys else (5, 1e-7, False)
 
+    def pieces_of(self, group: dict, p: Tensor, t: Tensor) -> list[Tensor]:
+        """`to_pieces` of a tensor of p's shape under p's structure and the group's per_head."""
+        return to_pieces(t, self._structure[id(p)], group["per_head"])
+
     def _apply(self, group: dict, p: Tensor, upd: Tensor, scale: float) -> None:
+        """Decoupled weight decay, then p -= lr * scale * upd (p: a weight, or an owner's fp32 master matrices)."""
         lr, wd = group["lr"], group["weight_decay"]
         if wd:
             p.mul_(1 - lr * wd)
@@ -455,16 +460,18 @@ class PerHeadMuon(Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p, dtype=state_dtype(p))
-                u = self._nesterov_update(group, p.grad, state["momentum_buffer"])
-                s = self._structure[id(p)]
-                pieces = to_pieces(u, s, group["per_head"])
-                items.append((group, p, s, len(pieces)))
+                pieces = self.pieces_of(group, p, self._nesterov_update(group, p.grad, state["momentum_buffer"]))
+                items.append((group, p, len(pieces)))
                 mats.extend(pieces)
         O_all, k = orthogonalise_bucketed(mats, steps, eps, bf16), 0
-        for group, p, s, n in items:
-            upd, scale = repack_scaled(O_all[k : k + n], p.shape, s, group["per_head"])
+        for group, p, n in items:
+            self._apply_pieces(group, p, O_all[k : k + n])
             k += n
-            self._apply(group, p, upd, scale)
+
+    def _apply_pieces(self, group: dict, p: Tensor, O: Sequence[Tensor]) -> None:
+        """Step p with its orthogonalised pieces O, each matrix scaled for its own shape (`repack_scaled`)."""
+        upd, scale = repack_scaled(O, p.shape, self._structure[id(p)], group["per_head"])
+        self._apply(group, p, upd, scale)
 
     # -- ZeRO-1 ------------------------------------------------------------------------------------------------
     # Plan entry of a param: {"group", "param", "pieces": [{"n", "rows", "cols", "by_rank"}, ...]}, one dict per piece
@@ -567,7 +574,7 @@ class PerHeadMuon(Optimizer):
             if g is None:
                 continue
             off = list(start)
-            for pc, G in zip(e["pieces"], to_pieces(g, self._structure[id(p)], group["per_head"])):
+            for pc, G in zip(e["pieces"], self.pieces_of(group, p, g)):
                 for q, (idx, _, n) in enumerate(pc["by_rank"]):
                     if n:
                         buf[q, off[q] : off[q] + n] = G.index_select(0, idx).reshape(-1)
@@ -597,7 +604,7 @@ class PerHeadMuon(Optimizer):
             if id(p) in self.owned_grads:  # already only the owned matrices
                 grads = owned_piece_views(e, rank, self.owned_grads[id(p)])
             else:
-                grads = owned_of(e, rank, to_pieces(self._grad_of(p), self._structure[id(p)], group["per_head"]))
+                grads = owned_of(e, rank, self.pieces_of(group, p, self._grad_of(p)))
             master = owned_piece_views(e, rank, state["master_owned"]) if "master_owned" in state else None
             for j, (pc, g, buf) in enumerate(
                 zip(e["pieces"], grads, owned_piece_views(e, rank, state["momentum_owned"]))
@@ -618,13 +625,9 @@ class PerHeadMuon(Optimizer):
         send = torch.zeros(width, dtype=wire, device=device)
         for pc, O, m in zip(mine, O_mine, masters):
             _, off, n = pc["by_rank"][rank]
-            if m is not None:
-                group, W = m
-                lr, wd = group["lr"], group["weight_decay"]
-                if wd:
-                    W.mul_(1 - lr * wd)
-                W.add_(O.to(W.dtype), alpha=-lr * muon_scale(pc["rows"], pc["cols"]))
-                O = W
+            if m is not None:  # the owner steps its fp32 master and sends the new weights
+                self._apply(m[0], m[1], O, muon_scale(pc["rows"], pc["cols"]))
+                O = m[1]
             send[off : off + n] = O.reshape(-1).to(wire)
         flat = torch.empty(world * width, dtype=send.dtype, device=send.device)
         comm.all_gather(flat, send, plan["pg"], name, what="muon_weights" if send_master else "muon_updates")
@@ -642,8 +645,7 @@ class PerHeadMuon(Optimizer):
             if send_master:  # every matrix has one owner: the gathered matrices are the whole new weight
                 p.copy_(from_pieces(Os, p.shape, self._structure[id(p)], group["per_head"]))
                 continue
-            upd, scale = repack_scaled(Os, p.shape, self._structure[id(p)], group["per_head"])
-            self._apply(group, p, upd, scale)
+            self._apply_pieces(group, p, Os)
         for e in plan["params"]:
             self.full_grads.pop(id(e["param"]), None)
             self.owned_grads.pop(id(e["param"]), None)
@@ -657,8 +659,8 @@ class PerHeadMuon(Optimizer):
             return
         e, rank = self.entry_of(p), self.plan_of(p)["rank"]
         full = row_scale.to(torch.float32).view(-1, *([1] * (p.dim() - 1))).expand(p.shape)
-        pieces = to_pieces(full, self._structure[id(p)], self.param_groups[e["group"]]["per_head"])
-        for W, s in zip(owned_piece_views(e, rank, st["master_owned"]), owned_of(e, rank, pieces)):
+        pieces = owned_of(e, rank, self.pieces_of(self.param_groups[e["group"]], p, full))
+        for W, s in zip(owned_piece_views(e, rank, st["master_owned"]), pieces):
             W.mul_(s)
 
     # -- AdamW groups ------------------------------------------------------------------------------------------

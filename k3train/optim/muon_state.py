@@ -26,7 +26,7 @@ from torch import Tensor
 from k3train.distributed import comm
 from k3train.models.structure import MatrixStructure
 from k3train.ops.dtypes import wide
-from k3train.optim.pieces import from_pieces, to_pieces
+from k3train.optim.pieces import from_pieces
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -163,8 +163,7 @@ def load_owned(opt, p: torch.Tensor, v, buf: torch.Tensor | None, *, row0: int =
         v = v.full_tensor()
     if v.shape[0] != p.shape[0]:  # the logical tensor: our block of rows
         v = v[row0 : row0 + p.shape[0]]
-    per_head = opt.param_groups[e["group"]]["per_head"]
-    pieces = to_pieces(v.to(device=buf.device, dtype=buf.dtype), opt.structure_of(p), per_head)
+    pieces = opt.pieces_of(opt.param_groups[e["group"]], p, v.to(device=buf.device, dtype=buf.dtype))
     for dst, src in zip(owned_piece_views(e, rank, buf), owned_of(e, rank, pieces)):
         dst.copy_(src)
 

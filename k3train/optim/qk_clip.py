@@ -95,39 +95,26 @@ def _clip(attn, threshold: float, group, scale_rows) -> dict[str, Tensor]:
     out, off = {}, 0
     for name, m in attn:
         tg = m.qk_clip_targets()
-        H = tg["n_heads"]
-        qs, ks, gamma = _target_scales(logits[off : off + H], threshold, **tg)
+        H, q_weight, k_weight = tg["n_heads"], tg["q_weight"], tg["k_weight"]
+        q_rows = _rows_per_head(q_weight, H, "q_weight")
+        shared = tg.get("shared_dim", 0)
+        qk_dim = tg.get("qk_dim")  # default: every query row of a head pairs with the head's own key rows
+        qs, ks, gamma = qk_clip_scales(
+            logits[off : off + H],
+            threshold,
+            n_heads=H,
+            q_rows=q_rows,
+            k_rows=_rows_per_head(k_weight, H, "k_weight"),
+            qk_dim=q_rows - shared if qk_dim is None else qk_dim,
+            shared_dim=shared,
+        )
         if bool((gamma < 1).any()):
-            scale_rows(tg["q_weight"], qs)
-            scale_rows(tg["k_weight"], ks)
+            scale_rows(q_weight, qs)
+            scale_rows(k_weight, ks)
         out[name] = gamma
         off += H
         m.max_logits = None
     return out
-
-
-def _target_scales(
-    max_logits: Tensor,
-    threshold: float,
-    *,
-    q_weight: Tensor,
-    k_weight: Tensor,
-    n_heads: int,
-    qk_dim: int | None = None,
-    shared_dim: int = 0,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """qk_clip_scales for a module's qk_clip_targets(): the rows per head come from the weights' shapes."""
-    q_rows = _rows_per_head(q_weight, n_heads, "q_weight")
-    k_rows = _rows_per_head(k_weight, n_heads, "k_weight")
-    return qk_clip_scales(
-        max_logits,
-        threshold,
-        n_heads=n_heads,
-        q_rows=q_rows,
-        k_rows=k_rows,
-        qk_dim=q_rows - shared_dim if qk_dim is None else qk_dim,
-        shared_dim=shared_dim,
-    )
 
 
 def _scale_rows(weight: Tensor, row_scale: Tensor) -> None:

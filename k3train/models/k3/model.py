@@ -10,7 +10,6 @@ the embedding takes the stacked sources [S, B, T, D] as input, and a stage witho
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 import torch
@@ -25,7 +24,7 @@ from k3train.models.k3.loss import loss_costs
 from k3train.models.k3.mixers import layer_mixer
 from k3train.models.k3.moe import GroupedExperts, LatentMoE, Router
 from k3train.models.k3.mtp import MTP
-from k3train.models.k3.vision import MoonViT
+from k3train.models.k3.vision import MoonViT, seeded_generator
 from k3train.models.costs import Costs, norm_costs
 from k3train.models.structure import MatrixStructure
 
@@ -164,11 +163,6 @@ class K3Model(nn.Module):
         return h if return_hidden else self.output(h)
 
     # ---- init -----------------------------------------------------------------------------------
-    @staticmethod
-    def _generator(seed: int, name: str) -> torch.Generator:
-        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-        return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-
     def init_weights(self, seed: int = 0) -> None:
         """Initialise every parameter from a generator seeded by (seed, its fully-qualified name), so a parameter
         gets the same values whichever pipeline stage or process holds it. Values are drawn on the CPU."""
@@ -176,7 +170,7 @@ class K3Model(nn.Module):
         out_std = std / math.sqrt(2 * self.args.n_layers)  # residual-writing projections
         residual_out = ("o_proj.weight", "ffn.w2.weight", "w_up.weight", "shared.w2.weight", "experts.w2")
         for name, p in self.named_parameters():
-            gen = self._generator(seed, name)
+            gen = seeded_generator(seed, name)
             leaf = name.rsplit(".", 1)[-1]
             s = out_std if name.endswith(residual_out) else std
             with torch.no_grad():
@@ -198,7 +192,7 @@ class K3Model(nn.Module):
                     val = torch.stack(
                         [
                             torch.empty(p.shape[1:]).normal_(
-                                0.0, s, generator=self._generator(seed, f"{name}[{first + e}]")
+                                0.0, s, generator=seeded_generator(seed, f"{name}[{first + e}]")
                             )
                             for e in range(p.shape[0])
                         ]
@@ -208,7 +202,7 @@ class K3Model(nn.Module):
                 p.copy_(val.to(p.dtype))
         for name, m in self.named_modules():
             if isinstance(m, KDA):
-                m.reset_decay_(self._generator(seed, name + ".decay"))
+                m.reset_decay_(seeded_generator(seed, name + ".decay"))
             elif isinstance(m, Router):
                 m.bias.zero_()
                 m.load.zero_()

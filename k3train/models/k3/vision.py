@@ -51,6 +51,13 @@ from k3train.models.k3.args import VisionArgs
 from k3train.models.structure import MatrixStructure
 
 
+def seeded_generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator seeded by (seed, a parameter's name): initial values independent of device and layout (the
+    init of the decoder, k3train.models.k3.model, and of this tower)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
 # ---- inputs ---------------------------------------------------------------------------------------------------
 def check_grid(args: VisionArgs, grid_thw) -> list[tuple[int, int, int]]:
     """grid_thw [N, 3] (frames, patch rows, patch columns) as a list of int triples; ValueError if unsupported."""
@@ -312,8 +319,7 @@ class MoonViT(nn.Module):
         std = 0.02
         out_std = std / math.sqrt(2 * self.args.layers)
         for name, p in self.named_parameters():
-            digest = hashlib.sha256(f"{seed}:{prefix}{name}".encode()).digest()
-            gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+            gen = seeded_generator(seed, prefix + name)
             if name.endswith("norm.weight"):
                 val = torch.ones(p.shape)
             elif name.endswith(".bias"):
