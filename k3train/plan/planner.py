@@ -182,7 +182,6 @@ def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
     args, dims, tokens, ab, n = x.args, x.dims, x.tokens, x.act_bytes, x.dims.n_stages
     layers = x.stage_layers[s]
     n_moe = sum(args.ffn_kind(i) == "moe" for i in layers)
-    latent = [layer_mixer(args, i).cp_gather(args).token_act for i in layers]  # per token, gathered again in bwd
     kw = dict(first=s == 0, last=s == n - 1, tokens=tokens, rows=x.mb, seq_len=x.seq, plan=x.pplan, act_bytes=ab)
     act, work = stage_bytes(args, layers, **kw)
     if s > 0:  # the received sources a micro-batch holds until its backward
@@ -201,9 +200,10 @@ def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
         a2a /= x.bandwidth(dims.ep, 1)
         rows = tokens * args.top_k * args.moe_latent_dim * ab
         ep_buf = 2 * rows + (G * expert_numel * ab * 2 if dims.ep_dispatcher == "moonep" else 0)
-    if dims.cp > 1:
+    if dims.cp > 1:  # each mixer's per-token gather (Gated MLA's latent), again in backward, then its scatter
+        latent = [layer_mixer(args, i).cp_gather(args).token_act for i in layers]
         lat = x.mb * x.seq * ab
-        cpt = 3 * sum(latent) * lat * (dims.cp - 1) / dims.cp / x.bandwidth(dims.cp, 1)  # gather, again, scatter
+        cpt = 3 * sum(latent) * lat * (dims.cp - 1) / dims.cp / x.bandwidth(dims.cp, 1)
         cp_buf = max(latent) * lat
     boundary = sources_after(args, layers[-1]) * tokens * args.dim * ab if s < n - 1 else 0.0  # the send buffer
     send = boundary / x.bandwidth(2, dims.dp_cp)
