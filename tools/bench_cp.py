@@ -25,7 +25,7 @@ Instead of the above (any of these, together):
   (getrusage of the waited-for processes), and its growth against T (linear growth keeps MB per 1k tokens flat).
 - `--time-per-token 8192 16384 32768`: the busiest rank's CPU microseconds per local token of a cp = 2 forward +
   backward, against T.
-- `--mla-blocks T`: one Gated MLA layer forward + backward at T tokens for several query x key block sizes.
+- `--mla-blocks T`: one Gated MLA layer forward + backward at T tokens for several key chunk sizes.
 - `--max-tokens 1048576`: a cp = 4 training step (activation=recompute) on one row of that many tokens; when it is
   predicted (from two short calibration rows; memory is linear in T) not to fit this machine's available memory, the
   row is halved until one does, and that one runs; every figure is reported.
@@ -282,9 +282,10 @@ def time_per_token(lengths: list[int], steps: int) -> dict:
     return {"time_per_token": res}
 
 
-def mla_block_sizes(T: int, blocks: list[tuple[int, int]]) -> dict:
+def mla_block_sizes(T: int, chunks: list[int]) -> dict:
     """One Gated MLA layer (tiny widths, one thread) forward + backward on one row of T tokens in two documents, for
-    several (query block, key block) sizes: CPU seconds (best of 2) and the bytes of one fp32 score tile."""
+    several key chunk sizes: CPU seconds (best of 2) and the bytes of one fp32 score tile of the CPU chunk kernel
+    (every query against one chunk)."""
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     args = get_preset("tiny", max_seq_len=T)
@@ -292,18 +293,18 @@ def mla_block_sizes(T: int, blocks: list[tuple[int, int]]) -> dict:
     x = torch.randn(1, T, args.dim, generator=torch.Generator().manual_seed(0))
     ctx = BatchContext(cu_seqlens=torch.tensor([0, T // 3, T]))
     print(f"Gated MLA layer forward + backward, T={T}, tiny widths (H={args.mla_heads}), 1 thread")
-    print(f"{'q block':>8} {'k block':>8} {'CPU s':>8} {'tile MB':>8}")
+    print(f"{'k chunk':>8} {'CPU s':>8} {'tile MB':>8}")
     res = {}
-    for bq, bk in blocks:
-        m.q_block, m.k_block = bq, bk
+    for bk in chunks:
+        m.k_chunk = bk
         times = []
         for _ in range(2):
             t0 = time.process_time()
             m(x, ctx).square().mean().backward()
             times.append(time.process_time() - t0)
-        tile = bq * bk * args.mla_heads * 4 / 1e6
-        print(f"{bq:>8} {bk:>8} {min(times):>8.2f} {tile:>8.2f}")
-        res[f"{bq}x{bk}"] = {"cpu_s": min(times), "tile_mb": tile}
+        tile = T * bk * args.mla_heads * 4 / 1e6
+        print(f"{bk:>8} {min(times):>8.2f} {tile:>8.2f}")
+        res[str(bk)] = {"cpu_s": min(times), "tile_mb": tile}
     return {"mla_blocks": res}
 
 
@@ -393,7 +394,7 @@ def main() -> None:
         type=int,
         default=None,
         metavar="T",
-        help="instead: one MLA layer's time at T tokens for several query x key block sizes",
+        help="instead: one MLA layer's time at T tokens for several key chunk sizes",
     )
     ap.add_argument(
         "--max-tokens",
@@ -409,7 +410,7 @@ def main() -> None:
         if a.time_per_token:
             out.update(time_per_token(a.time_per_token, a.steps))
         if a.mla_blocks:
-            out.update(mla_block_sizes(a.mla_blocks, [(128, 128), (256, 512), (512, 1024), (1024, 2048)]))
+            out.update(mla_block_sizes(a.mla_blocks, [512, 1024, 2048, 4096]))
         if a.max_tokens:
             out.update(longest_row(a.max_tokens, 4, a.activation[0] if len(a.activation) == 1 else "recompute"))
         print(json.dumps(out))

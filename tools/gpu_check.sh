@@ -11,10 +11,12 @@
 # 4. tests       tests/kernels on CUDA (their dtypes, plus bf16 against fp32 references and an MoE step in bf16
 #                under torch.cuda.set_sync_debug_mode("error")) and tests/unit/test_kernel_backend.py
 # 5. bench       tools/bench_kernels.py: per kernel, max error against the fp32 reference and time against PyTorch
+# 5b. attention  tools/gpu_check_attention.py: Gated MLA's CUDA chunk kernel (flex_attention, qk 192 / v 128, bf16)
+#                against the dense reference: out, lse, max scores, backward; the chunked layer without host syncs
 # 6. tiny        20 steps of the tiny_cpu recipe with train.device=cuda (fp32)
 # 7. bigger      a short bf16 run of the `small` preset cut to 8 layers on one GPU: tokens/s and MFU against the
 #                datasheet peak (k3train.plan.gpus: H200 dense bf16 989.4 TFLOP/s)
-# Parts 4-7 each report PASS, FAIL or TIMEOUT and the script goes on; it exits 1 if any part failed. Logs go to
+# Parts 4-7 (and 5b) each report PASS, FAIL or TIMEOUT and the script goes on; it exits 1 if any part failed. Logs go to
 # $OUT (the device tool's folder) when set, else /tmp/gpu_check; set GPU_CHECK_LOGS to choose.
 set -uo pipefail
 
@@ -26,8 +28,8 @@ LOGS="${GPU_CHECK_LOGS:-${OUT:-/tmp/gpu_check}}"
 WORK="${GPU_CHECK_WORK:-/tmp/gpu_check_work}"
 export SITE="$WORK/site"
 export PY="${PYTHON:-python3}"
-# Time limits in seconds (sum 285 s, under the 5-minute budget).
-T_PREFLIGHT=15 T_WHEELS=20 T_IMPORTS=25 T_TESTS=90 T_BENCH=40 T_TINY=35 T_BIGGER=60
+# Time limits in seconds (sum 295 s, under the 5-minute budget).
+T_PREFLIGHT=15 T_WHEELS=20 T_IMPORTS=25 T_TESTS=75 T_BENCH=30 T_ATTN=40 T_TINY=35 T_BIGGER=55
 
 START=$SECONDS
 FAILED=()
@@ -126,6 +128,9 @@ run_part tests "$T_TESTS" 0 "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}"
 
 # ---- 5. kernel benchmark -----------------------------------------------------------------------------------------
 run_part bench "$T_BENCH" 0 "$PY" tools/bench_kernels.py --json "$LOGS/bench_kernels.json"
+
+# ---- 5b. Gated MLA's chunk kernel ----------------------------------------------------------------------------------
+run_part attention "$T_ATTN" 0 "$PY" tools/gpu_check_attention.py
 
 # ---- 6. tiny_cpu on the GPU, 20 steps ----------------------------------------------------------------------------
 COMMON=(train.resume=never train.eval_interval=0 train.checkpoint_interval=0 train.checkpoint_at_end=false

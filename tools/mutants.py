@@ -172,15 +172,32 @@ def _mla_not_causal(orig):
     return allowed
 
 
-def _tiles_need_whole_key_range(orig):
-    def _visible_tiles(q_pos, q_doc, k_pos, k_doc, q_tiles, k_tiles):
-        # a key tile is visited only when its LAST key is not after the query tile's last query
-        shifted = k_pos.clone()
-        for a, b in k_tiles:
-            shifted[:, a:b] = k_pos[:, b - 1 : b]
-        return orig(q_pos, q_doc, shifted, k_doc, q_tiles, k_tiles)
+def _chunks_drop_partial(orig):
+    def _chunks(n, size):
+        return [(a, b) for a, b in orig(n, size) if b - a == size]  # the last, partial key chunk is never visited
 
-    return _visible_tiles
+    return _chunks
+
+
+def _merge_without_rescale(orig):
+    torch = _torch()
+
+    def _merge(o, lse, o_j, lse_j):
+        new = torch.logaddexp(lse, lse_j)
+        shift = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+        return o + o_j.to(o.dtype) * torch.exp(lse_j - shift)[..., None], new  # running output not rescaled
+
+    return _merge
+
+
+def _chunk_lse_grad_dropped(orig):
+    torch = _torch()
+
+    def reference_backward(*args):
+        *rest, d_lse = args
+        return orig(*rest, torch.zeros_like(d_lse))
+
+    return reference_backward
 
 
 def _latent_weight_grads_dropped(orig):
@@ -188,7 +205,7 @@ def _latent_weight_grads_dropped(orig):
 
     def backward(ctx, *grads):
         out = orig(ctx, *grads)
-        return (*out[:12], *[None if g is None else torch.zeros_like(g) for g in out[12:]])
+        return (*out[:11], *[None if g is None else torch.zeros_like(g) for g in out[11:]])
 
     return backward
 
@@ -941,21 +958,35 @@ MUTATIONS: list[Mutation] = [
     # ---- Gated MLA
     M(
         "mla_not_causal",
-        "k3train.ops.attention.blocked:allowed",
-        "attention tiles see every key of the query's document, later ones too (no causal mask)",
+        "k3train.ops.attention.inner:allowed",
+        "the attention chunk kernel sees every key of the query's document, later ones too (no causal mask)",
         _mla_not_causal,
         (f"{LAYERS}::test_mla_matches_reference", f"{LAYERS}::test_model_is_causal_without_documents"),
     ),
     M(
-        "attention_skips_partial_tiles",
-        "k3train.ops.attention.blocked:_visible_tiles",
-        "a key tile is skipped unless all its keys are at or before the query tile's last position",
-        _tiles_need_whole_key_range,
+        "attention_skips_partial_chunk",
+        "k3train.ops.attention.blocked:_chunks",
+        "the last key chunk is skipped when it is partial (fewer keys than the chunk size)",
+        _chunks_drop_partial,
+        (f"{BLOCK}::test_latent_blocked_equals_dense_fp64", f"{BLOCK}::test_blocked_equals_dense_fp64"),
+    ),
+    M(
+        "attention_merge_drops_rescale",
+        "k3train.ops.attention.blocked:_merge",
+        "merging key chunks adds a chunk's weighted output without rescaling the running output by e^(lse - lse')",
+        _merge_without_rescale,
+        (f"{BLOCK}::test_latent_blocked_equals_dense_fp64", f"{BLOCK}::test_blocked_equals_dense_fp64"),
+    ),
+    M(
+        "attention_chunk_lse_grad_dropped",
+        "k3train.ops.attention.inner:reference_backward",
+        "the chunk kernel's backward ignores the gradient of its log-sum-exp (the chunk merge's share term)",
+        _chunk_lse_grad_dropped,
         (f"{BLOCK}::test_latent_blocked_equals_dense_fp64", f"{BLOCK}::test_blocked_equals_dense_fp64"),
     ),
     M(
         "latent_weight_grads_dropped",
-        "k3train.ops.attention.blocked:_BlockAttention.backward",
+        "k3train.ops.attention.blocked:_ChunkedAttention.backward",
         "blocked attention returns zero gradients for the weights that rebuild keys and values from the latent",
         _latent_weight_grads_dropped,
         (f"{BLOCK}::test_latent_blocked_equals_dense_fp64", f"{LAYERS}::test_mla_matches_reference"),
@@ -999,7 +1030,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "qk_max_logits_under_autocast",
-        "k3train.ops.attention.blocked:_BlockAttention.forward",
+        "k3train.ops.attention.blocked:_ChunkedAttention.forward",
         "attention logits (and QK-Clip's max logits) computed in the caller's bf16 autocast",
         _autocast_kept_static,
         (f"{ISLANDS}::test_qk_clip_max_logits_are_fp32_statistics_under_autocast",),

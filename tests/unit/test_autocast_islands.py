@@ -143,6 +143,6 @@ def test_qk_clip_max_logits_are_fp32_statistics_under_autocast():
     ref = ref.amax(dim=(0, 2, 3))
     pos, doc = torch.arange(40)[None], torch.zeros(1, 40, dtype=torch.long)
     with autocast():
-        _, max_logit = block_attention(q, k, v, pos, doc, pos, doc, scale, q_block=16, k_block=16)
+        _, max_logit = block_attention(q, k, v, pos, doc, pos, doc, scale, k_chunk=16)
     assert max_logit.dtype == torch.float32
     assert rel_err(max_logit, ref) < 1e-6

@@ -2,10 +2,12 @@
 
 Keys/values come from a 512-wide latent plus a 64-wide key slice shared by all heads (576 numbers cached per token).
 Training form: per-head keys [latent part (128) || shared slice (64)] and values (128) are built from the latent one
-key block at a time (forward, and again in backward), never for the whole key range; causal softmax attention within
-each document with scale (128+64)^-1/2, in query and key blocks with an online softmax (k3train.ops.attention: no
-[T, T] tensor, backward keeps q, the latent, the output and the log-sum-exp); the output is gated per channel by
-sigmoid(W_g x) before Wo. Under context parallelism the local queries attend the all-gathered latent of the whole row,
+key chunk (4096 keys) at a time (forward, and again in backward), never for the whole key range; causal softmax
+attention within each document with scale (128+64)^-1/2, every query against one key chunk per step of the only
+loop, chunks merged by their log-sum-exp (k3train.ops.attention: no [T, T] tensor; the chunk kernel is
+flex_attention on CUDA and a dense custom op on CPU, chosen through `kernels` like the model's other fused ops;
+backward keeps q, the latent, the output and the log-sum-exp); the output is gated per channel by sigmoid(W_g x)
+before Wo. Under context parallelism the local queries attend the all-gathered latent of the whole row,
 which backward gathers again instead of keeping it.
 """
 
@@ -21,10 +23,14 @@ from k3train.models.costs import Costs, CPGather, Flops, Saved, gemm
 from k3train.models.structure import MatrixStructure
 from k3train.ops.attention import latent_block_attention
 from k3train.ops.attention.cp import attend_rows
-from k3train.ops.attention.blocked import K_BLOCK, Q_BLOCK
+from k3train.ops.attention.blocked import K_CHUNK
+from k3train.ops.attention.inner import FLEX_BLOCK
+from k3train.ops.backend import AUTO, Kernels
 
 
 class GatedMLA(nn.Module):
+    kernels: Kernels = AUTO  # the attention's chunk kernel (k3train.ops.backend; set_kernels sets it)
+
     def __init__(self, args: K3ModelArgs):
         super().__init__()
         d, H = args.dim, args.mla_heads
@@ -39,8 +45,8 @@ class GatedMLA(nn.Module):
         self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
         self.scale = (self.k_dim + self.s_dim) ** -0.5
-        self.q_block, self.k_block = Q_BLOCK, K_BLOCK  # attention tiles (tools/bench_cp.py measures their effect)
-        self.track_max_logits = False  # set by QK-Clip (k3train.optim); costs one extra score pass
+        self.k_chunk = K_CHUNK  # keys per step of the attention's loop (tools/bench_attention.py counts the steps)
+        self.track_max_logits = False  # set by QK-Clip (k3train.optim); the max comes from the attention's own pass
         self.max_logits: torch.Tensor | None = None
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,7 +57,7 @@ class GatedMLA(nn.Module):
         self, c_kv: torch.Tensor, norm_weight: torch.Tensor | None = None, up_weight: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head keys [B, H, Tk, k+s] and values [B, H, Tk, v] from the latent [B, Tk, 576] (with the given
-        kv_norm and wkv_b weights: the blocked attention passes its own leaves when it rebuilds a block)."""
+        kv_norm and wkv_b weights: the chunked attention passes its own leaves when it rebuilds a chunk)."""
         B, Tk, _ = c_kv.shape
         norm_weight = self.kv_norm.weight if norm_weight is None else norm_weight
         up_weight = self.wkv_b.weight if up_weight is None else up_weight
@@ -72,15 +78,15 @@ class GatedMLA(nn.Module):
         o = o.transpose(1, 2) * torch.sigmoid(self.g_proj(x)).view(B, T, self.n_heads, self.v_dim)
         return self.o_proj(o.reshape(B, T, -1))
 
-    def attend(self, q, c_kv, q_pos, q_doc, k_pos, k_doc, q_segments=None, source=None) -> torch.Tensor:
+    def attend(self, q, c_kv, q_pos, q_doc, k_pos, k_doc, source=None) -> torch.Tensor:
         """Softmax attention of q [B, H, Tq, k+s] over the keys and values built from the latent c_kv [B, Tk, 576]
         (or from what `source` gathers from it): query i sees key j when both lie in one document (q_doc, k_doc
         [B or 1, T]) and j is not after i (q_pos, k_pos: positions in the row). Returns [B, H, Tq, v]; QK-Clip's
         per-head max logit comes from the same pass."""
-        params = (self.kv_norm.weight, self.wkv_b.weight)  # what keys_values rebuilds each key block from
-        tiles = dict(q_segments=q_segments, source=source, q_block=self.q_block, k_block=self.k_block)
+        params = (self.kv_norm.weight, self.wkv_b.weight)  # what keys_values rebuilds each key chunk from
+        how = dict(source=source, k_chunk=self.k_chunk, kernels=self.kernels)
         o, max_logit = latent_block_attention(
-            q, c_kv, self.keys_values, params, q_pos, q_doc, k_pos, k_doc, self.scale, **tiles
+            q, c_kv, self.keys_values, params, q_pos, q_doc, k_pos, k_doc, self.scale, **how
         )
         if self.training and self.track_max_logits:
             self.max_logits = max_logit if self.max_logits is None else torch.maximum(self.max_logits, max_logit)
@@ -112,30 +118,30 @@ class GatedMLA(nn.Module):
     @staticmethod
     def costs(args: K3ModelArgs, seq_len: int) -> Costs:
         """Per token (k3train.models.costs). Saved, in fp32 training: D + 3 q + 1 + kv + s + H (k + s) + 3 H v
-        elements, H fp32 (the blocked attention's log-sum-exp) and one int64 (positions and document ids;
+        elements, H fp32 (the chunked attention's log-sum-exp) and one int64 (positions and document ids;
         q = q_rank, kv = kv_rank, s = shared key width, k/v = head widths): the attention keeps the latent, not
-        per-head keys and values, and nothing grows with T. FLOPs: the projections' matmuls, and the blocked attention
-        over the key tiles a query's tile visits (causal: later tiles are skipped): scores and values forward, and in
-        backward the recomputed scores and four more products (4 qk + 3 v)."""
+        per-head keys and values, and nothing grows with T. FLOPs: the projections' matmuls, and the fused chunk kernel
+        over the key blocks a query's block sees (flex_attention's block mask skips the others): scores and values
+        forward (qk + v), and in backward the recomputed chunk forward (qk + v) and the chunk kernel's backward
+        (scores again, dV, dP, dQ, dK: 3 qk + 2 v)."""
         D, H, q, kv, s = args.dim, args.mla_heads, args.mla_q_rank, args.mla_kv_rank, args.mla_shared_k_dim
         k, v = args.mla_k_head_dim, args.mla_v_head_dim
-        # The blocked attention keeps q, the latent (it rebuilds per-head keys and values per key block), its output
+        # The chunked attention keeps q, the latent (it rebuilds per-head keys and values per key chunk), its output
         # and one fp32 log-sum-exp per head and query; the gate keeps its sigmoid and the gated product.
         act = D + 3 * q + 1 + kv + s + H * (k + s) + 3 * H * v
         bf16 = 2 * D + 10 * q + 4 + 2 * (kv + s) + 2 * H * (k + s) + 6 * H * v + 4 * H + 8
         weights = D * q + q * H * (k + s) + D * (kv + s) + kv * H * (k + v) + 2 * D * H * v
-        attention = 2.0 * visited_keys(seq_len) * H * (4 * args.mla_qk_head_dim + 3 * v)
+        attention = 2.0 * visited_keys(seq_len) * H * (5 * args.mla_qk_head_dim + 4 * v)
         return Costs(Saved(act=act, fp32=H, i64=1, bf16=bf16), gemm(weights) + Flops(attention=attention))
 
     @staticmethod
     def workspace_bytes(args: K3ModelArgs, q_tokens: int, seq_len: int, act_bytes: int) -> float:
-        """Transient backward bytes per row (q_tokens of its queries on this rank, seq_len keys): the blocked
-        attention holds one tile of fp32 scores, probabilities and their gradient, [H, q_block, k_block] each, and
-        one key block's keys and values with their gradients (k3train.ops.attention.blocked)."""
-        H, bk = args.mla_heads, min(K_BLOCK, seq_len)
-        return 3 * 4.0 * H * min(Q_BLOCK, q_tokens) * bk + 2 * 4.0 * H * bk * (
-            args.mla_qk_head_dim + args.mla_v_head_dim
-        )
+        """Transient backward bytes per row (q_tokens of its queries on this rank, seq_len keys) on the fused chunk
+        kernel (k3train.ops.attention.blocked): one key chunk's keys and values with their gradients, and per query
+        the chunk's recomputed output, its gradient and the chunk's query gradient, fp32 [H, q_tokens, *] (the
+        kernel holds no score tile; the CPU reference's [H, q_tokens, chunk] tiles are not counted)."""
+        H, bk, qk, v = args.mla_heads, min(K_CHUNK, seq_len), args.mla_qk_head_dim, args.mla_v_head_dim
+        return 2 * 4.0 * H * bk * (qk + v) + 4.0 * H * q_tokens * (2 * v + qk)
 
     @staticmethod
     def cp_gather(args: K3ModelArgs) -> CPGather:
@@ -152,10 +158,11 @@ class GatedMLA(nn.Module):
 
 
 def visited_keys(seq_len: int) -> float:
-    """Keys per query that Gated MLA's blocked attention computes without documents: every key of each key tile
-    that is not entirely after the query tile (k3train.ops.attention.blocked)."""
+    """Keys per query that Gated MLA's fused chunk kernel computes without documents: every key of each
+    FLEX_BLOCK-wide key block that is not entirely after the query block (flex_attention's block mask; key chunks
+    are whole blocks, k3train.ops.attention.inner)."""
     total = 0
-    for qa in range(0, seq_len, Q_BLOCK):
-        qb = min(qa + Q_BLOCK, seq_len)
-        total += (qb - qa) * min(seq_len, -(-qb // K_BLOCK) * K_BLOCK)
+    for qa in range(0, seq_len, FLEX_BLOCK):
+        qb = min(qa + FLEX_BLOCK, seq_len)
+        total += (qb - qa) * min(seq_len, -(-qb // FLEX_BLOCK) * FLEX_BLOCK)
     return total / seq_len

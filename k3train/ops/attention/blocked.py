@@ -1,26 +1,26 @@
-"""Blocked softmax attention: memory O(T) in the sequence, never O(Tq x Tk).
+"""Chunked softmax attention: memory O(T) in the sequence, never O(Tq x Tk) over the whole key range.
 
-Keys and values are built per key block from a compact per-token source c by a function kv(c_block, *params) (for
-Gated MLA: the 576-wide latent, up-projected per head), so the per-head keys and values of the whole key range never
-exist at once. The loops run key blocks outside, query blocks inside: each key block's K and V are built once and
-used by every query block that sees it. Per query a running max m, a running sum l and an output accumulator o (fp32,
-or fp64 for fp64 inputs) absorb one key block at a time (the online softmax): m' = max(m, rowmax(S)),
-o = o e^{m - m'} + e^{S - m'} V, l = l e^{m - m'} + rowsum(e^{S - m'}).
+Keys and values are built per key chunk (K_CHUNK keys, thousands) from a compact per-token source c by a function
+kv(c_chunk, *params) (for Gated MLA: the 576-wide latent, up-projected per head), so the per-head keys and values of
+the whole key range never exist at once. The only Python loop is over key chunks: each chunk attends ALL queries at
+once through the inner kernel (k3train.ops.attention.inner: flex_attention on CUDA, a dense custom op on CPU), which
+returns the chunk's output o_j, log-sum-exp lse_j and per-row max score. Chunks merge by their log-sum-exp:
+lse = log(e^lse + e^lse_j), o = o e^(lse - lse') + o_j e^(lse_j - lse'). Visibility (causal within each document)
+is the inner kernel's mask from positions and document ids; nothing is read back to the host, and no chunk is
+skipped (on CUDA the block mask skips the hidden blocks inside a chunk).
 
-Visibility (causal within each document) comes from the positions and document ids of queries and keys, per tile;
-which tiles can see anything is decided once per call from each tile's position and document ranges (one host sync),
-and the other tiles are skipped. Queries may come in segments (context parallelism's pieces): tiles never straddle
-two segments, so an early piece's queries do not drag a late piece's key range along.
+Forward saves q, the source c (not K, V), the output and the log-sum-exp. Backward (ours, by recomputation) rebuilds
+each chunk's K and V from c (under the forward's autocast), recomputes the chunk through the inner kernel with
+gradients on, and backpropagates into q, c and the parameters the merged output's gradient restricted to the chunk:
+with w_j = e^(lse_j - lse), d o_j = w_j dO and d lse_j = w_j (rowsum(dO o_j) - rowsum(dO O)); that is the standard
+dS = P (dO V^T - rowsum(dO O)) with P = e^(S - lse), so the inner kernel needs only its own (out, lse) backward.
+A `source` may stand between the saved c and the keys: context parallelism saves only the local latent and
+all-gathers the row's latent again in backward, whose gradient it reduce-scatters back.
 
-Forward saves q, the source c (not K, V), the output and the log-sum-exp lse = m + log l. Backward rebuilds each
-key block's K and V from c (under the forward's autocast), recomputes its tiles' probabilities P = e^{S - lse} and
-accumulates dV_blk += P^T dO, dS = P (dO V^T - rowsum(dO O)), dQ += dS K scale, dK_blk += dS^T Q scale; then pulls
-(dK_blk, dV_blk) back through kv into dc and the parameters' gradients. A `source` may stand between the saved c and
-the keys: context parallelism saves only the local latent and all-gathers the row's latent again in backward, whose
-gradient it reduce-scatters back.
-
-Held at once besides inputs and outputs: the source of the key range (O(Tk x width of c)), one key block's K and V,
-one [B, H, q_block, k_block] tile. The per-head maximum of the visible logits (QK-Clip's statistic) is max(m).
+Held at once besides inputs and outputs: the source of the key range (O(Tk x width of c)), one chunk's K and V, the
+running output and lse, and whatever the inner kernel holds (the CPU reference: a [B, H, Tq, K_CHUNK] score tile;
+flex on CUDA: nothing of that size). The per-head maximum of the visible logits (QK-Clip's statistic) is the max
+over chunks of the inner kernel's max scores.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from k3train.ops.attention.inner import _finite, chunk_kernel
+from k3train.ops.backend import AUTO, Kernels
 from k3train.ops.dtypes import wide
-from k3train.ops.attention.naive import allowed
 
-Q_BLOCK = 512
-K_BLOCK = 1024
+K_CHUNK = 4096
+"""Keys per chunk: the Python loop's step (1M keys: 256 iterations per layer)."""
 
 
 class KeySource(Protocol):
@@ -46,125 +47,82 @@ class KeySource(Protocol):
         """Gradient of the gathered source -> gradient of the local source."""
 
 
-def _scores(qt: torch.Tensor, kt: torch.Tensor, scale: float, acc: torch.dtype) -> torch.Tensor:
-    """One tile's logits as an fp32 (fp64) product. Callers run the tile loops with autocast off, whatever the
-    caller's: the softmax, its statistics and QK-Clip's max logit are fp32 islands (a bf16-rounded product is off by
-    about 4e-3)."""
-    return (qt.to(acc) @ kt.to(acc).transpose(-2, -1)) * scale
+def _chunks(n: int, size: int) -> list[tuple[int, int]]:
+    """[start, end) key chunks of `size` covering n keys (the last one partial)."""
+    return [(a, min(a + size, n)) for a in range(0, n, size)]
 
 
-def _spans(lengths: Sequence[int], block: int) -> list[tuple[int, int]]:
-    """[start, end) tiles of `block` over consecutive segments of the given lengths, none straddling two."""
-    out, a = [], 0
-    for n in lengths:
-        out += [(s, min(s + block, a + n)) for s in range(a, a + n, block)]
-        a += n
-    return out
+def _merge(o, lse, o_j, lse_j):
+    """Two partial softmax results over disjoint key sets -> the result over both (rows that see nothing in both
+    stay out 0, lse -inf)."""
+    new = torch.logaddexp(lse, lse_j)
+    shift = _finite(new)
+    return o * torch.exp(lse - shift)[..., None] + o_j.to(o.dtype) * torch.exp(lse_j - shift)[..., None], new
 
 
-def _visible_tiles(q_pos, q_doc, k_pos, k_doc, q_tiles, k_tiles) -> list[list[int]]:
-    """For each key tile, the query tiles that may see one of its keys: some row where the key tile's first position
-    is not after the query tile's last and the two tiles' document-id ranges overlap (exact for rows in sequence
-    order; a superset otherwise, and the per-tile mask keeps the result exact)."""
-
-    def ranges(t, tiles):  # [B, n, 2]: each tile's smallest and largest value per row
-        idx = torch.repeat_interleave(
-            torch.arange(len(tiles), device=t.device), torch.tensor([b - a for a, b in tiles], device=t.device)
-        )[None].expand_as(t)
-        lo = t.new_zeros(t.shape[0], len(tiles)).scatter_reduce(1, idx, t, "amin", include_self=False)
-        hi = t.new_zeros(t.shape[0], len(tiles)).scatter_reduce(1, idx, t, "amax", include_self=False)
-        return torch.stack([lo, hi], -1)
-
-    qp, qd, kp, kd = ranges(q_pos, q_tiles), ranges(q_doc, q_tiles), ranges(k_pos, k_tiles), ranges(k_doc, k_tiles)
-    see = (
-        (kp[:, None, :, 0] <= qp[:, :, None, 1])
-        & (kd[:, None, :, 0] <= qd[:, :, None, 1])
-        & (qd[:, :, None, 0] <= kd[:, None, :, 1])
-    ).any(0)  # [n_q, n_k]
-    see = see.t().cpu().tolist()
-    return [[i for i, s in enumerate(row) if s] for row in see]
-
-
-class _BlockAttention(torch.autograd.Function):
+class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, c, scale, q_spans, k_spans, visible, kv, source, q_pos, q_doc, k_pos, k_doc, *params):
+    def forward(ctx, q, c, scale, k_chunk, kv, source, inner, q_pos, q_doc, k_pos, k_doc, *params):
         acc, dev = wide(q.dtype), q.device.type
-        B, H, Tq, _ = q.shape
         c_full = source.gather(c) if source is not None else c
-        o = m = l = None
-        for j, (ka, kb) in enumerate(k_spans):
-            if not visible[j]:
-                continue
+        o = lse = mx = None
+        for ka, kb in _chunks(c_full.shape[1], k_chunk):
             k, v = kv(c_full[:, ka:kb], *params)
+            with torch.autocast(dev, enabled=False):  # the softmax and QK-Clip's max logit are fp32 islands
+                o_j, lse_j, m_j = inner(q, k, v, q_pos, q_doc, k_pos[:, ka:kb], k_doc[:, ka:kb], scale)
+            m_j = m_j.to(acc).amax(dim=(0, 2))
             if o is None:
-                o = torch.zeros(B, H, Tq, v.shape[-1], dtype=acc, device=q.device)
-                m = torch.full((B, H, Tq), float("-inf"), dtype=acc, device=q.device)
-                l = torch.zeros(B, H, Tq, dtype=acc, device=q.device)
-            with torch.autocast(dev, enabled=False):
-                v = v.to(acc)
-                for i in visible[j]:
-                    qa, qb = q_spans[i]
-                    vis = allowed(q_pos[:, qa:qb], q_doc[:, qa:qb], k_pos[:, ka:kb], k_doc[:, ka:kb])[:, None]
-                    s = _scores(q[:, :, qa:qb], k, scale, acc).masked_fill(~vis, float("-inf"))
-                    m_old = m[:, :, qa:qb]
-                    m_new = torch.maximum(m_old, s.amax(-1))
-                    shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # nothing visible yet
-                    p = torch.exp(s - shift[..., None])
-                    alpha = torch.exp(m_old - shift)
-                    l[:, :, qa:qb] = l[:, :, qa:qb] * alpha + p.sum(-1)
-                    o[:, :, qa:qb] = o[:, :, qa:qb] * alpha[..., None] + p @ v
-                    m[:, :, qa:qb] = m_new
-        if o is None:
-            raise ValueError("block attention: no query sees any key (every query must see at least itself)")
-        out = (o / l.clamp_min(torch.finfo(acc).tiny)[..., None]).to(q.dtype)
-        lse = m + torch.log(l)
+                o, lse, mx = o_j.to(acc), lse_j.to(acc), m_j
+            else:
+                o, lse = _merge(o, lse, o_j, lse_j.to(acc))
+                mx = torch.maximum(mx, m_j)
+        out = o.to(q.dtype)
         ctx.save_for_backward(q, c, out, lse, q_pos, q_doc, k_pos, k_doc, *params)
-        ctx.meta = (scale, q_spans, k_spans, visible, kv, source)
+        ctx.meta = (scale, k_chunk, kv, source, inner)
         ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-        max_logit = m.amax(dim=(0, 2)).to(acc)
-        ctx.mark_non_differentiable(max_logit)
-        return out, max_logit
+        ctx.mark_non_differentiable(mx)
+        return out, mx
 
     @staticmethod
     def backward(ctx, d_out, _d_max):
         q, c, out, lse, q_pos, q_doc, k_pos, k_doc, *params = ctx.saved_tensors
-        scale, q_spans, k_spans, visible, kv, source = ctx.meta
+        scale, k_chunk, kv, source, inner = ctx.meta
         autocast_on, autocast_dtype = ctx.autocast
         acc, dev = wide(q.dtype), q.device.type
         c_full = source.gather(c) if source is not None else c
         d_out = d_out.to(acc)
         delta = (d_out * out.to(acc)).sum(-1)  # rowsum(dO O)
+        base = _finite(lse)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dc = torch.zeros(c_full.shape, dtype=wide(c_full.dtype), device=q.device)
         dparams = [torch.zeros(p.shape, dtype=wide(p.dtype), device=p.device) for p in params]
-        for j, (ka, kb) in enumerate(k_spans):
-            if not visible[j]:
-                continue
-            with torch.enable_grad(), torch.autocast(dev, dtype=autocast_dtype, enabled=autocast_on):
+        q_leaf = q.detach().requires_grad_()
+        for ka, kb in _chunks(c_full.shape[1], k_chunk):
+            with torch.enable_grad():
                 c_blk = c_full[:, ka:kb].detach().requires_grad_()
                 p_leaves = [p.detach().requires_grad_() for p in params]
-                k, v = kv(c_blk, *p_leaves)
-            with torch.autocast(dev, enabled=False):
-                kt, vt = k.detach().to(acc), v.detach().to(acc)
-                dk, dv = torch.zeros_like(kt), torch.zeros_like(vt)
-                for i in visible[j]:
-                    qa, qb = q_spans[i]
-                    vis = allowed(q_pos[:, qa:qb], q_doc[:, qa:qb], k_pos[:, ka:kb], k_doc[:, ka:kb])[:, None]
-                    qt, g = q[:, :, qa:qb], d_out[:, :, qa:qb]
-                    p = torch.exp(_scores(qt, kt, scale, acc).masked_fill(~vis, float("-inf")) - lse[:, :, qa:qb, None])
-                    dv += p.transpose(-2, -1) @ g
-                    ds = p * (g @ vt.transpose(-2, -1) - delta[:, :, qa:qb, None])
-                    dq[:, :, qa:qb] += (ds @ kt) * scale
-                    dk += (ds.transpose(-2, -1) @ qt.to(acc)) * scale
-            grads = torch.autograd.grad((k, v), [c_blk, *p_leaves], (dk.to(k.dtype), dv.to(v.dtype)), allow_unused=True)
-            dc[:, ka:kb] += grads[0]
-            for d, g in zip(dparams, grads[1:]):
+                with torch.autocast(dev, dtype=autocast_dtype, enabled=autocast_on):
+                    k, v = kv(c_blk, *p_leaves)
+                with torch.autocast(dev, enabled=False):
+                    o_j, lse_j, _ = inner(q_leaf, k, v, q_pos, q_doc, k_pos[:, ka:kb], k_doc[:, ka:kb], scale)
+            w = torch.exp(lse_j.detach().to(acc) - base)  # this chunk's share of each row's softmax
+            g_lse = w * ((d_out * o_j.detach().to(acc)).sum(-1) - delta)
+            g_out = w[..., None] * d_out
+            grads = torch.autograd.grad(
+                (o_j, lse_j),
+                [q_leaf, c_blk, *p_leaves],
+                (g_out.to(o_j.dtype), g_lse.to(lse_j.dtype)),
+                allow_unused=True,
+            )
+            dq += grads[0]
+            dc[:, ka:kb] += grads[1]
+            for d, g in zip(dparams, grads[2:]):
                 if g is not None:
                     d += g
         dc = dc.to(c_full.dtype)
         d_c = source.scatter(dc) if source is not None else dc
-        # no gradients for the 10 inputs between c and the parameters (scale ... k_doc)
-        return dq.to(q.dtype), d_c, *[None] * 10, *[d.to(p.dtype) for d, p in zip(dparams, params)]
+        # no gradients for the 9 inputs between c and the parameters (scale ... k_doc)
+        return dq.to(q.dtype), d_c, *[None] * 9, *[d.to(p.dtype) for d, p in zip(dparams, params)]
 
 
 def latent_block_attention(
@@ -178,35 +136,31 @@ def latent_block_attention(
     k_doc,
     scale: float,
     *,
-    q_segments: Sequence[int] | None = None,
     source: KeySource | None = None,
-    q_block: int = Q_BLOCK,
-    k_block: int = K_BLOCK,
+    k_chunk: int = K_CHUNK,
+    kernels: Kernels = AUTO,
 ):
-    """Softmax attention of q [B, H, Tq, d] over keys and values built per key block by kv(c[:, a:b], *params)
+    """Softmax attention of q [B, H, Tq, d] over keys and values built per key chunk by kv(c[:, a:b], *params)
     -> (k [B, H, b-a, d], v [B, H, b-a, dv]), c [B, Tk, ...] (or, with `source`, c is what source.gather turns into
-    that). Positions and document ids: q_pos, q_doc [B or 1, Tq]; k_pos, k_doc [B or 1, Tk]. q_segments: lengths of
-    the query segments (tiles stay inside one). Returns (output [B, H, Tq, dv] in q's dtype, per-head max visible
-    logit [H] fp32). Differentiable in q, c and params."""
-    B, Tq = q.shape[0], q.shape[2]
+    that). Positions and document ids: q_pos, q_doc [B or 1, Tq]; k_pos, k_doc [B or 1, Tk]; queries may sit anywhere
+    in the row (context parallelism's pieces). `kernels` picks the inner kernel (inner.chunk_kernel). Returns
+    (output [B, H, Tq, dv] in q's dtype, per-head max visible logit [H] fp32, fp64 for fp64 q). Differentiable in q,
+    c and params. A query that sees no key gets output 0."""
+    B = q.shape[0]
     expand = lambda t: t.expand(B, t.shape[-1])  # noqa: E731  ([1, T] positions shared by every row)
     q_pos, q_doc, k_pos, k_doc = expand(q_pos), expand(q_doc), expand(k_pos), expand(k_doc)
-    segments = [Tq] if q_segments is None else [int(n) for n in q_segments]
-    if sum(segments) != Tq:
-        raise ValueError(f"query segments {segments} do not add up to the {Tq} queries")
-    q_spans, k_spans = _spans(segments, int(q_block)), _spans([k_pos.shape[1]], int(k_block))
-    visible = _visible_tiles(q_pos, q_doc, k_pos, k_doc, q_spans, k_spans)
-    return _BlockAttention.apply(
-        q, c, float(scale), q_spans, k_spans, visible, kv, source, q_pos, q_doc, k_pos, k_doc, *params
+    if k_pos.shape[1] == 0 or int(k_chunk) < 1:
+        raise ValueError(f"chunked attention needs keys and a positive chunk (got {k_pos.shape[1]}, {k_chunk})")
+    inner = chunk_kernel(kernels, q)
+    return _ChunkedAttention.apply(
+        q, c, float(scale), int(k_chunk), kv, source, inner, q_pos, q_doc, k_pos, k_doc, *params
     )
 
 
-def block_attention(
-    q, k, v, q_pos, q_doc, k_pos, k_doc, scale: float, *, q_block: int = Q_BLOCK, k_block: int = K_BLOCK
-):
+def block_attention(q, k, v, q_pos, q_doc, k_pos, k_doc, scale: float, *, k_chunk: int = K_CHUNK):
     """Same arguments and results as naive_attention (output [B, H, Tq, dv] in q's dtype, per-head max visible logit
-    [H] fp32), computed in tiles from given per-head keys and values (their source is [k | v] per token)."""
+    [H] fp32), computed chunk by chunk from given per-head keys and values (their source is [k | v] per token)."""
     widths = [k.shape[-1], v.shape[-1]]
     c = torch.cat([k, v], dim=-1).transpose(1, 2)  # [B, Tk, H, d + dv]
-    split = lambda cb: cb.transpose(1, 2).split(widths, dim=-1)  # noqa: E731  (a block's source -> its keys, values)
-    return latent_block_attention(q, c, split, (), q_pos, q_doc, k_pos, k_doc, scale, q_block=q_block, k_block=k_block)
+    split = lambda cb: cb.transpose(1, 2).split(widths, dim=-1)  # noqa: E731  (a chunk's source -> its keys, values)
+    return latent_block_attention(q, c, split, (), q_pos, q_doc, k_pos, k_doc, scale, k_chunk=k_chunk)

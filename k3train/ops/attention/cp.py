@@ -66,8 +66,9 @@ def latent_keys(cp: CPContext, device) -> LatentKeys:
     """What MLA needs to attend its local queries [B*P rows, L] under CP: the queries' positions in the row
     [1, P*L] and document ids [B, P*L] (local pieces concatenated in local order), every key's position [1, T]
     and document id [B, T], and the source that all-gathers the row's latent (the mask is causal and per
-    document, built tile by tile, never as [P*L, T]). The attention skips the tiles the causal and document mask
-    hide, so zigzag's two pieces cost the same on every rank."""
+    document, built by the inner kernel per key chunk, never as [P*L, T] over the whole row). On CUDA the kernel's
+    block mask skips the blocks the causal and document mask hide, so zigzag's two pieces cost the same on every
+    rank."""
 
     def build():
         L, T = cp.piece_len, cp.piece_len * cp.n_pieces
@@ -84,7 +85,7 @@ def attend_rows(
     attend: Callable, q: torch.Tensor, c_kv: torch.Tensor, doc_ids: torch.Tensor | None, cp: CPContext | None
 ) -> torch.Tensor:
     """Causal attention of q [B, H, T, d] over the keys of the latent c_kv [B, T, W] through `attend(q, c_kv, q_pos,
-    q_doc, k_pos, k_doc, q_segments=None, source=None)` -> [B, H, T, dv]: per row and per document (doc_ids [B, T],
+    q_doc, k_pos, k_doc, source=None)` -> [B, H, T, dv]: per row and per document (doc_ids [B, T],
     None: one document per row), or, under CP, with the local pieces as rows [B*P, ..]: their queries, in one set,
     attend the whole row through latent_keys."""
     B, H, T, _ = q.shape
@@ -95,5 +96,5 @@ def attend_rows(
     keys = latent_keys(cp, q.device)
     P = len(keys.q_segments)
     qr = q.view(B // P, P, *q.shape[1:]).transpose(1, 2).reshape(B // P, H, P * T, -1)
-    o = attend(qr, c_kv, keys.q_pos, keys.q_doc, keys.k_pos, keys.k_doc, keys.q_segments, keys)
+    o = attend(qr, c_kv, keys.q_pos, keys.q_doc, keys.k_pos, keys.k_doc, source=keys)
     return o.view(B // P, H, P, T, -1).transpose(1, 2).reshape(B, H, T, -1)
