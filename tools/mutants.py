@@ -318,6 +318,15 @@ def _naive_decay_late(orig):
     return _recurrence
 
 
+def _scan_ignores_segments(orig):
+    torch = _torch()
+
+    def segmented_scan(M, B, seg):
+        return orig(M, B, torch.zeros_like(seg))
+
+    return segmented_scan
+
+
 def _fold_reversed(orig):
     def fold_summaries(M, B, dim):
         return orig(M.flip(dim), B.flip(dim), dim)
@@ -1067,6 +1076,13 @@ MUTATIONS: list[Mutation] = [
         "reference recurrence applies each token's decay one token late",
         _naive_decay_late,
         (f"{KDA_OPS}::test_reference_matches_transition_form",),
+    ),
+    M(
+        "kda_segmented_scan_crosses_documents",
+        "k3train.ops.kda.chunk:segmented_scan",
+        "per-document summaries compose the chunks of the documents before them too",
+        _scan_ignores_segments,
+        ("tests/unit/test_kda_packed.py::test_document_summaries_equal_reference_final_states",),
     ),
     M(
         "kda_summary_fold_reversed",

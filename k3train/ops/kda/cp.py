@@ -33,8 +33,8 @@ class PiecePlan:
 
     The local stream [R*L] is cut into segments at every piece start and every document start."""
 
-    cu_seqlens: list[int]
-    """Segment offsets over the flattened [R*L] local stream (chunk_kda's cu_seqlens)."""
+    cu_seqlens: torch.Tensor
+    """[n_seg + 1] int64: segment offsets over the flattened [R*L] local stream (chunk_kda's cu_seqlens)."""
     first_seg: torch.Tensor
     """[R] int64: index of each piece's first segment (the one that may take the incoming state)."""
     carry: torch.Tensor
@@ -45,19 +45,24 @@ class PiecePlan:
     """[R] int64: index of each piece's LAST segment (the part its summary describes)."""
 
     def to(self, device) -> "PiecePlan":
-        tensors = ("first_seg", "carry", "keep_m", "last_seg")
+        tensors = ("cu_seqlens", "first_seg", "carry", "keep_m", "last_seg")
         return replace(self, **{f: getattr(self, f).to(device) for f in tensors})
 
 
 def piece_plan(doc_start: torch.Tensor) -> PiecePlan:
-    """doc_start [R, L] bool: which local tokens begin a document (in the GLOBAL sense)."""
+    """doc_start [R, L] bool: which local tokens begin a document (in the GLOBAL sense).
+
+    PER-BATCH TABLE: the number of segments is a shape (the incoming states [n_seg, H, K, V]) read from the starts,
+    so the plan needs host values: it is built from the context's CPU table, once per batch (kda_cp caches it with
+    one copy to the device), never from device values inside a layer. A loader that builds the batch's tables ahead
+    of the step can build it there."""
     R, L = doc_start.shape
     seg_start = doc_start.clone()
     seg_start[:, 0] = True
     flat = seg_start.reshape(-1)
     seg_id = torch.cumsum(flat.to(torch.int64), 0) - 1
-    starts = torch.nonzero(flat).squeeze(1)
-    cu = starts.tolist() + [R * L]
+    starts = torch.nonzero(flat).squeeze(1)  # host table: doc_start is on the CPU
+    cu = torch.cat([starts, starts.new_full((1,), R * L)])
     sid = seg_id.view(R, L)
     return PiecePlan(
         cu_seqlens=cu,
@@ -73,7 +78,7 @@ class KernelSegments:
     k3kernels.kda.chunk_kda (final states in fp32): B is a segment's final state from a zero initial state; M (K x K)
     is the final state of the same recurrence with zero values (V = K) from the identity, M I + 0."""
 
-    def __init__(self, q, k, v, g, beta, cu_seqlens: list[int], chunk_size: int, chunk_kda):
+    def __init__(self, q, k, v, g, beta, cu_seqlens: torch.Tensor, chunk_size: int, chunk_kda):
         self.inputs, self.cu_seqlens, self.chunk_size = (q, k, v, g, beta), cu_seqlens, chunk_size
         self.chunk_kda = chunk_kda
         self.dtype = wide(k.dtype)
@@ -83,7 +88,7 @@ class KernelSegments:
         """(M [n, H, K, K], B [n, H, K, V]) of the segments in `index`."""
         q, k, v, g, beta = self.inputs
         H, K = k.shape[-2:]
-        n_seg, kw = len(self.cu_seqlens) - 1, dict(cu_seqlens=self.cu_seqlens, chunk_size=self.chunk_size)
+        n_seg, kw = self.cu_seqlens.shape[0] - 1, dict(cu_seqlens=self.cu_seqlens, chunk_size=self.chunk_size)
         _, Bm = self.chunk_kda(q, k, v, g, beta, output_final_state=True, **kw)
         eye = torch.eye(K, device=k.device, dtype=Bm.dtype).expand(n_seg, H, K, K)
         zero_v = k.new_zeros(k.shape[:-1] + (K,)).to(v.dtype)
@@ -138,7 +143,7 @@ def kda_pieces(chunks, incoming: torch.Tensor, plan: PiecePlan) -> torch.Tensor:
     continues a document starts from its incoming state, every other segment from zero. -> o [R, L, H, V]."""
     R, H, K, V = incoming.shape
     S0 = incoming * plan.carry.to(incoming.device, incoming.dtype).view(R, 1, 1, 1)
-    n_seg = len(plan.cu_seqlens) - 1
+    n_seg = plan.cu_seqlens.shape[0] - 1
     init = S0.new_zeros(n_seg, H, K, V).index_copy(0, plan.first_seg.to(S0.device), S0)
     o, _ = chunks.run(init)
     return o.view(R, -1, H, V)
