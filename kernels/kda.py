@@ -40,10 +40,17 @@ own final state. Chunks never straddle documents: each document is cut into ceil
 and the kernels mask the tokens past the document's end (they read as zero, which leaves the state unchanged).
 Only chunk_size=64 is supported here. Documents need at most (T + N * 63) // 64 chunks: that many are launched
 (a count from shapes), the ones after the last document's empty.
+
+Tuning: the six heavy kernels (intra, wu, both state passes, the dense and intra backward) are autotuned over
+num_warps x num_stages on CUDA, keyed on (H, K, V) and the dtypes; without CUDA or under the interpreter each has one
+config. The backward is not split along the head dimension K: its dense pass contracts over all of K for Vn = U - W S
+and for the score gradients dAkk and dAqk [64 x 64], so K-blocks would need a cross-program sum (atomics or another
+pass) of full [64 x 64] tiles; the value dimension is already taken in blocks of 64.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -54,6 +61,21 @@ from k3train.ops.kda.utils import check_inputs
 
 CHUNK = 64
 """Tokens per chunk (the kernels are written for 4 sub-tiles of 16)."""
+
+
+def _tuning_configs() -> list[triton.Config]:
+    """num_warps x num_stages the autotuner times on CUDA, per kernel and per (H, K, V) and dtypes. One config where
+    there is nothing to time (no CUDA, or the interpreter, which would run every config): autotune then only launches
+    it."""
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
+        return [triton.Config({}, num_warps=4, num_stages=1)]
+    return [triton.Config({}, num_warps=w, num_stages=s) for w in (2, 4, 8) for s in (1, 2, 3)]
+
+
+def _tuned(key: list[str], restore: tuple[str, ...] = ()):
+    """triton.autotune over _tuning_configs(), keyed on the sizes in `key`; `restore` names buffers the kernel reads
+    and writes in place (the timing runs must each start from their values)."""
+    return triton.autotune(configs=_tuning_configs(), key=key, restore_value=list(restore) or None)
 
 
 # ----------------------------------------------------------------------------------------------- load/store helpers
@@ -222,6 +244,7 @@ def _inv16(A):
     return T
 
 
+@_tuned(["H", "K"])
 @triton.jit
 def _kda_intra(q, k, beta, Gc, Tm, Aqk, bos_ptr, eos_ptr, scale, H, K, BK: tl.constexpr, PREC: tl.constexpr):
     c, h, bos, eos = _chunk_program(bos_ptr, eos_ptr)
@@ -280,6 +303,7 @@ def _kda_intra(q, k, beta, Gc, Tm, Aqk, bos_ptr, eos_ptr, scale, H, K, BK: tl.co
     _st_chk(Tm, T33, c, 48, h, H, 64, 48, 16, 16)
 
 
+@_tuned(["H", "K", "V"])
 @triton.jit
 def _kda_wu(
     k, v, beta, Gc, Tm, W, U, bos_ptr, eos_ptr, H, K, V, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr
@@ -295,6 +319,7 @@ def _kda_wu(
         _st_chk(U, tl.dot(T, b * vv, input_precision=PREC), c, 0, h, H, V, iv * BV, BV, 64)
 
 
+@_tuned(["H", "K", "V"])
 @triton.jit
 def _kda_fwd_state(
     q,
@@ -344,6 +369,7 @@ def _kda_fwd_state(
 # ----------------------------------------------------------------------------------------------------- backward
 
 
+@_tuned(["H", "K", "V"])
 @triton.jit
 def _kda_bwd_state(
     q,
@@ -429,6 +455,7 @@ def _kda_bwd_dense_values(
     return dQg, dW, dKd, dA, dAq, dgl, db
 
 
+@_tuned(["H", "K", "V"])
 @triton.jit
 def _kda_bwd_dense(
     q,
@@ -537,6 +564,7 @@ def _kda_bwd_cols(
     return dKc
 
 
+@_tuned(["H", "K"], restore=("dGp",))
 @triton.jit
 def _kda_bwd_intra(
     q,

@@ -327,6 +327,16 @@ def _scan_ignores_segments(orig):
     return segmented_scan
 
 
+def _op_backward_drops_h0_grad(orig):
+    torch = _torch()
+
+    def chunk_kda_bwd(*args, **kwargs):
+        *grads, dh0 = orig(*args, **kwargs)
+        return (*grads, torch.zeros_like(dh0))
+
+    return chunk_kda_bwd
+
+
 def _fold_reversed(orig):
     def fold_summaries(M, B, dim):
         return orig(M.flip(dim), B.flip(dim), dim)
@@ -1083,6 +1093,13 @@ MUTATIONS: list[Mutation] = [
         "per-document summaries compose the chunks of the documents before them too",
         _scan_ignores_segments,
         ("tests/unit/test_kda_packed.py::test_document_summaries_equal_reference_final_states",),
+    ),
+    M(
+        "kda_triton_op_backward_drops_h0_grad",
+        "k3kernels.kda:chunk_kda_bwd",
+        "the Triton KDA op's registered backward returns no initial-state gradient",
+        _op_backward_drops_h0_grad,
+        ("tests/kernels/test_kda_kernel.py::test_triton_kda_matches_references[K24_V20]",),
     ),
     M(
         "kda_summary_fold_reversed",
