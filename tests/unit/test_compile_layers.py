@@ -110,3 +110,23 @@ def test_kda_triton_path_compiles_as_an_opaque_op():
     for name, g in g0.items():
         assert g.abs().max() > 0, name
         assert torch.equal(g1[name], g), name
+
+
+@pytest.mark.skipif(not CAN_RUN_TRITON, reason="needs a GPU or TRITON_INTERPRET=1")
+def test_kda_triton_op_registration_passes_opcheck():
+    """torch.library.opcheck on the Triton KDA forward op: its schema, fake implementation (shapes and dtypes under
+    fake and dynamic-shape tracing) and autograd registration agree with what the kernels do (two documents, an
+    initial state per document)."""
+    pytest.importorskip("triton")
+    import k3kernels.kda as kda_kernels
+
+    T, H, K, V = 70, 1, 16, 16
+    gen = torch.Generator().manual_seed(5)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(DEV)  # noqa: E731
+    q, k = (torch.nn.functional.normalize(rnd(T, H, K), dim=-1) for _ in range(2))
+    g, beta = -torch.rand(T, H, K, generator=gen).to(DEV), torch.rand(T, H, generator=gen).to(DEV)
+    inputs = [t.requires_grad_() for t in (q, k, rnd(T, H, V), g, beta, rnd(2, H, K, V))]
+    table = kda_kernels._chunk_table(1, T, torch.tensor([0, 60, T], device=DEV), q.device)
+    assert [t.tolist() for t in table] == [[0, 60, 70], [60, 70, 70], [0, 1], [1, 3]]  # the last chunk is empty
+    result = torch.library.opcheck(kda_kernels.chunk_kda_fwd, (*inputs, K**-0.5, *table))
+    assert set(result.values()) == {"SUCCESS"}, result
