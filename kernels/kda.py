@@ -5,7 +5,8 @@ Per 64-token chunk and head, with G the inclusive cumsum of g inside the chunk a
     Akk[i,j] = beta_i sum_d K[i,d] K[j,d] e^{G[i,d]-G[j,d]} (i > j),   Aqk[i,j] = sum_d Q[i,d] K[j,d] e^{..} (i >= j)
     T = (I + Akk)^{-1},   W = T (beta e^G K),   U = T (beta V)
     Vn = U - W S,   O = (Q e^G) S + Aqk Vn,   S' = Diag(e^{G_last}) S + (K e^{G_last - G})^T Vn
-Every kernel below is Triton; torch only allocates buffers and builds the chunk table.
+Every kernel below is Triton; torch only allocates buffers and builds the chunk table (on the device). The kernels
+run inside two registered ops, k3kernels::chunk_kda_fwd and chunk_kda_bwd, opaque to torch.compile.
 
 Forward kernels (grid: chunks x heads unless said otherwise)
   _kda_cumsum     G, the chunk-local cumsum of g, written per chunk slot (64 rows, padded rows hold G_last).
@@ -37,10 +38,20 @@ dg's relative RMS error 3e-6 with every g = -5 (the torch chunked form's fp32 er
 Documents: with cu_seqlens (B == 1) every document starts from its own initial state (zero if None) and ends in its
 own final state. Chunks never straddle documents: each document is cut into ceil(len / 64) chunks from its own start,
 and the kernels mask the tokens past the document's end (they read as zero, which leaves the state unchanged).
-Only chunk_size=64 is supported here.
+Only chunk_size=64 is supported here. Documents need at most (T + N * 63) // 64 chunks: that many are launched
+(a count from shapes), the ones after the last document's empty.
+
+Tuning: the six heavy kernels (intra, wu, both state passes, the dense and intra backward) are autotuned over
+num_warps x num_stages on CUDA, keyed on (H, K, V) and the dtypes; without CUDA or under the interpreter each has one
+config. The backward is not split along the head dimension K: its dense pass contracts over all of K for Vn = U - W S
+and for the score gradients dAkk and dAqk [64 x 64], so K-blocks would need a cross-program sum (atomics or another
+pass) of full [64 x 64] tiles; the value dimension is already taken in blocks of 64.
 """
 
 from __future__ import annotations
+
+import os
+from typing import Optional
 
 import torch
 import triton
@@ -50,6 +61,21 @@ from k3train.ops.kda.utils import check_inputs
 
 CHUNK = 64
 """Tokens per chunk (the kernels are written for 4 sub-tiles of 16)."""
+
+
+def _tuning_configs() -> list[triton.Config]:
+    """num_warps x num_stages the autotuner times on CUDA, per kernel and per (H, K, V) and dtypes. One config where
+    there is nothing to time (no CUDA, or the interpreter, which would run every config): autotune then only launches
+    it."""
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
+        return [triton.Config({}, num_warps=4, num_stages=1)]
+    return [triton.Config({}, num_warps=w, num_stages=s) for w in (2, 4, 8) for s in (1, 2, 3)]
+
+
+def _tuned(key: list[str], restore: tuple[str, ...] = ()):
+    """triton.autotune over _tuning_configs(), keyed on the sizes in `key`; `restore` names buffers the kernel reads
+    and writes in place (the timing runs must each start from their values)."""
+    return triton.autotune(configs=_tuning_configs(), key=key, restore_value=list(restore) or None)
 
 
 # ----------------------------------------------------------------------------------------------- load/store helpers
@@ -218,6 +244,7 @@ def _inv16(A):
     return T
 
 
+@_tuned(["H", "K"])
 @triton.jit
 def _kda_intra(q, k, beta, Gc, Tm, Aqk, bos_ptr, eos_ptr, scale, H, K, BK: tl.constexpr, PREC: tl.constexpr):
     c, h, bos, eos = _chunk_program(bos_ptr, eos_ptr)
@@ -276,6 +303,7 @@ def _kda_intra(q, k, beta, Gc, Tm, Aqk, bos_ptr, eos_ptr, scale, H, K, BK: tl.co
     _st_chk(Tm, T33, c, 48, h, H, 64, 48, 16, 16)
 
 
+@_tuned(["H", "K", "V"])
 @triton.jit
 def _kda_wu(
     k, v, beta, Gc, Tm, W, U, bos_ptr, eos_ptr, H, K, V, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr
@@ -291,6 +319,7 @@ def _kda_wu(
         _st_chk(U, tl.dot(T, b * vv, input_precision=PREC), c, 0, h, H, V, iv * BV, BV, 64)
 
 
+@_tuned(["H", "K", "V"])
 @triton.jit
 def _kda_fwd_state(
     q,
@@ -340,6 +369,7 @@ def _kda_fwd_state(
 # ----------------------------------------------------------------------------------------------------- backward
 
 
+@_tuned(["H", "K", "V"])
 @triton.jit
 def _kda_bwd_state(
     q,
@@ -425,6 +455,7 @@ def _kda_bwd_dense_values(
     return dQg, dW, dKd, dA, dAq, dgl, db
 
 
+@_tuned(["H", "K", "V"])
 @triton.jit
 def _kda_bwd_dense(
     q,
@@ -533,6 +564,7 @@ def _kda_bwd_cols(
     return dKc
 
 
+@_tuned(["H", "K"], restore=("dGp",))
 @triton.jit
 def _kda_bwd_intra(
     q,
@@ -620,17 +652,27 @@ def _kda_bwd_dg(dGp, dGx, dGl, dg, bos_ptr, eos_ptr, H, K, BK: tl.constexpr):
 # ------------------------------------------------------------------------------------------------------- launch
 
 
-def _chunk_table(B: int, T: int, offsets: list[int] | None, device: torch.device):
-    """(bos, eos) of every chunk and (first, end) chunk of every sequence, int64 on `device`. Batch rows are the
-    sequences [b T, (b + 1) T) of the flattened [B * T] tokens; with cu_seqlens the documents."""
-    offs = torch.tensor(offsets if offsets is not None else [b * T for b in range(B + 1)], dtype=torch.int64)
+def _chunk_table(B: int, T: int, cu: torch.Tensor | None, device: torch.device):
+    """(bos, eos) of every chunk and (first, end) chunk of every sequence, int64, built on `device` from shapes and
+    the int64 offsets `cu` (no value is read on the host). Batch rows are the sequences [b T, (b + 1) T) of the
+    flattened [B * T] tokens; with cu_seqlens the documents. Documents need at most (T + N * 63) // 64 chunks; that
+    many are launched, and the ones after the last document's are empty (bos = eos): they belong to the last
+    document, whose state they leave unchanged (zero k, v and g)."""
+    if cu is None:
+        offs = torch.arange(B + 1, device=device, dtype=torch.int64) * T
+        n = B * triton.cdiv(T, CHUNK)
+    else:
+        offs = cu.to(device=device, dtype=torch.int64)
+        n = (T + (offs.shape[0] - 1) * (CHUNK - 1)) // CHUNK
     counts = (offs.diff() + CHUNK - 1) // CHUNK
     c1 = counts.cumsum(0)
     c0 = c1 - counts
-    within = torch.arange(int(c1[-1])) - c0.repeat_interleave(counts)
-    bos = offs[:-1].repeat_interleave(counts) + CHUNK * within
-    eos = offs[1:].repeat_interleave(counts)
-    return tuple(x.to(device) for x in (bos, eos, c0, c1))
+    c1 = torch.cat([c1[:-1], c1.new_full((1,), n)])  # the last sequence takes the empty chunks
+    j = torch.arange(n, device=device)
+    seq = torch.searchsorted(c1, j, right=True)
+    eos = offs[1:].index_select(0, seq)
+    bos = torch.minimum(offs[:-1].index_select(0, seq) + CHUNK * (j - c0.index_select(0, seq)), eos)
+    return bos, eos, c0, c1
 
 
 def _sizes(K: int, V: int):
@@ -660,38 +702,6 @@ def _intra(q, k, v, g, beta, table, scale, prec):
     _kda_intra[grid](q, k, beta, Gc, Tm, Aqk, bos, eos, scale, H, K, BK=BK, PREC=prec)
     _kda_wu[grid](k, v, beta, Gc, Tm, W, U, bos, eos, H, K, V, BK=BK, BV=BV, PREC=prec)
     return Gc, Tm, Aqk, W, U
-
-
-class _ChunkKDAFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, scale, table):
-        B, T, H, K = k.shape
-        V = v.shape[-1]
-        # flat token views [B*T, H, D]
-        q, k, v, g = (x.reshape(B * T, H, -1).contiguous() for x in (q, k, v, g))
-        beta = beta.reshape(B * T, H).contiguous()
-        h0c = h0.contiguous() if h0 is not None else None
-        prec = _precision(q, k, v)
-        Gc, _, Aqk, W, U = _intra(q, k, v, g, beta, table, scale, prec)
-        o = torch.empty_like(v)
-        hs = torch.empty(table[0].numel(), H, K, V, device=k.device, dtype=torch.float32)
-        ht = torch.empty(table[2].numel(), H, K, V, device=k.device, dtype=torch.float32)
-        bufs = (q, k, Gc, W, U, Aqk, o, h0c if h0c is not None else ht, hs, ht)
-        _state_pass(_kda_fwd_state, bufs, table, scale, prec, HAS_H0=h0c is not None)
-        ctx.save_for_backward(q, k, v, g, beta, h0c, hs, *table)
-        ctx.scale, ctx.shape, ctx.prec = scale, (B, T, H, K, V), prec
-        return o.view(B, T, H, V), ht
-
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, g, beta, h0, hs, *table = ctx.saved_tensors
-        B, T, H, _, V = ctx.shape
-        do = do.reshape(B * T, H, V).contiguous()
-        chunks = _intra(q, k, v, g, beta, table, ctx.scale, ctx.prec)
-        dhs, dU, dh0 = _bwd_state(q, k, do, dht, chunks, table, ctx.scale, ctx.prec)
-        dq, dk, dv, dg, dbeta = _bwd_chunks(q, k, v, g, beta, hs, do, chunks, dhs, dU, table, ctx.scale, ctx.prec)
-        dh0 = dh0.to(h0.dtype) if h0 is not None else None
-        return (*(x.view(B, T, H, -1) for x in (dq, dk, dv, dg)), dbeta.view(B, T, H), dh0, None, None)
 
 
 def _state_pass(kernel, tensors, table, scale, prec, **flag):
@@ -747,6 +757,98 @@ def _bwd_chunks(q, k, v, g, beta, hs, do, chunks, dhs, dU, table, scale, prec):
     return dq, dk, dv, dg, dbeta
 
 
+# ------------------------------------------------------------------------------------------------- custom ops
+# The kernels run inside two registered ops (forward, backward) with fake implementations, so torch.compile traces a
+# KDA layer through them as opaque nodes (fullgraph) and autograd reaches the backward through register_autograd.
+# Inputs are flat token views [B*T, H, D] (contiguous) and the chunk table; every output shape follows from them.
+
+
+@torch.library.custom_op("k3kernels::chunk_kda_fwd", mutates_args=())
+def chunk_kda_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    h0: Optional[torch.Tensor],
+    scale: float,
+    bos: torch.Tensor,
+    eos: torch.Tensor,
+    c0: torch.Tensor,
+    c1: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o [B*T, H, V] in v's dtype, final states [N, H, K, V] fp32, chunk start states [n_chunks, H, K, V] fp32)."""
+    table, prec = (bos, eos, c0, c1), _precision(q, k, v)
+    Gc, _, Aqk, W, U = _intra(q, k, v, g, beta, table, scale, prec)
+    o = torch.empty_like(v)
+    hs, ht = _fwd_states_like(k, v, bos, c0)
+    bufs = (q, k, Gc, W, U, Aqk, o, h0 if h0 is not None else ht, hs, ht)
+    _state_pass(_kda_fwd_state, bufs, table, scale, prec, HAS_H0=h0 is not None)
+    return o, ht, hs
+
+
+def _fwd_states_like(k, v, bos, c0):
+    """Empty fp32 chunk start states [n_chunks, H, K, V] and final states [N, H, K, V]."""
+    H, K, V = k.shape[1], k.shape[2], v.shape[2]
+    return (k.new_empty((x.shape[0], H, K, V), dtype=torch.float32) for x in (bos, c0))
+
+
+@chunk_kda_fwd.register_fake
+def _(q, k, v, g, beta, h0, scale, bos, eos, c0, c1):
+    hs, ht = _fwd_states_like(k, v, bos, c0)
+    return torch.empty_like(v), ht, hs
+
+
+@torch.library.custom_op("k3kernels::chunk_kda_bwd", mutates_args=())
+def chunk_kda_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    hs: torch.Tensor,
+    do: torch.Tensor,
+    dht: Optional[torch.Tensor],
+    scale: float,
+    bos: torch.Tensor,
+    eos: torch.Tensor,
+    c0: torch.Tensor,
+    c1: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dg, dbeta, dh0 [N, H, K, V] fp32) from the forward's inputs, its chunk start states hs, the
+    output gradient and the final states' gradient (None: zero). G, T, Aqk, W and U are recomputed."""
+    table, prec = (bos, eos, c0, c1), _precision(q, k, v)
+    chunks = _intra(q, k, v, g, beta, table, scale, prec)
+    dhs, dU, dh0 = _bwd_state(q, k, do, dht, chunks, table, scale, prec)
+    dq, dk, dv, dg, dbeta = _bwd_chunks(q, k, v, g, beta, hs, do, chunks, dhs, dU, table, scale, prec)
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+@chunk_kda_bwd.register_fake
+def _(q, k, v, g, beta, hs, do, dht, scale, bos, eos, c0, c1):
+    _, dh0 = _fwd_states_like(k, v, bos, c0)
+    return (*(torch.empty_like(x) for x in (q, k, v, g, beta)), dh0)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, h0, scale, *table = inputs
+    ctx.save_for_backward(q, k, v, g, beta, output[2], *table)
+    ctx.scale, ctx.h0_dtype = scale, None if h0 is None else h0.dtype
+    ctx.mark_non_differentiable(output[2])
+
+
+def _backward(ctx, do, dht, _dhs):
+    q, k, v, g, beta, hs, *table = ctx.saved_tensors
+    do = torch.zeros_like(v) if do is None else do.contiguous()
+    dht = None if dht is None else dht.contiguous()
+    dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(q, k, v, g, beta, hs, do, dht, ctx.scale, *table)
+    dh0 = None if ctx.h0_dtype is None else dh0.to(ctx.h0_dtype)
+    return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None
+
+
+chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -767,12 +869,14 @@ def chunk_kda(
     (the kernels' per-tile factors stay below e^75 only then); q and k are used as given; scale defaults to K^-0.5.
     Only chunk_size=64. Inputs may be fp32, bf16 or fp16 (fp64 runs in fp32); internals and the state are fp32.
     Returns (o [B, T, H, V] in v's dtype, final state [B or N, H, K, V] in fp32, or None). Differentiable in q, k, v,
-    g, beta and initial_state.
+    g, beta and initial_state. Nothing is read back to the host: the chunk table is built on the device.
     """
     if chunk_size != CHUNK:
         raise ValueError(f"the Triton chunk_kda supports chunk_size={CHUNK} only, got {chunk_size!r}")
     s = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     scale = s.K**-0.5 if scale is None else float(scale)
-    table = _chunk_table(s.B, s.T, s.offsets, k.device)
-    o, ht = _ChunkKDAFunction.apply(q, k, v, g, beta, initial_state, scale, table)
-    return o, (ht if output_final_state else None)
+    table = _chunk_table(s.B, s.T, s.cu, k.device)
+    flat = (x.reshape(s.B * s.T, s.H, -1).contiguous() for x in (q, k, v, g))
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    o, ht, _ = chunk_kda_fwd(*flat, beta.reshape(s.B * s.T, s.H).contiguous(), h0, scale, *table)
+    return o.view(s.B, s.T, s.H, s.V), (ht if output_final_state else None)

@@ -335,6 +335,25 @@ def _naive_decay_late(orig):
     return _recurrence
 
 
+def _scan_ignores_segments(orig):
+    torch = _torch()
+
+    def segmented_scan(M, B, seg):
+        return orig(M, B, torch.zeros_like(seg))
+
+    return segmented_scan
+
+
+def _op_backward_drops_h0_grad(orig):
+    torch = _torch()
+
+    def chunk_kda_bwd(*args, **kwargs):
+        *grads, dh0 = orig(*args, **kwargs)
+        return (*grads, torch.zeros_like(dh0))
+
+    return chunk_kda_bwd
+
+
 def _fold_reversed(orig):
     def fold_summaries(M, B, dim):
         return orig(M.flip(dim), B.flip(dim), dim)
@@ -1098,6 +1117,20 @@ MUTATIONS: list[Mutation] = [
         "reference recurrence applies each token's decay one token late",
         _naive_decay_late,
         (f"{KDA_OPS}::test_reference_matches_transition_form",),
+    ),
+    M(
+        "kda_segmented_scan_crosses_documents",
+        "k3train.ops.kda.chunk:segmented_scan",
+        "per-document summaries compose the chunks of the documents before them too",
+        _scan_ignores_segments,
+        ("tests/unit/test_kda_packed.py::test_document_summaries_equal_reference_final_states",),
+    ),
+    M(
+        "kda_triton_op_backward_drops_h0_grad",
+        "k3kernels.kda:chunk_kda_bwd",
+        "the Triton KDA op's registered backward returns no initial-state gradient",
+        _op_backward_drops_h0_grad,
+        ("tests/kernels/test_kda_kernel.py::test_triton_kda_matches_references[K24_V20]",),
     ),
     M(
         "kda_summary_fold_reversed",

@@ -128,7 +128,11 @@ class Kernels:
         """k3train.ops.kda.chunk_kda or k3kernels.kda.chunk_kda (chunk_size 64 and g_min >= -5 only: the bound of
         the log-decay, when the caller knows one; the PyTorch op otherwise)."""
         if self.kda_on_triton(q, k, v, g, beta, chunk_size=chunk_size, g_min=g_min):
-            return _kernel("kda", "chunk_kda")(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
+            # an import statement, not importlib (which torch.compile does not trace); the function is still looked
+            # up at call time
+            import k3kernels.kda
+
+            return k3kernels.kda.chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
         from k3train.ops.kda import chunk_kda
 
         return chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)

@@ -94,28 +94,35 @@ def test_packed_documents_match_reference_fp64(name, with_state):
 def test_layout_pads_each_document_to_whole_chunks(name):
     C, lengths = DOCS[name]
     cu = offsets(lengths)
-    x = make_inputs(cu[-1], len(lengths))
-    chunks = KDAChunks(*x[:5], cu_seqlens=cu, chunk_size=C)
+    T, N = cu[-1], len(lengths)
+    x = make_inputs(T, N)
+    chunks = KDAChunks(*x[:5], cu_seqlens=torch.tensor(cu), chunk_size=C)
     lay = chunks.layout
-    n_chunks = sum(-(-n // C) for n in lengths)
-    assert lay.packed == (len(set(lengths)) > 1)
-    # tokens are scattered to slots only when a document before the last is padded
-    assert (lay.slot is None) == (not lay.packed or all(n % C == 0 for n in lengths[:-1]))
-    assert lay.rows * lay.n_chunks == n_chunks
-    assert chunks.AU.shape[0] * chunks.AU.shape[2] == n_chunks and chunks.AU.shape[3] == C
-    assert chunks.M.shape[0] * chunks.M.shape[2] == n_chunks
-    assert lay.chunk_counts.tolist() == [-(-n // C) for n in lengths]
-    assert n_chunks * C <= cu[-1] + len(lengths) * (C - 1)
+    counts = [-(-n // C) for n in lengths]
+    first = offsets(counts)[:-1]
+    # the stream's length comes from shapes: the most N documents of T tokens can need
+    assert lay.packed and lay.rows == 1 and lay.n_chunks == (T + N * (C - 1)) // C >= sum(counts)
+    assert lay.first_chunk.tolist() == first
+    assert lay.last_chunk.tolist() == [f + c - 1 for f, c in zip(first, counts)]
+    docs = [i for i, c in enumerate(counts) for _ in range(c)]
+    assert lay.chunk_doc.tolist() == docs + [N] * (lay.n_chunks - len(docs))
+    assert lay.starts.tolist() == [j in first for j in range(lay.n_chunks)]
+    # token t of document i at slot first_chunk[i] * C + (t - cu[i])
+    assert lay.slot.tolist() == [first[i] * C + t for i, n in enumerate(lengths) for t in range(n)]
+    assert chunks.AU.shape[0] * chunks.AU.shape[2] == lay.n_chunks and chunks.AU.shape[3] == C
+    assert chunks.M.shape[0] * chunks.M.shape[2] == lay.n_chunks
+    assert lay.n_chunks * C <= T + N * (C - 1)
 
 
 def test_rows_without_documents_keep_the_plain_layout():
-    """Batch rows, and documents of one length that fill whole chunks, are a transposed view: no padding, no stream."""
+    """Batch rows are a transposed view: no padding, no stream."""
     x = make_inputs(128, 1)
-    for cu in (None, [0, 64, 128]):
-        chunks = KDAChunks(*x[:5], cu_seqlens=cu, chunk_size=32)
+    x2 = [t.view(2, 64, *t.shape[2:]) for t in x[:5]]
+    for inputs, rows in ((x[:5], 1), (x2, 2)):
+        chunks = KDAChunks(*inputs, chunk_size=32)
         lay = chunks.layout
-        assert not lay.packed and lay.slot is None and lay.L == lay.row_len
-        assert lay.to_chunks(x[1], torch.float64).shape == (lay.N, H, 128 // lay.N // 32, 32, K)
+        assert not lay.packed and lay.slot is None and lay.L == lay.row_len and lay.rows == rows
+        assert lay.to_chunks(inputs[1], torch.float64).shape == (rows, H, 128 // rows // 32, 32, K)
 
 
 # Documents of a 8,192-token row: one of 2,000 tokens, 31 of ~200 (not multiples of the chunk)
@@ -135,7 +142,10 @@ def test_row_of_documents_holds_about_T_token_slots():
     # every chunked tensor: [1, H, n_chunks, C, *] with n_chunks * C token slots
     for t in (kc, chunks.Qe, chunks.AU):
         assert t.shape[0] == 1 and t.shape[2] * t.shape[3] <= bound, tuple(t.shape)
-    assert chunks.M.shape[2] == chunks.B.shape[2] == kc.shape[2] == 32 + 31 * 4
+    # 32 + 31 * 4 chunks hold the documents; the stream has room for the most 32 documents can need
+    assert (
+        chunks.M.shape[2] == chunks.B.shape[2] == kc.shape[2] == (T_ROW + N_DOCS * (CHUNK - 1)) // CHUNK >= 32 + 31 * 4
+    )
     # saved for backward by one forward: within a small factor of one 8,192-token sequence (padding every document
     # to the longest made it 8x)
     packed = bench_kda_documents.saved_bytes(x, cu_t, CHUNK)

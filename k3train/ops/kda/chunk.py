@@ -12,11 +12,12 @@ Everything but S' = M S + B is computed for all chunks at once; that one line is
 (batched over rows and heads). The same (M, B) give the affine summary used by context parallelism. Backward is
 autograd through these torch ops.
 
-Layout and sizes (utils.ChunkLayout). Batch rows, and documents that all have one length, are rows of chunks.
-Documents of unequal lengths (cu_seqlens) are each padded only to their next multiple of C and laid one after another
-in a single stream of sum_i ceil(len_i / C) chunks; the state pass resets at every document's first chunk, and a
-document's summary composes just its own chunks (fold_summaries with counts). The chunked tensors, the chunk terms
-and what backward saves therefore hold at most T + documents x (C - 1) token slots, not documents x the longest.
+Layout and sizes (utils.ChunkLayout). Batch rows are rows of chunks. Documents (cu_seqlens) are each padded only to
+their next multiple of C and laid one after another in a single stream of (T + N (C - 1)) // C chunks (the most they
+can need; sizes come from shapes, tables stay on the device, nothing is read back to the host); the state pass resets
+at every document's first chunk, and a document's summary composes just its own chunks (segmented_scan). The chunked
+tensors, the chunk terms and what backward saves therefore hold at most T + documents x (C - 1) token slots, not
+documents x the longest.
 
 Under autocast only the tile scores (the matmuls inside _decayed_scores) take the autocast dtype's operands;
 everything else, the decay cumsum, M, B and the state carried across chunks included, runs in fp32.
@@ -25,6 +26,7 @@ everything else, the decay cumsum, M, B and the state carried across chunks incl
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -137,49 +139,53 @@ class KDAChunks:
             self.M, self.B, self.Qe, self.AU = _chunk_terms(qc, kc, vc, gc, bc, tile_dtype)
 
     def summaries(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(M [n, H, K, K], B [n, H, K, V]) of every sequence (or of those in `index`): final state = M S_0 + B.
-        A chunk's zero-padded tail is the identity, so composing a sequence's chunks is exact. In the packed layout
-        each document composes only its own chunks: a segmented fold over the stream (of just the chunks of the
-        documents in `index`)."""
+        """(M [n, H, K, K], B [n, H, K, V]) of every sequence (or of those in `index`, a device tensor): final state =
+        M S_0 + B. A chunk's zero-padded tail is the identity, so composing a sequence's chunks is exact. In the packed
+        layout each document composes only its own chunks: a segmented scan over the stream, read at each document's
+        last chunk."""
         lay = self.layout
         if not lay.packed:
             M, B = (self.M, self.B) if index is None else (self.M[index], self.B[index])
             return fold_summaries(M, B, dim=2)
         M, B = self.M[0].transpose(0, 1), self.B[0].transpose(0, 1)  # [n_chunks, H, K, *]
-        counts = lay.chunk_counts
-        if index is not None:
-            chunks, counts = lay.chunks_of(index)
-            chunks = chunks.to(M.device)
-            M, B = M.index_select(0, chunks), B.index_select(0, chunks)
-        return fold_summaries(M, B, dim=0, counts=counts)
+        M, B = segmented_scan(M, B, lay.chunk_doc)
+        last = lay.last_chunk if index is None else lay.last_chunk.index_select(0, index.to(M.device))
+        return M.index_select(0, last), B.index_select(0, last)
 
     def run(self, initial_state: torch.Tensor | None = None, output_final_state: bool = False):
         """(o [B, T, H, V], final state [N, H, K, V] or None) from initial states [N, H, K, V] (zeros when None).
 
         Rows all start at chunk 0. In the packed layout the state entering document i's first chunk is its initial
-        state (whatever the previous document left), and its final state is the state after its last chunk."""
+        state (whatever the previous document left: the state is multiplied by 0 there, a per-chunk flag on the
+        device), and its final state is the state after its last chunk."""
         s, lay = self.shapes, self.layout
         S0 = initial_state.to(self.dtype) if initial_state is not None else None
         if not lay.packed:
-            entering = {0: self.B.new_zeros(lay.rows, s.H, s.K, s.V) if S0 is None else S0}
+            S = self.B.new_zeros(lay.rows, s.H, s.K, s.V) if S0 is None else S0
         else:
-            # split once (not S0[i] per document): backward then concatenates once instead of zero-filling per part.
-            per_doc = [self.B.new_zeros(1, s.H, s.K, s.V)] * s.N if S0 is None else S0.split(1)
-            entering = dict(zip(lay.first_chunk.tolist(), per_doc))
-        starts, finals, S = [], [], None
+            S = self.B.new_zeros(1, s.H, s.K, s.V)
+            keep = (~lay.starts).to(self.dtype)  # [n_chunks]: 0 at a document's first chunk
+            # each chunk's entering state if it starts a document, else 0 (one gather, not one per document)
+            init = (
+                None
+                if S0 is None
+                else S0.index_select(0, lay.chunk_doc.clamp(max=s.N - 1)) * (1 - keep).view(-1, 1, 1, 1)
+            )
+        starts, ends = [], []
         with torch.autocast(self.device_type, enabled=False):  # the state carried across chunks stays fp32
             # unbind once: indexing M[:, :, n] in the loop would make backward build a full-size zero gradient per
             # chunk.
             for n, (M_n, B_n) in enumerate(zip(self.M.unbind(2), self.B.unbind(2))):
-                if n in entering:
-                    if n:
-                        finals.append(S)  # the previous document ends here
-                    S = entering[n]
+                if lay.packed:
+                    S = S * keep[n] if init is None else torch.addcmul(init[n : n + 1], S, keep[n])
                 starts.append(S)
                 S = torch.baddbmm(B_n.flatten(0, 1), M_n.flatten(0, 1), S.flatten(0, 1)).view_as(B_n)
-            finals.append(S)
+                if lay.packed and output_final_state:
+                    ends.append(S)
             o = self.AU + torch.matmul(self.Qe, torch.stack(starts, dim=2))  # [R, H, n_chunks, C, V]
-        final = (finals[0] if len(finals) == 1 else torch.cat(finals)) if output_final_state else None
+        final = None
+        if output_final_state:
+            final = torch.cat(ends).index_select(0, lay.last_chunk) if lay.packed else S
         return self.layout.from_chunks(o, self.out_dtype), final
 
 
@@ -197,37 +203,49 @@ def chunk_kda(
 
 
 def fold_summaries(
-    M: torch.Tensor, B: torch.Tensor, dim: int, counts: torch.Tensor | None = None
+    M: torch.Tensor, B: torch.Tensor, dim: int, counts: Sequence[int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compose affine maps S -> M_n S + B_n along `dim` (earliest first), by pairwise tree reduction.
+    """Compose affine maps S -> M_n S + B_n along `dim` (earliest first).
 
     (M2, B2) o (M1, B1) = (M2 M1, M2 B1 + B2). M [..., K, K] and B [..., K, V] with the sequence axis at `dim`.
-    counts None: the whole axis is one sequence; returns its map, `dim` removed. counts (ints, summing to the axis
-    length): the axis holds consecutive sequences of those lengths, each composed on its own (a segmented fold);
-    returns one map per sequence along `dim`. At every level an identity map is appended to each sequence of odd
-    length (it changes nothing), so no pair straddles two sequences; no sequence is padded to the longest.
+    counts None: the whole axis is one sequence, composed by pairwise tree reduction (an identity map appended at
+    every level of odd length); returns its map, `dim` removed. counts (host ints, summing to the axis length): the
+    axis holds consecutive sequences of those lengths, each composed on its own (segmented_scan); returns one map per
+    sequence along `dim`.
     """
     M, B = M.movedim(dim, 0), B.movedim(dim, 0)
-    seg = torch.tensor([M.shape[0]]) if counts is None else torch.as_tensor(counts).to("cpu", torch.int64)
-    if seg.dim() != 1 or int(seg.sum()) != M.shape[0] or bool((seg < 1).any()):
-        raise ValueError(
-            f"counts must be positive and sum to the {M.shape[0]} maps along dim {dim}, got {seg.tolist()}"
-        )
-    while int(seg.max()) > 1:
-        odd = seg % 2
-        if odd.any():
-            n, n_new = M.shape[0], M.shape[0] + int(odd.sum())
-            pos = (torch.arange(n) + (odd.cumsum(0) - odd).repeat_interleave(seg)).to(M.device)
-            eye = M.new_zeros(n_new, *M.shape[1:])
-            eye.diagonal(dim1=-2, dim2=-1).fill_(1)
-            M, B = eye.index_copy(0, pos, M), B.new_zeros(n_new, *B.shape[1:]).index_copy(0, pos, B)
-            seg = seg + odd
+    if counts is not None:
+        seg = [int(c) for c in counts]
+        if sum(seg) != M.shape[0] or min(seg) < 1:
+            raise ValueError(f"counts must be positive and sum to the {M.shape[0]} maps along dim {dim}, got {seg}")
+        ids = torch.repeat_interleave(torch.arange(len(seg)), torch.tensor(seg), output_size=M.shape[0])
+        M, B = segmented_scan(M, B, ids.to(M.device))
+        last = torch.tensor(seg).cumsum(0).sub(1).to(M.device)
+        return M.index_select(0, last).movedim(0, dim), B.index_select(0, last).movedim(0, dim)
+    while M.shape[0] > 1:
+        if M.shape[0] % 2:
+            eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device).expand(1, *M.shape[1:])
+            M, B = torch.cat([M, eye]), torch.cat([B, B.new_zeros(1, *B.shape[1:])])
         M_early, M_late, B_early, B_late = M[0::2], M[1::2], B[0::2], B[1::2]
         M, B = torch.matmul(M_late, M_early), torch.matmul(M_late, B_early) + B_late
-        seg = seg // 2
-    if counts is None:
-        return M[0], B[0]
-    return M.movedim(0, dim), B.movedim(0, dim)
+    return M[0], B[0]
+
+
+def segmented_scan(M: torch.Tensor, B: torch.Tensor, seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inclusive segmented scan of affine maps along dim 0: entry i becomes the composition of the maps from its
+    segment's start to i. M [n, ..., K, K], B [n, ..., K, V]; seg [n] (device) segment ids, equal ids contiguous.
+
+    By doubling (ceil(log2 n) steps, each composing every entry with the one d before it when both lie in one
+    segment): no segment lengths are read on the host. It costs log2(n) compositions per map where a tree costs two;
+    only the PyTorch path's document summaries use it (the Triton path reads them off chunk_kda's final states)."""
+    n, d = M.shape[0], 1
+    while d < n:
+        same = (seg[d:] == seg[:-d]).view(-1, *([1] * (M.dim() - 1)))
+        M_new = torch.where(same, torch.matmul(M[d:], M[:-d]), M[d:])
+        B_new = torch.where(same, torch.matmul(M[d:], B[:-d]) + B[d:], B[d:])
+        M, B = torch.cat([M[:d], M_new]), torch.cat([B[:d], B_new])
+        d *= 2
+    return M, B
 
 
 def chunk_kda_summary(

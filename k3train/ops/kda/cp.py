@@ -33,8 +33,9 @@ class PiecePlan:
 
     The local stream [R*L] is cut into segments at every piece start and every document start."""
 
-    cu_seqlens: list[int]
-    """Segment offsets over the flattened [R*L] local stream (chunk_kda's cu_seqlens)."""
+    cu_seqlens: torch.Tensor | None
+    """[n_seg + 1] int64: segment offsets over the flattened [R*L] local stream (chunk_kda's cu_seqlens); None when
+    the segments are the pieces themselves (no document starts inside one): they then run as R rows of L tokens."""
     first_seg: torch.Tensor
     """[R] int64: index of each piece's first segment (the one that may take the incoming state)."""
     carry: torch.Tensor
@@ -45,19 +46,29 @@ class PiecePlan:
     """[R] int64: index of each piece's LAST segment (the part its summary describes)."""
 
     def to(self, device) -> "PiecePlan":
-        tensors = ("first_seg", "carry", "keep_m", "last_seg")
-        return replace(self, **{f: getattr(self, f).to(device) for f in tensors})
+        tensors = ("cu_seqlens", "first_seg", "carry", "keep_m", "last_seg")
+        return replace(self, **{f: getattr(self, f).to(device) for f in tensors if getattr(self, f) is not None})
+
+    @property
+    def n_seg(self) -> int:
+        return self.first_seg.shape[0] if self.cu_seqlens is None else self.cu_seqlens.shape[0] - 1
 
 
 def piece_plan(doc_start: torch.Tensor) -> PiecePlan:
-    """doc_start [R, L] bool: which local tokens begin a document (in the GLOBAL sense)."""
+    """doc_start [R, L] bool: which local tokens begin a document (in the GLOBAL sense).
+
+    PER-BATCH TABLE: the number of segments is a shape (the incoming states [n_seg, H, K, V]) read from the starts,
+    so the plan needs host values: it is built from the context's CPU table, once per batch (kda_cp caches it with
+    one copy to the device), never from device values inside a layer. A loader that builds the batch's tables ahead
+    of the step can build it there."""
     R, L = doc_start.shape
     seg_start = doc_start.clone()
     seg_start[:, 0] = True
     flat = seg_start.reshape(-1)
     seg_id = torch.cumsum(flat.to(torch.int64), 0) - 1
-    starts = torch.nonzero(flat).squeeze(1)
-    cu = starts.tolist() + [R * L]
+    starts = torch.nonzero(flat).squeeze(1)  # host table: doc_start is on the CPU
+    rows = not bool(doc_start[:, 1:].any())  # host table; then the pieces are rows (no padding, no stream)
+    cu = None if rows else torch.cat([starts, starts.new_full((1,), R * L)])
     sid = seg_id.view(R, L)
     return PiecePlan(
         cu_seqlens=cu,
@@ -69,11 +80,11 @@ def piece_plan(doc_start: torch.Tensor) -> PiecePlan:
 
 
 class KernelSegments:
-    """KDAChunks' `summaries` and `run` over packed segments [1, N, H, *] from a chunk_kda op with the signature of
+    """KDAChunks' `summaries` and `run` over packed segments [1, N, H, *] (or segments as rows [R, L, H, *]) from a chunk_kda op with the signature of
     k3kernels.kda.chunk_kda (final states in fp32): B is a segment's final state from a zero initial state; M (K x K)
     is the final state of the same recurrence with zero values (V = K) from the identity, M I + 0."""
 
-    def __init__(self, q, k, v, g, beta, cu_seqlens: list[int], chunk_size: int, chunk_kda):
+    def __init__(self, q, k, v, g, beta, cu_seqlens: torch.Tensor | None, chunk_size: int, chunk_kda):
         self.inputs, self.cu_seqlens, self.chunk_size = (q, k, v, g, beta), cu_seqlens, chunk_size
         self.chunk_kda = chunk_kda
         self.dtype = wide(k.dtype)
@@ -83,7 +94,8 @@ class KernelSegments:
         """(M [n, H, K, K], B [n, H, K, V]) of the segments in `index`."""
         q, k, v, g, beta = self.inputs
         H, K = k.shape[-2:]
-        n_seg, kw = len(self.cu_seqlens) - 1, dict(cu_seqlens=self.cu_seqlens, chunk_size=self.chunk_size)
+        n_seg = k.shape[0] if self.cu_seqlens is None else self.cu_seqlens.shape[0] - 1
+        kw = dict(cu_seqlens=self.cu_seqlens, chunk_size=self.chunk_size)
         _, Bm = self.chunk_kda(q, k, v, g, beta, output_final_state=True, **kw)
         eye = torch.eye(K, device=k.device, dtype=Bm.dtype).expand(n_seg, H, K, K)
         zero_v = k.new_zeros(k.shape[:-1] + (K,)).to(v.dtype)
@@ -103,7 +115,9 @@ def kda_piece_chunks(q, k, v, g, beta, plan: PiecePlan, chunk: int, kernels=None
     the segments' chunks one after another: KDAChunks (kernels None, or where they choose PyTorch) or the kernels'
     KernelSegments. Built once: the pieces' summaries and, after the all-gather, their outputs both come from them."""
     R, L = k.shape[:2]
-    flat = [t.reshape(1, R * L, *t.shape[2:]) for t in (q, k, v, g, beta)]
+    flat = (q, k, v, g, beta)
+    if plan.cu_seqlens is not None:
+        flat = [t.reshape(1, R * L, *t.shape[2:]) for t in flat]
     if kernels is None:
         return KDAChunks(*flat, cu_seqlens=plan.cu_seqlens, chunk_size=chunk)
     return kernels.kda_segments(*flat, cu_seqlens=plan.cu_seqlens, chunk_size=chunk, g_min=g_min)
@@ -138,7 +152,7 @@ def kda_pieces(chunks, incoming: torch.Tensor, plan: PiecePlan) -> torch.Tensor:
     continues a document starts from its incoming state, every other segment from zero. -> o [R, L, H, V]."""
     R, H, K, V = incoming.shape
     S0 = incoming * plan.carry.to(incoming.device, incoming.dtype).view(R, 1, 1, 1)
-    n_seg = len(plan.cu_seqlens) - 1
+    n_seg = plan.n_seg
     init = S0.new_zeros(n_seg, H, K, V).index_copy(0, plan.first_seg.to(S0.device), S0)
     o, _ = chunks.run(init)
     return o.view(R, -1, H, V)

@@ -39,11 +39,12 @@ def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
     q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
     q = q * scale
     S0 = initial_state.to(dt) if initial_state is not None else q.new_zeros(s.N, s.H, s.K, s.V)
-    if s.offsets is None:
+    if s.cu is None:
         o, S = _recurrence(q, k, v, g, beta, S0)
     else:
         outs, finals = [], []
-        for n, (a, b) in enumerate(zip(s.offsets[:-1], s.offsets[1:])):
+        offsets = s.cu.tolist()  # the slow reference reads its documents on the host
+        for n, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
             o_n, S_n = _recurrence(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], S0[n : n + 1])
             outs.append(o_n)
             finals.append(S_n)

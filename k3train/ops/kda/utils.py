@@ -17,19 +17,23 @@ def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _offsets(cu_seqlens: torch.Tensor | Sequence[int] | None, B: int, T: int) -> list[int] | None:
+def _offsets(cu_seqlens: torch.Tensor | Sequence[int] | None, B: int, T: int, device) -> torch.Tensor | None:
+    """cu_seqlens as int64 offsets on `device`. A tensor is checked by shape and dtype only: reading its values would
+    be a host sync inside the layer (k3train.models.k3.documents.Documents checks a batch's offsets once, where it is
+    built). A host sequence (a list) is checked in full, then copied."""
     if cu_seqlens is None:
         return None
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the batch size must be 1 (documents are packed along T), got B={B}")
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1:
             raise ValueError(f"cu_seqlens must be 1-D, got shape {tuple(cu_seqlens.shape)}")
         if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
             raise ValueError(f"cu_seqlens must hold integers, got dtype {cu_seqlens.dtype}")
-        offs = [int(x) for x in cu_seqlens.tolist()]
-    else:
-        offs = [int(x) for x in cu_seqlens]
-    if B != 1:
-        raise ValueError(f"with cu_seqlens the batch size must be 1 (documents are packed along T), got B={B}")
+        if cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens needs at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
+        return cu_seqlens.to(device=device, dtype=torch.int64)
+    offs = [int(x) for x in cu_seqlens]
     if len(offs) < 2:
         raise ValueError(f"cu_seqlens needs at least 2 entries, got {offs}")
     if offs[0] != 0:
@@ -38,7 +42,7 @@ def _offsets(cu_seqlens: torch.Tensor | Sequence[int] | None, B: int, T: int) ->
         raise ValueError(f"cu_seqlens must be strictly increasing, got {offs}")
     if offs[-1] != T:
         raise ValueError(f"cu_seqlens must end at the sequence length T={T}, got {offs[-1]}")
-    return offs
+    return torch.tensor(offs, dtype=torch.int64, device=device)
 
 
 @dataclass(frozen=True)
@@ -49,8 +53,9 @@ class KDAShapes:
     K: int
     V: int
     N: int
-    """Independent sequences: B, or the number of documents with cu_seqlens."""
-    offsets: list[int] | None
+    """Independent sequences: B, or the number of documents with cu_seqlens (from its shape)."""
+    cu: torch.Tensor | None
+    """cu_seqlens as int64 on k's device, or None."""
 
 
 def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> KDAShapes:
@@ -75,50 +80,62 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> KDAShapes:
         if t is not None and t.device != k.device:
             raise ValueError(f"{name} is on {t.device} but k is on {k.device}")
     V = v.shape[3]
-    offsets = _offsets(cu_seqlens, B, T)
-    N = B if offsets is None else len(offsets) - 1
+    cu = _offsets(cu_seqlens, B, T, k.device)
+    N = B if cu is None else cu.numel() - 1
     if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
-        what = "N (documents)" if offsets is not None else "B"
+        what = "N (documents)" if cu is not None else "B"
         raise ValueError(
             f"initial_state must be [{what}, H, K, V] = [{N}, {H}, {K}, {V}], got shape {tuple(initial_state.shape)}"
         )
-    return KDAShapes(B=B, T=T, H=H, K=K, V=V, N=N, offsets=offsets)
+    return KDAShapes(B=B, T=T, H=H, K=K, V=V, N=N, cu=cu)
 
 
 class ChunkLayout:
-    """Maps packed tokens [B, T, H, D] to chunks [R, H, n_chunks, C, D] and back, in one of two forms.
+    """Maps packed tokens [B, T, H, D] to chunks [R, H, n_chunks, C, D] and back, in one of two forms. Every size is a
+    Python int from shapes and every table a tensor on the tokens' device: building and using a layout never reads a
+    device value on the host.
 
-    Rows (no cu_seqlens, or documents all of one length): R = N sequences of equal length, each zero-padded at its
-    end to n_chunks * C (no padding, and a plain transpose, when C divides the length).
-    Packed (documents of unequal lengths): R = 1 and the documents' chunks follow one another in one stream of
-    n_chunks = sum_i ceil(len_i / C) chunks; document i occupies chunks first_chunk[i] .. first_chunk[i] +
-    chunk_counts[i] - 1, laid out from its own start and zero-padded only to its next multiple of C.
+    Rows (no cu_seqlens): R = B batch rows, each zero-padded at its end to n_chunks * C (no padding, and a plain
+    transpose, when C divides T).
+    Packed (cu_seqlens, N documents): R = 1 and the documents' chunks follow one another in one stream; document i
+    occupies chunks first_chunk[i] .. last_chunk[i], laid out from its own start and zero-padded only to its next
+    multiple of C. The stream has n_chunks = (T + N (C - 1)) // C chunks, the most N documents of T tokens can need
+    (sum_i ceil(len_i / C) is at most that), so its length follows from shapes alone; the chunks after the last
+    document's hold zeros.
 
     Either way the chunked tensors hold at most T + N (C - 1) token slots per batch row, never N x the longest
-    document. Zero k, v, q, beta and g leave the state untouched, so a chunk's padded tail changes nothing; in the
-    packed form the state pass resets at every document's first chunk (KDAChunks.run).
+    document. Zero k, v, q, beta and g leave the state untouched, so a chunk's padded tail (and a trailing empty chunk)
+    changes nothing; in the packed form the state pass resets at every document's first chunk (KDAChunks.run).
     """
 
     def __init__(self, shapes: KDAShapes, chunk_size: int, device: torch.device):
         self.B, self.T, self.N, self.C = shapes.B, shapes.T, shapes.N, chunk_size
-        offs = shapes.offsets
-        lengths = torch.full((self.N,), self.T) if offs is None else torch.tensor(offs).diff()
-        self.chunk_counts = (lengths + chunk_size - 1) // chunk_size
-        """[N] int64 (CPU): chunks of each sequence."""
-        self.first_chunk = self.chunk_counts.cumsum(0) - self.chunk_counts
-        """[N] int64 (CPU): each sequence's first chunk in its row of chunks (0 in the rows form)."""
-        self.packed = bool((lengths != lengths[0]).any())
+        cu = shapes.cu
+        self.packed = cu is not None
+        self.rows, self.row_len = (1, self.T) if self.packed else (self.B, self.T)
         self.slot = None
-        """[T] int64: the stream slot of every token, when documents are padded (None: slot t is token t)."""
-        if self.packed:
-            self.rows, self.row_len, self.n_chunks = 1, self.T, int(self.chunk_counts.sum())
-            # token t of document i sits at slot first_chunk[i] * C + (t - offs[i]) of the stream
-            shift = self.first_chunk * chunk_size - torch.tensor(offs[:-1])
-            if bool(shift.any()):  # else every document fills whole chunks: the stream is the row itself
-                self.slot = (torch.arange(self.T) + shift.repeat_interleave(lengths)).to(device)
+        """[T] int64: the stream slot of every token (packed form; None: slot t is token t of its row)."""
+        if not self.packed:
+            self.n_chunks = -(-self.T // chunk_size)
         else:
-            self.rows, self.row_len, self.n_chunks = self.N, int(lengths[0]), int(self.chunk_counts[0])
-            self.first_chunk.zero_()
+            C, T = chunk_size, self.T
+            self.n_chunks = (T + self.N * (C - 1)) // C
+            counts = (cu.diff() + C - 1) // C
+            ends = counts.cumsum(0)
+            self.first_chunk = ends - counts
+            """[N] int64: each document's first chunk in the stream."""
+            self.last_chunk = ends - 1
+            """[N] int64: each document's last chunk in the stream."""
+            t = torch.arange(T, device=device)
+            doc = torch.searchsorted(cu[1:], t, right=True)  # the document of every token
+            # token t of document i sits at slot first_chunk[i] * C + (t - cu[i]) of the stream
+            self.slot = t + (self.first_chunk * C - cu[:-1]).index_select(0, doc)
+            self.chunk_doc = torch.searchsorted(ends, torch.arange(self.n_chunks, device=device), right=True)
+            """[n_chunks] int64: the document of every chunk (N for the empty chunks after the last document)."""
+            self.starts = self.first_chunk.index_select(0, self.chunk_doc.clamp(max=self.N - 1)) == torch.arange(
+                self.n_chunks, device=device
+            )
+            """[n_chunks] bool: the chunk is its document's first."""
         self.L = self.n_chunks * chunk_size
         """Token slots per row of chunks."""
 
@@ -128,13 +145,11 @@ class ChunkLayout:
         if self.slot is not None:
             y = x.new_zeros(H, self.L, D, dtype=dtype)
             y[:, self.slot] = x[0].transpose(0, 1).to(dtype)  # index_put: backward keeps only the index
+        elif self.L == self.row_len:
+            y = x.permute(0, 2, 1, 3).to(dtype, memory_format=torch.contiguous_format)
         else:
-            x = x.reshape(self.rows, self.row_len, H, D)  # a view: documents of one length are rows
-            if self.L == self.row_len:
-                y = x.permute(0, 2, 1, 3).to(dtype, memory_format=torch.contiguous_format)
-            else:
-                y = x.new_zeros(self.rows, H, self.L, D, dtype=dtype)
-                y[:, :, : self.row_len] = x.transpose(1, 2)
+            y = x.new_zeros(self.rows, H, self.L, D, dtype=dtype)
+            y[:, :, : self.row_len] = x.transpose(1, 2)
         return y.view(self.rows, H, self.n_chunks, self.C, D)
 
     def from_chunks(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -144,12 +159,4 @@ class ChunkLayout:
         if self.slot is not None:
             return y[0].transpose(0, 1).index_select(0, self.slot).unsqueeze(0).to(dtype)
         y = y[:, :, : self.row_len].transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
-        return y.reshape(self.B, self.T, H, D)  # a view for batch rows; documents as rows are merged into one
-
-    def chunks_of(self, index: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chunk indices (in the packed stream) of the sequences in `index`, in that order, and their chunk counts
-        (CPU int64 tensors)."""
-        index = torch.as_tensor(index).to("cpu", torch.int64).reshape(-1)
-        counts, first = self.chunk_counts[index], self.first_chunk[index]
-        within = torch.arange(int(counts.sum())) - (counts.cumsum(0) - counts).repeat_interleave(counts)
-        return first.repeat_interleave(counts) + within, counts
+        return y.reshape(self.B, self.T, H, D)
