@@ -700,6 +700,14 @@ def _quota_transposed(orig):
     return _group_quotas
 
 
+def _fill_ties_to_highest(orig):
+    def group_quotas_triton(balance):
+        # The kernel on the ranks in reverse order: every tie goes to the highest rank instead of the lowest.
+        return orig(balance.flip(0)).flip(0).flip(1)
+
+    return group_quotas_triton
+
+
 def _split_smallest_first(orig):
     torch = _torch()
 
@@ -1254,6 +1262,13 @@ MUTATIONS: list[Mutation] = [
         "group fills recorded as quota[receiver, giver]",
         _quota_transposed,
         (f"{MOONEP}::test_hand_example_one_fill",),
+    ),
+    M(
+        "moonep_fill_kernel_ties_to_highest",
+        "k3kernels.moonep:group_quotas_triton",
+        "the one-program fill kernel breaks giver and receiver ties towards the highest rank",
+        _fill_ties_to_highest,
+        (f"{MOONEP}::test_fill_kernel_matches_reference_on_random_loads_with_ties",),
     ),
     M(
         "moonep_split_smallest_first",
