@@ -708,6 +708,10 @@ def _fill_ties_to_highest(orig):
     return group_quotas_triton
 
 
+def _lce_slab_drops_last_row(orig):
+    return with_globals(orig, min=lambda a, b: builtins.min(a, b) - 1)  # each slab ends one row early
+
+
 def _split_smallest_first(orig):
     torch = _torch()
 
@@ -1412,6 +1416,13 @@ MUTATIONS: list[Mutation] = [
         "chunked cross entropy: chunk ends off by one, each chunk's last token is left out",
         _lce_chunk_drops_last_token,
         (f"{LOSS}::test_fp64_equals_full_logits",),
+    ),
+    M(
+        "lce_grad_slab_drops_last_row",
+        "k3train.models.k3.loss:accumulate_grad_weight",
+        "chunked cross entropy backward: each vocabulary slab of the bf16 weight-gradient product ends one row early",
+        _lce_slab_drops_last_row,
+        (f"{LOSS}::test_weight_gradient_slabs_equal_the_per_chunk_copy",),
     ),
     M(
         "lce_backward_lse_not_subtracted",
