@@ -10,6 +10,11 @@ BLOCK_D features, so a token's K rows are handled by one program and no kernel n
                                                                  dw[n, k] = sum_d du[n, d] y[pos[n, k], d]
 
 Sums are formed in fp32 and rounded once to the output dtype. Row offsets are int64 (N*K*D can pass 2^31).
+
+Each kernel is autotuned over num_warps x num_stages (`autotune_configs`), keyed on K and D: the token count changes
+from step to step and only sets the grid, so it is not a key (as flash-linear-attention keys on head sizes, not on
+sequence length). Every kernel overwrites its outputs, so the tuner's repeated runs leave nothing behind. Without
+CUDA (the interpreter, TRITON_INTERPRET=1) there is one configuration: the tuner then runs the kernel once, untimed.
 """
 
 from __future__ import annotations
@@ -22,6 +27,16 @@ from k3train.ops.moe_permute import expert_layout
 
 BLOCK_D = 64
 TILE = 4096  # elements of a [BLOCK_N, BLOCK_K, BLOCK_D] tile: BLOCK_N shrinks as K grows (top-16: 4 tokens)
+
+
+def autotune_configs(cuda: bool) -> list[triton.Config]:
+    """num_warps in {2, 4, 8} x num_stages in {1, 2, 3} on CUDA; one configuration (4 warps, 1 stage) elsewhere."""
+    if not cuda:
+        return [triton.Config({}, num_warps=4, num_stages=1)]
+    return [triton.Config({}, num_warps=w, num_stages=s) for w in (2, 4, 8) for s in (1, 2, 3)]
+
+
+_tuned = triton.autotune(configs=autotune_configs(torch.cuda.is_available()), key=["K", "D"])
 
 
 @triton.jit
@@ -37,6 +52,7 @@ def _tile(pos_ptr, N, K, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_
     return n, k, d, pos, nk_mask, nd_mask, nk_mask[:, :, None] & (d[None, None, :] < D)
 
 
+@_tuned
 @triton.jit
 def _permute_fwd(
     x_ptr, pos_ptr, rows_ptr, N, K, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr
@@ -47,6 +63,7 @@ def _permute_fwd(
     tl.store(rows_ptr + pos[:, :, None] * D + d[None, None, :], out, mask=nkd_mask)
 
 
+@_tuned
 @triton.jit
 def _permute_bwd(
     drows_ptr, pos_ptr, dx_ptr, N, K, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr
@@ -57,6 +74,7 @@ def _permute_bwd(
     tl.store(dx_ptr + n[:, None] * D + d[None, :], dx.to(dx_ptr.dtype.element_ty), mask=nd_mask)
 
 
+@_tuned
 @triton.jit
 def _unpermute_fwd(
     y_ptr, w_ptr, pos_ptr, u_ptr, N, K, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr
@@ -68,6 +86,7 @@ def _unpermute_fwd(
     tl.store(u_ptr + n[:, None] * D + d[None, :], u.to(u_ptr.dtype.element_ty), mask=nd_mask)
 
 
+@_tuned
 @triton.jit
 def _unpermute_bwd(
     du_ptr,

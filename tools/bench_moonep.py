@@ -13,6 +13,13 @@ with --trace a saved tensor file of real router counts [steps, R, E] (torch.save
 
     python tools/bench_moonep.py                       # R in {4, 8, 16, 64}, E = 896, K = 16, S = 4096
     python tools/bench_moonep.py --trace router_counts.pt --out bench_out
+    TRITON_INTERPRET=1 python tools/bench_moonep.py --fills   # the fill step: kernels launched and CPU time, only
+
+--fills counts the kernels `plan_alloc_sync_free` launches (torch profiler, on CPU) with the fills as the tensor loop
+(`_group_quotas_reference`: what every device ran before, and what CPU tensors still run) and as the one-program
+Triton kernel (what CUDA tensors run: its launch counted at the call, the interpreter's own copies left out), and the
+planner's median CPU time with the loop. The kernel's time under the interpreter is printed too, but says nothing about
+a GPU.
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
+from k3train.parallel import moonep
 from k3train.parallel.moonep import (
     eplb_placement,
     eplb_rank_loads,
@@ -33,6 +42,7 @@ from k3train.parallel.moonep import (
     max_over_mean,
     no_replication_loads,
     plan,
+    plan_alloc_sync_free,
 )
 
 
@@ -124,6 +134,82 @@ def evaluate(name: str, trace: torch.Tensor, *, eplb_slots: int | None, reps: in
     }
 
 
+def _aten_ops(fn) -> int:
+    """Top-level aten ops `fn` runs (each one kernel launch on a GPU), counted with the torch profiler."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::"))
+
+
+class _CountedLaunch:
+    """Stands in for k3kernels.moonep._fills: counts launches (the interpreter's array copies would otherwise show up
+    as aten ops) and runs the kernel outside the profiler's view only when asked."""
+
+    def __init__(self, kernel, run: bool):
+        self.kernel, self.run, self.launches = kernel, run, 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches += 1
+            if self.run:
+                self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def fill_figures(ranks: list[int], *, experts_per_rank: int = 4, rows: int = 4096, reps: int = 5) -> list[dict]:
+    """Per EP degree R: kernels launched by plan_alloc_sync_free with the loop and with the kernel fills, and the
+    median CPU times (loop; kernel under the interpreter, when TRITON_INTERPRET=1)."""
+    import os
+
+    import k3kernels.moonep as kmod
+
+    out = []
+    for R in ranks:
+        counts = synthetic_trace(
+            "zipf",
+            steps=1,
+            ranks=R,
+            experts=R * experts_per_rank,
+            topk=4,
+            tokens=rows // 4,
+            zipf=1.2,
+            drift=0.0,
+            seed=R,
+        )[0]
+        row = {"R": R}
+        loop = moonep._group_quotas
+        try:
+            moonep._group_quotas = moonep._group_quotas_reference
+            want = plan_alloc_sync_free(counts, rows)
+            row["loop_launches"] = _aten_ops(lambda: plan_alloc_sync_free(counts, rows))
+            row["loop_us"] = median_us(lambda: plan_alloc_sync_free(counts, rows), reps)
+            moonep._group_quotas = kmod.group_quotas_triton
+            real, kmod._fills = kmod._fills, _CountedLaunch(kmod._fills, run=False)
+            try:
+                ops = _aten_ops(lambda: plan_alloc_sync_free(counts, rows))
+                row["kernel_launches"] = ops + kmod._fills.launches
+            finally:
+                kmod._fills = real
+            if os.environ.get("TRITON_INTERPRET") == "1":
+                if not torch.equal(plan_alloc_sync_free(counts, rows), want):
+                    raise SystemExit(f"R={R}: the fill kernel's plan differs from the loop's (a planner bug)")
+                row["kernel_interpreter_us"] = median_us(lambda: plan_alloc_sync_free(counts, rows), 1)
+        finally:
+            moonep._group_quotas = loop
+        out.append(row)
+    return out
+
+
+def print_fills(rows: list[dict]) -> None:
+    head = f"{'R':>5} | {'launches: loop':>15}{'one program':>13} | {'CPU us: loop':>13}{'kernel (interpreter)':>22}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        interp = f"{r['kernel_interpreter_us']:>22.0f}" if "kernel_interpreter_us" in r else f"{'-':>22}"
+        print(f"{r['R']:>5} | {r['loop_launches']:>15}{r['kernel_launches']:>13} | {r['loop_us']:>13.0f}{interp}")
+
+
 def print_table(results: list[dict]) -> None:
     head = (
         f"{'trace':<10}{'R':>4}{'E':>5}{'S*K':>7} | {'no-rep':>7}{'EPLB':>7}{'MoonEP':>8} | "
@@ -191,8 +277,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (the planner is tiny; 1 is fastest)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=str, default="bench_out", help="folder for moonep.json and moonep.png")
+    ap.add_argument("--fills", action="store_true", help="only the fill step's kernel launches and CPU time")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.fills:
+        print_fills(fill_figures([r for r in args.ranks if r <= 128] + ([128] if 128 not in args.ranks else [])))
+        return
 
     results = []
     for kind in args.traces:

@@ -736,6 +736,18 @@ def _quota_transposed(orig):
     return _group_quotas
 
 
+def _fill_ties_to_highest(orig):
+    def group_quotas_triton(balance):
+        # The kernel on the ranks in reverse order: every tie goes to the highest rank instead of the lowest.
+        return orig(balance.flip(0)).flip(0).flip(1)
+
+    return group_quotas_triton
+
+
+def _lce_slab_drops_last_row(orig):
+    return with_globals(orig, min=lambda a, b: builtins.min(a, b) - 1)  # each slab ends one row early
+
+
 def _split_smallest_first(orig):
     torch = _torch()
 
@@ -1320,6 +1332,13 @@ MUTATIONS: list[Mutation] = [
         (f"{MOONEP}::test_hand_example_one_fill",),
     ),
     M(
+        "moonep_fill_kernel_ties_to_highest",
+        "k3kernels.moonep:group_quotas_triton",
+        "the one-program fill kernel breaks giver and receiver ties towards the highest rank",
+        _fill_ties_to_highest,
+        (f"{MOONEP}::test_fill_kernel_matches_reference_on_random_loads_with_ties",),
+    ),
+    M(
         "moonep_split_smallest_first",
         "k3train.parallel.moonep:_split_quotas",
         "receivers take a group's smallest experts first",
@@ -1461,6 +1480,13 @@ MUTATIONS: list[Mutation] = [
         "chunked cross entropy: chunk ends off by one, each chunk's last token is left out",
         _lce_chunk_drops_last_token,
         (f"{LOSS}::test_fp64_equals_full_logits",),
+    ),
+    M(
+        "lce_grad_slab_drops_last_row",
+        "k3train.models.k3.loss:accumulate_grad_weight",
+        "chunked cross entropy backward: each vocabulary slab of the bf16 weight-gradient product ends one row early",
+        _lce_slab_drops_last_row,
+        (f"{LOSS}::test_weight_gradient_slabs_equal_the_per_chunk_copy",),
     ),
     M(
         "lce_backward_lse_not_subtracted",

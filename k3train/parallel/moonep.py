@@ -18,11 +18,12 @@ The planner, from `tokens_per_expert` [R_src, E]:
 `plan` returns only `alloc` [E, R] (rows of expert e computed on rank r). `make_plan` adds what a dispatcher needs:
 the per-(source, destination, expert) send counts and the receive layout of every destination, both from one fixed
 global order of each expert's rows (source ranks 0..R−1 concatenated; destinations 0..R−1 take consecutive ranges).
-`plan` is free of host synchronisation when called with `validate=False`: the group loop runs as R−1 fixed tensor
-steps on any device. `plan_alloc_sync_free` is that call without the shape checks (what the MoonEP dispatcher runs, so
-its step reads nothing on the host but the one copy of k3train.parallel.host_copy); `rank_rows`, `assign_rows` and
-`expert_major_index` are the plan's per-rank layouts as free functions of its tensors (static shapes, counts by
-scatter_add_, never bincount).
+`plan` is free of host synchronisation when called with `validate=False`. The fill rule contains longest-processing-
+time list scheduling, a sequential greedy: on CUDA its rounds run inside one Triton program (k3kernels.moonep, one
+launch); elsewhere as R−1 fixed tensor steps (`_group_quotas_reference`). `plan_alloc_sync_free` is that call
+without the shape checks (what the MoonEP dispatcher runs, so its step reads nothing on the host but the one copy of
+k3train.parallel.host_copy); `rank_rows`, `assign_rows` and `expert_major_index` are the plan's per-rank layouts as
+free functions of its tensors (static shapes, counts by scatter_add_, never bincount).
 `make_plan` builds the compact full plan with a few host reads (nonzero, the fill count): for tests, inspection and
 the benchmarks, not for the training step.
 
@@ -104,7 +105,18 @@ def _as_counts(tokens_per_expert, rows_per_rank: int, *, validate: bool = True) 
 
 
 def _group_quotas(balance: Tensor) -> Tensor:
-    """The fill loop as R−1 fixed tensor steps, without a host sync. Returns quota [R_group, R_receiver].
+    """The fills as quota [R_group, R_receiver], without a host sync: on CUDA one Triton program runs every round
+    (k3kernels.moonep: one launch); elsewhere the R−1 fixed tensor steps of `_group_quotas_reference`."""
+    if balance.is_cuda:
+        from k3kernels.moonep import group_quotas_triton
+
+        return group_quotas_triton(balance)
+    return _group_quotas_reference(balance)
+
+
+def _group_quotas_reference(balance: Tensor) -> Tensor:
+    """The fill loop as R−1 fixed tensor steps (about 9 small kernels each), without a host sync. Returns quota
+    [R_group, R_receiver].
 
     No early stop is needed: once the largest balance is ≤ 0 every balance is 0 (they sum to 0), so the remaining
     steps move nothing.
@@ -158,7 +170,7 @@ def _plan_with_quota(counts: Tensor, rows_per_rank: int) -> tuple[Tensor, Tensor
 
 
 def plan_alloc_sync_free(counts: Tensor, rows_per_rank: int) -> Tensor:
-    """alloc [E, R] for int64 counts [R, E] on any device (the fill loop in R−1 fixed steps, no host
+    """alloc [E, R] for int64 counts [R, E] on any device (the fills in one program on CUDA, no host
     synchronisation, no checks): what a dispatcher runs on the gathered counts. Equal to `plan`."""
     return _plan_with_quota(counts, rows_per_rank)[0]
 

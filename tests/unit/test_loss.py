@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from k3train.models.k3 import loss as loss_mod
 from k3train.models.k3.loss import IGNORE_INDEX, linear_cross_entropy, token_loss_sum
 
 N, D, V = 37, 12, 53
@@ -182,3 +183,46 @@ def test_split_backward_of_zero_bubble_schedules_lands_the_head_gradient():
     torch.testing.assert_close(dx, want[0], rtol=0, atol=1e-12)
     for p, w in zip(params, want[1:]):
         torch.testing.assert_close(p.grad, w, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 53, 64])
+def test_weight_gradient_slabs_equal_the_per_chunk_copy(rows):
+    # The bf16 product summed into fp32 slab by slab, into one buffer, gives the numbers of the per-chunk [V, D]
+    # product and fp32 copy; slabs of 7 rows leave a 4-row tail.
+    g = torch.Generator().manual_seed(9)
+    grad = torch.randn(V, D, generator=g)
+    want = grad.clone()
+    buf = torch.empty(rows, D, dtype=torch.bfloat16)
+    for n in (5, 16, 1):
+        gc = torch.randn(n, V, generator=g).to(torch.bfloat16)
+        h = torch.randn(n, D, generator=g).to(torch.bfloat16)
+        loss_mod.accumulate_grad_weight(grad, gc, h, buf)
+        loss_mod.accumulate_grad_weight_reference(want, gc, h)
+    assert torch.equal(grad, want)
+
+
+def test_bf16_backward_allocates_one_slab_buffer(monkeypatch):
+    # Under bf16 the backward's weight gradient equals the per-chunk copy's, with the slab buffer bounded by
+    # GRAD_SLAB_BYTES (7 rows of D bf16 here: 8 slabs over V = 53) and allocated once, not per chunk.
+    hidden, weight, labels = problem(torch.float32, seed=4)
+    monkeypatch.setattr(loss_mod, "GRAD_SLAB_BYTES", 7 * D * 2)
+    empties = []
+    real_empty = torch.empty
+
+    def counting_empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        empties.append((tuple(t.shape), t.dtype))
+        return t
+
+    def run(accumulate):
+        monkeypatch.setattr(loss_mod, "accumulate_grad_weight", accumulate)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = linear_cross_entropy(hidden, weight, labels, chunk_tokens=8)
+        return torch.autograd.grad(loss, (weight,))[0]
+
+    monkeypatch.setattr(loss_mod.torch, "empty", counting_empty)
+    got = run(loss_mod.accumulate_grad_weight)
+    monkeypatch.setattr(loss_mod.torch, "empty", real_empty)
+    assert empties.count(((7, D), torch.bfloat16)) == 1
+    want = run(lambda gw, g, h, buf: loss_mod.accumulate_grad_weight_reference(gw, g, h))
+    assert got.dtype == torch.float32 and torch.equal(got, want)

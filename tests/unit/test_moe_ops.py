@@ -200,3 +200,16 @@ def test_moe_block_needs_no_host_sync():
         with pytest.raises(DataDependentOutputException):
             grouped_mm(rows.double(), ex.w1.double(), counts)  # the fallback without a capacity reads counts.max()
         assert grouped_mm(rows.double(), ex.w1.double(), counts, capacity=20).shape == (20, 20)
+
+
+def test_permute_kernels_autotune_on_cuda_and_run_one_config_elsewhere():
+    pytest.importorskip("triton")
+    import k3kernels.moe_permute as km
+
+    cuda = km.autotune_configs(True)
+    assert sorted((c.num_warps, c.num_stages) for c in cuda) == [(w, s) for w in (2, 4, 8) for s in (1, 2, 3)]
+    assert [(c.num_warps, c.num_stages) for c in km.autotune_configs(False)] == [(4, 1)]
+    want = km.autotune_configs(torch.cuda.is_available())
+    for kernel in (km._permute_fwd, km._permute_bwd, km._unpermute_fwd, km._unpermute_bwd):
+        assert list(kernel.keys) == ["K", "D"]  # tuned per (top-k, width), not per token count
+        assert [(c.num_warps, c.num_stages) for c in kernel.configs] == [(c.num_warps, c.num_stages) for c in want]

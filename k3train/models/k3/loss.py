@@ -4,7 +4,9 @@
 the cross entropy, token chunk by token chunk, so a micro-batch's logits [N, V] never exist at once. Forward keeps
 the inputs and one fp32 log-sum-exp per token (O(N)); backward recomputes each chunk's logits and forms that chunk's
 grad_hidden rows and its share of grad_weight (accumulated in fp32). The transient is one chunk's [chunk, V] fp32
-logits and softmax, CHUNK_LOGIT_BYTES each by default.
+logits and softmax, CHUNK_LOGIT_BYTES each by default, and, when the matmul runs in a narrower dtype than the sum, one
+buffer of at most GRAD_SLAB_BYTES for the weight-gradient product, allocated once per backward (never a [V, D] copy
+per chunk).
 
 `token_loss_sum(logits, labels)` is the plain reference over full logits (tests compare the two).
 """
@@ -23,6 +25,13 @@ IGNORE_INDEX = -100
 CHUNK_LOGIT_BYTES = 1 << 30
 """Default chunk: as many tokens as fit one fp32 [chunk, V] logits block in this many bytes (1 GiB: 1638 tokens at
 K3's 163,840-token vocabulary; matmuls of that height still run at full speed)."""
+
+
+GRAD_SLAB_BYTES = 1 << 28
+"""Backward in a compute dtype narrower than the fp32 sum: each chunk's weight-gradient product is formed in the
+compute dtype this many bytes of vocabulary rows at a time (at K3: 256 MiB of bf16 is 18,724 rows of D = 7,168, nine
+slabs, each still a full-speed matmul), into one buffer allocated once per backward, and added into the fp32 gradient
+in place (CUDA casts inside the add; the CPU's add makes an fp32 copy of one slab first)."""
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -57,6 +66,25 @@ def chunk_logits_grad(
     g = logits.sub_(lse[:, None]).exp_()
     g[torch.arange(g.shape[0], device=g.device), labels] -= 1.0
     return g.mul_(scale[:, None])
+
+
+def accumulate_grad_weight(grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tensor, buf: torch.Tensor | None) -> None:
+    """grad_w [V, D] += g.T @ h for one chunk (g [n, V], h [n, D]). In the accumulation dtype: addmm_ in place.
+    Otherwise the product in the compute dtype, vocabulary slab by slab into `buf` [rows, D], each slab added into
+    grad_w in place (fp32 += bf16 casts elementwise, with no fp32 copy): the same numbers as
+    `accumulate_grad_weight_reference`, without its two [V, D] temporaries."""
+    if g.dtype == grad_w.dtype:
+        grad_w.addmm_(g.t(), h)
+        return
+    V, rows = grad_w.shape[0], buf.shape[0]
+    for v0 in range(0, V, rows):
+        v1 = min(v0 + rows, V)
+        grad_w[v0:v1].add_(torch.mm(g[:, v0:v1].t(), h, out=buf[: v1 - v0]))
+
+
+def accumulate_grad_weight_reference(grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+    """grad_w += g.T @ h as written: the product in g's dtype, then a cast copy to grad_w's dtype, then the sum."""
+    grad_w += (g.t() @ h).to(grad_w.dtype)
 
 
 def _will_run(ctx, i: int) -> bool:
@@ -103,16 +131,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = valid.to(acc) * grad_loss.to(acc)
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+        buf = None
+        if want_w and hidden.dtype != acc:  # the product's slab buffer, once per backward
+            V, D = weight.shape
+            rows = min(V, max(1, GRAD_SLAB_BYTES // (D * hidden.element_size())))
+            buf = torch.empty(rows, D, dtype=hidden.dtype, device=hidden.device)
         for s, e in chunk_bounds(hidden.shape[0], ctx.chunk):
             logits = (hidden[s:e] @ w.t()).to(acc)
             g = chunk_logits_grad(logits, lse[s:e], target[s:e], scale[s:e]).to(hidden.dtype)
             if want_h:
                 grad_h[s:e] = g @ w
             if want_w:
-                if g.dtype == acc:
-                    grad_w.addmm_(g.t(), hidden[s:e])  # no [V, D] temporary per chunk
-                else:
-                    grad_w += (g.t() @ hidden[s:e]).to(acc)  # bf16 product per chunk, summed in fp32
+                accumulate_grad_weight(grad_w, g, hidden[s:e], buf)  # bf16 product per chunk, summed in fp32
         return grad_h, grad_w.to(weight.dtype) if want_w else None, None, None
 
 
