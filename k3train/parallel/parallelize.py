@@ -98,7 +98,14 @@ def compile_layers(part: nn.Module, backend: str = "inductor", fullgraph: bool =
     """Compile every transformer layer of the part in place (nn.Module.compile); returns how many."""
     if backend not in COMPILE_BACKENDS:
         raise ValueError(f"unknown compile backend {backend!r}; choose one of {list(COMPILE_BACKENDS)}")
+    import torch._dynamo
+
     layers = getattr(part, "layers", None) or {}
+    # Layers share K3Layer.forward's code; each kind and position may be a cache entry of its own, and past the
+    # limit torch.compile would run the rest eagerly without a word.
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, 2 * len(layers) + 8)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * len(layers) + 64)
     for layer in layers.values():
         layer.compile(backend=backend, fullgraph=fullgraph)
     return len(layers)

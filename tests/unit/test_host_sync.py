@@ -86,6 +86,50 @@ def _this_site(g) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# One process: a whole engine step, and the context-parallel pieces of a row in one process (world 1)
+# ---------------------------------------------------------------------------------------------------------------------
+def _outside_ops(sites: dict) -> list[str]:
+    return sorted(w for w in sites if not w.split(" at ", 1)[1].startswith(OPS_DIRS))
+
+
+def test_one_process_step_reads_the_host_only_through_host_sync():
+    """The one-process engine's step (documents, MoE with the local dispatcher, MTP off): only the metrics."""
+    from k3train.parallel.engine import build_engine
+    from k3train.parallel.mesh import ParallelDims
+
+    with H.one_thread():
+        engine = build_engine(H.model_args(), ParallelDims(microbatches=2), H.optim_config(), seed=H.SEED)
+        for s in range(2):
+            mbs = H.local_microbatches(H.step_data(s), dp=1, dp_rank=0, microbatches=2)
+            counters = [st["step"] for st in engine.zero.optimizer.state.values() if "step" in st]
+            with HostGuard("record", host_resident=counters) as g:
+                engine.train_step(mbs)
+    print(f"allowed {dict(g.allowed)}; remaining in the ops: {sum(g.sites.values())}")
+    assert dict(g.allowed) == {"metrics": 2}
+    assert not _outside_ops(g.sites), _outside_ops(g.sites)
+
+
+def test_cp_pieces_read_the_host_only_through_host_sync():
+    """A zigzag CP batch in one process (every seam runs: conv halos, KDA summaries, MLA's gathered latent, the
+    tables): sharding the batch with its tables and the model's forward and backward read no host value outside the
+    kernel packages."""
+    from k3train.models.k3.model import K3Model
+    from k3train.parallel.context_parallel import apply_context_parallel
+
+    with H.one_thread():
+        model = K3Model(H.model_args())
+        model.init_weights(H.SEED)
+        plan = apply_context_parallel(model, None, layout="zigzag", seq_len=64)
+        batch = H.local_microbatches(H.step_data(0, seq=64), dp=1, dp_rank=0, microbatches=1)[0]
+        with HostGuard("record") as g:
+            local = plan.shard_batch(batch)
+            h = model(local["input_ids"], local["ctx"], return_hidden=True)
+            h.square().mean().backward()
+    assert local["ctx"].cp.world == 1 and local["input_ids"].shape == (2 * H.GLOBAL_ROWS, 32)
+    assert not g.allowed and not _outside_ops(g.sites), _outside_ops(g.sites)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # A whole step: pp2 x cp2 x ep2
 # ---------------------------------------------------------------------------------------------------------------------
 LAYOUT = dict(pp=2, cp=2, ep=2, dp=1, microbatches=MICRO, schedule="1f1b", cp_layout="zigzag", zero=1)
