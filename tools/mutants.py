@@ -925,6 +925,40 @@ def _lifted_modules_rerun(orig):
     return property(lambda self: False)  # recomputation runs the lifted modules again instead of replaying
 
 
+# ---- planted host reads (the host-sync guard of tests/unit/test_host_sync.py must see each kind)
+def _documents_item(orig):
+    def to(self, device):
+        out = orig(self, device)
+        if out.cu_seqlens[-1].item() != out.start.numel():  # a "check" that reads the device
+            raise ValueError("cu_seqlens does not end at B*T")
+        return out
+
+    return to
+
+
+def _cp_tables_tolist(orig):
+    def on(self, table, device):
+        t = orig(self, table, device)
+        t.reshape(-1)[:1].tolist()  # a per-layer read of the table's first value
+        return t
+
+    return on
+
+
+def _moe_router_bool(orig):
+    def forward(self, x):
+        idx, weights = orig(self, x)
+        if bool((idx >= self.n_experts).any()):  # a per-layer "check" that reads the device
+            raise ValueError("expert id out of range")
+        return idx, weights
+
+    return forward
+
+
+def _layers_not_compiled(orig):
+    return lambda part, backend="inductor", fullgraph=False: len(getattr(part, "layers", None) or {})
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The table
 # ---------------------------------------------------------------------------------------------------------------------
@@ -947,6 +981,7 @@ PREC = "tests/unit/test_precision.py"
 ACT = "tests/unit/test_activation.py"
 LOSS = "tests/unit/test_loss.py"
 RESIL = "tests/unit/test_resilience.py"
+HOST = "tests/unit/test_host_sync.py"
 
 M = Mutation
 MUTATIONS: list[Mutation] = [
@@ -1630,6 +1665,35 @@ MUTATIONS: list[Mutation] = [
         "the planner counts half of KDA's projection and convolution chains",
         _plan_kda_states_as_chains,
         (f"{PLAN}::test_planner_matches_one_process_layouts",),
+    ),
+    # ---- host syncs and compiled layers
+    M(
+        "documents_item_in_step",
+        "k3train.models.k3.documents:Documents.to",
+        "moving a batch's document tables reads their last offset back with .item()",
+        _documents_item,
+        (f"{HOST}::test_one_process_step_reads_the_host_only_through_host_sync",),
+    ),
+    M(
+        "cp_tables_tolist_per_layer",
+        "k3train.ops.cp:CPContext.on",
+        "every layer's lookup of a CP table reads a value of it with .tolist()",
+        _cp_tables_tolist,
+        (f"{HOST}::test_cp_pieces_read_the_host_only_through_host_sync",),
+    ),
+    M(
+        "moe_router_bool",
+        "k3train.models.k3.moe:Router.forward",
+        "the router checks its expert ids with bool() of a device value",
+        _moe_router_bool,
+        (f"{HOST}::test_one_process_step_reads_the_host_only_through_host_sync",),
+    ),
+    M(
+        "model_compile_inert",
+        "k3train.parallel.parallelize:compile_layers",
+        "model.compile compiles nothing (the layers stay eager)",
+        _layers_not_compiled,
+        ("tests/unit/test_compile_model.py::test_model_compile_compiles_each_layer_in_place",),
     ),
 ]
 BY_NAME = {m.name: m for m in MUTATIONS}

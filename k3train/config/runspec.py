@@ -84,6 +84,7 @@ def resolve_run(
     checks.check_data(cfg, args, dims, sources=here)
     tok = checks.check_tokenizer(cfg, args) if here else None
     checks.check_optim(cfg)
+    checks.check_compile(cfg)
     checks.check_activation(cfg)
     checks.check_logging(cfg)
     checks.check_train(cfg, args)

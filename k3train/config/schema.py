@@ -26,6 +26,12 @@ class ModelConfig:
     """Implementation of the fused ops (chunked KDA, SiTU-GLU, MoE permutation): auto (the Triton kernels on CUDA
     when Triton imports, PyTorch otherwise), torch (the PyTorch references) or triton (refused where Triton cannot
     run: no CUDA and TRITON_INTERPRET unset). Cases the kernels do not cover run PyTorch (k3train.ops.backend)."""
+    compile: bool = False
+    """Compile each transformer layer with torch.compile (one compiled region per layer, as TorchTitan compiles each
+    block; the embedding, head and loss stay eager). The same math; on in the GPU recipes."""
+    compile_backend: str = "inductor"
+    """torch.compile backend of model.compile: inductor (generated kernels: the GPU choice), aot_eager (the traced
+    forward and backward run as eager ops: what CPU tests use) or eager (graph capture only)."""
     mtp_layers: int = 0
     """0 or 1: add the multi-token-prediction module (k3train.models.k3.mtp; its loss weight is
     optim.mtp_loss_weight). The same field as model.overrides.mtp_layers."""

@@ -19,6 +19,7 @@ from k3train.models.k3.mixers import layer_mixer
 from k3train.models.k3.model import required_seq_multiple
 from k3train.ops.backend import resolve_kernels
 from k3train.optim.quantile_balancing import BALANCING
+from k3train.parallel.parallelize import COMPILE_BACKENDS
 
 from .schema import K3TrainConfig
 
@@ -101,6 +102,12 @@ def check_kernels(cfg: K3TrainConfig) -> str:
         return resolve_kernels(cfg.model.kernels, train_device_type(cfg.train.device))
     except ValueError as e:
         raise ConfigError(f"model.kernels: {e}") from None
+
+
+def check_compile(cfg: K3TrainConfig) -> None:
+    """model.compile and its backend (a name torch.compile knows among COMPILE_BACKENDS)."""
+    _need(isinstance(cfg.model.compile, bool), "model.compile", f"must be true or false, got {cfg.model.compile!r}")
+    _known("model.compile_backend", cfg.model.compile_backend, "compile backend", COMPILE_BACKENDS)
 
 
 def check_data(cfg: K3TrainConfig, args: K3ModelArgs, dims, *, sources: bool = True) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -81,9 +82,16 @@ def resolve_kernels(name: str, device_type: str) -> str:
     return "triton"
 
 
+def _module(name: str):
+    """An imported module by name: from sys.modules once imported (which torch.compile traces: it does not trace
+    importlib), importing it the first time."""
+    mod = sys.modules.get(name)
+    return mod if mod is not None else importlib.import_module(name)
+
+
 def _kernel(module: str, name: str):
     """A k3kernels function, looked up at call time (so a test can wrap it)."""
-    return getattr(importlib.import_module(f"k3kernels.{module}"), name)
+    return getattr(_module(f"k3kernels.{module}"), name)
 
 
 @dataclass(frozen=True)
@@ -118,7 +126,7 @@ class Kernels:
         k3train.ops.<module>.<torch_op> (looked up at call time, so a test can wrap either)."""
         if self.triton_for(*tensors):
             return _kernel(module, triton)
-        return getattr(importlib.import_module(f"k3train.ops.{module}"), torch_op)
+        return getattr(_module(f"k3train.ops.{module}"), torch_op)
 
     def situ(self, g: torch.Tensor, u: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
         """k3train.ops.situ.situ_reference or k3kernels.situ.situ_triton."""

@@ -6,7 +6,7 @@ mixes tokens across pieces (KDA's state, the short conv's taps, MLA's keys, the 
 no CP) and exchanges what it needs over `group` itself: k3train.ops.kda.cp, k3train.ops.short_conv,
 k3train.ops.attention.cp and k3train.ops.shift. The context is plain data, built per batch by
 k3train.parallel.context_parallel (which owns the layout of the sequence over the ranks); its per-token tables are
-held on the CPU and copied to a device once, on first use.
+built on the host with the batch and copied to the batch's device once, before any layer runs.
 """
 
 from __future__ import annotations
@@ -28,13 +28,19 @@ def sequence_order(gathered: torch.Tensor, batch: int, world: int, slot_of_piece
         raise ValueError(f"gathered rows: expected {world * batch * P}, got {gathered.shape[0]}")
     rest = gathered.shape[1:]
     g = gathered.reshape(world, batch, P, *rest).transpose(0, 1).reshape(batch, world * P, *rest)
-    idx = torch.tensor(list(slot_of_piece), device=gathered.device)
-    return g.index_select(1, idx)
+    return pick(g, 1, slot_of_piece)
+
+
+def pick(x: torch.Tensor, dim: int, indices) -> torch.Tensor:
+    """x's slices at the given Python indices along dim, in that order: views and one cat (an index tensor would be
+    one host-to-device copy per call)."""
+    return torch.cat([x.narrow(dim, i, 1) for i in indices], dim=dim)
 
 
 @dataclass(frozen=True)
 class CPContext:
-    """One batch under context parallelism, as an op sees it. The tables are over the local rows [B*P, L] (CPU)."""
+    """One batch under context parallelism, as an op sees it. The tables are over the local rows [B*P, L] (on the
+    batch's device)."""
 
     group: Any
     """The CP process group (None when world == 1: every piece of the row is local)."""
@@ -86,7 +92,7 @@ class CPContext:
 
     def local(self, by_piece: torch.Tensor) -> torch.Tensor:
         """[B, n_pieces, ...] in sequence order -> [B, P, ...]: this rank's pieces, in local order."""
-        return by_piece.index_select(1, torch.tensor(list(self.local_pieces), device=by_piece.device))
+        return pick(by_piece, 1, self.local_pieces)
 
     def gather(self, x: torch.Tensor, what: str) -> torch.Tensor:
         """Differentiable all-gather of x's rows over the group (backward: the reduce-scatter of their gradients)."""

@@ -36,6 +36,29 @@ if _HAS_GMM:  # torch.utils.flop_counter has no formula for it: FlopCounterMode 
         register_flop_formula(torch.ops.aten._grouped_mm)(_grouped_mm_flops)
 
 
+if _HAS_GMM:
+    # Under torch.compile the kernel runs as an opaque op with its own fake (shape-only) implementation: torch's meta
+    # function for _grouped_mm accepts bf16 only, so an fp32 graph (the CPU tests, fp32 runs) would not trace.
+
+    @torch.library.custom_op("k3train::grouped_mm", mutates_args=())
+    def _gmm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(a, b, offs=offs)
+
+    @_gmm_op.register_fake
+    def _(a, b, offs):
+        if a.dim() == 2 and b.dim() == 3:  # [M, K] @ [G, K, N] -> [M, N]
+            return a.new_empty(a.shape[0], b.shape[2])
+        return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])  # [K, M] x [M, N] split along M -> [G, K, N]
+
+
+def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm, as the opaque op while torch.compile traces (eager calls it directly: flop counters and
+    dispatch modes see the aten op)."""
+    if torch.compiler.is_compiling():
+        return _gmm_op(a, b, offs)
+    return torch._grouped_mm(a, b, offs=offs)
+
+
 def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
@@ -60,7 +83,7 @@ class _GroupedMM(torch.autograd.Function):
         xp, wc = _kernel_operand(xp), _kernel_operand(wc)
         ctx.save_for_backward(xp, wc, offs)
         ctx.dims = (A, B, w.dtype)
-        y = torch._grouped_mm(xp, wc, offs=offs)
+        y = _gmm(xp, wc, offs)
         return y[:, :B] if Bp != B else y
 
     @staticmethod
@@ -73,13 +96,13 @@ class _GroupedMM(torch.autograd.Function):
         gy = _kernel_operand(torch.nn.functional.pad(gy, (0, Bp - B)) if Bp != B else gy)  # no stride-0 gradients
         gx = gw = None
         if ctx.needs_input_grad[0]:
-            gx = torch._grouped_mm(gy, wc.transpose(-2, -1), offs=offs)
+            gx = _gmm(gy, wc.transpose(-2, -1), offs)
             gx = gx[:, :A] if Ap != A else gx
         if ctx.needs_input_grad[1]:
             if xp.shape[0] == 0:  # a contraction of length 0: zeros (the kernel refuses it on some builds)
                 gw = torch.zeros(wc.shape[0], A, B, dtype=w_dtype, device=wc.device)
             else:
-                gw = torch._grouped_mm(xp.t(), gy, offs=offs)
+                gw = _gmm(xp.t(), gy, offs)
                 gw = gw[:, :A, :B] if (Ap, Bp) != (A, B) else gw
                 gw = gw if gw.dtype == w_dtype else gw.to(w_dtype)
         return gx, gw, None

@@ -19,6 +19,7 @@ group: dp x cp ranks hold distinct tokens), and divide each rank's loss by the t
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -151,9 +152,14 @@ class ContextParallel:
         rank_pieces(layout, rank, world)  # validates rank
         self.layout = layout
         self.cu_seqlens_global = None
-        if cu_seqlens_global is not None:
-            self.cu_seqlens_global = torch.as_tensor(cu_seqlens_global).to(torch.int64).cpu()
-            total = int(self.cu_seqlens_global[-1])
+        if cu_seqlens_global is not None:  # host offsets (the loader's): read with numpy, never from a device
+            if isinstance(cu_seqlens_global, torch.Tensor) and cu_seqlens_global.device.type != "cpu":
+                cu_seqlens_global = cu_seqlens_global.cpu()
+            cu = np.asarray(
+                cu_seqlens_global.numpy() if isinstance(cu_seqlens_global, torch.Tensor) else cu_seqlens_global
+            ).astype(np.int64)
+            self.cu_seqlens_global = torch.from_numpy(cu)
+            total = int(cu[-1])
             if total % seq_len:
                 raise ValueError(f"cu_seqlens_global ends at {total}, not a multiple of seq_len={seq_len}")
             if batch is not None and batch * seq_len != total:
@@ -226,28 +232,47 @@ class ContextParallel:
             )
 
     def context(self, R: int, L: int) -> CPContext:
-        """What the sequence-mixing ops take for this batch's local rows [R = B*P, L] (built once per handle): the
-        group, the pieces and the per-token document tables of the local rows."""
+        """What the sequence-mixing ops take for this batch's local rows [R = B*P, L] (built once per handle, by
+        `prepare` with the batch): the group, the pieces and the per-token document tables of the local rows."""
         self._rows_check(R, L)
         if self._context is None:
-            docs = Documents.from_cu_seqlens(self.cu_seqlens_global, self.batch, self.seq.seq_len, "cpu")
-            start = docs.start
-            loc = self.shard_rows
-            self._context = CPContext(
-                group=self.group,
-                rank=self.rank,
-                world=self.world,
-                batch=self.batch,
-                piece_len=self.piece_len,
-                local_pieces=tuple(self.local_pieces()),
-                slot_of_piece=tuple(self.seq.slot_of_piece),
-                doc_start=loc(start),
-                pos_in_doc=loc(docs.positions),
-                next_keep=loc(torch.cat([~start[:, 1:], torch.zeros_like(start[:, :1])], dim=1)),
-                doc_ids=loc(docs.doc_ids),
-                row_doc_ids=docs.doc_ids,
-                ledger=self.ledger,
-            )
+            self.prepare("cpu")
+        return self._context
+
+    def prepare(self, device) -> CPContext:
+        """Build this batch's tables on the host from the global offsets (numpy: no device value is read) and move
+        them to `device` with one non-blocking copy. The engine calls it with the batch, before any layer runs."""
+        if self.batch is None:
+            raise ValueError("context parallel: the global row count is unknown until the batch is seen")
+        B, T = self.batch, self.seq.seq_len
+        cu = self.cu_seqlens_global
+        docs = Documents.rows(B, T) if cu is None else Documents.from_host(cu, B, T)
+        start, loc = docs.start, self.shard_rows
+        next_keep = torch.cat([~start[:, 1:], torch.zeros_like(start[:, :1])], dim=1)
+        tables = {
+            "doc_start": loc(start),
+            "pos_in_doc": loc(docs.positions),
+            "next_keep": loc(next_keep),
+            "doc_ids": loc(docs.doc_ids),
+            "row_doc_ids": docs.doc_ids,
+        }
+        buf = torch.cat([t.reshape(-1).to(torch.int64) for t in tables.values()])
+        device = torch.device(device)
+        if device.type == "cuda":
+            buf = buf.pin_memory()
+        buf = buf.to(device, non_blocking=True).split([t.numel() for t in tables.values()])
+        moved = {k: b.view(t.shape).to(t.dtype) for (k, t), b in zip(tables.items(), buf)}
+        self._context = CPContext(
+            group=self.group,
+            rank=self.rank,
+            world=self.world,
+            batch=B,
+            piece_len=self.piece_len,
+            local_pieces=tuple(self.local_pieces()),
+            slot_of_piece=tuple(self.seq.slot_of_piece),
+            ledger=self.ledger,
+            **moved,
+        )
         return self._context
 
     # ---- construction from local information -------------------------------------------------------------------------
@@ -364,6 +389,7 @@ class ContextParallelPlan:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(ids.shape)}")
         B, T = ids.shape
         h = self.handle(T, batch.get("cu_seqlens"), B)
+        h.prepare(ids.device)  # the batch's tables, built once on the host and copied once
         out = {"input_ids": h.shard_rows(ids), "ctx": BatchContext(cu_seqlens=None, cp=h)}
         if "labels" in batch:
             out["labels"] = h.shard_rows(batch["labels"])

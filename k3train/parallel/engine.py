@@ -42,7 +42,7 @@ from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
 from k3train.models.k3.documents import Documents
 from k3train.models.k3.loss import IGNORE_INDEX, linear_cross_entropy
-from k3train.distributed import comm
+from k3train.distributed import comm, host_sync
 from k3train.parallel.mesh import ParallelDims, ParallelMesh, build_mesh, stage_to_rank, stages_of_rank
 from k3train.parallel.pipeline import GlobalTokenLoss, Pipeline, StageModule, sources_after, split_layers
 from k3train.parallel.zero import ShardedOptimizer
@@ -141,14 +141,11 @@ class Engine:
             self.comm.reset()
             dev = self.device
             mbs = [self._local_batch(b) for b in microbatches]
-            local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in mbs)
-            counts = [local_targets, sum(b["input_ids"].numel() for b in mbs)]
-            if self.mtp_weight is not None:
-                counts.append(sum(int((b["mtp_labels"] != IGNORE_INDEX).sum()) for b in mbs))
-            counts = torch.tensor(counts, dtype=torch.float64, device=dev)
+            counts = torch.stack(self._target_counts(mbs))  # on the device: read once, reduced
             self._all_reduce(counts, "dp_cp")
-            denom = max(float(counts[0]), 1.0)
-            mtp_denom = max(float(counts[2]), 1.0) if self.mtp_weight is not None else 1.0
+            counts = host_sync.step_metrics(counts)
+            denom = max(counts[0], 1.0)
+            mtp_denom = max(counts[2], 1.0) if self.mtp_weight is not None else 1.0
             t1 = time.perf_counter()
             run = self._forward_backward_local if self.pipeline is None else self._forward_backward_pipeline
             loss_local, busy = run(mbs, denom, mtp_denom)
@@ -160,10 +157,11 @@ class Engine:
             losses = loss_local.double().to(dev)[: 2 if self.mtp_weight is not None else 1]
             red = torch.cat([losses, self.zero.local_sq_norm().to(dev).reshape(1)])
             if extra_sums is not None:
-                red = torch.cat([red, torch.tensor([float(x) for x in extra_sums()], dtype=red.dtype, device=dev)])
+                red = torch.cat([red, host_sync.to_device([float(x) for x in extra_sums()], red.dtype, dev)])
             self._all_reduce(red, "world")
             n_loss = losses.numel()
-            loss, norm = float(red[0]), math.sqrt(float(red[n_loss]))
+            red = host_sync.step_metrics(red)
+            loss, norm = red[0], math.sqrt(red[n_loss])
             self.last_memory = self.memory_report()  # gradients reduced, optimizer not yet stepped
             clip = float(self.zero.cfg.grad_clip or 0.0)
             coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
@@ -178,14 +176,25 @@ class Engine:
             "tokens": int(counts[1]),
             "target_tokens": int(counts[0]),
             "clip_coef": coef,
-            "extra_sums": red[n_loss + 1 :].tolist(),
+            "extra_sums": red[n_loss + 1 :],
         }
         if self.mtp_weight is not None:  # the step trained on loss + mtp_loss_weight x mtp_loss
-            out["mtp_loss"] = float(red[1])
+            out["mtp_loss"] = red[1]
         # Dynamic vision CP: the most uneven max/mean tower load of the step's micro-batches on this rank.
         balance = [getattr(b["ctx"].cp, "vision_balance", None) for b in mbs]
         if any(x is not None for x in balance):
             out["vision_cp_balance"] = max(x for x in balance if x is not None)
+        return out
+
+    def _target_counts(self, mbs: list[dict]) -> list[torch.Tensor]:
+        """[target tokens, tokens (, MTP targets)] of the local micro-batches, as fp64 device scalars."""
+        dev = self.device
+        f64 = dict(dtype=torch.float64)
+        targets = sum((b["labels"] != IGNORE_INDEX).sum().to(**f64) for b in mbs)
+        tokens = torch.full((), float(sum(b["input_ids"].numel() for b in mbs)), device=dev, **f64)
+        out = [targets.to(dev), tokens]
+        if self.mtp_weight is not None:
+            out.append(sum((b["mtp_labels"] != IGNORE_INDEX).sum().to(**f64) for b in mbs).to(dev))
         return out
 
     def _forward_backward_local(
@@ -217,32 +226,43 @@ class Engine:
             doc_start = torch.cat([row_starts if b["doc_start"] is None else b["doc_start"] for b in mbs])
         mtp_labels = torch.cat([b["mtp_labels"] for b in mbs]) if self.mtp_weight is not None else None
         loss = self.pipeline.step(
-            ids, labels, doc_start, denom, mtp_labels, mtp_denom, vision=[b["vision"] or None for b in mbs]
+            ids,
+            labels,
+            doc_start,
+            denom,
+            mtp_labels,
+            mtp_denom,
+            vision=[b["vision"] or None for b in mbs],
+            contexts=[b["ctx"] for b in mbs],
         )
         return loss.double(), self.pipeline.busy_s
 
     def _local_batch(self, b: dict) -> dict:
-        """A micro-batch as this rank runs it: input_ids and labels (the rank's pieces as rows under CP), the
-        BatchContext for the local path, and doc_start [rows, T] for pipeline stages (None: one document per row)."""
+        """A micro-batch as this rank runs it: input_ids and labels (the rank's pieces as rows under CP) and its
+        BatchContext, whose document (and CP) tables are built here on the host from the loader's cu_seqlens and
+        moved to the device with one non-blocking copy, so no layer reads a host value; doc_start [rows, T] for
+        pipeline stages (None: one document per row)."""
         dev = self.device
         ids, labels, cu = b["input_ids"].to(dev), b["labels"].to(dev), b.get("cu_seqlens")
         B, T = ids.shape
         vision = {k: b[k].to(dev) for k in VISION_KEYS if b.get(k) is not None}
+        docs = None if cu is None else Documents.from_cu_seqlens(cu, B, T, dev)
         mtp = None
         if self.mtp_weight is not None:  # from the whole rows, before context parallelism cuts them into pieces
             from k3train.models.k3.mtp import mtp_labels
 
-            mtp = mtp_labels(labels, Documents.from_cu_seqlens(cu, B, T, dev).start)
-        out = {"input_ids": ids, "labels": labels, "ctx": BatchContext(cu), "doc_start": None, "mtp_labels": mtp}
+            mtp = mtp_labels(labels, (docs or Documents.rows(B, T, dev)).start)
+        ctx = BatchContext() if docs is None else BatchContext.of(docs)
+        out = {"input_ids": ids, "labels": labels, "ctx": ctx, "doc_start": None, "mtp_labels": mtp}
         if self.cp_plan is None:
             # Pipeline stages receive the document starts (a micro-batch without documents: None).
-            if cu is not None and self.pipeline is not None:
-                out["doc_start"] = out["ctx"].documents(B, T, dev).start
+            if docs is not None and self.pipeline is not None:
+                out["doc_start"] = docs.start
         else:
             out = {**self.cp_plan.shard_batch({**b, "input_ids": ids, "labels": labels}), "doc_start": None}
             out["mtp_labels"] = out["ctx"].cp.shard_rows(mtp) if mtp is not None else None
-            if self.pipeline is not None:  # stages rebuild their handle from the pieces' document starts
-                out["doc_start"] = out["ctx"].cp.shard_rows(Documents.from_cu_seqlens(cu, B, T, dev).start)
+            if self.pipeline is not None:  # the pieces' document starts (the stages use the prepared handle)
+                out["doc_start"] = out["ctx"].cp.shard_rows((docs or Documents.rows(B, T, dev)).start)
         out["vision"] = vision  # under CP the global images: the model's CP handle spreads them
         return out
 
@@ -420,6 +440,8 @@ def build_engine_for(spec, device: torch.device | str | None = None) -> Engine:
         balancing=cfg.train.balancing,
         stage_layers=[list(s) for s in spec.stages],
         train_vision=spec.trains_vision,
+        compile=cfg.model.compile,
+        compile_backend=cfg.model.compile_backend,
     )
     set_kernels(engine.model_parts, Kernels(spec.kernels))
     return engine
@@ -440,6 +462,8 @@ def build_engine(
     bucket_numel: int = 1 << 25,
     stage_layers: list[list[int]] | None = None,
     train_vision: bool = False,
+    compile: bool = False,
+    compile_backend: str = "inductor",
 ) -> Engine:
     """Validate the layout (before touching any process group), build the mesh, this rank's parallelized model
     parts (k3train.parallel.parallelize), the optimizer, the pipeline and the CP plan, and the engine over them.
@@ -449,7 +473,8 @@ def build_engine(
     balancing are applied to every part (see parallelize_part). precision "bf16" stores the parameters in bf16,
     computes under bf16 autocast and sends bf16 activations between pipeline stages (train.precision);
     autocast_dtype alone (fp32 parameters, autocast compute) is kept for experiments. train_vision: the data feeds
-    images, so the vision tower trains (else it is frozen: no gradient, no optimizer state, no weight decay)."""
+    images, so the vision tower trains (else it is frozen: no gradient, no optimizer state, no weight decay).
+    compile: each transformer layer runs compiled with torch.compile's compile_backend (model.compile)."""
     from k3train.parallel.parallelize import PartSetup
     from k3train.parallel.zero import PARAM_DTYPES
 
@@ -476,6 +501,8 @@ def build_engine(
         balancing=balancing,
         compute_dtype=autocast_dtype,
         train_vision=train_vision,
+        compile=compile,
+        compile_backend=compile_backend,
     )
     parts, handles = _build_parts(model_args, stage_layers, stage_ids, setup, param_dtype)
     return Engine(

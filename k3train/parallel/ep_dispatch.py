@@ -20,7 +20,7 @@ reverse collectives with the saved splits.
 Host synchronisation: counts come from scatter_add_ (never torch.bincount, which reads back the largest id on CUDA),
 and the only device values read on the host are the split sizes of the uneven all_to_all, which torch.distributed
 takes as Python ints: after the count exchange, the send and receive splits travel to the host together in one
-`k3train.parallel.host_copy.host_counts` call per layer and micro-batch (one pinned, non-blocking copy and one wait on
+`k3train.distributed.host_sync.host_counts` call per layer and micro-batch (one pinned, non-blocking copy and one wait on
 CUDA). The expert-major index, the return trip and the mix stay on the device; backward reuses the saved splits.
 
 Traffic. A dispatcher's collectives go through k3train.distributed.comm under the mesh dimension "ep", so the engine's
@@ -43,7 +43,7 @@ from k3train.ops.backend import AUTO, Kernels
 from k3train.ops.grouped_mm import grouped_mm
 from k3train.ops.moe_permute import expert_counts, inverse_permutation
 from k3train.distributed import comm
-from k3train.parallel import host_copy
+from k3train.distributed import host_sync
 from k3train.parallel.moonep import expert_major_index
 
 __all__ = [
@@ -303,7 +303,7 @@ class AllToAllDispatcher(EPDispatcher):
         with comm.counting(self.ledger):
             comm.all_to_all(recv_counts, counts.contiguous(), self.group, "ep", what="counts")
         # The layer's one read of device values on the host: both split lists in one copy.
-        splits = host_copy.host_counts(torch.cat([send, recv_counts.sum(1)]))
+        splits = host_sync.host_counts(torch.cat([send, recv_counts.sum(1)]))
         send_splits, recv_splits = splits[:R], splits[R:]
         pos, rows = self._send_tokens(z, order, idx.shape, send_splits, recv_splits)
         em = source_to_expert_major(recv_counts, sum(recv_splits))

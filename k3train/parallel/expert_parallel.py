@@ -13,7 +13,7 @@
   `dispatch(z, idx, E) -> (rows grouped by local expert, counts per local expert, state)`, then
   `experts(rows, counts)`, then `combine(y, weights, state) -> u`: the seam needs no change in moe.py.
   Either dispatcher reads device values on the host once per MoE layer and micro-batch, in one
-  `k3train.parallel.host_copy.host_counts` call (the all_to_all split sizes, which torch.distributed takes as Python
+  `k3train.distributed.host_sync.host_counts` call (the all_to_all split sizes, which torch.distributed takes as Python
   ints, and MoonEP's plan integers): one pinned, non-blocking copy and one wait on CUDA; nothing else synchronises.
 
 Gradients: a home expert's gradient is complete on its home rank (every row routed to it, from every rank, was

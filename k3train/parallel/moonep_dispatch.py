@@ -27,7 +27,7 @@ Host synchronisation: one per layer and micro-batch. The plan is computed on the
 the expert-major index (S·K rows: a static shape), the destinations of its rows and the weight routes. The integers the
 host must have (every rank's routed rows, for the budget check; the token and weight all_to_all splits; where the home
 experts' rows sit in the buffer; whether any rank hosts a copy) go to the host together in one
-`k3train.parallel.host_copy.host_counts` call (on CUDA one pinned, non-blocking copy and one wait): torch.distributed
+`k3train.distributed.host_sync.host_counts` call (on CUDA one pinned, non-blocking copy and one wait): torch.distributed
 takes uneven splits as Python ints, and the lengths of the weight transfer are data-dependent. No other device value
 is read in dispatch, combine or backward. The full MoonEPPlan (`last_plan`) is built on demand, for inspection only.
 Hosted experts' weights are indexed at home first (only the experts a peer needs) and sent in the compute dtype (the
@@ -44,7 +44,7 @@ from torch import Tensor
 
 from k3train.distributed import comm
 from k3train.ops.moe_permute import expert_counts
-from k3train.parallel import host_copy
+from k3train.distributed import host_sync
 from k3train.parallel.ep_dispatch import EPDispatcher, EPGroupedExperts
 from k3train.parallel.moonep import (
     MoonEPPlan,
@@ -112,7 +112,7 @@ class _RankPlan:
         # the expert-grouped buffer ([a, b)) and the number of replicas.
         per_rank = [counts.sum(1), send.sum(0), recv.sum(0), send_w.view(R, G).sum(1), hosted.view(R, G).sum(1)]
         scalars = torch.stack([mine[:lo].sum(), mine[: lo + G].sum(), remote.sum()])
-        host = host_copy.host_counts(torch.cat([*per_rank, scalars]))
+        host = host_sync.host_counts(torch.cat([*per_rank, scalars]))
         self.rows_routed = host[:R]
         self.send_splits, self.recv_splits = host[R : 2 * R], host[2 * R : 3 * R]
         self.weight_send_splits, self.weight_recv_splits = host[3 * R : 4 * R], host[4 * R : 5 * R]

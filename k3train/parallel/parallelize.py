@@ -13,6 +13,10 @@ The order, and why:
    The model is not changed: the per-batch plan reaches the layers through BatchContext.
 4. Activation storage policies (cfg.activation), after EP so they see the EP dispatcher they wrap.
 5. Balancers on the routers (train.balancing): they observe the routers' scores in training forwards.
+6. Compilation (model.compile), last, so each compiled layer holds what the steps above put in it: every transformer
+   layer is compiled in place (`nn.Module.compile`: names, state dicts and the seams above stay as they are), one
+   region per layer as TorchTitan compiles each block. Layers read no host values, so a layer is one graph
+   (tests/unit/test_compile_model.py compiles each kind with fullgraph=True).
 
 The part is changed in place through documented seams (submodule swaps, `router.balancer`) and returned.
 """
@@ -25,6 +29,9 @@ import torch
 from torch import nn
 
 from k3train.parallel.mesh import ParallelDims, ParallelMesh
+
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+"""torch.compile backends model.compile_backend may name."""
 
 
 @dataclass(kw_only=True)
@@ -44,6 +51,10 @@ class PartSetup:
     """Router balancing: quantile, sign or none."""
     compute_dtype: torch.dtype | None = None
     """The autocast dtype (None: fp32), for activation policies that store in a lower precision."""
+    compile: bool = False
+    """Compile each transformer layer (model.compile)."""
+    compile_backend: str = "inductor"
+    """The torch.compile backend (model.compile_backend: one of COMPILE_BACKENDS)."""
     train_vision: bool = False
     """Whether the vision tower (when the model has one) receives images in this run (data.source=builtin_vision);
     without images it is frozen."""
@@ -78,4 +89,29 @@ def parallelize_part(part: nn.Module, setup: PartSetup):
         from k3train.optim.quantile_balancing import attach_balancers
 
         attach_balancers(part, setup.balancing)
+    if setup.compile:
+        compile_layers(part, setup.compile_backend)
     return part, handle
+
+
+def compile_layers(part: nn.Module, backend: str = "inductor", fullgraph: bool = False) -> int:
+    """Compile every transformer layer of the part in place (nn.Module.compile); returns how many."""
+    if backend not in COMPILE_BACKENDS:
+        raise ValueError(f"unknown compile backend {backend!r}; choose one of {list(COMPILE_BACKENDS)}")
+    import torch._dynamo
+
+    layers = getattr(part, "layers", None) or {}
+    # Layers share K3Layer.forward's code; each kind and position may be a cache entry of its own, and past the
+    # limit torch.compile would run the rest eagerly without a word.
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, 2 * len(layers) + 8)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * len(layers) + 64)
+    for layer in layers.values():
+        layer.compile(backend=backend, fullgraph=fullgraph)
+    return len(layers)
+
+
+def compiled_layers(part: nn.Module) -> int:
+    """How many of the part's transformer layers run compiled."""
+    layers = getattr(part, "layers", None) or {}
+    return sum(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers.values())

@@ -168,9 +168,14 @@ class StageModule(nn.Module):
         tower): the images of the micro-batch being run."""
         self.chunk = 0
         """The micro-batch being run (set by the pipeline stage before each forward)."""
+        self.contexts: list[BatchContext] | None = None
+        """The step's micro-batch contexts, prepared by the engine (tables already on the device); None: each
+        forward rebuilds its context from doc_start."""
 
     def forward(self, x: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
-        if self.cp is not None:
+        if self.contexts is not None:
+            ctx = self.contexts[self.chunk]
+        elif self.cp is not None:
             from k3train.parallel.context_parallel import ContextParallel
 
             group, layout = self.cp
@@ -482,11 +487,13 @@ class Pipeline:
         mtp_labels: torch.Tensor | None = None,
         mtp_denominator: float = 1.0,
         vision: list[dict | None] | None = None,
+        contexts: list[BatchContext] | None = None,
     ) -> torch.Tensor:
         """Run the schedule over the whole local batch [microbatches * mb, T]; returns [next-token, MTP] summed
         normalised losses of this rank's micro-batches on the last stage (0 elsewhere; MTP 0 without it).
         vision: per micro-batch, its image inputs (vision_pixels, vision_grid, vision_mask) or None; the first stage
-        runs them through its tower."""
+        runs them through its tower. contexts: per micro-batch, its prepared BatchContext (the stages then read it
+        instead of rebuilding one from doc_start)."""
         m = self.dims.microbatches
         if input_ids.shape[0] % m:
             raise ValueError(f"local batch of {input_ids.shape[0]} rows does not split into {m} micro-batches")
@@ -494,6 +501,8 @@ class Pipeline:
         self.loss_fn.start(denominator, mtp_denominator)
         for st in self.stages:
             st.new_step()
+        for mod in self.modules.values():
+            mod.contexts = list(contexts) if contexts is not None else None
         if self.vision_feed is not None:
             self.vision_feed.start_step(vision or [None] * m)
         elif vision and any(vision) and self.has_first_stage:

@@ -40,9 +40,7 @@ def analytic_step_bytes(
         _add_cp_bytes(
             out, args, dims, layers, mb=mb, seq=seq, elem=elem, summary_elem=8 if precision == "fp64" else 4, mtp=mtp
         )
-        if dims.pp > 1:  # every stage rebuilds its handle from the pieces' document starts (1 byte per token)
-            b = len(mine) * dims.microbatches * mb * seq
-            _add(out, "cp", "all_gather", b, (dims.cp - 1) / dims.cp * b)
+        # Pipeline stages use the handle the engine prepared from the global cu_seqlens: no gather of the marks.
     if dims.ep > 1:
         n_moe = sum(args.ffn_kind(i) == "moe" for s in mine for i in stage_layers[s])
         NK = tok * args.top_k

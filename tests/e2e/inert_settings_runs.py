@@ -116,6 +116,12 @@ class RunRecord:
     vision_log: list = field(default_factory=list)
     """The first pipeline rank's compute and vision actions of the last step, in order (a pipeline with a vision
     tower only; see k3train.parallel.vision_schedule.VisionFeed.log)."""
+    compiled_layers: int = 0
+    """Transformer layers that ran compiled (model.compile), over the engine's parts."""
+    dynamo_graphs: int = 0
+    """Graphs torch.compile captured during the run."""
+    aot_graphs: int = 0
+    """Of those, the ones AOTAutograd traced (forward and backward): backend aot_eager or inductor, not eager."""
     wall_s: float = 0.0
 
 
@@ -167,6 +173,7 @@ def train(cfg, run_dir: str | os.PathLike) -> RunRecord:
     """Train cfg to cfg.train.steps in this process (a process group of the layout's size must be up when the world
     is larger than 1) and return what it did."""
     from k3train.config import resolve_run
+    from k3train.parallel.parallelize import compiled_layers
     from k3train.train.trainer import Trainer
 
     cfg = copy.deepcopy(cfg)
@@ -179,8 +186,12 @@ def train(cfg, run_dir: str | os.PathLike) -> RunRecord:
         init = {k: v.detach().clone() for k, v in engine.named_parameters()}
         saved = _SavedBytes([p for _, p in engine.named_parameters()])
         events = _PipelineEvents()
+        from torch._dynamo.utils import counters
+
+        graphs, aot = counters["stats"]["unique_graphs"], counters["aot_autograd"]["total"]
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), events:
             trainer.train()
+        graphs, aot = counters["stats"]["unique_graphs"] - graphs, counters["aot_autograd"]["total"] - aot
         rec = RunRecord(
             params={k: v.detach().clone() for k, v in engine.named_parameters()},
             init_params=init,
@@ -190,6 +201,9 @@ def train(cfg, run_dir: str | os.PathLike) -> RunRecord:
             autograd_bytes=saved.bytes,
             stages=list(engine.stage_ids),
             flops_per_token=trainer.flops_per_token,
+            compiled_layers=sum(compiled_layers(p) for p in engine.model_parts),
+            dynamo_graphs=graphs,
+            aot_graphs=aot,
         )
         # Events of the last step only: the schedule runs every step the same way.
         per_step = len(events.events) // cfg.train.steps

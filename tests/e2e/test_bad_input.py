@@ -306,6 +306,13 @@ CASES = [
     ),
     Bad("zero-level", "config", "parallel.zero=3", "zero", config("parallel.zero=3")),
     Bad("kernels-name", "config", "model.kernels=fast", "unknown kernels 'fast'", config("model.kernels=fast")),
+    Bad(
+        "compile-backend",
+        "config",
+        "model.compile_backend=tensorrt",
+        "unknown compile backend 'tensorrt'",
+        config("model.compile_backend=tensorrt"),
+    ),
     Bad("precision", "config", "train.precision=fp8", "precision", config("train.precision=fp8")),
     Bad(
         "fp64-triton",

@@ -211,6 +211,20 @@ def chunks_differently(base, changed) -> str:
     return f"{text}; flops/token {base.flops_per_token:.4g} -> {changed.flops_per_token:.4g}"
 
 
+def compiles_the_layers(base, changed) -> str:
+    """model.compile: every transformer layer runs compiled (graphs captured and traced), with the eager losses."""
+    assert base.compiled_layers == 0 and base.dynamo_graphs == 0, (base.compiled_layers, base.dynamo_graphs)
+    assert changed.compiled_layers == 3 and changed.dynamo_graphs >= 3, (changed.compiled_layers, changed.dynamo_graphs)
+    return f"{changed.compiled_layers} layers compiled, {changed.dynamo_graphs} graphs; loss {same_math(base, changed):.1e} rel"
+
+
+def compiles_with_backend(base, changed) -> str:
+    """model.compile_backend: another compiler runs the same layers (eager: graph capture only, no AOTAutograd)."""
+    assert base.compiled_layers == changed.compiled_layers == 3
+    assert base.aot_graphs > 0 and changed.aot_graphs == 0 and changed.dynamo_graphs > 0, (base.aot_graphs, changed)
+    return f"AOTAutograd graphs {base.aot_graphs} -> {changed.aot_graphs}; loss {same_math(base, changed):.1e} rel"
+
+
 def stores_activations(bucket: str, *, math: bool) -> Callable:
     """An activation-storage setting: `bucket` bytes appear in the storage accounting, fewer bytes stay with autograd
     as they are, and the loss changes (math=True: FP8) or does not (recompute, offload)."""
@@ -473,6 +487,14 @@ ONE_PROCESS: list[Case] = [
         "model.kernels", {"model.kernels": "torch"}, rounds_differently, base={**KDA64, "model.kernels": "triton"}
     ),  # The MTP module: its loss joins the gradient (the logged loss stays the next-token loss), either key.
     Case("model.mtp_layers", {"model.mtp_layers": 1}, trains_and_logs_mtp),
+    # Compiled layers (aot_eager on the CPU: the traced forward and backward run as eager ops): the eager losses.
+    Case("model.compile", {"model.compile": True, "model.compile_backend": "aot_eager"}, compiles_the_layers),
+    Case(
+        "model.compile_backend",
+        {"model.compile_backend": "eager"},
+        compiles_with_backend,
+        base={"model.compile": True, "model.compile_backend": "aot_eager"},
+    ),
     Case("model.overrides.mtp_layers", {"model.overrides.mtp_layers": 1}, trains_and_logs_mtp),
     # Image-text data: the tower gets images and trains with the decoder.
     Case("data.source", VISION_DATA),
@@ -852,6 +874,7 @@ def test_every_choice_of_a_named_setting_has_a_case():
     from k3train.activation.policy import POLICIES
     from k3train.config.validate import DATA_SOURCES, TOKENIZERS
     from k3train.ops.backend import KERNELS
+    from k3train.parallel.parallelize import COMPILE_BACKENDS
     from k3train.optim.quantile_balancing import BALANCING
 
     def tried(key: str) -> set:
@@ -865,6 +888,7 @@ def test_every_choice_of_a_named_setting_has_a_case():
         ("data.source", DATA_SOURCES),
         ("data.tokenizer", TOKENIZERS),
         ("model.kernels", KERNELS),
+        ("model.compile_backend", COMPILE_BACKENDS),
     ):
         section, name = key.split(".")
         default = getattr(getattr(cfg, section), name)

@@ -1,4 +1,4 @@
-"""Expert-parallel dispatch reads device values on the host only through k3train.parallel.host_copy.host_counts, once
+"""Expert-parallel dispatch reads device values on the host only through k3train.distributed.host_sync.host_counts, once
 per MoE layer and micro-batch: a guard fails on .item(), .tolist(), .cpu(), .numpy() and int()/float()/bool() of a
 tensor anywhere else in dispatch, experts, combine and backward. Collectives are stood in for (one process playing
 one rank of R), so the all-to-all and MoonEP code paths run as on any EP rank; the device-side MoonEP plan is checked
@@ -17,7 +17,7 @@ from layer_init import expert_bank
 from k3train.models.k3.moe import GroupedExperts
 from k3train.ops.moe_permute import expert_counts
 from k3train.distributed import comm
-from k3train.parallel import host_copy
+from k3train.distributed import host_sync
 from k3train.parallel.ep_dispatch import AllToAllDispatcher, EPGroupedExperts
 from k3train.parallel.moonep import make_plan
 from k3train.parallel.moonep_dispatch import MoonEPDispatcher, _RankPlan, hosted_weight_routes
@@ -32,7 +32,7 @@ class HostReadError(AssertionError):
 
 @contextlib.contextmanager
 def no_host_reads(monkeypatch):
-    """Fails on any read of a tensor's values on the host, except inside host_copy.host_counts (whose calls are
+    """Fails on any read of a tensor's values on the host, except inside host_sync.host_counts (whose calls are
     counted: the returned list's length)."""
     state = threading.local()
     state.allowed = 0
@@ -41,12 +41,12 @@ def no_host_reads(monkeypatch):
     def guard(name, orig):
         def f(self, *a, **kw):
             if not getattr(state, "allowed", 0):
-                raise HostReadError(f"Tensor.{name} outside host_copy.host_counts")
+                raise HostReadError(f"Tensor.{name} outside host_sync.host_counts")
             return orig(self, *a, **kw)
 
         return f
 
-    seam = host_copy.host_counts
+    seam = host_sync.host_counts
 
     def counted(t):
         calls.append(t.numel())
@@ -56,7 +56,7 @@ def no_host_reads(monkeypatch):
         finally:
             state.allowed -= 1
 
-    monkeypatch.setattr(host_copy, "host_counts", counted)
+    monkeypatch.setattr(host_sync, "host_counts", counted)
     saved = {n: torch.Tensor.__dict__.get(n) for n in _GUARDED}
     try:
         for n in _GUARDED:
@@ -100,7 +100,7 @@ def test_guard_has_teeth(monkeypatch):
         ):
             with pytest.raises(HostReadError):
                 read()
-        assert host_copy.host_counts(t) == [3, 4]
+        assert host_sync.host_counts(t) == [3, 4]
     assert calls == [2]
     assert t.tolist() == [3, 4]  # restored
 
@@ -206,8 +206,8 @@ def test_dispatch_runs_on_tensors_without_data(monkeypatch, kind):
     idxs = _routing(R, S, E, K, skew=2.0, seed=0)
     counts = torch.stack([expert_counts(i.reshape(-1), E) for i in idxs])  # [R, E]
     recv_counts = counts.view(R, R, E // R)[:, me].clone()  # [R_src, G]: what the count all_to_all brings rank me
-    seam, replay = host_copy.host_counts, []
-    monkeypatch.setattr(host_copy, "host_counts", lambda t: replay.append(seam(t)) or replay[-1])
+    seam, replay = host_sync.host_counts, []
+    monkeypatch.setattr(host_sync, "host_counts", lambda t: replay.append(seam(t)) or replay[-1])
 
     def step(make_tensor):
         full = GroupedExperts(E, L, H, 4.0, 25.0)
@@ -231,7 +231,7 @@ def test_dispatch_runs_on_tensors_without_data(monkeypatch, kind):
     step(lambda t: t)  # a real run records the host read
     assert len(replay) == 1
     recorded = replay[0]
-    monkeypatch.setattr(host_copy, "host_counts", lambda t: list(recorded))
+    monkeypatch.setattr(host_sync, "host_counts", lambda t: list(recorded))
     with FakeTensorMode() as mode:
         step(mode.from_tensor)
 

@@ -24,9 +24,10 @@ class BatchContext:
 
     @classmethod
     def of(cls, docs: Documents, cp: Any = None) -> "BatchContext":
-        """The context of a batch whose document boundaries are already known (e.g. a pipeline stage's input)."""
+        """The context of a batch whose document boundaries are already known: the engine's batch preparation (its
+        tables built on the host and copied once), or a pipeline stage's input. Layers then read no host value."""
         ctx = cls(cu_seqlens=docs.cu_seqlens, cp=cp)
-        ctx._docs[(docs.shape, str(docs.start.device))] = docs
+        ctx._docs[_key(docs.shape, docs.start.device)] = docs
         return ctx
 
     def cp_context(self, B: int, T: int) -> CPContext | None:
@@ -36,7 +37,14 @@ class BatchContext:
 
     def documents(self, B: int, T: int, device) -> Documents:
         """The document boundaries of this [B, T] batch (validated and derived once, then cached)."""
-        key = ((B, T), str(torch.device(device)))
-        if key not in self._docs:
+        key = _key((B, T), device)
+        if key not in self._docs:  # not prepared with the batch: derived here, once
             self._docs[key] = Documents.from_cu_seqlens(self.cu_seqlens, B, T, device)
         return self._docs[key]
+
+
+def _key(shape, device) -> tuple:
+    """Cache key of a batch's tables: its shape and device ('cuda' and 'cuda:0' alike)."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else (0 if device.type == "cuda" else None)
+    return (tuple(shape), device.type, index)
