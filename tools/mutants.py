@@ -859,6 +859,27 @@ def _plan_ignores_k3_defaults(orig):
     return property(lambda self: False)
 
 
+def _plan_recompute_free(orig):
+    def recompute_flops_per_token(*args, **kw):
+        return 0.0  # the planner prices no rerun forward
+
+    return recompute_flops_per_token
+
+
+def _plan_offload_free(orig):
+    def offload_kept(self):
+        return self  # nothing counted as offloaded: the host copies cost no time
+
+    return offload_kept
+
+
+def _tf32_not_set(orig):
+    def set_matmul_precision(device):
+        return __import__("torch").get_float32_matmul_precision()  # CUDA runs keep IEEE fp32 matmuls
+
+    return set_matmul_precision
+
+
 def _plan_kda_states_as_chains(orig):
     def costs(*args):
         c = orig(*args)
@@ -899,6 +920,7 @@ PREC = "tests/unit/test_precision.py"
 ACT = "tests/unit/test_activation.py"
 LOSS = "tests/unit/test_loss.py"
 RESIL = "tests/unit/test_resilience.py"
+PLAN_ACT = "tests/unit/test_plan_activation.py"
 
 M = Mutation
 MUTATIONS: list[Mutation] = [
@@ -1540,6 +1562,27 @@ MUTATIONS: list[Mutation] = [
         "the planner counts half of KDA's projection and convolution chains",
         _plan_kda_states_as_chains,
         (f"{PLAN}::test_planner_matches_one_process_layouts",),
+    ),
+    M(
+        "plan_recompute_free",
+        "k3train.plan.activations:recompute_flops_per_token",
+        "the planner charges no time for the forwards a storage plan reruns in backward",
+        _plan_recompute_free,
+        (f"{PLAN_ACT}::test_whole_layer_recompute_reruns_every_forward",),
+    ),
+    M(
+        "plan_offload_free",
+        "k3train.plan.activations:PolicyPlan.offload_kept",
+        "the planner charges no time for offloaded activations' copies over the host link",
+        _plan_offload_free,
+        (f"{PLAN_ACT}::test_planner_charges_recompute_and_offload",),
+    ),
+    M(
+        "tf32_not_set",
+        "k3train.train.matmul_precision:set_matmul_precision",
+        "a CUDA run keeps IEEE fp32 matmuls (no TF32 for the router and Newton-Schulz)",
+        _tf32_not_set,
+        ("tests/unit/test_matmul_precision.py::test_tf32_on_cuda_only",),
     ),
 ]
 BY_NAME = {m.name: m for m in MUTATIONS}

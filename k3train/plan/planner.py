@@ -20,7 +20,9 @@ inside each stage's forward and backward, the pipeline transfers between ranks, 
 and gathers after the pipeline drains (bytes from k3train.plan.comm_bytes.analytic_step_bytes, the same bytes the
 communication ledger records), each over NVLink when its group fits in a node, the network otherwise; Muon's
 Newton-Schulz work on the owned matrices; the pipeline bubble is what the simulated timeline adds to the busiest
-rank's compute.
+rank's compute. Recomputation adds the forward FLOPs the storage plan reruns in backward (whole layers, or under
+selective recompute the AttnRes mixers and routed experts); an offloading plan's forward and backward take at least
+their host copies' time over the host link. FP8 storage's casts are not charged (elementwise, small).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from k3train.models.k3.mixers import layer_mixer
 from k3train.models.k3.model import sources_after
 from k3train.parallel.mesh import stages_of_rank
 from k3train.parallel.zero import ELEMENT_BYTES
-from k3train.plan.activations import policy_plan, stage_bytes
+from k3train.plan.activations import policy_plan, recompute_flops_per_token, stage_bytes
 from k3train.plan.comm_bytes import add_reduction_bytes
 from k3train.plan.gpus import GPU
 from k3train.plan.schedule_sim import StageCost, simulate
@@ -184,6 +186,7 @@ def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
     n_moe = sum(args.ffn_kind(i) == "moe" for i in layers)
     kw = dict(first=s == 0, last=s == n - 1, tokens=tokens, rows=x.mb, seq_len=x.seq, plan=x.pplan, act_bytes=ab)
     act, work = stage_bytes(args, layers, **kw)
+    host = stage_bytes(args, layers, **{**kw, "plan": x.pplan.offload_kept()})[0] - act  # offloaded bytes
     if s > 0:  # the received sources a micro-batch holds until its backward
         act += sources_after(args, layers[0] - 1) * tokens * args.dim * ab
     G = args.n_experts // dims.ep if dims.ep > 1 else 0
@@ -192,8 +195,10 @@ def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
         act += n_moe * G * expert_numel * ab
     flops = (sum(flops_tok["layers"][i - 1] for i in layers) + (flops_tok["head"] if s == n - 1 else 0.0)) * tokens
     fwd, bwd = flops / 3 / x.peak, 2 * flops / 3 / x.peak
-    if x.pplan.k3_defaults and x.pplan.default == "recompute":
-        bwd += fwd
+    bwd += recompute_flops_per_token(args, layers, x.seq, x.pplan, s == n - 1) * tokens / x.peak
+    # Offloaded activations go to host memory during the forward and come back for the backward, on a side stream:
+    # a pass takes at least its copies' time over the host link.
+    fwd, bwd = max(fwd, host / x.gpu.host_bytes_s), max(bwd, host / x.gpu.host_bytes_s)
     a2a = ep_buf = cpt = cp_buf = 0.0
     if dims.ep > 1:
         a2a = n_moe * 4 * tokens * args.top_k * args.moe_latent_dim * ab * (dims.ep - 1) / dims.ep
