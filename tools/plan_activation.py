@@ -65,7 +65,7 @@ def compare(recipe: str, extra: list[str], gpus_per_node: int | None = None) -> 
         m = p.max_rank
         lim = (1 - p.headroom) * gpu.memory_bytes
         return dict(name=name, step_s=p.step_s, tokens_per_s=p.tokens_per_s, mfu=p.mfu, rank=m.pp_rank) | dict(
-            max_gib=m.total / GiB, limit_gib=lim / GiB, fits=p.fits
+            max_gib=m.total / GiB, limit_gib=lim / GiB, host_gib=p.max_host / GiB, fits=p.fits
         )
 
     rows = [row(name, *c) for name, c in candidates(n).items()]
@@ -87,12 +87,13 @@ def compare(recipe: str, extra: list[str], gpus_per_node: int | None = None) -> 
 def format_rows(recipe: str, rows: list[dict]) -> str:
     lines = [
         f"{recipe}: activation plans, fastest first among those that fit",
-        f"{'plan':<28} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'largest rank':>13} {'limit':>8}  verdict",
+        f"{'plan':<28} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'largest rank':>13} {'limit':>8} {'host':>10}  verdict",
     ]
     for r in rows:
         lines.append(
             f"{r['name']:<28} {r['step_s']:8.3f} {r['tokens_per_s']:10,.0f} {100 * r['mfu']:5.1f}% "
-            f"{r['max_gib']:9.1f} GiB {r['limit_gib']:4.1f} GiB  {'fits' if r['fits'] else 'does not fit'}"
+            f"{r['max_gib']:9.1f} GiB {r['limit_gib']:4.1f} GiB {r['host_gib']:6.1f} GiB  "
+            f"{'fits' if r['fits'] else 'does not fit'}"
         )
     return "\n".join(lines)
 
