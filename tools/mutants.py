@@ -873,6 +873,17 @@ def _plan_offload_free(orig):
     return offload_kept
 
 
+def _stage_rules_never_checked(orig):
+    def _names_other_stages(rule, tree):
+        return True  # every rule that matches nothing passes as another stage's
+
+    return _names_other_stages
+
+
+def _plan_host_memory_unlimited(orig):
+    return property(lambda self: True)  # offloaded activations always fit the host
+
+
 def _tf32_not_set(orig):
     def set_matmul_precision(device):
         return __import__("torch").get_float32_matmul_precision()  # CUDA runs keep IEEE fp32 matmuls
@@ -1576,6 +1587,20 @@ MUTATIONS: list[Mutation] = [
         "the planner charges no time for offloaded activations' copies over the host link",
         _plan_offload_free,
         (f"{PLAN_ACT}::test_planner_charges_recompute_and_offload",),
+    ),
+    M(
+        "plan_host_memory_unlimited",
+        "k3train.plan.planner:Plan.host_fits",
+        "the planner lets offloaded activations exceed the host memory",
+        _plan_host_memory_unlimited,
+        (f"{PLAN_ACT}::test_offloaded_activations_must_fit_host_memory",),
+    ),
+    M(
+        "activation_rules_for_other_stages_unchecked",
+        "k3train.activation.apply:_names_other_stages",
+        "a rule that matches no module is never an error (typos pass as rules for another stage's layers)",
+        _stage_rules_never_checked,
+        (f"{ACT}::test_bad_input_errors",),
     ),
     M(
         "tf32_not_set",

@@ -111,3 +111,19 @@ def test_planner_charges_recompute_and_offload(small_plans):
     copies = m * 2 * host / sel.gpu.host_bytes_s
     assert off.compute_s == pytest.approx(copies + off.comm_s["ep_in_stages"], rel=1e-9)
     assert off.step_s > 5 * sel.step_s
+
+
+def test_offloaded_activations_must_fit_host_memory(small_plans):
+    """pp = 1: one micro-batch in flight, so the host holds one micro-batch's offloaded activations; a plan whose
+    device memory fits does not fit when they exceed the host memory of a GPU (with the headroom)."""
+    sel, off = small_plans["selective"], small_plans["offload"]
+    host = sel.max_rank.by_kind["activations"] - off.max_rank.by_kind["activations"]
+    assert off.max_host == pytest.approx(host, rel=1e-12) and sel.max_host == 0.0
+    assert off.fits and off.host_fits
+    small_host = dataclasses.replace(off.gpu, host_memory_bytes=host / 0.91)  # 90% of it is just short
+    tight = dataclasses.replace(off, gpu=small_host)
+    assert not tight.fits and not tight.host_fits
+    assert tight.max_rank.total <= small_host.memory_bytes * (1 - tight.headroom)  # the device still fits
+    from k3train.plan.planner import refusal
+
+    assert "host memory" in refusal(tight)
