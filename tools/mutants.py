@@ -907,6 +907,38 @@ def _plan_ignores_k3_defaults(orig):
     return property(lambda self: False)
 
 
+def _plan_recompute_free(orig):
+    def recompute_flops_per_token(*args, **kw):
+        return 0.0  # the planner prices no rerun forward
+
+    return recompute_flops_per_token
+
+
+def _plan_offload_free(orig):
+    def offload_kept(self):
+        return self  # nothing counted as offloaded: the host copies cost no time
+
+    return offload_kept
+
+
+def _stage_rules_never_checked(orig):
+    def _names_other_stages(rule, tree):
+        return True  # every rule that matches nothing passes as another stage's
+
+    return _names_other_stages
+
+
+def _plan_host_memory_unlimited(orig):
+    return property(lambda self: True)  # offloaded activations always fit the host
+
+
+def _tf32_not_set(orig):
+    def set_matmul_precision(device):
+        return __import__("torch").get_float32_matmul_precision()  # CUDA runs keep IEEE fp32 matmuls
+
+    return set_matmul_precision
+
+
 def _plan_kda_states_as_chains(orig):
     def costs(*args):
         c = orig(*args)
@@ -982,6 +1014,7 @@ ACT = "tests/unit/test_activation.py"
 LOSS = "tests/unit/test_loss.py"
 RESIL = "tests/unit/test_resilience.py"
 HOST = "tests/unit/test_host_sync.py"
+PLAN_ACT = "tests/unit/test_plan_activation.py"
 
 M = Mutation
 MUTATIONS: list[Mutation] = [
@@ -1694,6 +1727,40 @@ MUTATIONS: list[Mutation] = [
         "model.compile compiles nothing (the layers stay eager)",
         _layers_not_compiled,
         ("tests/unit/test_compile_model.py::test_model_compile_compiles_each_layer_in_place",),
+    M(
+        "plan_recompute_free",
+        "k3train.plan.activations:recompute_flops_per_token",
+        "the planner charges no time for the forwards a storage plan reruns in backward",
+        _plan_recompute_free,
+        (f"{PLAN_ACT}::test_whole_layer_recompute_reruns_every_forward",),
+    ),
+    M(
+        "plan_offload_free",
+        "k3train.plan.activations:PolicyPlan.offload_kept",
+        "the planner charges no time for offloaded activations' copies over the host link",
+        _plan_offload_free,
+        (f"{PLAN_ACT}::test_planner_charges_recompute_and_offload",),
+    ),
+    M(
+        "plan_host_memory_unlimited",
+        "k3train.plan.planner:Plan.host_fits",
+        "the planner lets offloaded activations exceed the host memory",
+        _plan_host_memory_unlimited,
+        (f"{PLAN_ACT}::test_offloaded_activations_must_fit_host_memory",),
+    ),
+    M(
+        "activation_rules_for_other_stages_unchecked",
+        "k3train.activation.apply:_names_other_stages",
+        "a rule that matches no module is never an error (typos pass as rules for another stage's layers)",
+        _stage_rules_never_checked,
+        (f"{ACT}::test_bad_input_errors",),
+    ),
+    M(
+        "tf32_not_set",
+        "k3train.train.matmul_precision:set_matmul_precision",
+        "a CUDA run keeps IEEE fp32 matmuls (no TF32 for the router and Newton-Schulz)",
+        _tf32_not_set,
+        ("tests/unit/test_matmul_precision.py::test_tf32_on_cuda_only",),
     ),
 ]
 BY_NAME = {m.name: m for m in MUTATIONS}

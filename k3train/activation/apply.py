@@ -10,6 +10,7 @@ policy of each managed module (inherited from, covered by or taken out of its ma
 
 from __future__ import annotations
 
+import fnmatch
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -71,9 +72,29 @@ def _resolve(rules: list[Rule], tree: _Tree, model_name: str) -> dict[str, dict[
         if matching:
             resolved[name] = _module_policy(name, rules, matching)
     for i, r in enumerate(rules):
-        if i not in hit and not r.optional:
+        if i not in hit and not r.optional and not _names_other_stages(r, tree):
             raise ValueError(f"activation rule #{i} {r.describe()} matches no module of {model_name}")
     return resolved
+
+
+def _names_other_stages(rule: Rule, tree: _Tree) -> bool:
+    """Whether `rule` names modules of decoder layers this model does not hold: a pipeline stage holds some of the
+    layers, under their model-wide names ('layers.N'), so a rule for another stage's layers matches nothing here
+    and is no error. The names those layers would have are a held layer's, with its number replaced."""
+    layers, args = tree.modules.get("layers"), getattr(tree.modules[""], "args", None)
+    if rule.match is None or layers is None or not hasattr(args, "n_layers") or not len(layers):
+        return False
+    held = set(layers.keys())
+    if len(held) == args.n_layers:
+        return False
+    prefix = f"layers.{next(iter(held))}"
+    suffixes = [n[len(prefix) :] for n in tree.modules if n == prefix or n.startswith(prefix + ".")]
+    return any(
+        fnmatch.fnmatchcase(f"layers.{i}{suffix}", rule.match)
+        for i in range(1, args.n_layers + 1)
+        if str(i) not in held
+        for suffix in suffixes
+    )
 
 
 def _check_fp8(model: nn.Module, resolved: dict, tree: _Tree, dtype: torch.dtype | None) -> torch.dtype:

@@ -17,8 +17,8 @@ Scaling conventions versus torch.optim.Muon (a reference for one plain matrix):
   (1 - mu) times ours at every step; NS5 normalises by the Frobenius norm, so the orthogonalised updates agree
   (up to the 1e-7 epsilon).
 - with adjust_lr_fn="match_rms_adamw" torch scales by 0.2 sqrt(max(A, B)) and decays by W <- W (1 - lr wd): the same.
-- torch runs NS5 in bfloat16; here it runs in float32 (float64 inputs stay float64; TF32 tensor cores on CUDA) unless
-  `ns_bf16=True`.
+- torch runs NS5 in bfloat16; here it runs in float32 (float64 inputs stay float64; on CUDA TF32 tensor cores, as the
+  trainer sets them at start-up: k3train.train.matmul_precision) unless `ns_bf16=True`.
 
 The same optimizer also steps plain AdamW groups (`algorithm="adamw"` in a param group), so embeddings, the LM head,
 norms, biases and 1-D vectors live in one optimizer object with one state dict and one set of `lr` entries for an LR
@@ -38,7 +38,6 @@ weights themselves in the weights' dtype, which every rank copies into its repli
 
 from __future__ import annotations
 
-import contextlib
 
 import heapq
 import math
@@ -75,22 +74,6 @@ small matrices (a 128 x 7168 head has 0.9 M elements) by the hundred; a single m
 # ---------------------------------------------------------------------------------------------------------------------
 # Newton-Schulz
 # ---------------------------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def tf32_matmuls(device: torch.device):
-    """TF32 tensor cores for fp32 matmuls on CUDA for the duration (restored after). Newton-Schulz iterates towards an
-    approximate orthogonalisation (torch's own Muon runs it in bf16), so TF32's 10-bit mantissa loses nothing it
-    needs, at several times the fp32 rate."""
-    if torch.device(device).type != "cuda":
-        yield
-        return
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
-
-
 def newton_schulz5(G: Tensor, steps: int = 5, eps: float = 1e-7, *, bf16: bool = False) -> Tensor:
     """Approximate orthogonalisation U V^T of every matrix in G [..., A, B] (batched over leading dims).
 
@@ -112,10 +95,9 @@ def newton_schulz5(G: Tensor, steps: int = 5, eps: float = 1e-7, *, bf16: bool =
     # Normalise in at least fp32 so the Frobenius norm of a large matrix does not lose precision.
     norm = torch.linalg.matrix_norm(X.to(torch.promote_types(dtype, torch.float32)), keepdim=True)
     X = X / (norm + eps).to(dtype)
-    with tf32_matmuls(X.device):
-        for _ in range(steps):
-            A = X @ X.mT
-            X = a * X + (b * A + c * (A @ A)) @ X
+    for _ in range(steps):  # TF32 on CUDA: the run's fp32 matmul precision (k3train.train.matmul_precision)
+        A = X @ X.mT
+        X = a * X + (b * A + c * (A @ A)) @ X
     if tall:
         X = X.mT
     return X.to(G.dtype)

@@ -35,10 +35,21 @@ class PolicyPlan:
 
     default: str = "keep"
     rules: tuple = ()  # ((fnmatch pattern, policy), ...)
+    defaults: bool | None = None
+    """Whether the K3 defaults apply; None: as the trainer decides (a default other than keep, or any rule)."""
 
     @property
     def k3_defaults(self) -> bool:
-        return self.default != "keep" or bool(self.rules)
+        return self.defaults if self.defaults is not None else self.default != "keep" or bool(self.rules)
+
+    def offload_kept(self) -> "PolicyPlan":
+        """The same plan with what it offloads kept on the device (the offloaded bytes are the difference)."""
+
+        def on_device(p: str) -> str:
+            return "keep" if p.startswith("offload") else p
+
+        rules = tuple((m, on_device(p)) for m, p in self.rules)
+        return PolicyPlan(on_device(self.default), rules, self.k3_defaults)
 
     def of(self, name: str) -> str | None:
         """The policy a rule gives module `name` (first match), or None."""
@@ -106,6 +117,30 @@ def layer_bytes_per_token(
             total += args.moe_latent_dim * act_bytes + args.top_k * (8 + 4)
         else:
             total += _device_bytes(experts, exp_policy, act_bytes)
+    return total
+
+
+def recompute_flops_per_token(
+    args: K3ModelArgs, layers: list[int], seq_len: int, plan: PolicyPlan, last: bool
+) -> float:
+    """Forward FLOPs per token a stage's backward runs again under `plan` (a third of the declared training FLOPs of
+    what is rerun): a recomputed layer's whole forward; otherwise, under the K3 defaults, its AttnRes mixers and its
+    routed-expert block unless a rule stores the experts; on the last stage the final mixer (checkpointed)."""
+    if not plan.k3_defaults:
+        return 0.0
+    S, total = sources_after(args, layers[0] - 1), 0.0
+    for i in layers:
+        parts = K3Layer.costs(args, i, S, seq_len)
+        if plan.layer(i) == "recompute":
+            rerun = list(parts)
+        else:
+            rerun = ["attn_res", "ffn_res"]
+            if "ffn.experts" in parts and plan.of(f"layers.{i}.ffn.experts") in (None, "recompute"):
+                rerun.append("ffn.experts")
+        total += sum(parts[k].flops.total for k in rerun) / 3
+        S = sources_after(args, i)
+    if last:
+        total += K3Model.head_costs(args, S, seq_len)["final_res"].flops.total / 3
     return total
 
 

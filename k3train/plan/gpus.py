@@ -2,7 +2,7 @@
 
 Figures are the vendors' published SXM numbers: dense (not 2:4 sparse) tensor-core peaks, per-GPU NVLink bandwidth
 in one direction (half the quoted bidirectional figure), and one 400 Gb/s (ConnectX-7) or 800 Gb/s (ConnectX-8)
-network port per GPU, in one direction.
+network port per GPU, in one direction; the host link is PCIe Gen5 x16 (64 GB/s in one direction), the host memory a DGX-class node's 2 TB shared by its 8 GPUs.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ class GPU:
     """Network bandwidth per GPU, one direction (the inter-node links)."""
     fp64_flops: float = 0.0
     """Dense FP64 tensor-core peak, FLOP/s (train.precision=fp64, the parity-check precision)."""
+    host_bytes_s: float = 64 * GB
+    """Host link (PCIe Gen5 x16) bandwidth per GPU, one direction: activations offloaded to host memory."""
+    host_memory_bytes: float = 2000 * GB / 8
+    """Host memory per GPU for offloaded activations: a DGX-class node's 2 TB over its 8 GPUs."""
 
     def peak_flops(self, precision: str) -> float:
         """The compute peak a run of train.precision (or fp8 GEMMs) is measured against: fp32 training counts half

@@ -11,6 +11,8 @@ group holds the largest ZeRO chunks):
   received AttnRes sources each in-flight micro-batch holds, and the send buffer of one micro-batch;
 - the workspace of the stage's most expensive layer in backward (k3train.plan.activations.stage_bytes):
   a recomputed layer's rebuilt activations, Gated MLA's [T, T] softmax gradient;
+- offloaded activations in host memory, over the same timeline (a separate figure, checked against the host memory
+  of a GPU: the plan fits only if both fit);
 - transient buffers, the largest of one layer at a time: EP dispatch (the S K latent rows out and back; under
   MoonEP also the weights of up to E / ep hosted experts, saved for backward, and their gradients), and CP (the
   all-gathered MLA latent of the whole row).
@@ -20,12 +22,14 @@ inside each stage's forward and backward, the pipeline transfers between ranks, 
 and gathers after the pipeline drains (bytes from k3train.plan.comm_bytes.analytic_step_bytes, the same bytes the
 communication ledger records), each over NVLink when its group fits in a node, the network otherwise; Muon's
 Newton-Schulz work on the owned matrices; the pipeline bubble is what the simulated timeline adds to the busiest
-rank's compute.
+rank's compute. Recomputation adds the forward FLOPs the storage plan reruns in backward (whole layers, or under
+selective recompute the AttnRes mixers and routed experts); an offloading plan's forward and backward take at least
+their host copies' time over the host link. FP8 storage's casts are not charged (elementwise, small).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 
 from k3train.errors import ConfigError
@@ -34,7 +38,7 @@ from k3train.models.k3.mixers import layer_mixer
 from k3train.models.k3.model import sources_after
 from k3train.parallel.mesh import stages_of_rank
 from k3train.parallel.zero import ELEMENT_BYTES
-from k3train.plan.activations import policy_plan, stage_bytes
+from k3train.plan.activations import policy_plan, recompute_flops_per_token, stage_bytes
 from k3train.plan.comm_bytes import add_reduction_bytes
 from k3train.plan.gpus import GPU
 from k3train.plan.schedule_sim import StageCost, simulate
@@ -52,6 +56,8 @@ class RankPlan:
     by_kind: dict[str, float]
     """Peak bytes by kind: params, master, optim, grads, activations, pp_buffers (the boundary send buffer),
     ep_buffers, cp_buffers and workspace."""
+    host: float = 0.0
+    """Peak bytes of offloaded activations in host memory (not part of the device total)."""
 
     @property
     def total(self) -> float:
@@ -86,7 +92,16 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.max_rank.total <= self.gpu.memory_bytes * (1 - self.headroom)
+        return self.max_rank.total <= self.gpu.memory_bytes * (1 - self.headroom) and self.host_fits
+
+    @property
+    def max_host(self) -> float:
+        return max(r.host for r in self.ranks)
+
+    @property
+    def host_fits(self) -> bool:
+        """Offloaded activations fit the host memory of a GPU (with the same headroom)."""
+        return self.max_host <= self.gpu.host_memory_bytes * (1 - self.headroom)
 
     @property
     def tokens_per_s(self) -> float:
@@ -113,6 +128,7 @@ class Plan:
             **{k: getattr(self, k) for k in ("headroom", "fits", "step_s", "tokens_per_s", "mfu")},
             "by_kind": {k: int(v) for k, v in m.by_kind.items()},
             "per_rank_bytes": [int(r.total) for r in self.ranks],
+            "max_host_bytes": int(self.max_host),
             "time": {k: getattr(self, k) for k in ("compute_s", "bubble_s", "optimizer_s")}
             | {f"{k}_s": v for k, v in self.comm_s.items()},
         }
@@ -184,6 +200,7 @@ def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
     n_moe = sum(args.ffn_kind(i) == "moe" for i in layers)
     kw = dict(first=s == 0, last=s == n - 1, tokens=tokens, rows=x.mb, seq_len=x.seq, plan=x.pplan, act_bytes=ab)
     act, work = stage_bytes(args, layers, **kw)
+    host = stage_bytes(args, layers, **{**kw, "plan": x.pplan.offload_kept()})[0] - act  # offloaded bytes
     if s > 0:  # the received sources a micro-batch holds until its backward
         act += sources_after(args, layers[0] - 1) * tokens * args.dim * ab
     G = args.n_experts // dims.ep if dims.ep > 1 else 0
@@ -192,8 +209,10 @@ def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
         act += n_moe * G * expert_numel * ab
     flops = (sum(flops_tok["layers"][i - 1] for i in layers) + (flops_tok["head"] if s == n - 1 else 0.0)) * tokens
     fwd, bwd = flops / 3 / x.peak, 2 * flops / 3 / x.peak
-    if x.pplan.k3_defaults and x.pplan.default == "recompute":
-        bwd += fwd
+    bwd += recompute_flops_per_token(args, layers, x.seq, x.pplan, s == n - 1) * tokens / x.peak
+    # Offloaded activations go to host memory during the forward and come back for the backward, on a side stream:
+    # a pass takes at least its copies' time over the host link.
+    fwd, bwd = max(fwd, host / x.gpu.host_bytes_s), max(bwd, host / x.gpu.host_bytes_s)
     a2a = ep_buf = cpt = cp_buf = 0.0
     if dims.ep > 1:
         a2a = n_moe * 4 * tokens * args.top_k * args.moe_latent_dim * ab * (dims.ep - 1) / dims.ep
@@ -208,10 +227,11 @@ def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
     boundary = sources_after(args, layers[-1]) * tokens * args.dim * ab if s < n - 1 else 0.0  # the send buffer
     send = boundary / x.bandwidth(2, dims.dp_cp)
     cost = StageCost(fwd + (a2a + cpt) / 2, bwd + (a2a + cpt) / 2, act, *x.state.stage_grad_bytes(s), send_s=send)
-    return cost, {"pp": boundary, "ep": ep_buf, "cp": cp_buf, "work": work}, {"ep_in_stages": a2a, "cp_in_stages": cpt}
+    bufs = {"pp": boundary, "ep": ep_buf, "cp": cp_buf, "work": work, "host": host}
+    return cost, bufs, {"ep_in_stages": a2a, "cp_in_stages": cpt}
 
 
-def _rank_plan(x: _Inputs, r: int, stages: list, timeline) -> RankPlan:
+def _rank_plan(x: _Inputs, r: int, stages: list, timeline, host_timeline) -> RankPlan:
     """Pipeline rank r's memory: its state (worst data-parallel rank), activations at the timeline's peak, the
     boundary send buffer and the largest transient buffers of its stages."""
     st, mine, peak = x.state.rank_bytes(r), stages_of_rank(x.dims, r), timeline.peak_parts[r]
@@ -227,7 +247,8 @@ def _rank_plan(x: _Inputs, r: int, stages: list, timeline) -> RankPlan:
         "cp_buffers": buf["cp"],
         "workspace": buf["work"],
     }
-    return RankPlan(r, mine, [x.stage_layers[s] for s in mine], asdict(st), by_kind)
+    host = host_timeline.peak_parts[r]["activations"] if host_timeline is not None else 0.0
+    return RankPlan(r, mine, [x.stage_layers[s] for s in mine], asdict(st), by_kind, host)
 
 
 def _dp_seconds(x: _Inputs) -> float:
@@ -265,7 +286,14 @@ def plan_run(spec, gpu: GPU, *, gpus_per_node: int | None = None) -> Plan:
     stages = [_stage_cost(x, s, flops_tok) for s in range(dims.n_stages)]
     costs = {s: c for s, (c, _, _) in enumerate(stages)}
     timeline = simulate(dims, costs, zero=dims.zero)
-    ranks = [_rank_plan(x, r, stages, timeline) for r in range(dims.pp)]
+    host_timeline = None  # offloaded activations live in host memory over the same timeline
+    if any(b["host"] for _, b, _ in stages):
+        host_costs = {
+            s: replace(c, act_bytes=stages[s][1]["host"], grad_bytes=0.0, grad_shard_bytes=0.0)
+            for s, c in costs.items()
+        }
+        host_timeline = simulate(dims, host_costs, zero=dims.zero)
+    ranks = [_rank_plan(x, r, stages, timeline, host_timeline) for r in range(dims.pp)]
     per_rank, m = [stages_of_rank(dims, r) for r in range(dims.pp)], dims.microbatches
     comm = {"dp": _dp_seconds(x)}
     for key in ("ep_in_stages", "cp_in_stages"):  # part of the stages' time
@@ -345,11 +373,22 @@ def format_plan(plan: Plan) -> str:
         f"(limit {(1 - plan.headroom) * plan.gpu.memory_bytes / GiB:.1f} GiB with {100 * plan.headroom:.0f}% "
         f"headroom); biggest term there: {kind} {val / GiB:.1f} GiB",
     ]
+    if plan.max_host:
+        lines[-1] += (
+            f"; offloaded activations {plan.max_host / GiB:.1f} GiB of {plan.gpu.host_memory_bytes / GiB:.1f} GiB host "
+            f"memory per GPU{'' if plan.host_fits else ' (DO NOT FIT)'}"
+        )
     return "\n".join(lines)
 
 
 def refusal(plan: Plan) -> str:
     m = plan.max_rank
+    if plan.max_rank.total <= plan.gpu.memory_bytes * (1 - plan.headroom):  # the host memory is what is short
+        return (
+            f"the layout does not fit the host memory of {plan.gpu.name} nodes: its offloaded activations need "
+            f"{plan.max_host / GiB:.1f} GiB per GPU, more than {(1 - plan.headroom) * plan.gpu.host_memory_bytes / GiB:.1f} "
+            f"GiB. See `python -m k3train.plan` for the full table; plan.check=false skips this check"
+        )
     kind, val = plan.biggest_term(m)
     return (
         f"the layout does not fit {plan.gpu.name}: pipeline rank {m.pp_rank} (stages {m.stages}) needs "

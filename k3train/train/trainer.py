@@ -39,6 +39,7 @@ from k3train.data import DataError, build_dataloader, build_tokenizer
 from k3train.models.k3.counts import count_params, flops_per_token
 from k3train.distributed import comm
 from k3train.parallel.engine import build_engine_for
+from k3train.train.matmul_precision import set_matmul_precision
 from k3train.parallel.mesh import rank_coords
 from k3train.parallel.zero import PARAM_DTYPES
 
@@ -158,6 +159,7 @@ class Trainer:
             torch.backends.cudnn.benchmark = False
         self.device = resolve_device(t.device, self.env.local_rank)
         self.dtype = PARAM_DTYPES[t.precision]
+        self._matmul_precision_before = set_matmul_precision(self.device)  # TF32 on CUDA (docs/training.md)
         if self.device.type == "cpu":
             torch.set_num_threads(t.threads or max(1, _cpu_cores() // self.env.local_world))
 
@@ -540,6 +542,7 @@ class Trainer:
 
     def close(self, *, clean: bool = True) -> None:
         torch.use_deterministic_algorithms(self._deterministic_before)
+        torch.set_float32_matmul_precision(self._matmul_precision_before)
         rundir.release(self.run_dir)
         if self.env.world > 1 and dist.is_initialized():
             self.progress.phase = "shutdown"

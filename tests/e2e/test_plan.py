@@ -201,3 +201,43 @@ def test_trainer_refuses_before_any_process_group(monkeypatch, tmp_path):
     spec.config.plan.check = False
     trainer = Trainer(spec)
     assert trainer.peak_flops == tiny_gpu.bf16_flops / 2  # fp32 training: the table's peak, halved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "recipe,gpu,group",
+    [
+        ("k3_full", "h100_80g", "recompute_k3_full"),
+        ("small_8gpu", "h100_80g", "recompute_small_8gpu"),
+        ("k3_long_context", "h200_141g", "recompute_k3_long_context"),
+    ],
+)
+def test_recipe_activation_plan_fits_and_beats_whole_recompute(recipe, gpu, group):
+    """Each K3 recipe's storage plan (docs/planning.md, "Activation plans") fits its GPU per the planner and is
+    faster than whole-layer recompute; selective recompute alone, faster still, does not fit."""
+    import dataclasses
+
+    from k3train.activation.config import ActivationConfig, ActivationRule
+    from k3train.config import resolve_run
+    from k3train.config.compose import compose_config, from_omegaconf
+    from k3train.config.store import load_activation_group
+    from k3train.plan.gpus import gpu_spec
+    from k3train.plan.planner import plan_run, plan_world
+
+    cfg = from_omegaconf(compose_config(recipe, [f"plan.gpu={gpu}"]))
+    spec = resolve_run(cfg, world_size=plan_world(cfg), recipe=recipe, here=False)
+    plans = {}
+    experts = [ActivationRule(match="layers.*.ffn.experts", policy="recompute")]
+    for name, act in (
+        ("recipe", cfg.activation),
+        ("recompute", ActivationConfig(policy="recompute")),
+        ("selective", ActivationConfig(policy="keep", rules=experts)),
+    ):
+        s = dataclasses.replace(spec, config=dataclasses.replace(cfg, activation=act))
+        s.__dict__["stages"] = spec.stages
+        plans[name] = plan_run(s, gpu_spec(gpu))
+    shipped = load_activation_group(group)
+    assert (cfg.activation.policy, cfg.activation.rules) == (shipped.policy, shipped.rules)  # the recipe's choice
+    assert shipped.policy == "recompute" and all(r.policy == "keep" for r in shipped.rules)
+    assert plans["recipe"].fits and plans["recompute"].fits and not plans["selective"].fits
+    assert plans["selective"].step_s < plans["recipe"].step_s < plans["recompute"].step_s

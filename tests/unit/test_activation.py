@@ -494,7 +494,11 @@ def test_recipes_select_shipped_activation_configs():
             if isinstance(entry, dict) and "activation" in entry:
                 selected.add(entry["activation"])
     assert selected and selected <= set(activation_groups()), (selected, activation_groups())
-    assert "recompute" in selected
+    assert {"recompute_k3_full", "recompute_k3_long_context", "recompute_small_8gpu"} <= selected
+
+
+SIZED_FOR = {"recompute_k3_full": 93, "recompute_k3_long_context": 93, "recompute_small_8gpu": 24}
+"""The activation groups sized for one recipe's model, with its layer count (k3_full, small)."""
 
 
 @pytest.mark.parametrize("group", activation_groups())
@@ -503,9 +507,22 @@ def test_shipped_activation_configs_keep_gradients(reference, group):
     per-parameter gradient cosine to keeping everything is >= 0.99 (FP8 on whole layers reaches 0.49)."""
     m, tok, _, ref = reference
     cfg = load_activation_group(group)
+    n = SIZED_FOR.get(group)
+    if n is not None:  # a recipe's plan names that recipe's layers: the tiny model at that depth
+        torch.manual_seed(0)
+        m = tiny(n_layers=n)
+        _, ref = grads(m, tok)
     cos, st, handle = cosines_under(m, tok, ref, rules_from_config(cfg))
     worst = min(cos, key=cos.get)
     assert cos[worst] >= 0.99, (group, worst, cos[worst])
+    if n is not None:
+        # The recipes' plans: whole-layer recompute up to a layer, selective recompute (the K3 defaults) after it.
+        assert st["recompute"] > 0 and handle.plan["layers.2"] == "recompute", st
+        assert handle.plan.get(f"layers.{n}") != "recompute" and handle.plan[f"layers.{n}.ffn.experts"] == "recompute"
+    if group == "selective":
+        # Layers keep what they save; the AttnRes mixers and routed experts are recomputed.
+        assert handle.plan["layers.2.ffn.experts"] == "recompute" and handle.plan.get("layers.2") is None
+        assert handle.plan["layers.2.attn_res"] == "recompute"
     if group == "cluster":
         # What its comment says: layers recomputed, expert blocks in FP8, attention offloaded.
         assert st["fp8"] > 0 and st["offload_local"] > 0 and st["recompute"] > 0, st
@@ -627,6 +644,19 @@ def test_bad_input_errors(monkeypatch):
         apply_activation_policies(
             m, [Rule(kind="kda", role="input", policy="fp8"), Rule(kind="kda", policy="recompute")]
         )
+    # A pipeline stage (layers 1-4 of 8): a rule for another stage's layers matches nothing here, and is no error;
+    # a name no layer of the model has still is.
+    stage = tiny()
+    for i in range(5, 9):
+        del stage.layers[str(i)]
+    h = apply_activation_policies(
+        stage, [Rule(match="layers.[78]", policy="keep"), Rule(match="layers.6.attn", policy="fp8")]
+    )
+    assert h.plan.get("layers.2") is None and "layers.7" not in h.plan
+    h.remove()
+    for bad in ("layers.9", "layers.6.mlp", "layer.6"):
+        with pytest.raises(ValueError, match=rf"'{bad}'.* matches no module"):
+            apply_activation_policies(stage, [Rule(match=bad, policy="keep")])
     with pytest.raises(ValueError, match="only floating tensors"):
         apply_activation_policies(m, [Rule(kind="kda", policy="fp8")], dtype=torch.int32)
     with pytest.raises(ValueError, match="integer token ids"):

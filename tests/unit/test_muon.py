@@ -928,16 +928,3 @@ def test_qk_clip_hook_from_config():
     assert float(m.att.logits(x).amax().detach()) <= 0.5 + 1e-5
     off = ShardedOptimizer([M()], OptimConfig(name="muon"))
     assert off.qk_clip is None
-
-
-def test_newton_schulz_uses_tf32_only_on_cuda():
-    """fp32 Newton-Schulz GEMMs take TF32 tensor cores on CUDA (restored afterwards); CPU math is untouched."""
-    from k3train.optim.muon import tf32_matmuls
-
-    before = torch.backends.cuda.matmul.allow_tf32
-    seen = []
-    with tf32_matmuls(torch.device("cpu")):
-        seen.append(torch.backends.cuda.matmul.allow_tf32)
-    with tf32_matmuls(torch.device("cuda", 0)):
-        seen.append(torch.backends.cuda.matmul.allow_tf32)
-    assert seen == [before, True] and torch.backends.cuda.matmul.allow_tf32 == before
