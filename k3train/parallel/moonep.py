@@ -22,7 +22,7 @@ global order of each expert's rows (source ranks 0..R−1 concatenated; destinat
 time list scheduling, a sequential greedy: on CUDA its rounds run inside one Triton program (k3kernels.moonep, one
 launch); elsewhere as R−1 fixed tensor steps (`_group_quotas_reference`). `plan_alloc_sync_free` is that call
 without the shape checks (what the MoonEP dispatcher runs, so its step reads nothing on the host but the one copy of
-k3train.parallel.host_copy); `rank_rows`, `assign_rows` and `expert_major_index` are the plan's per-rank layouts as
+k3train.distributed.host_sync); `rank_rows`, `assign_rows` and `expert_major_index` are the plan's per-rank layouts as
 free functions of its tensors (static shapes, counts by scatter_add_, never bincount).
 `make_plan` builds the compact full plan with a few host reads (nonzero, the fill count): for tests, inspection and
 the benchmarks, not for the training step.

@@ -106,6 +106,9 @@ def compile_layers(part: nn.Module, backend: str = "inductor", fullgraph: bool =
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, 2 * len(layers) + 8)
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * len(layers) + 64)
+    # Gated MLA's chunked attention pulls each key chunk's gradient back through its kv projection with
+    # torch.autograd.grad inside its backward; dynamo traces that only when told to.
+    cfg.trace_autograd_ops = True
     for layer in layers.values():
         layer.compile(backend=backend, fullgraph=fullgraph)
     return len(layers)
