@@ -65,6 +65,9 @@ class CPContext:
     """[B, T] int64: the document id of every token of the global rows."""
     ledger: comm.CommCounter
     """Counts the context's collectives (as well as the enclosing scopes)."""
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
+    """Per-batch plans of the ops, built on the host from the host tables and moved with the batch (k3train.parallel.
+    context_parallel's prepare): 'kda' is KDA's PiecePlan (its segment count is a shape, so it needs host values)."""
     cache: dict = field(default_factory=dict, compare=False, repr=False)
     """Per-device copies of the tables and what ops derive from them, built on first use."""
 

@@ -29,6 +29,7 @@ from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.context import BatchContext
 from k3train.models.k3.documents import Documents
 from k3train.ops.cp import CPContext, sequence_order
+from k3train.ops.kda.cp import piece_plan
 from k3train.distributed import comm
 from k3train.parallel.mesh import CP_LAYOUTS
 
@@ -271,6 +272,7 @@ class ContextParallel:
             local_pieces=tuple(self.local_pieces()),
             slot_of_piece=tuple(self.seq.slot_of_piece),
             ledger=self.ledger,
+            plans={"kda": piece_plan(tables["doc_start"]).to(device)},
             **moved,
         )
         return self._context

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from k3train.distributed import comm
-from k3train.ops.cp import CPContext
+from k3train.ops.cp import CPContext, pick
 
 
 @dataclass
@@ -50,9 +50,8 @@ class LatentKeys:
         cp, (B, _, W) = self.cp, d_full.shape
         L, P, n = cp.piece_len, cp.per_rank, cp.n_pieces
         by_piece = d_full.view(B, n, L, W)
-        slots = torch.empty(n, dtype=torch.long)
-        slots[torch.tensor(list(cp.slot_of_piece))] = torch.arange(n)
-        ranked = by_piece.index_select(1, slots.to(d_full.device))  # [B, world*P, L, W]: rank-major slots
+        piece_of_slot = sorted(range(n), key=cp.slot_of_piece.__getitem__)
+        ranked = pick(by_piece, 1, piece_of_slot)  # [B, world*P, L, W]: rank-major slots
         ranked = ranked.view(B, cp.world, P, L, W).transpose(0, 1).reshape(cp.world * B * P, L, W)
         if cp.world == 1:
             return ranked

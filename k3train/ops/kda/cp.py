@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from k3train.ops.cp import CPContext
@@ -57,24 +58,21 @@ class PiecePlan:
 def piece_plan(doc_start: torch.Tensor) -> PiecePlan:
     """doc_start [R, L] bool: which local tokens begin a document (in the GLOBAL sense).
 
-    PER-BATCH TABLE: the number of segments is a shape (the incoming states [n_seg, H, K, V]) read from the starts,
-    so the plan needs host values: it is built from the context's CPU table, once per batch (kda_cp caches it with
-    one copy to the device), never from device values inside a layer. A loader that builds the batch's tables ahead
-    of the step can build it there."""
-    R, L = doc_start.shape
-    seg_start = doc_start.clone()
+    The number of segments is a shape (the incoming states [n_seg, H, K, V]) read from the starts, so the plan needs
+    host values: the context parallel handle builds it from the host table once per batch, with the other tables
+    (CPContext.plans['kda']), never from device values inside a layer."""
+    ds = np.asarray(doc_start, dtype=bool)  # a host table: numpy reads no device value
+    R, L = ds.shape
+    seg_start = ds.copy()
     seg_start[:, 0] = True
-    flat = seg_start.reshape(-1)
-    seg_id = torch.cumsum(flat.to(torch.int64), 0) - 1
-    starts = torch.nonzero(flat).squeeze(1)  # host table: doc_start is on the CPU
-    rows = not bool(doc_start[:, 1:].any())  # host table; then the pieces are rows (no padding, no stream)
-    cu = None if rows else torch.cat([starts, starts.new_full((1,), R * L)])
-    sid = seg_id.view(R, L)
+    sid = torch.from_numpy(np.cumsum(seg_start.reshape(-1), dtype=np.int64).reshape(R, L) - 1)
+    starts = np.flatnonzero(seg_start.reshape(-1))
+    rows = not ds[:, 1:].any()  # then the pieces are rows (no padding, no stream)
     return PiecePlan(
-        cu_seqlens=cu,
+        cu_seqlens=None if rows else torch.from_numpy(np.append(starts, R * L).astype(np.int64)),
         first_seg=sid[:, 0].clone(),
-        carry=~doc_start[:, 0],
-        keep_m=~doc_start.any(1),
+        carry=torch.from_numpy(~ds[:, 0]),
+        keep_m=torch.from_numpy(~ds.any(1)),
         last_seg=sid[:, -1].clone(),
     )
 
@@ -173,7 +171,7 @@ def kda_cp(q, k, v, g, beta, cp: CPContext, chunk: int, kernels=None, g_min: flo
     L = k.shape[1]
     if L % chunk:
         raise ValueError(f"context parallel: KDA chunk {chunk} does not divide the piece length {L}")
-    plan = cp.cached("kda_plan", k.device, lambda: piece_plan(cp.doc_start).to(k.device))
+    plan = cp.plans["kda"]
     chunks = kda_piece_chunks(q, k, v, g, beta, plan, chunk, kernels, g_min)
     return kda_pieces(chunks, incoming_states(kda_piece_summaries(chunks, plan), cp), plan)
 
