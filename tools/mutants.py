@@ -1727,6 +1727,7 @@ MUTATIONS: list[Mutation] = [
         "model.compile compiles nothing (the layers stay eager)",
         _layers_not_compiled,
         ("tests/unit/test_compile_model.py::test_model_compile_compiles_each_layer_in_place",),
+    ),
     M(
         "plan_recompute_free",
         "k3train.plan.activations:recompute_flops_per_token",
