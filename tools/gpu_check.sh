@@ -13,10 +13,13 @@
 # 5. bench       tools/bench_kernels.py: per kernel, max error against the fp32 reference and time against PyTorch
 # 5b. attention  tools/gpu_check_attention.py: Gated MLA's CUDA chunk kernel (flex_attention, qk 192 / v 128, bf16)
 #                against the dense reference: out, lse, max scores, backward; the chunked layer without host syncs
+# 5c. compile    tools/gpu_check_compile.py: each layer kind (KDA over documents with model.kernels=triton, Gated MLA,
+#                LatentMoE, dense FFN, AttnRes, MTP) under torch.compile(fullgraph=True), inductor, bf16: forward and
+#                backward, no graph break, equal to eager within a bf16 bound; KDA's triton choice against torch
 # 6. tiny        20 steps of the tiny_cpu recipe with train.device=cuda (fp32)
 # 7. bigger      a short bf16 run of the `small` preset cut to 8 layers on one GPU: tokens/s and MFU against the
 #                datasheet peak (k3train.plan.gpus: H200 dense bf16 989.4 TFLOP/s)
-# Parts 4-7 (and 5b) each report PASS, FAIL or TIMEOUT and the script goes on; it exits 1 if any part failed. Logs go to
+# Parts 4-7 (and 5b, 5c) each report PASS, FAIL or TIMEOUT and the script goes on; it exits 1 if any part failed. Logs go to
 # $OUT (the device tool's folder) when set, else /tmp/gpu_check; set GPU_CHECK_LOGS to choose.
 set -uo pipefail
 
@@ -29,7 +32,7 @@ WORK="${GPU_CHECK_WORK:-/tmp/gpu_check_work}"
 export SITE="$WORK/site"
 export PY="${PYTHON:-python3}"
 # Time limits in seconds (sum 295 s, under the 5-minute budget).
-T_PREFLIGHT=15 T_WHEELS=20 T_IMPORTS=25 T_TESTS=75 T_BENCH=30 T_ATTN=40 T_TINY=35 T_BIGGER=55
+T_PREFLIGHT=15 T_WHEELS=20 T_IMPORTS=25 T_TESTS=55 T_BENCH=20 T_ATTN=35 T_COMPILE=55 T_TINY=25 T_BIGGER=45
 
 START=$SECONDS
 FAILED=()
@@ -131,6 +134,9 @@ run_part bench "$T_BENCH" 0 "$PY" tools/bench_kernels.py --json "$LOGS/bench_ker
 
 # ---- 5b. Gated MLA's chunk kernel ----------------------------------------------------------------------------------
 run_part attention "$T_ATTN" 0 "$PY" tools/gpu_check_attention.py
+
+# ---- 5c. compiled layers and the KDA kernel choices ----------------------------------------------------------------
+run_part compile "$T_COMPILE" 0 "$PY" tools/gpu_check_compile.py
 
 # ---- 6. tiny_cpu on the GPU, 20 steps ----------------------------------------------------------------------------
 COMMON=(train.resume=never train.eval_interval=0 train.checkpoint_interval=0 train.checkpoint_at_end=false

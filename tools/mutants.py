@@ -987,6 +987,56 @@ def _moe_router_bool(orig):
     return forward
 
 
+def _kda_gate_cpu(orig):
+    def kda_gate(f, *a, **kw):
+        g = orig(f, *a, **kw)
+        g.amin().cpu()  # a per-layer copy of the gate's floor to the host "for logging"
+        return g
+
+    return kda_gate
+
+
+def _mla_nonzero(orig):
+    def forward(self, x, ctx=None):
+        out = orig(self, x, ctx)
+        out.isnan().flatten().nonzero()  # a per-layer search for NaN positions (its size is read on the host)
+        return out
+
+    return forward
+
+
+def _attn_res_int(orig):
+    def forward(self, sources):
+        out = orig(self, sources)
+        int(out.isfinite().all())  # a per-layer finiteness flag read as a Python int
+        return out
+
+    return forward
+
+
+def _ffn_tensor_of_list(orig):
+    import torch
+
+    def forward(self, x):
+        out = orig(self, x)
+        torch.tensor([x.abs().amax(), out.abs().amax()])  # per-layer statistics gathered into a new tensor
+        return out
+
+    return forward
+
+
+def _loss_repeat_interleave(orig):
+    import torch
+
+    def linear_cross_entropy(hidden, weight, labels, *a, **kw):
+        flat = labels.reshape(-1)
+        ones = torch.ones_like(flat)
+        torch.repeat_interleave(flat, ones)  # per-token weights expanded with no output_size given
+        return orig(hidden, weight, labels, *a, **kw)
+
+    return linear_cross_entropy
+
+
 def _layers_not_compiled(orig):
     return lambda part, backend="inductor", fullgraph=False: len(getattr(part, "layers", None) or {})
 
@@ -1719,6 +1769,41 @@ MUTATIONS: list[Mutation] = [
         "k3train.models.k3.moe:Router.forward",
         "the router checks its expert ids with bool() of a device value",
         _moe_router_bool,
+        (f"{HOST}::test_one_process_step_reads_the_host_only_through_host_sync",),
+    ),
+    M(
+        "kda_gate_cpu",
+        "k3train.ops.kda.gate:kda_gate",
+        "KDA's gate copies its minimum to the host with .cpu() in every layer",
+        _kda_gate_cpu,
+        (f"{HOST}::test_one_process_step_reads_the_host_only_through_host_sync",),
+    ),
+    M(
+        "mla_nonzero",
+        "k3train.models.k3.mla:GatedMLA.forward",
+        "Gated MLA searches its output for NaNs with .nonzero() in every layer",
+        _mla_nonzero,
+        (f"{HOST}::test_one_process_step_reads_the_host_only_through_host_sync",),
+    ),
+    M(
+        "attn_res_int",
+        "k3train.models.k3.attn_res:AttnResMixer.forward",
+        "AttnRes reads a finiteness flag of its output with int() in every layer",
+        _attn_res_int,
+        (f"{HOST}::test_one_process_step_reads_the_host_only_through_host_sync",),
+    ),
+    M(
+        "dense_ffn_tensor_of_list",
+        "k3train.models.k3.ffn:SiTUGLU.forward",
+        "the dense FFN builds torch.tensor of a list of device values in every layer",
+        _ffn_tensor_of_list,
+        (f"{HOST}::test_one_process_step_reads_the_host_only_through_host_sync",),
+    ),
+    M(
+        "loss_repeat_interleave",
+        "k3train.models.k3.loss:linear_cross_entropy",
+        "the loss expands per-token weights with repeat_interleave and no output_size",
+        _loss_repeat_interleave,
         (f"{HOST}::test_one_process_step_reads_the_host_only_through_host_sync",),
     ),
     M(
