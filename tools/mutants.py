@@ -838,15 +838,12 @@ def _wkv_b_one_matrix_per_head(orig):
 
 
 def _documents_rows_only(orig):
-    torch = _torch()
+    from_host = orig.__func__
 
-    def __init__(self, start):
-        orig(self, start)
-        rows = torch.zeros_like(self.start)
-        rows[:, 0] = True
-        self.start = rows  # starts inside rows forgotten: positions and document ids span whole rows
+    def rows_only(cls, cu_seqlens, B, T):
+        return from_host(cls, list(range(0, B * T + 1, T)), B, T)  # starts inside rows forgotten: one doc per row
 
-    return __init__
+    return classmethod(_counted(rows_only))
 
 
 def _cp_pieces_without_zigzag(orig):
@@ -1480,7 +1477,7 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "documents_rows_only",
-        "k3train.models.k3.documents:Documents.__init__",
+        "k3train.models.k3.documents:Documents.from_host",
         "document starts inside rows dropped from positions and document ids",
         _documents_rows_only,
         (f"{LAYERS}::test_kda_matches_reference", f"{LAYERS}::test_mla_matches_reference"),
@@ -1580,7 +1577,7 @@ MUTATIONS: list[Mutation] = [
     # ---- trainer
     M(
         "trainer_counts_ignored",
-        "k3train.parallel.engine:Engine.train_step",
+        "k3train.parallel.engine:Engine._target_counts",
         "loss denominator counts ignored (-100) positions",
         _count_ignored_targets,
         (f"{GAPS}::test_train_step_is_the_clipped_global_token_mean",),
