@@ -54,6 +54,7 @@ def _plot_run():
     return mod
 
 
+@pytest.mark.slow
 def test_hydra_run_dir_is_the_run_directory_and_plots_of_it(tmp_path):
     run_dir, cwd = tmp_path / "run", tmp_path / "cwd"
     r = _ok(
@@ -81,6 +82,7 @@ def test_hydra_run_dir_is_the_run_directory_and_plots_of_it(tmp_path):
     assert all(p.stat().st_size > 5_000 for p in written)
 
 
+@pytest.mark.slow
 def test_multirun_jobs_each_get_their_own_directory(tmp_path):
     sweep, cwd = tmp_path / "sweep", tmp_path / "cwd"
     _ok(

@@ -34,6 +34,7 @@ def source(tmp_path_factory):
     return run_dir, weights
 
 
+@pytest.mark.slow
 def test_init_from_takes_weights_only_and_then_resumes_itself(source, tmp_path):
     src_dir, src_weights = source
     new = tmp_path / "new"

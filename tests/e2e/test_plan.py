@@ -40,6 +40,7 @@ def _check_rows(rows):
             assert r["comm_predicted"] == r["comm_measured"], (r["layout"], r["rank"])
 
 
+@pytest.mark.slow
 def test_planner_matches_one_process_layouts():
     """The in-process layouts (keep, recompute, FP8): quick, and what the planner mutations must fail."""
     from k3train.plan.measure import LAYOUTS, measure_layout

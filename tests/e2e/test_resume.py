@@ -69,6 +69,7 @@ def reference(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_continues_exactly(reference, tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
@@ -100,6 +101,7 @@ def test_sigkill_then_resume_continues_exactly(reference, tmp_path):
         assert got[step] == ref[step], (step, got[step], ref[step])  # bit for bit
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_falls_back_to_the_previous(reference, tmp_path):
     import shutil
 
@@ -125,6 +127,7 @@ def _bad(*overrides: str) -> str:
     return r.stderr
 
 
+@pytest.mark.slow
 def test_bad_data_inputs_fail_clearly(tmp_path):
     missing = tmp_path / "missing.txt"
     err = _bad("data=files", f"data.paths=[{missing}]", f"train.run_dir={tmp_path / 'a'}")

@@ -47,6 +47,7 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_tiny_run_writes_metrics_events_and_checkpoints(tmp_path):
     run_dir = tmp_path / "run"
     r = train_cli(
@@ -131,6 +132,7 @@ def test_tiny_run_writes_metrics_events_and_checkpoints(tmp_path):
     assert list((run_dir / "wandb").glob("offline-run-*"))
 
 
+@pytest.mark.slow
 def test_same_seed_same_losses_bit_for_bit(tmp_path):
     """In process: two runs with one seed agree exactly; another seed differs."""
     from k3train.config import load_config, resolve_run

@@ -44,6 +44,7 @@ def cp_kda(cp, x, dtype, kernels):
 # Two rows of T=128 in pieces of 64: row 0 has a document crossing the piece boundary; row 1 a document starting at
 # its second piece's start and another inside it. None: one document per row (every piece carries its state on).
 @pytest.mark.parametrize("B,T,H,cu", [(2, 128, 1, [0, 30, 128, 192, 210, 256]), (1, 128, 2, None)])
+@pytest.mark.slow
 def test_cp_kda_triton_matches_torch_and_whole_sequence(B, T, H, cu):
     K = V = 16
     x = kda_inputs(B, T, H, K, V, seed=T + H)
@@ -74,6 +75,7 @@ def test_cp_kda_triton_matches_torch_and_whole_sequence(B, T, H, cu):
     assert rel_rms(o_pt, o_ref) < 1e-12
 
 
+@pytest.mark.slow
 def test_cp_kda_follows_the_kernel_choice(monkeypatch):
     """Kernels('triton') with chunk 64 runs k3kernels' chunk_kda; Kernels('torch'), fp64 tensors or g_min < -5 run
     the PyTorch chunk terms."""

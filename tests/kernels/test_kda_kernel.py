@@ -65,6 +65,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_triton_kda_matches_references(name):
     from k3kernels.kda import chunk_kda
 
@@ -86,6 +87,7 @@ def test_triton_kda_matches_references(name):
     assert out[0].dtype == torch.float32 and out[1].dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_triton_kda_without_states():
     """No initial state and no final state: None is returned, and the outputs and gradients match (V > K)."""
     from k3kernels.kda import chunk_kda

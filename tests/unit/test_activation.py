@@ -313,6 +313,7 @@ def test_fp8_gradients_and_bytes(reference):
     assert st["fp8"] <= 0.52 * (2 * st["fp8_elements"])
 
 
+@pytest.mark.slow
 def test_fp8_loss_curve_tracks_keep():
     def run(rules):
         torch.manual_seed(0)
@@ -502,6 +503,7 @@ SIZED_FOR = {"recompute_k3_full": 93, "recompute_k3_long_context": 93, "recomput
 
 
 @pytest.mark.parametrize("group", activation_groups())
+@pytest.mark.slow
 def test_shipped_activation_configs_keep_gradients(reference, group):
     """Every shipped plan, as the trainer applies it, on the tiny model (fp32, CPU, one step): the worst
     per-parameter gradient cosine to keeping everything is >= 0.99 (FP8 on whole layers reaches 0.49)."""

@@ -52,6 +52,7 @@ def skewed_run(tmp_path_factory):
     return out, trace, report
 
 
+@pytest.mark.slow
 def test_bench_balance_json_fields(skewed_run):
     out, _, report = skewed_run
     data = json.loads((out / "balance.json").read_text())
@@ -172,6 +173,7 @@ def test_bad_trace_ranks(tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_train_recall_tool_reports_accuracy(tmp_path, capsys):
     """tools/train_recall.py (the 400-step recall run, about 4 minutes) in a 4-step version: it trains through the
     CLI, measures eval accuracy four times and reports it."""

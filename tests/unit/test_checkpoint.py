@@ -206,6 +206,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.slow
 def test_a_process_that_exits_before_publication_leaves_nothing_to_resume(tmp_path, quiet):
     run = tmp_path / "run"
     code = KILLED.format(tests=str(Path(__file__).parent), run=str(run))

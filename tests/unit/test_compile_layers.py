@@ -78,6 +78,7 @@ CASES = {"kda": kda_case, "short_conv": short_conv_case}
 
 
 @pytest.mark.parametrize("kind", list(CASES))
+@pytest.mark.slow
 def test_layer_compiles_whole_and_equals_eager(kind):
     torch._dynamo.reset()
     module, (x, ctx) = CASES[kind]()
@@ -92,6 +93,7 @@ def test_layer_compiles_whole_and_equals_eager(kind):
 
 
 @pytest.mark.skipif(not CAN_RUN_TRITON, reason="needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.slow
 def test_kda_triton_path_compiles_as_an_opaque_op():
     """Under kernels=triton the layer's graph holds the Triton KDA as one registered op (k3kernels::chunk_kda_fwd,
     its backward through register_autograd), and compiled equals eager."""
@@ -113,6 +115,7 @@ def test_kda_triton_path_compiles_as_an_opaque_op():
 
 
 @pytest.mark.skipif(not CAN_RUN_TRITON, reason="needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.slow
 def test_kda_triton_op_registration_passes_opcheck():
     """torch.library.opcheck on the Triton KDA forward op: its schema, fake implementation (shapes and dtypes under
     fake and dynamic-shape tracing) and autograd registration agree with what the kernels do (two documents, an

@@ -105,6 +105,7 @@ def test_gated_mla_compiles_as_one_graph():
     assert_compiles_like_eager(mla, _x(B, T, args.dim), wrap=lambda m: lambda h: m(h, ctx))
 
 
+@pytest.mark.slow
 def test_mtp_compiles_as_one_graph():
     """The MTP module with documents (its tables prepared with the batch, as the engine does): its block's Gated MLA,
     AttnRes and FFN trace as one graph (the attention chunk kernel is an opaque custom op)."""
@@ -146,6 +147,7 @@ def _tiny_part(compile_backend=None):
     return model
 
 
+@pytest.mark.slow
 def test_model_compile_compiles_each_layer_in_place():
     from torch._dynamo.utils import counters
 

@@ -196,6 +196,7 @@ def _cli(*argv: str, env_extra: dict | None = None) -> subprocess.CompletedProce
     )
 
 
+@pytest.mark.slow
 def test_cli_config_errors_are_clean(tmp_path):
     """Through the command line: exit code != 0, the key in the message, no traceback, no run directory."""
     run_dir = tmp_path / "run"

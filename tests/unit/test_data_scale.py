@@ -107,6 +107,7 @@ def test_streaming_eval_split_and_errors(tmp_path):
         build_dataloader(cfg, tok, vocab_size=120)
 
 
+@pytest.mark.slow
 def test_streaming_memory_is_flat_as_the_corpus_grows_10x():
     sys.path.insert(0, str(TOOLS))
     import bench_data_memory

@@ -138,6 +138,7 @@ def _step(model, tokens, ctx=None):
 
 @pytest.mark.skipif(not CAN_RUN_TRITON, reason="needs a GPU or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("documents", [False, True], ids=["rows", "documents"])
+@pytest.mark.slow
 def test_triton_choice_runs_the_kernels_with_torch_results(kernel_calls, documents):
     pytest.importorskip("triton")
     model = _model(1)

@@ -138,6 +138,7 @@ def test_endpoint_from_environment():
     assert "--rdzv-endpoint 10.1.2.3:1234" in out and "--rdzv-id 777" in out
 
 
+@pytest.mark.slow
 def test_multi_node_without_endpoint_is_an_error():
     r = _torchrun("--dry-run", "--nnodes", "2")
     assert r.returncode != 0

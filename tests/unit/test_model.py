@@ -226,6 +226,7 @@ def test_bad_cu_seqlens():
             m(tokens, BatchContext(cu_seqlens=torch.tensor(cu, dtype=torch.int32)))
 
 
+@pytest.mark.slow
 def test_count_params_tool_contract():
     import json
     import subprocess

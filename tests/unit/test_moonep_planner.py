@@ -77,6 +77,7 @@ def skewed_routing(R: int, G: int, S: int, K: int, exponent: float, perm_seed: i
 # Invariants on many random cases
 
 
+@pytest.mark.slow
 def test_invariants_on_thousands_of_random_skewed_cases():
     gen = torch.Generator().manual_seed(1234)
     worst_no_rep = 1.0
@@ -135,6 +136,7 @@ def random_group_totals(rng: random.Random, R: int, rows: int) -> list[int]:
     not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
     reason="needs a GPU or TRITON_INTERPRET=1",
 )
+@pytest.mark.slow
 def test_fill_kernel_matches_reference_on_random_loads_with_ties():
     from k3kernels.moonep import group_quotas_triton
 

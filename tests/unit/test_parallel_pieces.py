@@ -296,6 +296,7 @@ def _engine_overlap_worker(rank: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_engine_reduces_while_the_last_backward_runs(tmp_path):
     recs = run_forked(_engine_overlap_worker, tmp_path)
     for rank, rec in enumerate(recs):
@@ -379,6 +380,7 @@ def _forked_run_and_reference(spec: dict, tmp_path) -> tuple:
     return layout, records, reference
 
 
+@pytest.mark.slow
 def test_pipeline_step_equals_one_process(tmp_path):
     H = _harness()
     layout, records, reference = _forked_run_and_reference(PP, tmp_path)
@@ -388,6 +390,7 @@ def test_pipeline_step_equals_one_process(tmp_path):
     assert all(rec["comm"][-1].get(f"pp/send_{d}", {}).get("payload", 0) > 0 for rec, d in zip(records, ("fwd", "bwd")))
 
 
+@pytest.mark.slow
 def test_muon_owner_steps_equal_one_process_in_fp64(tmp_path):
     # Owner-sharded Muon over dp=2 (each matrix orthogonalised by one rank, the updates all-gathered): in float64
     # the replicas equal one process to rounding, which an update sent in fp32 (1e-8) would not.
