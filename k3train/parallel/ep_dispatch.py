@@ -199,10 +199,6 @@ class OverlapTrace:
 
         return run
 
-    def index(self, event: str, name: str) -> int:
-        """Position of the first (event, name) (ValueError when absent)."""
-        return self.events.index((event, name))
-
 
 class _Mark(torch.autograd.Function):
     """Identity that records `event` when its gradient passes."""
@@ -229,7 +225,7 @@ class EPDispatcher:
 
     side = None
     """The MoE layer's side work during its call (LatentMoE sets it: the shared experts): one stage runs while each
-    all-to-all of tokens is in flight."""
+    forward all-to-all of tokens is in flight."""
 
     trace: OverlapTrace | None = None
     """When set, issues, waits and side work are recorded in it."""
