@@ -625,6 +625,28 @@ def _positions_are_the_order(orig):
     return send_positions
 
 
+def _rows_read_before_wait(orig):
+    fn = orig.__func__
+
+    def forward(ctx, token, flight):
+        early = flight.out.clone()  # the receive buffer read before the all-to-all is waited for
+        fn(ctx, token, flight)
+        return early
+
+    return staticmethod(forward)
+
+
+def _overlap_skipped(orig):
+    def _overlap(self, name):
+        pass  # nothing runs while the all-to-all is in flight: the layer runs its side work afterwards
+
+    return _overlap
+
+
+def _never_poisoned(orig):
+    return lambda: False
+
+
 def _band_tightest(orig):
     def tolerance(precisions, cfg):
         return orig(sorted(precisions, key=lambda p: p != "fp32")[:1], cfg)  # the fp32 band whatever is compared
@@ -1054,6 +1076,7 @@ KDA_CP = "tests/unit/test_kda_cp.py"
 EP = "tests/unit/test_ep_local.py"
 MOONEP = "tests/unit/test_moonep_planner.py"
 PIECES = "tests/unit/test_parallel_pieces.py"
+OVERLAP = "tests/unit/test_ep_overlap.py"
 GAPS = "tests/unit/test_mutant_gaps.py"
 ENGINE = "tests/unit/test_engine.py"
 PREC = "tests/unit/test_precision.py"
@@ -1438,6 +1461,27 @@ MUTATIONS: list[Mutation] = [
         "send and combine place rows by the sort order instead of its inverse",
         _positions_are_the_order,
         (f"{EP}::test_alltoall_layout_end_to_end_in_one_process",),
+    ),
+    M(
+        "ep_overlap_reads_before_wait",
+        "k3train.distributed.comm:_WaitRows.forward",
+        "an overlapped all-to-all hands out its receive buffer as read before the wait (K3_POISON_RECV makes it NaN)",
+        _rows_read_before_wait,
+        (f"{OVERLAP}::test_overlapped_layer_equals_one_process_and_hides_the_shared_experts",),
+    ),
+    M(
+        "ep_overlap_skipped",
+        "k3train.parallel.ep_dispatch:EPDispatcher._overlap",
+        "the shared experts run after the routed block instead of while its all-to-alls are in flight",
+        _overlap_skipped,
+        (f"{OVERLAP}::test_overlapped_layer_equals_one_process_and_hides_the_shared_experts",),
+    ),
+    M(
+        "ep_poison_never",
+        "k3train.distributed.comm:poison_receives",
+        "K3_POISON_RECV=1 leaves receive buffers as they are until the wait",
+        _never_poisoned,
+        (f"{OVERLAP}::test_poisoned_receive_buffer_reads_nan_until_its_wait",),
     ),
     M(
         "moonep_quota_transposed",

@@ -8,7 +8,10 @@ Two numbers per call:
   bandwidth-bound link: all-reduce 2(n-1)/n S, reduce-scatter (n-1)/n S_in, all-gather (n-1)/n S_out,
   all-to-all the rows addressed to other ranks, broadcast S on the source, send S.
 A collective over a group of one rank is skipped and costs nothing. The asynchronous forms (`start_all_reduce`,
-`start_reduce_scatter`: gradient buckets launched while backward runs) are counted when launched.
+`start_reduce_scatter`: gradient buckets launched while backward runs; `start_all_to_all`, and its differentiable
+form `start_all_to_all_rows`: expert tokens in flight while the shared experts run) are counted when launched.
+K3_POISON_RECV=1 (a debug mode) fills an asynchronous all-to-all's receive buffer with NaN until its wait, so a read
+before the wait fails every time instead of passing when the transfer happens to be fast.
 
 Scopes. `counting(c)` opens a scope: while it lasts every collective is also counted in `c`. Scopes nest and a call
 is counted in every open one, so the engine's counter sees all of a step while an EP dispatcher or a
@@ -28,6 +31,7 @@ the rank was waiting in.
 
 from __future__ import annotations
 
+import os
 import threading
 from contextlib import contextmanager
 from functools import partial
@@ -237,15 +241,62 @@ def all_to_all(
     """Rows of inp go to the ranks in order (in_splits[r] rows to rank r; even without splits); out receives
     out_splits[r] rows from rank r."""
 
+    run = partial(dist.all_to_all_single, out, inp, out_splits, in_splits, group=group)
+    _collective("all_to_all", group, dim, what, run, _a2a_count(inp, in_splits, group), alone=partial(out.copy_, inp))
+    return out
+
+
+def _a2a_count(inp: torch.Tensor, in_splits, group):
     def count(n):
         # Bytes leaving this rank: everything but the rows it keeps.
         row = _nbytes(inp[0]) if inp.dim() > 1 and inp.shape[0] else inp.element_size()
         kept = inp.shape[0] // n if in_splits is None else in_splits[dist.get_rank(group)]
         return _nbytes(inp), _nbytes(inp) - kept * row
 
-    run = partial(dist.all_to_all_single, out, inp, out_splits, in_splits, group=group)
-    _collective("all_to_all", group, dim, what, run, count, alone=partial(out.copy_, inp))
-    return out
+    return count
+
+
+POISON_ENV = "K3_POISON_RECV"
+"""Set to 1: the receive buffer of every asynchronous all-to-all (`start_all_to_all`) reads NaN until its wait."""
+
+
+def poison_receives() -> bool:
+    """Whether POISON_ENV is set (read at each launch, so a test can switch it per call)."""
+    return os.environ.get(POISON_ENV, "0") not in ("", "0", "false", "False")
+
+
+class _Poisoned:
+    """A launched collective that receives into a private buffer; the caller's buffer holds NaN (integers: their
+    minimum) until `wait`, which copies the received rows over it. A read before the wait sees the poison every
+    time, not only when the transfer happens to be slow."""
+
+    def __init__(self, work, out: torch.Tensor, private: torch.Tensor):
+        self.work, self.out, self.private = work, out, private
+
+    def wait(self) -> bool:
+        self.work.wait()
+        self.out.copy_(self.private)
+        return True
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    return t.fill_(float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).min)
+
+
+def start_all_to_all(
+    out: torch.Tensor, inp: torch.Tensor, group, dim: str, out_splits=None, in_splits=None, *, what: str | None = None
+):
+    """all_to_all (as `all_to_all`) launched asynchronously: returns the work to `wait` on (None over a group of one
+    rank, where out is filled at once). Counted when launched. out and inp must not be touched until the wait; under
+    K3_POISON_RECV=1 out reads NaN until then."""
+    dest = torch.empty_like(out) if poison_receives() else out
+    run = partial(dist.all_to_all_single, dest, inp, out_splits, in_splits, group=group, async_op=True)
+    count = _a2a_count(inp, in_splits, group)
+    work = _collective("all_to_all", group, dim, what, run, count, alone=partial(out.copy_, inp), launch=True)
+    if work is None or dest is out:
+        return work
+    _poison(out)
+    return _Poisoned(work, out, dest)
 
 
 def broadcast(t: torch.Tensor, src_group_rank: int, group, dim: str, *, what: str | None = None) -> torch.Tensor:
@@ -327,6 +378,102 @@ def all_to_all_rows(
     if x.shape[0] != sum(in_splits):
         raise ValueError(f"all_to_all_rows: x has {x.shape[0]} rows but in_splits sum to {sum(in_splits)}")
     return _AllToAllRows.apply(x, list(out_splits), list(in_splits), group, dim, what, grad_what)
+
+
+class _Flight:
+    """What the two halves of an asynchronous row all-to-all share: the forward's and the backward's buffers and
+    works (each dropped once waited on), the splits and the labels. `note` (optional) is told each issue and wait."""
+
+    def __init__(self, out_splits, in_splits, group, dim, what, grad_what, note):
+        self.out_splits, self.in_splits, self.group, self.dim = out_splits, in_splits, group, dim
+        self.what, self.grad_what, self.note = what, grad_what, note
+        self.scopes = tuple(_scopes())
+        self.work = self.out = self.sent = None
+        self.grad_work = self.grad_in = self.grad_sent = None
+
+    def tell(self, event: str) -> None:
+        if self.note is not None:
+            self.note(event)
+
+
+class _IssueRows(torch.autograd.Function):
+    """Forward: launch the rows' all-to-all, return an empty token (the receive buffer is reached only through
+    `_WaitRows`). Backward: wait for the gradient's reverse all-to-all that `_WaitRows.backward` launched."""
+
+    @staticmethod
+    def forward(ctx, x, f: _Flight):
+        f.sent = x.contiguous()
+        f.out = x.new_empty((sum(f.out_splits), *x.shape[1:]))
+        f.work = start_all_to_all(f.out, f.sent, f.group, f.dim, f.out_splits, f.in_splits, what=f.what)
+        f.tell("issue")
+        ctx.flight = f
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _token_grad):
+        f = ctx.flight
+        if f.grad_in is None:  # the received rows took no part in the loss
+            return None, None
+        wait(f.grad_work, "all_to_all", f.dim, what=f.grad_what)
+        f.tell("grad wait")
+        gin, f.grad_in, f.grad_sent, f.grad_work = f.grad_in, None, None, None
+        return gin, None
+
+
+class _WaitRows(torch.autograd.Function):
+    """Forward: wait, then hand out the received rows. Backward: launch the gradient's reverse all-to-all and return
+    at once, so autograd runs other nodes (those recorded between issue and wait in forward) while it is in flight."""
+
+    @staticmethod
+    def forward(ctx, token, f: _Flight):
+        wait(f.work, "all_to_all", f.dim, what=f.what)
+        f.tell("wait")
+        out, f.out, f.sent, f.work = f.out, None, None, None
+        ctx.flight = f
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        f = ctx.flight
+        f.grad_sent = g.contiguous()
+        f.grad_in = g.new_empty((sum(f.in_splits), *g.shape[1:]))
+        with in_scopes(f.scopes):
+            f.grad_work = start_all_to_all(
+                f.grad_in, f.grad_sent, f.group, f.dim, f.in_splits, f.out_splits, what=f.grad_what
+            )
+        f.tell("grad issue")
+        return g.new_zeros(0), None
+
+
+class InFlight:
+    """A row all-to-all launched by `start_all_to_all_rows`; `wait()` returns the received rows (differentiable)."""
+
+    def __init__(self, token: torch.Tensor, flight: _Flight):
+        self._token, self._flight = token, flight
+
+    def wait(self) -> torch.Tensor:
+        return _WaitRows.apply(self._token, self._flight)
+
+
+def start_all_to_all_rows(
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group,
+    dim: str,
+    *,
+    what: str | None = None,
+    grad_what: str | None = None,
+    note=None,
+) -> InFlight:
+    """`all_to_all_rows` launched asynchronously: returns an InFlight whose `wait()` gives the received rows. Work
+    done between the two overlaps the transfer. In backward the gradient's reverse all-to-all is launched where the
+    wait was recorded and waited for where the launch was, so the backward of that work overlaps it too.
+    note: called with "issue", "wait", "grad issue", "grad wait" as they happen (a trace)."""
+    if x.shape[0] != sum(in_splits):
+        raise ValueError(f"all_to_all_rows: x has {x.shape[0]} rows but in_splits sum to {sum(in_splits)}")
+    f = _Flight(list(out_splits), list(in_splits), group, dim, what, grad_what, note)
+    return InFlight(_IssueRows.apply(x, f), f)
 
 
 class _AllGatherRows(torch.autograd.Function):

@@ -12,6 +12,13 @@ All-to-all dispatch of one MoE layer (R ranks, G = E/R home experts each, N loca
     expert-major for the grouped matmul over the home experts;
  5. combine: the inverse gather, the reverse all_to_all home, then un-sort and mix with the router weights at the
     source rank (the weights never travel).
+Overlap: the token all-to-alls (3, 5 and their reverse in backward) are launched asynchronously and waited for where
+their rows are used. While each of the two forward ones is in flight, the dispatcher runs the next stage of the
+layer's side work (`side`, set by LatentMoE: the shared experts' gate/linear branches during dispatch, their down
+projection during combine); in backward the reverse all-to-all is launched where the forward waited and waited for
+where it launched, so autograd runs those stages' backward in between (comm.start_all_to_all_rows). `trace`
+(an OverlapTrace) records the order when set. The count exchange stays blocking: its result is read on the host at
+once.
 Steps 1/3 and 5 at the source are the permutation kernels of the model's `kernels` choice (Triton on CUDA): one
 kernel writes each token's K latent rows into the send buffer, one mixes the returned rows with the router weights.
 The top-k, the sort order and the splits are computed once in forward and kept for backward; backward only runs the
@@ -168,6 +175,45 @@ class CommStats:
         return self.dispatch_bytes / max(self.routes, 1)
 
 
+class OverlapTrace:
+    """What a dispatcher overlaps, in the order it happens (set `dispatcher.trace = OverlapTrace()` to record):
+    (event, name) pairs. Each all-to-all `name` ("dispatch", "combine") records "issue" and "wait", and in backward
+    "grad issue" and "grad wait"; the stage of side work run while it is in flight records "begin" / "end" under the
+    name "side:<name>", and in backward "grad begin" / "grad end" when autograd enters and leaves that stage's
+    gradient."""
+
+    def __init__(self):
+        self.events: list[tuple[str, str]] = []
+
+    def note(self, name: str):
+        return lambda event: self.events.append((event, name))
+
+    def span(self, name: str):
+        """run(stage, value) for SideWork.advance: the stage bracketed by events, forward and backward."""
+
+        def run(stage, value):
+            self.events.append(("begin", name))
+            out = _Mark.apply(stage(_Mark.apply(value, self.note(name), "grad end")), self.note(name), "grad begin")
+            self.events.append(("end", name))
+            return out
+
+        return run
+
+
+class _Mark(torch.autograd.Function):
+    """Identity that records `event` when its gradient passes."""
+
+    @staticmethod
+    def forward(ctx, x, note, event):
+        ctx.note, ctx.event = note, event
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.note(ctx.event)
+        return g, None, None
+
+
 class EPDispatcher:
     """What every EP dispatcher holds: its group, a ledger of its own collectives (labels: counts, dispatch,
     combine, backward, weights), and the permutation kernels it sends and mixes with (`kernels`, set per model by
@@ -176,6 +222,13 @@ class EPDispatcher:
     un-permutation."""
 
     kernels: Kernels = AUTO
+
+    side = None
+    """The MoE layer's side work during its call (LatentMoE sets it: the shared experts): one stage runs while each
+    forward all-to-all of tokens is in flight."""
+
+    trace: OverlapTrace | None = None
+    """When set, issues, waits and side work are recorded in it."""
 
     def __init__(self, group, ep_rank: int, ep_size: int):
         self.group, self.ep_rank, self.ep_size = group, ep_rank, ep_size
@@ -190,17 +243,32 @@ class EPDispatcher:
 
     def _send_tokens(self, z: Tensor, order: Tensor, shape, send_splits: list[int], recv_splits: list[int]):
         """Each token's K rows of z into the send buffer in `order` (the flat rows in send order; shape: [N, K]),
-        then the all_to_all: (pos [N, K] for combine, the received rows)."""
+        then the all_to_all launched: (pos [N, K] for combine, the InFlight of the received rows)."""
         self.routes += order.numel()
         self.calls += 1
         pos = send_positions(order, tuple(shape))
-        return pos, self._send_rows(self.kernels.permute_rows(z, pos), recv_splits, send_splits, "dispatch")
+        return pos, self._start_rows(self.kernels.permute_rows(z, pos), recv_splits, send_splits, "dispatch")
+
+    def _overlap(self, name: str) -> None:
+        """While all-to-all `name` is in flight: the next stage of the layer's side work, if any."""
+        if self.side is not None:
+            self.side.advance(None if self.trace is None else self.trace.span(f"side:{name}"))
 
     def combine(self, y: Tensor, weights: Tensor, state) -> Tensor:
-        """y [M, L] in dispatch order, weights [N, K] -> u [N, L]: the inverse gather, the trip home and the mix."""
+        """y [M, L] in dispatch order, weights [N, K] -> u [N, L]: the inverse gather, the trip home (with the side
+        work's next stage run meanwhile) and the mix."""
         pos, em, send_splits, recv_splits = state[:4]
-        back = self._send_rows(y[inverse_permutation(em)], send_splits, recv_splits, "combine")
-        return self.kernels.unpermute(back, weights, pos)
+        flight = self._start_rows(y[inverse_permutation(em)], send_splits, recv_splits, "combine")
+        self._overlap("combine")
+        return self.kernels.unpermute(flight.wait(), weights, pos)
+
+    def _start_rows(self, x: Tensor, out_splits: list[int], in_splits: list[int], what: str) -> comm.InFlight:
+        """`_send_rows` launched asynchronously (its backward overlaps too; see comm.start_all_to_all_rows)."""
+        note = None if self.trace is None else self.trace.note(what)
+        with comm.counting(self.ledger):
+            return comm.start_all_to_all_rows(
+                x, out_splits, in_splits, self.group, "ep", what=what, grad_what="backward", note=note
+            )
 
     def _send_rows(
         self, x: Tensor, out_splits: list[int], in_splits: list[int], what: str, grad_what: str = "backward"
@@ -305,6 +373,7 @@ class AllToAllDispatcher(EPDispatcher):
         # The layer's one read of device values on the host: both split lists in one copy.
         splits = host_sync.host_counts(torch.cat([send, recv_counts.sum(1)]))
         send_splits, recv_splits = splits[:R], splits[R:]
-        pos, rows = self._send_tokens(z, order, idx.shape, send_splits, recv_splits)
+        pos, flight = self._send_tokens(z, order, idx.shape, send_splits, recv_splits)
         em = source_to_expert_major(recv_counts, sum(recv_splits))
-        return rows[em], recv_counts.sum(0), (pos, em, send_splits, recv_splits)
+        self._overlap("dispatch")
+        return flight.wait()[em], recv_counts.sum(0), (pos, em, send_splits, recv_splits)

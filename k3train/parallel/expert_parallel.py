@@ -11,7 +11,8 @@
 - `moe.dispatcher` becomes the dispatcher named by `dispatcher`: "alltoall" (k3train.parallel.ep_dispatch, each
   expert runs only at home) or "moonep" (k3train.parallel.moonep_dispatch). LatentMoE keeps calling
   `dispatch(z, idx, E) -> (rows grouped by local expert, counts per local expert, state)`, then
-  `experts(rows, counts)`, then `combine(y, weights, state) -> u`: the seam needs no change in moe.py.
+  `experts(rows, counts)`, then `combine(y, weights, state) -> u`; for the call's duration it sets
+  `dispatcher.side` to the shared experts as side work, which the EP dispatchers run while tokens are in flight.
   Either dispatcher reads device values on the host once per MoE layer and micro-batch, in one
   `k3train.distributed.host_sync.host_counts` call (the all_to_all split sizes, which torch.distributed takes as Python
   ints, and MoonEP's plan integers): one pinned, non-blocking copy and one wait on CUDA; nothing else synchronises.

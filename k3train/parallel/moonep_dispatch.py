@@ -11,6 +11,8 @@ Per MoE layer and micro-batch (R EP ranks, G = E/R home experts each, S tokens p
  4. each token-expert row goes to the destination the plan gives it (rows of one expert fill destinations in a fixed
     global order), sorted by (destination, expert); the latent z travels in one uneven all_to_all into a receive
     buffer of exactly S·K rows (static shape), and one gather (the plan's expert-major index) groups it by expert;
+    it is launched asynchronously and the layer's side work runs while it is in flight, as in the all-to-all
+    dispatcher (the weight fetch of step 3 stays blocking);
  5. the home experts' rows (one contiguous range of that buffer) go through LatentMoE's usual `experts(rows, counts)`
     call; the hosted experts' rows (before or after that range: they all come from one other group) run through the
     same SiTU-GLU with the fetched weights inside `combine`; then the inverse gather, the reverse all_to_all and the
@@ -206,9 +208,10 @@ class MoonEPDispatcher(EPDispatcher):
         fetched = self._fetch_hosted(rp, z.dtype)
 
         order = _send_order(rp.counts, rp.alloc, me, idx)[0]
-        pos, rows = self._send_tokens(z, order, idx.shape, rp.send_splits, rp.recv_splits)
+        pos, flight = self._send_tokens(z, order, idx.shape, rp.send_splits, rp.recv_splits)
         em = rp.expert_major_index()
-        grouped = rows[em]  # [S·K, L], ascending expert; the home experts are one contiguous range
+        self._overlap("dispatch")
+        grouped = flight.wait()[em]  # [S·K, L], ascending expert; the home experts are one contiguous range
         a, b, lo = rp.a, rp.b, me * rp.G
         state = (pos, em, rp.send_splits, rp.recv_splits, grouped, a, b, rp.mine, fetched)
         return grouped[a:b], rp.mine[lo : lo + rp.G], state

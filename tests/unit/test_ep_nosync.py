@@ -87,6 +87,22 @@ def _stub_send(sent: list):
     return send
 
 
+class _Arrived:
+    """A stand-in for an all_to_all in flight whose rows have arrived."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def wait(self):
+        return self.rows
+
+
+def _stub_rows(d, send) -> None:
+    """Both of a dispatcher's row all_to_alls (blocking and launched) through `send`."""
+    d._send_rows = send
+    d._start_rows = lambda x, out_splits, in_splits, what: _Arrived(send(x, out_splits, in_splits, what))
+
+
 def test_guard_has_teeth(monkeypatch):
     t = torch.tensor([3, 4])
     with no_host_reads(monkeypatch) as calls:
@@ -126,7 +142,7 @@ def test_alltoall_reads_the_host_once_per_layer(monkeypatch, dtype):
         homes = [EPGroupedExperts(full, None, me, R) for _ in range(layers)]
         sent = []
         for d in disps:
-            d._send_rows = _stub_send(sent)
+            _stub_rows(d, _stub_send(sent))
         with no_host_reads(monkeypatch) as calls:
             for mb in range(micro):
                 idxs = _routing(R, S, E, K, skew=1.0, seed=mb)
@@ -152,7 +168,7 @@ def test_moonep_reads_the_host_once_per_layer(monkeypatch, dtype):
         disps = [MoonEPDispatcher(None, me, R, ex) for ex in homes]
         sent = []
         for d in disps:
-            d._send_rows = _stub_send(sent)
+            _stub_rows(d, _stub_send(sent))
         with no_host_reads(monkeypatch) as calls:
             for mb in range(micro):
                 idxs = _routing(R, S, E, K, skew=2.0, seed=mb)
@@ -220,7 +236,7 @@ def test_dispatch_runs_on_tensors_without_data(monkeypatch, kind):
             d = MoonEPDispatcher(None, me, R, ex)
             all_counts = make_tensor(counts)
             d._gather_counts = lambda c: all_counts
-        d._send_rows = _stub_send([])
+        _stub_rows(d, _stub_send([]))
         z = torch.empty(S, L, dtype=torch.bfloat16).requires_grad_()
         w = torch.empty(S, K).requires_grad_()
         rows, c, st = d.dispatch(z, make_tensor(idxs[me]), E)
@@ -265,7 +281,7 @@ def test_dispatchers_send_and_mix_with_the_chosen_kernels(monkeypatch, kind):
         ex = EPGroupedExperts(full, None, 0, 1)
         d = AllToAllDispatcher(None, 0, 1) if kind == "alltoall" else MoonEPDispatcher(None, 0, 1, ex)
         d._gather_counts = lambda c: c.view(1, -1)
-        d._send_rows = lambda x, out_splits, in_splits, what, grad_what="backward": x
+        _stub_rows(d, lambda x, out_splits, in_splits, what, grad_what="backward": x)
         d.kernels = Kernels(choice)
         z = torch.randn(S, L, generator=torch.Generator().manual_seed(1)).requires_grad_()
         w = torch.rand(S, K, generator=torch.Generator().manual_seed(2)).requires_grad_()

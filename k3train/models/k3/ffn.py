@@ -25,7 +25,11 @@ class SiTUGLU(nn.Module):
         self.w2 = nn.Linear(hidden * n_fused, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.kernels.situ(self.w1(x), self.w3(x), self.beta1, self.beta2))
+        return self.w2(self.gate_up(x))
+
+    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        """The first half of forward: situ(W1 x, W3 x) (the rest is `w2`; a MoE layer runs them apart)."""
+        return self.kernels.situ(self.w1(x), self.w3(x), self.beta1, self.beta2)
 
     def muon_structure(self) -> dict[str, MatrixStructure]:
         n = self.n_fused

@@ -4,7 +4,9 @@
     z = W_down x;  u = sum_{j in T} p_j E_j(z);  y = sum_shared E_s(x) + W_up RMSNorm(u)
 
 The selection bias b (Quantile Balancing) changes which experts are chosen only: the weights p and every gradient
-use the unbiased scores. The dispatcher is a seam: local (here), all-to-all expert parallel, or MoonEP.
+use the unbiased scores. The dispatcher is a seam: local (here), all-to-all expert parallel, or MoonEP. The shared
+experts do not depend on the routed block: the layer hands them to the dispatcher as side work (`SideWork`), which a
+dispatcher that communicates runs while its all-to-alls are in flight.
 """
 
 from __future__ import annotations
@@ -87,12 +89,37 @@ class GroupedExperts(nn.Module):
         return Costs(saved, Flops(grouped_gemm=6.0 * 3 * k * L * h))
 
 
+class SideWork:
+    """Work of a MoE layer that does not depend on its routed block (the shared experts), as a chain of stages, each
+    taking the previous one's output. A dispatcher that communicates runs the next stage while each of its
+    all-to-alls is in flight (`advance`); the layer takes the result with `finish`, which runs what is left."""
+
+    def __init__(self, x: torch.Tensor, stages):
+        self.value, self.stages = x, list(stages)
+
+    def advance(self, run=None) -> bool:
+        """Run the next stage (through `run(stage, value)` if given: a trace's span); False when none is left."""
+        if not self.stages:
+            return False
+        stage = self.stages.pop(0)
+        self.value = stage(self.value) if run is None else run(stage, self.value)
+        return True
+
+    def finish(self) -> torch.Tensor:
+        while self.advance():
+            pass
+        return self.value
+
+
 class LocalDispatcher:
     """Sort token-expert rows by expert on this process; combine un-sorts and mixes with the weights
     (k3train.ops.moe_permute or its Triton kernels, as `kernels` says: static shapes, no host sync)."""
 
     kernels: Kernels = AUTO
     """Which permutation runs (k3train.ops.backend; set per model with set_kernels)."""
+
+    side: SideWork | None = None
+    """The layer's side work during its call (LatentMoE sets it); nothing here communicates, so it stays unrun."""
 
     def dispatch(self, z: torch.Tensor, idx: torch.Tensor, n_experts: int):
         """z [N, L], idx [N, K] -> (rows [N*K, L] grouped by expert, counts [n_experts], state for combine: the row
@@ -130,11 +157,28 @@ class LatentMoE(nn.Module):
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         idx, weights = self.router(xf)
-        u = self.routed(self.w_down(xf), idx, weights)
+        # The shared experts are the dispatcher's side work: one that communicates runs them while tokens travel.
+        side = SideWork(xf, self.shared_stages())
+        self.dispatcher.side = side
+        try:
+            u = self.routed(self.w_down(xf), idx, weights)
+        finally:
+            self.dispatcher.side = None
         y = self.w_up(self.latent_norm(u))
         if self.shared is not None:
-            y = y + self.shared(xf)
+            y = y + side.finish()
         return y.view(shape)
+
+    def shared_stages(self) -> tuple:
+        """The shared experts as stages of side work: (gate and linear branches with SiTU, down projection), one per
+        all-to-all of the routed block's forward; a single stage (the module's call) when an activation policy has
+        replaced the module's forward, so the policy still sees one call."""
+        sh = self.shared
+        if sh is None:
+            return ()
+        if "forward" in vars(sh):
+            return (sh,)
+        return (sh.gate_up, sh.w2)
 
     def muon_structure(self) -> dict[str, MatrixStructure]:
         s = {
