@@ -35,6 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from k3train.models.k3.args import get_preset  # noqa: E402
+from k3train.models.k3.mla import GatedMLA  # noqa: E402
 from k3train.ops.attention import latent_block_attention  # noqa: E402
 from k3train.ops.attention.blocked import K_CHUNK  # noqa: E402
 
@@ -70,22 +72,19 @@ def count_launches(prof) -> int:
 
 
 def _mla_like(T: int, H: int = 4, rank: int = 16, shared: int = 8, dk: int = 8, dv: int = 8):
-    """q [1, H, T, dk + shared], a latent [1, T, rank + shared] and Gated MLA's keys_values at small widths."""
+    """q [1, H, T, dk + shared], a latent [1, T, rank + shared] and a Gated MLA layer's keys_values at small widths."""
     g = torch.Generator().manual_seed(0)
     c = torch.randn(1, T, rank + shared, generator=g, requires_grad=True)
     q = torch.randn(1, H, T, dk + shared, generator=g, requires_grad=True)
-    norm_w = torch.ones(rank, requires_grad=True)
-    up_w = (0.1 * torch.randn(H * (dk + dv), rank, generator=g)).requires_grad_()
-
-    def kv(cb, nw, uw):
-        n, t = cb.shape[0], cb.shape[1]
-        lat, ks = cb.split([rank, shared], -1)
-        kvh = torch.nn.functional.linear(torch.nn.functional.rms_norm(lat, (rank,), nw, 1e-6), uw)
-        k_lat, v = kvh.view(n, t, H, dk + dv).split([dk, dv], -1)
-        k = torch.cat([k_lat, ks[:, :, None].expand(n, t, H, shared)], -1)
-        return k.transpose(1, 2), v.transpose(1, 2)
-
-    return q, c, kv, (norm_w, up_w)
+    widths = {
+        "mla_heads": H,
+        "mla_kv_rank": rank,
+        "mla_shared_k_dim": shared,
+        "mla_k_head_dim": dk,
+        "mla_v_head_dim": dv,
+    }
+    mla = GatedMLA(get_preset("tiny", **widths))
+    return q, c, mla.keys_values, (mla.kv_norm.weight, mla.wkv_b.weight)
 
 
 def measure_chunked(T: int, chunk: int) -> dict:

@@ -23,6 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from k3train.models.k3.args import get_preset  # noqa: E402
+from k3train.models.k3.mla import GatedMLA  # noqa: E402
 from k3train.ops.attention import latent_block_attention  # noqa: E402
 from k3train.ops.attention.inner import flex_chunk, reference_chunk  # noqa: E402
 from k3train.ops.backend import Kernels  # noqa: E402
@@ -82,21 +84,15 @@ def chunk_check(dev) -> None:
 
 
 def _layer_inputs(dev):
+    """Queries, a latent and a K3-width Gated MLA layer's keys_values (with its kv norm and up-projection weights)."""
     g = torch.Generator(device=dev).manual_seed(3)
     q = torch.randn(1, H, T, DK + DS, device=dev, generator=g, requires_grad=True)
     c = torch.randn(1, T, RANK + DS, device=dev, generator=g, requires_grad=True)
-    norm_w = torch.ones(RANK, device=dev, requires_grad=True)
-    up_w = (RANK**-0.5 * torch.randn(H * (DK + DV), RANK, device=dev, generator=g)).requires_grad_()
-
-    def kv(cb, nw, uw):
-        n, t = cb.shape[0], cb.shape[1]
-        lat, ks = cb.split([RANK, DS], -1)
-        kvh = torch.nn.functional.linear(torch.nn.functional.rms_norm(lat, (RANK,), nw, 1e-6), uw)
-        k_lat, v = kvh.view(n, t, H, DK + DV).split([DK, DV], -1)
-        k = torch.cat([k_lat, ks[:, :, None].expand(n, t, H, DS)], -1)
-        return k.transpose(1, 2), v.transpose(1, 2)
-
-    return q, c, kv, (norm_w, up_w)
+    widths = {"mla_heads": H, "mla_kv_rank": RANK, "mla_shared_k_dim": DS, "mla_k_head_dim": DK, "mla_v_head_dim": DV}
+    mla = GatedMLA(get_preset("tiny", **widths)).to(dev)
+    with torch.no_grad():
+        mla.wkv_b.weight.normal_(std=RANK**-0.5, generator=g)
+    return q, c, mla.keys_values, (mla.kv_norm.weight, mla.wkv_b.weight)
 
 
 def layer_check(dev) -> None:

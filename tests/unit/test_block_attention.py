@@ -8,6 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from k3train.models.k3.args import get_preset
+from k3train.models.k3.mla import GatedMLA
 from k3train.ops.attention import block_attention, latent_block_attention, naive_attention
 from k3train.ops.attention.inner import attention_chunk, chunk_kernel, flex_chunk, reference_chunk
 from k3train.ops.backend import Kernels
@@ -117,24 +119,24 @@ def test_saved_bytes_double_from_t_to_2t():
 
 # ---- keys and values rebuilt per key block from a compact source (Gated MLA's latent) --------------------------------
 def _mla_like(B=2, H=3, T=37, rank=6, shared=2, dk=4, dv=3, docs=((0, 1, 13, 14), (0, 20)), seed=0):
-    """A latent c [B, T, rank + shared] and kv(c, norm_w, up_w) shaped like GatedMLA.keys_values."""
+    """A latent c [B, T, rank + shared], queries, and a Gated MLA layer's keys_values at these widths (fp64)."""
     g = torch.Generator().manual_seed(seed)
     f64 = dict(dtype=torch.float64)
     c = torch.randn(B, T, rank + shared, generator=g, **f64, requires_grad=True)
     q = torch.randn(B, H, T, dk + shared, generator=g, **f64, requires_grad=True)
-    norm_w = (1 + 0.1 * torch.randn(rank, generator=g, **f64)).requires_grad_()
-    up_w = torch.randn(H * (dk + dv), rank, generator=g, **f64).requires_grad_()
-
-    def kv(cb, nw, uw):
-        n, T_ = cb.shape[0], cb.shape[1]
-        lat, ks = cb.split([rank, shared], -1)
-        kvh = torch.nn.functional.linear(torch.nn.functional.rms_norm(lat, (rank,), nw, 1e-6), uw)
-        k_lat, v = kvh.view(n, T_, H, dk + dv).split([dk, dv], -1)
-        k = torch.cat([k_lat, ks[:, :, None].expand(n, T_, H, shared)], -1)
-        return k.transpose(1, 2), v.transpose(1, 2)
-
+    widths = {
+        "mla_heads": H,
+        "mla_kv_rank": rank,
+        "mla_shared_k_dim": shared,
+        "mla_k_head_dim": dk,
+        "mla_v_head_dim": dv,
+    }
+    mla = GatedMLA(get_preset("tiny", **widths)).double()
+    with torch.no_grad():
+        mla.kv_norm.weight.copy_(1 + 0.1 * torch.randn(rank, generator=g, **f64))
+        mla.wkv_b.weight.normal_(generator=g)
     _, _, _, pos, doc = _case(B=B, H=1, T=T, docs=docs)
-    return q, c, kv, (norm_w, up_w), pos, doc
+    return q, c, mla.keys_values, (mla.kv_norm.weight, mla.wkv_b.weight), pos, doc
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
