@@ -27,6 +27,7 @@ saved bytes crossing HBM twice (HBM_PASSES) and the same rows per expert. Each l
 from __future__ import annotations
 
 import argparse
+import gc
 import signal
 import statistics
 import sys
@@ -221,7 +222,12 @@ def measure(spec, a, dtype, deadline: float, row: dict) -> None:
             each = max(time.monotonic() - t - row["compile_s"], 1e-6)
             n = max(1, min(a.iters, int((deadline - time.monotonic()) * 0.5 / each)))
             row["times"] = _timed(step, n, a.device)
-        row["counted"] = _counted(module, call, x)
+        try:
+            row["counted"] = _counted(module, call, x)
+        except Exception as e:  # the count is a cross-check: its failure leaves the timing standing
+            if FIRED:
+                raise
+            print(f"NOTE FlopCounterMode: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}", flush=True)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
 
@@ -329,6 +335,7 @@ def main(argv=None) -> int:
                 print(f"FAIL {item}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}", flush=True)
         finally:
             torch._dynamo.reset()
+            gc.collect()  # the layer's weights and activations go before the next is built
             if a.device == "cuda":
                 torch.cuda.empty_cache()
         row["plan_s"] = planned(row["costs"], row["tokens"], rows_per_expert, gpu, precision, act_bytes)

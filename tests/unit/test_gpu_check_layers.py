@@ -119,3 +119,23 @@ def test_gpu_check_lists_the_layers_part_within_five_minutes(tmp_path):
     budget = int(re.search(r"--budget (\d+)", parts["layers"][1])[1])
     assert budget < parts["layers"][0]  # the tool stops its layers before the part's timeout
     assert sum(limit for limit, _ in parts.values()) < 300, parts
+
+
+def test_a_layer_past_its_box_is_reported_and_the_run_goes_on():
+    """A budget already spent by the imports: each layer's box fires at once, both are TIMEOUT lines, the table still
+    shows the planner's figures, and the exit status says it failed."""
+    run = subprocess.run(
+        [sys.executable, str(TOOL), "--cpu-smoke", "--only", "ffn", "kda", "--budget", "0.01"],
+        check=False,
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert re.search(r"^TIMEOUT ffn: ", run.stdout, re.MULTILINE) and re.search(
+        r"^TIMEOUT kda: ", run.stdout, re.MULTILINE
+    )
+    assert re.search(r"^ffn +64 .* - +[0-9.e+-]+ +[0-9.]+ +-$", run.stdout, re.MULTILINE), run.stdout
+    assert "gpu_check_layers: FAILED: ffn kda" in run.stdout
