@@ -17,8 +17,12 @@
 #                LatentMoE, dense FFN, AttnRes, MTP) under torch.compile(fullgraph=True), inductor, bf16: forward and
 #                backward, no graph break, equal to eager within a bf16 bound; KDA's triton choice against torch
 # 6. tiny        20 steps of the tiny_cpu recipe with train.device=cuda (fp32)
-# 7. bigger      a short bf16 run of the `small` preset cut to 8 layers on one GPU: tokens/s and MFU against the
-#                datasheet peak (k3train.plan.gpus: H200 dense bf16 989.4 TFLOP/s)
+# 7. layers      tools/gpu_check_layers.py: one k3_full-shaped layer of each kind (dense FFN, LatentMoE with one rank's
+#                7 experts at k3_full's rows per expert, KDA on triton, Gated MLA on flex_attention), bf16, inductor:
+#                forward+backward time, achieved TFLOP/s of its declared FLOPs against the dense bf16 peak
+#                (k3train.plan.gpus: H200 989.4 TFLOP/s) beside the planner's op-class figure for that layer. It
+#                replaced a short run of the `small` preset, whose one MFU figure at small widths these per-layer
+#                figures at K3's widths, set against the planner's, supersede
 # Parts 4-7 (and 5b, 5c) each report PASS, FAIL or TIMEOUT and the script goes on; it exits 1 if any part failed. Logs go to
 # $OUT (the device tool's folder) when set, else /tmp/gpu_check; set GPU_CHECK_LOGS to choose.
 set -uo pipefail
@@ -32,7 +36,7 @@ WORK="${GPU_CHECK_WORK:-/tmp/gpu_check_work}"
 export SITE="$WORK/site"
 export PY="${PYTHON:-python3}"
 # Time limits in seconds (sum 295 s, under the 5-minute budget).
-T_PREFLIGHT=15 T_WHEELS=20 T_IMPORTS=25 T_TESTS=55 T_BENCH=20 T_ATTN=35 T_COMPILE=55 T_TINY=25 T_BIGGER=45
+T_PREFLIGHT=15 T_WHEELS=20 T_IMPORTS=25 T_TESTS=55 T_BENCH=20 T_ATTN=35 T_COMPILE=55 T_TINY=25 T_LAYERS=45
 
 START=$SECONDS
 FAILED=()
@@ -144,21 +148,19 @@ COMMON=(train.resume=never train.eval_interval=0 train.checkpoint_interval=0 tra
 run_part tiny "$T_TINY" 0 "$PY" -m k3train.train --config-name tiny_cpu train.device=cuda train.steps=20 \
   "${COMMON[@]}" train.run_dir="$WORK/runs/tiny"
 
-# ---- 7. a bigger preset on one GPU -------------------------------------------------------------------------------
-run_part bigger "$T_BIGGER" 0 "$PY" -m k3train.train --config-name small_8gpu parallel=single \
-  +model.overrides.n_layers=8 data.seq_len=4096 data.micro_batch=2 train.steps=15 optim.warmup_steps=5 \
-  "${COMMON[@]}" train.run_dir="$WORK/runs/bigger"
+# ---- 7. K3-shaped layers: achieved TFLOP/s beside the planner's -----------------------------------------------------
+run_part layers "$T_LAYERS" 0 "$PY" tools/gpu_check_layers.py --budget $((T_LAYERS - 7))
 
 # ---- summary -----------------------------------------------------------------------------------------------------
 say "summary (${SECONDS}s in all)"
 printf '  %s\n' "${SUMMARY[@]}"
 if (( ! DRY_RUN )); then
-  for name in tiny bigger; do
-    [[ -f "$LOGS/$name.log" ]] || continue
-    echo "  $name: $(grep -m1 -o 'kernels [a-z]* (model.kernels=[a-z]*)' "$LOGS/$name.log"); \
-$(grep -m1 -o 'peak [0-9,.]* GFLOP/s' "$LOGS/$name.log")"
-    echo "  $name last step: $(grep 'tok/s' "$LOGS/$name.log" | tail -1)"
-  done
+  if [[ -f "$LOGS/tiny.log" ]]; then
+    echo "  tiny: $(grep -m1 -o 'kernels [a-z]* (model.kernels=[a-z]*)' "$LOGS/tiny.log"); \
+$(grep -m1 -o 'peak [0-9,.]* GFLOP/s' "$LOGS/tiny.log")"
+    echo "  tiny last step: $(grep 'tok/s' "$LOGS/tiny.log" | tail -1)"
+  fi
+  [[ -f "$LOGS/layers.log" ]] && sed -n '/^layer /,/^gpu_check_layers:/p' "$LOGS/layers.log" | sed 's/^/  /'
 fi
 if (( ${#FAILED[@]} )); then
   echo "gpu_check: FAILED: ${FAILED[*]} (logs in $LOGS)"

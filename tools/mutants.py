@@ -927,10 +927,27 @@ def _plan_ignores_k3_defaults(orig):
 
 
 def _plan_recompute_free(orig):
-    def recompute_flops_per_token(*args, **kw):
-        return 0.0  # the planner prices no rerun forward
+    def recompute_costs(*args, **kw):
+        from k3train.models.costs import Flops, Saved
 
-    return recompute_flops_per_token
+        return Flops(), Saved()  # the planner prices no rerun forward
+
+    return recompute_costs
+
+
+def _plan_op_class_dropped(orig):
+    def op_seconds(*args, **kw):
+        out = orig(*args, **kw)
+        return out | {"kda": 0.0}  # the KDA kernels' time left out of the step
+
+    return op_seconds
+
+
+def _plan_a2a_recompute_ignored(orig):
+    def a2a_passes(args, layer_id, plan):
+        return 4 if args.ffn_kind(layer_id) == "moe" else 0  # recomputation's extra dispatch and combine ignored
+
+    return a2a_passes
 
 
 def _plan_offload_free(orig):
@@ -1856,10 +1873,27 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "plan_recompute_free",
-        "k3train.plan.activations:recompute_flops_per_token",
+        "k3train.plan.activations:recompute_costs",
         "the planner charges no time for the forwards a storage plan reruns in backward",
         _plan_recompute_free,
-        (f"{PLAN_ACT}::test_whole_layer_recompute_reruns_every_forward",),
+        (
+            f"{PLAN_ACT}::test_whole_layer_recompute_reruns_every_forward",
+            f"{PLAN_ACT}::test_planner_charges_recompute_and_offload",
+        ),
+    ),
+    M(
+        "plan_op_class_dropped",
+        "k3train.plan.efficiency:op_seconds",
+        "the planner's step time leaves out one op class (the KDA kernels)",
+        _plan_op_class_dropped,
+        ("tests/unit/test_plan_efficiency.py::test_step_time_is_the_sum_of_the_op_classes_times",),
+    ),
+    M(
+        "plan_a2a_recompute_ignored",
+        "k3train.plan.activations:a2a_passes",
+        "the planner counts 4 expert all-to-all passes per MoE layer under whole-layer recompute too (not 6)",
+        _plan_a2a_recompute_ignored,
+        (f"{PLAN_ACT}::test_recompute_repeats_the_expert_all_to_all",),
     ),
     M(
         "plan_offload_free",

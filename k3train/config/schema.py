@@ -165,8 +165,9 @@ class PlanConfig:
     """Ranks to plan for when parallel.dp is -1 (fill from the world); 0 takes pp x dp x cp."""
     headroom: float = 0.10
     """Share of GPU memory left free (allocator fragmentation, CUDA context, communication libraries)."""
-    efficiency: float = 0.45
-    """Fraction of the dense peak FLOP/s that compute reaches (the step-time model's one assumed constant)."""
+    efficiency: float = 0.0
+    """0: each op class of the executed work at its own rate (k3train.plan.efficiency); in (0, 1]: every FLOP at
+    that one fraction of the dense peak FLOP/s and no memory-bound time (the single-efficiency model)."""
     check: bool = True
     """Refuse to start training on a GPU when the layout is predicted not to fit (before any process group)."""
     measure: bool = False

@@ -16,12 +16,14 @@ nothing new) and the routed-expert block recomputed from the saved routing and l
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from k3train.models.costs import Saved
+from k3train.models.costs import Flops, Saved
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.model import K3Layer, K3Model, sources_after
 from k3train.models.k3.mixers import layer_mixer
+
+OP_FIELDS = tuple(f.name for f in fields(Flops))
 
 FP8_BYTES = 1 + 4 / 128  # e4m3 element plus its share of one fp32 scale per 128-element block
 
@@ -126,9 +128,19 @@ def recompute_flops_per_token(
     """Forward FLOPs per token a stage's backward runs again under `plan` (a third of the declared training FLOPs of
     what is rerun): a recomputed layer's whole forward; otherwise, under the K3 defaults, its AttnRes mixers and its
     routed-expert block unless a rule stores the experts; on the last stage the final mixer (checkpointed)."""
+    return recompute_costs(args, layers, seq_len, plan, last)[0].total
+
+
+def recompute_costs(
+    args: K3ModelArgs, layers: list[int], seq_len: int, plan: PolicyPlan, last: bool
+) -> tuple[Flops, Saved]:
+    """Per token of a stage, what its backward runs again under `plan` (recompute_flops_per_token's parts): the
+    rerun forward FLOPs by op class, and the activations the rerun writes again (what those parts save under keep)."""
+    flops, saved = Flops(), Saved()
     if not plan.k3_defaults:
-        return 0.0
-    S, total = sources_after(args, layers[0] - 1), 0.0
+        return flops, saved
+    S = sources_after(args, layers[0] - 1)
+    rerun_parts = []
     for i in layers:
         parts = K3Layer.costs(args, i, S, seq_len)
         if plan.layer(i) == "recompute":
@@ -137,11 +149,24 @@ def recompute_flops_per_token(
             rerun = ["attn_res", "ffn_res"]
             if "ffn.experts" in parts and plan.of(f"layers.{i}.ffn.experts") in (None, "recompute"):
                 rerun.append("ffn.experts")
-        total += sum(parts[k].flops.total for k in rerun) / 3
+        rerun_parts += [parts[k] for k in rerun]
         S = sources_after(args, i)
     if last:
-        total += K3Model.head_costs(args, S, seq_len)["final_res"].flops.total / 3
-    return total
+        rerun_parts.append(K3Model.head_costs(args, S, seq_len)["final_res"])
+    for c in rerun_parts:
+        flops = flops + Flops(*(getattr(c.flops, f) / 3 for f in OP_FIELDS))
+        saved = saved + c.saved
+    return flops, saved
+
+
+def a2a_passes(args: K3ModelArgs, layer_id: int, plan: PolicyPlan) -> int:
+    """Expert all-to-all passes one micro-batch makes through MoE layer `layer_id` in a step: dispatch and combine
+    in the forward and their transposes in the backward (4), and the forward's two again when the storage plan
+    recomputes the whole layer (6); a dense layer makes none. Recomputing only the routed experts reruns them from
+    the saved dispatched rows, without a new exchange."""
+    if args.ffn_kind(layer_id) != "moe":
+        return 0
+    return 6 if plan.k3_defaults and plan.layer(layer_id) == "recompute" else 4
 
 
 def stage_activation_bytes(args: K3ModelArgs, layers: list[int], *, tokens: int, rows: int = 1, **kw) -> float:

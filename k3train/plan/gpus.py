@@ -2,7 +2,8 @@
 
 Figures are the vendors' published SXM numbers: dense (not 2:4 sparse) tensor-core peaks, per-GPU NVLink bandwidth
 in one direction (half the quoted bidirectional figure), and one 400 Gb/s (ConnectX-7) or 800 Gb/s (ConnectX-8)
-network port per GPU, in one direction; the host link is PCIe Gen5 x16 (64 GB/s in one direction), the host memory a DGX-class node's 2 TB shared by its 8 GPUs.
+network port per GPU, in one direction; HBM bandwidth and the CUDA cores' fp32 peak (the elementwise op class,
+k3train.plan.efficiency); the host link is PCIe Gen5 x16 (64 GB/s in one direction), the host memory a DGX-class node's 2 TB shared by its 8 GPUs.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ class GPU:
     """Host link (PCIe Gen5 x16) bandwidth per GPU, one direction: activations offloaded to host memory."""
     host_memory_bytes: float = 2000 * GB / 8
     """Host memory per GPU for offloaded activations: a DGX-class node's 2 TB over its 8 GPUs."""
+    hbm_bytes_s: float = 3350 * GB
+    """HBM bandwidth (datasheet): what memory-bound elementwise work is priced at (k3train.plan.efficiency)."""
+    fp32_flops: float = 67e12
+    """CUDA-core (non-tensor) fp32 peak, FLOP/s (datasheet): the elementwise class's arithmetic."""
 
     def peak_flops(self, precision: str) -> float:
         """The compute peak a run of train.precision (or fp8 GEMMs) is measured against: fp32 training counts half
@@ -44,9 +49,11 @@ class GPU:
 
 
 GPUS: dict[str, GPU] = {
-    "h100_80g": GPU("h100_80g", 80 * GB, 989.4e12, 1978.9e12, 450 * GB, 50 * GB, 67e12),
-    "h200_141g": GPU("h200_141g", 141 * GB, 989.4e12, 1978.9e12, 450 * GB, 50 * GB, 67e12),
-    "b200_192g": GPU("b200_192g", 192 * GB, 2250e12, 4500e12, 900 * GB, 100 * GB, 40e12),
+    "h100_80g": GPU("h100_80g", 80 * GB, 989.4e12, 1978.9e12, 450 * GB, 50 * GB, 67e12, hbm_bytes_s=3350 * GB),
+    "h200_141g": GPU("h200_141g", 141 * GB, 989.4e12, 1978.9e12, 450 * GB, 50 * GB, 67e12, hbm_bytes_s=4800 * GB),
+    "b200_192g": GPU(
+        "b200_192g", 192 * GB, 2250e12, 4500e12, 900 * GB, 100 * GB, 40e12, hbm_bytes_s=8000 * GB, fp32_flops=80e12
+    ),
 }
 
 

@@ -17,29 +17,35 @@ group holds the largest ZeRO chunks):
   MoonEP also the weights of up to E / ep hosted experts, saved for backward, and their gradients), and CP (the
   all-gathered MLA latent of the whole row).
 
-Time: compute at `efficiency` x the GPU's dense bf16 peak (half of it for fp32 training); exposed communication: the EP all-to-all and CP collectives
-inside each stage's forward and backward, the pipeline transfers between ranks, and the data-parallel reductions
-and gathers after the pipeline drains (bytes from k3train.plan.comm_bytes.analytic_step_bytes, the same bytes the
-communication ledger records), each over NVLink when its group fits in a node, the network otherwise; Muon's
-Newton-Schulz work on the owned matrices; the pipeline bubble is what the simulated timeline adds to the busiest
-rank's compute. Recomputation adds the forward FLOPs the storage plan reruns in backward (whole layers, or under
-selective recompute the AttnRes mixers and routed experts); an offloading plan's forward and backward take at least
-their host copies' time over the host link. FP8 storage's casts are not charged (elementwise, small).
+Time: the executed work of each stage (the modules' declared FLOPs by op class, k3train.models.costs) priced per
+op class (k3train.plan.efficiency: dense and grouped GEMMs, fused attention, the KDA kernels, memory-bound
+elementwise traffic at HBM bandwidth), or with plan.efficiency > 0 every FLOP at that one fraction of the dense peak;
+exposed communication: the EP all-to-all (its passes per MoE layer counted per storage plan: 4, 6 where a whole
+layer is recomputed) and CP collectives inside each stage's forward and backward, the pipeline transfers between
+ranks, and the data-parallel reductions and gathers after the pipeline drains (bytes from
+k3train.plan.comm_bytes.analytic_step_bytes, the same bytes the communication ledger records), each over NVLink when
+its group fits in a node, the network otherwise; Muon's Newton-Schulz work on the owned matrices (dense GEMMs); the
+pipeline bubble is what the simulated timeline adds to the busiest rank's compute. Recomputation adds the forward
+FLOPs the storage plan reruns in backward (whole layers, or under selective recompute the AttnRes mixers and routed
+experts), by op class; an offloading plan's forward and backward take at least their host copies' time over the
+host link. FP8 storage's casts are not charged (elementwise, small).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 
 from k3train.errors import ConfigError
-from k3train.models.k3.counts import executed_flops, flops_per_token, stage_param_counts
+from k3train.models.k3.counts import flops_per_token, stage_param_counts
 from k3train.models.k3.mixers import layer_mixer
-from k3train.models.k3.model import sources_after
+from k3train.models.costs import Flops
+from k3train.models.k3.model import K3Layer, K3Model, sources_after
 from k3train.parallel.mesh import stages_of_rank
 from k3train.parallel.zero import ELEMENT_BYTES
-from k3train.plan.activations import policy_plan, recompute_flops_per_token, stage_bytes
+from k3train.plan.activations import KEEP, a2a_passes, policy_plan, recompute_costs, stage_bytes
 from k3train.plan.comm_bytes import add_reduction_bytes
+from k3train.plan.efficiency import HBM_PASSES, OP_CLASSES, op_seconds, rates_for
 from k3train.plan.gpus import GPU
 from k3train.plan.schedule_sim import StageCost, simulate
 from k3train.plan.state_memory import StateModel
@@ -77,6 +83,17 @@ class Plan:
     step_s: float
     flops_per_token: float
     timeline: object = None
+    time_by_class: dict = field(default_factory=dict)
+    """The busiest pipeline rank's compute seconds per step by op class (k3train.plan.efficiency.OP_CLASSES, the
+    recomputed forward included), its in-stage exchanges ("ep_all_to_all", "cp") and the wait for offload copies
+    ("host_copies"): they sum to compute_s."""
+    flops_by_class: dict = field(default_factory=dict)
+    """Executed training FLOPs per token of the whole model by op class (recomputation not included)."""
+    policy: dict = field(default_factory=dict)
+    """What the activation plan costs on the busiest rank against keeping everything: recompute FLOPs and
+    seconds per step, the expert all-to-all passes per step and those recomputation adds, and the activation bytes
+    of one micro-batch under the plan and under keep."""
+    inputs: object = field(default=None, repr=False)  # the _Inputs it was priced from (mfu_sensitivity reprices them)
 
     @property
     def dims(self):
@@ -131,6 +148,9 @@ class Plan:
             "max_host_bytes": int(self.max_host),
             "time": {k: getattr(self, k) for k in ("compute_s", "bubble_s", "optimizer_s")}
             | {f"{k}_s": v for k, v in self.comm_s.items()},
+            "time_by_class": dict(self.time_by_class),
+            "flops_by_class": dict(self.flops_by_class),
+            "policy": dict(self.policy),
         }
 
 
@@ -152,9 +172,34 @@ class _Inputs:
     spec: object  # k3train.config.runspec.RunSpec
     gpu: GPU
     gpus_per_node: int
-    peak: float  # FLOP/s one GPU sustains: efficiency x the datasheet peak of the precision
+    peak: float  # the datasheet peak of the precision, FLOP/s (the optimizer's Newton-Schulz runs at efficiency x it)
     act_bytes: int
     pplan: object  # k3train.plan.activations.PolicyPlan
+    rates: dict | None = None  # k3train.plan.efficiency rates (None: the GPU's table)
+    single: float = 0.0  # plan.efficiency > 0: every FLOP at that fraction of the peak
+
+    def seconds(self, flops: Flops, hbm_bytes: float) -> dict[str, float]:
+        """Seconds by op class of work executed on one rank (k3train.plan.efficiency.op_seconds)."""
+        return op_seconds(
+            flops,
+            hbm_bytes,
+            self.gpu,
+            self.spec.precision,
+            rows_per_expert=self.rows_per_expert,
+            rates=self.rates,
+            single=self.single,
+        )
+
+    @property
+    def rows_per_expert(self) -> float:
+        """Rows one hosted expert multiplies per micro-batch (balanced routing): the ep ranks' tokens x top_k over
+        the bank."""
+        a = self.args
+        return self.tokens * a.top_k * max(self.dims.ep, 1) / a.n_experts
+
+    @cached_property
+    def work(self) -> dict:
+        return work_per_token(self.args, self.seq, self.act_bytes)
 
     @property
     def args(self):
@@ -191,15 +236,32 @@ class _Inputs:
         return self.gpu.nvlink_bytes_s if group_size * stride <= self.gpus_per_node else self.gpu.network_bytes_s
 
 
-def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
+def work_per_token(args, seq_len: int, act_bytes: int) -> dict:
+    """What each piece executes per token, from the modules' declarations (k3train.models.costs): {"layers":
+    [(Flops by op class, saved bytes under keep) of each decoder layer], "head": (Flops, bytes)}; the FLOPs sum to
+    k3train.models.k3.counts.executed_flops."""
+    out, S = [], 1
+    for i in range(1, args.n_layers + 1):
+        parts = K3Layer.costs(args, i, S, seq_len).values()
+        out.append((sum((c.flops for c in parts), Flops()), sum(c.saved.bytes(act_bytes) for c in parts)))
+        S = sources_after(args, i)
+    head = K3Model.head_costs(args, S, seq_len).values()
+    return {"layers": out, "head": (sum((c.flops for c in head), Flops()), sum(c.saved.bytes(act_bytes) for c in head))}
+
+
+def _scale(f: Flops, k: float) -> Flops:
+    return Flops(*(getattr(f, c) * k for c in OP_CLASSES))
+
+
+def _stage_cost(x: _Inputs, s: int) -> tuple:
     """One stage's StageCost for one micro-batch, its buffers ({"pp", "ep", "cp", "work"}: the boundary send buffer,
-    EP and CP buffers, backward workspace) and its in-stage communication seconds ({"ep_in_stages",
-    "cp_in_stages"})."""
+    EP and CP buffers, backward workspace) and its in-stage figures ({"ep_in_stages", "cp_in_stages"}: seconds of
+    communication; "by_class": its seconds by op class and exchange; "policy": what recomputation adds)."""
     args, dims, tokens, ab, n = x.args, x.dims, x.tokens, x.act_bytes, x.dims.n_stages
     layers = x.stage_layers[s]
     n_moe = sum(args.ffn_kind(i) == "moe" for i in layers)
     kw = dict(first=s == 0, last=s == n - 1, tokens=tokens, rows=x.mb, seq_len=x.seq, plan=x.pplan, act_bytes=ab)
-    act, work = stage_bytes(args, layers, **kw)
+    act, work_bytes = stage_bytes(args, layers, **kw)
     host = stage_bytes(args, layers, **{**kw, "plan": x.pplan.offload_kept()})[0] - act  # offloaded bytes
     if s > 0:  # the received sources a micro-batch holds until its backward
         act += sources_after(args, layers[0] - 1) * tokens * args.dim * ab
@@ -207,15 +269,21 @@ def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
     expert_numel = 3 * args.moe_latent_dim * args.expert_hidden
     if dims.ep > 1 and dims.ep_dispatcher == "moonep":  # hosted experts' weights are saved for backward
         act += n_moe * G * expert_numel * ab
-    flops = (sum(flops_tok["layers"][i - 1] for i in layers) + (flops_tok["head"] if s == n - 1 else 0.0)) * tokens
-    fwd, bwd = flops / 3 / x.peak, 2 * flops / 3 / x.peak
-    bwd += recompute_flops_per_token(args, layers, x.seq, x.pplan, s == n - 1) * tokens / x.peak
+    work = [x.work["layers"][i - 1] for i in layers] + ([x.work["head"]] if s == n - 1 else [])
+    flops = sum((f for f, _ in work), Flops())
+    train = x.seconds(_scale(flops, tokens), HBM_PASSES * sum(b for _, b in work) * tokens)
+    rflops, rsaved = recompute_costs(args, layers, x.seq, x.pplan, s == n - 1)
+    rerun = x.seconds(_scale(rflops, tokens), rsaved.bytes(ab) * tokens)  # the rerun writes its saves again
+    by_class = {c: train[c] + rerun[c] for c in OP_CLASSES}
+    fwd, bwd = sum(train.values()) / 3, 2 * sum(train.values()) / 3 + sum(rerun.values())
     # Offloaded activations go to host memory during the forward and come back for the backward, on a side stream:
     # a pass takes at least its copies' time over the host link.
+    waits = max(0.0, host / x.gpu.host_bytes_s - fwd) + max(0.0, host / x.gpu.host_bytes_s - bwd)
     fwd, bwd = max(fwd, host / x.gpu.host_bytes_s), max(bwd, host / x.gpu.host_bytes_s)
     a2a = ep_buf = cpt = cp_buf = 0.0
-    if dims.ep > 1:
-        a2a = n_moe * 4 * tokens * args.top_k * args.moe_latent_dim * ab * (dims.ep - 1) / dims.ep
+    passes = sum(a2a_passes(args, i, x.pplan) for i in layers)
+    if dims.ep > 1:  # each pass moves the micro-batch's top_k latent rows
+        a2a = passes * tokens * args.top_k * args.moe_latent_dim * ab * (dims.ep - 1) / dims.ep
         a2a /= x.bandwidth(dims.ep, 1)
         rows = tokens * args.top_k * args.moe_latent_dim * ab
         ep_buf = 2 * rows + (G * expert_numel * ab * 2 if dims.ep_dispatcher == "moonep" else 0)
@@ -227,8 +295,11 @@ def _stage_cost(x: _Inputs, s: int, flops_tok: dict) -> tuple:
     boundary = sources_after(args, layers[-1]) * tokens * args.dim * ab if s < n - 1 else 0.0  # the send buffer
     send = boundary / x.bandwidth(2, dims.dp_cp)
     cost = StageCost(fwd + (a2a + cpt) / 2, bwd + (a2a + cpt) / 2, act, *x.state.stage_grad_bytes(s), send_s=send)
-    bufs = {"pp": boundary, "ep": ep_buf, "cp": cp_buf, "work": work, "host": host}
-    return cost, bufs, {"ep_in_stages": a2a, "cp_in_stages": cpt}
+    bufs = {"pp": boundary, "ep": ep_buf, "cp": cp_buf, "work": work_bytes, "host": host}
+    by_class |= {"ep_all_to_all": a2a, "cp": cpt, "host_copies": waits}
+    extra = {"recompute_flops": rflops.total * tokens, "recompute_s": sum(rerun.values()), "a2a_passes": passes}
+    extra["a2a_recompute_passes"] = passes - sum(4 for i in layers if args.ffn_kind(i) == "moe")
+    return cost, bufs, {"ep_in_stages": a2a, "cp_in_stages": cpt, "by_class": by_class, "policy": extra}
 
 
 def _rank_plan(x: _Inputs, r: int, stages: list, timeline, host_timeline) -> RankPlan:
@@ -270,20 +341,22 @@ def _dp_seconds(x: _Inputs) -> float:
     return max(seconds(r) for r in range(dims.pp))
 
 
-def plan_run(spec, gpu: GPU, *, gpus_per_node: int | None = None) -> Plan:
+def plan_run(spec, gpu: GPU, *, gpus_per_node: int | None = None, rates: dict | None = None) -> Plan:
     """The plan of a resolved run (k3train.config.runspec.RunSpec; its world is the number of GPUs) on `gpu`, with
-    the run's plan settings (headroom, efficiency, and gpus_per_node where not given)."""
+    the run's plan settings (headroom, efficiency, and gpus_per_node where not given); `rates` replaces the GPU's
+    op-class rates (k3train.plan.efficiency.RATES)."""
     p = spec.config.plan
     gpus_per_node = p.gpus_per_node if gpus_per_node is None else gpus_per_node
     if gpus_per_node < 1:
         raise ConfigError(f"plan.gpus_per_node: must be >= 1, got {gpus_per_node}")
+    if not 0.0 <= p.efficiency <= 1.0:
+        raise ConfigError(f"plan.efficiency: must be in [0, 1] (0: the op-class rates), got {p.efficiency}")
     dims, precision = spec.layout, spec.precision
     if dims.world > gpus_per_node and dims.world % gpus_per_node:
         raise ConfigError(f"plan.gpus_per_node: {dims.world} ranks do not fill nodes of {gpus_per_node} GPUs")
-    peak = gpu.peak_flops(precision) * p.efficiency
-    x = _Inputs(spec, gpu, gpus_per_node, peak, ELEMENT_BYTES[precision]["param"], policy_plan(spec.config.activation))
-    flops_tok = executed_flops(spec.model, x.seq)
-    stages = [_stage_cost(x, s, flops_tok) for s in range(dims.n_stages)]
+    ab, pplan = ELEMENT_BYTES[precision]["param"], policy_plan(spec.config.activation)
+    x = _Inputs(spec, gpu, gpus_per_node, gpu.peak_flops(precision), ab, pplan, rates, p.efficiency)
+    stages = [_stage_cost(x, s) for s in range(dims.n_stages)]
     costs = {s: c for s, (c, _, _) in enumerate(stages)}
     timeline = simulate(dims, costs, zero=dims.zero)
     host_timeline = None  # offloaded activations live in host memory over the same timeline
@@ -298,21 +371,68 @@ def plan_run(spec, gpu: GPU, *, gpus_per_node: int | None = None) -> Plan:
     comm = {"dp": _dp_seconds(x)}
     for key in ("ep_in_stages", "cp_in_stages"):  # part of the stages' time
         comm[key] = max(sum(stages[s][2][key] for s in mine) * m for mine in per_rank)
-    compute = max(sum((costs[s].forward_s + costs[s].backward_s) * m for s in mine) for mine in per_rank)
+    busy = [sum((costs[s].forward_s + costs[s].backward_s) * m for s in mine) for mine in per_rank]
+    worst = per_rank[max(range(dims.pp), key=lambda r: busy[r])]
     optimizer_s = _muon_seconds(x)
     return Plan(
         spec=spec,
         gpu=gpu,
         gpus_per_node=gpus_per_node,
         ranks=ranks,
-        compute_s=compute,
-        bubble_s=timeline.makespan_s - compute,
+        compute_s=max(busy),
+        bubble_s=timeline.makespan_s - max(busy),
         comm_s=comm,
         optimizer_s=optimizer_s,
         step_s=timeline.makespan_s + comm["dp"] + optimizer_s,
         flops_per_token=flops_per_token(spec.model, x.seq),
         timeline=timeline,
+        time_by_class={k: sum(stages[s][2]["by_class"][k] for s in worst) * m for k in stages[0][2]["by_class"]},
+        flops_by_class={
+            c: getattr(sum((f for f, _ in [*x.work["layers"], x.work["head"]]), Flops()), c) for c in OP_CLASSES
+        },
+        policy=_policy_figures(x, stages, worst),
+        inputs=x,
     )
+
+
+def mfu_sensitivity(plan: Plan, change: float = 0.2) -> dict[str, tuple[float, float]]:
+    """{rate: (MFU with it (1 - change) x, MFU with it (1 + change) x)}: the plan repriced with one op-class rate
+    (k3train.plan.efficiency; "efficiency" under plan.efficiency > 0) moved at a time; memory is unchanged."""
+    x = plan.inputs
+    base, out = x.rates if x.rates is not None else rates_for(x.gpu), {}
+    dp_s, peak = plan.comm_s["dp"], plan.dims.world * plan.gpu.bf16_flops
+    work = plan.flops_per_token * plan.spec.tokens_per_step
+    try:
+        for name in ["efficiency"] if x.single else list(base):
+            mfu = []
+            for f in (1 - change, 1 + change):
+                if x.single:
+                    x.single = plan.spec.config.plan.efficiency * f
+                else:
+                    x.rates = base | {name: replace(base[name], value=base[name].value * f)}
+                costs = {s: _stage_cost(x, s)[0] for s in range(plan.dims.n_stages)}
+                step = simulate(plan.dims, costs, zero=plan.dims.zero).makespan_s + dp_s + _muon_seconds(x)
+                mfu.append(work / step / peak)
+            out[name] = tuple(mfu)
+    finally:
+        x.rates, x.single = (None if base is rates_for(x.gpu) else base), plan.spec.config.plan.efficiency
+    return out
+
+
+def _policy_figures(x: _Inputs, stages: list, worst: list[int]) -> dict:
+    """What the activation plan adds on the busiest rank: stage_cost's "policy" figures summed over its stages and
+    micro-batches, and its stages' activation bytes of one micro-batch under the plan and under keep."""
+    m, out = x.dims.microbatches, {}
+    for k in ("recompute_flops", "recompute_s", "a2a_passes", "a2a_recompute_passes"):
+        out[k] = sum(stages[s][2]["policy"][k] for s in worst) * m
+    n = x.dims.n_stages
+    kw = dict(tokens=x.tokens, rows=x.mb, seq_len=x.seq, act_bytes=x.act_bytes)
+    for name, plan in (("act_bytes", x.pplan), ("keep_act_bytes", KEEP)):
+        out[name] = sum(
+            stage_bytes(x.args, x.stage_layers[s], first=s == 0, last=s == n - 1, plan=plan, **kw)[0] for s in worst
+        )
+    out["policy"] = x.spec.config.activation.policy
+    return out
 
 
 def _muon_seconds(x: _Inputs) -> float:
@@ -331,7 +451,7 @@ def _muon_seconds(x: _Inputs) -> float:
             flops += sum(
                 _ns_flops(a, b, o.ns_steps) for i, (_, a, b) in enumerate(mats) if not owners or owners[i] == 0
             )
-        worst = max(worst, flops / x.peak)
+        worst = max(worst, x.seconds(Flops(dense_gemm=flops), 0.0)["dense_gemm"])
     return worst
 
 
@@ -373,6 +493,20 @@ def format_plan(plan: Plan) -> str:
         f"(limit {(1 - plan.headroom) * plan.gpu.memory_bytes / GiB:.1f} GiB with {100 * plan.headroom:.0f}% "
         f"headroom); biggest term there: {kind} {val / GiB:.1f} GiB",
     ]
+    if plan.time_by_class:
+        t = plan.time_by_class
+        lines.append(
+            f"compute by op class (busiest rank, s per step): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in t.items() if v or k in OP_CLASSES)
+        )
+    if plan.policy:
+        p, GiB_ = plan.policy, GiB
+        lines.append(
+            f"activation plan ({p['policy']}): recompute {p['recompute_flops'] / 1e15:.2f} PFLOP per step "
+            f"({p['recompute_s']:.3f} s), expert all-to-all passes {p['a2a_passes']:,} "
+            f"({p['a2a_recompute_passes']:,} of them recomputation's); activations of one micro-batch "
+            f"{p['act_bytes'] / GiB_:.1f} GiB against {p['keep_act_bytes'] / GiB_:.1f} GiB kept whole"
+        )
     if plan.max_host:
         lines[-1] += (
             f"; offloaded activations {plan.max_host / GiB:.1f} GiB of {plan.gpu.host_memory_bytes / GiB:.1f} GiB host "

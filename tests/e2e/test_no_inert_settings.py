@@ -126,7 +126,8 @@ REASONS: dict[str, str] = {
     "plan.world": "the planner's rank count when parallel.dp is -1: planning only",
     "plan.headroom": "the fit limit of the planner and of the start-up check, which runs on a GPU only "
     "(tests/e2e/test_plan.py refuses a layout that does not fit)",
-    "plan.efficiency": "the planner's assumed fraction of peak FLOP/s: step-time predictions only",
+    "plan.efficiency": "the planner's step-time model (0: each op class at its cited rate, k3train.plan.efficiency; "
+    "> 0: one assumed fraction of peak FLOP/s): step-time predictions only (tests/unit/test_plan_efficiency.py)",
     "plan.check": "whether a GPU run refuses a layout predicted not to fit; this machine has no GPU, so training "
     "never runs the check (the check itself: tests/e2e/test_plan.py)",
     "plan.measure": "python -m k3train.plan runs the measured CPU layouts (tests/e2e/test_plan.py): planning only",

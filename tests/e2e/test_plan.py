@@ -125,6 +125,7 @@ def test_plan_command_prints_table_json_and_figure(tmp_path):
         (("plan.gpu=a100_40g",), "unknown GPU 'a100_40g'"),
         (("parallel.dp=-1", "parallel.pp=2", "plan.world=3"), "not divisible by pp*cp=2"),
         (("parallel.dp=3",), "ep=8 must divide dp*cp"),
+        (("plan.efficiency=1.5",), "plan.efficiency: must be in [0, 1]"),
     ],
 )
 def test_plan_refuses_bad_input(overrides, message):

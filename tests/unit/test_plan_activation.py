@@ -94,16 +94,30 @@ def small_plans():
 
 
 def test_planner_charges_recompute_and_offload(small_plans):
+    from k3train.plan.activations import recompute_costs
+    from k3train.plan.efficiency import op_seconds
+
     sel, rec, off = small_plans["selective"], small_plans["recompute"], small_plans["offload"]
     spec, args = sel.spec, sel.spec.model
     m, tokens = spec.layout.microbatches, spec.config.data.micro_batch * spec.config.data.seq_len
-    peak = sel.gpu.peak_flops(spec.precision) * spec.config.plan.efficiency
     layers = list(range(1, args.n_layers + 1))
     seq = spec.config.data.seq_len
-    d = recompute_flops_per_token(args, layers, seq, PolicyPlan("recompute"), True) - recompute_flops_per_token(
-        args, layers, seq, PolicyPlan("keep", EXPERTS), True
-    )
-    assert rec.compute_s - sel.compute_s == pytest.approx(m * tokens * d / peak, rel=1e-9)
+    rows = tokens * args.top_k * spec.layout.ep / args.n_experts
+
+    def rerun_s(plan):  # the rerun forwards by op class, their saves written again
+        f, saved = recompute_costs(args, layers, seq, plan, True)
+        f = type(f)(
+            *(getattr(f, c) * tokens for c in ("dense_gemm", "grouped_gemm", "attention", "kda", "elementwise"))
+        )
+        return sum(op_seconds(f, saved.bytes(2) * tokens, sel.gpu, spec.precision, rows_per_expert=rows).values())
+
+    d = rerun_s(PolicyPlan("recompute")) - rerun_s(PolicyPlan("keep", EXPERTS))
+    # Whole-layer recompute also repeats each MoE layer's forward dispatch and combine (6 passes instead of 4).
+    a2a = rec.comm_s["ep_in_stages"] - sel.comm_s["ep_in_stages"]
+    assert a2a == pytest.approx(sel.comm_s["ep_in_stages"] / 2, rel=1e-12) and a2a > 0
+    assert rec.compute_s - sel.compute_s == pytest.approx(m * d + a2a, rel=1e-9)
+    assert rec.policy["recompute_s"] - sel.policy["recompute_s"] == pytest.approx(m * d, rel=1e-9)
+    assert rec.policy["recompute_s"] > sel.policy["recompute_s"] > 0.05 * sel.compute_s  # the reruns take time
     # pp = 1: one micro-batch in flight; what offloading takes off the device crosses the host link out and back,
     # and at 64 GB/s that bounds both passes (the in-stage expert exchanges come on top).
     host = sel.max_rank.by_kind["activations"] - off.max_rank.by_kind["activations"]
@@ -111,6 +125,27 @@ def test_planner_charges_recompute_and_offload(small_plans):
     copies = m * 2 * host / sel.gpu.host_bytes_s
     assert off.compute_s == pytest.approx(copies + off.comm_s["ep_in_stages"], rel=1e-9)
     assert off.step_s > 5 * sel.step_s
+
+
+def test_recompute_repeats_the_expert_all_to_all(small_plans):
+    """4 expert all-to-all passes per MoE layer and micro-batch (dispatch and combine, forward and backward); whole-
+    layer recompute reruns the forward's two; recomputing only the routed experts reruns none (they restart from
+    the saved dispatched rows)."""
+    from k3train.plan.activations import a2a_passes
+
+    sel, rec = small_plans["selective"], small_plans["recompute"]
+    args, m = sel.spec.model, sel.spec.layout.microbatches
+    n_moe = sum(args.ffn_kind(i) == "moe" for i in range(1, args.n_layers + 1))
+    assert n_moe and n_moe < args.n_layers  # dense layers make no exchange
+    assert sel.policy["a2a_passes"] == 4 * n_moe * m and sel.policy["a2a_recompute_passes"] == 0
+    assert rec.policy["a2a_passes"] == 6 * n_moe * m and rec.policy["a2a_recompute_passes"] == 2 * n_moe * m
+    moe = next(i for i in range(1, args.n_layers + 1) if args.ffn_kind(i) == "moe")
+    kept = PolicyPlan("recompute", ((f"layers.{moe}", "keep"),))
+    assert a2a_passes(args, moe, kept) == 4 and a2a_passes(args, moe + 1, kept) == 6
+    # The policy's memory: recompute keeps less of a micro-batch than selective recompute, and both less than keep.
+    assert rec.policy["act_bytes"] < sel.policy["act_bytes"] < sel.policy["keep_act_bytes"]
+    assert rec.policy["keep_act_bytes"] == sel.policy["keep_act_bytes"]
+    assert rec.policy["recompute_flops"] > sel.policy["recompute_flops"] > 0
 
 
 def test_offloaded_activations_must_fit_host_memory(small_plans):
