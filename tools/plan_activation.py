@@ -2,7 +2,7 @@
 against the GPU's limit, fastest first among those that fit.
 
     python tools/plan_activation.py --recipe k3_full
-    python tools/plan_activation.py --recipe k3_long_context --extra plan.gpu=h200_141g
+    python tools/plan_activation.py --recipe k3_long_context          # plans for the H200 the recipe names
 
 Candidates (configs/activation/*.yaml; docs/activation.md):
 - recompute:      every decoder layer recomputed in backward, on top of the K3 defaults;

@@ -1,8 +1,10 @@
 """Search layouts with the planner: every combination of the listed choices for a recipe on a GPU, the ones that
-fit sorted by predicted tokens/s (then the closest misses).
+fit sorted by predicted tokens/s (then the closest misses). By default it tries one and two virtual stages per rank
+and the pipeline schedules the engine runs with the smaller bubbles (interleaved 1F1B, interleaved zero-bubble, ZBV
+and DualPipeV; a schedule that a vpp does not allow is counted as refused), under the recipe's own activation plan.
 
     python tools/plan_layouts.py --recipe k3_full --gpu h100_80g --world 2048 \
-        --pp 16 32 --vpp 1 2 --ep 64 128 --zero 1 2 --microbatches 32 64 --activation cluster recompute_all
+        --pp 16 32 --vpp 1 2 --ep 64 128 --zero 1 2 --microbatches 32 64 --activation recipe recompute_all
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import argparse
 import itertools
 
 ACTIVATIONS = {
+    "recipe": [],
     "keep": ["activation=keep"],
     "cluster": ["activation=cluster"],
     "recompute_all": ["activation=keep", "activation.policy=recompute"],
@@ -24,14 +27,14 @@ def main() -> None:
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--pp", type=int, nargs="+", default=[16])
-    ap.add_argument("--vpp", type=int, nargs="+", default=[2])
+    ap.add_argument("--vpp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--ep", type=int, nargs="+", default=[64])
     ap.add_argument("--cp", type=int, nargs="+", default=[1])
     ap.add_argument("--zero", type=int, nargs="+", default=[1])
     ap.add_argument("--microbatches", type=int, nargs="+", default=[32])
-    ap.add_argument("--schedule", nargs="+", default=["auto"])
+    ap.add_argument("--schedule", nargs="+", default=["auto", "interleaved_zb", "zbv", "dualpipev"])
     ap.add_argument("--dispatcher", nargs="+", default=["alltoall"])
-    ap.add_argument("--activation", nargs="+", default=["cluster"], choices=sorted(ACTIVATIONS))
+    ap.add_argument("--activation", nargs="+", default=["recipe"], choices=sorted(ACTIVATIONS))
     ap.add_argument("--micro-batch", type=int, nargs="+", default=[1])
     ap.add_argument("--extra", nargs="*", default=[], help="further overrides for every layout")
     ap.add_argument("--top", type=int, default=10)
@@ -91,7 +94,7 @@ def main() -> None:
             m = plan.max_rank
             print(
                 f"  {m.total / 2**30:7.1f} GiB  {plan.tokens_per_s:12,.0f} tok/s  MFU {100 * plan.mfu:5.1f}%  "
-                f"biggest {plan.biggest_term(m)[0]:<11}  {ov}"
+                f"bubble {plan.bubble_s:7.2f} s  biggest {plan.biggest_term(m)[0]:<11}  {ov}"
             )
 
 

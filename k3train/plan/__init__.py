@@ -3,7 +3,8 @@
     plan = plan_run(load_spec("k3_full", world_size=2048), gpu_spec("h100_80g"), gpus_per_node=8)
     print(format_plan(plan))
 
-Modules: gpus (the GPU table), state_memory (parameters, gradients, master weights, optimizer states: exact),
+Modules: gpus (the GPU table), efficiency (the rate each op class of the executed work runs at, per GPU, with its
+source), state_memory (parameters, gradients, master weights, optimizer states: exact),
 activations (saved activations per module and policy), comm_bytes (the bytes a step communicates), schedule_sim
 (the pipeline schedule in time and memory), planner (the plan, its table, JSON and figure), meter and measure (the
 check against real runs on CPU).

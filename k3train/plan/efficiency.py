@@ -61,7 +61,7 @@ _HOPPER = {
         369 / 989.4,
         "forward, causal, head dim 128, sequence 8k, H100 SXM5 (Gated MLA: qk 192, v 128)",
         "FlashAttention-3 paper (Shah et al. 2024), attention forward speed figure: the Triton kernel at 369 "
-        "TFLOP/s (flex_attention is Triton-generated; the backward, slower in that paper, is charged the same)",
+        "TFLOP/s (flex_attention is Triton-generated; the backward, not in that figure, is charged the same)",
     ),
     "kda": Rate(
         369 / 989.4,

@@ -243,3 +243,57 @@ def test_recipe_activation_plan_fits_and_beats_whole_recompute(recipe, gpu, grou
     assert shipped.policy == "recompute" and all(r.policy == "keep" for r in shipped.rules)
     assert plans["recipe"].fits and plans["recompute"].fits and not plans["selective"].fits
     assert plans["selective"].step_s < plans["recipe"].step_s < plans["recompute"].step_s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "recipe,alternatives",
+    [
+        (
+            "k3_full",
+            [
+                ["parallel.vpp=1", "parallel.schedule=1f1b"],
+                ["parallel.vpp=1", "parallel.schedule=interleaved_zb"],
+                ["parallel.vpp=2", "parallel.schedule=interleaved_1f1b"],
+                ["parallel.vpp=2", "parallel.schedule=zbv"],
+            ],
+        ),
+        (
+            "k3_long_context",
+            [
+                ["parallel.vpp=1", "parallel.schedule=1f1b"],
+                ["parallel.vpp=2", "parallel.schedule=interleaved_zb"],
+                ["parallel.vpp=2", "parallel.schedule=dualpipev"],
+            ],
+        ),
+    ],
+)
+def test_recipes_take_the_fastest_layout_that_fits(recipe, alternatives):
+    """Each K3 recipe's pipeline layout (virtual stages and schedule, tools/plan_layouts.py's search) fits the GPU it
+    names (plan.gpu) and is faster than every other schedule it could run with the same storage plan, or that other
+    one does not fit."""
+    from k3train.config import resolve_run
+    from k3train.config.compose import compose_config, from_omegaconf
+    from k3train.plan.gpus import gpu_spec
+    from k3train.plan.planner import plan_run, plan_world
+
+    def plan(overrides):
+        cfg = from_omegaconf(compose_config(recipe, overrides))
+        return plan_run(resolve_run(cfg, world_size=plan_world(cfg), recipe=recipe, here=False), gpu_spec(cfg.plan.gpu))
+
+    mine = plan([])
+    assert mine.fits, (recipe, mine.max_rank.total)
+    for ov in alternatives:
+        other = plan(ov)
+        assert not other.fits or other.tokens_per_s < mine.tokens_per_s, (ov, other.tokens_per_s, mine.tokens_per_s)
+
+
+@pytest.mark.slow
+def test_long_context_recipe_plans_for_the_gpu_it_names():
+    """recipes/k3_long_context.yaml names plan.gpu: h200_141g, so its own plan command fits without an override; on
+    the default H100 it does not."""
+    r = _plan("plan.png=none", recipe="k3_long_context")
+    assert r.returncode == 0, r.stderr
+    assert "on 2048 x h200_141g" in r.stdout and "verdict: FITS" in r.stdout, r.stdout[-800:]
+    r = _plan("plan.png=none", "plan.gpu=h100_80g", recipe="k3_long_context")
+    assert r.returncode == 0 and "verdict: DOES NOT FIT" in r.stdout, r.stdout[-800:]

@@ -46,7 +46,7 @@ def test_recipes_are_listed_and_load():
 
     full = load_config("k3_full", ["data.paths=[corpus/*.jsonl]", "data.tokenizer_path=tok.tiktoken"], world_size=2048)
     p = full.parallel
-    assert (p.pp, p.vpp, p.ep, p.cp, p.dp, p.zero) == (16, 1, 128, 4, 32, 2)
+    assert (p.pp, p.vpp, p.ep, p.cp, p.dp, p.zero, p.schedule) == (16, 2, 128, 4, 32, 2, "dualpipev")
     assert p.pp * p.cp * p.dp == 2048
     args = model_args(full)
     assert args.n_experts % p.ep == 0 and args.n_layers >= p.pp * p.vpp
