@@ -515,6 +515,23 @@ def _trainer_sign_for_quantile(orig):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# FP8 GEMMs (train.float8)
+# ---------------------------------------------------------------------------------------------------------------------
+def _float8_converts_head(orig):
+    def float8_candidate(fqn, module):
+        return orig(fqn, module) or fqn == "output"
+
+    return float8_candidate
+
+
+def _float8_not_applied(orig):
+    def apply_float8(part, recipe, emulate):
+        return {"converted": [], "skipped": []}
+
+    return apply_float8
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Learning-rate schedule (warmup-stable-decay, built by the trainer)
 # ---------------------------------------------------------------------------------------------------------------------
 def _scheduler_with(**optim_changes):
@@ -1922,6 +1939,21 @@ MUTATIONS: list[Mutation] = [
         "a CUDA run keeps IEEE fp32 matmuls (no TF32 for the router and Newton-Schulz)",
         _tf32_not_set,
         ("tests/unit/test_matmul_precision.py::test_tf32_on_cuda_only",),
+    ),
+    # ---- FP8 GEMMs
+    M(
+        "float8_converts_head",
+        "k3train.parallel.float8:float8_candidate",
+        "train.float8 converts the LM head as well as the dense linears",
+        _float8_converts_head,
+        ("tests/unit/test_float8.py::test_converted_and_kept_by_name",),
+    ),
+    M(
+        "float8_not_applied",
+        "k3train.parallel.float8:apply_float8",
+        "train.float8 converts nothing (every GEMM stays in the parameter dtype)",
+        _float8_not_applied,
+        ("tests/unit/test_float8.py::test_fp8_forward_close_to_fp32_and_trains",),
     ),
 ]
 BY_NAME = {m.name: m for m in MUTATIONS}

@@ -140,6 +140,12 @@ class TrainConfig:
     master weights and optimizer states kept only on their ZeRO owners (k3train.parallel.zero). fp64: everything in
     float64, meant for checks (a parallel layout then equals one process to rounding, 1e-10); the PyTorch ops run
     (model.kernels=triton is refused), and the router scores in fp64 whatever model.router_score_dtype says."""
+    float8: str = "none"
+    """FP8 GEMMs for the dense linears through torchao's float8 training: none, tensorwise (one scale per tensor)
+    or rowwise (one scale per row). Converted: the attention projections, the dense FFN, the MoE's latent
+    projections and shared experts, each with both widths multiples of 16 (the others stay in the parameter dtype,
+    named in a warning); never the router, the routed experts, the embeddings or the LM head. Emulated on CPU, on
+    the tensor cores on CUDA. Refused with train.precision=fp64 (FP8 rounding breaks the 1e-10 parity checks)."""
     balancing: str = "quantile"
     """MoE router balancing when the model has routers: quantile (Quantile Balancing), sign (DeepSeek-V3's
     sign-step bias) or none. The bias is updated after every optimizer step."""

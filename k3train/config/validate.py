@@ -19,6 +19,7 @@ from k3train.models.k3.mixers import layer_mixer
 from k3train.models.k3.model import required_seq_multiple
 from k3train.ops.backend import resolve_kernels
 from k3train.optim.quantile_balancing import BALANCING
+from k3train.parallel.float8 import FLOAT8_RECIPES
 from k3train.parallel.parallelize import COMPILE_BACKENDS
 
 from .schema import K3TrainConfig
@@ -321,6 +322,13 @@ def check_train(cfg: K3TrainConfig, args: K3ModelArgs) -> None:
     _need(t.device in ("auto", "cpu", "cuda"), "train.device", f"must be auto, cpu or cuda, got {t.device!r}")
     _need(
         t.precision in ("fp32", "bf16", "fp64"), "train.precision", f"must be fp32, bf16 or fp64, got {t.precision!r}"
+    )
+    _known("train.float8", t.float8, "float8 recipe", FLOAT8_RECIPES)
+    _need(
+        t.float8 == "none" or t.precision != "fp64",
+        "train.float8",
+        f"{t.float8} rounds the dense GEMMs to FP8, which train.precision=fp64 (exact parity checks) cannot "
+        "take; use train.precision=fp32 or bf16, or train.float8=none",
     )
     _known("train.balancing", t.balancing, "balancing", BALANCING)
     _need(

@@ -438,6 +438,7 @@ def build_engine_for(spec, device: torch.device | str | None = None) -> Engine:
         seq_len_hint=cfg.data.seq_len,
         activation_rules=spec.activation_rules,
         balancing=cfg.train.balancing,
+        float8=cfg.train.float8,
         stage_layers=[list(s) for s in spec.stages],
         train_vision=spec.trains_vision,
         compile=cfg.model.compile,
@@ -459,6 +460,7 @@ def build_engine(
     seq_len_hint: int = 4096,
     activation_rules=(),
     balancing: str = "none",
+    float8: str = "none",
     bucket_numel: int = 1 << 25,
     stage_layers: list[list[int]] | None = None,
     train_vision: bool = False,
@@ -470,7 +472,7 @@ def build_engine(
 
     parallel: a ParallelDims or any object with pp, vpp, ep, cp, dp (-1 = fill), zero, microbatches, schedule
     (e.g. the trainer's ParallelConfig). With world size 1 no process group is needed. activation_rules and
-    balancing are applied to every part (see parallelize_part). precision "bf16" stores the parameters in bf16,
+    balancing are applied to every part (see parallelize_part), and so is float8 (train.float8). precision "bf16" stores the parameters in bf16,
     computes under bf16 autocast and sends bf16 activations between pipeline stages (train.precision);
     autocast_dtype alone (fp32 parameters, autocast compute) is kept for experiments. train_vision: the data feeds
     images, so the vision tower trains (else it is frozen: no gradient, no optimizer state, no weight decay).
@@ -499,6 +501,7 @@ def build_engine(
         seq_len=seq_len_hint,
         activation_rules=list(activation_rules),
         balancing=balancing,
+        float8=float8,
         compute_dtype=autocast_dtype,
         train_vision=train_vision,
         compile=compile,

@@ -11,9 +11,11 @@ The order, and why:
    this run is frozen: no optimizer state, no weight decay shrinking it while it learns nothing.
 3. Context parallelism: every KDA and MLA layer must run on the pieces of the sequence (refused now, not at step one).
    The model is not changed: the per-batch plan reaches the layers through BatchContext.
-4. Activation storage policies (cfg.activation), after EP so they see the EP dispatcher they wrap.
-5. Balancers on the routers (train.balancing): they observe the routers' scores in training forwards.
-6. Compilation (model.compile), last, so each compiled layer holds what the steps above put in it: every transformer
+4. FP8 GEMMs (train.float8): the dense linears become torchao Float8Linear (k3train.parallel.float8), after
+   initialisation (the weights keep their names and values) and before the activation policies that wrap them.
+5. Activation storage policies (cfg.activation), after EP so they see the EP dispatcher they wrap.
+6. Balancers on the routers (train.balancing): they observe the routers' scores in training forwards.
+7. Compilation (model.compile), last, so each compiled layer holds what the steps above put in it: every transformer
    layer is compiled in place (`nn.Module.compile`: names, state dicts and the seams above stay as they are), one
    region per layer as TorchTitan compiles each block. Layers read no host values, so a layer is one graph
    (tests/unit/test_compile_model.py compiles each kind with fullgraph=True).
@@ -51,6 +53,8 @@ class PartSetup:
     """Router balancing: quantile, sign or none."""
     compute_dtype: torch.dtype | None = None
     """The autocast dtype (None: fp32), for activation policies that store in a lower precision."""
+    float8: str = "none"
+    """FP8 recipe of the dense linears (train.float8): none, tensorwise or rowwise; emulated off CUDA."""
     compile: bool = False
     """Compile each transformer layer (model.compile)."""
     compile_backend: str = "inductor"
@@ -77,6 +81,10 @@ def parallelize_part(part: nn.Module, setup: PartSetup):
         from k3train.parallel.context_parallel import check_context_parallel
 
         check_context_parallel(part, cp=dims.cp, seq_len=setup.seq_len, layout=dims.cp_layout)
+    if setup.float8 != "none":
+        from k3train.parallel.float8 import apply_float8
+
+        apply_float8(part, setup.float8, emulate=setup.device.type != "cuda")
     handle = None
     if setup.activation_rules:
         from k3train.activation import apply_activation_policies

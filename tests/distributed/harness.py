@@ -273,6 +273,8 @@ class Layout:
     vision_placement: str = "stage"
     record_vision_log: bool = False
     """Keep the first pipeline rank's log of compute and vision actions of the last step."""
+    float8: str = "none"
+    """train.float8: FP8 GEMMs for the dense linears (emulated on CPU)."""
     seed: int = SEED
     """Initial weights and data (tools/fp32_drift.py measures drift over several)."""
 
@@ -320,6 +322,7 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
         seq_len_hint=layout.seq,
         precision=layout.precision,
         train_vision=layout.vision,
+        float8=layout.float8,
     )
     # The ranks of a CP group read the same rows (each runs its own pieces of them).
     dp_rank = rank_coords(dims, rank)["dp"] if dims.world > 1 else 0

@@ -417,6 +417,8 @@ ONE_PROCESS: list[Case] = [
     Case("train.precision", {"train.precision": "bf16"}),
     Case("train.precision", {"train.precision": "bf16"}, base=MUON),
     Case("train.precision", {"train.precision": "fp64"}, in_float64),
+    Case("train.float8", {"train.float8": "rowwise"}),
+    Case("train.float8", {"train.float8": "tensorwise"}),
     Case("train.balancing", {"train.balancing": "none"}),
     Case("train.balancing", {"train.balancing": "sign"}),
     # data
