@@ -140,6 +140,11 @@ class TrainConfig:
     master weights and optimizer states kept only on their ZeRO owners (k3train.parallel.zero). fp64: everything in
     float64, meant for checks (a parallel layout then equals one process to rounding, 1e-10); the PyTorch ops run
     (model.kernels=triton is refused), and the router scores in fp64 whatever model.router_score_dtype says."""
+    qat: str = "none"
+    """Quantisation-aware training. none, or mxfp4_experts: the routed experts' grouped matmuls run on their weights
+    rounded to MXFP4 (E2M1 in blocks of 32 along the contraction dimension, one E8M0 scale each) and their input
+    rows rounded to MXFP8 (E4M3), through torchao's MXTensor; gradients pass straight through to the full-precision
+    weights. The experts' widths (moe_latent_dim, expert_hidden) must be multiples of 32."""
     balancing: str = "quantile"
     """MoE router balancing when the model has routers: quantile (Quantile Balancing), sign (DeepSeek-V3's
     sign-step bias) or none. The bias is updated after every optimizer step."""

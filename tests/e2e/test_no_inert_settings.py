@@ -417,6 +417,7 @@ ONE_PROCESS: list[Case] = [
     Case("train.precision", {"train.precision": "bf16"}),
     Case("train.precision", {"train.precision": "bf16"}, base=MUON),
     Case("train.precision", {"train.precision": "fp64"}, in_float64),
+    Case("train.qat", {"train.qat": "mxfp4_experts"}),
     Case("train.balancing", {"train.balancing": "none"}),
     Case("train.balancing", {"train.balancing": "sign"}),
     # data
@@ -877,6 +878,7 @@ def test_every_choice_of_a_named_setting_has_a_case():
     from k3train.ops.backend import KERNELS
     from k3train.parallel.parallelize import COMPILE_BACKENDS
     from k3train.optim.quantile_balancing import BALANCING
+    from k3train.models.k3.moe import QAT_MODES
 
     def tried(key: str) -> set:
         vals = {c.change[key] for c in ONE_PROCESS if key in c.change and isinstance(c.change[key], str)}
@@ -886,6 +888,7 @@ def test_every_choice_of_a_named_setting_has_a_case():
     for key, names in (
         ("activation.policy", POLICIES),
         ("train.balancing", BALANCING),
+        ("train.qat", QAT_MODES),
         ("data.source", DATA_SOURCES),
         ("data.tokenizer", TOKENIZERS),
         ("model.kernels", KERNELS),

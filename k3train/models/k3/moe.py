@@ -24,6 +24,17 @@ from k3train.ops.grouped_mm import grouped_mm
 from k3train.ops.mx import fake_quant_mx
 
 
+QAT_MODES = ("none", "mxfp4_experts")
+
+
+def set_qat(modules, qat: str) -> int:
+    """Set train.qat on every GroupedExperts (EP home banks included) of some modules; returns how many."""
+    banks = [m for part in modules for m in part.modules() if isinstance(m, GroupedExperts)]
+    for m in banks:
+        m.qat = qat
+    return len(banks)
+
+
 class Router(nn.Module):
     """Sigmoid router with a selection-only bias. `balancer` (if set) observes detached scores in training."""
 
@@ -87,7 +98,7 @@ class GroupedExperts(nn.Module):
         if self.qat == "mxfp4_experts":
             x, w = fake_quant_mx(x, "mxfp8", dim=1), fake_quant_mx(w, "mxfp4", dim=1)
         elif self.qat != "none":
-            raise ValueError(f"GroupedExperts.qat {self.qat!r}: expected 'none' or 'mxfp4_experts'")
+            raise ValueError(f"GroupedExperts.qat {self.qat!r}: expected one of {list(QAT_MODES)}")
         return grouped_mm(x, w, counts)
 
     @staticmethod
