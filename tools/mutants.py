@@ -1084,6 +1084,10 @@ def _mx_not_straight_through(orig):
     return fake_quant_mx
 
 
+def _qat_never_set(orig):
+    return lambda modules, qat: 0
+
+
 def _mx_scale_per_tensor(orig):
     def qdq_last(x, elem_dtype):
         flat = x.reshape(1, -1)  # one block (one shared scale) over the whole tensor
@@ -1956,6 +1960,13 @@ MUTATIONS: list[Mutation] = [
         "one MX scale per tensor instead of one per block of 32",
         _mx_scale_per_tensor,
         (f"{MX}::test_scales_per_block_of_32",),
+    ),
+    M(
+        "qat_never_set",
+        "k3train.models.k3.moe:set_qat",
+        "train.qat never reaches the expert banks",
+        _qat_never_set,
+        (f"{MX}::test_set_qat_reaches_every_bank",),
     ),
 ]
 BY_NAME = {m.name: m for m in MUTATIONS}

@@ -96,3 +96,14 @@ def test_grouped_experts_qat_matches_reference_and_ep_copy():
     ex.qat = "mxfp8_all"
     with pytest.raises(ValueError, match="mxfp4_experts"):
         ex(x, counts)
+
+
+def test_set_qat_reaches_every_bank():
+    from k3train.models.k3.moe import set_qat
+
+    ex, x, counts = _experts()
+    parts = [torch.nn.Sequential(ex), torch.nn.Sequential(torch.nn.Linear(2, 2))]
+    plain = ex(x, counts)
+    assert set_qat(parts, "mxfp4_experts") == 1
+    assert ex.qat == "mxfp4_experts"
+    assert (ex(x, counts) - plain).abs().max() > 1e-3
