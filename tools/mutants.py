@@ -1094,6 +1094,28 @@ def _layers_not_compiled(orig):
     return lambda part, backend="inductor", fullgraph=False: len(getattr(part, "layers", None) or {})
 
 
+def _mx_not_straight_through(orig):
+    def fake_quant_mx(w, fmt, dim=-1):
+        return orig(w, fmt, dim).detach() + 0 * w  # the quantiser treated as a constant: no gradient to w
+
+    return fake_quant_mx
+
+
+def _qat_never_set(orig):
+    return lambda modules, qat: 0
+
+
+def _mx_scale_per_tensor(orig):
+    def qdq_last(x, elem_dtype):
+        flat = x.reshape(1, -1)  # one block (one shared scale) over the whole tensor
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+        q = MXTensor.to_mx(flat.contiguous(), elem_dtype, block_size=flat.shape[1]).dequantize(x.dtype)
+        return q.reshape(x.shape)
+
+    return qdq_last
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The table
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1119,6 +1141,7 @@ LOSS = "tests/unit/test_loss.py"
 RESIL = "tests/unit/test_resilience.py"
 HOST = "tests/unit/test_host_sync.py"
 PLAN_ACT = "tests/unit/test_plan_activation.py"
+MX = "tests/unit/test_mx_ops.py"
 
 M = Mutation
 MUTATIONS: list[Mutation] = [
@@ -1954,6 +1977,28 @@ MUTATIONS: list[Mutation] = [
         "train.float8 converts nothing (every GEMM stays in the parameter dtype)",
         _float8_not_applied,
         ("tests/unit/test_float8.py::test_fp8_forward_close_to_fp32_and_trains",),
+    ),
+    # ---- MX quantisation-aware training
+    M(
+        "mx_not_straight_through",
+        "k3train.ops.mx:fake_quant_mx",
+        "the MX fake quantiser blocks the gradient instead of passing it straight through",
+        _mx_not_straight_through,
+        (f"{MX}::test_gradient_straight_through",),
+    ),
+    M(
+        "mx_scale_per_tensor",
+        "k3train.ops.mx:qdq_last",
+        "one MX scale per tensor instead of one per block of 32",
+        _mx_scale_per_tensor,
+        (f"{MX}::test_scales_per_block_of_32",),
+    ),
+    M(
+        "qat_never_set",
+        "k3train.models.k3.moe:set_qat",
+        "train.qat never reaches the expert banks",
+        _qat_never_set,
+        (f"{MX}::test_set_qat_reaches_every_bank",),
     ),
 ]
 BY_NAME = {m.name: m for m in MUTATIONS}

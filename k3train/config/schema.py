@@ -146,6 +146,11 @@ class TrainConfig:
     projections and shared experts, each with both widths multiples of 16 (the others stay in the parameter dtype,
     named in a warning); never the router, the routed experts, the embeddings or the LM head. Emulated on CPU, on
     the tensor cores on CUDA. Refused with train.precision=fp64 (FP8 rounding breaks the 1e-10 parity checks)."""
+    qat: str = "none"
+    """Quantisation-aware training. none, or mxfp4_experts: the routed experts' grouped matmuls run on their weights
+    rounded to MXFP4 (E2M1 in blocks of 32 along the contraction dimension, one E8M0 scale each) and their input
+    rows rounded to MXFP8 (E4M3), through torchao's MXTensor; gradients pass straight through to the full-precision
+    weights. The experts' widths (moe_latent_dim, expert_hidden) must be multiples of 32."""
     balancing: str = "quantile"
     """MoE router balancing when the model has routers: quantile (Quantile Balancing), sign (DeepSeek-V3's
     sign-step bias) or none. The bias is updated after every optimizer step."""

@@ -17,6 +17,7 @@ from k3train.errors import ConfigError
 from k3train.models.k3.args import K3ModelArgs, get_preset
 from k3train.models.k3.mixers import layer_mixer
 from k3train.models.k3.model import required_seq_multiple
+from k3train.models.k3.moe import QAT_MODES
 from k3train.ops.backend import resolve_kernels
 from k3train.optim.quantile_balancing import BALANCING
 from k3train.parallel.float8 import FLOAT8_RECIPES
@@ -329,6 +330,13 @@ def check_train(cfg: K3TrainConfig, args: K3ModelArgs) -> None:
         "train.float8",
         f"{t.float8} rounds the dense GEMMs to FP8, which train.precision=fp64 (exact parity checks) cannot "
         "take; use train.precision=fp32 or bf16, or train.float8=none",
+    )
+    _known("train.qat", t.qat, "QAT mode", QAT_MODES)
+    _need(
+        t.qat == "none" or (args.moe_latent_dim % 32 == 0 and args.expert_hidden % 32 == 0),
+        "train.qat",
+        f"{t.qat} rounds the experts in MX blocks of 32: moe_latent_dim={args.moe_latent_dim} and "
+        f"expert_hidden={args.expert_hidden} must be multiples of 32",
     )
     _known("train.balancing", t.balancing, "balancing", BALANCING)
     _need(

@@ -425,6 +425,7 @@ class Engine:
 def build_engine_for(spec, device: torch.device | str | None = None) -> Engine:
     """The engine of a resolved run (k3train.config.runspec.RunSpec): its model args, layout, stage split,
     optimizer, precision, activation rules, balancing and kernel backend."""
+    from k3train.models.k3.moe import set_qat
     from k3train.ops.backend import Kernels, set_kernels
 
     cfg = spec.config
@@ -445,6 +446,7 @@ def build_engine_for(spec, device: torch.device | str | None = None) -> Engine:
         compile_backend=cfg.model.compile_backend,
     )
     set_kernels(engine.model_parts, Kernels(spec.kernels))
+    set_qat(engine.model_parts, cfg.train.qat)
     return engine
 
 

@@ -47,7 +47,6 @@ from torch import Tensor, nn
 
 from k3train.models.k3.moe import GroupedExperts
 from k3train.ops.backend import AUTO, Kernels
-from k3train.ops.grouped_mm import grouped_mm
 from k3train.ops.moe_permute import expert_counts, inverse_permutation
 from k3train.distributed import comm
 from k3train.distributed import host_sync
@@ -307,8 +306,8 @@ class EPGroupedExperts(GroupedExperts):
         """x [M, L] grouped by expert, counts [n] rows per expert, weight stacks [n, ...] -> [M, L]."""
         if counts.shape != (w1.shape[0],):
             raise ValueError(f"EPGroupedExperts: counts {tuple(counts.shape)} do not match {w1.shape[0]} expert groups")
-        h = self.kernels.situ(grouped_mm(x, w1, counts), grouped_mm(x, w3, counts), self.beta1, self.beta2)
-        return grouped_mm(h, w2, counts)
+        h = self.kernels.situ(self.gmm(x, w1, counts), self.gmm(x, w3, counts), self.beta1, self.beta2)
+        return self.gmm(h, w2, counts)
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """x [M, L] grouped by home expert; counts [E/R] rows per home expert."""

@@ -314,6 +314,7 @@ CASES = [
         config("model.compile_backend=tensorrt"),
     ),
     Bad("precision", "config", "train.precision=fp8", "precision", config("train.precision=fp8")),
+    Bad("qat", "config", "train.qat=nvfp4", "unknown QAT mode 'nvfp4'", config("train.qat=nvfp4")),
     Bad(
         "fp64-triton",
         "config",

@@ -419,6 +419,7 @@ ONE_PROCESS: list[Case] = [
     Case("train.precision", {"train.precision": "fp64"}, in_float64),
     Case("train.float8", {"train.float8": "rowwise"}),
     Case("train.float8", {"train.float8": "tensorwise"}),
+    Case("train.qat", {"train.qat": "mxfp4_experts"}),
     Case("train.balancing", {"train.balancing": "none"}),
     Case("train.balancing", {"train.balancing": "sign"}),
     # data
@@ -879,6 +880,7 @@ def test_every_choice_of_a_named_setting_has_a_case():
     from k3train.ops.backend import KERNELS
     from k3train.parallel.parallelize import COMPILE_BACKENDS
     from k3train.optim.quantile_balancing import BALANCING
+    from k3train.models.k3.moe import QAT_MODES
 
     def tried(key: str) -> set:
         vals = {c.change[key] for c in ONE_PROCESS if key in c.change and isinstance(c.change[key], str)}
@@ -888,6 +890,7 @@ def test_every_choice_of_a_named_setting_has_a_case():
     for key, names in (
         ("activation.policy", POLICIES),
         ("train.balancing", BALANCING),
+        ("train.qat", QAT_MODES),
         ("data.source", DATA_SOURCES),
         ("data.tokenizer", TOKENIZERS),
         ("model.kernels", KERNELS),

@@ -21,6 +21,18 @@ from k3train.models.costs import Costs, Flops, Saved, gemm
 from k3train.models.structure import MatrixStructure
 from k3train.ops.backend import AUTO, Kernels
 from k3train.ops.grouped_mm import grouped_mm
+from k3train.ops.mx import fake_quant_mx
+
+
+QAT_MODES = ("none", "mxfp4_experts")
+
+
+def set_qat(modules, qat: str) -> int:
+    """Set train.qat on every GroupedExperts (EP home banks included) of some modules; returns how many."""
+    banks = [m for part in modules for m in part.modules() if isinstance(m, GroupedExperts)]
+    for m in banks:
+        m.qat = qat
+    return len(banks)
 
 
 class Router(nn.Module):
@@ -58,6 +70,8 @@ class GroupedExperts(nn.Module):
 
     kernels: Kernels = AUTO
     """Which SiTU-GLU runs (k3train.ops.backend; set per model with set_kernels)."""
+    qat: str = "none"
+    """'mxfp4_experts': every grouped matmul sees MXFP4 weights and MXFP8 input rows (fake-quantised, k3train.ops.mx)."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int, beta1: float, beta2: float):
         super().__init__()
@@ -76,8 +90,16 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [M, dim] sorted by expert; counts [n_experts] rows per expert."""
-        h = self.kernels.situ(grouped_mm(x, self.w1, counts), grouped_mm(x, self.w3, counts), self.beta1, self.beta2)
-        return grouped_mm(h, self.w2, counts)
+        h = self.kernels.situ(self.gmm(x, self.w1, counts), self.gmm(x, self.w3, counts), self.beta1, self.beta2)
+        return self.gmm(h, self.w2, counts)
+
+    def gmm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """grouped_mm, under QAT on MX-rounded operands (blocks of 32 along the contraction dimension of each)."""
+        if self.qat == "mxfp4_experts":
+            x, w = fake_quant_mx(x, "mxfp8", dim=1), fake_quant_mx(w, "mxfp4", dim=1)
+        elif self.qat != "none":
+            raise ValueError(f"GroupedExperts.qat {self.qat!r}: expected one of {list(QAT_MODES)}")
+        return grouped_mm(x, w, counts)
 
     @staticmethod
     def costs(args: K3ModelArgs) -> Costs:
