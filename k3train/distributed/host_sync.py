@@ -7,7 +7,8 @@ two kinds and routes both through here:
   MoonEP plan's few scalars), gathered by each dispatcher into one small integer tensor and read once per MoE layer
   and micro-batch;
 - `step_metrics`: the step's own numbers (token counts for the loss's denominator, the reduced loss and gradient
-  norm), one small float tensor read at a time, a few times per step.
+  norm), one small float tensor read at a time, a few times per step;
+- `host_flag`: after the optimizer step, whether QK-Clip clips any head of an attention module (one per module).
 
 On CUDA each is one non-blocking copy into pinned memory and one wait for it; on the CPU (gloo) a plain `.tolist()`.
 `to_device` is the other direction for the step's host numbers (one copy). Layers never read the host: document and
@@ -15,7 +16,7 @@ context-parallel tables are built with the batch, before the layers run. tests/u
 step with every other host read made an error.
 
 A tensor without values (a fake tensor of the dry run, k3train.dryrun) cannot be read: inside `stand_in(provider)`
-such reads return `provider(kind, t)` ("counts" or "metrics") instead, so the values a step depends on enter here and
+such reads return `provider(kind, t)` ("counts", "metrics" or "flag") instead, so the values a step depends on enter here and
 nowhere else.
 """
 
@@ -26,7 +27,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-__all__ = ["host_counts", "stand_in", "step_metrics", "to_device"]
+__all__ = ["host_counts", "host_flag", "stand_in", "step_metrics", "to_device"]
 
 _provider = None
 
@@ -66,6 +67,11 @@ def _read(t: Tensor, kind: str = "counts") -> list:
 def host_counts(t: Tensor) -> list[int]:
     """The values of a 1-D integer tensor as Python ints: one device-to-host copy (one synchronisation on CUDA)."""
     return _read(t)
+
+
+def host_flag(t: Tensor) -> bool:
+    """Whether a one-element boolean tensor is true (QK-Clip: does any head of a module clip): one read."""
+    return bool(_read(t.reshape(1), "flag")[0])
 
 
 def step_metrics(t: Tensor) -> list[float]:

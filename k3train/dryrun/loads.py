@@ -8,7 +8,7 @@ E = experts) that every simulated rank derives alike from the call's number, so 
 From C the split sizes follow as the dispatcher computes them: all-to-all sends row sums over each destination's
 home experts; MoonEP runs its own plan (k3train.parallel.moonep_dispatch._RankPlan) on C as a real host tensor.
 Metrics (loss, gradient norm, token counts read as floats) are 0: the dry run checks shapes, bytes and order, not
-values.
+values. QK-Clip's flag is true, so its scaling runs.
 """
 
 from __future__ import annotations
@@ -67,6 +67,8 @@ class StandIn:
     def __call__(self, what: str, t: torch.Tensor) -> list:
         if what == "metrics":
             return [0.0] * t.numel()
+        if what == "flag":  # QK-Clip clips: its scaling runs
+            return [1]
         C = load_matrix(self.kind, self.calls, self.ep, self.E, self.tokens, self.top_k)
         self.calls += 1
         R, G, me = self.ep, self.E // self.ep, self.ep_rank

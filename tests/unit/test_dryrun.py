@@ -106,7 +106,7 @@ def test_mismatches_name_the_group_the_position_and_both_ops():
     assert "send [1, 3] recv [1, 2]" in collective_mismatches([RankResult(0, {}, [x]), RankResult(1, {}, [y])])[0]
     # members that list the group in another order
     c = RankResult(1, {}, [_call("allreduce_", ranks=(1, 0)), _call("allreduce_", ranks=(1, 0))])
-    assert "rank 0 has members [0, 1], rank 1 [1, 0]" in collective_mismatches([a, c])[0]
+    assert "position 0: rank 0 has members [0, 1], rank 1 [1, 0]" in collective_mismatches([a, c])[0]
     # a send must meet the peer's receive
     s = RankResult(0, {}, [_call("send", peer=1)])
     r = RankResult(1, {}, [_call("recv_", nbytes=32, peer=0)])
@@ -140,3 +140,78 @@ def test_one_rank_of_a_reduced_layout_steps_on_fake_tensors():
     ops = [c.op for c in r.calls]
     assert "alltoall_base_" in ops and "recv_" in ops and "send" in ops and "allreduce_" in ops
     assert r.fake_ops > 1000
+
+
+@pytest.fixture(scope="module")
+def reduced_world():
+    """pp2 x dp2 x ep2 (world 4), tiny model: the default ranks (both stages, the first stage's dp/ep partner)."""
+    from k3train.dryrun.run import dry_run
+
+    ov = ["parallel.pp=2", "parallel.ep=2", "parallel.zero=1", "data.seq_len=64", "optim=muon", "optim.qk_clip=10"]
+    spec = load_spec("tiny_cpu", ov + ["parallel.microbatches=2"], world_size=4)
+    return spec, dry_run(spec)
+
+
+@pytest.mark.slow
+def test_reduced_world_ranks_issue_matching_collectives(reduced_world):
+    """Every group's simulated members issue the same collectives in the same order and sizes (the check that
+    catches an extra all-reduce on one rank, EP splits that disagree, a group built in another order)."""
+    spec, results = reduced_world
+    assert [r.rank for r in results] == [0, 2, 1]
+    assert collective_mismatches(results) == []
+    for r in results:
+        for kind, planned in r.planned_state.items():
+            assert r.state[kind] == planned, (r.rank, kind)
+        assert abs(r.flops / r.planned_flops - 1) < 0.02, r.rank
+    world = [c for c in results[0].calls if len(c.ranks) == 4]
+    assert world and all(c.op == "allreduce_" for c in world)  # the step's one world all-reduce
+
+
+@pytest.mark.slow
+def test_twice_the_microbatches_repeat_the_per_microbatch_collectives(reduced_world):
+    """m = 2 pp: the same state bytes, FLOPs twice, and each per-micro-batch collective (EP all-to-all, pipeline
+    send and receive) twice; the rest (reductions, the world all-reduce) unchanged."""
+    from collections import Counter
+
+    from k3train.dryrun.run import dry_run
+
+    spec, results = reduced_world
+    (r2,) = dry_run(spec, ranks=[0], microbatches=4)
+    r1 = results[0]
+    assert r2.state == r1.state
+    assert abs(r2.flops / r1.flops - 2) < 1e-9
+    per_mb = ("alltoall_base_", "send", "recv_")
+
+    def count(r, mb):
+        return Counter((c.group, c.op, c.nbytes) for c in r.calls if (c.op in per_mb) == mb)
+
+    assert count(r2, False) == count(r1, False)
+    twice = count(r1, True)
+    assert count(r2, True) == Counter({k: 2 * v for k, v in twice.items()}) and twice
+
+
+def test_verdict_is_keyed_on_model_layout_activation_and_kernels(tmp_path, monkeypatch):
+    from k3train.dryrun.verdict import NAME, check_verdict, has_verdict, verdict_key, write_verdict
+
+    monkeypatch.chdir(tmp_path)  # runs/dryrun/ lands here
+    spec = load_spec("tiny_cpu", ["parallel.pp=2", "parallel.microbatches=2"], world_size=2)
+    assert check_verdict(spec, "cpu") is None  # only CUDA runs ask
+    with pytest.warns(UserWarning, match="no passing dry run recorded"):
+        assert "python -m k3train.dryrun --config-name tiny_cpu" in check_verdict(spec, "cuda")
+    strict = load_spec("tiny_cpu", ["parallel.pp=2", "parallel.microbatches=2", "dryrun.check=strict"], world_size=2)
+    with pytest.raises(ConfigError, match="dryrun.check: no passing dry run recorded"):
+        check_verdict(strict, "cuda")
+    write_verdict(spec, tmp_path / "run" / NAME)  # carried by the run directory
+    assert has_verdict(spec, tmp_path / "run") and check_verdict(strict, "cuda", tmp_path / "run") is None
+    assert not has_verdict(spec)
+    # other overrides keep it; the layout, model, activation or kernels do not
+    same = ["parallel.pp=2", "parallel.microbatches=4", "train.steps=7", "optim.lr=0.5"]
+    assert verdict_key(load_spec("tiny_cpu", same, world_size=2)) == verdict_key(spec)
+    for other, world in (
+        (["parallel.pp=2", "parallel.microbatches=2", "parallel.zero=1"], 2),
+        (["parallel.dp=2"], 2),
+        (["parallel.pp=2", "parallel.microbatches=2", "+model.overrides.n_layers=3"], 2),
+        (["parallel.pp=2", "parallel.microbatches=2", "activation=recompute"], 2),
+        (["parallel.pp=2", "parallel.microbatches=2", "model.kernels=torch"], 2),
+    ):
+        assert not has_verdict(load_spec("tiny_cpu", other, world_size=world), tmp_path / "run"), other
