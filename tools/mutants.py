@@ -994,6 +994,18 @@ def _group_ranks_reversed(orig):
     return with_globals(orig, dist=Proxy(dist, new_group=new_group))
 
 
+def _kda_saved_halved(orig):
+    from k3train.models.costs import Costs, Saved
+
+    def costs(args, seq_len):
+        c = orig(args, seq_len)
+        s = c.saved
+        half = Saved(s.act / 2, s.fp32 / 2, s.i64 / 2, None if s.bf16 is None else s.bf16 / 2)
+        return Costs(half, c.flops)
+
+    return staticmethod(costs)
+
+
 # ---- planted host reads (the host-sync guard of tests/unit/test_host_sync.py must see each kind)
 def _documents_item(orig):
     def to(self, device):
@@ -1906,6 +1918,13 @@ MUTATIONS: list[Mutation] = [
         "k3train.parallel.mesh:build_mesh",
         "odd ranks build the gradient-reduction groups from the rank grid in another order (shifted by one)",
         _group_ranks_reversed,
+        (f"{DRY}::test_reduced_world_ranks_issue_matching_collectives",),
+    ),
+    M(
+        "dryrun_kda_declares_half_its_saved_bytes",
+        "k3train.models.k3.kda:KDA.costs",
+        "KDA declares half of the activations it saves per token (the planner's memory; the dry run measures it)",
+        _kda_saved_halved,
         (f"{DRY}::test_reduced_world_ranks_issue_matching_collectives",),
     ),
 ]

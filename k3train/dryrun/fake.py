@@ -40,6 +40,36 @@ class FakeCPU(FakeTensorMode):
     def __init__(self):
         super().__init__(allow_non_fake_inputs=True)
         self.ops = 0
+        self.live = 0
+        """Bytes of the fake storages alive now (each storage once, however many views)."""
+        self.peak = 0
+        self._refs: dict[int, list] = {}  # storage -> [bytes, tensors alive on it]
+
+    def _track(self, out) -> None:
+        import weakref
+
+        for t in tree_leaves(out):
+            if not isinstance(t, FakeTensor):
+                continue
+            key = t.untyped_storage()._cdata
+            ref = self._refs.get(key)
+            if ref is None:
+                ref = self._refs[key] = [t.untyped_storage().nbytes(), 0]
+                self.live += ref[0]
+                self.peak = max(self.peak, self.live)
+            ref[1] += 1
+            weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        ref = self._refs.get(key)
+        if ref is not None:
+            ref[1] -= 1
+            if ref[1] == 0:
+                self.live -= ref[0]
+                del self._refs[key]
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -56,13 +86,17 @@ class FakeCPU(FakeTensorMode):
             if not leaves and (table or (n <= 1 and func.overloadpacket is not torch.ops.aten.empty)):
                 return func(*args, **kwargs)
             self.ops += 1
+            self._track(out)
             return out
         self.ops += 1
         if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
             # torch's meta function takes bf16 only (the CUDA kernel's dtype); CPU runs it in fp32 too: same shapes.
             low = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-            return super().__torch_dispatch__(func, types, tuple(low), kwargs).to(args[0].dtype)
-        return super().__torch_dispatch__(func, types, args, kwargs)
+            out = super().__torch_dispatch__(func, types, tuple(low), kwargs).to(args[0].dtype)
+        else:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        self._track(out)
+        return out
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,12 @@ class RankResult:
     fake_ops: int = 0
     planned_state: dict = field(default_factory=dict)
     planned_flops: float = 0.0
+    start_bytes: int = 0
+    """Fake bytes alive when the step starts (parameters, and the optimizer state built with the engine)."""
+    peak_bytes: int = 0
+    """The forward and backward's peak of fake bytes above start_bytes: gradients, saved activations, buffers."""
+    planned_peak: float = 0.0
+    """The planner's gradients, activations, pipeline/EP/CP buffers and workspace of the rank's pipeline rank."""
 
 
 def dry_spec(spec, microbatches: int = 0):
@@ -115,11 +121,14 @@ def run_rank(spec, rank: int, loads: str = "balanced") -> RankResult:
             counter = FlopCounterMode(display=False)
             step, marks = engine.zero.step, []
 
-            def counted_step(*a, **k):  # the optimizer's FLOPs apart from forward and backward
+            def counted_step(*a, **k):  # the optimizer's FLOPs and memory apart from forward and backward
                 marks.append(counter.get_total_flops())
+                out.peak_bytes = fake.peak - out.start_bytes
                 return step(*a, **k)
 
             engine.zero.step = counted_step
+            out.start_bytes = fake.live
+            fake.reset_peak()
             with counter:
                 engine.train_step(batch)
                 engine.update_biases()
@@ -160,6 +169,11 @@ def _plan_rank(spec, res: RankResult) -> None:
         f += recompute_flops_per_token(args, layers[s], seq, pplan, last)
         flops += f * tokens * dims.microbatches
     res.planned_flops = flops
+    from k3train.plan.gpus import gpu_spec
+    from k3train.plan.planner import plan_run
+
+    kinds = plan_run(spec, gpu_spec(cfg.plan.gpu)).ranks[res.coords["pp"]].by_kind
+    res.planned_peak = sum(v for k, v in kinds.items() if k not in ("params", "master", "optim"))
 
 
 def dry_run(spec, ranks: list[int] | None = None, loads: str | None = None, microbatches: int = 0) -> list:
@@ -243,10 +257,13 @@ def check_collectives(results: list[RankResult]) -> None:
 
 FLOPS_RTOL = 0.02
 """FlopCounterMode's FLOPs against the planner's executed FLOPs of the rank."""
+PEAK_RTOL = 0.10
+"""The forward and backward's peak fake bytes above the state against the planner's transient kinds."""
 
 
 def plan_deviations(results: list[RankResult]) -> list[str]:
-    """Each rank's training state that differs from the planner's (exact), and FLOPs off by more than FLOPS_RTOL."""
+    """Each rank's training state that differs from the planner's (exact), FLOPs off by more than FLOPS_RTOL and a
+    step peak off by more than PEAK_RTOL."""
     msgs = []
     for r in results:
         for kind, planned in r.planned_state.items():
@@ -254,6 +271,11 @@ def plan_deviations(results: list[RankResult]) -> list[str]:
                 msgs.append(f"rank {r.rank}: {kind} {r.state.get(kind, 0):,} measured, {planned:,} planned")
         if r.planned_flops and abs(r.flops / r.planned_flops - 1) > FLOPS_RTOL:
             msgs.append(f"rank {r.rank}: {r.flops:.4g} FLOPs executed, {r.planned_flops:.4g} planned")
+        if r.planned_peak and abs(r.peak_bytes / r.planned_peak - 1) > PEAK_RTOL:
+            msgs.append(
+                f"rank {r.rank}: the step's peak above its state is {r.peak_bytes:,} bytes, the planner's gradients, "
+                f"activations, buffers and workspace {int(r.planned_peak):,}"
+            )
     return msgs
 
 
@@ -271,6 +293,10 @@ def format_results(results: list[RankResult]) -> str:
         for kind, m, p in rows:
             ratio = m / p if p else float(m == 0)
             lines.append(f"{r.rank:>5} {r.coords['pp']:>3} {kind:>12} {int(m):>16,} {int(p):>16,} {ratio:7.3f}")
+        ratio = r.peak_bytes / r.planned_peak if r.planned_peak else 0.0
+        lines.append(
+            f"{r.rank:>5} {r.coords['pp']:>3} {'step peak':>12} {r.peak_bytes:>16,} {int(r.planned_peak):>16,} {ratio:7.3f}"
+        )
         lines.append(f"{r.rank:>5} {r.coords['pp']:>3} {'collectives':>12} {len(r.calls):>16,} {'':>16} {'':>7}")
         lines.append(f"{r.rank:>5} {r.coords['pp']:>3} {'fake ops':>12} {r.fake_ops:>16,} {r.wall_s:>15.1f}s {'':>7}")
     return "\n".join(lines)
