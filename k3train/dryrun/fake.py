@@ -4,9 +4,10 @@
 memory:
 - a meta tensor is real meta (built outside the fake mode): a model part is built on the meta device and
   materialised with to_empty, which then gives fake CPU parameters (a fake parameter could not be swapped);
-- an op whose inputs are all real host tensors runs for real, and so do a small arange (at most SMALL elements)
-  and a filled scalar (torch.zeros(1): the pipeline's warm-up vote): rank tables, document tables and split lists
-  are host values the step computes from the batch and the layout, and they stay readable. Every other result is
+- an op whose inputs are all real host tensors runs for real, and so do an arange or a boolean factory call (at
+  most SMALL elements: document starts) and a filled scalar (torch.zeros(1): the pipeline's warm-up vote): rank
+  tables, document tables and split lists are host values the step computes from the batch and the layout, and they
+  stay readable. Every other result is
   fake: parameters, activations, gradients, optimizer states, and every other buffer a factory call makes (a fake
   op writing into a real buffer, such as the expert counts' scatter_add_, would leave its values unset).
 
@@ -26,8 +27,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
-SMALL = 1 << 16
-"""Elements up to which torch.arange makes a real host tensor (a rank or position table)."""
+SMALL = 1 << 24
+"""Elements up to which torch.arange or a boolean factory makes a real host tensor (a rank, position or document
+table: a 1M-token row's document starts)."""
 
 
 def _device_type(dev) -> str | None:
@@ -82,7 +84,8 @@ class FakeCPU(FakeTensorMode):
                 return func(*args, **kwargs)
             out = super().__torch_dispatch__(func, types, args, kwargs)
             n = sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-            table = func.overloadpacket is torch.ops.aten.arange and n <= SMALL
+            boolean = all(t.dtype == torch.bool for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            table = (func.overloadpacket is torch.ops.aten.arange or boolean) and n <= SMALL
             if not leaves and (table or (n <= 1 and func.overloadpacket is not torch.ops.aten.empty)):
                 return func(*args, **kwargs)
             self.ops += 1
