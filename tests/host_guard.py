@@ -4,7 +4,8 @@ Patched while the guard is on: Tensor.item, .tolist, .cpu, .nonzero (and torch.n
 __float__, __index__, torch.tensor of a list or tuple (a host-to-device copy on a GPU) and repeat_interleave with
 tensor repeats and no output_size (its output length is read on the host). A dispatch mode would not do: on the CPU
 `.tolist()` reaches no kernel. Calls of host_sync's functions are the allowed sites, counted by kind:
-`host_counts` (the expert-parallel split sizes) and `step_metrics` / `to_device` (the step's own metrics).
+`host_counts` (the expert-parallel split sizes), `step_metrics` / `to_device` (the step's own metrics) and
+`host_flag` (QK-Clip: whether a module clips).
 
 mode="raise" raises HostReadError at the first other read, naming its site; mode="record" counts each site (the
 innermost frame in k3train/ or kernels/, with the operation) and lets the read happen, so a test can list them all.
@@ -21,7 +22,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROJECT_DIRS = tuple(os.path.join(REPO, d) + os.sep for d in ("k3train", "kernels"))
-ALLOWED = {"host_counts": "ep_splits", "step_metrics": "metrics", "to_device": "metrics"}
+ALLOWED = {"host_counts": "ep_splits", "step_metrics": "metrics", "to_device": "metrics", "host_flag": "qk_clip"}
 """host_sync function -> the kind of allowed site it is."""
 _METHODS = ("item", "tolist", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__")
 

@@ -1010,6 +1010,58 @@ def _lifted_modules_rerun(orig):
     return property(lambda self: False)  # recomputation runs the lifted modules again instead of replaying
 
 
+# ---- the dry run's collective check (tests/unit/test_dryrun.py): faults that hang a real job
+def _extra_world_all_reduce(orig):
+    import torch
+
+    def update_biases(self):
+        orig(self)
+        if torch.distributed.get_rank() == 2:  # one rank of the last stage only
+            from k3train.distributed import comm
+
+            comm.all_reduce(torch.zeros(1), torch.distributed.group.WORLD, "world")
+
+    return update_biases
+
+
+def _ep_recv_splits_shifted(orig):
+    import torch
+
+    def host_counts(t):
+        out = orig(t)
+        n = len(out) // 2
+        if torch.distributed.get_rank() == 1 and len(out) == 2 * n and n > 1 and out[n] > 0:
+            out[n], out[n + 1] = out[n] - 1, out[n + 1] + 1  # the receiver expects a row less from rank 0
+        return out
+
+    return host_counts
+
+
+def _group_ranks_reversed(orig):
+    import torch.distributed as dist
+
+    def new_group(ranks=None, *a, **kw):
+        # torch sorts a group's ranks, so a reversed list would be the same group: odd ranks read the rank grid
+        # in another order (shifted by one), which gives them other members
+        if ranks is not None and dist.get_rank() % 2:
+            ranks = [(r + 1) % dist.get_world_size() for r in ranks]
+        return dist.new_group(ranks, *a, **kw)
+
+    return with_globals(orig, dist=Proxy(dist, new_group=new_group))
+
+
+def _kda_saved_halved(orig):
+    from k3train.models.costs import Costs, Saved
+
+    def costs(args, seq_len):
+        c = orig(args, seq_len)
+        s = c.saved
+        half = Saved(s.act / 2, s.fp32 / 2, s.i64 / 2, None if s.bf16 is None else s.bf16 / 2)
+        return Costs(half, c.flops)
+
+    return staticmethod(costs)
+
+
 # ---- planted host reads (the host-sync guard of tests/unit/test_host_sync.py must see each kind)
 def _documents_item(orig):
     def to(self, device):
@@ -1142,6 +1194,7 @@ RESIL = "tests/unit/test_resilience.py"
 HOST = "tests/unit/test_host_sync.py"
 PLAN_ACT = "tests/unit/test_plan_activation.py"
 MX = "tests/unit/test_mx_ops.py"
+DRY = "tests/unit/test_dryrun.py"
 
 M = Mutation
 MUTATIONS: list[Mutation] = [
@@ -1999,6 +2052,35 @@ MUTATIONS: list[Mutation] = [
         "train.qat never reaches the expert banks",
         _qat_never_set,
         (f"{MX}::test_set_qat_reaches_every_bank",),
+    ),
+    # ---- the dry run
+    M(
+        "dryrun_extra_world_all_reduce",
+        "k3train.parallel.engine:Engine.update_biases",
+        "one rank of the last stage issues an extra all-reduce over the world (a group spanning the stages)",
+        _extra_world_all_reduce,
+        (f"{DRY}::test_reduced_world_ranks_issue_matching_collectives",),
+    ),
+    M(
+        "dryrun_ep_splits_disagree",
+        "k3train.distributed.host_sync:host_counts",
+        "rank 1 expects one row less from rank 0 in its EP all-to-all than rank 0 sends it",
+        _ep_recv_splits_shifted,
+        (f"{DRY}::test_reduced_world_ranks_issue_matching_collectives",),
+    ),
+    M(
+        "dryrun_group_ranks_reordered",
+        "k3train.parallel.mesh:build_mesh",
+        "odd ranks build the gradient-reduction groups from the rank grid in another order (shifted by one)",
+        _group_ranks_reversed,
+        (f"{DRY}::test_reduced_world_ranks_issue_matching_collectives",),
+    ),
+    M(
+        "dryrun_kda_declares_half_its_saved_bytes",
+        "k3train.models.k3.kda:KDA.costs",
+        "KDA declares half of the activations it saves per token (the planner's memory; the dry run measures it)",
+        _kda_saved_halved,
+        (f"{DRY}::test_reduced_world_ranks_issue_matching_collectives",),
     ),
 ]
 BY_NAME = {m.name: m for m in MUTATIONS}

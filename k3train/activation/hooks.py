@@ -197,11 +197,13 @@ device threads."""
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:
+    """The storage's identity (None for an empty one): the storage object itself, not its data pointer, which a
+    fake tensor of the dry run does not have."""
     try:
-        p = t.untyped_storage().data_ptr()
+        st = t.untyped_storage()
+        return st._cdata if st.nbytes() else None
     except (RuntimeError, NotImplementedError, TypeError):
         return None
-    return p or None
 
 
 _LAYER_RE = re.compile(k3_rules.LAYER_NAME)

@@ -88,6 +88,7 @@ def resolve_run(
     checks.check_activation(cfg)
     checks.check_logging(cfg)
     checks.check_train(cfg, args)
+    checks.check_dryrun(cfg, dims)
     a = cfg.activation
     rules = tuple(rules_from_config(a)) if a.policy != "keep" or a.rules else ()
     return RunSpec(

@@ -190,6 +190,20 @@ class PlanConfig:
 
 
 @dataclass(kw_only=True)
+class DryRunConfig:
+    ranks: list[int] = field(default_factory=list)
+    """`python -m k3train.dryrun`: the global ranks to simulate, one after another; empty: one rank per pipeline
+    stage plus a second member of each of the first stage's dp, cp, ep and edp groups (k3train.dryrun.run)."""
+    loads: str = "balanced"
+    """Stand-in expert loads of the dry run: balanced (every expert the same rows) or zipf (skewed, per call)."""
+    microbatches: int = 0
+    """Micro-batches of the dry run's one step; 0 takes pp (1F1B's peak memory stops growing at m = pp)."""
+    check: str = "warn"
+    """At training start on CUDA without a passing dry-run verdict for the run's model, layout, activation and
+    kernels: warn (print a warning) or strict (refuse to start)."""
+
+
+@dataclass(kw_only=True)
 class K3TrainConfig:
     """A whole run: what every recipe composes to."""
 
@@ -209,3 +223,5 @@ class K3TrainConfig:
     """Steps, seed, eval, checkpoints, device."""
     plan: PlanConfig = field(default_factory=PlanConfig)
     """The memory and step-time planner (python -m k3train.plan) and the start-up fit check."""
+    dryrun: DryRunConfig = field(default_factory=DryRunConfig)
+    """The dry run (python -m k3train.dryrun): one rank's full-size step on fake tensors and a fake process group."""

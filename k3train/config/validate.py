@@ -358,3 +358,13 @@ def check_train(cfg: K3TrainConfig, args: K3ModelArgs) -> None:
             "train.resume",
             f"must be auto, never or an existing checkpoint/run directory; {t.resume!r} does not exist",
         )
+
+
+def check_dryrun(cfg: K3TrainConfig, dims) -> None:
+    """The dryrun settings against the layout (dims: the resolved ParallelDims)."""
+    d = cfg.dryrun
+    _known("dryrun.loads", d.loads, "load stand-in", ("balanced", "zipf"))
+    _known("dryrun.check", d.check, "verdict check", ("warn", "strict"))
+    _need(d.microbatches >= 0, "dryrun.microbatches", f"must be >= 0 (0 takes pp), got {d.microbatches}")
+    bad = [r for r in d.ranks if not 0 <= r < dims.world]
+    _need(not bad, "dryrun.ranks", f"{bad} outside the world of {dims.world} ranks (0..{dims.world - 1})")

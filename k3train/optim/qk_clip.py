@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from k3train.ops.dtypes import wide
-from k3train.distributed import comm
+from k3train.distributed import comm, host_sync
 
 
 def qk_clip_scales(
@@ -108,7 +108,7 @@ def _clip(attn, threshold: float, group, scale_rows) -> dict[str, Tensor]:
             qk_dim=q_rows - shared if qk_dim is None else qk_dim,
             shared_dim=shared,
         )
-        if bool((gamma < 1).any()):
+        if host_sync.host_flag((gamma < 1).any()):
             scale_rows(q_weight, qs)
             scale_rows(k_weight, ks)
         out[name] = gamma

@@ -180,7 +180,7 @@ def _storage_bytes(tensors) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
         st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
+        seen[st._cdata] = st.nbytes()  # the storage itself (a fake tensor's has no data pointer)
     return sum(seen.values())
 
 

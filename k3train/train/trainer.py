@@ -169,6 +169,10 @@ class Trainer:
         self.gpu = detect_gpu(self.device)
         if self.cfg.plan.check and self.gpu is not None:
             startup_check(self.spec, self.gpu, gpus_per_node=self.env.local_world)
+        from k3train.dryrun.verdict import check_verdict
+
+        # On CUDA: warn (dryrun.check=strict: refuse) when no dry run passed for this model, layout and kernels.
+        check_verdict(self.spec, self.device.type, self.cfg.train.run_dir or None)
 
     def _start_process_groups(self) -> None:
         env, t = self.env, self.cfg.train

@@ -40,6 +40,19 @@ def config(*overrides: str, world: int = 1, recipe: str = "tiny_cpu"):
     return lambda tmp: load_config(recipe, list(overrides), world_size=world)
 
 
+def dry(*overrides: str, recipe: str = "k3_full"):
+    """Resolve a full-size recipe as python -m k3train.dryrun does (the world from the layout or plan.world)."""
+
+    def run(tmp: Path):
+        from k3train.config import compose_config, from_omegaconf, resolve_run
+        from k3train.plan.planner import plan_world
+
+        cfg = from_omegaconf(compose_config(recipe, list(overrides)))
+        return resolve_run(cfg, world_size=plan_world(cfg), recipe=recipe, here=False)
+
+    return run
+
+
 def data(*overrides: str, files: dict[str, str | bytes] | None = None, vocab: int | None = None):
     """Build the train loader of tiny_cpu with these overrides; `files` are written into the working folder first
     ('{tmp}' in overrides is replaced by it)."""
@@ -668,6 +681,41 @@ CASES = [
         "converge.layouts=[dp2xtp2]",
         "bad layout 'dp2xtp2'",
         converge("converge.layouts=[dp2xtp2]"),
+    ),
+    Bad(
+        "dryrun-world",
+        "dryrun",
+        "--config-name k3_full parallel.dp=-1 plan.world=2000",
+        "WORLD_SIZE=2000 is not divisible by pp\\*cp=64",
+        dry("parallel.dp=-1", "plan.world=2000"),
+    ),
+    Bad(
+        "dryrun-experts-ep",
+        "dryrun",
+        "--config-name k3_full +model.overrides.n_experts=900",
+        "ep=128 must divide the model's n_experts=900",
+        dry("+model.overrides.n_experts=900"),
+    ),
+    Bad(
+        "dryrun-empty-stage",
+        "dryrun",
+        "--config-name k3_full +model.overrides.n_layers=12",
+        "every stage needs at least one layer",
+        dry("+model.overrides.n_layers=12"),
+    ),
+    Bad(
+        "dryrun-loads",
+        "dryrun",
+        "--config-name k3_full dryrun.loads=lumpy",
+        "unknown load stand-in 'lumpy'",
+        dry("dryrun.loads=lumpy"),
+    ),
+    Bad(
+        "dryrun-ranks",
+        "dryrun",
+        "--config-name k3_full dryrun.ranks=[0,2048]",
+        "outside the world of 2048 ranks",
+        dry("dryrun.ranks=[0,2048]"),
     ),
     Bad("converge-key", "converge", "converge.stepz=3", "converge settings", converge("converge.stepz=3")),
     Bad(

@@ -132,6 +132,13 @@ REASONS: dict[str, str] = {
     "never runs the check (the check itself: tests/e2e/test_plan.py)",
     "plan.measure": "python -m k3train.plan runs the measured CPU layouts (tests/e2e/test_plan.py): planning only",
     "plan.png": OUTPUTS_ONLY + " (the planner's figure)",
+    "dryrun.ranks": "the ranks python -m k3train.dryrun simulates (tests/unit/test_dryrun.py shows the ranks it "
+    "steps): dry run only",
+    "dryrun.loads": "the dry run's stand-in expert loads (tests/unit/test_dryrun.py shows balanced and zipf split "
+    "sizes): dry run only",
+    "dryrun.microbatches": "the dry run's micro-batches (tests/unit/test_dryrun.py: m = pp and m = 2pp): dry run only",
+    "dryrun.check": "what a GPU run does without a recorded dry-run verdict (warn or refuse); this machine has no "
+    "GPU, so training never runs the check (tests/unit/test_dryrun.py calls it for cuda)",
     "data.on_bad_sample": "what an unusable image does (fail or skip and count); the built-in images all decode and "
     "fit, so no run here meets one: tests/unit/test_vision_train.py::"
     "test_bad_images_fail_or_are_skipped_and_counted shows both choices",

@@ -108,7 +108,7 @@ LAYERS = (
     ("parallel",),  # mesh, pipeline, ZeRO buckets, EP, CP layout, the engine
     ("config",),  # the schema and its resolution into a RunSpec
     ("plan",),  # the planner, composing the models' costs over a RunSpec
-    ("converge",),
+    ("converge", "dryrun"),  # one recipe under several layouts; one rank's full-size step on fake tensors
     ("train",),
 )
 """k3train's packages from the bottom up: a package imports only packages of its own row or below, module-level

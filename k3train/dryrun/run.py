@@ -1,0 +1,302 @@
+"""One rank's real training step at full size, on fake tensors and a fake process group.
+
+    results = dry_run(spec)                 # spec: k3train.config.RunSpec of the real world and layout
+    print(format_results(results))          # per rank: state bytes and FLOPs against the planner, collectives
+    check_collectives(results)              # ConfigError naming the group, the position and both ranks' ops
+
+Each chosen rank in turn: the fake process group ("fake" backend) with the real world size and this rank, the mesh,
+the engine (k3train.parallel.engine.build_engine_for: pipeline, EP dispatch, MoonEP, CP plan, ZeRO as the trainer
+builds them) under FakeCPU (k3train.dryrun.fake), one training step of m micro-batches (default m = pp: 1F1B's
+peak stops growing at m = pp) and the balancers' update, then the process group is destroyed. The values the step
+reads on the host come from the stand-in of k3train.dryrun.loads, through k3train.distributed.host_sync.stand_in.
+
+What does not run as on a GPU: torch.compile (model.compile is off: dynamo would trace the same ops), the Triton
+kernels (the PyTorch references of the same ops run: their fake shapes are the kernels', and FlopCounterMode counts
+their matrix products), and CUDA streams and events.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from k3train.distributed import host_sync
+from k3train.dryrun.fake import Call, FakeCPU, Recorder, Recording
+from k3train.dryrun.loads import StandIn
+from k3train.errors import ConfigError
+from k3train.parallel.mesh import rank_coords
+
+
+@dataclass
+class RankResult:
+    rank: int
+    coords: dict
+    calls: list[Call] = field(default_factory=list)
+    state: dict = field(default_factory=dict)
+    """Engine.last_memory of the step: bytes by kind of the training state."""
+    flops: float = 0.0
+    """FlopCounterMode's FLOPs of the forward and backward (the optimizer step apart)."""
+    optimizer_flops: float = 0.0
+    wall_s: float = 0.0
+    fake_ops: int = 0
+    planned_state: dict = field(default_factory=dict)
+    planned_flops: float = 0.0
+    start_bytes: int = 0
+    """Fake bytes alive when the step starts (parameters, and the optimizer state built with the engine)."""
+    peak_bytes: int = 0
+    """The forward and backward's peak of fake bytes above start_bytes: gradients, saved activations, buffers."""
+    planned_peak: float = 0.0
+    """The planner's gradients, activations, pipeline/EP/CP buffers and workspace of the rank's pipeline rank."""
+
+
+def dry_spec(spec, microbatches: int = 0):
+    """The spec the dry run steps: m micro-batches (0: pp), no torch.compile."""
+    dims = spec.layout
+    m = microbatches or spec.config.dryrun.microbatches or dims.pp
+    cfg = spec.config
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compile=False))
+    layout = dataclasses.replace(dims, microbatches=m)
+    layout.validate(world_size=spec.world, model_args=spec.model)
+    return dataclasses.replace(spec, config=cfg, layout=layout, kernels="torch")
+
+
+def default_ranks(dims) -> list[int]:
+    """One rank per pipeline stage (dp = cp = 0), then a second member of the first stage's dp, cp, ep and edp
+    groups (different coordinates of every group kind; pipeline neighbours are the stages)."""
+
+    def at(pp: int, dp_cp: int) -> int:
+        return pp * dims.dp_cp + dp_cp
+
+    ranks = [at(s, 0) for s in range(dims.pp)]
+    for size, step in ((dims.dp, dims.cp), (dims.cp, 1), (dims.ep, 1), (dims.edp if dims.ep > 1 else 1, dims.ep)):
+        if size > 1:
+            ranks.append(at(0, step))
+    return list(dict.fromkeys(ranks))
+
+
+def stand_in_batch(spec) -> list[dict]:
+    """m micro-batches of the data's shape: zeros as tokens, one document per row (no cu_seqlens), what the
+    planner's FLOPs assume. With document tables the step runs the document-aware paths, which execute more than
+    the planner counts (the tiny model: 1.054 x with cu_seqlens of one document per row, 1.10 x with two)."""
+    B, T, m = spec.config.data.micro_batch, spec.config.data.seq_len, spec.layout.microbatches
+    ids = torch.zeros(B, T, dtype=torch.long)
+    return [{"input_ids": ids, "labels": ids.clone()} for _ in range(m)]
+
+
+def _stand_in(spec, rank: int, loads: str) -> StandIn:
+    dims, args, c = spec.layout, spec.model, spec.config.data
+    return StandIn(
+        loads,
+        ep_rank=rank_coords(dims, rank)["ep"],
+        ep=dims.ep,
+        experts=args.n_experts,
+        tokens=c.micro_batch * c.seq_len // dims.cp,
+        top_k=args.top_k,
+        dispatcher=dims.ep_dispatcher,
+    )
+
+
+def run_rank(spec, rank: int, loads: str = "balanced") -> RankResult:
+    """One rank's step (spec: a dry_spec)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from k3train.parallel.engine import build_engine_for
+
+    dims = spec.layout
+    out = RankResult(rank, rank_coords(dims, rank))
+    rec = Recorder(out.calls)
+    t0 = time.perf_counter()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world)
+    try:
+        fake = FakeCPU()
+        with fake, Recording(rec), host_sync.stand_in(_stand_in(spec, rank, loads)):
+            engine = build_engine_for(spec, device="cpu")
+            batch = stand_in_batch(spec)
+            counter = FlopCounterMode(display=False)
+            step, marks = engine.zero.step, []
+
+            def counted_step(*a, **k):  # the optimizer's FLOPs and memory apart from forward and backward
+                marks.append(counter.get_total_flops())
+                out.peak_bytes = fake.peak - out.start_bytes
+                return step(*a, **k)
+
+            engine.zero.step = counted_step
+            out.start_bytes = fake.live
+            fake.reset_peak()
+            with counter:
+                engine.train_step(batch)
+                engine.update_biases()
+            # The step's reduced gradients; optimizer states and masters as the step left them (a first step
+            # creates them: what Engine.last_memory shows from the second step on).
+            after = engine.memory_report()
+            out.state = {**engine.last_memory, **{k: after[k] for k in ("master_bytes", "optim_bytes")}}
+            out.flops = float(marks[0]) if marks else float(counter.get_total_flops())
+            out.optimizer_flops = float(counter.get_total_flops()) - out.flops
+            out.fake_ops = fake.ops
+    finally:
+        dist.destroy_process_group()
+    out.wall_s = time.perf_counter() - t0
+    _plan_rank(spec, out)
+    return out
+
+
+def _plan_rank(spec, res: RankResult) -> None:
+    """The planner's state bytes and executed FLOPs of the rank."""
+    from k3train.models.k3.counts import executed_flops
+    from k3train.parallel.mesh import stages_of_rank
+    from k3train.plan.activations import policy_plan, recompute_flops_per_token
+    from k3train.plan.state_memory import StateModel
+
+    dims, args, cfg = spec.layout, spec.model, spec.config
+    layers = [list(s) for s in spec.stages]
+    st = StateModel(args, dims, layers, cfg.optim, precision=spec.precision)
+    b = st.rank_bytes(res.coords["pp"], res.coords["dp_cp"])
+    res.planned_state = {"param_bytes": b.params, "grad_bytes": b.grads, "master_bytes": b.master}
+    res.planned_state["optim_bytes"] = b.optim
+    seq, n = cfg.data.seq_len, dims.n_stages
+    tokens = cfg.data.micro_batch * seq // dims.cp
+    per_tok, pplan = executed_flops(args, seq), policy_plan(cfg.activation)
+    flops = 0.0
+    for s in stages_of_rank(dims, res.coords["pp"]):
+        last = s == n - 1
+        f = sum(per_tok["layers"][i - 1] for i in layers[s]) + (per_tok["head"] if last else 0.0)
+        f += recompute_flops_per_token(args, layers[s], seq, pplan, last)
+        flops += f * tokens * dims.microbatches
+    res.planned_flops = flops
+    from k3train.plan.gpus import gpu_spec
+    from k3train.plan.planner import plan_run
+
+    kinds = plan_run(spec, gpu_spec(cfg.plan.gpu)).ranks[res.coords["pp"]].by_kind
+    res.planned_peak = sum(v for k, v in kinds.items() if k not in ("params", "master", "optim"))
+
+
+def dry_run(spec, ranks: list[int] | None = None, loads: str | None = None, microbatches: int = 0) -> list:
+    """RankResult of each rank (default: dryrun.ranks, else default_ranks) of the run's step."""
+    dspec = dry_spec(spec, microbatches)
+    ranks = list(ranks or spec.config.dryrun.ranks or default_ranks(dspec.layout))
+    return [run_rank(dspec, r, loads or spec.config.dryrun.loads) for r in ranks]
+
+
+def _by_group(results: list[RankResult]) -> dict:
+    """{set of ranks: {rank: [Call, ...]}} over the collectives (point-to-point apart). Keyed by the members, not
+    the group's name: a member that built the group with its ranks in another order gets another name."""
+    out: dict = {}
+    for r in results:
+        for c in r.calls:
+            if c.peer is None:
+                out.setdefault(frozenset(c.ranks), {}).setdefault(r.rank, []).append(c)
+    return out
+
+
+def collective_mismatches(results: list[RankResult]) -> list[str]:
+    """Every disagreement between simulated members of a group: the group, the position and both ranks' ops.
+    Collectives must match in op, bytes and dtype (all-to-all: each sender's rows to a receiver equal the receiver's
+    rows from it); a point-to-point send must meet the peer's receive of the same bytes, in order."""
+    msgs = []
+    for seqs in _by_group(results).values():
+        ranks = sorted(seqs)
+        ref = ranks[0]
+        for other in ranks[1:]:
+            a, b = seqs[ref], seqs[other]
+            for i in range(max(len(a), len(b))):
+                x, y = (a[i] if i < len(a) else None), (b[i] if i < len(b) else None)
+                name = f"group {(x or y).group} {list((x or y).ranks)} position {i}"
+                if x is not None and y is not None and x.ranks != y.ranks:
+                    msgs.append(f"{name}: rank {ref} has members {list(x.ranks)}, rank {other} {list(y.ranks)}")
+                    break
+                if x is None or y is None or not _same(x, y, ref, other):
+                    msgs.append(
+                        f"{name}: rank {ref} {x.brief() if x else 'nothing'}, rank {other} {y.brief() if y else 'nothing'}"
+                    )
+                    break
+    msgs += _p2p_mismatches(results)
+    return msgs
+
+
+def _same(x: Call, y: Call, rx: int, ry: int) -> bool:
+    if x.op != y.op or x.dtype != y.dtype:
+        return False
+    if x.in_splits is None:
+        return x.nbytes == y.nbytes
+    i, j = x.ranks.index(rx), x.ranks.index(ry)
+    return x.in_splits[j] == y.out_splits[i] and y.in_splits[i] == x.out_splits[j] and x.row_bytes == y.row_bytes
+
+
+def _p2p_mismatches(results: list[RankResult]) -> list[str]:
+    sim = {r.rank: r for r in results}
+    msgs = []
+    for r in results:
+        sends: dict = {}
+        for c in r.calls:
+            if c.op == "send" and c.peer in sim:
+                sends.setdefault(c.peer, []).append(c)
+        for peer, out in sends.items():
+            got = [c for c in sim[peer].calls if c.op.startswith("recv") and c.peer == r.rank]
+            for i, s in enumerate(out):
+                g = got[i] if i < len(got) else None
+                if g is None or g.nbytes != s.nbytes:
+                    msgs.append(
+                        f"pp {r.rank}->{peer} send {i}: rank {r.rank} {s.brief()}, rank {peer} "
+                        f"{g.brief() if g else 'no receive'}"
+                    )
+                    break
+    return msgs
+
+
+def check_collectives(results: list[RankResult]) -> None:
+    msgs = collective_mismatches(results)
+    if msgs:
+        raise ConfigError("dry run: ranks disagree on their collectives (a hang at run time):\n  " + "\n  ".join(msgs))
+
+
+FLOPS_RTOL = 0.02
+"""FlopCounterMode's FLOPs against the planner's executed FLOPs of the rank."""
+PEAK_RTOL = 0.10
+"""The forward and backward's peak fake bytes above the state against the planner's transient kinds."""
+
+
+def plan_deviations(results: list[RankResult]) -> list[str]:
+    """Each rank's training state that differs from the planner's (exact), FLOPs off by more than FLOPS_RTOL and a
+    step peak off by more than PEAK_RTOL."""
+    msgs = []
+    for r in results:
+        for kind, planned in r.planned_state.items():
+            if r.state.get(kind, 0) != planned:
+                msgs.append(f"rank {r.rank}: {kind} {r.state.get(kind, 0):,} measured, {planned:,} planned")
+        if r.planned_flops and abs(r.flops / r.planned_flops - 1) > FLOPS_RTOL:
+            msgs.append(f"rank {r.rank}: {r.flops:.4g} FLOPs executed, {r.planned_flops:.4g} planned")
+        if r.planned_peak and abs(r.peak_bytes / r.planned_peak - 1) > PEAK_RTOL:
+            msgs.append(
+                f"rank {r.rank}: the step's peak above its state is {r.peak_bytes:,} bytes, the planner's gradients, "
+                f"activations, buffers and workspace {int(r.planned_peak):,}"
+            )
+    return msgs
+
+
+def check_against_plan(results: list[RankResult]) -> None:
+    msgs = plan_deviations(results)
+    if msgs:
+        raise ConfigError("dry run: measured and planned differ:\n  " + "\n  ".join(msgs))
+
+
+def format_results(results: list[RankResult]) -> str:
+    lines = [f"{'rank':>5} {'pp':>3} {'kind':>12} {'measured':>16} {'planned':>16} {'ratio':>7}"]
+    for r in results:
+        rows = [(k, r.state.get(k, 0), r.planned_state[k]) for k in r.planned_state]
+        rows.append(("flops", r.flops, r.planned_flops))
+        for kind, m, p in rows:
+            ratio = m / p if p else float(m == 0)
+            lines.append(f"{r.rank:>5} {r.coords['pp']:>3} {kind:>12} {int(m):>16,} {int(p):>16,} {ratio:7.3f}")
+        ratio = r.peak_bytes / r.planned_peak if r.planned_peak else 0.0
+        lines.append(
+            f"{r.rank:>5} {r.coords['pp']:>3} {'step peak':>12} {r.peak_bytes:>16,} {int(r.planned_peak):>16,} {ratio:7.3f}"
+        )
+        lines.append(f"{r.rank:>5} {r.coords['pp']:>3} {'collectives':>12} {len(r.calls):>16,} {'':>16} {'':>7}")
+        lines.append(f"{r.rank:>5} {r.coords['pp']:>3} {'fake ops':>12} {r.fake_ops:>16,} {r.wall_s:>15.1f}s {'':>7}")
+    return "\n".join(lines)

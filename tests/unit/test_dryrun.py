@@ -1,0 +1,236 @@
+"""The dry run (k3train.dryrun): one rank's real step on fake tensors and a fake process group.
+
+Fast checks here: the host-read stand-in, the stand-in loads, the default ranks, the collective comparison on planted
+sequences, the dryrun settings' refusals, and one reduced-size rank stepped for real on fake tensors (tiny model,
+pp2 x ep2, world 4) whose training state equals the planner's exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from k3train.config import ConfigError, load_spec
+from k3train.distributed import host_sync
+from k3train.dryrun.fake import Call
+from k3train.dryrun.loads import StandIn, load_matrix
+from k3train.dryrun.run import RankResult, collective_mismatches, default_ranks, plan_deviations
+from k3train.parallel.mesh import ParallelDims
+
+
+def test_stand_in_answers_reads_of_tensors_without_values():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    seen = []
+
+    def provider(kind, t):
+        seen.append((kind, t.numel()))
+        return list(range(t.numel()))
+
+    real = torch.tensor([5, 6])
+    with host_sync.stand_in(provider):
+        assert host_sync.host_counts(real) == [5, 6]  # a real tensor is read as always
+        with FakeTensorMode():
+            fake = torch.empty(3, dtype=torch.long)
+            assert host_sync.host_counts(fake) == [0, 1, 2]
+            assert host_sync.step_metrics(torch.empty(2, dtype=torch.float64)) == [0.0, 1.0]
+        assert host_sync.host_counts(torch.empty(4, device="meta")) == [0, 1, 2, 3]
+    assert seen == [("counts", 3), ("metrics", 2), ("counts", 4)]
+    with pytest.raises(Exception):  # outside the stand-in a value-less tensor cannot be read
+        host_sync.host_counts(torch.empty(2, device="meta"))
+
+
+@pytest.mark.parametrize("kind", ["balanced", "zipf"])
+def test_loads_route_every_row_and_agree_between_sender_and_receiver(kind):
+    R, E, N, K = 4, 16, 64, 3
+    C = load_matrix(kind, 7, R, E, N, K)
+    assert C.shape == (R, E) and (C.sum(1) == N * K).all() and (C <= N).all()
+    if kind == "balanced":
+        assert (C == N * K // E).all()
+    else:
+        assert C.max() > 3 * C.min() + 1  # skewed
+        assert not np.array_equal(C, load_matrix(kind, 8, R, E, N, K))  # each call its own permutation
+    t = torch.empty(2 * R, device="meta")
+    reads = [StandIn(kind, ep_rank=r, ep=R, experts=E, tokens=N, top_k=K, dispatcher="alltoall") for r in range(R)]
+    splits = [s("counts", t) for s in reads]
+    for a in range(R):
+        assert sum(splits[a][:R]) == N * K
+        for b in range(R):  # a's rows to b are b's rows from a
+            assert splits[a][b] == splits[b][R + a]
+
+
+def test_moonep_stand_in_runs_the_real_plan():
+    R, E, N, K = 4, 16, 32, 2
+    t = torch.empty(5 * R + 3, device="meta")
+    got = [
+        StandIn("zipf", ep_rank=r, ep=R, experts=E, tokens=N, top_k=K, dispatcher="moonep")("counts", t)
+        for r in range(R)
+    ]
+    for r in range(R):
+        assert got[r][:R] == [N * K] * R  # every rank routes S K rows
+        assert sum(got[r][R : 2 * R]) == N * K
+    for a in range(R):
+        for b in range(R):
+            assert got[a][R + b] == got[b][2 * R + a]  # token rows a -> b
+            assert got[a][3 * R + b] == got[b][4 * R + a]  # expert weights a -> b
+
+
+def test_default_ranks_cover_stages_and_a_second_member_of_each_group():
+    dims = ParallelDims(pp=16, dp=32, cp=4, ep=128, zero=1, microbatches=128)
+    ranks = default_ranks(dims)
+    assert ranks[:16] == [s * 128 for s in range(16)]
+    # dp partner (dp 1), cp partner (cp 1, also an ep partner), edp partner (dp_cp 128 is past the stage: none)
+    assert ranks[16:] == [4, 1]
+    dims = ParallelDims(pp=4, dp=2, cp=2, ep=2, zero=1, microbatches=4)
+    assert default_ranks(dims) == [0, 4, 8, 12, 2, 1]  # dp 1; cp 1 = ep 1; edp 1 = dp_cp 2 (the dp partner)
+
+
+def _call(op, nbytes=64, ranks=(0, 1), group="g", **kw):
+    return Call(op, group, tuple(ranks), nbytes, "float32", **kw)
+
+
+def test_mismatches_name_the_group_the_position_and_both_ops():
+    a = RankResult(0, {}, [_call("allreduce_"), _call("allgather_into_tensor_coalesced_")])
+    b = RankResult(1, {}, [_call("allreduce_"), _call("allreduce_")])
+    (msg,) = collective_mismatches([a, b])
+    assert "group g [0, 1] position 1: rank 0 allgather_into_tensor_coalesced_ 64 B" in msg
+    assert "rank 1 allreduce_ 64 B" in msg
+    b.calls[1] = _call("allgather_into_tensor_coalesced_")
+    assert collective_mismatches([a, b]) == []
+    b.calls.append(_call("allreduce_"))  # an extra call
+    assert "position 2: rank 0 nothing, rank 1 allreduce_" in collective_mismatches([a, b])[0]
+    # all-to-all: rank 0 sends 3 rows to rank 1, which expects 2
+    x = _call("alltoall_base_", in_splits=(1, 3), out_splits=(1, 2), row_bytes=8)
+    y = _call("alltoall_base_", in_splits=(2, 2), out_splits=(2, 2), row_bytes=8)
+    assert "send [1, 3] recv [1, 2]" in collective_mismatches([RankResult(0, {}, [x]), RankResult(1, {}, [y])])[0]
+    # members that list the group in another order
+    c = RankResult(1, {}, [_call("allreduce_", ranks=(1, 0)), _call("allreduce_", ranks=(1, 0))])
+    assert "position 0: rank 0 has members [0, 1], rank 1 [1, 0]" in collective_mismatches([a, c])[0]
+    # a send must meet the peer's receive
+    s = RankResult(0, {}, [_call("send", peer=1)])
+    r = RankResult(1, {}, [_call("recv_", nbytes=32, peer=0)])
+    assert "send 0: rank 0 send 64 B float32 peer 1, rank 1 recv_ 32 B" in collective_mismatches([s, r])[0]
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("dryrun.loads=lumpy", "dryrun.loads: unknown load stand-in 'lumpy'"),
+        ("dryrun.check=loud", "dryrun.check: unknown verdict check 'loud'"),
+        ("dryrun.microbatches=-1", "dryrun.microbatches: must be >= 0"),
+        ("dryrun.ranks=[0,4]", r"dryrun.ranks: \[4\] outside the world of 4 ranks"),
+    ],
+)
+def test_bad_dryrun_settings_are_refused(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_spec("tiny_cpu", [override], world_size=4)
+
+
+def test_one_rank_of_a_reduced_layout_steps_on_fake_tensors():
+    from k3train.dryrun.run import dry_run
+
+    ov = ["parallel.pp=2", "parallel.ep=2", "parallel.zero=1", "data.seq_len=64", "optim=muon"]
+    spec = load_spec("tiny_cpu", ov + ["parallel.microbatches=2"], world_size=4)
+    (r,) = dry_run(spec, ranks=[2])
+    assert r.coords["pp"] == 1 and r.coords["ep"] == 0
+    for kind, planned in r.planned_state.items():  # the training state: exactly the planner's
+        assert r.state[kind] == planned, kind
+    assert r.state["optim_bytes"] > 0 and r.flops > 0
+    ops = [c.op for c in r.calls]
+    assert "alltoall_base_" in ops and "recv_" in ops and "send" in ops and "allreduce_" in ops
+    assert r.fake_ops > 1000
+
+
+@pytest.fixture(scope="module")
+def reduced_world():
+    """pp2 x dp2 x ep2 (world 4), tiny model: the default ranks (both stages, the first stage's dp/ep partner)."""
+    from k3train.dryrun.run import dry_run
+
+    ov = ["parallel.pp=2", "parallel.ep=2", "parallel.zero=1", "data.seq_len=64", "optim=muon", "optim.qk_clip=10"]
+    spec = load_spec("tiny_cpu", ov + ["parallel.microbatches=2"], world_size=4)
+    return spec, dry_run(spec)
+
+
+@pytest.mark.slow
+def test_reduced_world_ranks_issue_matching_collectives(reduced_world):
+    """Every group's simulated members issue the same collectives in the same order and sizes (the check that
+    catches an extra all-reduce on one rank, EP splits that disagree, a group built in another order)."""
+    spec, results = reduced_world
+    assert [r.rank for r in results] == [0, 2, 1]
+    assert collective_mismatches(results) == []
+    for r in results:
+        for kind, planned in r.planned_state.items():
+            assert r.state[kind] == planned, (r.rank, kind)
+        assert abs(r.flops / r.planned_flops - 1) < 0.02, r.rank
+        assert abs(r.peak_bytes / r.planned_peak - 1) < 0.10, (r.rank, r.peak_bytes, r.planned_peak)
+    assert plan_deviations(results) == []
+    world = [c for c in results[0].calls if len(c.ranks) == 4]
+    assert world and all(c.op == "allreduce_" for c in world)  # the step's one world all-reduce
+
+
+@pytest.mark.slow
+def test_twice_the_microbatches_repeat_the_per_microbatch_collectives(reduced_world):
+    """m = 2 pp: the same state bytes, FLOPs twice, and each per-micro-batch collective (EP all-to-all, pipeline
+    send and receive) twice; the rest (reductions, the world all-reduce) unchanged."""
+    from collections import Counter
+
+    from k3train.dryrun.run import dry_run
+
+    spec, results = reduced_world
+    (r2,) = dry_run(spec, ranks=[0], microbatches=4)
+    r1 = results[0]
+    assert r2.state == r1.state
+    assert abs(r2.flops / r1.flops - 2) < 1e-9
+    per_mb = ("alltoall_base_", "send", "recv_")
+
+    def count(r, mb):
+        # the pipeline's warm-up vote (one int32 each way) is once per step
+        return Counter((c.group, c.op, c.nbytes) for c in r.calls if (c.op in per_mb and c.dtype != "int32") == mb)
+
+    assert count(r2, False) == count(r1, False)
+    # 1F1B's in-flight activations stop growing at m = pp; what still grows is small (2.1% here at m = 2pp)
+    assert abs(r2.peak_bytes / r1.peak_bytes - 1) < 0.03
+    twice = count(r1, True)
+    assert count(r2, True) == Counter({k: 2 * v for k, v in twice.items()}) and twice
+
+
+def test_verdict_is_keyed_on_model_layout_activation_and_kernels(tmp_path, monkeypatch):
+    from k3train.dryrun.verdict import NAME, check_verdict, has_verdict, verdict_key, write_verdict
+
+    monkeypatch.chdir(tmp_path)  # runs/dryrun/ lands here
+    spec = load_spec("tiny_cpu", ["parallel.pp=2", "parallel.microbatches=2"], world_size=2)
+    assert check_verdict(spec, "cpu") is None  # only CUDA runs ask
+    with pytest.warns(UserWarning, match="no passing dry run recorded"):
+        assert "python -m k3train.dryrun --config-name tiny_cpu" in check_verdict(spec, "cuda")
+    strict = load_spec("tiny_cpu", ["parallel.pp=2", "parallel.microbatches=2", "dryrun.check=strict"], world_size=2)
+    with pytest.raises(ConfigError, match="dryrun.check: no passing dry run recorded"):
+        check_verdict(strict, "cuda")
+    write_verdict(spec, tmp_path / "run" / NAME)  # carried by the run directory
+    assert has_verdict(spec, tmp_path / "run") and check_verdict(strict, "cuda", tmp_path / "run") is None
+    assert not has_verdict(spec)
+    # other overrides keep it; the layout, model, activation or kernels do not
+    same = ["parallel.pp=2", "parallel.microbatches=4", "train.steps=7", "optim.lr=0.5"]
+    assert verdict_key(load_spec("tiny_cpu", same, world_size=2)) == verdict_key(spec)
+    for other, world in (
+        (["parallel.pp=2", "parallel.microbatches=2", "parallel.zero=1"], 2),
+        (["parallel.dp=2"], 2),
+        (["parallel.pp=2", "parallel.microbatches=2", "+model.overrides.n_layers=3"], 2),
+        (["parallel.pp=2", "parallel.microbatches=2", "activation=recompute"], 2),
+        (["parallel.pp=2", "parallel.microbatches=2", "model.kernels=torch"], 2),
+    ):
+        assert not has_verdict(load_spec("tiny_cpu", other, world_size=world), tmp_path / "run"), other
+
+
+def test_context_parallel_ranks_step_and_agree():
+    """cp2: the document tables are host values (boolean factories stay real), both ranks step, their collectives
+    agree and the state is the planner's. (Their FLOPs are 1.09 x the planner's executed FLOPs, a gap not yet
+    located.)"""
+    from k3train.dryrun.run import dry_run
+
+    spec = load_spec("tiny_cpu", ["parallel.cp=2", "parallel.dp=1", "data.seq_len=128", "optim=muon"], world_size=2)
+    results = dry_run(spec)
+    assert [r.rank for r in results] == [0, 1] and collective_mismatches(results) == []
+    for r in results:
+        assert {k: r.state[k] for k in r.planned_state} == r.planned_state
+        assert any(c.op == "allgather_into_tensor_coalesced_" or "gather" in c.op for c in r.calls)
