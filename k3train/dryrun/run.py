@@ -6,9 +6,10 @@
 
 Each chosen rank in turn: the fake process group ("fake" backend) with the real world size and this rank, the mesh,
 the engine (k3train.parallel.engine.build_engine_for: pipeline, EP dispatch, MoonEP, CP plan, ZeRO as the trainer
-builds them) under FakeCPU (k3train.dryrun.fake), one training step of m micro-batches (default m = pp: 1F1B's
-peak stops growing at m = pp) and the balancers' update, then the process group is destroyed. The values the step
-reads on the host come from the stand-in of k3train.dryrun.loads, through k3train.distributed.host_sync.stand_in.
+builds them) under FakeCPU (k3train.dryrun.fake), one training step of m micro-batches (default m = pp x vpp: the
+schedule's peak stops growing once every stage holds a micro-batch) and the balancers' update, then the process
+group is destroyed. The values the step reads on the host come from the stand-in of k3train.dryrun.loads,
+through k3train.distributed.host_sync.stand_in.
 
 What does not run as on a GPU: torch.compile (model.compile is off: dynamo would trace the same ops), the Triton
 kernels (the PyTorch references of the same ops run: their fake shapes are the kernels', and FlopCounterMode counts
@@ -54,9 +55,9 @@ class RankResult:
 
 
 def dry_spec(spec, microbatches: int = 0):
-    """The spec the dry run steps: m micro-batches (0: pp), no torch.compile."""
+    """The spec the dry run steps: m micro-batches (0: pp x vpp, the pipeline's stages), no torch.compile."""
     dims = spec.layout
-    m = microbatches or spec.config.dryrun.microbatches or dims.pp
+    m = microbatches or spec.config.dryrun.microbatches or dims.pp * dims.vpp
     cfg = spec.config
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compile=False))
     layout = dataclasses.replace(dims, microbatches=m)

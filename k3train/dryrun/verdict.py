@@ -23,7 +23,7 @@ NAME = "dryrun.verdict.json"
 def verdict_key(spec) -> dict:
     """The fields a verdict is keyed on, as digests (model, activation) and names (layout, kernels)."""
     layout = dataclasses.asdict(spec.layout)
-    layout.pop("microbatches", None)  # the dry run steps m = pp; the run's m changes neither groups nor shapes
+    layout.pop("microbatches", None)  # the dry run steps m = pp x vpp; the run's m changes neither groups nor shapes
     return {
         "model": values_sha256(dataclasses.asdict(spec.model)),
         "layout": values_sha256(layout),
