@@ -660,6 +660,14 @@ def _overlap_skipped(orig):
     return _overlap
 
 
+def _split_backward_unfused(orig):
+    def _build_parts(*a, **k):
+        parts, handles, _ = orig(*a, **k)
+        return parts, handles, []  # recomputing stages split their backward like any other
+
+    return _build_parts
+
+
 def _never_poisoned(orig):
     return lambda: False
 
@@ -1550,6 +1558,13 @@ MUTATIONS: list[Mutation] = [
         "ZeRO parameter all-gather skipped: replicas keep stale rows",
         _zero_gather_skipped,
         (f"{PIECES}::test_zero_reduce_and_gather",),
+    ),
+    M(
+        "split_backward_unfused",
+        "k3train.parallel.engine:_build_parts",
+        "stages with recomputed regions split their backward: each region reruns once per autograd call",
+        _split_backward_unfused,
+        ("tests/distributed/test_split_backward_recompute.py",),
     ),
     M(
         "pp_sends_zeros",

@@ -60,6 +60,11 @@ class ActivationHandle:
         storages across calls (k3train.plan.measure) listens here."""
         self._stats: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 
+    @property
+    def recomputes(self) -> bool:
+        """Whether any module it manages reruns in backward (a checkpointed region)."""
+        return any(site.recompute for site in self.sites.values())
+
     # ---- accounting ----------------------------------------------------------------------------------------------
     def add(self, layer: str, bucket: str, nbytes: int, ptr: int | None = None) -> None:
         self._stats[layer][bucket] += int(nbytes)
@@ -221,18 +226,27 @@ def module_kinds(module: nn.Module, parent: nn.Module | None) -> set[str]:
     return k
 
 
-@contextlib.contextmanager
-def _quiet_routers(module: nn.Module):
-    """Recomputation must not count a router's tokens (its `load`) twice or feed its `balancer` twice."""
-    saved = [(r, r.load.clone(), r.balancer) for r in module.modules() if "router" in module_kinds(r, None)]
-    for r, _, _ in saved:
-        r.balancer = None
-    try:
-        yield
-    finally:
-        for r, load, bal in saved:
+class _QuietRouters:
+    """Recomputation must not count a router's tokens (its `load`) twice or feed its `balancer` twice. Re-enterable:
+    under split backward (interleaved_zb, zbv, dualpipev) the input and the weight pass each recompute the region,
+    and the checkpoint enters the same context object for both."""
+
+    def __init__(self, module: nn.Module):
+        self.routers = [r for r in module.modules() if "router" in module_kinds(r, None)]
+        self.saved: list[tuple] = []
+
+    def __enter__(self):
+        self.saved = [(r, r.load.clone(), r.balancer) for r in self.routers]
+        for r in self.routers:
+            r.balancer = None
+        return self
+
+    def __exit__(self, *exc):
+        for r, load, bal in self.saved:
             r.load.copy_(load)
             r.balancer = bal
+        self.saved = []
+        return False
 
 
 def _unpack(packed):
@@ -376,7 +390,7 @@ class _Site:
                 inner,
                 *args,
                 use_reentrant=False,
-                context_fn=lambda: (contextlib.nullcontext(), _quiet_routers(module)),
+                context_fn=lambda: (contextlib.nullcontext(), _QuietRouters(module)),
                 **kwargs,
             )
         if region is not None and region.replaying:

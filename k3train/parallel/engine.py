@@ -84,6 +84,9 @@ class Engine:
     zero: ShardedOptimizer
     cp_plan: object = None
     activation_handles: list = field(default_factory=list)
+    fused_backward_stages: frozenset = frozenset()
+    """Stages whose parts hold recomputed regions: under split backward they run input and weight gradients in one
+    pass (see k3train.parallel.pipeline: a recomputed region would otherwise rerun once per autograd call)."""
     """One per model part with activation-storage policies (stats(), remove())."""
     boundary_dtype: torch.dtype = torch.float32
     """What crosses a pipeline boundary (bf16 under train.precision=bf16)."""
@@ -101,7 +104,8 @@ class Engine:
         n, cp = self.dims.n_stages, (self._group("cp"), self.dims.cp_layout) if self.dims.cp > 1 else None
         kw = dict(autocast_dtype=self.autocast_dtype, boundary_dtype=self.boundary_dtype, cp=cp)
         self.stage_modules = {
-            s: StageModule(p, first=s == 0, last=s == n - 1, **kw) for s, p in zip(self.stage_ids, self.model_parts)
+            s: StageModule(p, first=s == 0, last=s == n - 1, fused_backward=s in self.fused_backward_stages, **kw)
+            for s, p in zip(self.stage_ids, self.model_parts)
         }
         self.loss_fn = GlobalTokenLoss(self.stage_modules.get(n - 1), self.mtp_weight or 0.0)
         self.pipeline = None
@@ -509,7 +513,7 @@ def build_engine(
         compile=compile,
         compile_backend=compile_backend,
     )
-    parts, handles = _build_parts(model_args, stage_layers, stage_ids, setup, param_dtype)
+    parts, handles, recomputing = _build_parts(model_args, stage_layers, stage_ids, setup, param_dtype)
     return Engine(
         args=model_args,
         dims=dims,
@@ -523,6 +527,7 @@ def build_engine(
         zero=_build_optimizer(parts, dims, mesh, optim_cfg, bucket_numel, precision),
         cp_plan=_build_cp(parts, dims, mesh, seq_len_hint),
         activation_handles=handles,
+        fused_backward_stages=frozenset(recomputing),
     )
 
 
@@ -538,12 +543,12 @@ def _build_cp(parts, dims, mesh, seq_len: int):
 def _build_parts(model_args, stage_layers, stage_ids, setup, param_dtype) -> tuple[list, list]:
     """This rank's stage parts, each built on the meta device and parallelized (parallelize_part); initialised in
     fp32 (the same values in every layout), then stored in the parameter dtype. Returns (parts, activation
-    handles)."""
+    handles, the stage ids whose parts hold recomputed regions)."""
     from k3train.parallel.parallelize import parallelize_part
     from k3train.parallel.pipeline import stage_part_on_meta
 
     n = len(stage_layers)
-    parts, handles = [], []
+    parts, handles, recomputing = [], [], []
     for s in stage_ids:
         part, handle = parallelize_part(
             stage_part_on_meta(model_args, stage_layers[s], first=s == 0, last=s == n - 1), setup
@@ -553,7 +558,8 @@ def _build_parts(model_args, stage_layers, stage_ids, setup, param_dtype) -> tup
                 p.data = p.data.to(param_dtype)
         parts.append(part)
         handles += [handle] if handle is not None else []
-    return parts, handles
+        recomputing += [s] if handle is not None and handle.recomputes else []
+    return parts, handles, recomputing
 
 
 def _build_optimizer(parts, dims, mesh, optim_cfg, bucket_numel: int, precision: str) -> ShardedOptimizer:

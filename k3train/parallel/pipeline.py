@@ -154,15 +154,18 @@ class StageModule(nn.Module):
         autocast_dtype: torch.dtype | None = None,
         boundary_dtype: torch.dtype = torch.float32,
         cp: tuple | None = None,
+        fused_backward: bool = False,
     ):
         """cp: (group, layout) under context parallelism: rows are this rank's sequence pieces and doc_start
-        (always given then) marks the documents that begin inside them."""
+        (always given then) marks the documents that begin inside them. fused_backward: the part holds recomputed
+        regions, so a split-backward schedule's input pass computes the weight gradients too (K3PipelineStage)."""
         super().__init__()
         self.part = part
         self.first, self.last = first, last
         self.autocast_dtype = autocast_dtype
         self.boundary_dtype = boundary_dtype
         self.cp = cp
+        self.fused_backward = fused_backward
         self.vision_feed = None
         """The first stage's k3train.parallel.vision_schedule.VisionFeed (set by Pipeline when the part has a vision
         tower): the images of the micro-batch being run."""
@@ -292,6 +295,7 @@ class _K3Stage:
         self.reduced = False
         self.clock = BusyClock(self.device)
         self.early_sends: list = []
+        self.fused_chunks: set[int] = set()
 
     @property
     def busy_s(self) -> float:
@@ -343,6 +347,11 @@ class _K3Stage:
             with self.clock.span():
                 feed.run_before(act)
             feed.note(act.kind, act.stage, act.mb)
+        if not full_backward and self.submod.fused_backward:
+            # Split backward runs one autograd call for the input gradients and one per parameter group for the
+            # weights, and a recomputed region reruns its forward in each: here both passes run as one.
+            full_backward = True
+            self.fused_chunks.add(bwd_chunk_id)
         if last_backward and full_backward:  # an input-only pass (split backward) leaves weight gradients open
             self.arm()
         with self.clock.span():
@@ -356,6 +365,9 @@ class _K3Stage:
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         if last_backward:
             self.arm()
+        if bwd_chunk_id in self.fused_chunks:  # its weight gradients came with its input pass
+            self.fused_chunks.discard(bwd_chunk_id)
+            return None
         with self.clock.span():
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 

@@ -244,6 +244,17 @@ def reference_run(
 # ---------------------------------------------------------------------------------------------------------------------
 # Layouts run in spawned processes
 # ---------------------------------------------------------------------------------------------------------------------
+def activation_rules(policy: str) -> list:
+    """activation.policy=POLICY with no extra rules, as the trainer resolves it ("keep": no rules)."""
+    if policy == "keep":
+        return []
+    from types import SimpleNamespace
+
+    from k3train.activation import rules_from_config
+
+    return rules_from_config(SimpleNamespace(policy=policy, rules=[]))
+
+
 @dataclass
 class Layout:
     name: str
@@ -275,6 +286,9 @@ class Layout:
     """Keep the first pipeline rank's log of compute and vision actions of the last step."""
     float8: str = "none"
     """train.float8: FP8 GEMMs for the dense linears (emulated on CPU)."""
+    activation: str = "keep"
+    """The activation storage policy of every decoder layer (activation.policy), with the K3 defaults beside it;
+    "keep" applies no rule at all (everything kept)."""
     seed: int = SEED
     """Initial weights and data (tools/fp32_drift.py measures drift over several)."""
 
@@ -323,6 +337,7 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
         precision=layout.precision,
         train_vision=layout.vision,
         float8=layout.float8,
+        activation_rules=activation_rules(layout.activation),
     )
     # The ranks of a CP group read the same rows (each runs its own pieces of them).
     dp_rank = rank_coords(dims, rank)["dp"] if dims.world > 1 else 0
@@ -624,6 +639,8 @@ TWO = [
     _lay("pp2_vpp2_interleaved_zb", pp=2, vpp=2, microbatches=2, schedule="interleaved_zb"),
     _lay("pp2_zbv", pp=2, vpp=2, microbatches=2, schedule="zbv"),
     _lay("pp2_dualpipev", pp=2, vpp=2, microbatches=4, schedule="dualpipev"),
+    # Whole-layer recompute under split backward: the input and the weight pass each recompute the layer.
+    _lay("pp2_dualpipev_recompute", pp=2, vpp=2, microbatches=4, schedule="dualpipev", activation="recompute"),
     _lay("ep2_dp2", dp=2, ep=2, zero=0, microbatches=2),
     _lay("ep2_dp2_zero2", dp=2, ep=2, zero=2, microbatches=2),
     _lay("muon_dp2_zero1", dp=2, zero=1, microbatches=2, optim="muon"),
