@@ -120,6 +120,7 @@ def run_rank(spec, rank: int, loads: str = "balanced") -> RankResult:
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torch.utils.flop_counter import FlopCounterMode
 
+    from k3train.ops.attention.inner import flex_flop_formulas
     from k3train.parallel.engine import build_engine_for
 
     dims = spec.layout
@@ -133,7 +134,8 @@ def run_rank(spec, rank: int, loads: str = "balanced") -> RankResult:
         with fake, Recording(rec), host_sync.stand_in(_stand_in(spec, rank, loads)):
             engine = build_engine_for(spec, device="cpu")
             batch = stand_in_batch(spec)
-            counter = FlopCounterMode(display=False)
+            # Attention counted as flex_attention runs it on CUDA (visible blocks), not as the CPU reference
+            counter = FlopCounterMode(display=False, custom_mapping=flex_flop_formulas())
             counter.mod_tracker = _GlobalOnly()
             step, marks = engine.zero.step, []
 

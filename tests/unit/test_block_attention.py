@@ -260,3 +260,44 @@ def test_mla_under_cp_equals_dense_fp64(layout):
     g_ref = torch.autograd.grad((ref * w).sum(), [x, *m.parameters()])
     for a, b in zip(g_cp, g_ref):
         assert torch.allclose(a, b, atol=1e-12, rtol=0)
+
+
+def _dense_block_area(q_pos, q_doc, k_pos, k_doc, block):
+    """Brute force: every block of the [Tq, Tk] visibility mask with any visible pair, by its area."""
+    from k3train.ops.attention.naive import allowed
+
+    m = allowed(q_pos, q_doc, k_pos, k_doc)
+    total = 0
+    for b in range(m.shape[0]):
+        for qa in range(0, m.shape[1], block):
+            for ka in range(0, m.shape[2], block):
+                tile = m[b, qa : qa + block, ka : ka + block]
+                total += tile.numel() if bool(tile.any()) else 0
+    return total
+
+
+def test_flex_visible_pairs_counts_the_blocks_flex_computes():
+    """One document per row: exactly the blocks with a visible pair, and (a whole row against every key) the
+    planner's visited_keys; with documents, never fewer than those blocks (an upper bound where a block straddles a
+    boundary)."""
+    from k3train.models.k3.mla import visited_keys
+    from k3train.ops.attention.inner import flex_visible_pairs
+
+    T, block = 300, 32
+    pos = torch.arange(T)[None].expand(2, T)
+    one_doc = torch.zeros(2, T, dtype=torch.long)
+    for ka, kb in ((0, 96), (96, 300), (200, 300)):  # key chunks, the last two partial
+        kp, kd = pos[:, ka:kb], one_doc[:, ka:kb]
+        assert flex_visible_pairs(pos, one_doc, kp, kd, block) == _dense_block_area(pos, one_doc, kp, kd, block)
+    got = flex_visible_pairs(pos[:1], one_doc[:1], pos[:1], one_doc[:1])  # at FLEX_BLOCK
+    assert got == round(visited_keys(T) * T)
+    docs = (torch.rand(2, T, generator=torch.Generator().manual_seed(0)) < 0.02).long().cumsum(-1)
+    p = torch.stack(
+        [
+            torch.arange(T)
+            - torch.cummax(torch.where(torch.diff(d, prepend=d[:1] - 1) > 0, torch.arange(T), 0), 0).values
+            for d in docs
+        ]
+    )  # positions restart in each document
+    assert flex_visible_pairs(p, docs, p, docs, block) >= _dense_block_area(p, docs, p, docs, block)
+    assert flex_visible_pairs(p, docs, p, docs, block) < flex_visible_pairs(pos, one_doc, pos, one_doc, block)

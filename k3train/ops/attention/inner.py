@@ -145,6 +145,51 @@ def _chunk_backward_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kw
     return 2 * B * H * Tq * k_shape[2] * (3 * d + 2 * v_shape[-1])
 
 
+def flex_visible_pairs(q_pos: Tensor, q_doc: Tensor, k_pos: Tensor, k_doc: Tensor, block: int = FLEX_BLOCK) -> int:
+    """(query, key) pairs inside the FLEX_BLOCK x FLEX_BLOCK blocks that flex_attention's block mask computes (a
+    block with any visible pair), summed over the rows of [B, T] positions and document ids. A block counts as
+    visible when its earliest key is not after its latest query and the two blocks' document ranges overlap: exact
+    for causal positions within one document, an upper bound where a block holds a document boundary. O(blocks^2)."""
+    big = torch.iinfo(torch.int64).max // 4
+
+    def blocked(x: Tensor, fill: int) -> Tensor:
+        T = x.shape[-1]
+        pad = -T % block
+        return torch.nn.functional.pad(x.long(), (0, pad), value=fill).view(x.shape[0], -1, block)
+
+    def sizes(T: int) -> Tensor:
+        return (T - torch.arange(0, T, block)).clamp(max=block)
+
+    q_hi, k_lo = blocked(q_pos, -big).amax(-1), blocked(k_pos, big).amin(-1)
+    qd_lo, qd_hi = blocked(q_doc, big).amin(-1), blocked(q_doc, -big).amax(-1)
+    kd_lo, kd_hi = blocked(k_doc, big).amin(-1), blocked(k_doc, -big).amax(-1)
+    seen = k_lo[:, None, :] <= q_hi[:, :, None]
+    seen &= (kd_lo[:, None, :] <= qd_hi[:, :, None]) & (kd_hi[:, None, :] >= qd_lo[:, :, None])
+    area = sizes(q_pos.shape[-1])[:, None] * sizes(k_pos.shape[-1])[None, :]
+    return int((seen * area).sum())
+
+
+def flex_flop_formulas() -> dict:
+    """FlopCounterMode custom_mapping: the chunk ops' FLOPs as flex_attention executes them on CUDA (the visible
+    blocks, flex_visible_pairs) instead of the CPU reference's dense product. Needs readable positions and document
+    ids (host values: the dry run keeps them real); fake ones fall back to the dense count."""
+
+    def pairs(q, k, q_pos, q_doc, k_pos, k_doc) -> float:
+        try:
+            return flex_visible_pairs(q_pos, q_doc, k_pos, k_doc)
+        except (RuntimeError, NotImplementedError):  # fake positions: the dense count
+            return q.shape[0] * q.shape[2] * k.shape[2]
+
+    def forward(q, k, v, q_pos, q_doc, k_pos, k_doc, *args, out_val=None, **kwargs) -> int:
+        return int(2 * q.shape[1] * pairs(q, k, q_pos, q_doc, k_pos, k_doc) * (q.shape[-1] + v.shape[-1]))
+
+    def backward(q, k, v, q_pos, q_doc, k_pos, k_doc, *args, out_val=None, **kwargs) -> int:
+        return int(2 * q.shape[1] * pairs(q, k, q_pos, q_doc, k_pos, k_doc) * (3 * q.shape[-1] + 2 * v.shape[-1]))
+
+    forward._get_raw = backward._get_raw = True
+    return {torch.ops.k3train.attention_chunk: forward, torch.ops.k3train.attention_chunk_backward: backward}
+
+
 def reference_chunk(q, k, v, q_pos, q_doc, k_pos, k_doc, scale: float):
     """The CPU inner kernel: the custom op `k3train::attention_chunk` (dense, in the wide dtype)."""
     return attention_chunk(q, k, v, q_pos, q_doc, k_pos, k_doc, float(scale))
