@@ -46,12 +46,35 @@ class RankResult:
     fake_ops: int = 0
     planned_state: dict = field(default_factory=dict)
     planned_flops: float = 0.0
+    flops_by_class: dict = field(default_factory=dict)
+    """The forward and backward's FLOPs by op class (OP_CLASSES of the counted aten and k3train ops)."""
+    planned_by_class: dict = field(default_factory=dict)
     start_bytes: int = 0
     """Fake bytes alive when the step starts (parameters, and the optimizer state built with the engine)."""
     peak_bytes: int = 0
     """The forward and backward's peak of fake bytes above start_bytes: gradients, saved activations, buffers."""
     planned_peak: float = 0.0
     """The planner's gradients, activations, pipeline/EP/CP buffers and workspace of the rank's pipeline rank."""
+
+
+OP_CLASSES = {
+    "dense_gemm": ("mm", "addmm"),
+    "grouped_gemm": ("_grouped_mm",),
+    "attention": ("attention_chunk", "attention_chunk_backward"),
+    "batched": ("bmm", "baddbmm"),
+}
+"""How the counted ops group for the comparison with the planner's op classes: batched products are KDA's chunk
+form and the AttnRes mixers (the planner's kda and elementwise classes together)."""
+
+
+def by_class(per_op: dict) -> dict:
+    """FlopCounterMode's {op packet: FLOPs} -> {OP_CLASSES name: FLOPs} (anything else under "other")."""
+    out = dict.fromkeys([*OP_CLASSES, "other"], 0.0)
+    for op, n in per_op.items():
+        name = str(op).split(".")[-1]
+        cls = next((c for c, names in OP_CLASSES.items() if name in names), "other")
+        out[cls] += float(n)
+    return out
 
 
 def dry_spec(spec, microbatches: int = 0):
@@ -141,6 +164,7 @@ def run_rank(spec, rank: int, loads: str = "balanced") -> RankResult:
 
             def counted_step(*a, **k):  # the optimizer's FLOPs and memory apart from forward and backward
                 marks.append(counter.get_total_flops())
+                out.flops_by_class = by_class(counter.get_flop_counts()["Global"])
                 out.peak_bytes = fake.peak - out.start_bytes
                 return step(*a, **k)
 
@@ -155,6 +179,8 @@ def run_rank(spec, rank: int, loads: str = "balanced") -> RankResult:
             after = engine.memory_report()
             out.state = {**engine.last_memory, **{k: after[k] for k in ("master_bytes", "optim_bytes")}}
             out.flops = float(marks[0]) if marks else float(counter.get_total_flops())
+            if not marks:
+                out.flops_by_class = by_class(counter.get_flop_counts()["Global"])
             out.optimizer_flops = float(counter.get_total_flops()) - out.flops
             out.fake_ops = fake.ops
     finally:
@@ -166,9 +192,10 @@ def run_rank(spec, rank: int, loads: str = "balanced") -> RankResult:
 
 def _plan_rank(spec, res: RankResult) -> None:
     """The planner's state bytes and executed FLOPs of the rank."""
-    from k3train.models.k3.counts import executed_flops
+    from k3train.models.costs import Flops
+    from k3train.models.k3.counts import executed_flops_by_class
     from k3train.parallel.mesh import stages_of_rank
-    from k3train.plan.activations import policy_plan, recompute_flops_per_token
+    from k3train.plan.activations import policy_plan, recompute_costs
     from k3train.plan.state_memory import StateModel
 
     dims, args, cfg = spec.layout, spec.model, spec.config
@@ -179,14 +206,21 @@ def _plan_rank(spec, res: RankResult) -> None:
     res.planned_state["optim_bytes"] = b.optim
     seq, n = cfg.data.seq_len, dims.n_stages
     tokens = cfg.data.micro_batch * seq // dims.cp
-    per_tok, pplan = executed_flops(args, seq), policy_plan(cfg.activation)
-    flops = 0.0
+    per_tok, pplan = executed_flops_by_class(args, seq), policy_plan(cfg.activation)
+    flops = Flops()
     for s in stages_of_rank(dims, res.coords["pp"]):
         last = s == n - 1
-        f = sum(per_tok["layers"][i - 1] for i in layers[s]) + (per_tok["head"] if last else 0.0)
-        f += recompute_flops_per_token(args, layers[s], seq, pplan, last)
-        flops += f * tokens * dims.microbatches
-    res.planned_flops = flops
+        flops = sum((per_tok["layers"][i - 1] for i in layers[s]), flops)
+        flops = flops + (per_tok["head"] if last else Flops()) + recompute_costs(args, layers[s], seq, pplan, last)[0]
+    scale = tokens * dims.microbatches
+    res.planned_flops = flops.total * scale
+    res.planned_by_class = {
+        "dense_gemm": flops.dense_gemm * scale,
+        "grouped_gemm": flops.grouped_gemm * scale,
+        "attention": flops.attention * scale,
+        "batched": (flops.kda + flops.elementwise) * scale,
+        "other": 0.0,
+    }
     from k3train.plan.gpus import gpu_spec
     from k3train.plan.planner import plan_run
 
@@ -308,6 +342,7 @@ def format_results(results: list[RankResult]) -> str:
     for r in results:
         rows = [(k, r.state.get(k, 0), r.planned_state[k]) for k in r.planned_state]
         rows.append(("flops", r.flops, r.planned_flops))
+        rows += [(f"  {c}", r.flops_by_class.get(c, 0), p) for c, p in r.planned_by_class.items()]
         for kind, m, p in rows:
             ratio = m / p if p else float(m == 0)
             lines.append(f"{r.rank:>5} {r.coords['pp']:>3} {kind:>12} {int(m):>16,} {int(p):>16,} {ratio:7.3f}")

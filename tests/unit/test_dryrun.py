@@ -137,6 +137,11 @@ def test_one_rank_of_a_reduced_layout_steps_on_fake_tensors():
     for kind, planned in r.planned_state.items():  # the training state: exactly the planner's
         assert r.state[kind] == planned, kind
     assert r.state["optim_bytes"] > 0 and r.flops > 0
+    # FLOPs by op class: the counted ops' classes sum to the total, and so do the planner's
+    assert sum(r.flops_by_class.values()) == pytest.approx(r.flops, rel=1e-12)
+    assert sum(r.planned_by_class.values()) == pytest.approx(r.planned_flops, rel=1e-12)
+    for cls in ("dense_gemm", "grouped_gemm", "attention", "batched"):
+        assert r.flops_by_class[cls] == pytest.approx(r.planned_by_class[cls], rel=0.02), cls
     ops = [c.op for c in r.calls]
     assert "alltoall_base_" in ops and "recv_" in ops and "send" in ops and "allreduce_" in ops
     assert r.fake_ops > 1000

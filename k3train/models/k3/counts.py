@@ -141,6 +141,12 @@ def executed_flops(args: K3ModelArgs, seq_len: int) -> dict:
     - each Block AttnRes mixer: 6 S D (the depth logits over S sources and their weighted sum);
     - the MTP module (with the head): its matrices, and its Gated MLA's blocked attention as a layer's.
     The vision tower is left out (it runs on images)."""
+    by_class = executed_flops_by_class(args, seq_len)
+    return {"layers": [f.total for f in by_class["layers"]], "head": by_class["head"].total}
+
+
+def executed_flops_by_class(args: K3ModelArgs, seq_len: int) -> dict:
+    """executed_flops by op class: {"layers": [Flops per token of each layer], "head": Flops per token}."""
     layers, S = [], 1
     for i in range(1, args.n_layers + 1):
         layers.append(_flops(K3Layer.costs(args, i, S, seq_len)))
@@ -148,5 +154,5 @@ def executed_flops(args: K3ModelArgs, seq_len: int) -> dict:
     return {"layers": layers, "head": _flops(K3Model.head_costs(args, S, seq_len))}
 
 
-def _flops(parts: dict[str, Costs]) -> float:
-    return sum((c.flops for c in parts.values()), Flops()).total
+def _flops(parts: dict[str, Costs]) -> Flops:
+    return sum((c.flops for c in parts.values()), Flops())
