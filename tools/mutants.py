@@ -668,6 +668,15 @@ def _split_backward_unfused(orig):
     return _build_parts
 
 
+def _sim_ignores_fused(orig):
+    from dataclasses import replace
+
+    def simulate(dims, costs, *, zero):
+        return orig(dims, {s: replace(c, fused_backward=False) for s, c in costs.items()}, zero=zero)
+
+    return simulate
+
+
 def _never_poisoned(orig):
     return lambda: False
 
@@ -1565,6 +1574,13 @@ MUTATIONS: list[Mutation] = [
         "stages with recomputed regions split their backward: each region reruns once per autograd call",
         _split_backward_unfused,
         ("tests/distributed/test_split_backward_recompute.py",),
+    ),
+    M(
+        "plan_split_backward_unfused",
+        "k3train.plan.schedule_sim:simulate",
+        "the planner's timeline splits the backward of stages that fuse it (I and W half each)",
+        _sim_ignores_fused,
+        ("tests/e2e/test_plan.py::test_fused_split_backward_runs_whole_backwards_in_the_input_pass",),
     ),
     M(
         "pp_sends_zeros",

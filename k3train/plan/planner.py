@@ -294,7 +294,15 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
         cp_buf = max(latent) * lat
     boundary = sources_after(args, layers[-1]) * tokens * args.dim * ab if s < n - 1 else 0.0  # the send buffer
     send = boundary / x.bandwidth(2, dims.dp_cp)
-    cost = StageCost(fwd + (a2a + cpt) / 2, bwd + (a2a + cpt) / 2, act, *x.state.stage_grad_bytes(s), send_s=send)
+    # Any recomputed region (the K3 defaults checkpoint the AttnRes mixers) fuses a split backward (StageCost)
+    cost = StageCost(
+        fwd + (a2a + cpt) / 2,
+        bwd + (a2a + cpt) / 2,
+        act,
+        *x.state.stage_grad_bytes(s),
+        send_s=send,
+        fused_backward=x.pplan.k3_defaults,
+    )
     bufs = {"pp": boundary, "ep": ep_buf, "cp": cp_buf, "work": work_bytes, "host": host}
     by_class |= {"ep_all_to_all": a2a, "cp": cpt, "host_copies": waits}
     extra = {"recompute_flops": rflops.total * tokens, "recompute_s": sum(rerun.values()), "a2a_passes": passes}

@@ -161,6 +161,26 @@ def test_schedule_simulation_bubbles_and_peaks():
     assert inter.makespan_s < one.makespan_s and zb.makespan_s < inter.makespan_s  # smaller bubbles
 
 
+def test_fused_split_backward_runs_whole_backwards_in_the_input_pass():
+    """A stage with recomputed regions runs I as its whole backward and W as nothing: the same compute per rank,
+    no W time, every micro-batch's activations freed at its I, and a bubble no smaller than the split one."""
+    from k3train.parallel.mesh import ParallelDims
+    from k3train.plan.schedule_sim import StageCost, simulate
+
+    d = ParallelDims(pp=4, vpp=2, dp=1, microbatches=8, schedule="dualpipev")
+
+    def run(fused):
+        costs = {s: StageCost(0.5, 1.0, 0.5, 0.0, 0.0, fused_backward=fused) for s in range(d.n_stages)}
+        return simulate(d, costs, zero=1)
+
+    split, fused = run(False), run(True)
+    for r, evs in fused.events.items():
+        assert sum(e - s for s, e, _ in evs) == pytest.approx(2 * 8 * 1.5)  # two stages x m x (f + b)
+        assert all(e == s for s, e, a in evs if a.kind == "W")
+        assert all(e - s == pytest.approx(1.0) for s, e, a in evs if a.kind == "I")
+    assert fused.makespan_s >= split.makespan_s
+
+
 @pytest.mark.parametrize("overrides", [{}, {"dim": 128, "kda_heads": 4, "mla_heads": 4, "top_k": 4}])
 def test_executed_flops_match_the_flop_counter(overrides):
     """The planner's FLOPs of a training step against torch's FlopCounterMode on that step (one process)."""
