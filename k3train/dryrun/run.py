@@ -58,7 +58,7 @@ class RankResult:
 
 
 OP_CLASSES = {
-    "dense_gemm": ("mm", "addmm"),
+    "dense_gemm": ("mm", "addmm", "addmm_"),
     "grouped_gemm": ("_grouped_mm",),
     "attention": ("attention_chunk", "attention_chunk_backward"),
     "batched": ("bmm", "baddbmm"),
@@ -124,6 +124,20 @@ def _stand_in(spec, rank: int, loads: str) -> StandIn:
     )
 
 
+def _counted_ops() -> dict:
+    """FlopCounterMode's additions: the attention chunks as flex_attention runs them, and the in-place addmm_ (the
+    chunked loss's fp32 weight-gradient accumulation), which torch's table leaves out."""
+    from torch.utils.flop_counter import addmm_flop
+
+    from k3train.ops.attention.inner import flex_flop_formulas
+
+    def addmm_(*args, **kwargs):  # torch's formula, already taking tensors (shapes read inside)
+        return addmm_flop(*args, **kwargs)
+
+    addmm_._get_raw = True
+    return {**flex_flop_formulas(), torch.ops.aten.addmm_: addmm_}
+
+
 class _GlobalOnly:
     """FlopCounterMode's module tracker, reduced to the total: the real one hooks every module's inputs for backward,
     and that hook fails on a pipeline stage's leaf input under split backward (autograd.grad over the input pass of
@@ -143,7 +157,6 @@ def run_rank(spec, rank: int, loads: str = "balanced") -> RankResult:
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torch.utils.flop_counter import FlopCounterMode
 
-    from k3train.ops.attention.inner import flex_flop_formulas
     from k3train.parallel.engine import build_engine_for
 
     dims = spec.layout
@@ -158,7 +171,7 @@ def run_rank(spec, rank: int, loads: str = "balanced") -> RankResult:
             engine = build_engine_for(spec, device="cpu")
             batch = stand_in_batch(spec)
             # Attention counted as flex_attention runs it on CUDA (visible blocks), not as the CPU reference
-            counter = FlopCounterMode(display=False, custom_mapping=flex_flop_formulas())
+            counter = FlopCounterMode(display=False, custom_mapping=_counted_ops())
             counter.mod_tracker = _GlobalOnly()
             step, marks = engine.zero.step, []
 

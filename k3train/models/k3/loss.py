@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3train.models.costs import Costs, Saved, gemm
+from k3train.models.costs import Costs, Flops, Saved
 from k3train.ops.dtypes import wide
 
 IGNORE_INDEX = -100
@@ -164,5 +164,6 @@ def linear_cross_entropy(
 
 def loss_costs(dim: int, vocab: int) -> Costs:
     """Per token (k3train.models.costs): the chunked linear cross entropy saves its input, one fp32 log-sum-exp and
-    the label (no logits are kept); the LM head's matmul, counted as 6 x its weights."""
-    return Costs(Saved(act=dim, fp32=1, i64=1, bf16=2.0 * dim + 13), gemm(dim * vocab))
+    the label (no logits are kept); the LM head's matmul runs 4 times (forward, the logits again in backward, the
+    input and the weight gradient): 8 x its weights executed."""
+    return Costs(Saved(act=dim, fp32=1, i64=1, bf16=2.0 * dim + 13), Flops(dense_gemm=8.0 * dim * vocab))

@@ -86,8 +86,8 @@ class MTP(nn.Module):
     @staticmethod
     def costs(args: K3ModelArgs, seq_len: int) -> Costs:
         """Per token (k3train.models.costs), with its loss: its two input norms, the projection (its input 2 D),
-        the pre-norm Gated MLA + dense SiTU-GLU block, its output norm and a second chunked loss. The second loss
-        multiplies with the backbone's LM head, whose matmul is counted once, with the head."""
+        the pre-norm Gated MLA + dense SiTU-GLU block, its output norm and a second chunked loss, which runs the
+        backbone's LM head matmul again on its own tokens (executed FLOPs; the model's FLOPs count the head once)."""
         D = args.dim
         norms = norm_costs(D) + norm_costs(D) + norm_costs(D) + norm_costs(D) + norm_costs(D)
         return (
@@ -95,7 +95,7 @@ class MTP(nn.Module):
             + Costs(Saved(act=2 * D, bf16=4.0 * D), gemm(2 * D * D))
             + GatedMLA.costs(args, seq_len)
             + SiTUGLU.costs(D, args.dense_hidden)
-            + Costs(loss_costs(D, args.vocab_size).saved)
+            + loss_costs(D, args.vocab_size)
         )
 
 
