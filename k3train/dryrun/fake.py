@@ -32,6 +32,10 @@ SMALL = 1 << 24
 table: a 1M-token row's document starts)."""
 
 
+SNAPSHOT_STEP = 1.01
+"""The peak's snapshot of live storages is retaken each time the peak grows by 1%."""
+
+
 def _device_type(dev) -> str | None:
     return None if dev is None else torch.device(dev).type
 
@@ -45,7 +49,12 @@ class FakeCPU(FakeTensorMode):
         self.live = 0
         """Bytes of the fake storages alive now (each storage once, however many views)."""
         self.peak = 0
-        self._refs: dict[int, list] = {}  # storage -> [bytes, tensors alive on it]
+        self._refs: dict[int, list] = {}  # storage -> [bytes, tensors alive on it, the op that made it]
+        self._op = ""
+        self.at_peak: dict[int, tuple[int, str]] = {}
+        """The live storages (bytes, making op) at the last snapshot of the peak: taken each time the peak grows
+        by SNAPSHOT_STEP over the last one, so it is within that of the true peak."""
+        self._snapshot_at = 0
 
     def _track(self, out) -> None:
         import weakref
@@ -56,9 +65,12 @@ class FakeCPU(FakeTensorMode):
             key = t.untyped_storage()._cdata
             ref = self._refs.get(key)
             if ref is None:
-                ref = self._refs[key] = [t.untyped_storage().nbytes(), 0]
+                ref = self._refs[key] = [t.untyped_storage().nbytes(), 0, self._op]
                 self.live += ref[0]
                 self.peak = max(self.peak, self.live)
+                if self.peak > self._snapshot_at * SNAPSHOT_STEP:
+                    self._snapshot_at = self.peak
+                    self.at_peak = {k: (r[0], r[2]) for k, r in self._refs.items()}
             ref[1] += 1
             weakref.finalize(t, self._release, key)
 
@@ -71,7 +83,23 @@ class FakeCPU(FakeTensorMode):
                 del self._refs[key]
 
     def reset_peak(self) -> None:
-        self.peak = self.live
+        self.peak = self._snapshot_at = self.live
+        self.at_peak = {}
+
+    def peak_by_op(self, exclude: set[int] = frozenset(), top: int = 6) -> list[tuple[str, int, int]]:
+        """(making op, bytes, storages) of the peak snapshot's storages not in `exclude`, largest first."""
+        groups: dict[str, list[int]] = {}
+        for key, (nbytes, op) in self.at_peak.items():
+            if key not in exclude:
+                g = groups.setdefault(op, [0, 0])
+                g[0] += nbytes
+                g[1] += 1
+        return sorted(((op, b, n) for op, (b, n) in groups.items()), key=lambda x: -x[1])[:top]
+
+    @staticmethod
+    def _shape(args) -> str:
+        first = next((a for a in tree_leaves(args) if isinstance(a, torch.Tensor)), None)
+        return "x".join(map(str, first.shape)) if first is not None else ""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -89,9 +117,11 @@ class FakeCPU(FakeTensorMode):
             if not leaves and (table or (n <= 1 and func.overloadpacket is not torch.ops.aten.empty)):
                 return func(*args, **kwargs)
             self.ops += 1
+            self._op = f"{func.overloadpacket.__name__} (factory)"
             self._track(out)
             return out
         self.ops += 1
+        self._op = f"{func.overloadpacket.__name__} {self._shape(args)}"
         if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
             # torch's meta function takes bf16 only (the CUDA kernel's dtype); CPU runs it in fp32 too: same shapes.
             low = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]

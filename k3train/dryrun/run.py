@@ -54,6 +54,9 @@ class RankResult:
     peak_bytes: int = 0
     """The forward and backward's peak of fake bytes above start_bytes: gradients, saved activations, buffers."""
     planned_peak: float = 0.0
+    peak_top: list = field(default_factory=list)
+    """What the peak holds above the starting state, grouped by the op (and first input's shape) that made each
+    storage: [(op, bytes, storages)], largest first."""
     """The planner's gradients, activations, pipeline/EP/CP buffers and workspace of the rank's pipeline rank."""
 
 
@@ -179,11 +182,13 @@ def run_rank(spec, rank: int, loads: str = "balanced") -> RankResult:
                 marks.append(counter.get_total_flops())
                 out.flops_by_class = by_class(counter.get_flop_counts()["Global"])
                 out.peak_bytes = fake.peak - out.start_bytes
+                out.peak_top = fake.peak_by_op(exclude=state_keys)
                 return step(*a, **k)
 
             engine.zero.step = counted_step
             out.start_bytes = fake.live
             fake.reset_peak()
+            state_keys = set(fake._refs)
             with counter:
                 engine.train_step(batch)
                 engine.update_biases()
@@ -363,6 +368,8 @@ def format_results(results: list[RankResult]) -> str:
         lines.append(
             f"{r.rank:>5} {r.coords['pp']:>3} {'step peak':>12} {r.peak_bytes:>16,} {int(r.planned_peak):>16,} {ratio:7.3f}"
         )
+        for op, nbytes, n in r.peak_top:
+            lines.append(f"{'':>5} {'':>3} {'':>12} {nbytes:>16,}   {n:>6} x {op}")
         lines.append(f"{r.rank:>5} {r.coords['pp']:>3} {'collectives':>12} {len(r.calls):>16,} {'':>16} {'':>7}")
         lines.append(f"{r.rank:>5} {r.coords['pp']:>3} {'fake ops':>12} {r.fake_ops:>16,} {r.wall_s:>15.1f}s {'':>7}")
     return "\n".join(lines)
