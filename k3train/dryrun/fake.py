@@ -117,7 +117,7 @@ class FakeCPU(FakeTensorMode):
             if not leaves and (table or (n <= 1 and func.overloadpacket is not torch.ops.aten.empty)):
                 return func(*args, **kwargs)
             self.ops += 1
-            self._op = f"{func.overloadpacket.__name__} (factory)"
+            self._op = f"{func.overloadpacket.__name__} -> {self._shape(out)}"
             self._track(out)
             return out
         self.ops += 1
