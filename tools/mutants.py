@@ -677,6 +677,10 @@ def _sim_ignores_fused(orig):
     return simulate
 
 
+def _never_alone(orig):
+    return float("inf")  # every Muon parameter in the packed buffers, padded to the largest owner's share
+
+
 def _never_poisoned(orig):
     return lambda: False
 
@@ -1581,6 +1585,13 @@ MUTATIONS: list[Mutation] = [
         "the planner's timeline splits the backward of stages that fuse it (I and W half each)",
         _sim_ignores_fused,
         ("tests/e2e/test_plan.py::test_fused_split_backward_runs_whole_backwards_in_the_input_pass",),
+    ),
+    M(
+        "muon_solo_never",
+        "k3train.optim.muon:SOLO_SHARE",
+        "a dominant Muon matrix stays in the packed reduce-scatter and all-gather (buffers padded to it on every rank)",
+        _never_alone,
+        ("tests/unit/test_muon.py::test_a_dominant_matrix_travels_alone",),
     ),
     M(
         "pp_sends_zeros",

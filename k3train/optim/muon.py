@@ -55,6 +55,12 @@ from k3train.distributed import comm
 from k3train.optim.muon_state import load_owned, new_owned_momentum, owned_of, owned_piece_views, owns_any, state_dtype
 from k3train.optim.pieces import from_pieces, piece_shapes, to_pieces
 
+SOLO_SHARE = 1.0
+"""A Muon parameter whose matrices all have one owner and that holds more than SOLO_SHARE x the mean elements per
+rank travels by itself (its gradient all-reduced, its update broadcast by the owner) instead of in the packed
+reduce-scatter and all-gather, whose buffers are padded on every rank to the longest rank's segment: K3's dense FFN
+matrices (33,792 x 7,168) would otherwise pad them to 128 x 242M elements over dp_cp = 128."""
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 MUON_RMS_SCALE = 0.2
 NS_BUCKET_NUMEL = 1 << 27
@@ -481,10 +487,12 @@ class PerHeadMuon(Optimizer):
                 f"owners[{name!r}] must give each of the {len(shapes)} Muon matrices a rank in [0, {world})"
             )
         owners = torch.tensor(assign_owners(shapes, world) if given is None else list(given), dtype=torch.long)
+        mean = sum(r * c for r, c in shapes) / world
         per_param = []
         offsets = [0] * world  # running offset of each rank's packed update buffer
         for gi, p, pieces, start in params:
-            entry = []
+            entry, mine = [], owners[start : start + sum(n for n, _, _ in pieces)]
+            solo = int(mine[0]) if bool((mine == mine[0]).all()) and p.numel() > SOLO_SHARE * mean else None
             for n, r, c in pieces:
                 own = owners[start : start + n]
                 start += n
@@ -492,9 +500,10 @@ class PerHeadMuon(Optimizer):
                 for q in range(world):
                     idx = torch.nonzero(own == q).flatten()
                     by_rank.append((idx.to(p.device), offsets[q], idx.numel() * r * c))
-                    offsets[q] += idx.numel() * r * c
-                entry.append(dict(n=n, rows=r, cols=c, by_rank=by_rank))
-            per_param.append(dict(group=gi, param=p, pieces=entry))
+                    if solo is None:  # a solo parameter travels by itself, outside the packed buffers
+                        offsets[q] += idx.numel() * r * c
+                entry.append(dict(n=n, rows=r, cols=c, by_rank=by_rank, solo=solo))
+            per_param.append(dict(group=gi, param=p, pieces=entry, solo=solo))
         return dict(world=world, rank=rank, params=per_param, sizes=offsets, name=name, pg=g)
 
     def plan(self, name: str = "dp_cp") -> dict:
@@ -535,10 +544,13 @@ class PerHeadMuon(Optimizer):
     def reduce_scatter_owned(self, params: Sequence[Tensor], grad_of, dim: str = "dp_cp") -> None:
         """Sum the gradients of `params` (grad_of(p): this rank's full fp32 gradient, or None for zeros) over the
         process group so that each rank receives only the matrices it owns: one reduce-scatter whose shard
-        boundaries are the owners' matrices (each rank's segment padded to the longest). Fills owned_grads."""
+        boundaries are the owners' matrices (each rank's segment padded to the longest). A solo parameter (one owner,
+        more than SOLO_SHARE x the mean elements per rank) is all-reduced by itself instead, so that the packed
+        buffer is not padded to it on every rank. Fills owned_grads."""
         plan = self.plan_of(params[0])
         world, rank = plan["world"], plan["rank"]
-        entries = [self.entry_of(p) for p in params]
+        every = [self.entry_of(p) for p in params]
+        entries = [e for e in every if e.get("solo") is None]
         sizes, starts = [0] * world, []
         for e in entries:
             starts.append(list(sizes))
@@ -546,9 +558,9 @@ class PerHeadMuon(Optimizer):
                 for q in range(world):
                     sizes[q] += pc["by_rank"][q][2]
         width = max(sizes) if sizes else 0
-        device = entries[0]["param"].device if entries else torch.device("cpu")
+        device = every[0]["param"].device if every else torch.device("cpu")
         # fp32 for bf16 weights (their gradients are fp32), otherwise the weights' own dtype
-        dtype = torch.promote_types(entries[0]["param"].dtype, torch.float32) if entries else torch.float32
+        dtype = torch.promote_types(every[0]["param"].dtype, torch.float32) if every else torch.float32
         buf = torch.zeros(world, width, dtype=dtype, device=device)
         for e, start in zip(entries, starts):
             p, group = e["param"], self.param_groups[e["group"]]
@@ -567,6 +579,14 @@ class PerHeadMuon(Optimizer):
         for e, start in zip(entries, starts):
             n = sum(pc["by_rank"][rank][2] for pc in e["pieces"])
             self.owned_grads[id(e["param"])] = out[start[rank] : start[rank] + n]
+        for e in [e for e in every if e.get("solo") is not None]:  # in plan order on every rank
+            p = e["param"]
+            g = grad_of(p)
+            g = torch.zeros(p.shape, dtype=dtype, device=device) if g is None else g.to(dtype)
+            comm.all_reduce(g, plan["pg"], dim, what="muon_grads")
+            owned = owned_of(e, rank, self.pieces_of(self.param_groups[e["group"]], p, g))
+            flat = [m.reshape(-1) for m in owned if m.numel()]
+            self.owned_grads[id(p)] = torch.cat(flat) if flat else g.new_zeros(0)
 
     def _muon_step_sharded(self, name: str = "dp_cp") -> None:
         plan = self.plan(name)
@@ -605,12 +625,16 @@ class PerHeadMuon(Optimizer):
         wire = p_dtype if send_master else wide(p_dtype)
         width = max(plan["sizes"]) if plan["sizes"] else 0
         send = torch.zeros(width, dtype=wire, device=device)
+        solo_out: dict[int, Tensor] = {}  # id(piece) -> its new matrices, broadcast by their owner
         for pc, O, m in zip(mine, O_mine, masters):
             _, off, n = pc["by_rank"][rank]
             if m is not None:  # the owner steps its fp32 master and sends the new weights
                 self._apply(m[0], m[1], O, muon_scale(pc["rows"], pc["cols"]))
                 O = m[1]
-            send[off : off + n] = O.reshape(-1).to(wire)
+            if pc.get("solo") is not None:
+                solo_out[id(pc)] = O.reshape(pc["n"], pc["rows"], pc["cols"]).to(wire).contiguous()
+            else:
+                send[off : off + n] = O.reshape(-1).to(wire)
         flat = torch.empty(world * width, dtype=send.dtype, device=send.device)
         comm.all_gather(flat, send, plan["pg"], name, what="muon_weights" if send_master else "muon_updates")
         recv = flat.chunk(world)
@@ -619,6 +643,11 @@ class PerHeadMuon(Optimizer):
             Os = []
             for pc in e["pieces"]:
                 r, c = pc["rows"], pc["cols"]
+                if pc.get("solo") is not None:  # in plan order on every rank
+                    O = solo_out.get(id(pc))
+                    O = torch.empty(pc["n"], r, c, dtype=wire, device=p.device) if O is None else O
+                    Os.append(comm.broadcast(O, pc["solo"], plan["pg"], name, what="muon_solo"))
+                    continue
                 O = torch.empty(pc["n"], r, c, dtype=wire, device=p.device)
                 for q, (idx, off, n) in enumerate(pc["by_rank"]):
                     if n:

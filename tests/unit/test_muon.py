@@ -928,3 +928,21 @@ def test_qk_clip_hook_from_config():
     assert float(m.att.logits(x).amax().detach()) <= 0.5 + 1e-5
     off = ShardedOptimizer([M()], OptimConfig(name="muon"))
     assert off.qk_clip is None
+
+
+def test_a_dominant_matrix_travels_alone(monkeypatch):
+    """Over 8 ranks, one 64 x 48 matrix beside eight 8 x 8 ones: packed with the rest, every rank's segment of the
+    reduce-scatter and all-gather buffers would be padded to the big matrix (8 x 3,072 elements for 3,584 in all);
+    as a solo parameter it is all-reduced and broadcast by itself and the packed buffers hold at most 128 elements a
+    rank."""
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 8)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    shapes = [(64, 48)] + [(8, 8)] * 8
+    params = [nn.Parameter(torch.zeros(*s)) for s in shapes]
+    plan = PerHeadMuon([{"params": params, "structures": [MatrixStructure("matrix")] * len(shapes)}]).plan()
+    big, *small = plan["params"]
+    assert big["solo"] is not None and all(e["solo"] is None for e in small)
+    assert sum(plan["sizes"]) == 8 * 64 and max(plan["sizes"]) == 2 * 64  # its owner's share went to the others
+    monkeypatch.setattr(muon, "SOLO_SHARE", float("inf"))  # never alone: padded to the big matrix
+    plan = PerHeadMuon([{"params": params, "structures": [MatrixStructure("matrix")] * len(shapes)}]).plan()
+    assert max(plan["sizes"]) == 64 * 48

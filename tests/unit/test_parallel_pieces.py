@@ -343,9 +343,15 @@ def _muon_rs_worker(rank: int) -> list:
     return out
 
 
-def test_muon_gradients_reduce_scatter_to_matrix_owners(tmp_path):
+@pytest.mark.parametrize("solo", [False, True], ids=["packed", "solo"])
+def test_muon_gradients_reduce_scatter_to_matrix_owners(tmp_path, monkeypatch, solo):
+    """solo: every single-owner parameter travels by itself (muon.SOLO_SHARE = 0; all-reduced, then each owner keeps
+    its matrices), as K3's dense FFN matrices do at full size."""
+    from k3train.optim import muon
     from k3train.optim.muon import to_pieces
 
+    if solo:
+        monkeypatch.setattr(muon, "SOLO_SHARE", 0.0)  # the forked ranks inherit it
     recs = run_forked(_muon_rs_worker, tmp_path)
     for i, (shape, st) in enumerate(_muon_specs()):
         total = to_pieces(sum(_grad(r, 10 + i, shape) for r in range(WORLD)), st)
@@ -391,12 +397,22 @@ def test_pipeline_step_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_muon_owner_steps_equal_one_process_in_fp64(tmp_path):
+@pytest.mark.parametrize(
+    "solo,zero", [(False, 1), (True, 1), (True, 2)], ids=["packed_zero1", "solo_zero1", "solo_zero2"]
+)
+def test_muon_owner_steps_equal_one_process_in_fp64(tmp_path, monkeypatch, solo, zero):
     # Owner-sharded Muon over dp=2 (each matrix orthogonalised by one rank, the updates all-gathered): in float64
-    # the replicas equal one process to rounding, which an update sent in fp32 (1e-8) would not.
+    # the replicas equal one process to rounding, which an update sent in fp32 (1e-8) would not. solo: every
+    # single-owner parameter all-reduced and broadcast by itself (muon.SOLO_SHARE = 0); zero 2 reduce-scatters the
+    # gradients to the owners (PerHeadMuon.reduce_scatter_owned).
+    from k3train.optim import muon
+
+    if solo:
+        monkeypatch.setattr(muon, "SOLO_SHARE", 0.0)
     H = _harness()
-    _, records, reference = _forked_run_and_reference(MUON_DP, tmp_path)
+    _, records, reference = _forked_run_and_reference({**MUON_DP, "zero": zero}, tmp_path)
     H.compare(reference, records)
+    assert all(("dp_cp/broadcast" in rec["comm"][-1]) == solo for rec in records)
 
 
 def test_busy_clock_times_cuda_work_with_events(monkeypatch):
