@@ -12,9 +12,8 @@ comparison would not show that FP8 ran."""
 
 from __future__ import annotations
 
-import pytest
-
 import harness as H
+import pytest
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +40,7 @@ def _drift(recs, ref, plain):
             assert d <= (5e-7 if s < 2 else 1e-5), (r, s, a, b)
             if s < 2:
                 assert abs(b - c) > 1e-6 * abs(c), (s, b, c)
-    print("float8 drift from one process: steps 0-1 %.2e, later %.2e" % tuple(worst))
+    print(f"float8 drift from one process: steps 0-1 {worst[0]:.2e}, later {worst[1]:.2e}")
 
 
 @pytest.mark.parametrize("lay,seq", [(EP, None), (CP, 64)], ids=["ep2_dp2", "cp2"])
