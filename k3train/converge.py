@@ -14,8 +14,9 @@ The decision, for a curve c against a reference r (step by step, d_t = |c_t - r_
     window  the mean of d_t over the last `converge.window` steps (where the curves have settled),
     max     the largest d_t over the run (a divergence that recovers still counts);
 each must stay within the tolerance of the precision (TOLERANCES; the looser of the two curves' precisions, so a
-bf16 run against the fp32 golden is held to the bf16 band). On CPU in fp32 every layout reproduces one process to
-rounding, so the fp32 band is tight; bf16 moves the curve by design, within its band.
+bf16 run against the fp32 golden is held to the bf16 band, and so is a train.float8 run whatever its precision). On
+CPU in fp32 every layout reproduces one process to rounding, so the fp32 band is tight; bf16 and FP8 GEMMs move the
+curve by design, within the bf16 band.
 
 A recipe's golden file (recipes/golden/<recipe>.json) holds the experiment (`converge`: layouts, steps, window and
 the overrides that shrink the recipe to a test) and the golden curve with what recorded it (commit, machine,
