@@ -14,8 +14,9 @@ The decision, for a curve c against a reference r (step by step, d_t = |c_t - r_
     window  the mean of d_t over the last `converge.window` steps (where the curves have settled),
     max     the largest d_t over the run (a divergence that recovers still counts);
 each must stay within the tolerance of the precision (TOLERANCES; the looser of the two curves' precisions, so a
-bf16 run against the fp32 golden is held to the bf16 band). On CPU in fp32 every layout reproduces one process to
-rounding, so the fp32 band is tight; bf16 moves the curve by design, within its band.
+bf16 run against the fp32 golden is held to the bf16 band, and so is a train.float8 run whatever its precision). On
+CPU in fp32 every layout reproduces one process to rounding, so the fp32 band is tight; bf16 and FP8 GEMMs move the
+curve by design, within the bf16 band.
 
 A recipe's golden file (recipes/golden/<recipe>.json) holds the experiment (`converge`: layouts, steps, window and
 the overrides that shrink the recipe to a test) and the golden curve with what recorded it (commit, machine,
@@ -300,6 +301,7 @@ class Experiment:
     overrides: list[str]
     rows: int = 0
     precision: str = "fp32"
+    float8: str = "none"
     runs: dict[str, list[str]] = field(default_factory=dict)
 
     @property
@@ -309,6 +311,12 @@ class Experiment:
     @property
     def reference(self) -> str:
         return next(iter(self.layouts))
+
+    @property
+    def bands(self) -> list[str]:
+        """The precisions whose band holds this run: its own, and bf16 under train.float8 (FP8 GEMMs round their
+        operands to E4M3, coarser than bf16, so the curve moves at least as far as a bf16 one)."""
+        return [self.precision] + (["bf16"] if self.float8 != "none" else [])
 
 
 def _experiment(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> Experiment:
@@ -343,7 +351,7 @@ def _experiment(recipe: str, cfg: ConvergeConfig, overrides: list[str]) -> Exper
     # The recipe as it runs in one process: its rows per step and precision, and bad overrides refused now.
     one = load_spec(recipe, base + e.overrides, world_size=1).config
     e.rows = cfg.rows or one.data.micro_batch * one.parallel.microbatches * max(one.parallel.dp, 1)
-    e.precision = one.train.precision
+    e.precision, e.float8 = one.train.precision, one.train.float8
     det = ["train.deterministic=true"] if cfg.deterministic else []
     for name, dims in e.layouts.items():
         e.runs[name] = [
@@ -376,7 +384,7 @@ def _verdict(e: Experiment, cfg: ConvergeConfig, curves: dict[str, list[float]],
     """Each layout against the reference layout, and against the golden curve where one is recorded."""
     ref = e.reference
     verdict = {
-        **{k: getattr(e, k) for k in ("recipe", "steps", "window", "rows", "precision", "overrides")},
+        **{k: getattr(e, k) for k in ("recipe", "steps", "window", "rows", "precision", "float8", "overrides")},
         "reference": ref,
         "golden": str(e.golden_path),
         "statistic": "d_t = |loss_t - ref_t| / |ref_t|; window = mean of d_t over the last `window` steps; "
@@ -384,7 +392,7 @@ def _verdict(e: Experiment, cfg: ConvergeConfig, curves: dict[str, list[float]],
         "layouts": {},
         "pass": True,
     }
-    tol_layouts = tolerance([e.precision], cfg)
+    tol_layouts = tolerance(e.bands, cfg)
     for name, c in curves.items():
         entry = verdict["layouts"][name] = {"losses": c}
         if name != ref:
@@ -394,7 +402,7 @@ def _verdict(e: Experiment, cfg: ConvergeConfig, curves: dict[str, list[float]],
             verdict["pass"] &= entry["vs_reference"]["pass"]
     g = e.gcurve
     if g and not cfg.update_golden:
-        tol_g = tolerance([e.precision, g["precision"]], cfg)
+        tol_g = tolerance([*e.bands, g["precision"]], cfg)
         # fp64 against a curve of another precision measures that precision's rounding, not a regression: an fp32
         # curve drifts about 1e-3 from the exact one in 50 steps (docs/convergence.md). Shown, not judged.
         judged = "fp64" not in (e.precision, g["precision"]) or e.precision == g["precision"]

@@ -7,6 +7,9 @@
 # What k3train imports on the way to a tiny_cpu run (builtin corpus, byte tokenizer, local logging):
 #   hydra-core, omegaconf, antlr4-python3-runtime   configuration (k3train.config, the command line)
 #   torchtitan and what its LR scheduler module imports: spmd-types, tyro, docstring-parser, typeguard
+#   torchao (train.float8, train.qat, the MXFP4 export): no dependencies; one abi3 wheel (cp310-abi3,
+#     manylinux_2_28) for any Python from 3.10, about 3.4 MB. Its C extensions are optional: float8 training runs
+#     through torch._scaled_mm and the MX formats through plain tensor ops
 # torch, triton, numpy, PyYAML, packaging, typing-extensions, tqdm, tokenizers, tiktoken, tensorboard and matplotlib
 # are on the machine already. datasets (only for data.source=files with streaming or Arrow) and wandb (only for
 # logging.wandb=true) are imported lazily, where used, and are not fetched.
@@ -24,6 +27,7 @@ WHEELS=(
   tyro==1.0.17
   docstring-parser==0.18.0
   typeguard==4.6.1
+  torchao==0.18.0  # the version pyproject.toml pins (its MX API is a prototype)
 )
 SDISTS=(antlr4-python3-runtime==4.9.3)  # published as a source archive only: built into a wheel here (pure Python)
 
