@@ -69,10 +69,7 @@ def main(argv: list[str]) -> int:
             if p.returncode:
                 print(p.stderr[-2000:], file=sys.stderr)
                 return p.returncode
-            print(
-                f"  --format {fmt}: {p.stdout.strip().split(') to ')[0]}); {p.stdout.strip().split('; ')[-2]}; "
-                f"{p.stdout.strip().split('; ')[-1]}"
-            )
+            print(f"  --format {fmt}: {p.stdout.strip().replace(str(out), '<out>')}")
     return 0
 
 
