@@ -332,6 +332,14 @@ def qat_weights(w: torch.Tensor) -> torch.Tensor:
 # Command line
 # ---------------------------------------------------------------------------------------------------------------------
 def _rss_mib() -> float:
+    """This process's peak resident memory, MiB: VmHWM, which starts afresh at exec (ru_maxrss keeps the peak of the
+    process that started this one)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 

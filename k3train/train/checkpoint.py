@@ -21,6 +21,9 @@ Format version 2 (`format_version` in manifest.json). Nothing in a checkpoint is
   "numpy": the MT19937 key and position, "python": random's state, "cuda": one base64 state per device when CUDA is
   initialised}}. Each rank restores its own random state; a rank without a file of its number (another world
   size) takes the step, schedule and data position from rank-0.json and keeps its random state.
+- manifest.json also records "qat", the train.qat the checkpoint was trained under ("none" when absent: checkpoints
+  from before the record had no QAT). A resume under another train.qat is refused (check_qat; before any process
+  group when the run directory is known from the config, check_resume_qat); train.init_from may change it.
 Version 1 (no `format_version`: per-rank state as a pickled blob inside DCP) is refused for resuming; train.init_from
 still reads its tensors.
 
