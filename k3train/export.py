@@ -120,15 +120,24 @@ class CheckpointTensors:
 # ---------------------------------------------------------------------------------------------------------------------
 # MXFP4 packing (torchao's MXTensor layout)
 # ---------------------------------------------------------------------------------------------------------------------
-def pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_mxfp4(w: torch.Tensor, chunk_elems: int = 1 << 22) -> tuple[torch.Tensor, torch.Tensor]:
     """w [E, K, N] -> (qdata uint8 [E, N, K/2], scale uint8 [E, N, K/32]): MXTensor.to_mx of w with K moved last,
-    the same rounding as fake_quant_mx(w, 'mxfp4', dim=1) (float64 through fp32, as there)."""
+    the same rounding as fake_quant_mx(w, 'mxfp4', dim=1) (float64 through fp32, as there), about chunk_elems
+    weights at a time."""
     from torchao.prototype.mx_formats.mx_tensor import MXTensor
 
-    x = w.detach().movedim(1, -1).contiguous()
-    x = x.float() if x.dtype == torch.float64 else x
-    mx = MXTensor.to_mx(x, torch.float4_e2m1fn_x2, block_size=BLOCK_SIZE)
-    return mx.qdata.contiguous(), mx.scale.view(torch.uint8).contiguous()
+    # A few experts at a time: to_mx's fp32 temporaries are several times the bank's size, and blocks never span
+    # experts, so the pieces are the whole bank's packing.
+    step = max(1, chunk_elems // max(1, w[0].numel()))
+    qdata, scale = [], []
+    for piece in w.detach().split(step):
+        x = piece.movedim(1, -1).contiguous()
+        x = x.float() if x.dtype == torch.float64 else x
+        mx = MXTensor.to_mx(x, torch.float4_e2m1fn_x2, block_size=BLOCK_SIZE)
+        qdata.append(mx.qdata.contiguous())
+        scale.append(mx.scale.view(torch.uint8).contiguous())
+        del x, mx
+    return torch.cat(qdata), torch.cat(scale)
 
 
 def unpack_mxfp4(qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -180,3 +180,18 @@ def test_init_from_starts_qat_on_the_first_step(tmp_path, monkeypatch):
     # over 50 fp32 spacings (4.8e-7 at 6) where the runs are otherwise identical and deterministic.
     assert abs(qat - plain) > 1e-5, (qat, plain)
     assert qat == by_hand, (qat, by_hand)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_packing_in_pieces_is_the_whole_banks(dtype):
+    """pack_mxfp4 rounds a few experts at a time: the pieces are the whole bank's packing, and unpack is exactly
+    fake_quant_mx's rounding (4.25 bits a weight)."""
+    from k3train.export import pack_mxfp4, unpack_mxfp4
+
+    w = torch.randn(5, 64, 96, generator=torch.Generator().manual_seed(0)).to(dtype) * 3
+    q1, s1 = pack_mxfp4(w, chunk_elems=64 * 96 * 2)  # 2 experts a piece: 3 pieces
+    q, s = pack_mxfp4(w, chunk_elems=1 << 30)
+    assert torch.equal(q1, q) and torch.equal(s1, s)
+    assert q.shape == (5, 96, 32) and s.shape == (5, 96, 2) and q.dtype == s.dtype == torch.uint8
+    assert (q.numel() + s.numel()) * 8 / w.numel() == 4.25
+    assert torch.equal(unpack_mxfp4(q, s, dtype), fake_quant_mx(w, "mxfp4", dim=1))
