@@ -1178,6 +1178,14 @@ def _qat_never_set(orig):
     return lambda modules, qat: 0
 
 
+def _export_experts_unquantised(orig):
+    return lambda name, shape: False
+
+
+def _resume_drops_qat(orig):
+    return lambda folder, qat: None
+
+
 def _mx_scale_per_tensor(orig):
     def qdq_last(x, elem_dtype):
         flat = x.reshape(1, -1)  # one block (one shared scale) over the whole tensor
@@ -1215,6 +1223,7 @@ RESIL = "tests/unit/test_resilience.py"
 HOST = "tests/unit/test_host_sync.py"
 PLAN_ACT = "tests/unit/test_plan_activation.py"
 MX = "tests/unit/test_mx_ops.py"
+EXPORT = "tests/unit/test_export.py"
 DRY = "tests/unit/test_dryrun.py"
 
 M = Mutation
@@ -2094,6 +2103,20 @@ MUTATIONS: list[Mutation] = [
         "train.qat never reaches the expert banks",
         _qat_never_set,
         (f"{MX}::test_set_qat_reaches_every_bank",),
+    ),
+    M(
+        "export_experts_unquantised",
+        "k3train.export:is_expert",
+        "--format mxfp4_experts writes the routed experts unquantised (bf16)",
+        _export_experts_unquantised,
+        (f"{EXPORT}::test_mxfp4_round_trip_is_what_qat_used",),
+    ),
+    M(
+        "resume_drops_qat",
+        "k3train.train.checkpoint:check_qat",
+        "a resume under another train.qat than its checkpoint's is let through",
+        _resume_drops_qat,
+        (f"{EXPORT}::test_checkpoint_records_qat_and_resume_refuses_another_mode",),
     ),
     # ---- the dry run
     M(

@@ -21,6 +21,9 @@ Format version 2 (`format_version` in manifest.json). Nothing in a checkpoint is
   "numpy": the MT19937 key and position, "python": random's state, "cuda": one base64 state per device when CUDA is
   initialised}}. Each rank restores its own random state; a rank without a file of its number (another world
   size) takes the step, schedule and data position from rank-0.json and keeps its random state.
+- manifest.json also records "qat", the train.qat the checkpoint was trained under ("none" when absent: checkpoints
+  from before the record had no QAT). A resume under another train.qat is refused (check_qat; before any process
+  group when the run directory is known from the config, check_resume_qat); train.init_from may change it.
 Version 1 (no `format_version`: per-rank state as a pickled blob inside DCP) is refused for resuming; train.init_from
 still reads its tensors.
 
@@ -624,8 +627,10 @@ class Checkpointer:
         warn=None,
         async_save: bool = True,
         group_timeout_s: float | None = None,
+        qat: str = "none",
     ):
         self.root = Path(run_dir) / "checkpoints"
+        self.qat = qat  # recorded in every manifest; a resume under another mode is refused (check_qat)
         self.group_timeout_s = group_timeout_s  # a save's collectives wait this long (writing takes its time)
         self.keep_last_k = keep_last_k
         self.async_save = async_save
@@ -743,6 +748,7 @@ class Checkpointer:
             "world_size": len(p.saved.rank_bytes),
             "rank_bytes": p.saved.rank_bytes,
             "files": files,
+            "qat": self.qat,
         }
         _write_synced(p.tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         _fsync_dir(p.tmp)
@@ -825,6 +831,7 @@ class Checkpointer:
         return None
 
     def _load_one(self, folder: Path, engine, scheduler) -> LoadedState:
+        check_qat(folder, self.qat)  # every rank reads the same manifest: all refuse alike
         rank = _rank_world()[0]
         files = set(_read_manifest(folder)["files"])
         mine = rank_file(rank) if rank_file(rank) in files else rank_file(0)
@@ -847,6 +854,37 @@ class Checkpointer:
                 f"checkpoint {folder}: {mine} holds an unusable state ({type(e).__name__}: {e})"
             ) from e
         return LoadedState(step=own["step"], data_state=own["data"], path=folder)
+
+
+def recorded_qat(folder: Path) -> str:
+    """The train.qat a checkpoint was trained under (its manifest's "qat"; "none" for checkpoints from before the
+    record, which had no QAT)."""
+    m = _read_manifest(folder) or {}
+    return m.get("qat", "none") if isinstance(m, dict) else "none"
+
+
+def check_qat(folder: Path, qat: str) -> None:
+    """A resume keeps the QAT mode its checkpoint was trained under: CheckpointError when train.qat differs."""
+    saved = recorded_qat(folder)
+    if saved != qat:
+        raise CheckpointError(
+            f"train.qat={qat} but checkpoint {folder} was trained under train.qat={saved}: a resumed run keeps its "
+            f"QAT mode (resume with train.qat={saved}, or start a new run from these weights with "
+            f"train.init_from={folder} train.qat={qat})"
+        )
+
+
+def check_resume_qat(resume: str, run_dir: str, qat: str) -> None:
+    """Before any process group: refuse a resume whose newest checkpoint was trained under another train.qat, when
+    the run directory is known from the config (train.run_dir or a train.resume path). Otherwise the load refuses
+    it (Checkpointer.load, on every rank)."""
+    if resume == "never" or (resume == "auto" and not run_dir):
+        return
+    ckpt = Checkpointer(Path(run_dir or "."), keep_last_k=1)
+    for folder in ckpt.candidates(resume):
+        if _read_manifest(folder) is not None:
+            check_qat(folder, qat)
+            return
 
 
 def job_model_names(model: dict) -> set[str]:

@@ -44,7 +44,7 @@ from k3train.parallel.mesh import rank_coords
 from k3train.parallel.zero import PARAM_DTYPES
 
 from . import resilience, rundir
-from .checkpoint import Checkpointer, init_weights_from
+from .checkpoint import Checkpointer, check_resume_qat, init_weights_from
 from .logs import ensure_console, log
 from .metrics import MetricsLogger, measure_peak_flops
 
@@ -139,6 +139,7 @@ class Trainer:
         self.dp_rank = rank_coords(self.dims, env.rank)["dp"]
         self._process_settings()
         self._check_plan()  # a layout that cannot fit is refused before any process group
+        check_resume_qat(self.cfg.train.resume, self.cfg.train.run_dir, self.cfg.train.qat)  # so is a QAT change
         self._start_process_groups()
         self._seed()
         self._build_data()  # bad input fails before a run directory or a model exists
@@ -262,6 +263,7 @@ class Trainer:
             warn=self._warn,
             async_save=t.async_checkpoint,
             group_timeout_s=t.host_work_timeout_s,
+            qat=t.qat,
         )
         self.step = 0
         loaded = None

@@ -233,6 +233,15 @@ def _corrupt_copy(tmp: Path):
     return train(f"train.resume={d}")(tmp)
 
 
+def _export_dense(tmp: Path):
+    """Export, in MXFP4, a run whose layers are all dense (no routed experts)."""
+    from k3train.export import export
+
+    d = tmp / "dense"
+    train("+model.overrides.n_dense_layers=2", run_dir=str(d))(tmp)
+    return export(d, "mxfp4_experts")
+
+
 JSONL = '{"text": "hello world"}\n{"text": "a second document"}\n'
 
 
@@ -622,6 +631,47 @@ CASES = [
         "train.run_dir=<a directory a live run holds>",
         "is in use by a live run",
         call_tmp(_locked),
+    ),
+    Bad(
+        "resume-other-qat",
+        "checkpoint",
+        "train.resume=<a run trained with train.qat=none> train.qat=mxfp4_experts",
+        "a resumed run keeps its QAT mode",
+        train("train.resume={saved}", "train.qat=mxfp4_experts"),
+        CheckpointError,
+    ),
+    # ---- export ---------------------------------------------------------------------------------------------------
+    Bad(
+        "export-run-dir",
+        "export",
+        "python -m k3train.export <a path that does not exist> --format mxfp4_experts",
+        "k3train: export error: run directory nothing does not exist",
+        cli("-m", "k3train.export", "nothing", "--format", "mxfp4_experts"),
+        SystemExit,
+    ),
+    Bad(
+        "export-format",
+        "export",
+        "python -m k3train.export <run> --format mxfp8",
+        "argument --format: invalid choice: 'mxfp8'",
+        cli("-m", "k3train.export", "nothing", "--format", "mxfp8"),
+        SystemExit,
+    ),
+    Bad(
+        "export-step",
+        "export",
+        "python -m k3train.export <a run saved at step 1> --format bf16 --step 9",
+        "has no checkpoint of step 9",
+        lambda tmp: cli("-m", "k3train.export", str(saved_run()), "--format", "bf16", "--step", "9")(tmp),
+        SystemExit,
+    ),
+    Bad(
+        "export-no-experts",
+        "export",
+        "python -m k3train.export <a run of dense layers only> --format mxfp4_experts",
+        r"holds no routed experts \(...experts.w1/w2/w3\): nothing to quantise",
+        call_tmp(_export_dense),
+        ValueError,
     ),
     # ---- launch ---------------------------------------------------------------------------------------------------
     Bad(

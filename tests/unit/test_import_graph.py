@@ -110,6 +110,7 @@ LAYERS = (
     ("plan",),  # the planner, composing the models' costs over a RunSpec
     ("converge", "dryrun"),  # one recipe under several layouts; one rank's full-size step on fake tensors
     ("train",),
+    ("export",),  # a run's checkpoint written in the released precision
 )
 """k3train's packages from the bottom up: a package imports only packages of its own row or below, module-level
 and lazy imports alike (a package of the same row: none do today)."""
