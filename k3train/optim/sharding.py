@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from k3train.optim import muon
 from k3train.optim.muon import assign_owners
 from k3train.optim.pieces import piece_shapes
 
@@ -131,14 +132,30 @@ class ShardingPlan:
             return sum(r * c for _, r, c in mats)
         return sum(r * c for (_, r, c), o in zip(mats, owners) if o == q)
 
+    def solo_params(self, group: str) -> dict[str, int]:
+        """Name -> owner of the Muon parameters that travel by themselves (k3train.optim.muon.SOLO_SHARE: one owner
+        for all their matrices, and more elements than SOLO_SHARE x the group's mean per rank)."""
+        if not self.owner_sharded(group):
+            return {}
+        n = next(ps.n for ps in self.params if ps.group == group)
+        mean = self.muon_numel(group) / n
+        return {
+            name: own[0]
+            for name, own in self.param_owners(group).items()
+            if len(set(own)) == 1 and self.param(name).numel > muon.SOLO_SHARE * mean
+        }
+
     def muon_segment_numel(self, group: str, stage: int) -> int:
         """Elements of the longest rank's segment of one stage's owner reduce-scatter (each rank's owned matrices
-        of the stage, padded to the longest)."""
-        owners = dict(self.owners)[group]
+        of the stage, padded to the longest; solo parameters travel apart)."""
+        owners, solo = self.param_owners(group), self.solo_params(group)
         n = next(ps.n for ps in self.params if ps.group == group)
         seg = [0] * n
-        for (s, r, c), o in zip(self.muon_matrices(group), owners):
-            if s == stage:
+        for ps in self.params:
+            if ps.group != group or ps.stage != stage or not ps.matrices or ps.name in solo:
+                continue
+            shapes = [(r, c) for cnt, r, c in ps.matrices for _ in range(cnt)]
+            for (r, c), o in zip(shapes, owners[ps.name]):
                 seg[o] += r * c
         return max(seg)
 

@@ -140,6 +140,8 @@ class StateModel:
                 mine = plan.muon_numel(group, q)
                 if dims.zero == 2:  # one reduce-scatter per stage, each rank's segment padded to the longest
                     out.grads += sum(plan.muon_segment_numel(group, s) for s in plan.stages(group)) * g_elem
+                    solo = plan.solo_params(group)  # all-reduced by themselves: the owner keeps its matrices
+                    out.grads += sum(plan.param(name).numel for name, o in solo.items() if o == q) * g_elem
                 else:
                     out.grads += plan.muon_numel(group) * g_elem
             else:

@@ -239,3 +239,18 @@ def test_context_parallel_ranks_step_and_agree():
     for r in results:
         assert {k: r.state[k] for k in r.planned_state} == r.planned_state
         assert any(c.op == "allgather_into_tensor_coalesced_" or "gather" in c.op for c in r.calls)
+
+
+def test_solo_muon_gradients_are_the_planners(monkeypatch):
+    """Pipeline ZeRO-2 with Muon, every single-owner parameter travelling alone (SOLO_SHARE = 0): the reduced
+    gradients each rank keeps (its packed segment plus the solo matrices it owns) are the planner's to the byte."""
+    from k3train.dryrun.run import dry_run
+    from k3train.optim import muon
+
+    monkeypatch.setattr(muon, "SOLO_SHARE", 0.0)
+    ov = ["parallel.dp=2", "parallel.zero=2", "data.seq_len=64", "optim=muon"]
+    results = dry_run(load_spec("tiny_cpu", ov, world_size=2))
+    assert [r.rank for r in results] == [0, 1] and collective_mismatches(results) == []
+    for r in results:
+        assert {k: r.state[k] for k in r.planned_state} == r.planned_state, r.rank
+        assert any(c.op.startswith("broadcast") for c in r.calls)  # the solo updates
