@@ -58,7 +58,10 @@ def test_plan_counts_the_runtime_memory_in_each_rank_and_prints_it():
     from k3train.plan.planner import format_plan
 
     plan = _plan("small_8gpu")
-    want = runtime_bytes(plan.dims)
+    comms = communicators(plan.dims)
+    nccl = sum(4 * MiB * (32 if kind == "ring" else 2) * peers for kind, peers in comms.values())
+    assert nccl > 0 and "ep" in comms
+    want = {"cuda_context": CUDA_CONTEXT_BYTES, "nccl": nccl}
     for r in plan.ranks:
         assert r.runtime == want
         assert r.total == pytest.approx(sum(r.by_kind.values()) + want["cuda_context"] + want["nccl"], rel=1e-15)
