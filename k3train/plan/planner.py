@@ -343,6 +343,7 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
     bufs = {"pp": boundary, "ep": ep_buf, "cp": cp_buf, "work": work_bytes, "host": host}
     by_class |= {"ep_all_to_all": a2a, "cp": cpt, "host_copies": waits}
     extra = {"recompute_flops": rflops.total * tokens, "recompute_s": sum(rerun.values()), "a2a_passes": passes}
+    extra["a2a_total_s"] = ep["total"]
     extra["a2a_recompute_passes"] = passes - sum(4 for i in layers if args.ffn_kind(i) == "moe")
     figures = {"ep_in_stages": a2a, "ep_total": ep["total"], "cp_in_stages": cpt}
     return cost, bufs, figures | {"by_class": by_class, "policy": extra}
@@ -516,7 +517,7 @@ def _policy_figures(x: _Inputs, stages: list, worst: list[int]) -> dict:
     """What the activation plan adds on the busiest rank: stage_cost's "policy" figures summed over its stages and
     micro-batches, and its stages' activation bytes of one micro-batch under the plan and under keep."""
     m, out = x.dims.microbatches, {}
-    for k in ("recompute_flops", "recompute_s", "a2a_passes", "a2a_recompute_passes"):
+    for k in ("recompute_flops", "recompute_s", "a2a_passes", "a2a_recompute_passes", "a2a_total_s"):
         out[k] = sum(stages[s][2]["policy"][k] for s in worst) * m
     n = x.dims.n_stages
     kw = dict(tokens=x.tokens, rows=x.mb, seq_len=x.seq, act_bytes=x.act_bytes)
@@ -594,8 +595,8 @@ def format_plan(plan: Plan) -> str:
     )
     if d.ep > 1:
         lines.append(
-            f"expert all-to-all (busiest rank, s per step): exposed {plan.comm_s['ep_in_stages']:.3f} of "
-            f"{plan.comm_s['ep_total']:.3f} on the wire (dispatch and combine overlap the shared experts)"
+            f"expert all-to-all (busiest rank, s per step): exposed {plan.time_by_class['ep_all_to_all']:.3f} of "
+            f"{plan.policy['a2a_total_s']:.3f} on the wire (dispatch and combine overlap the shared experts)"
         )
     if plan.time_by_class:
         t = plan.time_by_class

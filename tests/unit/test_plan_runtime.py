@@ -93,7 +93,7 @@ def _ep_formula(x, layers):
 
 @pytest.mark.parametrize("recipe", ["small_8gpu", pytest.param("k3_full", marks=pytest.mark.slow)])
 def test_exposed_all_to_all_is_what_the_shared_experts_leave_uncovered(recipe):
-    from k3train.plan.planner import ep_exposed
+    from k3train.plan.planner import ep_exposed, format_plan
 
     plan = _plan(recipe)
     x = plan.inputs
@@ -105,7 +105,10 @@ def test_exposed_all_to_all_is_what_the_shared_experts_leave_uncovered(recipe):
     s = x.stage_layers[-1]
     assert ep_exposed(x, s)["fwd"] + ep_exposed(x, s)["bwd"] < ep_exposed(x, s)["total"]
     assert plan.comm_s["ep_in_stages"] < plan.comm_s["ep_total"]
-    assert plan.time_by_class["ep_all_to_all"] == pytest.approx(plan.comm_s["ep_in_stages"], rel=1e-12)
+    # the busiest rank's figures, as printed
+    line = next(l for l in format_plan(plan).splitlines() if l.startswith("expert all-to-all"))
+    assert f"exposed {plan.time_by_class['ep_all_to_all']:.3f} of {plan.policy['a2a_total_s']:.3f}" in line
+    assert plan.time_by_class["ep_all_to_all"] < plan.policy["a2a_total_s"]
 
 
 def test_without_shared_experts_the_whole_all_to_all_is_exposed(monkeypatch):
