@@ -988,6 +988,33 @@ def _plan_a2a_recompute_ignored(orig):
     return a2a_passes
 
 
+def _plan_nccl_uncounted(orig):
+    def runtime_bytes(dims):
+        out = orig(dims)
+        return out | {"nccl": 0}  # NCCL's buffers left out of each rank's memory
+
+    return runtime_bytes
+
+
+def _plan_overlap_twice(orig):
+    def ep_exposed(x, layers):
+        out = orig(x, layers)
+        hidden = out["total"] - out["fwd"] - out["bwd"]  # the overlap credited a second time
+        return out | {"fwd": max(0.0, out["fwd"] - hidden / 2), "bwd": max(0.0, out["bwd"] - hidden / 2)}
+
+    return ep_exposed
+
+
+def _plan_fp8_experts(orig):
+    def op_seconds(flops, hbm_bytes, gpu, precision, **kw):
+        out = orig(flops, hbm_bytes, gpu, precision, **kw)
+        if kw.get("fp8_dense"):  # the routed experts' grouped GEMMs priced at the FP8 peak too
+            out["grouped_gemm"] *= gpu.peak_flops(precision) / gpu.fp8_flops
+        return out
+
+    return op_seconds
+
+
 def _plan_offload_free(orig):
     def offload_kept(self):
         return self  # nothing counted as offloaded: the host copies cost no time
@@ -2038,6 +2065,27 @@ MUTATIONS: list[Mutation] = [
         "the planner counts 4 expert all-to-all passes per MoE layer under whole-layer recompute too (not 6)",
         _plan_a2a_recompute_ignored,
         (f"{PLAN_ACT}::test_recompute_repeats_the_expert_all_to_all",),
+    ),
+    M(
+        "plan_nccl_uncounted",
+        "k3train.plan.planner:runtime_bytes",
+        "the planner's per-rank memory leaves out the NCCL buffers of the rank's communicators",
+        _plan_nccl_uncounted,
+        ("tests/unit/test_plan_runtime.py::test_plan_counts_the_runtime_memory_in_each_rank_and_prints_it",),
+    ),
+    M(
+        "plan_overlap_twice",
+        "k3train.plan.planner:ep_exposed",
+        "the planner credits the shared experts' overlap of the expert all-to-all twice",
+        _plan_overlap_twice,
+        ("tests/unit/test_plan_runtime.py::test_exposed_all_to_all_is_what_the_shared_experts_leave_uncovered",),
+    ),
+    M(
+        "plan_fp8_experts",
+        "k3train.plan.planner:op_seconds",
+        "under train.float8 the planner prices the routed experts' grouped GEMMs at the FP8 peak too",
+        _plan_fp8_experts,
+        ("tests/unit/test_plan_runtime.py::test_fp8_plan_is_faster_by_the_formula_and_none_is_unchanged",),
     ),
     M(
         "plan_offload_free",

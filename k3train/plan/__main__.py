@@ -17,7 +17,7 @@ from k3train.config import ConfigError, from_omegaconf, resolve_run
 from k3train.config.app import DEFAULT_RECIPE, fail, run_app
 from k3train.plan.gpus import gpu_spec
 from k3train.plan.efficiency import format_rates
-from k3train.plan.planner import format_plan, mfu_sensitivity, plan_run, plan_world, plot_plan
+from k3train.plan.planner import format_plan, fp8_gain, mfu_sensitivity, plan_run, plan_world, plot_plan
 
 
 def _task(dcfg) -> None:
@@ -28,6 +28,11 @@ def _task(dcfg) -> None:
         spec = resolve_run(cfg, world_size=plan_world(cfg), recipe=recipe, here=False)
         plan = plan_run(spec, gpu)
         print(format_plan(plan), flush=True)
+        if cfg.train.float8 != "none":
+            gain = fp8_gain(plan)
+            print(
+                f"train.float8={cfg.train.float8}: tokens/s {100 * gain:+.1f}% against the same run in bf16", flush=True
+            )
         sens = mfu_sensitivity(plan)
         print(
             f"MFU {100 * plan.mfu:.1f}% with each rate moved -20% / +20%: "

@@ -41,12 +41,14 @@ from k3train.models.k3.counts import flops_per_token, stage_param_counts
 from k3train.models.k3.mixers import layer_mixer
 from k3train.models.costs import Flops
 from k3train.models.k3.model import K3Layer, K3Model, sources_after
+from k3train.parallel.float8 import float8_candidate, float8_fits
 from k3train.parallel.mesh import stages_of_rank
 from k3train.parallel.zero import ELEMENT_BYTES
 from k3train.plan.activations import KEEP, a2a_passes, policy_plan, recompute_costs, stage_bytes
 from k3train.plan.comm_bytes import add_reduction_bytes
 from k3train.plan.efficiency import HBM_PASSES, OP_CLASSES, op_seconds, rates_for
 from k3train.plan.gpus import GPU
+from k3train.plan.runtime_memory import communicators, runtime_bytes
 from k3train.plan.schedule_sim import StageCost, simulate
 from k3train.plan.state_memory import StateModel
 
@@ -64,10 +66,12 @@ class RankPlan:
     ep_buffers, cp_buffers and workspace."""
     host: float = 0.0
     """Peak bytes of offloaded activations in host memory (not part of the device total)."""
+    runtime: dict = field(default_factory=dict)
+    """Bytes outside the tensors (k3train.plan.runtime_memory): the CUDA context and the NCCL buffers."""
 
     @property
     def total(self) -> float:
-        return sum(self.by_kind.values())
+        return sum(self.by_kind.values()) + sum(self.runtime.values())
 
 
 @dataclass
@@ -144,6 +148,7 @@ class Plan:
             "gpu_bytes": self.gpu.memory_bytes,
             **{k: getattr(self, k) for k in ("headroom", "fits", "step_s", "tokens_per_s", "mfu")},
             "by_kind": {k: int(v) for k, v in m.by_kind.items()},
+            "runtime_bytes": dict(m.runtime),
             "per_rank_bytes": [int(r.total) for r in self.ranks],
             "max_host_bytes": int(self.max_host),
             "time": {k: getattr(self, k) for k in ("compute_s", "bubble_s", "optimizer_s")}
@@ -177,9 +182,11 @@ class _Inputs:
     pplan: object  # k3train.plan.activations.PolicyPlan
     rates: dict | None = None  # k3train.plan.efficiency rates (None: the GPU's table)
     single: float = 0.0  # plan.efficiency > 0: every FLOP at that fraction of the peak
+    float8_recipe: str | None = None  # replaces train.float8 (fp8_gain's bf16 plan)
 
-    def seconds(self, flops: Flops, hbm_bytes: float) -> dict[str, float]:
-        """Seconds by op class of work executed on one rank (k3train.plan.efficiency.op_seconds)."""
+    def seconds(self, flops: Flops, hbm_bytes: float, fp8_dense: float = 0.0) -> dict[str, float]:
+        """Seconds by op class of work executed on one rank (k3train.plan.efficiency.op_seconds); fp8_dense: the
+        dense GEMM FLOPs that run in FP8 (none unless train.float8 is set)."""
         return op_seconds(
             flops,
             hbm_bytes,
@@ -188,7 +195,19 @@ class _Inputs:
             rows_per_expert=self.rows_per_expert,
             rates=self.rates,
             single=self.single,
+            fp8_dense=fp8_dense if self.float8 else 0.0,
         )
+
+    @property
+    def float8(self) -> bool:
+        recipe = self.float8_recipe if self.float8_recipe is not None else self.spec.config.train.float8
+        return recipe != "none"
+
+    @cached_property
+    def fp8_per_token(self) -> list[float]:
+        """Training FLOPs per token of each decoder layer's linears that train.float8 converts
+        (k3train.parallel.float8's own filter: 6 x in x out each)."""
+        return [fp8_linear_flops(self.args, i) for i in range(1, self.args.n_layers + 1)]
 
     @property
     def rows_per_expert(self) -> float:
@@ -236,6 +255,26 @@ class _Inputs:
         return self.gpu.nvlink_bytes_s if group_size * stride <= self.gpus_per_node else self.gpu.network_bytes_s
 
 
+_FP8_CACHE: dict = {}
+
+
+def fp8_linear_flops(args, layer_id: int) -> float:
+    """Training FLOPs per token of decoder layer `layer_id`'s linears that k3train.parallel.float8 converts (built
+    on the meta device, filtered by float8_candidate and float8_fits; cached per layer kind)."""
+    import torch
+
+    key = (repr(args), layer_mixer(args, layer_id).__name__, args.ffn_kind(layer_id))
+    if key not in _FP8_CACHE:
+        with torch.device("meta"):
+            layer = K3Layer(args, layer_id)
+        _FP8_CACHE[key] = sum(
+            6.0 * m.in_features * m.out_features
+            for name, m in layer.named_modules()
+            if float8_candidate(f"layers.{layer_id}.{name}", m) and float8_fits(m)
+        )
+    return _FP8_CACHE[key]
+
+
 def work_per_token(args, seq_len: int, act_bytes: int) -> dict:
     """What each piece executes per token, from the modules' declarations (k3train.models.costs): {"layers":
     [(Flops by op class, saved bytes under keep) of each decoder layer], "head": (Flops, bytes)}; the FLOPs sum to
@@ -271,9 +310,12 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
         act += n_moe * G * expert_numel * ab
     work = [x.work["layers"][i - 1] for i in layers] + ([x.work["head"]] if s == n - 1 else [])
     flops = sum((f for f, _ in work), Flops())
-    train = x.seconds(_scale(flops, tokens), HBM_PASSES * sum(b for _, b in work) * tokens)
+    fp8 = sum(x.fp8_per_token[i - 1] for i in layers) * tokens
+    train = x.seconds(_scale(flops, tokens), HBM_PASSES * sum(b for _, b in work) * tokens, fp8)
     rflops, rsaved = recompute_costs(args, layers, x.seq, x.pplan, s == n - 1)
-    rerun = x.seconds(_scale(rflops, tokens), rsaved.bytes(ab) * tokens)  # the rerun writes its saves again
+    # A whole-layer rerun repeats the layer's forward, its FP8 linears included (a third of their training FLOPs).
+    rfp8 = sum(x.fp8_per_token[i - 1] for i in layers if _whole_rerun(x.pplan, i)) * tokens / 3
+    rerun = x.seconds(_scale(rflops, tokens), rsaved.bytes(ab) * tokens, rfp8)  # the rerun writes its saves again
     by_class = {c: train[c] + rerun[c] for c in OP_CLASSES}
     fwd, bwd = sum(train.values()) / 3, 2 * sum(train.values()) / 3 + sum(rerun.values())
     # Offloaded activations go to host memory during the forward and come back for the backward, on a side stream:
@@ -282,9 +324,10 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
     fwd, bwd = max(fwd, host / x.gpu.host_bytes_s), max(bwd, host / x.gpu.host_bytes_s)
     a2a = ep_buf = cpt = cp_buf = 0.0
     passes = sum(a2a_passes(args, i, x.pplan) for i in layers)
+    ep = {"fwd": 0.0, "bwd": 0.0, "total": 0.0}
     if dims.ep > 1:  # each pass moves the micro-batch's top_k latent rows
-        a2a = passes * tokens * args.top_k * args.moe_latent_dim * ab * (dims.ep - 1) / dims.ep
-        a2a /= x.bandwidth(dims.ep, 1)
+        ep = ep_exposed(x, layers)
+        a2a = ep["fwd"] + ep["bwd"]
         rows = tokens * args.top_k * args.moe_latent_dim * ab
         ep_buf = 2 * rows + (G * expert_numel * ab * 2 if dims.ep_dispatcher == "moonep" else 0)
     if dims.cp > 1:  # each mixer's per-token gather (Gated MLA's latent), again in backward, then its scatter
@@ -296,8 +339,8 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
     send = boundary / x.bandwidth(2, dims.dp_cp)
     # Any recomputed region (the K3 defaults checkpoint the AttnRes mixers) fuses a split backward (StageCost)
     cost = StageCost(
-        fwd + (a2a + cpt) / 2,
-        bwd + (a2a + cpt) / 2,
+        fwd + ep["fwd"] + cpt / 2,
+        bwd + ep["bwd"] + cpt / 2,
         act,
         *x.state.stage_grad_bytes(s),
         send_s=send,
@@ -306,8 +349,48 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
     bufs = {"pp": boundary, "ep": ep_buf, "cp": cp_buf, "work": work_bytes, "host": host}
     by_class |= {"ep_all_to_all": a2a, "cp": cpt, "host_copies": waits}
     extra = {"recompute_flops": rflops.total * tokens, "recompute_s": sum(rerun.values()), "a2a_passes": passes}
+    extra["a2a_total_s"] = ep["total"]
     extra["a2a_recompute_passes"] = passes - sum(4 for i in layers if args.ffn_kind(i) == "moe")
-    return cost, bufs, {"ep_in_stages": a2a, "cp_in_stages": cpt, "by_class": by_class, "policy": extra}
+    figures = {"ep_in_stages": a2a, "ep_total": ep["total"], "cp_in_stages": cpt}
+    return cost, bufs, figures | {"by_class": by_class, "policy": extra}
+
+
+def _whole_rerun(plan, i: int) -> bool:
+    """Whether the storage plan reruns decoder layer i's whole forward in backward."""
+    return plan.k3_defaults and plan.layer(i) == "recompute"
+
+
+def ep_exposed(x: _Inputs, layers: list[int]) -> dict[str, float]:
+    """Expert all-to-all seconds of one micro-batch on a stage: {"fwd", "bwd"} exposed, "total" on the wire.
+
+    Per MoE layer (k3train.parallel.ep_dispatch): the count exchange is blocking (its result is read on the host at
+    once), in the forward and again in a whole-layer rerun; dispatch overlaps the shared experts' gate/linear
+    branches and combine their down projection, and in backward each transpose overlaps the backward (2x) of the
+    stage its forward overlapped. A whole-layer rerun calls the layer's forward again, side work included, so its
+    two passes overlap as the forward's do. Each overlapped pass exposes max(0, a2a - its compute)."""
+    args, dims, tokens, ab = x.args, x.dims, x.tokens, x.act_bytes
+    bw, share = x.bandwidth(dims.ep, 1), (dims.ep - 1) / dims.ep
+    t = tokens * args.top_k * args.moe_latent_dim * ab * share / bw  # one pass of the token rows
+    counts = 8 * args.n_experts * share / bw  # the [ep, E / ep] int64 counts
+    nF = args.n_shared_experts * args.shared_hidden
+    fp8 = x.float8 and nF > 0 and args.dim % 16 == 0 and nF % 16 == 0  # the shared experts' linears in FP8
+    side = []
+    for w in (2 * args.dim * nF, args.dim * nF):  # the gate and linear branches, then the down projection
+        f = 2.0 * w * tokens  # forward FLOPs of the stage
+        side.append(x.seconds(Flops(dense_gemm=f), 0.0, f if fp8 else 0.0)["dense_gemm"])
+
+    def exposed(k: float) -> float:
+        return sum(max(0.0, t - k * c) for c in side)
+
+    out = {"fwd": 0.0, "bwd": 0.0, "total": 0.0}
+    for i in layers:
+        if args.ffn_kind(i) != "moe":
+            continue
+        rerun = a2a_passes(args, i, x.pplan) > 4  # the storage plan repeats the dispatch and combine
+        out["fwd"] += counts + exposed(1)
+        out["bwd"] += exposed(2) + (counts + exposed(1) if rerun else 0.0)
+        out["total"] += a2a_passes(args, i, x.pplan) * t + counts * (2 if rerun else 1)
+    return out
 
 
 def _rank_plan(x: _Inputs, r: int, stages: list, timeline, host_timeline) -> RankPlan:
@@ -327,7 +410,7 @@ def _rank_plan(x: _Inputs, r: int, stages: list, timeline, host_timeline) -> Ran
         "workspace": buf["work"],
     }
     host = host_timeline.peak_parts[r]["activations"] if host_timeline is not None else 0.0
-    return RankPlan(r, mine, [x.stage_layers[s] for s in mine], asdict(st), by_kind, host)
+    return RankPlan(r, mine, [x.stage_layers[s] for s in mine], asdict(st), by_kind, host, runtime_bytes(x.dims))
 
 
 def _dp_seconds(x: _Inputs) -> float:
@@ -349,10 +432,12 @@ def _dp_seconds(x: _Inputs) -> float:
     return max(seconds(r) for r in range(dims.pp))
 
 
-def plan_run(spec, gpu: GPU, *, gpus_per_node: int | None = None, rates: dict | None = None) -> Plan:
+def plan_run(
+    spec, gpu: GPU, *, gpus_per_node: int | None = None, rates: dict | None = None, float8: str | None = None
+) -> Plan:
     """The plan of a resolved run (k3train.config.runspec.RunSpec; its world is the number of GPUs) on `gpu`, with
     the run's plan settings (headroom, efficiency, and gpus_per_node where not given); `rates` replaces the GPU's
-    op-class rates (k3train.plan.efficiency.RATES)."""
+    op-class rates (k3train.plan.efficiency.RATES), `float8` the run's train.float8 in the pricing."""
     p = spec.config.plan
     gpus_per_node = p.gpus_per_node if gpus_per_node is None else gpus_per_node
     if gpus_per_node < 1:
@@ -363,7 +448,7 @@ def plan_run(spec, gpu: GPU, *, gpus_per_node: int | None = None, rates: dict | 
     if dims.world > gpus_per_node and dims.world % gpus_per_node:
         raise ConfigError(f"plan.gpus_per_node: {dims.world} ranks do not fill nodes of {gpus_per_node} GPUs")
     ab, pplan = ELEMENT_BYTES[precision]["param"], policy_plan(spec.config.activation)
-    x = _Inputs(spec, gpu, gpus_per_node, gpu.peak_flops(precision), ab, pplan, rates, p.efficiency)
+    x = _Inputs(spec, gpu, gpus_per_node, gpu.peak_flops(precision), ab, pplan, rates, p.efficiency, float8)
     stages = [_stage_cost(x, s) for s in range(dims.n_stages)]
     costs = {s: c for s, (c, _, _) in enumerate(stages)}
     timeline = simulate(dims, costs, zero=dims.zero)
@@ -377,7 +462,7 @@ def plan_run(spec, gpu: GPU, *, gpus_per_node: int | None = None, rates: dict | 
     ranks = [_rank_plan(x, r, stages, timeline, host_timeline) for r in range(dims.pp)]
     per_rank, m = [stages_of_rank(dims, r) for r in range(dims.pp)], dims.microbatches
     comm = {"dp": _dp_seconds(x)}
-    for key in ("ep_in_stages", "cp_in_stages"):  # part of the stages' time
+    for key in ("ep_in_stages", "ep_total", "cp_in_stages"):  # part of the stages' time
         comm[key] = max(sum(stages[s][2][key] for s in mine) * m for mine in per_rank)
     busy = [sum((costs[s].forward_s + costs[s].backward_s) * m for s in mine) for mine in per_rank]
     worst = per_rank[max(range(dims.pp), key=lambda r: busy[r])]
@@ -401,6 +486,13 @@ def plan_run(spec, gpu: GPU, *, gpus_per_node: int | None = None, rates: dict | 
         policy=_policy_figures(x, stages, worst),
         inputs=x,
     )
+
+
+def fp8_gain(plan: Plan) -> float:
+    """tokens/s of the plan over those of the same run with its GEMMs in bf16 (train.float8=none), minus 1."""
+    x = plan.inputs
+    bf16 = plan_run(plan.spec, plan.gpu, gpus_per_node=plan.gpus_per_node, rates=x.rates, float8="none")
+    return plan.tokens_per_s / bf16.tokens_per_s - 1
 
 
 def mfu_sensitivity(plan: Plan, change: float = 0.2) -> dict[str, tuple[float, float]]:
@@ -431,7 +523,7 @@ def _policy_figures(x: _Inputs, stages: list, worst: list[int]) -> dict:
     """What the activation plan adds on the busiest rank: stage_cost's "policy" figures summed over its stages and
     micro-batches, and its stages' activation bytes of one micro-batch under the plan and under keep."""
     m, out = x.dims.microbatches, {}
-    for k in ("recompute_flops", "recompute_s", "a2a_passes", "a2a_recompute_passes"):
+    for k in ("recompute_flops", "recompute_s", "a2a_passes", "a2a_recompute_passes", "a2a_total_s"):
         out[k] = sum(stages[s][2]["policy"][k] for s in worst) * m
     n = x.dims.n_stages
     kw = dict(tokens=x.tokens, rows=x.mb, seq_len=x.seq, act_bytes=x.act_bytes)
@@ -475,7 +567,7 @@ def _gib(x: float) -> str:
 
 def format_plan(plan: Plan) -> str:
     d, c = plan.dims, plan.spec.config
-    heads = ("params", "master", "optim", "grads", "acts", "pp_buf", "ep_buf", "cp_buf", "work", "total")
+    heads = ("params", "master", "optim", "grads", "acts", "pp_buf", "ep_buf", "cp_buf", "work", "runtime", "total")
     lines = [
         f"k3train plan: {plan.spec.recipe} on {d.world} x {plan.gpu.name} ({plan.gpus_per_node} per node), "
         f"{d.describe()}, {plan.spec.precision}, {c.data.micro_batch} x {c.data.seq_len} tokens per micro-batch",
@@ -483,10 +575,10 @@ def format_plan(plan: Plan) -> str:
         "memory per pipeline rank (GiB; worst data-parallel rank)",
         f"{'rank':>4} {'stages':>10} {'layers':>7} {' '.join(f'{h:>8}' for h in heads)} {'of GPU':>7}",
     ]
-    for r in plan.ranks:  # the columns in by_kind's order
+    for r in plan.ranks:  # the columns in by_kind's order, then the CUDA context and NCCL buffers
         lines.append(
             f"{r.pp_rank:>4} {','.join(map(str, r.stages)):>10} {sum(len(x) for x in r.layers):>7} "
-            f"{' '.join(_gib(v) for v in (*r.by_kind.values(), r.total))} {100 * r.total / plan.gpu.memory_bytes:6.1f}%"
+            f"{' '.join(_gib(v) for v in (*r.by_kind.values(), sum(r.runtime.values()), r.total))} {100 * r.total / plan.gpu.memory_bytes:6.1f}%"
         )
     m = plan.max_rank
     kind, val = plan.biggest_term(m)
@@ -501,6 +593,17 @@ def format_plan(plan: Plan) -> str:
         f"(limit {(1 - plan.headroom) * plan.gpu.memory_bytes / GiB:.1f} GiB with {100 * plan.headroom:.0f}% "
         f"headroom); biggest term there: {kind} {val / GiB:.1f} GiB",
     ]
+    rt = m.runtime
+    lines.append(
+        f"outside the tensors (rank {m.pp_rank}, in its total): CUDA context {rt['cuda_context'] / GiB:.2f} GiB + NCCL "
+        f"buffers {rt['nccl'] / GiB:.2f} GiB over {len(communicators(d))} communicators "
+        f"({', '.join(f'{k} {kind} x{p}' for k, (kind, p) in communicators(d).items()) or 'none'})"
+    )
+    if d.ep > 1:
+        lines.append(
+            f"expert all-to-all (busiest rank, s per step): exposed {plan.time_by_class['ep_all_to_all']:.3f} of "
+            f"{plan.policy['a2a_total_s']:.3f} on the wire (dispatch and combine overlap the shared experts)"
+        )
     if plan.time_by_class:
         t = plan.time_by_class
         lines.append(

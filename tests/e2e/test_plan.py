@@ -114,7 +114,7 @@ def test_plan_command_prints_table_json_and_figure(tmp_path):
     for key in ("ranks", "max_rank_bytes", "gpu_bytes", "fits", "step_s", "tokens_per_s", "mfu", "by_kind"):
         assert key in summary
     assert summary["ranks"] == 8 and summary["gpu_bytes"] == 141 * 10**9
-    assert summary["max_rank_bytes"] == sum(summary["by_kind"].values())
+    assert summary["max_rank_bytes"] == sum(summary["by_kind"].values()) + sum(summary["runtime_bytes"].values())
     assert "memory per pipeline rank" in r.stdout and png.stat().st_size > 10_000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"], sorted(tmp_path.iterdir())
 
