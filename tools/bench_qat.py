@@ -152,7 +152,11 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     batches = held_out(a.eval_batches)
     with tempfile.TemporaryDirectory(prefix="bench_qat_") as work:
-        per_seed = {s: one_seed(s, a.n, a.m, batches, Path(work)) for s in a.seeds}
+        per_seed = {}
+        for s in a.seeds:  # each seed's figures as it ends (a long run on a busy machine shows its progress)
+            per_seed[s] = one_seed(s, a.n, a.m, batches, Path(work))
+            gaps = "  ".join(f"{k} {v['unquantised']:.5f} gap {v['gap_mxfp4']:+.5f}" for k, v in per_seed[s].items())
+            print(f"seed {s}: {gaps}  ({time.perf_counter() - t0:.0f} s)", flush=True)
     out = {"recipe": RECIPE, "n": a.n, "m": a.m, "seeds": a.seeds, "eval_batches": a.eval_batches}
     out.update(summarise(per_seed), per_seed=per_seed, runtime_s=time.perf_counter() - t0)
     print(f"held-out loss on {RECIPE}, N={a.n}, M={a.m}, seeds {a.seeds} (mean ± sd)")
