@@ -282,7 +282,8 @@ def test_recipe_activation_plan_fits_and_beats_whole_recompute(recipe, gpu, grou
             "k3_long_context",
             [
                 ["parallel.vpp=1", "parallel.schedule=1f1b"],
-                ["parallel.vpp=2", "parallel.schedule=interleaved_zb"],
+                ["parallel.vpp=1", "parallel.schedule=interleaved_zb"],
+                ["parallel.vpp=2", "parallel.schedule=interleaved_1f1b"],
                 ["parallel.vpp=2", "parallel.schedule=dualpipev"],
             ],
         ),
