@@ -61,6 +61,13 @@ rank travels by itself (its gradient all-reduced, its update broadcast by the ow
 reduce-scatter and all-gather, whose buffers are padded on every rank to the longest rank's segment: K3's dense FFN
 matrices (33,792 x 7,168) would otherwise pad them to 128 x 242M elements over dp_cp = 128."""
 
+
+def travels_alone(owners: Sequence[int], numel: int, mean: float) -> bool:
+    """Whether a Muon parameter whose matrices have `owners` travels by itself (SOLO_SHARE); mean: the group's Muon
+    elements per rank. The optimizer's plan and the planner's ShardingPlan both decide with this."""
+    return len(set(owners)) == 1 and numel > SOLO_SHARE * mean
+
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 MUON_RMS_SCALE = 0.2
 NS_BUCKET_NUMEL = 1 << 27
@@ -492,7 +499,7 @@ class PerHeadMuon(Optimizer):
         offsets = [0] * world  # running offset of each rank's packed update buffer
         for gi, p, pieces, start in params:
             entry, mine = [], owners[start : start + sum(n for n, _, _ in pieces)]
-            solo = int(mine[0]) if bool((mine == mine[0]).all()) and p.numel() > SOLO_SHARE * mean else None
+            solo = int(mine[0]) if travels_alone(mine.tolist(), p.numel(), mean) else None
             for n, r, c in pieces:
                 own = owners[start : start + n]
                 start += n

@@ -142,7 +142,7 @@ class ShardingPlan:
         return {
             name: own[0]
             for name, own in self.param_owners(group).items()
-            if len(set(own)) == 1 and self.param(name).numel > muon.SOLO_SHARE * mean
+            if muon.travels_alone(own, self.param(name).numel, mean)
         }
 
     def muon_segment_numel(self, group: str, stage: int) -> int:
