@@ -4,6 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 RECIPE ?= tiny_cpu
 ARGS ?=
+# Two pytest workers (pytest-xdist); work stealing evens out the long multi-process tests. XDIST= runs in one process.
+XDIST ?= -n 2 --dist worksteal
 
 .PHONY: setup train test test-fast clean
 
@@ -27,10 +29,10 @@ train: setup
 	$(BIN)/python -m k3train.train --config-name $(RECIPE) $(ARGS)
 
 test: setup
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(XDIST) tests
 
 test-fast: setup
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not slow" tests
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(XDIST) -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) outputs runs

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two pytest workers on a 2-core machine: one intra-op thread each, so neither spin-waits on
+    # a core the other holds (a test that needs more sets its own).
+    torch.set_num_threads(1)
 
 
 @pytest.fixture
