@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	else \
 	  $(BIN)/pip install -q torch==2.13.0; \
 	fi
-	$(BIN)/pip install -q -e ".[test,slurm]"
+	$(BIN)/pip install -q -e ".[test,slurm,fla]"
 	touch $@
 
 setup: $(VENV)/.installed

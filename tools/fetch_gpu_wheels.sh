@@ -10,6 +10,7 @@
 #   torchao (train.float8, train.qat, the MXFP4 export): no dependencies; one abi3 wheel (cp310-abi3,
 #     manylinux_2_28) for any Python from 3.10, about 3.4 MB. Its C extensions are optional: float8 training runs
 #     through torch._scaled_mm and the MX formats through plain tensor ops
+#   fla-core and einops (model.kernels=fla, checked by the compile part's kda_choices item)
 # torch, triton, numpy, PyYAML, packaging, typing-extensions, tqdm, tokenizers, tiktoken, tensorboard and matplotlib
 # are on the machine already. datasets (only for data.source=files with streaming or Arrow) and wandb (only for
 # logging.wandb=true) are imported lazily, where used, and are not fetched.
@@ -28,6 +29,8 @@ WHEELS=(
   docstring-parser==0.18.0
   typeguard==4.6.1
   torchao==0.18.0  # the version pyproject.toml pins (its MX API is a prototype)
+  fla-core==0.6.0  # model.kernels=fla (the kernel module of flash-linear-attention), pure Python
+  einops==0.8.2    # fla-core's one dependency
 )
 SDISTS=(antlr4-python3-runtime==4.9.3)  # published as a source archive only: built into a wheel here (pure Python)
 

@@ -8,8 +8,9 @@
    torch.compile(fullgraph=True) on the default backend (inductor): forward and backward run, no graph break, and the
    output and every gradient equal eager's within the bound (bf16: both sides round differently, so a relative
    bound of a few bf16 steps; fp64 smoke: 1e-10).
-2. kda choices: the KDA layer with model.kernels=triton against model.kernels=torch, output and every gradient, in
-   fp32 and bf16 (the smoke: fp32 under the Triton interpreter).
+2. kda choices: the KDA layer with model.kernels=triton and fla (flash-linear-attention's chunk_kda; CUDA only)
+   against model.kernels=torch, output and every gradient, in fp32 and bf16 (the smoke: triton only, fp32 under
+   the Triton interpreter).
 Errors are max |a - b| / max |b|. One PASS or FAIL line per item.
 """
 
@@ -168,21 +169,27 @@ def check_layer(item, module, call, inputs, a, bound) -> None:
 
 
 def check_kda_choices(a, dtype, bound) -> None:
-    """model.kernels=triton against model.kernels=torch on the same KDA layer and batch (eager)."""
-    from k3train.ops.backend import Kernels
+    """model.kernels=triton (and, on CUDA, fla) against model.kernels=torch on the same KDA layer and batch (eager)."""
+    from k3train.ops.backend import Kernels, fla_unavailable
 
     item = f"kda_choices {str(dtype).split('.')[-1]}"
     module, call, inputs = cases(a, dtype)["kda"]
+    choices = ["triton"] + ([] if fla_unavailable(a.device) else ["fla"])
     try:
         out = {}
-        for choice in ("torch", "triton"):
+        for choice in ["torch", *choices]:
             module.kernels = Kernels(choice)
             out[choice] = run_step(lambda *xs: call(module, *xs), module, inputs)
     except Exception as e:  # noqa: BLE001 (reported as a FAIL)
         report(item, False, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
         return
-    err, where = compare(out["torch"], out["triton"])
-    report(item, err <= bound, f"triton against torch: max rel err {err:.2e} ({where}) <= {bound:g}")
+    for choice in choices:
+        err, where = compare(out["torch"], out[choice])
+        report(
+            f"{item} {choice}", err <= bound, f"{choice} against torch: max rel err {err:.2e} ({where}) <= {bound:g}"
+        )
+    if a.device == "cuda" and "fla" not in choices:
+        report(f"{item} fla", False, fla_unavailable(a.device))
 
 
 def main(argv=None) -> int:

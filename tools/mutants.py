@@ -354,6 +354,13 @@ def _op_backward_drops_h0_grad(orig):
     return chunk_kda_bwd
 
 
+def _fla_drops_initial_state(orig):
+    def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, **kwargs):
+        return orig(q, k, v, g, beta, scale, None, **kwargs)
+
+    return chunk_kda
+
+
 def _fold_reversed(orig):
     def fold_summaries(M, B, dim):
         return orig(M.flip(dim), B.flip(dim), dim)
@@ -1228,6 +1235,7 @@ def _mx_scale_per_tensor(orig):
 # The table
 # ---------------------------------------------------------------------------------------------------------------------
 KDA_OPS = "tests/unit/test_kda_ops.py"
+FLA = "tests/unit/test_fla_kernel.py"
 PLAN = "tests/e2e/test_plan.py"
 LAYERS = "tests/unit/test_layer_references.py"
 BLOCK = "tests/unit/test_block_attention.py"
@@ -1434,6 +1442,13 @@ MUTATIONS: list[Mutation] = [
         "reference recurrence applies each token's decay one token late",
         _naive_decay_late,
         (f"{KDA_OPS}::test_reference_matches_transition_form",),
+    ),
+    M(
+        "fla_adapter_drops_initial_state",
+        "k3train.ops.kda.fla_chunk:chunk_kda",
+        "model.kernels=fla: the adapter never hands fla the documents' initial states",
+        _fla_drops_initial_state,
+        (f"{FLA}::test_fla_kda_is_k3_kda_through_the_adapter",),
     ),
     M(
         "kda_segmented_scan_crosses_documents",

@@ -24,8 +24,9 @@ class ModelConfig:
     """K3ModelArgs fields replaced on top of the preset, e.g. `+model.overrides.n_layers=4` (`+` adds a key)."""
     kernels: str = "auto"
     """Implementation of the fused ops (chunked KDA, SiTU-GLU, MoE permutation): auto (the Triton kernels on CUDA
-    when Triton imports, PyTorch otherwise), torch (the PyTorch references) or triton (refused where Triton cannot
-    run: no CUDA and TRITON_INTERPRET unset). Cases the kernels do not cover run PyTorch (k3train.ops.backend)."""
+    when Triton imports, PyTorch otherwise), torch (the PyTorch references), triton (refused where Triton cannot
+    run: no CUDA and TRITON_INTERPRET unset) or fla (flash-linear-attention's chunked KDA, the rest as triton; CUDA
+    only). Cases the kernels do not cover run PyTorch (k3train.ops.backend)."""
     compile: bool = False
     """Compile each transformer layer with torch.compile (one compiled region per layer, as TorchTitan compiles each
     block; the embedding, head and loss stay eager). The same math; on in the GPU recipes."""

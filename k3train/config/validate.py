@@ -94,11 +94,12 @@ def train_device_type(device: str) -> str:
 
 def check_kernels(cfg: K3TrainConfig) -> str:
     """model.kernels, refused here, before any process group, where Triton cannot run; returns the backend."""
+    name = cfg.model.kernels
     _need(
-        cfg.train.precision != "fp64" or cfg.model.kernels != "triton",
+        cfg.train.precision != "fp64" or name not in ("triton", "fla"),
         "train.precision",
-        "fp64 cannot run model.kernels=triton (the Triton kernels compute in fp32); use model.kernels=torch or auto "
-        "(auto runs the PyTorch ops on fp64 tensors)",
+        f"fp64 cannot run model.kernels={name} (its kernels compute in fp32 at most); use model.kernels=torch or "
+        "auto (auto runs the PyTorch ops on fp64 tensors)",
     )
     try:
         return resolve_kernels(cfg.model.kernels, train_device_type(cfg.train.device))

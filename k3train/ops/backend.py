@@ -4,6 +4,8 @@ in k3kernels (the `model.kernels` setting).
     auto    Triton for CUDA tensors when Triton imports, PyTorch otherwise (decided per call, by the tensor's device)
     torch   the PyTorch references everywhere
     triton  the Triton kernels (needs CUDA, or TRITON_INTERPRET=1 for the interpreter on CPU)
+    fla     flash-linear-attention's chunked KDA (the fla-core package; CUDA only: its kernels neither autotune nor
+            run under the interpreter on CPU) and the Triton kernels for the other ops
 
 The ops covered: the chunked KDA (k3kernels.kda.chunk_kda vs k3train.ops.kda.chunk_kda), the SiTU-GLU activation
 (k3kernels.situ vs k3train.ops.situ) and the MoE permutation (k3kernels.moe_permute vs k3train.ops.moe_permute).
@@ -28,7 +30,7 @@ from functools import lru_cache
 
 import torch
 
-KERNELS = ("auto", "torch", "triton")
+KERNELS = ("auto", "torch", "triton", "fla")
 """The values of model.kernels."""
 
 TRITON_KDA_CHUNK = 64
@@ -67,13 +69,27 @@ def triton_unavailable(device_type: str) -> str:
     )
 
 
+def fla_unavailable(device_type: str) -> str:
+    """'' when flash-linear-attention's KDA (and the Triton kernels beside it) can run on device_type, else why not."""
+    if device_type != "cuda":
+        return f"flash-linear-attention's kernels need CUDA, and this run's device is {device_type!r}"
+    from k3train.ops.kda.fla_chunk import fla_unavailable as why
+
+    return triton_unavailable(device_type) or why()
+
+
 def resolve_kernels(name: str, device_type: str) -> str:
-    """'torch' or 'triton': what `name` (one of KERNELS) means for a run on device_type. ValueError for an unknown
-    name or for 'triton' where the kernels cannot run."""
+    """'torch', 'triton' or 'fla': what `name` (one of KERNELS) means for a run on device_type. ValueError for an
+    unknown name or for 'triton' or 'fla' where their kernels cannot run."""
     if name not in KERNELS:
         raise ValueError(f"unknown kernels {name!r}; choose one of {', '.join(KERNELS)}")
     if name == "torch":
         return "torch"
+    if name == "fla":
+        why = fla_unavailable(device_type)
+        if why:
+            raise ValueError(f"'fla' cannot run here: {why}; use auto, torch or triton")
+        return "fla"
     why = triton_unavailable(device_type)
     if name == "auto":
         return "triton" if device_type == "cuda" and not why else "torch"
@@ -96,8 +112,8 @@ def _kernel(module: str, name: str):
 
 @dataclass(frozen=True)
 class Kernels:
-    """A choice of op implementations ('auto', 'torch' or 'triton'); its methods have the signatures of the PyTorch
-    ops they stand for."""
+    """A choice of op implementations ('auto', 'torch', 'triton' or 'fla'); its methods have the signatures of the
+    PyTorch ops they stand for."""
 
     name: str = "auto"
 
@@ -110,7 +126,7 @@ class Kernels:
         when they are on CUDA and Triton imports."""
         if self.name == "torch" or any(t.dtype == torch.float64 for t in tensors):
             return False
-        if self.name == "triton":
+        if self.name in ("triton", "fla"):
             return True
         return tensors[0].is_cuda and not _triton_import_error()
 
@@ -132,9 +148,18 @@ class Kernels:
         """k3train.ops.situ.situ_reference or k3kernels.situ.situ_triton."""
         return self._op((g, u), "situ", "situ_triton", "situ_reference")(g, u, beta1, beta2)
 
+    def kda_on_fla(self, *tensors: torch.Tensor, chunk_size: int) -> bool:
+        """Whether chunk_kda on these tensors runs flash-linear-attention's: under 'fla', chunk 64, not fp64."""
+        return self.name == "fla" and chunk_size == TRITON_KDA_CHUNK and self.triton_for(*tensors)
+
     def chunk_kda(self, q, k, v, g, beta, *, chunk_size: int = 64, g_min: float | None = None, **kwargs):
-        """k3train.ops.kda.chunk_kda or k3kernels.kda.chunk_kda (chunk_size 64 and g_min >= -5 only: the bound of
-        the log-decay, when the caller knows one; the PyTorch op otherwise)."""
+        """k3train.ops.kda.chunk_kda, k3kernels.kda.chunk_kda (chunk_size 64 and g_min >= -5 only: the bound of
+        the log-decay, when the caller knows one) or, under 'fla', k3train.ops.kda.fla_chunk.chunk_kda (chunk 64);
+        the PyTorch op otherwise."""
+        if self.kda_on_fla(q, k, v, g, beta, chunk_size=chunk_size):
+            from k3train.ops.kda import fla_chunk
+
+            return fla_chunk.chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
         if self.kda_on_triton(q, k, v, g, beta, chunk_size=chunk_size, g_min=g_min):
             # an import statement, not importlib (which torch.compile does not trace); the function is still looked
             # up at call time
@@ -148,7 +173,12 @@ class Kernels:
     def kda_segments(self, q, k, v, g, beta, *, cu_seqlens, chunk_size: int, g_min: float | None = None):
         """The per-segment primitive of context-parallel KDA over packed segments [1, N, H, *] (summaries(index) and
         run(initial_state)): k3train.ops.kda.chunk.KDAChunks, or k3train.ops.kda.cp.KernelSegments over
-        k3kernels.kda.chunk_kda where chunk_kda would run it."""
+        k3kernels.kda.chunk_kda (or, under 'fla', flash-linear-attention's) where chunk_kda would run it."""
+        if self.kda_on_fla(q, k, v, g, beta, chunk_size=chunk_size):
+            from k3train.ops.kda import fla_chunk
+            from k3train.ops.kda.cp import KernelSegments
+
+            return KernelSegments(q, k, v, g, beta, cu_seqlens, chunk_size, fla_chunk.chunk_kda)
         if self.kda_on_triton(q, k, v, g, beta, chunk_size=chunk_size, g_min=g_min):
             from k3train.ops.kda.cp import KernelSegments
 

@@ -329,6 +329,13 @@ CASES = [
     Bad("zero-level", "config", "parallel.zero=3", "zero", config("parallel.zero=3")),
     Bad("kernels-name", "config", "model.kernels=fast", "unknown kernels 'fast'", config("model.kernels=fast")),
     Bad(
+        "fla-cpu",
+        "config",
+        "model.kernels=fla",
+        "'fla' cannot run here: flash-linear-attention's kernels need CUDA",
+        config("model.kernels=fla"),
+    ),
+    Bad(
         "compile-backend",
         "config",
         "model.compile_backend=tensorrt",

@@ -79,7 +79,7 @@ def test_kernels_is_per_module_state():
     assert all(o.kernels is AUTO for o in _holders(b))
     with pytest.raises(ValueError):
         Kernels("fast")
-    assert set(KERNELS) == {"auto", "torch", "triton"}
+    assert set(KERNELS) == {"auto", "torch", "triton", "fla"}
 
 
 def _holders(model):
