@@ -24,7 +24,8 @@ from k3train.ops.grouped_mm import grouped_mm
 from k3train.ops.mx import fake_quant_mx
 
 
-QAT_MODES = ("none", "mxfp4_experts")
+QAT_MODES = ("none", "mxfp4_experts", "mxfp4_all")
+"""train.qat values: mxfp4_experts rounds the routed experts; mxfp4_all also the dense linears (k3train.parallel.mx_linear)."""
 
 
 def set_qat(modules, qat: str) -> int:
@@ -71,7 +72,8 @@ class GroupedExperts(nn.Module):
     kernels: Kernels = AUTO
     """Which SiTU-GLU runs (k3train.ops.backend; set per model with set_kernels)."""
     qat: str = "none"
-    """'mxfp4_experts': every grouped matmul sees MXFP4 weights and MXFP8 input rows (fake-quantised, k3train.ops.mx)."""
+    """'mxfp4_experts' or 'mxfp4_all': every grouped matmul sees MXFP4 weights and MXFP8 input rows (fake-quantised,
+    k3train.ops.mx)."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int, beta1: float, beta2: float):
         super().__init__()
@@ -104,7 +106,7 @@ class GroupedExperts(nn.Module):
         """Whether QAT rounds this bank's grouped matmuls (an unknown mode is refused)."""
         if self.qat not in QAT_MODES:
             raise ValueError(f"GroupedExperts.qat {self.qat!r}: expected one of {list(QAT_MODES)}")
-        return self.qat == "mxfp4_experts"
+        return self.qat != "none"
 
     def mx_weight(self, w: torch.Tensor) -> torch.Tensor:
         """Expert weights [n, in, out] as this bank's grouped matmuls see them: under QAT rounded to MXFP4 in blocks of
