@@ -288,6 +288,8 @@ class Layout:
     """Keep the first pipeline rank's log of compute and vision actions of the last step."""
     float8: str = "none"
     """train.float8: FP8 GEMMs for the dense linears (emulated on CPU)."""
+    qat: str = "none"
+    """train.qat: MX quantisation-aware training (mxfp4_experts, or mxfp4_all with the dense linears)."""
     activation: str = "keep"
     """The activation storage policy of every decoder layer (activation.policy), with the K3 defaults beside it;
     "keep" applies no rule at all (everything kept)."""
@@ -340,6 +342,7 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
         precision=layout.precision,
         train_vision=layout.vision,
         float8=layout.float8,
+        qat=layout.qat,
         activation_rules=activation_rules(layout.activation),
     )
     # The ranks of a CP group read the same rows (each runs its own pieces of them).
