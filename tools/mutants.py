@@ -1224,6 +1224,21 @@ def _moonep_replicas_rounded_after_cast(orig):
     return hosted_weight_rows
 
 
+def _mx_linears_not_converted(orig):
+    return lambda part: {"converted": [], "skipped": []}
+
+
+def _mx_linear_weight_unrounded(orig):
+    import torch.nn.functional as F
+
+    from k3train.ops.mx import fake_quant_mx
+
+    def forward(self, x):
+        return F.linear(fake_quant_mx(x, "mxfp8", dim=-1), self.weight, self.bias)  # the weight left unrounded
+
+    return forward
+
+
 def _export_experts_unquantised(orig):
     return lambda name, shape: False
 
@@ -1271,6 +1286,7 @@ PLAN_ACT = "tests/unit/test_plan_activation.py"
 MX = "tests/unit/test_mx_ops.py"
 EXPORT = "tests/unit/test_export.py"
 MOONEP_QAT = "tests/unit/test_moonep_qat.py"
+MX_LINEAR = "tests/unit/test_mx_linear.py"
 DRY = "tests/unit/test_dryrun.py"
 
 M = Mutation
@@ -2188,6 +2204,23 @@ MUTATIONS: list[Mutation] = [
         "MoonEP's hosted replicas are rounded to MXFP4 after the cast to the transfer dtype (rounded twice under bf16)",
         _moonep_replicas_rounded_after_cast,
         (f"{MOONEP_QAT}::test_hosted_replicas_multiply_by_the_home_copys_mx_weights",),
+    ),
+    M(
+        "mx_linears_not_converted",
+        "k3train.parallel.mx_linear:apply_mx_linears",
+        "train.qat=mxfp4_all leaves the dense linears unrounded (only the experts are rounded)",
+        _mx_linears_not_converted,
+        (
+            f"{MX_LINEAR}::test_converts_the_float8_selection_with_whole_blocks",
+            f"{MX_LINEAR}::test_engine_under_mxfp4_all_rounds_the_dense_linears",
+        ),
+    ),
+    M(
+        "mx_linear_weight_unrounded",
+        "k3train.parallel.mx_linear:MXQATLinear.forward",
+        "mxfp4_all's dense linears round their input rows but multiply by the unrounded weights",
+        _mx_linear_weight_unrounded,
+        (f"{MX_LINEAR}::test_mx_linear_equals_the_rounded_operands_reference",),
     ),
     M(
         "export_experts_unquantised",
