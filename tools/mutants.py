@@ -1212,6 +1212,40 @@ def _qat_never_set(orig):
     return lambda modules, qat: 0
 
 
+def _moonep_replicas_unrounded(orig):
+    import torch
+
+    def hosted_weight_rows(experts, send_local, dtype):
+        return torch.cat([w[send_local].to(dtype).flatten(1) for w in (experts.w1, experts.w3, experts.w2)], 1)
+
+    return hosted_weight_rows
+
+
+def _moonep_replicas_rounded_after_cast(orig):
+    import torch
+
+    def hosted_weight_rows(experts, send_local, dtype):
+        ws = (experts.w1, experts.w3, experts.w2)
+        return torch.cat([experts.mx_weight(w[send_local].to(dtype)).flatten(1) for w in ws], 1)
+
+    return hosted_weight_rows
+
+
+def _mx_linears_not_converted(orig):
+    return lambda part: {"converted": [], "skipped": []}
+
+
+def _mx_linear_weight_unrounded(orig):
+    import torch.nn.functional as F
+
+    from k3train.ops.mx import fake_quant_mx
+
+    def forward(self, x):
+        return F.linear(fake_quant_mx(x, "mxfp8", dim=-1), self.weight, self.bias)  # the weight left unrounded
+
+    return forward
+
+
 def _export_experts_unquantised(orig):
     return lambda name, shape: False
 
@@ -1259,6 +1293,8 @@ HOST = "tests/unit/test_host_sync.py"
 PLAN_ACT = "tests/unit/test_plan_activation.py"
 MX = "tests/unit/test_mx_ops.py"
 EXPORT = "tests/unit/test_export.py"
+MOONEP_QAT = "tests/unit/test_moonep_qat.py"
+MX_LINEAR = "tests/unit/test_mx_linear.py"
 DRY = "tests/unit/test_dryrun.py"
 
 M = Mutation
@@ -2166,6 +2202,40 @@ MUTATIONS: list[Mutation] = [
         "train.qat never reaches the expert banks",
         _qat_never_set,
         (f"{MX}::test_set_qat_reaches_every_bank",),
+    ),
+    M(
+        "moonep_replicas_unrounded",
+        "k3train.parallel.moonep_dispatch:hosted_weight_rows",
+        "MoonEP's hosted replicas bypass the MX fake quantisation (their home copies are rounded)",
+        _moonep_replicas_unrounded,
+        (
+            f"{MOONEP_QAT}::test_hosted_replicas_multiply_by_the_home_copys_mx_weights",
+            f"{MOONEP_QAT}::test_hosted_rows_pass_the_gradient_straight_home",
+        ),
+    ),
+    M(
+        "moonep_replicas_rounded_after_cast",
+        "k3train.parallel.moonep_dispatch:hosted_weight_rows",
+        "MoonEP's hosted replicas are rounded to MXFP4 after the cast to the transfer dtype (rounded twice under bf16)",
+        _moonep_replicas_rounded_after_cast,
+        (f"{MOONEP_QAT}::test_hosted_replicas_multiply_by_the_home_copys_mx_weights",),
+    ),
+    M(
+        "mx_linears_not_converted",
+        "k3train.parallel.mx_linear:apply_mx_linears",
+        "train.qat=mxfp4_all leaves the dense linears unrounded (only the experts are rounded)",
+        _mx_linears_not_converted,
+        (
+            f"{MX_LINEAR}::test_converts_the_float8_selection_with_whole_blocks",
+            f"{MX_LINEAR}::test_engine_under_mxfp4_all_rounds_the_dense_linears",
+        ),
+    ),
+    M(
+        "mx_linear_weight_unrounded",
+        "k3train.parallel.mx_linear:MXQATLinear.forward",
+        "mxfp4_all's dense linears round their input rows but multiply by the unrounded weights",
+        _mx_linear_weight_unrounded,
+        (f"{MX_LINEAR}::test_mx_linear_equals_the_rounded_operands_reference",),
     ),
     M(
         "export_experts_unquantised",

@@ -151,7 +151,9 @@ class TrainConfig:
     """Quantisation-aware training. none, or mxfp4_experts: the routed experts' grouped matmuls run on their weights
     rounded to MXFP4 (E2M1 in blocks of 32 along the contraction dimension, one E8M0 scale each) and their input
     rows rounded to MXFP8 (E4M3), through torchao's MXTensor; gradients pass straight through to the full-precision
-    weights. The experts' widths (moe_latent_dim, expert_hidden) must be multiples of 32."""
+    weights. The experts' widths (moe_latent_dim, expert_hidden) must be multiples of 32. mxfp4_all: the same, and
+    the dense linears train.float8 would convert (input width a multiple of 32) rounded alike through a torchao MX QAT
+    linear (k3train.parallel.mx_linear); refused together with train.float8."""
     balancing: str = "quantile"
     """MoE router balancing when the model has routers: quantile (Quantile Balancing), sign (DeepSeek-V3's
     sign-step bias) or none. The bias is updated after every optimizer step."""

@@ -339,6 +339,12 @@ def check_train(cfg: K3TrainConfig, args: K3ModelArgs) -> None:
         f"{t.qat} rounds the experts in MX blocks of 32: moe_latent_dim={args.moe_latent_dim} and "
         f"expert_hidden={args.expert_hidden} must be multiples of 32",
     )
+    _need(
+        t.qat != "mxfp4_all" or t.float8 == "none",
+        "train.qat",
+        f"mxfp4_all rounds the dense linears to MX and train.float8={t.float8} converts the same linears to FP8: "
+        "a linear takes one of the two; use train.qat=mxfp4_experts with train.float8, or train.float8=none",
+    )
     _known("train.balancing", t.balancing, "balancing", BALANCING)
     _need(
         t.balancing == "none" or args.top_k < args.n_experts,

@@ -429,7 +429,6 @@ class Engine:
 def build_engine_for(spec, device: torch.device | str | None = None) -> Engine:
     """The engine of a resolved run (k3train.config.runspec.RunSpec): its model args, layout, stage split,
     optimizer, precision, activation rules, balancing and kernel backend."""
-    from k3train.models.k3.moe import set_qat
     from k3train.ops.backend import Kernels, set_kernels
 
     cfg = spec.config
@@ -444,13 +443,13 @@ def build_engine_for(spec, device: torch.device | str | None = None) -> Engine:
         activation_rules=spec.activation_rules,
         balancing=cfg.train.balancing,
         float8=cfg.train.float8,
+        qat=cfg.train.qat,
         stage_layers=[list(s) for s in spec.stages],
         train_vision=spec.trains_vision,
         compile=cfg.model.compile,
         compile_backend=cfg.model.compile_backend,
     )
     set_kernels(engine.model_parts, Kernels(spec.kernels))
-    set_qat(engine.model_parts, cfg.train.qat)
     return engine
 
 
@@ -467,6 +466,7 @@ def build_engine(
     activation_rules=(),
     balancing: str = "none",
     float8: str = "none",
+    qat: str = "none",
     bucket_numel: int = 1 << 25,
     stage_layers: list[list[int]] | None = None,
     train_vision: bool = False,
@@ -478,10 +478,11 @@ def build_engine(
 
     parallel: a ParallelDims or any object with pp, vpp, ep, cp, dp (-1 = fill), zero, microbatches, schedule
     (e.g. the trainer's ParallelConfig). With world size 1 no process group is needed. activation_rules and
-    balancing are applied to every part (see parallelize_part), and so is float8 (train.float8). precision "bf16" stores the parameters in bf16,
-    computes under bf16 autocast and sends bf16 activations between pipeline stages (train.precision);
-    autocast_dtype alone (fp32 parameters, autocast compute) is kept for experiments. train_vision: the data feeds
-    images, so the vision tower trains (else it is frozen: no gradient, no optimizer state, no weight decay).
+    balancing are applied to every part (see parallelize_part), and so are float8 (train.float8) and qat
+    (train.qat). precision "bf16" stores the parameters in bf16, computes under bf16 autocast and sends bf16
+    activations between pipeline stages (train.precision); autocast_dtype alone (fp32 parameters, autocast
+    compute) is kept for experiments. train_vision: the data feeds images, so the vision tower trains (else it is
+    frozen: no gradient, no optimizer state, no weight decay).
     compile: each transformer layer runs compiled with torch.compile's compile_backend (model.compile)."""
     from k3train.parallel.parallelize import PartSetup
     from k3train.parallel.zero import PARAM_DTYPES
@@ -508,6 +509,7 @@ def build_engine(
         activation_rules=list(activation_rules),
         balancing=balancing,
         float8=float8,
+        qat=qat,
         compute_dtype=autocast_dtype,
         train_vision=train_vision,
         compile=compile,

@@ -302,12 +302,15 @@ class EPGroupedExperts(GroupedExperts):
     def extra_repr(self) -> str:
         return f"home experts [{self.first_expert}, {self.first_expert + self.w1.shape[0]}) of {self.total_experts}"
 
-    def compute(self, x: Tensor, counts: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
-        """x [M, L] grouped by expert, counts [n] rows per expert, weight stacks [n, ...] -> [M, L]."""
+    def compute(
+        self, x: Tensor, counts: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, *, w_rounded: bool = False
+    ) -> Tensor:
+        """x [M, L] grouped by expert, counts [n] rows per expert, weight stacks [n, ...] -> [M, L]. w_rounded: the
+        stacks are already `mx_weight` of home weights (MoonEP's hosted copies), so QAT does not round them again."""
         if counts.shape != (w1.shape[0],):
             raise ValueError(f"EPGroupedExperts: counts {tuple(counts.shape)} do not match {w1.shape[0]} expert groups")
-        h = self.kernels.situ(self.gmm(x, w1, counts), self.gmm(x, w3, counts), self.beta1, self.beta2)
-        return self.gmm(h, w2, counts)
+        g1, g3 = (self.gmm(x, w, counts, w_rounded=w_rounded) for w in (w1, w3))
+        return self.gmm(self.kernels.situ(g1, g3, self.beta1, self.beta2), w2, counts, w_rounded=w_rounded)
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """x [M, L] grouped by home expert; counts [E/R] rows per home expert."""

@@ -33,7 +33,9 @@ experts' rows sit in the buffer; whether any rank hosts a copy) go to the host t
 takes uneven splits as Python ints, and the lengths of the weight transfer are data-dependent. No other device value
 is read in dispatch, combine or backward. The full MoonEPPlan (`last_plan`) is built on demand, for inspection only.
 Hosted experts' weights are indexed at home first (only the experts a peer needs) and sent in the compute dtype (the
-latent's: bf16 under bf16), never the whole home bank.
+latent's: bf16 under bf16), never the whole home bank. Under QAT (train.qat) the home rank rounds them to MXFP4 before
+the cast (`hosted_weight_rows`) and the hosting rank does not round them again: a copy holds bit for bit the weights its
+home expert's grouped matmuls use, and its gradient passes straight through the rounding to the home expert.
 
 Every rank must hold the same number of tokens S for the layer (the buffer is S·K rows everywhere); a micro-batch
 that breaks this, or a static `tokens_per_rank` that does not match, is refused with the numbers.
@@ -58,7 +60,7 @@ from k3train.parallel.moonep import (
     remote_mask,
 )
 
-__all__ = ["MoonEPDispatcher", "hosted_weight_routes", "moonep_send_layout"]
+__all__ = ["MoonEPDispatcher", "hosted_weight_routes", "hosted_weight_rows", "moonep_send_layout"]
 
 
 def moonep_send_layout(plan: MoonEPPlan, source: int, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -87,6 +89,15 @@ def hosted_weight_routes(plan: MoonEPPlan, rank: int) -> tuple[Tensor, Tensor, T
     mine = mine[torch.argsort(mine[:, 1] * E + mine[:, 0], stable=True)]
     hosted = rep[rep[:, 1] == rank, 0]
     return (mine[:, 0] - rank * G, expert_counts(mine[:, 1], R), hosted, expert_counts(hosted // G, R))
+
+
+def hosted_weight_rows(experts: EPGroupedExperts, send_local: Tensor, dtype: torch.dtype) -> Tensor:
+    """The packed (w1, w3, w2) rows [n_send, 3·L·H] of the home experts `send_local` that peers host, in the transfer
+    dtype. Under QAT they are rounded to MXFP4 here, from the home weights in their own dtype, before the cast: the
+    copies then hold bit for bit what the home bank's grouped matmuls use (rounding after a cast to bf16 would round
+    twice and differ), and the rounding's straight-through gradient carries each copy's gradient to its home expert."""
+    ws = (experts.w1, experts.w3, experts.w2)
+    return torch.cat([experts.mx_weight(w[send_local]).to(dtype).flatten(1) for w in ws], 1)
 
 
 def _first_true(mask: Tensor, n: int) -> Tensor:
@@ -178,7 +189,7 @@ class MoonEPDispatcher(EPDispatcher):
         ex = self.experts
         send_local, hosted = rp.weight_routes()
         ws = (ex.w1, ex.w3, ex.w2)
-        packed = torch.cat([w[send_local].to(dtype).flatten(1) for w in ws], 1)  # [n_send, 3·L·H]
+        packed = hosted_weight_rows(ex, send_local, dtype)
         got = self._send_rows(packed, rp.weight_recv_splits, rp.weight_send_splits, "weights", "weights")
         parts = got.split([w[0].numel() for w in ws], 1)
         return hosted, tuple(p.reshape(-1, *w.shape[1:]) for p, w in zip(parts, ws)), got
@@ -223,7 +234,7 @@ class MoonEPDispatcher(EPDispatcher):
             hosted, (w1, w3, w2), got = fetched
             if hosted.numel() > 0:
                 x_h = torch.cat([grouped[:a], grouped[b:]])
-                y_h = self.experts.compute(x_h, alloc[hosted], w1, w3, w2)
+                y_h = self.experts.compute(x_h, alloc[hosted], w1, w3, w2, w_rounded=True)
                 y = torch.cat([y_h[:a], y, y_h[a:]])
             else:
                 # Nothing hosted here, but the weight all_to_all's backward must still run on this rank (its peers

@@ -13,6 +13,8 @@ The order, and why:
    The model is not changed: the per-batch plan reaches the layers through BatchContext.
 4. FP8 GEMMs (train.float8): the dense linears become torchao Float8Linear (k3train.parallel.float8), after
    initialisation (the weights keep their names and values) and before the activation policies that wrap them.
+   QAT (train.qat) at the same point: the expert banks round their grouped matmuls to MX, and under mxfp4_all the
+   dense linears become torchao MX QAT linears (k3train.parallel.mx_linear), their weights kept as they are.
 5. Activation storage policies (cfg.activation), after EP so they see the EP dispatcher they wrap.
 6. Balancers on the routers (train.balancing): they observe the routers' scores in training forwards.
 7. Compilation (model.compile), last, so each compiled layer holds what the steps above put in it: every transformer
@@ -55,6 +57,8 @@ class PartSetup:
     """The autocast dtype (None: fp32), for activation policies that store in a lower precision."""
     float8: str = "none"
     """FP8 recipe of the dense linears (train.float8): none, tensorwise or rowwise; emulated off CUDA."""
+    qat: str = "none"
+    """train.qat: none, mxfp4_experts (the routed experts' grouped matmuls), or mxfp4_all (also the dense linears)."""
     compile: bool = False
     """Compile each transformer layer (model.compile)."""
     compile_backend: str = "inductor"
@@ -85,6 +89,8 @@ def parallelize_part(part: nn.Module, setup: PartSetup):
         from k3train.parallel.float8 import apply_float8
 
         apply_float8(part, setup.float8, emulate=setup.device.type != "cuda")
+    if setup.qat != "none":
+        apply_qat(part, setup.qat)
     handle = None
     if setup.activation_rules:
         from k3train.activation import apply_activation_policies
@@ -100,6 +106,18 @@ def parallelize_part(part: nn.Module, setup: PartSetup):
     if setup.compile:
         compile_layers(part, setup.compile_backend)
     return part, handle
+
+
+def apply_qat(part: nn.Module, qat: str) -> None:
+    """train.qat on one part: its expert banks round their grouped matmuls to MX, and under mxfp4_all its dense linears
+    become torchao MX QAT linears (k3train.parallel.mx_linear), before the activation policies that wrap them."""
+    from k3train.models.k3.moe import set_qat
+
+    set_qat([part], qat)
+    if qat == "mxfp4_all":
+        from k3train.parallel.mx_linear import apply_mx_linears
+
+        apply_mx_linears(part)
 
 
 def compile_layers(part: nn.Module, backend: str = "inductor", fullgraph: bool = False) -> int:

@@ -264,6 +264,8 @@ class Layout:
     ep: int = 1
     cp: int = 1
     cp_layout: str = "zigzag"
+    ep_dispatcher: str = "alltoall"
+    """parallel.ep_dispatcher under ep > 1: alltoall, or moonep (its replicated calls are recorded)."""
     zero: int = 0
     microbatches: int = 1
     schedule: str = "interleaved_1f1b"
@@ -286,6 +288,8 @@ class Layout:
     """Keep the first pipeline rank's log of compute and vision actions of the last step."""
     float8: str = "none"
     """train.float8: FP8 GEMMs for the dense linears (emulated on CPU)."""
+    qat: str = "none"
+    """train.qat: MX quantisation-aware training (mxfp4_experts, or mxfp4_all with the dense linears)."""
     activation: str = "keep"
     """The activation storage policy of every decoder layer (activation.policy), with the K3 defaults beside it;
     "keep" applies no rule at all (everything kept)."""
@@ -306,6 +310,7 @@ class Layout:
             ep=self.ep,
             cp=self.cp,
             cp_layout=self.cp_layout,
+            ep_dispatcher=self.ep_dispatcher,
             zero=self.zero,
             microbatches=self.microbatches,
             schedule=self.schedule,
@@ -337,6 +342,7 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
         precision=layout.precision,
         train_vision=layout.vision,
         float8=layout.float8,
+        qat=layout.qat,
         activation_rules=activation_rules(layout.activation),
     )
     # The ranks of a CP group read the same rows (each runs its own pieces of them).
@@ -394,6 +400,13 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
     from k3train.parallel.expert_parallel import expert_parameters
 
     rec["ep_shards"] = {k: v for part in engine.model_parts for k, v in expert_parameters(part).items()}
+    # MoonEP: how many of this rank's MoE calls placed at least one redundant expert (on any EP rank).
+    rec["replicated_calls"] = sum(
+        getattr(m.dispatcher, "replicated_calls", 0)
+        for part in engine.model_parts
+        for m in part.modules()
+        if hasattr(m, "dispatcher")
+    )
     rec["memory"] = engine.memory_report()
     return rec
 

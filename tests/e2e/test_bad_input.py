@@ -345,6 +345,13 @@ CASES = [
     Bad("precision", "config", "train.precision=fp8", "precision", config("train.precision=fp8")),
     Bad("qat", "config", "train.qat=nvfp4", "unknown QAT mode 'nvfp4'", config("train.qat=nvfp4")),
     Bad(
+        "qat-all-float8",
+        "config",
+        "train.qat=mxfp4_all train.float8=rowwise",
+        "a linear takes one of the two",
+        config("train.qat=mxfp4_all", "train.float8=rowwise"),
+    ),
+    Bad(
         "fp64-triton",
         "config",
         "train.precision=fp64 model.kernels=triton",

@@ -427,6 +427,7 @@ ONE_PROCESS: list[Case] = [
     Case("train.float8", {"train.float8": "rowwise"}),
     Case("train.float8", {"train.float8": "tensorwise"}),
     Case("train.qat", {"train.qat": "mxfp4_experts"}),
+    Case("train.qat", {"train.qat": "mxfp4_all"}, base={"train.qat": "mxfp4_experts"}),  # the dense linears too
     Case("train.balancing", {"train.balancing": "none"}),
     Case("train.balancing", {"train.balancing": "sign"}),
     # data

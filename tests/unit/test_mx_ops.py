@@ -90,6 +90,10 @@ def test_grouped_experts_qat_matches_reference_and_ep_copy():
     home = EPGroupedExperts(ex, None, 0, 1)
     home.qat = "mxfp4_experts"
     assert torch.equal(home.compute(x, counts, ex.w1, ex.w3, ex.w2), got)
+    # MoonEP's copies arrive rounded at home (mx_weight) and are not rounded again (tests/unit/test_moonep_qat.py).
+    rounded = [home.mx_weight(w) for w in (ex.w1, ex.w3, ex.w2)]
+    assert torch.equal(home.compute(x, counts, *rounded, w_rounded=True), got)
+    assert not torch.equal(home.compute(x, counts, ex.w1, ex.w3, ex.w2, w_rounded=True), got)
     # Straight-through: the weights get the gradient of the matmul at the rounded operands.
     got.sum().backward()
     assert ex.w2.grad is not None and torch.isfinite(ex.w2.grad).all() and ex.w2.grad.abs().sum() > 0

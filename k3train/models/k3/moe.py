@@ -24,7 +24,8 @@ from k3train.ops.grouped_mm import grouped_mm
 from k3train.ops.mx import fake_quant_mx
 
 
-QAT_MODES = ("none", "mxfp4_experts")
+QAT_MODES = ("none", "mxfp4_experts", "mxfp4_all")
+"""train.qat values: mxfp4_experts rounds the routed experts; mxfp4_all also the dense linears (k3train.parallel.mx_linear)."""
 
 
 def set_qat(modules, qat: str) -> int:
@@ -71,7 +72,8 @@ class GroupedExperts(nn.Module):
     kernels: Kernels = AUTO
     """Which SiTU-GLU runs (k3train.ops.backend; set per model with set_kernels)."""
     qat: str = "none"
-    """'mxfp4_experts': every grouped matmul sees MXFP4 weights and MXFP8 input rows (fake-quantised, k3train.ops.mx)."""
+    """'mxfp4_experts' or 'mxfp4_all': every grouped matmul sees MXFP4 weights and MXFP8 input rows (fake-quantised,
+    k3train.ops.mx)."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int, beta1: float, beta2: float):
         super().__init__()
@@ -93,13 +95,24 @@ class GroupedExperts(nn.Module):
         h = self.kernels.situ(self.gmm(x, self.w1, counts), self.gmm(x, self.w3, counts), self.beta1, self.beta2)
         return self.gmm(h, self.w2, counts)
 
-    def gmm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """grouped_mm, under QAT on MX-rounded operands (blocks of 32 along the contraction dimension of each)."""
-        if self.qat == "mxfp4_experts":
-            x, w = fake_quant_mx(x, "mxfp8", dim=1), fake_quant_mx(w, "mxfp4", dim=1)
-        elif self.qat != "none":
+    def gmm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, *, w_rounded: bool = False) -> torch.Tensor:
+        """grouped_mm, under QAT on MX-rounded operands (blocks of 32 along the contraction dimension of each).
+        w_rounded: `w` is already `mx_weight` of its bank's weights (MoonEP's hosted copies, rounded at home)."""
+        if self.quantised():
+            x = fake_quant_mx(x, "mxfp8", dim=1)
+        return grouped_mm(x, w if w_rounded else self.mx_weight(w), counts)
+
+    def quantised(self) -> bool:
+        """Whether QAT rounds this bank's grouped matmuls (an unknown mode is refused)."""
+        if self.qat not in QAT_MODES:
             raise ValueError(f"GroupedExperts.qat {self.qat!r}: expected one of {list(QAT_MODES)}")
-        return grouped_mm(x, w, counts)
+        return self.qat != "none"
+
+    def mx_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """Expert weights [n, in, out] as this bank's grouped matmuls see them: under QAT rounded to MXFP4 in blocks of
+        32 along `in` (straight-through gradient), else `w` itself. Rounded in `w`'s own dtype, so a copy cast to a
+        lower dtype afterwards (MX values are exact in bf16) holds the same values as the home bank's."""
+        return fake_quant_mx(w, "mxfp4", dim=1) if self.quantised() else w
 
     @staticmethod
     def costs(args: K3ModelArgs) -> Costs:
