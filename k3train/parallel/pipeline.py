@@ -454,6 +454,13 @@ class Pipeline:
         self._key = None
         self.stages: list = []
         self.schedule = None
+        self.overlap = None
+        """parallel.ep_overlap=microbatch: the k3train.parallel.microbatch_overlap.MicrobatchOverlap that runs the
+        schedule's OVERLAP_F_B actions (its `trace`, when set, records them)."""
+        if dims.ep_overlap == "microbatch":
+            from k3train.parallel.microbatch_overlap import MicrobatchOverlap
+
+            self.overlap = MicrobatchOverlap()
         self.has_first_stage, self.has_last_stage = 0 in modules, dims.n_stages - 1 in modules
 
     def _example(self, stage: int, mb: int, T: int, *, output: bool):
@@ -488,6 +495,8 @@ class Pipeline:
             st._init_k3(self.grad_reducer, self.vision_feed)
             self.stages.append(st)
         self.schedule = build_schedule(self.dims, self.stages, self.loss_fn)
+        if self.overlap is not None:
+            self.overlap.install(self.schedule)
         self._key = key
 
     def step(

@@ -1,0 +1,106 @@
+"""parallel.ep_overlap=microbatch: inside DualPipeV's overlapped forward-backward actions, one micro-batch's expert
+all-to-all is in flight while the other micro-batch computes (k3train.parallel.microbatch_overlap).
+
+One spawn of 4 gloo processes (pp2 x dp2 x ep2, DualPipeV, 4 micro-batches, float64, every receive buffer poisoned
+with NaN until its wait): the run equals one process to 1e-10 (losses, gradient norms, every parameter), with and
+without whole-layer recompute; each rank's recorded trace shows all-to-alls of micro-batch i issued before, and
+waited for after, compute of micro-batch j != i, and the two ranks of each EP group issue the same collectives in
+the same order."""
+
+from __future__ import annotations
+
+import pytest
+
+import harness as H
+from k3train.distributed import comm
+
+pytestmark = pytest.mark.slow
+
+OVERLAP = {"pp": 2, "vpp": 2, "dp": 2, "ep": 2, "microbatches": 4, "schedule": "dualpipev", "ep_overlap": "microbatch"}
+LAYOUTS = [
+    H.Layout(name="pp2_ep2_dualpipev_mb_overlap", record_overlap_trace=True, **OVERLAP),
+    H.Layout(
+        name="pp2_ep2_dualpipev_mb_overlap_recompute", activation="recompute", record_overlap_trace=True, **OVERLAP
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv(comm.POISON_ENV, "1")  # the spawned ranks inherit it
+    try:
+        return H.spawn_layouts(LAYOUTS, str(tmp_path_factory.mktemp("mb_overlap")), world=4)
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.name)
+def test_overlapped_microbatches_train_like_one_process(runs, layout):
+    H.report(layout, H.compare(H.reference_for(layout), runs[layout.name]))
+
+
+def actions(trace: list) -> list[list[tuple]]:
+    """The trace cut into its overlapped actions (each begins with F's start)."""
+    out = []
+    for ev in trace:
+        if ev[0] == "F" and ev[3] == "start":
+            out.append([])
+        out[-1].append(ev)
+    return out
+
+
+def hidden_all_to_alls(action: list[tuple]) -> list[tuple]:
+    """(side, its micro-batch, the other side's micro-batch, what) for each expert all-to-all that one side issued,
+    then handed the baton over, and waited for only after the other side computed (and issued an all-to-all of its
+    own) in between."""
+    out = []
+    for i, (side, _, mb, event, what) in enumerate(action):
+        if event != "issue" or not what.startswith("ep/all_to_all"):
+            continue
+        rest = action[i + 1 :]
+        hand = next(k for k, e in enumerate(rest) if e[0] == side and e[3] == "hand")
+        wait = next(k for k, e in enumerate(rest) if e[0] == side and e[3] == "wait")
+        between = rest[hand + 1 : wait]
+        other = [e for e in between if e[0] != side]
+        if any(e[3] == "issue" and e[4].startswith("ep/all_to_all") for e in other):
+            out.append((side, mb, other[0][2], what))
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.name)
+def test_trace_shows_each_side_hiding_the_others_all_to_all(runs, layout):
+    recs = runs[layout.name]
+    for rank, rec in enumerate(recs):
+        acts = actions(rec["overlap_trace"])
+        assert acts, f"rank {rank} ran no overlapped action"
+        assert len(acts) == rec["overlap_actions"] / H.STEPS
+        for act in acts:
+            hidden = hidden_all_to_alls(act)
+            sides = {h[0] for h in hidden}
+            # Both directions: the forward's tokens hide behind the backward's compute and the reverse.
+            assert sides == {"F", "B"}, (rank, act)
+            assert all(mine != theirs for _, mine, theirs, _ in hidden), hidden
+            # Only one side runs at a time: between a side's hand and its wait, it records nothing.
+            for side in "FB":
+                open_ = False
+                for ev in act:
+                    if ev[0] == side and ev[3] in ("hand", "wait"):
+                        open_ = ev[3] == "hand"
+                    elif ev[0] == side:
+                        assert not open_, (rank, side, act)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.name)
+def test_ep_ranks_issue_the_same_collectives_in_the_same_order(runs, layout):
+    recs = runs[layout.name]
+
+    def collectives(rec):
+        return [
+            (side, stage, mb, ev, what) for side, stage, mb, ev, what in rec["overlap_trace"] if ev in ("issue", "call")
+        ]
+
+    # Ranks (pp, dp_cp): 0, 1 hold the first pipeline rank's stages and form one EP group; 2, 3 the other.
+    for a, b in ((0, 1), (2, 3)):
+        assert collectives(recs[a]) == collectives(recs[b])
+        assert any(w.startswith("ep/all_to_all") for *_, w in collectives(recs[a]))
