@@ -1,43 +1,51 @@
 """parallel.ep_overlap=microbatch: inside DualPipeV's overlapped forward-backward actions, one micro-batch's expert
 all-to-all is in flight while the other micro-batch computes (k3train.parallel.microbatch_overlap).
 
-One spawn of 4 gloo processes (pp2 x dp2 x ep2, DualPipeV, 4 micro-batches, float64, every receive buffer poisoned
-with NaN until its wait): the run equals one process to 1e-10 (losses, gradient norms, every parameter), with and
-without whole-layer recompute; each rank's recorded trace shows all-to-alls of micro-batch i issued before, and
-waited for after, compute of micro-batch j != i, and the two ranks of each EP group issue the same collectives in
-the same order."""
+4 forked gloo processes (pp2 x dp2 x ep2, DualPipeV, 4 micro-batches, float64, every receive buffer poisoned with NaN
+until its wait; the harness's layouts and one-process reference, tests/distributed/harness.py): the run equals one
+process to 1e-10 (losses, gradient norms, every parameter), with and without whole-layer recompute; each rank's
+recorded trace shows all-to-alls of micro-batch i issued before, and waited for after, compute of micro-batch j != i,
+and the two ranks of each EP group issue the same collectives in the same order. Forked, not spawned, so a mutation
+of the parent process (tools/mutants.py) reaches the ranks."""
 
 from __future__ import annotations
 
-import pytest
+import functools
 
-import harness as H
+import pytest
+from test_parallel_pieces import _harness, run_forked
+
 from k3train.distributed import comm
 
 pytestmark = pytest.mark.slow
 
+H = _harness()
 OVERLAP = {"pp": 2, "vpp": 2, "dp": 2, "ep": 2, "microbatches": 4, "schedule": "dualpipev", "ep_overlap": "microbatch"}
-LAYOUTS = [
-    H.Layout(name="pp2_ep2_dualpipev_mb_overlap", record_overlap_trace=True, **OVERLAP),
-    H.Layout(
+LAYOUTS = {
+    "keep": H.Layout(name="pp2_ep2_dualpipev_mb_overlap", record_overlap_trace=True, **OVERLAP),
+    "recompute": H.Layout(
         name="pp2_ep2_dualpipev_mb_overlap_recompute", activation="recompute", record_overlap_trace=True, **OVERLAP
     ),
-]
+}
+_RUNS: dict = {}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv(comm.POISON_ENV, "1")  # the spawned ranks inherit it
-    try:
-        return H.spawn_layouts(LAYOUTS, str(tmp_path_factory.mktemp("mb_overlap")), world=4)
-    finally:
-        mp.undo()
+def _worker(layout, rank: int) -> dict:
+    return H.run_layout(layout, "", rank)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.name)
-def test_overlapped_microbatches_train_like_one_process(runs, layout):
-    H.report(layout, H.compare(H.reference_for(layout), runs[layout.name]))
+def run(policy: str, tmp_path, monkeypatch) -> list[dict]:
+    """The layout's records on 4 forked ranks (each policy's run once per test session)."""
+    if policy not in _RUNS:
+        monkeypatch.setenv(comm.POISON_ENV, "1")  # the forked ranks inherit it
+        _RUNS[policy] = run_forked(functools.partial(_worker, LAYOUTS[policy]), tmp_path, world=4)
+    return _RUNS[policy]
+
+
+@pytest.mark.parametrize("policy", LAYOUTS)
+def test_overlapped_microbatches_train_like_one_process(tmp_path, monkeypatch, policy):
+    layout = LAYOUTS[policy]
+    H.report(layout, H.compare(H.reference_for(layout), run(policy, tmp_path, monkeypatch)))
 
 
 def actions(trace: list) -> list[list[tuple]]:
@@ -59,8 +67,8 @@ def hidden_all_to_alls(action: list[tuple]) -> list[tuple]:
         if event != "issue" or not what.startswith("ep/all_to_all"):
             continue
         rest = action[i + 1 :]
-        hand = next(k for k, e in enumerate(rest) if e[0] == side and e[3] == "hand")
-        wait = next(k for k, e in enumerate(rest) if e[0] == side and e[3] == "wait")
+        hand = next((k for k, e in enumerate(rest) if e[0] == side and e[3] == "hand"), len(rest))
+        wait = next((k for k, e in enumerate(rest) if e[0] == side and e[3] == "wait"), -1)
         between = rest[hand + 1 : wait]
         other = [e for e in between if e[0] != side]
         if any(e[3] == "issue" and e[4].startswith("ep/all_to_all") for e in other):
@@ -68,9 +76,9 @@ def hidden_all_to_alls(action: list[tuple]) -> list[tuple]:
     return out
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.name)
-def test_trace_shows_each_side_hiding_the_others_all_to_all(runs, layout):
-    recs = runs[layout.name]
+@pytest.mark.parametrize("policy", LAYOUTS)
+def test_trace_shows_each_side_hiding_the_others_all_to_all(tmp_path, monkeypatch, policy):
+    recs = run(policy, tmp_path, monkeypatch)
     for rank, rec in enumerate(recs):
         acts = actions(rec["overlap_trace"])
         assert acts, f"rank {rank} ran no overlapped action"
@@ -91,9 +99,9 @@ def test_trace_shows_each_side_hiding_the_others_all_to_all(runs, layout):
                         assert not open_, (rank, side, act)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.name)
-def test_ep_ranks_issue_the_same_collectives_in_the_same_order(runs, layout):
-    recs = runs[layout.name]
+@pytest.mark.parametrize("policy", LAYOUTS)
+def test_ep_ranks_issue_the_same_collectives_in_the_same_order(tmp_path, monkeypatch, policy):
+    recs = run(policy, tmp_path, monkeypatch)
 
     def collectives(rec):
         return [
