@@ -697,6 +697,16 @@ def _mb_overlap_hands_before_issue(orig):
     return collective
 
 
+def _mb_overlap_timed_per_side(orig):
+    import contextlib
+
+    @contextlib.contextmanager
+    def timed_per_side(stages):
+        yield  # each side's spans count, also while it waits for the baton: the action's time counted twice
+
+    return timed_per_side
+
+
 def _never_poisoned(orig):
     return lambda: False
 
@@ -1694,6 +1704,13 @@ MUTATIONS: list[Mutation] = [
         "parallel.ep_overlap=microbatch: the baton is handed over before the all-to-all is issued, not at its wait",
         _mb_overlap_hands_before_issue,
         (f"{MB_OVERLAP}::test_trace_shows_each_side_hiding_the_others_all_to_all[keep]",),
+    ),
+    M(
+        "ep_mb_overlap_busy_twice",
+        "k3train.parallel.microbatch_overlap:_timed_once",
+        "parallel.ep_overlap=microbatch: both sides' busy spans count, each covering the other's compute",
+        _mb_overlap_timed_per_side,
+        (f"{MB_OVERLAP}::test_overlapped_microbatches_train_like_one_process[keep]",),
     ),
     M(
         "ep_poison_never",

@@ -31,6 +31,7 @@ those DualPipeV holds anyway.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 
@@ -138,7 +139,7 @@ class MicrobatchOverlap:
             with comm.in_scopes(scopes), torch.set_grad_enabled(grad):
                 _run_side(exchange, "F", lambda: _forward(sched, stages, fwd, ctx), errors)
 
-        with comm.observing(exchange):
+        with comm.observing(exchange), _timed_once([stages[fwd.stage_index], stages[bwd.stage_index]]):
             thread = threading.Thread(target=forward_side, name="k3-overlap-forward")
             thread.start()
             _run_side(exchange, "B", lambda: _backward(sched, stages, bwd, loss), errors)
@@ -147,6 +148,24 @@ class MicrobatchOverlap:
             raise errors[0]
         self.actions += 1
         self.handovers += sum(exchange.handed.values())
+
+
+@contextlib.contextmanager
+def _timed_once(stages: list):
+    """The stages' busy clocks (K3PipelineStage.clock) count the action once, as one span: each side's own spans
+    would also cover the time it waits for the baton while the other side computes."""
+    clocks = list({id(c): c for c in (getattr(s, "clock", None) for s in stages) if c is not None}.values())
+    if not clocks:
+        yield
+        return
+    with clocks[0].span():
+        for c in clocks:
+            c.off = True
+        try:
+            yield
+        finally:
+            for c in clocks:
+                c.off = False
 
 
 def _run_side(exchange: _Exchange, side: str, body, errors: list) -> None:
