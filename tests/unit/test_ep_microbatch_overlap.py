@@ -11,13 +11,13 @@ of the parent process (tools/mutants.py) reaches the ranks."""
 from __future__ import annotations
 
 import functools
+import threading
 
 import pytest
 from test_parallel_pieces import _harness, run_forked
 
 from k3train.distributed import comm
-
-pytestmark = pytest.mark.slow
+from k3train.parallel.microbatch_overlap import Baton
 
 H = _harness()
 OVERLAP = {"pp": 2, "vpp": 2, "dp": 2, "ep": 2, "microbatches": 4, "schedule": "dualpipev", "ep_overlap": "microbatch"}
@@ -42,6 +42,7 @@ def run(policy: str, tmp_path, monkeypatch) -> list[dict]:
     return _RUNS[policy]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", LAYOUTS)
 def test_overlapped_microbatches_train_like_one_process(tmp_path, monkeypatch, policy):
     layout = LAYOUTS[policy]
@@ -80,6 +81,7 @@ def hidden_all_to_alls(action: list[tuple]) -> list[tuple]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", LAYOUTS)
 def test_trace_shows_each_side_hiding_the_others_all_to_all(tmp_path, monkeypatch, policy):
     recs = run(policy, tmp_path, monkeypatch)
@@ -103,6 +105,7 @@ def test_trace_shows_each_side_hiding_the_others_all_to_all(tmp_path, monkeypatc
                         assert not open_, (rank, side, act)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", LAYOUTS)
 def test_ep_ranks_issue_the_same_collectives_in_the_same_order(tmp_path, monkeypatch, policy):
     recs = run(policy, tmp_path, monkeypatch)
@@ -116,3 +119,22 @@ def test_ep_ranks_issue_the_same_collectives_in_the_same_order(tmp_path, monkeyp
     for a, b in ((0, 1), (2, 3)):
         assert collectives(recs[a]) == collectives(recs[b])
         assert any(w.startswith("ep/all_to_all") for *_, w in collectives(recs[a]))
+
+
+def test_baton_alternates_and_a_finished_side_keeps_it_away():
+    baton, log, handed = Baton(), [], {"F": [], "B": []}
+
+    def side(name: str, steps: int) -> None:
+        baton.take(name)
+        for i in range(steps):
+            log.append(f"{name}{i}")
+            handed[name].append(baton.hand_over(name))
+        baton.finish(name)
+
+    t = threading.Thread(target=side, args=("F", 3))
+    t.start()
+    side("B", 5)
+    t.join()
+    # F starts and the sides alternate at each hand-over; once F is done, B's hand-overs return at once (False).
+    assert log == ["F0", "B0", "F1", "B1", "F2", "B2", "B3", "B4"]
+    assert handed == {"F": [True] * 3, "B": [True] * 3 + [False] * 2}
