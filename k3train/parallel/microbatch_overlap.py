@@ -24,7 +24,8 @@ detail) with events "start", "issue" (an asynchronous collective launched: detai
 blocking one), "hand" (the side reached a wait and handed over the baton: detail what it waits for), "wait" (it has
 the baton back and waits on its handle), "end".
 
-On a GPU each side's kernels go to the same compute stream; what overlaps there is the collective (on its own
+The forward side's thread starts with the caller's counting scopes, grad mode, CUDA device and stream. On a GPU
+each side's kernels go to the same compute stream; what overlaps there is the collective (on its own
 stream) with the other micro-batch's kernels. Memory: nothing is added; the two micro-batches' activations are
 those DualPipeV holds anyway.
 """
@@ -132,11 +133,11 @@ class MicrobatchOverlap:
         loss = sched._maybe_get_loss(stages[bwd.stage_index], bwd.microbatch_index)
         exchange = _Exchange(Baton(), labels, self.trace)
         errors: list[BaseException] = []
-        scopes, grad = comm.current_scopes(), torch.is_grad_enabled()
+        state = _caller_state()
 
         def forward_side():
             exchange.forward_thread = threading.get_ident()
-            with comm.in_scopes(scopes), torch.set_grad_enabled(grad):
+            with state():
                 _run_side(exchange, "F", lambda: _forward(sched, stages, fwd, ctx), errors)
 
         with comm.observing(exchange), _timed_once([stages[fwd.stage_index], stages[bwd.stage_index]]):
@@ -148,6 +149,26 @@ class MicrobatchOverlap:
             raise errors[0]
         self.actions += 1
         self.handovers += sum(exchange.handed.values())
+
+
+def _caller_state():
+    """A context that gives a new thread the caller's thread-local state the sides depend on: the open counting
+    scopes, grad mode, and on CUDA the current device and stream (so both sides queue kernels on one stream)."""
+    scopes, grad = comm.current_scopes(), torch.is_grad_enabled()
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    device, stream = (torch.cuda.current_device(), torch.cuda.current_stream()) if cuda else (None, None)
+
+    @contextlib.contextmanager
+    def state():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(comm.in_scopes(scopes))
+            stack.enter_context(torch.set_grad_enabled(grad))
+            if cuda:
+                torch.cuda.set_device(device)
+                stack.enter_context(torch.cuda.stream(stream))
+            yield
+
+    return state
 
 
 @contextlib.contextmanager
