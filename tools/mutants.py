@@ -688,6 +688,32 @@ def _never_alone(orig):
     return float("inf")  # every Muon parameter in the packed buffers, padded to the largest owner's share
 
 
+def _mb_overlap_never_hands(orig):
+    def before_wait(self, op, dim, what):
+        pass  # each side waits on its own all-to-all at once: forward, then backward, one after the other
+
+    return before_wait
+
+
+def _mb_overlap_hands_before_issue(orig):
+    def collective(self, op, dim, what, launched):
+        if launched and dim == "ep":  # the baton goes over before the all-to-all is in flight: nothing hidden
+            self.handed[self.side()] += self.baton.hand_over(self.side())
+        orig(self, op, dim, what, launched)
+
+    return collective
+
+
+def _mb_overlap_timed_per_side(orig):
+    import contextlib
+
+    @contextlib.contextmanager
+    def timed_per_side(stages):
+        yield  # each side's spans count, also while it waits for the baton: the action's time counted twice
+
+    return timed_per_side
+
+
 def _never_poisoned(orig):
     return lambda: False
 
@@ -1283,6 +1309,7 @@ EP = "tests/unit/test_ep_local.py"
 MOONEP = "tests/unit/test_moonep_planner.py"
 PIECES = "tests/unit/test_parallel_pieces.py"
 OVERLAP = "tests/unit/test_ep_overlap.py"
+MB_OVERLAP = "tests/unit/test_ep_microbatch_overlap.py"
 GAPS = "tests/unit/test_mutant_gaps.py"
 ENGINE = "tests/unit/test_engine.py"
 PREC = "tests/unit/test_precision.py"
@@ -1714,6 +1741,27 @@ MUTATIONS: list[Mutation] = [
         "the shared experts run after the routed block instead of while its all-to-alls are in flight",
         _overlap_skipped,
         (f"{OVERLAP}::test_overlapped_layer_equals_one_process_and_hides_the_shared_experts",),
+    ),
+    M(
+        "ep_mb_overlap_never_hands",
+        "k3train.parallel.microbatch_overlap:_Exchange.before_wait",
+        "parallel.ep_overlap=microbatch: a side waits on its all-to-all without handing the baton to the other",
+        _mb_overlap_never_hands,
+        (f"{MB_OVERLAP}::test_trace_shows_each_side_hiding_the_others_all_to_all[keep]",),
+    ),
+    M(
+        "ep_mb_overlap_hands_before_issue",
+        "k3train.parallel.microbatch_overlap:_Exchange.collective",
+        "parallel.ep_overlap=microbatch: the baton is handed over before the all-to-all is issued, not at its wait",
+        _mb_overlap_hands_before_issue,
+        (f"{MB_OVERLAP}::test_trace_shows_each_side_hiding_the_others_all_to_all[keep]",),
+    ),
+    M(
+        "ep_mb_overlap_busy_twice",
+        "k3train.parallel.microbatch_overlap:_timed_once",
+        "parallel.ep_overlap=microbatch: both sides' busy spans count, each covering the other's compute",
+        _mb_overlap_timed_per_side,
+        (f"{MB_OVERLAP}::test_overlapped_microbatches_train_like_one_process[keep]",),
     ),
     M(
         "ep_poison_never",

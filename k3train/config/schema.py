@@ -61,6 +61,10 @@ class ParallelConfig:
     ep_dispatcher: str = "alltoall"
     """Token dispatcher under expert parallelism (ep > 1): alltoall (experts run at home) or moonep (per-step
     balanced redundant experts)."""
+    ep_overlap: str = "layer"
+    """What an expert all-to-all overlaps under ep > 1: layer (the shared experts of its own MoE layer) or
+    microbatch (also, inside DualPipeV's overlapped forward-backward actions, the compute of the other micro-batch;
+    needs pp > 1 and parallel.schedule=dualpipev)."""
     cp_layout: str = "zigzag"
     """How each row is split over the cp ranks: zigzag (2*cp pieces, rank r holds pieces r and 2*cp-1-r, so causal
     attention work is even) or contiguous (cp pieces). seq_len must be a multiple of pieces x KDA chunk."""

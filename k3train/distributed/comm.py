@@ -24,6 +24,10 @@ A counter keeps calls, payload and wire per (dim, op, what); its snapshot and ta
 
 Traffic that torch's pipeline schedules issue themselves is counted by the pipeline stage through `record`.
 
+Observer. `observing(obs)` hands every collective to `obs.collective(op, dim, what, launched)` as it is issued and
+every `wait` to `obs.before_wait(op, dim, what)` before it blocks (k3train.parallel.microbatch_overlap: the other
+micro-batch computes while this one's all-to-all is in flight). Nothing is observed outside it.
+
 In flight. Each wrapper names the collective it is inside (`in_flight()`: "all_reduce over dp_cp (counts)") until
 it returns; one that raises (a timeout, a peer gone) leaves its name behind, so the error can say which collective
 the rank was waiting in.
@@ -130,6 +134,20 @@ def record(dim: str, op: str, payload: int, wire: float | None = None, *, what: 
         c.record(dim, op, payload, payload if wire is None else wire, what)
 
 
+_observer = None
+
+
+@contextmanager
+def observing(obs):
+    """Hand every collective and every wait of any thread to `obs` for the duration (see the module docstring)."""
+    global _observer
+    prev, _observer = _observer, obs
+    try:
+        yield obs
+    finally:
+        _observer = prev
+
+
 _in_flight: str | None = None
 
 
@@ -166,6 +184,8 @@ def _collective(name, group, dim, what, call, count, *, alone=None, launch=False
         if alone is not None:
             alone()
         return None
+    if _observer is not None:
+        _observer.collective(name, dim, what, launch)
     if not launch:
         _enter(name, dim, what)
     result = call()
@@ -214,6 +234,8 @@ def wait(work, op: str, dim: str, *, what: str | None = None) -> None:
     would."""
     if work is None:
         return
+    if _observer is not None:
+        _observer.before_wait(op, dim, what)
     _enter(op, dim, what)
     work.wait()
     _leave()

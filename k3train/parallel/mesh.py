@@ -34,6 +34,12 @@ SCHEDULES: dict[str, tuple[str, str, str]] = {
 }
 EP_DISPATCHERS = ("alltoall", "moonep")
 """Token dispatchers under expert parallelism (k3train.parallel.expert_parallel)."""
+EP_OVERLAPS = ("layer", "microbatch")
+"""What an expert all-to-all overlaps under ep > 1: layer (the shared experts of its own layer, always) or
+microbatch (also the other micro-batch of the pipeline schedule's overlapped forward-backward actions:
+k3train.parallel.microbatch_overlap)."""
+OVERLAP_SCHEDULES = ("dualpipev",)
+"""Schedules whose torch runtime emits OVERLAP_F_B actions (one micro-batch's forward beside another's backward)."""
 VISION_PLACEMENTS = ("stage", "bubbles")
 """Where the vision tower's work runs under pipeline parallelism (k3train.parallel.vision_schedule)."""
 BUBBLE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
@@ -50,6 +56,7 @@ _DEGREES = {"pp": "pp", "vpp": "vpp", "dp": "dp", "cp": "cp", "ep": "ep", "zero"
 _CHOICES = {
     "schedule": ("schedule", tuple(SCHEDULES)),
     "ep_dispatcher": ("dispatcher", EP_DISPATCHERS),
+    "ep_overlap": ("EP overlap", EP_OVERLAPS),
     "cp_layout": ("context-parallel layout", CP_LAYOUTS),
     "vision_placement": ("placement", VISION_PLACEMENTS),
 }
@@ -88,6 +95,9 @@ class ParallelDims:
     ep_dispatcher: str = "alltoall"
     """Token dispatcher under expert parallelism: alltoall (experts run at home) or moonep (balanced redundant
     experts)."""
+    ep_overlap: str = "layer"
+    """What an expert all-to-all overlaps: layer (its layer's shared experts) or microbatch (also the other
+    micro-batch of DualPipeV's overlapped forward-backward actions; needs ep > 1 and schedule dualpipev)."""
     cp_layout: str = "zigzag"
     """How a row is split over the cp ranks: zigzag (2*cp pieces, rank r holds r and 2*cp-1-r: even causal work)
     or contiguous (cp pieces)."""
@@ -204,6 +214,8 @@ class ParallelDims:
                 f"'bubbles' runs with schedules {list(BUBBLE_SCHEDULES)}, not {self.schedule!r} (its backward is "
                 "split into input and weight passes; use 'stage')",
             )
+        if self.ep_overlap == "microbatch":
+            self._validate_microbatch_overlap(need)
         if world_size is not None:
             need(
                 self.world == world_size,
@@ -228,6 +240,16 @@ class ParallelDims:
         if self.pp > 1:
             self._validate_schedule(need)
         return self
+
+    def _validate_microbatch_overlap(self, need) -> None:
+        what = "'microbatch' overlaps one micro-batch's expert all-to-all with another micro-batch's compute"
+        need(self.ep > 1, "ep_overlap", f"{what}; it needs expert parallelism (ep > 1), got ep={self.ep}")
+        need(
+            self.pp > 1 and self.schedule in OVERLAP_SCHEDULES,
+            "ep_overlap",
+            f"{what} in the schedule's overlapped forward-backward actions; schedule {self.schedule!r} with "
+            f"pp={self.pp} has none (use pp > 1 with schedule {' or '.join(OVERLAP_SCHEDULES)})",
+        )
 
     def _validate_schedule(self, need) -> None:
         """The micro-batch and virtual-stage rules of torch.distributed.pipelining's schedules (torch 2.13)."""

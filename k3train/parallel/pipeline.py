@@ -251,6 +251,9 @@ class BusyClock:
 
     def __init__(self, device: torch.device | None = None):
         self.cuda = device is not None and torch.device(device).type == "cuda"
+        self.off = False
+        """Set while an enclosing span times the work (k3train.parallel.microbatch_overlap: two micro-batches
+        taking turns are one span, not two overlapping ones)."""
         self.reset()
 
     def reset(self) -> None:
@@ -258,7 +261,9 @@ class BusyClock:
 
     @contextlib.contextmanager
     def span(self):
-        if self.cuda:
+        if self.off:
+            yield
+        elif self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             try:
@@ -454,6 +459,13 @@ class Pipeline:
         self._key = None
         self.stages: list = []
         self.schedule = None
+        self.overlap = None
+        """parallel.ep_overlap=microbatch: the k3train.parallel.microbatch_overlap.MicrobatchOverlap that runs the
+        schedule's OVERLAP_F_B actions (its `trace`, when set, records them)."""
+        if dims.ep_overlap == "microbatch":
+            from k3train.parallel.microbatch_overlap import MicrobatchOverlap
+
+            self.overlap = MicrobatchOverlap()
         self.has_first_stage, self.has_last_stage = 0 in modules, dims.n_stages - 1 in modules
 
     def _example(self, stage: int, mb: int, T: int, *, output: bool):
@@ -488,6 +500,8 @@ class Pipeline:
             st._init_k3(self.grad_reducer, self.vision_feed)
             self.stages.append(st)
         self.schedule = build_schedule(self.dims, self.stages, self.loss_fn)
+        if self.overlap is not None:
+            self.overlap.install(self.schedule)
         self._key = key
 
     def step(

@@ -284,6 +284,9 @@ class Layout:
     vision: bool = False
     """The tiny K3 with its tiny vision tower, on image-text rows (add_images)."""
     vision_placement: str = "stage"
+    ep_overlap: str = "layer"
+    record_overlap_trace: bool = False
+    """Keep the last step's trace of the overlapped forward-backward actions (parallel.ep_overlap=microbatch)."""
     record_vision_log: bool = False
     """Keep the first pipeline rank's log of compute and vision actions of the last step."""
     float8: str = "none"
@@ -315,6 +318,7 @@ class Layout:
             microbatches=self.microbatches,
             schedule=self.schedule,
             vision_placement=self.vision_placement,
+            ep_overlap=self.ep_overlap,
         )
 
 
@@ -367,7 +371,12 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
             dp_rank=dp_rank,
             microbatches=dims.microbatches,
         )
+        overlap = engine.pipeline.overlap if engine.pipeline is not None else None
+        if layout.record_overlap_trace and overlap is not None:
+            overlap.trace = []
         out = engine.train_step(mbs)
+        if overlap is not None:
+            rec["overlap_trace"], rec["overlap_actions"] = overlap.trace, overlap.actions
         feed = engine.pipeline.vision_feed if engine.pipeline is not None else None
         if layout.record_vision_log and feed is not None:
             rec["vision_log"] = list(feed.log)

@@ -82,6 +82,11 @@ REASONS: dict[str, str] = {
     "logging.wandb_project": OUTPUTS_ONLY + " (where W&B logs)",
     "logging.wandb_mode": OUTPUTS_ONLY + " (W&B online or offline)",
     "logging.peak_flops": OUTPUTS_ONLY + " (the denominator of the mfu metric)",
+    "parallel.ep_overlap": "the same math in another order (the losses of one process: tests/unit/"
+    "test_ep_microbatch_overlap.py); what it changes needs pp2 x ep2, four ranks, beyond this file's two-rank "
+    "layouts, so that test shows it: under 'microbatch' the recorded trace has each expert all-to-all of one "
+    "micro-batch issued before, and waited for after, another micro-batch's compute (tools/mutants.py "
+    "ep_mb_overlap_never_hands: the order of 'layer', each side's all-to-alls waited at once, fails it)",
     "train.eval_interval": "eval runs forward only, without gradients, in eval mode (routers neither count load "
     "nor feed their balancers): it measures training, it does not change it",
     "train.eval_steps": "how many eval micro-batches a measurement reads: eval only (see train.eval_interval)",

@@ -63,6 +63,13 @@ def test_more_stages_than_layers():
         (ParallelDims(pp=2, microbatches=4, schedule="pipedream"), "unknown schedule 'pipedream'"),
         (ParallelDims(vpp=2), "need pp > 1"),
         (ParallelDims(zero=3), "parallel.zero"),
+        (ParallelDims(dp=2, ep=2, ep_overlap="microbatch"), "with pp=1 has none"),
+        (ParallelDims(pp=2, vpp=2, microbatches=4, ep_overlap="microbatch"), "got ep=1"),
+        (
+            ParallelDims(pp=2, vpp=2, dp=2, ep=2, microbatches=4, schedule="zbv", ep_overlap="microbatch"),
+            "schedule 'zbv' with pp=2 has none",
+        ),
+        (ParallelDims(pp=2, dp=2, ep=2, microbatches=4, ep_overlap="stream"), "unknown EP overlap 'stream'"),
     ],
 )
 def test_schedule_rules(dims, needle):
@@ -75,6 +82,7 @@ def test_valid_layouts_pass():
         ParallelDims(pp=4, microbatches=4, schedule="1f1b"),
         ParallelDims(pp=2, vpp=2, dp=4, ep=4, zero=2, microbatches=2, schedule="zbv"),
         ParallelDims(pp=4, vpp=2, microbatches=8, schedule="dualpipev"),
+        ParallelDims(pp=2, vpp=2, dp=2, ep=2, microbatches=4, schedule="dualpipev", ep_overlap="microbatch"),
         ParallelDims(pp=4, microbatches=3, schedule="interleaved_1f1b"),
     ):  # torch's flexible rounds
         d.validate(world_size=d.world, model_args=TINY)

@@ -37,11 +37,11 @@ def _harness():
     return sys.modules["harness"]
 
 
-def _child(fn, rank: int, port: int, out: Path) -> None:
+def _child(fn, rank: int, port: int, out: Path, world: int) -> None:
     try:
         torch.set_num_threads(1)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
         result = fn(rank)
         dist.barrier()
         dist.destroy_process_group()
@@ -52,11 +52,11 @@ def _child(fn, rank: int, port: int, out: Path) -> None:
     os._exit(0)
 
 
-def run_forked(fn, out: Path) -> list:
-    """fn(rank) on WORLD forked processes with a gloo group up; returns each rank's result."""
+def run_forked(fn, out: Path, world: int = WORLD) -> list:
+    """fn(rank) on `world` forked processes with a gloo group up; returns each rank's result."""
     ctx = multiprocessing.get_context("fork")
     port = _harness().free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, port, out)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_child, args=(fn, r, port, out, world)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -65,11 +65,11 @@ def run_forked(fn, out: Path) -> list:
     for p in hung:
         p.kill()
         p.join()
-    errors = [(out / f"rank{r}.err").read_text() for r in range(WORLD) if (out / f"rank{r}.err").exists()]
+    errors = [(out / f"rank{r}.err").read_text() for r in range(world) if (out / f"rank{r}.err").exists()]
     assert not errors, "\n".join(errors)
     assert not hung, f"workers still running after {TIMEOUT_S} s"
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
