@@ -84,10 +84,11 @@ class Engine:
     zero: ShardedOptimizer
     cp_plan: object = None
     activation_handles: list = field(default_factory=list)
-    fused_backward_stages: frozenset = frozenset()
-    """Stages whose parts hold recomputed regions: under split backward they run input and weight gradients in one
-    pass (see k3train.parallel.pipeline: a recomputed region would otherwise rerun once per autograd call)."""
     """One per model part with activation-storage policies (stats(), remove())."""
+    fused_backward_stages: frozenset = frozenset()
+    """Stages whose split backward runs input and weight gradients in one pass (k3train.parallel.pipeline): parts
+    that hold recomputed regions (a region would rerun once per autograd call) or MoonEP dispatchers (one collective
+    carries several parameter groups' gradients)."""
     boundary_dtype: torch.dtype = torch.float32
     """What crosses a pipeline boundary (bf16 under train.precision=bf16)."""
 
@@ -515,7 +516,7 @@ def build_engine(
         compile=compile,
         compile_backend=compile_backend,
     )
-    parts, handles, recomputing = _build_parts(model_args, stage_layers, stage_ids, setup, param_dtype)
+    parts, handles, fused = _build_parts(model_args, stage_layers, stage_ids, setup, param_dtype)
     return Engine(
         args=model_args,
         dims=dims,
@@ -529,7 +530,7 @@ def build_engine(
         zero=_build_optimizer(parts, dims, mesh, optim_cfg, bucket_numel, precision),
         cp_plan=_build_cp(parts, dims, mesh, seq_len_hint),
         activation_handles=handles,
-        fused_backward_stages=frozenset(recomputing),
+        fused_backward_stages=frozenset(fused),
     )
 
 
@@ -545,12 +546,13 @@ def _build_cp(parts, dims, mesh, seq_len: int):
 def _build_parts(model_args, stage_layers, stage_ids, setup, param_dtype) -> tuple[list, list]:
     """This rank's stage parts, each built on the meta device and parallelized (parallelize_part); initialised in
     fp32 (the same values in every layout), then stored in the parameter dtype. Returns (parts, activation
-    handles, the stage ids whose parts hold recomputed regions)."""
+    handles, the stage ids whose split backward runs fused: parts that hold recomputed regions, or dispatchers whose
+    weights' gradients share one collective)."""
     from k3train.parallel.parallelize import parallelize_part
     from k3train.parallel.pipeline import stage_part_on_meta
 
     n = len(stage_layers)
-    parts, handles, recomputing = [], [], []
+    parts, handles, fused = [], [], []
     for s in stage_ids:
         part, handle = parallelize_part(
             stage_part_on_meta(model_args, stage_layers[s], first=s == 0, last=s == n - 1), setup
@@ -560,8 +562,11 @@ def _build_parts(model_args, stage_layers, stage_ids, setup, param_dtype) -> tup
                 p.data = p.data.to(param_dtype)
         parts.append(part)
         handles += [handle] if handle is not None else []
-        recomputing += [s] if handle is not None and handle.recomputes else []
-    return parts, handles, recomputing
+        shared = any(
+            getattr(getattr(m, "dispatcher", None), "weight_grads_share_a_collective", False) for m in part.modules()
+        )
+        fused += [s] if shared or (handle is not None and handle.recomputes) else []
+    return parts, handles, fused
 
 
 def _build_optimizer(parts, dims, mesh, optim_cfg, bucket_numel: int, precision: str) -> ShardedOptimizer:

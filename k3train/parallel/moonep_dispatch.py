@@ -153,6 +153,11 @@ class MoonEPDispatcher(EPDispatcher):
     backward needs nothing but that call's own arguments (no communication is repeated).
     """
 
+    weight_grads_share_a_collective = True
+    """w1, w3 and w2 of the hosted experts travel in one all-to-all, whose backward carries all three gradients home:
+    a split backward's weight pass, one autograd call per parameter group, would run (and free) it once per group,
+    so a stage holding this dispatcher runs its split backward fused (k3train.parallel.engine)."""
+
     def __init__(
         self, group, ep_rank: int, ep_size: int, experts: EPGroupedExperts, *, tokens_per_rank: int | None = None
     ):

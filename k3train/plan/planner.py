@@ -337,14 +337,15 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
         cp_buf = max(latent) * lat
     boundary = sources_after(args, layers[-1]) * tokens * args.dim * ab if s < n - 1 else 0.0  # the send buffer
     send = boundary / x.bandwidth(2, dims.dp_cp)
-    # Any recomputed region (the K3 defaults checkpoint the AttnRes mixers) fuses a split backward (StageCost)
+    # Any recomputed region (the K3 defaults checkpoint the AttnRes mixers) or MoonEP's shared weight all-to-all fuses
+    # a split backward (StageCost; k3train.parallel.engine)
     cost = StageCost(
         fwd + ep["fwd"] + cpt / 2,
         bwd + ep["bwd"] + cpt / 2,
         act,
         *x.state.stage_grad_bytes(s),
         send_s=send,
-        fused_backward=x.pplan.k3_defaults,
+        fused_backward=x.pplan.k3_defaults or (G > 0 and dims.ep_dispatcher == "moonep" and n_moe > 0),
     )
     bufs = {"pp": boundary, "ep": ep_buf, "cp": cp_buf, "work": work_bytes, "host": host}
     by_class |= {"ep_all_to_all": a2a, "cp": cpt, "host_copies": waits}
