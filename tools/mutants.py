@@ -66,6 +66,8 @@ ENV = "K3_MUTANT"
 REPORT_ENV = "K3_MUTANT_REPORT"
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 240
+CONTROL_TIMEOUT_S = 900
+"""The control runs every entry's tests in one pytest run (on a loaded machine several minutes)."""
 
 
 @dataclass(frozen=True)
@@ -2430,6 +2432,10 @@ class Job:
     pid: int = 0
     started: float = 0.0
 
+    @property
+    def timeout_s(self) -> float:
+        return TIMEOUT_S if self.mutation else CONTROL_TIMEOUT_S
+
 
 def _preload() -> None:
     """Import the heavy third-party libraries once; every pytest run is a fork of this process, so each run starts
@@ -2504,7 +2510,7 @@ def _outcome(job: Job, rc: int | None, seconds: float) -> Outcome:
         (line.split("> ", 1)[-1].strip() for line in reversed(lines) if "Error" in line), lines[-1] if lines else ""
     )
     if rc is None:
-        return Outcome("error", seconds, f"timed out after {TIMEOUT_S} s")
+        return Outcome("error", seconds, f"timed out after {job.timeout_s:.0f} s")
     if job.mutation and info.get("applied") != job.mutation:
         return Outcome("error", seconds, f"mutation not applied: {tail}")
     if rc not in (0, 1):
@@ -2537,7 +2543,7 @@ def run_jobs(jobs: list[Job], parallel: int) -> dict[str, Outcome]:
         for job in list(running):
             pid, status = os.waitpid(job.pid, os.WNOHANG)
             elapsed = time.perf_counter() - job.started
-            if pid == 0 and elapsed < TIMEOUT_S:
+            if pid == 0 and elapsed < job.timeout_s:
                 continue
             if pid == 0:  # timed out: end the run's whole process group
                 try:

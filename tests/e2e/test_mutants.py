@@ -24,13 +24,13 @@ def test_every_mutation_is_killed():
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=2400,
     )
     lines = r.stdout.strip().splitlines()
     assert lines, f"no output (exit code {r.returncode}):\n{r.stderr[-3000:]}"
     summary = json.loads(lines[-1])
     assert summary["total"] >= 30
     assert summary["killed"] == summary["total"], f"mutations not killed: {summary['survivors']}\n" + "\n".join(
-        lines[-summary["total"] - 4 :]
+        lines[-summary["total"] - 6 :]
     )
     assert r.returncode == 0, r.stderr[-3000:]
