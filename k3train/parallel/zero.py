@@ -509,9 +509,12 @@ class ShardGroup:
     # ---- memory facts -------------------------------------------------------------------------------------------
     def grad_bytes(self) -> int:
         """Bytes of gradients this rank holds now (full gradients, reduce-scattered chunks, owned Muon matrices)."""
+        return _storage_bytes(self.grad_tensors())
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The gradients this rank holds now (full gradients, reduce-scattered chunks, owned Muon matrices)."""
         tensors = list(self.shard_grads.values()) + list(self.muon_owned.values())
-        tensors += [g for it in self.items for g in (it.param.grad, it.grad32) if g is not None]
-        return _storage_bytes(tensors)
+        return tensors + [g for it in self.items for g in (it.param.grad, it.grad32) if g is not None]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

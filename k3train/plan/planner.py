@@ -7,8 +7,10 @@ Memory per pipeline rank (its stages and virtual stages), the worst data-paralle
 group holds the largest ZeRO chunks):
 - training state (k3train.plan.state_memory, exact): parameters, gradients, master weights, optimizer states;
 - saved activations (k3train.plan.activations) of every micro-batch in flight, at the peak of the schedule's own
-  timeline (k3train.plan.schedule_sim), with the stage's full gradient live from its first backward on; the
-  received AttnRes sources each in-flight micro-batch holds, and the send buffer of one micro-batch;
+  timeline (k3train.plan.schedule_sim), with the stage's full gradient live from its first backward on;
+- the pipeline boundary tensors over the same timeline (pipeline_boundaries): the receive buffers of every
+  micro-batch, the stage outputs until their backward (or the step's end where the schedule holds its sends) and
+  the received inputs' gradients;
 - the workspace of the stage's most expensive layer in backward (k3train.plan.activations.stage_bytes):
   a recomputed layer's rebuilt activations, Gated MLA's [T, T] softmax gradient;
 - offloaded activations in host memory, over the same timeline (a separate figure, checked against the host memory
@@ -62,7 +64,8 @@ class RankPlan:
     layers: list[list[int]]
     state: dict[str, int]  # params, grads, master, optim (at the measurement point: after the reduction)
     by_kind: dict[str, float]
-    """Peak bytes by kind: params, master, optim, grads, activations, pp_buffers (the boundary send buffer),
+    """Peak bytes by kind: params, master, optim, grads, activations, pp_buffers (the pipeline boundary tensors:
+    receive buffers, outputs and received inputs' gradients, at their peak over the schedule's timeline),
     ep_buffers, cp_buffers and workspace."""
     host: float = 0.0
     """Peak bytes of offloaded activations in host memory (not part of the device total)."""
@@ -302,8 +305,6 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
     kw = dict(first=s == 0, last=s == n - 1, tokens=tokens, rows=x.mb, seq_len=x.seq, plan=x.pplan, act_bytes=ab)
     act, work_bytes = stage_bytes(args, layers, **kw)
     host = stage_bytes(args, layers, **{**kw, "plan": x.pplan.offload_kept()})[0] - act  # offloaded bytes
-    if s > 0:  # the received sources a micro-batch holds until its backward
-        act += sources_after(args, layers[0] - 1) * tokens * args.dim * ab
     G = args.n_experts // dims.ep if dims.ep > 1 else 0
     expert_numel = 3 * args.moe_latent_dim * args.expert_hidden
     if dims.ep > 1 and dims.ep_dispatcher == "moonep":  # hosted experts' weights are saved for backward
@@ -337,6 +338,7 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
         cp_buf = max(latent) * lat
     boundary = sources_after(args, layers[-1]) * tokens * args.dim * ab if s < n - 1 else 0.0  # the send buffer
     send = boundary / x.bandwidth(2, dims.dp_cp)
+    pp = pipeline_boundaries(x, s)
     # Any recomputed region (the K3 defaults checkpoint the AttnRes mixers) fuses a split backward (StageCost)
     cost = StageCost(
         fwd + ep["fwd"] + cpt / 2,
@@ -345,6 +347,7 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
         *x.state.stage_grad_bytes(s),
         send_s=send,
         fused_backward=x.pplan.k3_defaults,
+        **pp,
     )
     bufs = {"pp": boundary, "ep": ep_buf, "cp": cp_buf, "work": work_bytes, "host": host}
     by_class |= {"ep_all_to_all": a2a, "cp": cpt, "host_copies": waits}
@@ -353,6 +356,30 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
     extra["a2a_recompute_passes"] = passes - sum(4 for i in layers if args.ffn_kind(i) == "moe")
     figures = {"ep_in_stages": a2a, "ep_total": ep["total"], "cp_in_stages": cpt}
     return cost, bufs, figures | {"by_class": by_class, "policy": extra}
+
+
+def pipeline_boundaries(x: _Inputs, s: int) -> dict:
+    """Stage s's boundary tensors as StageCost fields (k3train.plan.schedule_sim): its output of one micro-batch
+    (the AttnRes sources after its last layer, [S, B, T, D]) and whether the schedule holds it to the step's end
+    (a multi-stage schedule sending to another rank), the gradient of one received input, and the receive buffers
+    torch's PipelineStage makes for every micro-batch of the step (inputs from, and output gradients of, stages on
+    other ranks)."""
+    from k3train.parallel.mesh import stage_to_rank
+
+    args, n, m = x.args, x.dims.n_stages, x.dims.microbatches
+    where = stage_to_rank(x.dims)
+    one = x.tokens * args.dim * x.act_bytes
+    layers = x.stage_layers[s]
+    out = sources_after(args, layers[-1]) * one if s < n - 1 else 0.0
+    into = sources_after(args, layers[0] - 1) * one if s > 0 else 0.0
+    remote_next = s < n - 1 and where[s + 1] != where[s]
+    remote_prev = s > 0 and where[s - 1] != where[s]
+    return {
+        "out_bytes": out,
+        "out_held": remote_next and x.dims.placement != "single",
+        "in_grad_bytes": into,
+        "recv_bytes": m * (into * remote_prev + out * remote_next),
+    }
 
 
 def _whole_rerun(plan, i: int) -> bool:
@@ -404,7 +431,7 @@ def _rank_plan(x: _Inputs, r: int, stages: list, timeline, host_timeline) -> Ran
         "optim": st.optim,
         "grads": max(peak["gradients"], st.grads),
         "activations": peak["activations"],
-        "pp_buffers": buf["pp"],
+        "pp_buffers": peak["pp_peak"],
         "ep_buffers": buf["ep"],
         "cp_buffers": buf["cp"],
         "workspace": buf["work"],
@@ -455,7 +482,15 @@ def plan_run(
     host_timeline = None  # offloaded activations live in host memory over the same timeline
     if any(b["host"] for _, b, _ in stages):
         host_costs = {
-            s: replace(c, act_bytes=stages[s][1]["host"], grad_bytes=0.0, grad_shard_bytes=0.0)
+            s: replace(
+                c,
+                act_bytes=stages[s][1]["host"],
+                grad_bytes=0.0,
+                grad_shard_bytes=0.0,
+                out_bytes=0.0,
+                in_grad_bytes=0.0,
+                recv_bytes=0.0,
+            )
             for s, c in costs.items()
         }
         host_timeline = simulate(dims, host_costs, zero=dims.zero)
