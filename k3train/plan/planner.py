@@ -378,6 +378,7 @@ def pipeline_boundaries(x: _Inputs, s: int) -> dict:
         "out_bytes": out,
         "out_held": remote_next and x.dims.placement != "single",
         "in_grad_bytes": into,
+        "sends_held": x.dims.placement != "single",
         "recv_bytes": m * (into * remote_prev + out * remote_next),
     }
 
@@ -429,7 +430,7 @@ def _rank_plan(x: _Inputs, r: int, stages: list, timeline, host_timeline) -> Ran
         "params": st.params,
         "master": st.master,
         "optim": st.optim,
-        "grads": max(peak["gradients"], st.grads),
+        "grads": max(peak["gradients"], st.grads) + x.state.reduction_copy_bytes(r),
         "activations": peak["activations"],
         "pp_buffers": peak["pp_peak"],
         "ep_buffers": buf["ep"],
@@ -489,6 +490,7 @@ def plan_run(
                 grad_shard_bytes=0.0,
                 out_bytes=0.0,
                 in_grad_bytes=0.0,
+                sends_held=False,
                 recv_bytes=0.0,
             )
             for s, c in costs.items()

@@ -13,8 +13,9 @@ Pipeline boundary tensors follow it too (torch.distributed.pipelining's Pipeline
 receive buffers, of its input and of its output's gradient, one per micro-batch of the step, exist from the step's
 start (`recv_bytes`); its output lives from its forward to its backward (the stage's forward cache), and to the end
 of the step where a multi-stage schedule sends it to another rank (those schedules wait for their sends when the
-step ends: `out_held`); the gradient of its received input stays on the receive buffer (a leaf's .grad) from its
-backward to the next step.
+step ends: `out_held`); the gradient of its received input, sent back, lives to the step's end under a multi-stage
+schedule and until the next backward's send under a single-stage one (which waits for each send at its next
+exchange).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class StageCost:
     """The output is sent by a multi-stage schedule, which keeps it until the step ends."""
     in_grad_bytes: float = 0.0
     """The gradient of one micro-batch's received input (0 on the first stage)."""
+    sends_held: bool = False
+    """A multi-stage schedule: it waits for its sends when the step ends, so what it sends lives until then."""
     recv_bytes: float = 0.0
     """The receive buffers of the whole step (every micro-batch's input and output gradient)."""
 
@@ -81,6 +84,7 @@ def simulate(dims: ParallelDims, costs: dict[int, StageCost], *, zero: int) -> T
         live_act, live_pp, pp_peak = 0.0, static, static
         best, best_parts = 0.0, {"activations": 0.0, "gradients": 0.0, "pp_buffers": static}
         grads: dict[int, float] = {}
+        sent_back: dict[int, float] = {}  # single-stage schedules: the last input gradient sent, per stage
         backward_left = Counter(a.stage for a in orders[r] if a.kind in ("B", "W"))
         for _, _, a in sorted(evs, key=lambda e: e[0]):
             c = costs[a.stage]
@@ -89,7 +93,7 @@ def simulate(dims: ParallelDims, costs: dict[int, StageCost], *, zero: int) -> T
                 live_pp += c.out_bytes
             elif a.kind in ("B", "W") or (a.kind == "I" and c.fused_backward):  # from the first backward on
                 grads.setdefault(a.stage, c.grad_bytes)
-            if a.kind in ("B", "I"):  # the input's gradient, on its receive buffer until the next step
+            if a.kind in ("B", "I"):  # the input's gradient, sent back
                 live_pp += c.in_grad_bytes
             pp_peak = max(pp_peak, live_pp)
             total = live_act + sum(grads.values()) + live_pp
@@ -100,6 +104,9 @@ def simulate(dims: ParallelDims, costs: dict[int, StageCost], *, zero: int) -> T
             live_act -= c.act_bytes * freed(a, c)
             if a.kind in ("B", "I") and not c.out_held:  # the forward cache lets the output go
                 live_pp -= c.out_bytes
+            if a.kind in ("B", "I") and not c.sends_held:  # the previous input gradient's send is waited for
+                live_pp -= sent_back.get(a.stage, 0.0)
+                sent_back[a.stage] = c.in_grad_bytes
             if a.kind in ("B", "W"):
                 backward_left[a.stage] -= 1
                 if backward_left[a.stage] == 0 and zero == 2:

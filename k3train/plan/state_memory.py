@@ -33,7 +33,7 @@ from k3train.optim.build import param_kinds
 from k3train.optim.sharding import ShardingPlan
 from k3train.parallel.mesh import ParallelDims, stages_of_rank
 from k3train.parallel.pipeline import stage_part_on_meta
-from k3train.parallel.zero import ELEMENT_BYTES
+from k3train.parallel.zero import ELEMENT_BYTES, bucket_groups
 
 
 @dataclass
@@ -150,6 +150,24 @@ class StateModel:
             out.optim += mine * s_elem
             out.master += mine * m_elem
         return out
+
+    def reduction_copy_bytes(self, pp_rank: int) -> int:
+        """The gradient reduction's transient on the rank: it flattens a bucket's gradients into one buffer beside
+        them (k3train.parallel.zero, bucket_groups over each group's parameters in reverse model order, Muon
+        matrices and the rest apart) before they become views of it; the largest bucket of a group that reduces
+        over more than one rank."""
+        dims, g_elem = self.dims, ELEMENT_BYTES[self.precision]["grad"]
+        plan = self.sharding_plan(stages_of_rank(dims, pp_rank))
+        sizes, best = {"dense": dims.dp_cp, "expert": dims.edp}, 0
+        for group, n in sizes.items():
+            for muon in (False, True):
+                numels = [
+                    ps.numel
+                    for ps in reversed(plan.params)
+                    if n > 1 and ps.group == group and ps.kind != "frozen" and (ps.kind == "muon") == muon
+                ]
+                best = max([best] + [sum(numels[i] for i in g) for g in bucket_groups(numels)])
+        return best * g_elem
 
     def stage_grad_bytes(self, stage: int) -> tuple[int, int]:
         """(the stage's full gradient on a rank, what remains of it after its reduction) on dp_cp rank 0."""
