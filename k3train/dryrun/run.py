@@ -196,7 +196,7 @@ def run_rank(spec, rank: int, loads: str = "balanced") -> RankResult:
                 return step(*a, **k)
 
             engine.zero.step = counted_step
-            rec.on_call = _buffer_tagger(fake, dims, rank)
+            rec.on_call = _buffer_tagger(fake, engine)
             _tag_grads_as_made(fake, engine)
             out.start_bytes = fake.live
             fake.reset_peak()
@@ -239,21 +239,24 @@ def _tag_grads_as_made(fake: FakeCPU, engine) -> None:
                 p.register_post_accumulate_grad_hook(hook)
 
 
-def _buffer_tagger(fake: FakeCPU, dims, rank: int):
-    """on_call for the Recorder: the tensors of a point-to-point op are pipeline boundaries ("pp"), those of a
-    collective over the rank's EP or CP group that group's buffers ("ep", "cp")."""
-    c = rank_coords(dims, rank)
-    base = rank - c["dp_cp"]  # the first rank of this pipeline rank's dp x cp block
-    cp = frozenset(range(rank - c["cp"], rank - c["cp"] + dims.cp))
-    ep = frozenset(base + c["edp"] * dims.ep + e for e in range(dims.ep))
+def _buffer_tagger(fake: FakeCPU, engine):
+    """on_call for the Recorder: the tensors of a point-to-point op are pipeline boundaries ("pp"); those of the
+    expert all-to-all EP buffers ("ep"), of a collective on the CP group CP buffers ("cp"), and of one on a
+    gradient-reduction group gradients ("grads": a bucket's flat copy, a reduce-scatter's buffer). Groups are told
+    apart by name: the dp x cp, EP and CP groups may hold the same ranks."""
+    mesh, dims = engine.mesh, engine.dims
+    ep = mesh.group("ep").group_name if mesh is not None and dims.ep > 1 else None
+    cp = mesh.group("cp").group_name if mesh is not None and dims.cp > 1 else None
+    reduce = {g.group_name for g in mesh.reduce_groups.values() if g is not None} if mesh is not None else set()
 
     def on_call(call: Call, args) -> None:
-        members = frozenset(call.ranks)
         if call.peer is not None or call.op in ("send", "recv_"):
             fake.tag(args, "pp")
-        elif dims.ep > 1 and members == ep:
+        elif call.group in reduce:
+            fake.tag(args, "grads")
+        elif call.group == ep and call.op == "alltoall_base_":
             fake.tag(args, "ep")
-        elif dims.cp > 1 and members == cp:
+        elif call.group == cp:
             fake.tag(args, "cp")
 
     return on_call

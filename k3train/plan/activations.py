@@ -110,14 +110,15 @@ def layer_bytes_per_token(
                 total += _device_bytes(experts + Saved(act=args.moe_latent_dim * args.top_k), exp_policy, act_bytes)
         return total
     # Mixers checkpointed: they keep their inputs as they are (new in each layer: the partial sums before and after
-    # the attention) and save nothing else; routed experts recomputed from the routing and the latent rows.
+    # the attention) and save nothing else; routed experts recomputed from the routing and their k dispatched latent
+    # rows (k L per token: the rows the experts start from, after the exchange).
     total += 2 * args.dim * act_bytes
     total += _device_bytes(norms, layer_policy, act_bytes)
     total += _device_bytes(attn, attn_policy, act_bytes)
     total += _device_bytes(ffn_other, ffn_policy, act_bytes)
     if experts is not None:
         if exp_policy in (None, "recompute"):
-            total += args.moe_latent_dim * act_bytes + args.top_k * (8 + 4)
+            total += args.top_k * args.moe_latent_dim * act_bytes + args.top_k * (8 + 4)
         else:
             total += _device_bytes(experts, exp_policy, act_bytes)
     return total

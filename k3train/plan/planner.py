@@ -360,8 +360,8 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
 
 def pipeline_boundaries(x: _Inputs, s: int) -> dict:
     """Stage s's boundary tensors as StageCost fields (k3train.plan.schedule_sim): its output of one micro-batch
-    (the AttnRes sources after its last layer, [S, B, T, D]) and whether the schedule holds it to the step's end
-    (a multi-stage schedule sending to another rank), the gradient of one received input, and the receive buffers
+    (the AttnRes sources after its last layer, [S, B, T, D]), the gradient of one received input and whether a
+    single-stage schedule keeps it to the next backward, and the receive buffers
     torch's PipelineStage makes for every micro-batch of the step (inputs from, and output gradients of, stages on
     other ranks)."""
     from k3train.parallel.mesh import stage_to_rank
@@ -372,13 +372,12 @@ def pipeline_boundaries(x: _Inputs, s: int) -> dict:
     layers = x.stage_layers[s]
     out = sources_after(args, layers[-1]) * one if s < n - 1 else 0.0
     into = sources_after(args, layers[0] - 1) * one if s > 0 else 0.0
-    remote_next = s < n - 1 and where[s + 1] != where[s]
+    remote_next = s < n - 1 and where[s + 1] != where[s]  # a stage on the same rank is handed the tensor itself
     remote_prev = s > 0 and where[s - 1] != where[s]
     return {
         "out_bytes": out,
-        "out_held": remote_next and x.dims.placement != "single",
         "in_grad_bytes": into,
-        "sends_held": x.dims.placement != "single",
+        "keeps_last_send": x.dims.placement == "single",
         "recv_bytes": m * (into * remote_prev + out * remote_next),
     }
 
@@ -490,7 +489,6 @@ def plan_run(
                 grad_shard_bytes=0.0,
                 out_bytes=0.0,
                 in_grad_bytes=0.0,
-                sends_held=False,
                 recv_bytes=0.0,
             )
             for s, c in costs.items()

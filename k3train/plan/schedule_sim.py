@@ -11,11 +11,11 @@ REDUCE_GRAD point (its last backward) under Pipeline ZeRO-2, and to the end of t
 
 Pipeline boundary tensors follow it too (torch.distributed.pipelining's PipelineStage and schedules): a stage's
 receive buffers, of its input and of its output's gradient, one per micro-batch of the step, exist from the step's
-start (`recv_bytes`); its output lives from its forward to its backward (the stage's forward cache), and to the end
-of the step where a multi-stage schedule sends it to another rank (those schedules wait for their sends when the
-step ends: `out_held`); the gradient of its received input, sent back, lives to the step's end under a multi-stage
-schedule and until the next backward's send under a single-stage one (which waits for each send at its next
-exchange).
+start (`recv_bytes`); its output lives from its forward to its backward (the stage's forward cache); the gradient
+of its received input, sent back, lives through its backward, and under a single-stage schedule (gpipe, 1f1b) to
+the next backward, whose send replaces the ops that hold it. Multi-stage schedules keep only the sends' work
+handles until the step ends: under NCCL, which keeps a sent tensor until its work is waited for, those tensors would
+stay to the step's end (the fake backend of the dry run keeps none; not counted here).
 """
 
 from __future__ import annotations
@@ -40,12 +40,10 @@ class StageCost:
     empty (k3train.parallel.pipeline.K3PipelineStage)."""
     out_bytes: float = 0.0
     """The stage's output of one micro-batch (the boundary tensor it hands on; 0 on the last stage)."""
-    out_held: bool = False
-    """The output is sent by a multi-stage schedule, which keeps it until the step ends."""
     in_grad_bytes: float = 0.0
     """The gradient of one micro-batch's received input (0 on the first stage)."""
-    sends_held: bool = False
-    """A multi-stage schedule: it waits for its sends when the step ends, so what it sends lives until then."""
+    keeps_last_send: bool = False
+    """A single-stage schedule: the send ops of a backward's input gradient live until the next backward's."""
     recv_bytes: float = 0.0
     """The receive buffers of the whole step (every micro-batch's input and output gradient)."""
 
@@ -84,7 +82,7 @@ def simulate(dims: ParallelDims, costs: dict[int, StageCost], *, zero: int) -> T
         live_act, live_pp, pp_peak = 0.0, static, static
         best, best_parts = 0.0, {"activations": 0.0, "gradients": 0.0, "pp_buffers": static}
         grads: dict[int, float] = {}
-        sent_back: dict[int, float] = {}  # single-stage schedules: the last input gradient sent, per stage
+        sent_back: dict[int, float] = {}  # the last input gradient a single-stage schedule sent, per stage
         backward_left = Counter(a.stage for a in orders[r] if a.kind in ("B", "W"))
         for _, _, a in sorted(evs, key=lambda e: e[0]):
             c = costs[a.stage]
@@ -102,11 +100,13 @@ def simulate(dims: ParallelDims, costs: dict[int, StageCost], *, zero: int) -> T
                 best_parts = {"activations": live_act, "gradients": sum(grads.values()), "pp_buffers": live_pp}
             # a full backward frees what the forward saved; I the part only the input gradient needed, W the rest
             live_act -= c.act_bytes * freed(a, c)
-            if a.kind in ("B", "I") and not c.out_held:  # the forward cache lets the output go
+            if a.kind in ("B", "I"):  # the forward cache lets the output go; the input gradient is sent
                 live_pp -= c.out_bytes
-            if a.kind in ("B", "I") and not c.sends_held:  # the previous input gradient's send is waited for
-                live_pp -= sent_back.get(a.stage, 0.0)
-                sent_back[a.stage] = c.in_grad_bytes
+                if c.keeps_last_send:
+                    live_pp -= sent_back.get(a.stage, 0.0)
+                    sent_back[a.stage] = c.in_grad_bytes
+                else:
+                    live_pp -= c.in_grad_bytes
             if a.kind in ("B", "W"):
                 backward_left[a.stage] -= 1
                 if backward_left[a.stage] == 0 and zero == 2:
