@@ -281,6 +281,20 @@ def test_loss_workspace_declaration_is_what_its_backward_holds(tokens, vocab, di
     assert mem.by_kind["workspace"] == mem.peak  # all of it made in the backward, none saved or sent
 
 
+def test_planner_workspace_of_the_last_stage_holds_the_loss_backward():
+    """The tiny model's last stage: the chunked loss's backward (one micro-batch of 8 x 64 tokens, fp32) is its
+    largest backward transient, so it is the planner's workspace there; the first stage's is Gated MLA's tile."""
+    from k3train.models.k3.loss import loss_workspace_bytes
+    from k3train.plan.gpus import gpu_spec
+    from k3train.plan.planner import plan_run
+
+    spec = load_spec("tiny_cpu", ["parallel.pp=2", "parallel.microbatches=2", "data.seq_len=64"], world_size=2)
+    a, c = spec.model, spec.config.data
+    ranks = plan_run(spec, gpu_spec(spec.config.plan.gpu)).ranks
+    loss = loss_workspace_bytes(a.dim, a.vocab_size, c.micro_batch * c.seq_len, 4, 4)
+    assert ranks[1].by_kind["workspace"] == loss > ranks[0].by_kind["workspace"] > 0
+
+
 def test_storages_take_their_kind_from_where_they_were_made_and_their_tags():
     """FakeCPU's kinds: saved for backward in a forward (activation), made in a backward (workspace), a leaf's
     gradient tagged "grads", a tensor handed to a point-to-point op ("pp"), an EP buffer; each kind's own peak."""
