@@ -241,7 +241,8 @@ def _tag_grads_as_made(fake: FakeCPU, engine) -> None:
 
 def _buffer_tagger(fake: FakeCPU, engine, rank: int):
     """on_call for the Recorder: the tensors of a point-to-point op are pipeline boundaries ("pp"); those of a
-    collective on a gradient-reduction group gradients ("grads": a bucket's flat copy, a reduce-scatter's buffer);
+    collective on a gradient-reduction group, or of an all-reduce or reduce-scatter over the dense or expert
+    replicas, gradients ("grads": a bucket's flat copy, a reduce-scatter's buffer);
     of the expert all-to-all EP buffers ("ep"); of another collective over the CP group's ranks CP buffers ("cp").
     The reduction groups are told apart by name (the dp x cp group may hold the EP or CP group's ranks)."""
     dims, mesh = engine.dims, engine.mesh
@@ -250,12 +251,17 @@ def _buffer_tagger(fake: FakeCPU, engine, rank: int):
     base = rank - c["dp_cp"]  # the first rank of this pipeline rank's dp x cp block
     cp = frozenset(range(rank - c["cp"], rank - c["cp"] + dims.cp))
     ep = frozenset(base + c["edp"] * dims.ep + e for e in range(dims.ep))
+    replicas = {
+        frozenset(range(base, base + dims.dp_cp)),
+        frozenset(base + q * dims.ep + c["ep"] for q in range(dims.edp)),
+    }
 
     def on_call(call: Call, args) -> None:
         members = frozenset(call.ranks)
+        reduction = call.op.startswith(("allreduce", "reduce_scatter")) and members in replicas
         if call.peer is not None or call.op in ("send", "recv_"):
             fake.tag(args, "pp")
-        elif call.group in reduce:
+        elif call.group in reduce or reduction:  # Muon's owner reduce-scatter runs on the dp x cp group itself
             fake.tag(args, "grads")
         elif dims.ep > 1 and members == ep and call.op == "alltoall_base_":
             fake.tag(args, "ep")

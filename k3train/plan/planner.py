@@ -335,7 +335,7 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
         latent = [layer_mixer(args, i).cp_gather(args).token_act for i in layers]
         lat = x.mb * x.seq * ab
         cpt = 3 * sum(latent) * lat * (dims.cp - 1) / dims.cp / x.bandwidth(dims.cp, 1)
-        cp_buf = max(latent) * lat
+        cp_buf = max(cp_gather_bytes(x, i) for i in layers)
     boundary = sources_after(args, layers[-1]) * tokens * args.dim * ab if s < n - 1 else 0.0  # the send buffer
     send = boundary / x.bandwidth(2, dims.dp_cp)
     pp = pipeline_boundaries(x, s)
@@ -356,6 +356,15 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
     extra["a2a_recompute_passes"] = passes - sum(4 for i in layers if args.ffn_kind(i) == "moe")
     figures = {"ep_in_stages": a2a, "ep_total": ep["total"], "cp_in_stages": cpt}
     return cost, bufs, figures | {"by_class": by_class, "policy": extra}
+
+
+def cp_gather_bytes(x: _Inputs, layer_id: int) -> float:
+    """The CP buffers of one layer's gather (its mixer's CPGather), per micro-batch: the gathered pieces of every
+    row (its token latent over the whole row, its per-piece fp32 summaries and halos) beside the rank's own share
+    of them, the all-gather's input."""
+    g, dims = layer_mixer(x.args, layer_id).cp_gather(x.args), x.dims
+    row = g.token_act * x.seq * x.act_bytes + dims.cp_pieces * (4 * g.piece_fp32 + x.act_bytes * g.piece_act)
+    return x.mb * row * (1 + 1 / dims.cp)
 
 
 def pipeline_boundaries(x: _Inputs, s: int) -> dict:
