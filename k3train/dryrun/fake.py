@@ -105,6 +105,11 @@ class FakeCPU(FakeTensorMode):
                 ref[6] = self._clock
                 del self._refs[key]
 
+    @property
+    def clock(self) -> int:
+        """The count of storages made and freed so far (step_memory's `until`)."""
+        return self._clock
+
     def reset_peak(self) -> None:
         """Starts the step's log: peak and composition count the storages made from here on."""
         self.peak = self.live
@@ -124,13 +129,17 @@ class FakeCPU(FakeTensorMode):
         tags what unmanaged modules save (and keeps the tensor itself)."""
         return _SavedTagger(self)
 
-    def step_memory(self, top: int = 10) -> StepMemory:
-        """The log's memory over the step: its peak (bytes above what was alive at reset_peak), what is alive at
-        that moment by kind and by making op, and each kind's own peak."""
+    def step_memory(self, top: int = 10, until: int | None = None) -> StepMemory:
+        """The log's memory over the step up to clock `until` (default: now; `clock` read earlier, so that tags
+        given since still count): its peak (bytes above what was alive at reset_peak), what is alive at that moment
+        by kind and by making op, and each kind's own peak."""
+        until = self._clock if until is None else until
         events = []
         for ref in self.log or ():
+            if ref[5] > until:
+                continue
             events.append((ref[5], ref[0], ref))
-            if ref[6] is not None:
+            if ref[6] is not None and ref[6] <= until:
                 events.append((ref[6], -ref[0], ref))
         events.sort(key=lambda e: e[0])
         live, best, at = 0, 0, 0

@@ -190,10 +190,13 @@ def run_rank(spec, rank: int, loads: str = "balanced") -> RankResult:
                 marks.append(counter.get_total_flops())
                 out.flops_by_class = by_class(counter.get_flop_counts()["Global"])
                 fake.tag(_grad_tensors(engine), "grads")
-                mem = fake.step_memory()
+                marks.append(fake.clock)
+                # The step finishes the gradient reductions still queued: their buffers get their tags there
+                result = step(*a, **k)
+                mem = fake.step_memory(until=marks[1])
                 out.peak_bytes, out.peak_top = mem.peak, mem.by_op
                 out.peak_by_kind, out.kind_peaks, out.kind_ops = mem.by_kind, mem.kind_peaks, mem.kind_ops
-                return step(*a, **k)
+                return result
 
             engine.zero.step = counted_step
             rec.on_call = _buffer_tagger(fake, engine, rank)
