@@ -1,13 +1,14 @@
 """One rank's real training step at full size, on fake tensors and a fake process group.
 
     results = dry_run(spec)                 # spec: k3train.config.RunSpec of the real world and layout
-    print(format_results(results))          # per rank: state bytes and FLOPs against the planner, collectives
+    print(format_results(results))          # per rank: state bytes, FLOPs and memory by kind against the planner
     check_collectives(results)              # ConfigError naming the group, the position and both ranks' ops
 
 Each chosen rank in turn: the fake process group ("fake" backend) with the real world size and this rank, the mesh,
 the engine (k3train.parallel.engine.build_engine_for: pipeline, EP dispatch, MoonEP, CP plan, ZeRO as the trainer
 builds them) under FakeCPU (k3train.dryrun.fake), one training step of m micro-batches (default m = pp x vpp: the
-schedule's peak stops growing once every stage holds a micro-batch) and the balancers' update, then the process
+saved activations stop growing once every stage holds a micro-batch; the receive buffers torch makes per
+micro-batch grow with m) and the balancers' update, then the process
 group is destroyed. The values the step reads on the host come from the stand-in of k3train.dryrun.loads,
 through k3train.distributed.host_sync.stand_in.
 
