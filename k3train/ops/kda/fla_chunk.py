@@ -13,8 +13,6 @@ cu_seqlens on the host: one host read per call, which the k3train kernel does no
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 FLA_CHUNK = 64
@@ -23,10 +21,9 @@ FLA_CHUNK = 64
 
 def fla_kda_module():
     """fla.ops.kda, imported on first use (fla-core is an optional dependency: the `fla` extra)."""
-    mod = sys.modules.get("fla.ops.kda")
-    if mod is None:
-        import fla.ops.kda as mod  # optional: imported only when model.kernels=fla runs
-    return mod
+    import fla.ops.kda  # optional: imported only when model.kernels=fla runs
+
+    return fla.ops.kda
 
 
 def fla_unavailable() -> str:
