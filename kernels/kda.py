@@ -56,6 +56,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from k3kernels.tuning import tuning_configs
 
 from k3train.ops.kda.utils import check_inputs
 
@@ -64,12 +65,10 @@ CHUNK = 64
 
 
 def _tuning_configs() -> list[triton.Config]:
-    """num_warps x num_stages the autotuner times on CUDA, per kernel and per (H, K, V) and dtypes. One config where
-    there is nothing to time (no CUDA, or the interpreter, which would run every config): autotune then only launches
-    it."""
-    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
-        return [triton.Config({}, num_warps=4, num_stages=1)]
-    return [triton.Config({}, num_warps=w, num_stages=s) for w in (2, 4, 8) for s in (1, 2, 3)]
+    """The configurations the autotuner times (k3kernels.tuning): none to time without CUDA or under the interpreter,
+    where autotune then only launches the one it has."""
+    interpreted = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+    return tuning_configs(torch.cuda.is_available() and not interpreted)
 
 
 def _tuned(key: list[str], restore: tuple[str, ...] = ()):
@@ -760,7 +759,13 @@ def _bwd_chunks(q, k, v, g, beta, hs, do, chunks, dhs, dU, table, scale, prec):
 # ------------------------------------------------------------------------------------------------- custom ops
 # The kernels run inside two registered ops (forward, backward) with fake implementations, so torch.compile traces a
 # KDA layer through them as opaque nodes (fullgraph) and autograd reaches the backward through register_autograd.
-# Inputs are flat token views [B*T, H, D] (contiguous) and the chunk table; every output shape follows from them.
+# Inputs are flat token views [B*T, H, D] and the chunk table; every output shape follows from them. The kernels
+# index dense rows, and torch.compile may hand an op padded strides (inductor pads on GPUs), so each op makes its
+# inputs dense (free when they are) and returns dense outputs, as its fake declares.
+
+
+def _dense(*xs):
+    return tuple(None if x is None else x.contiguous() for x in xs)
 
 
 @torch.library.custom_op("k3kernels::chunk_kda_fwd", mutates_args=())
@@ -778,6 +783,7 @@ def chunk_kda_fwd(
     c1: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o [B*T, H, V] in v's dtype, final states [N, H, K, V] fp32, chunk start states [n_chunks, H, K, V] fp32)."""
+    q, k, v, g, beta, h0 = _dense(q, k, v, g, beta, h0)
     table, prec = (bos, eos, c0, c1), _precision(q, k, v)
     Gc, _, Aqk, W, U = _intra(q, k, v, g, beta, table, scale, prec)
     o = torch.empty_like(v)
@@ -796,7 +802,7 @@ def _fwd_states_like(k, v, bos, c0):
 @chunk_kda_fwd.register_fake
 def _(q, k, v, g, beta, h0, scale, bos, eos, c0, c1):
     hs, ht = _fwd_states_like(k, v, bos, c0)
-    return torch.empty_like(v), ht, hs
+    return v.new_empty(v.shape), ht, hs
 
 
 @torch.library.custom_op("k3kernels::chunk_kda_bwd", mutates_args=())
@@ -817,6 +823,7 @@ def chunk_kda_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dg, dbeta, dh0 [N, H, K, V] fp32) from the forward's inputs, its chunk start states hs, the
     output gradient and the final states' gradient (None: zero). G, T, Aqk, W and U are recomputed."""
+    q, k, v, g, beta, hs, do, dht = _dense(q, k, v, g, beta, hs, do, dht)
     table, prec = (bos, eos, c0, c1), _precision(q, k, v)
     chunks = _intra(q, k, v, g, beta, table, scale, prec)
     dhs, dU, dh0 = _bwd_state(q, k, do, dht, chunks, table, scale, prec)
@@ -827,7 +834,7 @@ def chunk_kda_bwd(
 @chunk_kda_bwd.register_fake
 def _(q, k, v, g, beta, hs, do, dht, scale, bos, eos, c0, c1):
     _, dh0 = _fwd_states_like(k, v, bos, c0)
-    return (*(torch.empty_like(x) for x in (q, k, v, g, beta)), dh0)
+    return (*(x.new_empty(x.shape) for x in (q, k, v, g, beta)), dh0)
 
 
 def _setup_context(ctx, inputs, output):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from k3kernels.tuning import tuning_configs
 
 from k3train.ops.moe_permute import expert_layout
 
@@ -30,10 +31,9 @@ TILE = 4096  # elements of a [BLOCK_N, BLOCK_K, BLOCK_D] tile: BLOCK_N shrinks a
 
 
 def autotune_configs(cuda: bool) -> list[triton.Config]:
-    """num_warps in {2, 4, 8} x num_stages in {1, 2, 3} on CUDA; one configuration (4 warps, 1 stage) elsewhere."""
-    if not cuda:
-        return [triton.Config({}, num_warps=4, num_stages=1)]
-    return [triton.Config({}, num_warps=w, num_stages=s) for w in (2, 4, 8) for s in (1, 2, 3)]
+    """num_warps in {2, 4, 8} x num_stages in {1, 2, 3} on CUDA (one with K3KERNELS_TUNING=one); one configuration
+    (4 warps, 1 stage) elsewhere (k3kernels.tuning)."""
+    return tuning_configs(cuda)
 
 
 _tuned = triton.autotune(configs=autotune_configs(torch.cuda.is_available()), key=["K", "D"])

@@ -11,9 +11,10 @@
 #     manylinux_2_28) for any Python from 3.10, about 3.4 MB. Its C extensions are optional: float8 training runs
 #     through torch._scaled_mm and the MX formats through plain tensor ops
 #   fla-core and einops (model.kernels=fla, checked by the compile part's kda_choices item)
+#   datasets, dill, multiprocess: the built-in corpus is tokenized by `Dataset.map` on its first build (pyarrow,
+#     pandas, xxhash, fsspec, huggingface-hub, httpx are on the machine already)
 # torch, triton, numpy, PyYAML, packaging, typing-extensions, tqdm, tokenizers, tiktoken, tensorboard and matplotlib
-# are on the machine already. datasets (only for data.source=files with streaming or Arrow) and wandb (only for
-# logging.wandb=true) are imported lazily, where used, and are not fetched.
+# are on the machine already. wandb (only for logging.wandb=true) is imported lazily, where used, and is not fetched.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -31,6 +32,9 @@ WHEELS=(
   torchao==0.18.0  # the version pyproject.toml pins (its MX API is a prototype)
   fla-core==0.6.0  # model.kernels=fla (the kernel module of flash-linear-attention), pure Python
   einops==0.8.2    # fla-core's one dependency
+  datasets==4.7.0  # the version the CPU environment resolves
+  dill==0.4.0
+  multiprocess==0.70.18
 )
 SDISTS=(antlr4-python3-runtime==4.9.3)  # published as a source archive only: built into a wheel here (pure Python)
 

@@ -132,7 +132,9 @@ def main() -> int:
         return 1
     dev = torch.device("cuda")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    t0 = time.time()
     for part in (chunk_check, layer_check):
+        print(f"[{time.time() - t0:.0f} s] {part.__name__}", flush=True)
         try:
             part(dev)
         except Exception as e:  # report and go on: the other part still says something

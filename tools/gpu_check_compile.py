@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 B, CU_ROW = 2, [0, 1, 7, 30]
 """Rows of documents of 1 to 23 tokens and one long one, crossing KDA's chunk boundaries."""
 FAILS: list[str] = []
+T0 = time.monotonic()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,7 +50,7 @@ def rel(a, b) -> float:
 
 
 def report(item: str, ok: bool, detail: str) -> None:
-    print(f"{'PASS' if ok else 'FAIL'} {item}: {detail}", flush=True)
+    print(f"{'PASS' if ok else 'FAIL'} {item}: {detail} [{time.monotonic() - T0:.0f} s]", flush=True)
     if not ok:
         FAILS.append(item)
 

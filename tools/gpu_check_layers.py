@@ -59,6 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--only", nargs="+", choices=ITEMS, metavar="LAYER", help=f"run only these ({' '.join(ITEMS)})")
     ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 38 on CUDA)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per layer (default 5; smoke 1)")
+    ap.add_argument("--profile", action="store_true", help="after timing, print each layer's top kernels (profiler)")
     ap.add_argument("--gpu", default=None, help="k3train.plan.gpus entry to price against (default: detected)")
     a = ap.parse_args(argv)
     a.device = "cpu" if a.cpu_smoke else "cuda"
@@ -161,6 +162,21 @@ def _timed(step, n: int, device) -> list[float]:
     return out
 
 
+def _profile(step, device: str, top: int = 12) -> None:
+    """One more step under torch's profiler: the kernels taking the most device time, and the count of launches."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        _sync(device)
+    sort = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=top, max_name_column_width=70)
+    print(table, flush=True)
+    del torch
+
+
 def _counted(module, call, x) -> float:
     """FLOPs torch's counter sees in one eager forward+backward."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -222,6 +238,8 @@ def measure(spec, a, dtype, deadline: float, row: dict) -> None:
             each = max(time.monotonic() - t - row["compile_s"], 1e-6)
             n = max(1, min(a.iters, int((deadline - time.monotonic()) * 0.5 / each)))
             row["times"] = _timed(step, n, a.device)
+            if a.profile:
+                _profile(step, a.device)
         try:
             row["counted"] = _counted(module, call, x)
         except Exception as e:  # the count is a cross-check: its failure leaves the timing standing

@@ -1523,6 +1523,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/unit/test_kda_packed.py::test_document_summaries_equal_reference_final_states",),
     ),
     M(
+        "kda_triton_ops_assume_dense_inputs",
+        "k3kernels.kda:_dense",
+        "the Triton KDA ops index their inputs as dense rows whatever layout torch.compile hands them",
+        lambda orig: lambda *xs: xs,
+        ("tests/kernels/test_kda_kernel.py::test_triton_kda_ops_read_padded_inputs_as_dense_ones",),
+        sweep=False,
+    ),
+    M(
         "kda_triton_op_backward_drops_h0_grad",
         "k3kernels.kda:chunk_kda_bwd",
         "the Triton KDA op's registered backward returns no initial-state gradient",

@@ -122,3 +122,33 @@ def test_triton_kda_fp16_inputs():
     for n in NAMES:
         assert grads[n].dtype == torch.float16, n
         assert rel_rms(grads[n], ref[n]) <= 2e-3, n
+
+
+def _padded(x: torch.Tensor) -> torch.Tensor:
+    """x's values in a tensor whose last dimension is padded (the layout a compiler may choose): same shape and
+    stride order, not contiguous."""
+    wide = torch.zeros(*x.shape[:-1], x.shape[-1] + 3, dtype=x.dtype, device=x.device)
+    wide[..., : x.shape[-1]] = x
+    return wide[..., : x.shape[-1]]
+
+
+def test_triton_kda_ops_read_padded_inputs_as_dense_ones():
+    """The registered ops take whatever layout the caller hands them (torch.compile may hand padded strides): the
+    forward and backward ops give the same results for padded inputs as for dense ones, and their outputs are dense
+    as the fake implementations declare."""
+    from k3kernels import kda as kk
+
+    B, T, H, K, V = 1, 70, 2, 16, 16
+    x = kda_inputs(B, T, H, K, V, seed=5)
+    q, k, v, g = (x[n].to(DEV, torch.float32).reshape(B * T, H, -1).contiguous() for n in ("q", "k", "v", "g"))
+    beta = x["beta"].to(DEV, torch.float32).reshape(B * T, H).contiguous()
+    table = kk._chunk_table(B, T, None, q.device)
+    dense = kk.chunk_kda_fwd(q, k, v, g, beta, None, K**-0.5, *table)
+    padded = kk.chunk_kda_fwd(*(_padded(t) for t in (q, k, v, g, beta)), None, K**-0.5, *table)
+    for a, b in zip(dense, padded, strict=True):
+        assert b.is_contiguous() and torch.equal(a, b)
+    do = torch.randn(dense[0].shape, generator=torch.Generator().manual_seed(6)).to(DEV)
+    grads = kk.chunk_kda_bwd(q, k, v, g, beta, dense[2], do, None, K**-0.5, *table)
+    args = (*(_padded(t) for t in (q, k, v, g, beta)), _padded(dense[2]), _padded(do))
+    for a, b in zip(grads, kk.chunk_kda_bwd(*args, None, K**-0.5, *table), strict=True):
+        assert b.is_contiguous() and torch.equal(a, b)

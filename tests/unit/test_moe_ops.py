@@ -213,3 +213,16 @@ def test_permute_kernels_autotune_on_cuda_and_run_one_config_elsewhere():
     for kernel in (km._permute_fwd, km._permute_bwd, km._unpermute_fwd, km._unpermute_bwd):
         assert list(kernel.keys) == ["K", "D"]  # tuned per (top-k, width), not per token count
         assert [(c.num_warps, c.num_stages) for c in kernel.configs] == [(c.num_warps, c.num_stages) for c in want]
+
+
+def test_tuning_one_keeps_a_single_configuration_and_a_bad_value_is_refused(monkeypatch):
+    pytest.importorskip("triton")
+    from k3kernels.tuning import TUNING_ENV, tuning_configs
+
+    monkeypatch.setenv(TUNING_ENV, "one")
+    assert [(c.num_warps, c.num_stages) for c in tuning_configs(True)] == [(4, 1)]
+    monkeypatch.setenv(TUNING_ENV, "full")
+    assert len(tuning_configs(True)) == 9 and len(tuning_configs(False)) == 1
+    monkeypatch.setenv(TUNING_ENV, "fast")
+    with pytest.raises(ValueError, match="K3KERNELS_TUNING='fast'"):
+        tuning_configs(True)
