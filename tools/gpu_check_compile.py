@@ -2,6 +2,8 @@
 
     python tools/gpu_check_compile.py               # CUDA, bf16, inductor; exits 1 on any failed check
     python tools/gpu_check_compile.py --cpu-smoke   # CPU, fp64, aot_eager (the same code up to the device)
+    TRITON_INTERPRET=1 python tools/gpu_check_compile.py --cpu-smoke --fp32 --backend inductor --kda-kernels triton \
+        --only kda                                  # KDA's Triton ops (interpreted) under inductor on the CPU
 
 1. layers: each layer kind (KDA over documents with model.kernels=triton, Gated MLA over documents, LatentMoE with
    its one-process dispatcher, the dense SiTU-GLU FFN, AttnRes over three sources, MTP) compiled with
@@ -37,9 +39,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--only", nargs="+", metavar="ITEM", help="run only these items (kda mla moe ffn attn_res mtp kda_choices)"
     )
     ap.add_argument("--seq", type=int, default=None, help="tokens per row (default 256 on CUDA, 80 for the smoke)")
+    ap.add_argument("--backend", default=None, help="torch.compile backend (default inductor; aot_eager for the smoke)")
+    ap.add_argument(
+        "--kda-kernels", default=None, help="the kda item's kernels (default triton; torch for the smoke, in fp64)"
+    )
+    ap.add_argument("--fp32", action="store_true", help="the smoke in fp32 (bound 1e-4), as the Triton kernels compute")
     a = ap.parse_args(argv)
     a.device = "cpu" if a.cpu_smoke else "cuda"
-    a.backend = "aot_eager" if a.cpu_smoke else "inductor"
+    a.backend = a.backend or ("aot_eager" if a.cpu_smoke else "inductor")
+    a.kda_kernels = a.kda_kernels or ("torch" if a.cpu_smoke else "triton")
     a.seq = a.seq or (80 if a.cpu_smoke else 256)
     return a
 
@@ -99,7 +107,7 @@ def cases(a, dtype) -> dict:
     ctx = _ctx(T, dev)
     x = _x(B, T, args.dim, dtype=dtype, device=dev)
     kda = _randomised(KDA(args), dtype, dev)
-    kda.kernels = Kernels("torch" if a.cpu_smoke else "triton")
+    kda.kernels = Kernels(a.kda_kernels)
     return {
         "kda": (kda, lambda m, h: m(h, ctx), [x]),
         "mla": (_randomised(GatedMLA(args), dtype, dev), lambda m, h: m(h, ctx), [x]),
@@ -204,6 +212,8 @@ def main(argv=None) -> int:
         return 1
     torch.manual_seed(0)
     dtype, bound = (torch.float64, 1e-10) if a.cpu_smoke else (torch.bfloat16, 4e-2)
+    if a.cpu_smoke and a.fp32:
+        dtype, bound = torch.float32, 1e-4
     only = set(a.only or ())
     print(f"device {a.device}, {dtype}, backend {a.backend}, {B} rows of {a.seq} tokens", flush=True)
     for item, (module, call, inputs) in cases(a, dtype).items():
