@@ -1,6 +1,6 @@
 """Export a run's weights in the precision K3 is released in: `python -m k3train.export RUN_DIR --format F`.
 
-    python -m k3train.export RUN_DIR --format mxfp4_experts|bf16 [--out DIR] [--step N] [--shard-mb MB]
+    python -m k3train.export RUN_DIR --format mxfp4_experts|mxfp4_all|bf16 [--out DIR] [--step N] [--shard-mb MB]
 
 Reads the newest verified checkpoint of RUN_DIR (or step-N) one tensor at a time and writes, into DIR (default
 RUN_DIR/export-<format>-step-N):
@@ -13,7 +13,10 @@ dimension) is rounded to MXFP4 exactly as QAT's forward rounds it (k3train.ops.m
 along K, one E8M0 scale per block) and stored as torchao packs it, with K moved last: `<name>.qdata` uint8
 [E, N, K/2] (two E2M1 values a byte) and `<name>.scale` uint8 [E, N, K/32] (the E8M0 exponent bytes): 4.25 bits a
 weight. The experts' input activations are MXFP8 (E4M3, blocks of 32) at run time; config.json says so. Every other
-floating tensor is bf16. --format bf16: every floating tensor bf16.
+floating tensor is bf16. --format mxfp4_all: also the weights of the linears `train.qat=mxfp4_all` rounds (the
+run's recorded model built on the meta device and converted by k3train.parallel.mx_linear, the one selection), [N, K]
+rounded along K as that forward rounds them and packed the same way (`.qdata` [N, K/2], `.scale` [N, K/32]).
+--format bf16: every floating tensor bf16.
 
 Shards are written tensor by tensor (the safetensors header is computed from the checkpoint's metadata first), so
 the process holds one tensor of the model at a time. `load(DIR)` reads an export back, dequantising the experts to
@@ -35,7 +38,8 @@ import torch
 
 from k3train.ops.mx import BLOCK_SIZE, fake_quant_mx
 
-FORMATS = ("mxfp4_experts", "bf16")
+FORMATS = ("mxfp4_experts", "mxfp4_all", "bf16")
+MX_FORMATS = ("mxfp4_experts", "mxfp4_all")
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
 MODEL_PREFIX = "engine.model."
@@ -123,7 +127,7 @@ class CheckpointTensors:
 def pack_mxfp4(w: torch.Tensor, chunk_elems: int = 1 << 22) -> tuple[torch.Tensor, torch.Tensor]:
     """w [E, K, N] -> (qdata uint8 [E, N, K/2], scale uint8 [E, N, K/32]): MXTensor.to_mx of w with K moved last,
     the same rounding as fake_quant_mx(w, 'mxfp4', dim=1) (float64 through fp32, as there), about chunk_elems
-    weights at a time."""
+    weights at a time. A linear's weight [N, K] (K already last) packs the same way, to [N, K/2] and [N, K/32]."""
     from torchao.prototype.mx_formats.mx_tensor import MXTensor
 
     # A few experts at a time: to_mx's fp32 temporaries are several times the bank's size, and blocks never span
@@ -166,20 +170,59 @@ def _out_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype.is_floating_point else dtype
 
 
-def plan_tensors(src: CheckpointTensors, fmt: str) -> list[tuple[str, str, torch.dtype, tuple[int, ...]]]:
-    """(source name, exported name, dtype, shape) of every exported tensor, in checkpoint order."""
+def qat_linear_weights(run_dir: Path) -> set[str]:
+    """Names of the linear weights `train.qat=mxfp4_all` rounds in the run: its recorded config's model on the meta
+    device, converted by apply_mx_linears (input widths that are not a multiple of 32 stay unrounded there too)."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from k3train.config.compose import from_omegaconf
+    from k3train.config.schema import K3TrainConfig
+    from k3train.config.validate import model_args
+    from k3train.models.k3.model import K3Model
+    from k3train.parallel.mx_linear import apply_mx_linears
+
+    recorded = Path(run_dir) / "config.yaml"
+    if not recorded.is_file():
+        raise ExportError(f"--format mxfp4_all needs the run's recorded config ({recorded} is missing)")
+    cfg = from_omegaconf(OmegaConf.merge(OmegaConf.structured(K3TrainConfig), OmegaConf.load(recorded)))
+    with torch.device("meta"):
+        model = K3Model(model_args(cfg))
+    quiet = logging.getLogger("k3train.parallel.mx_linear")
+    level, quiet.level = quiet.level, logging.ERROR  # the skipped linears were named when the run started
+    try:
+        return {f"{fqn}.weight" for fqn in apply_mx_linears(model)["converted"]}
+    finally:
+        quiet.level = level
+
+
+def rounded_names(src: CheckpointTensors, fmt: str, run_dir: Path) -> set[str]:
+    """The tensors an export rounds to MXFP4: the routed experts under both MX formats, and under mxfp4_all the
+    linear weights QAT rounds."""
+    if fmt not in MX_FORMATS:
+        return set()
+    names = {n for n in src.entries if is_expert(n, src.shape(n))}
+    if fmt == "mxfp4_all":
+        names |= qat_linear_weights(run_dir) & set(src.entries)
+    return names
+
+
+def plan_tensors(src: CheckpointTensors, rounded: set[str]) -> list[tuple[str, str, torch.dtype, tuple[int, ...]]]:
+    """(source name, exported name, dtype, shape) of every exported tensor, in checkpoint order. A rounded tensor
+    ([E, K, N] expert bank or [N, K] linear weight, K the contraction dimension 1) becomes `.qdata` and `.scale`
+    with K moved last."""
     out = []
     for name in src.entries:
         shape = src.shape(name)
-        if fmt == "mxfp4_experts" and is_expert(name, shape):
-            E, K, N = shape
+        if name in rounded:
+            K, rest = shape[1], shape[:1] + shape[2:]
             if K % BLOCK_SIZE:
                 raise ExportError(
-                    f"--format mxfp4_experts rounds experts in blocks of {BLOCK_SIZE} along their contraction "
-                    f"dimension: {name} has shape {shape}"
+                    f"MXFP4 rounds in blocks of {BLOCK_SIZE} along the contraction dimension: {name} has shape {shape}"
                 )
-            out.append((name, f"{name}.qdata", torch.uint8, (E, N, K // 2)))
-            out.append((name, f"{name}.scale", torch.uint8, (E, N, K // BLOCK_SIZE)))
+            out.append((name, f"{name}.qdata", torch.uint8, (*rest, K // 2)))
+            out.append((name, f"{name}.scale", torch.uint8, (*rest, K // BLOCK_SIZE)))
         else:
             out.append((name, name, _out_dtype(src.dtype(name)), shape))
     return out
@@ -249,9 +292,10 @@ def export(
     run_dir = Path(run_dir)
     folder = find_checkpoint(run_dir, step)
     src = CheckpointTensors(folder)
-    tensors = plan_tensors(src, fmt)
-    experts = sorted({name for name, out_name, _, _ in tensors if out_name != name})
-    if fmt == "mxfp4_experts" and not experts:
+    rounded = rounded_names(src, fmt, run_dir)
+    tensors = plan_tensors(src, rounded)
+    experts = sorted(rounded)
+    if fmt in MX_FORMATS and not any(is_expert(n, src.shape(n)) for n in rounded):
         raise ExportError(f"checkpoint {folder} holds no routed experts (...experts.w1/w2/w3): nothing to quantise")
     out = Path(out) if out is not None else run_dir / f"export-{fmt}-{folder.name}"
     out.mkdir(parents=True, exist_ok=True)
@@ -282,7 +326,7 @@ def _config(run_dir: Path, folder: Path, fmt: str, src: CheckpointTensors, exper
         "source": {"checkpoint": folder.name, "step": int(folder.name.split("-")[1]), "qat": recorded_qat(folder)},
         "dtype": "bfloat16",
     }
-    if fmt == "mxfp4_experts":
+    if fmt in MX_FORMATS:
         cfg["quantization"] = {
             "method": "mx",
             "block_size": BLOCK_SIZE,
@@ -290,8 +334,9 @@ def _config(run_dir: Path, folder: Path, fmt: str, src: CheckpointTensors, exper
                 "format": "mxfp4",
                 "element": "float4_e2m1",
                 "scale": "float8_e8m0 (uint8 exponent bytes)",
-                "layout": "contraction dimension (1) moved last; <name>.qdata uint8 [E, N, K/2] holds two E2M1 "
-                "values a byte as torchao's MXTensor packs them, <name>.scale uint8 [E, N, K/32]",
+                "layout": "contraction dimension (1) moved last; <name>.qdata uint8 [E, N, K/2] (a linear's [N, "
+                "K/2]) holds two E2M1 values a byte as torchao's MXTensor packs them, <name>.scale uint8 [E, N, K/32] "
+                "(a linear's [N, K/32])",
                 "bits_per_weight": 4 + 8 / BLOCK_SIZE,
                 "tensors": experts,
                 "trained_dtype": {n: str(src.dtype(n)).removeprefix("torch.") for n in experts},
@@ -301,7 +346,7 @@ def _config(run_dir: Path, folder: Path, fmt: str, src: CheckpointTensors, exper
                 "element": "float8_e4m3fn",
                 "scale": "float8_e8m0",
                 "block_size": BLOCK_SIZE,
-                "applies_to": "the routed experts' input rows, quantised at run time",
+                "applies_to": "the input rows of every rounded tensor's matmul, quantised at run time",
             },
             "other_tensors": "bfloat16",
         }
@@ -333,7 +378,8 @@ def load(out: Path) -> dict[str, torch.Tensor]:
 
 
 def qat_weights(w: torch.Tensor) -> torch.Tensor:
-    """The expert weights QAT's forward uses (what an mxfp4_experts export reads back as)."""
+    """The weights QAT's forward uses (what an MX export reads back as): an expert bank [E, K, N] or a linear's
+    weight [N, K], rounded along K (dim 1 of both)."""
     return fake_quant_mx(w.detach(), "mxfp4", dim=1)
 
 

@@ -356,6 +356,14 @@ def _op_backward_drops_h0_grad(orig):
     return chunk_kda_bwd
 
 
+def _mla_up_projection_bypasses_module(orig):
+    import torch
+    import torch.nn.functional as F
+
+    bypass = Proxy(torch, **{"func.functional_call": lambda module, params, args: F.linear(args[0], params["weight"])})
+    return with_globals(orig, torch=bypass)
+
+
 def _fla_drops_initial_state(orig):
     def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, **kwargs):
         return orig(q, k, v, g, beta, scale, None, **kwargs)
@@ -1521,6 +1529,20 @@ MUTATIONS: list[Mutation] = [
         "per-document summaries compose the chunks of the documents before them too",
         _scan_ignores_segments,
         ("tests/unit/test_kda_packed.py::test_document_summaries_equal_reference_final_states",),
+    ),
+    M(
+        "mla_up_projection_bypasses_module",
+        "k3train.models.k3.mla:GatedMLA.keys_values",
+        "Gated MLA applies wkv_b's weight with F.linear, so a converted wkv_b (float8, mxfp4_all) never runs",
+        _mla_up_projection_bypasses_module,
+        ("tests/unit/test_float8.py::test_every_converted_linear_runs_as_converted",),
+    ),
+    M(
+        "export_mxfp4_all_leaves_linears_bf16",
+        "k3train.export:qat_linear_weights",
+        "--format mxfp4_all rounds only the experts and writes the linears QAT rounded in bf16",
+        lambda orig: lambda run_dir: set(),
+        ("tests/unit/test_export.py::test_mxfp4_all_round_trip_is_what_qat_all_used",),
     ),
     M(
         "kda_triton_ops_assume_dense_inputs",

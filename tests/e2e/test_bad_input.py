@@ -242,6 +242,18 @@ def _export_dense(tmp: Path):
     return export(d, "mxfp4_experts")
 
 
+def _export_all_without_config(tmp: Path):
+    """Export with --format mxfp4_all a run whose recorded config.yaml is gone."""
+    import shutil
+
+    from k3train.export import export
+
+    d = tmp / "copy"
+    shutil.copytree(saved_run(), d)
+    (d / "config.yaml").unlink()
+    return export(d, "mxfp4_all")
+
+
 JSONL = '{"text": "hello world"}\n{"text": "a second document"}\n'
 
 
@@ -713,6 +725,14 @@ CASES = [
         "python -m k3train.export <a run of dense layers only> --format mxfp4_experts",
         r"holds no routed experts \(...experts.w1/w2/w3\): nothing to quantise",
         call_tmp(_export_dense),
+        ValueError,
+    ),
+    Bad(
+        "export-all-no-config",
+        "export",
+        "python -m k3train.export <a run without its config.yaml> --format mxfp4_all",
+        r"--format mxfp4_all needs the run's recorded config \(.*config.yaml is missing\)",
+        call_tmp(_export_all_without_config),
         ValueError,
     ),
     # ---- launch ---------------------------------------------------------------------------------------------------

@@ -107,6 +107,50 @@ def test_bf16_model_round_trip_in_bf16(tmp_path):
         assert torch.equal(back[n], fake_quant_mx(weights[n], "mxfp4", dim=1)), n
 
 
+def test_mxfp4_all_round_trip_is_what_qat_all_used(tmp_path, monkeypatch):
+    """--format mxfp4_all: the experts and every linear train.qat=mxfp4_all rounds read back, bit for bit, as the
+    weights that QAT's forward multiplied by (recorded at F.linear in the next step's forward, before its update),
+    packed at 4.25 bits; the rest (router, head, norms, embeddings) bf16."""
+    import types
+
+    from k3train.export import CheckpointTensors, find_checkpoint
+    from k3train.parallel import mx_linear
+
+    t = _trainer(tmp_path / "run", "train.steps=2", "train.checkpoint_interval=1", "train.qat=mxfp4_all")
+    seen, current = {}, []
+
+    def linear(x, w, b=None):
+        seen[current[-1]] = w.detach().clone()  # the last forward's: step 2's, on step 1's weights
+        return torch.nn.functional.linear(x, w, b)
+
+    monkeypatch.setattr(mx_linear, "F", types.SimpleNamespace(linear=linear))
+    for part in t.engine.model_parts:
+        for fqn, m in part.named_modules():
+            if isinstance(m, mx_linear.MXQATLinear):
+                m.register_forward_pre_hook(lambda _m, _a, name=f"{fqn}.weight": current.append(name))
+    t.train()
+    out = export(tmp_path / "run", "mxfp4_all", tmp_path / "all", step=1)
+    back = load(out)
+    src = CheckpointTensors(find_checkpoint(tmp_path / "run", 1))
+    weights = {n: src.read(n) for n in src.entries}  # step 1's weights as trained (fp32)
+    assert set(back) == set(weights)
+    experts = {n for n, w in weights.items() if is_expert(n, w.shape)}
+    linears = set(json.loads((out / "config.json").read_text())["quantization"]["weights"]["tensors"]) - experts
+    assert linears == set(seen) and len(linears) >= 8, sorted(linears)
+    assert not any("router" in n or not n.startswith("layers.") for n in linears)
+    for n in linears:
+        assert back[n].dtype == weights[n].dtype and torch.equal(back[n], seen[n]), n
+        assert not torch.equal(back[n], weights[n]), n
+    for n in experts:
+        assert torch.equal(back[n], fake_quant_mx(weights[n], "mxfp4", dim=1)), n
+    for n, w in weights.items():
+        if n not in linears | experts and w.is_floating_point():
+            assert back[n].dtype == torch.bfloat16 and torch.equal(back[n], w.to(torch.bfloat16)), n
+    sizes = _entries(out)
+    lin_bytes = sum(sizes[f"{n}.{s}"][1] for n in linears for s in ("qdata", "scale"))
+    assert lin_bytes * 8 / sum(weights[n].numel() for n in linears) == 4.25
+
+
 def test_command_line_and_refusals(qat_run, tmp_path, capsys):
     run_dir, _ = qat_run
     assert main([str(run_dir), "--format", "mxfp4_experts", "--out", str(tmp_path / "o"), "--step", "2"]) == 0

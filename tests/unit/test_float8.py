@@ -79,3 +79,28 @@ def test_float8_with_fp64_refused():
     with pytest.raises(ConfigError, match="train.float8"):
         load_config("tiny_cpu", ["train.float8=rowwise", "train.precision=fp64"])
     assert load_config("tiny_cpu", ["train.float8=rowwise"]).train.float8 == "rowwise"
+
+
+@pytest.mark.parametrize("convert", ["float8", "mxfp4_all"])
+def test_every_converted_linear_runs_as_converted(convert):
+    """A converted linear whose weight the model read around its forward would be inert: Gated MLA's up-projection
+    (wkv_b) is applied per key chunk on the chunk's own weight leaf, so it goes through the module's forward too.
+    Forward and backward of the tiny model call every converted module."""
+    from k3train.models.k3.context import BatchContext
+    from k3train.parallel.mx_linear import MXQATLinear, apply_mx_linears
+
+    part = _part()
+    if convert == "float8":
+        from torchao.float8.float8_linear import Float8Linear
+
+        done, kind = apply_float8(part, "rowwise", emulate=True), Float8Linear
+    else:
+        done, kind = apply_mx_linears(part), MXQATLinear
+    called = set()
+    for name, m in part.named_modules():
+        if isinstance(m, kind):
+            m.register_forward_hook(lambda _m, _a, _o, name=name: called.add(name))
+    tokens = torch.randint(0, ARGS.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+    part(tokens, BatchContext()).float().square().mean().backward()
+    assert "layers.4.attn.wkv_b" in done["converted"]
+    assert called == set(done["converted"]), sorted(set(done["converted"]) - called)

@@ -63,7 +63,10 @@ class GatedMLA(nn.Module):
         up_weight = self.wkv_b.weight if up_weight is None else up_weight
         lat, k_shared = c_kv.split([self.kv_rank, self.s_dim], dim=-1)
         lat = F.rms_norm(lat, (self.kv_rank,), norm_weight, self.kv_norm.eps)
-        kv = F.linear(lat, up_weight).view(B, Tk, self.n_heads, self.k_dim + self.v_dim)
+        # Through wkv_b's own forward, so a converted linear (train.float8, train.qat=mxfp4_all) runs as converted
+        # on the chunk's weight leaf too.
+        kv = torch.func.functional_call(self.wkv_b, {"weight": up_weight}, (lat,))
+        kv = kv.view(B, Tk, self.n_heads, self.k_dim + self.v_dim)
         k_lat, v = kv.split([self.k_dim, self.v_dim], dim=-1)
         k = torch.cat([k_lat, k_shared[:, :, None, :].expand(B, Tk, self.n_heads, self.s_dim)], dim=-1)
         return k.transpose(1, 2), v.transpose(1, 2)
