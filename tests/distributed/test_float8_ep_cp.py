@@ -4,10 +4,11 @@ The routed experts stay in the parameter dtype (a grouped matmul, not an nn.Line
 FP8 GEMM: ep2 x dp2 splits the dense linears' tokens over two dp ranks, as dp2 does. Context parallelism splits each
 sequence's tokens over two ranks. Rowwise scaling takes a scale per token row in the forward GEMMs, so a token's FP8
 rounding does not depend on where it runs; the weight-gradient GEMM scales along the tokens a rank holds, so its
-rounding differs from one process's, and fp32 summation order differs as in any layout. The bounds are the ones of
-the pp2 x dp2 ZeRO-1 test (tests/distributed/test_float8_parity.py), checked against the drift measured here:
-the first two steps within 5e-7 relative (before the optimizer has moved weights across E4M3 rounding boundaries),
-later steps within 1e-5. The one-process FP8 run must differ from the fp32 one by more than 1e-6 relative, or the
+rounding differs from one process's, and fp32 summation order differs as in any layout. Under cp2 that includes
+Gated MLA's up-projection (wkv_b, in FP8 like every converted linear), whose weight gradient each rank sums over all
+keys from its own queries' share. The bounds: the first step within 5e-7 relative (the forward, before any update:
+rowwise scales per token row round alike everywhere), later steps within 1e-5, the bound of the pp2 x dp2 ZeRO-1
+test (tests/distributed/test_float8_parity.py). The one-process FP8 run must differ from the fp32 one by more than 1e-6 relative, or the
 comparison would not show that FP8 ran."""
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ def _drift(recs, ref, plain):
     for r, rec in enumerate(recs):
         for s, (a, b, c) in enumerate(zip(rec["losses"], ref["losses"], plain["losses"])):
             d = abs(a - b) / abs(b)
-            worst[s >= 2] = max(worst[s >= 2], d)
-            assert d <= (5e-7 if s < 2 else 1e-5), (r, s, a, b)
+            worst[s >= 1] = max(worst[s >= 1], d)
+            assert d <= (5e-7 if s < 1 else 1e-5), (r, s, a, b)
             if s < 2:
                 assert abs(b - c) > 1e-6 * abs(c), (s, b, c)
-    print(f"float8 drift from one process: steps 0-1 {worst[0]:.2e}, later {worst[1]:.2e}")
+    print(f"float8 drift from one process: step 0 {worst[0]:.2e}, later {worst[1]:.2e}")
 
 
 @pytest.mark.parametrize("lay,seq", [(EP, None), (CP, 64)], ids=["ep2_dp2", "cp2"])
