@@ -170,7 +170,8 @@ run_part imports "$T_IMPORTS" 1 imports
 XDIST=()  # the kernels compile on the CPU: spread the test files over processes where pytest-xdist is there
 (( DRY_RUN )) || { "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 6); }
 # 4. kernel tests on CUDA
-side_by_side tests "$T_TESTS" "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" tests/kernels \
+# -v names each test as it ends (a part stopped at its limit prints no summary); -rfE --tb=short: why each failed
+side_by_side tests "$T_TESTS" "$PY" -m pytest -v -rfE --tb=short -p no:cacheprovider "${XDIST[@]}" tests/kernels \
   tests/unit/test_kernel_backend.py
 # 5b. Gated MLA's chunk kernel
 side_by_side attention "$T_ATTN" "$PY" tools/gpu_check_attention.py
