@@ -24,9 +24,10 @@
 #                replaced a short run of the `small` preset, whose one MFU figure at small widths these per-layer
 #                figures at K3's widths, set against the planner's, supersede
 # Parts 4-7 (and 5b, 5c) each report PASS, FAIL or TIMEOUT and the script goes on; it exits 1 if any part failed. Logs go to
-# $OUT (the device tool's folder) when set, else /tmp/gpu_check; set GPU_CHECK_LOGS to choose.
-# The correctness parts (tests, attention, compile, tiny) run side by side, each under its own limit: they are mostly
-# compilation, on the machine's cores; the timed parts (bench, layers) then run alone. The Triton kernels keep one
+# $OUT when set, else /tmp/gpu_check; set GPU_CHECK_LOGS to choose.
+# The correctness parts (tests, attention, compile, tiny) and an untimed pass of the layers (warm) run side by side,
+# each under its own limit: they are mostly compilation, on the machine's cores; the timed parts (bench, layers) then
+# run alone, the layers on the kernels and graphs warm compiled into the on-disk caches. The Triton kernels keep one
 # configuration each (K3KERNELS_TUNING=one, k3kernels.tuning): tuning would compile nine per kernel and shape, so
 # bench and layers time the untuned kernels. GPU_CHECK_SCALE=150 multiplies every limit by 1.5 (a cold machine).
 set -uo pipefail
@@ -41,9 +42,10 @@ export SITE="$WORK/site"
 export PY="${PYTHON:-python3}"
 export K3KERNELS_TUNING="${K3KERNELS_TUNING:-one}"
 # Time limits in seconds: the side-by-side parts count once, at the longest (wall 295 s, under the 5-minute budget).
-T_PREFLIGHT=15 T_WHEELS=20 T_IMPORTS=25 T_TESTS=120 T_ATTN=120 T_COMPILE=120 T_TINY=120 T_BENCH=40 T_LAYERS=75
+T_PREFLIGHT=15 T_WHEELS=20 T_IMPORTS=25 T_TESTS=120 T_ATTN=120 T_COMPILE=120 T_TINY=120 T_WARM=120 T_BENCH=40
+T_LAYERS=75
 SCALE="${GPU_CHECK_SCALE:-100}"
-for t in T_PREFLIGHT T_WHEELS T_IMPORTS T_TESTS T_ATTN T_COMPILE T_TINY T_BENCH T_LAYERS; do
+for t in T_PREFLIGHT T_WHEELS T_IMPORTS T_TESTS T_ATTN T_COMPILE T_TINY T_WARM T_BENCH T_LAYERS; do
   printf -v "$t" '%d' $(( ${!t} * SCALE / 100 ))
 done
 
@@ -182,6 +184,9 @@ COMMON=(train.resume=never train.eval_interval=0 train.checkpoint_interval=0 tra
         logging=local logging.progress_bar=false logging.tensorboard=false logging.console_interval=5)
 side_by_side tiny "$T_TINY" "$PY" -m k3train.train --config-name tiny_cpu train.device=cuda train.steps=20 \
   "${COMMON[@]}" train.run_dir="$WORK/runs/tiny"
+# 7a. the layers once, untimed: compiles their Triton kernels and inductor graphs into the on-disk caches (Triton's,
+# inductor's FX graph cache), so part 7 times them with warm caches
+side_by_side warm "$T_WARM" "$PY" tools/gpu_check_layers.py --iters 1 --budget $((T_WARM - 7))
 collect
 
 # ---- 5. kernel benchmark (alone: it times) -------------------------------------------------------------------------

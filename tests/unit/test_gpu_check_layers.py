@@ -76,7 +76,7 @@ def test_cpu_smoke_reports_every_layer_with_its_declared_flops():
     assert float(got["ffn"][1]) == pytest.approx(want["ffn"], rel=1e-12)
     lines = run.stdout.splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("layer "))
-    assert [line.split()[0] for line in lines[first + 2 : first + 6]] == ["ffn", "moe", "kda", "mla"], run.stdout
+    assert [line.split()[0] for line in lines[first + 2 : first + 6]] == ["ffn", "moe", "mla", "kda"], run.stdout
     assert "gpu_check_layers: all layers measured" in run.stdout
 
 
@@ -117,7 +117,7 @@ def test_gpu_check_lists_the_layers_part_within_five_minutes(tmp_path):
     budget = int(re.search(r"--budget (\d+)", parts["layers"][1])[1])
     assert budget < parts["layers"][0]  # the tool stops its layers before the part's timeout
     side = [limit for limit, _, together in parts.values() if together]
-    assert sorted(n for n, p in parts.items() if p[2]) == ["attention", "compile", "tests", "tiny"]
+    assert sorted(n for n, p in parts.items() if p[2]) == ["attention", "compile", "tests", "tiny", "warm"]
     alone = sum(limit for limit, _, together in parts.values() if not together)
     assert alone + max(side) < 300, parts  # the side-by-side parts take the longest one's time
 
