@@ -128,52 +128,94 @@ def _launch(kernel, N: int, K: int, D: int, *tensors: torch.Tensor, split_d: boo
     kernel[grid](*tensors, N, K, D, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_D=BLOCK_D)
 
 
-class _Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, pos):
-        x, pos = x.contiguous(), pos.contiguous()
-        (N, D), K = x.shape, pos.shape[1]
-        rows = x.new_empty(N * K, D)
-        if rows.numel():
-            _launch(_permute_fwd, N, K, D, x, pos, rows)
-        ctx.save_for_backward(pos)
-        return rows
-
-    @staticmethod
-    def backward(ctx, drows):
-        (pos,) = ctx.saved_tensors
-        drows = drows.contiguous()
-        N, K = pos.shape
-        D = drows.shape[1]
-        dx = drows.new_empty(N, D)
-        if dx.numel():
-            _launch(_permute_bwd, N, K, D, drows, pos, dx)
-        return dx, None
+# The kernels run inside registered ops with fake implementations (fake tensors and torch.compile see opaque nodes
+# of known shapes); each op makes its inputs dense, as the kernels index rows of D features.
 
 
-class _Unpermute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, w, pos):
-        y, w, pos = y.contiguous(), w.contiguous(), pos.contiguous()
-        N, K = pos.shape
-        D = y.shape[1]
-        u = y.new_empty(N, D)
-        if u.numel():
-            _launch(_unpermute_fwd, N, K, D, y, w, pos, u)
-        ctx.save_for_backward(y, w, pos)
-        return u
+@torch.library.custom_op("k3kernels::permute_rows_fwd", mutates_args=())
+def permute_rows_fwd(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    x, pos = x.contiguous(), pos.contiguous()
+    (N, D), K = x.shape, pos.shape[1]
+    rows = x.new_empty(N * K, D)
+    if rows.numel():
+        _launch(_permute_fwd, N, K, D, x, pos, rows)
+    return rows
 
-    @staticmethod
-    def backward(ctx, du):
-        y, w, pos = ctx.saved_tensors
-        du = du.contiguous()
-        N, K = pos.shape
-        D = y.shape[1]
-        dy = torch.empty_like(y)
-        dw = torch.empty_like(w)
-        if N * K:
-            _launch(_unpermute_bwd, N, K, D, du, y, w, pos, dy, dw, split_d=False)
-        return dy, dw, None
+
+@permute_rows_fwd.register_fake
+def _(x, pos):
+    return x.new_empty(x.shape[0] * pos.shape[1], x.shape[1])
+
+
+@torch.library.custom_op("k3kernels::permute_rows_bwd", mutates_args=())
+def permute_rows_bwd(drows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    drows, pos = drows.contiguous(), pos.contiguous()
+    (N, K), D = pos.shape, drows.shape[1]
+    dx = drows.new_empty(N, D)
+    if dx.numel():
+        _launch(_permute_bwd, N, K, D, drows, pos, dx)
+    return dx
+
+
+@permute_rows_bwd.register_fake
+def _(drows, pos):
+    return drows.new_empty(pos.shape[0], drows.shape[1])
+
+
+def _permute_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+
+
+def _permute_backward(ctx, drows):
+    (pos,) = ctx.saved_tensors
+    return permute_rows_bwd(drows, pos), None
+
+
+permute_rows_fwd.register_autograd(_permute_backward, setup_context=_permute_setup)
+
+
+@torch.library.custom_op("k3kernels::unpermute_fwd", mutates_args=())
+def unpermute_fwd(y: torch.Tensor, w: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    y, w, pos = y.contiguous(), w.contiguous(), pos.contiguous()
+    (N, K), D = pos.shape, y.shape[1]
+    u = y.new_empty(N, D)
+    if u.numel():
+        _launch(_unpermute_fwd, N, K, D, y, w, pos, u)
+    return u
+
+
+@unpermute_fwd.register_fake
+def _(y, w, pos):
+    return y.new_empty(pos.shape[0], y.shape[1])
+
+
+@torch.library.custom_op("k3kernels::unpermute_bwd", mutates_args=())
+def unpermute_bwd(
+    du: torch.Tensor, y: torch.Tensor, w: torch.Tensor, pos: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    du, y, w, pos = du.contiguous(), y.contiguous(), w.contiguous(), pos.contiguous()
+    (N, K), D = pos.shape, y.shape[1]
+    dy, dw = torch.empty_like(y), torch.empty_like(w)
+    if N * K:
+        _launch(_unpermute_bwd, N, K, D, du, y, w, pos, dy, dw, split_d=False)
+    return dy, dw
+
+
+@unpermute_bwd.register_fake
+def _(du, y, w, pos):
+    return y.new_empty(y.shape), w.new_empty(w.shape)
+
+
+def _unpermute_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _unpermute_backward(ctx, du):
+    y, w, pos = ctx.saved_tensors
+    return (*unpermute_bwd(du, y, w, pos), None)
+
+
+unpermute_fwd.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
 
 
 def permute_triton(
@@ -184,7 +226,7 @@ def permute_triton(
     if x.dim() != 2 or idx.dim() != 2 or x.shape[0] != idx.shape[0]:
         raise ValueError(f"permute_triton: x {tuple(x.shape)} and idx {tuple(idx.shape)} do not fit")
     _, pos, counts = expert_layout(idx, n_experts)
-    return _Permute.apply(x, pos), counts, pos
+    return permute_rows_fwd(x, pos), counts, pos
 
 
 def permute_rows_triton(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -193,7 +235,7 @@ def permute_rows_triton(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     send buffer ordered by destination and expert, for instance); differentiable in x."""
     if x.dim() != 2 or pos.dim() != 2 or x.shape[0] != pos.shape[0]:
         raise ValueError(f"permute_rows_triton: x {tuple(x.shape)} and pos {tuple(pos.shape)} do not fit")
-    return _Permute.apply(x, pos)
+    return permute_rows_fwd(x, pos)
 
 
 def unpermute_triton(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -204,4 +246,4 @@ def unpermute_triton(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor) 
         raise ValueError(
             f"unpermute_triton: y {tuple(y.shape)}, weights {tuple(weights.shape)}, pos {tuple(pos.shape)} do not fit"
         )
-    return _Unpermute.apply(y, weights, pos)
+    return unpermute_fwd(y, weights, pos)

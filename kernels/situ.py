@@ -50,29 +50,58 @@ def _situ_bwd(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, n, beta1, beta2, BLOCK: tl.c
     tl.store(du_ptr + offs, (dh * a * db).to(du_ptr.dtype.element_ty), mask=mask)
 
 
-class _SiTU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, g, u, beta1, beta2):
-        g, u = g.contiguous(), u.contiguous()
-        h = torch.empty_like(g)
-        n = g.numel()
-        _situ_fwd[(triton.cdiv(n, BLOCK),)](g, u, h, n, float(beta1), float(beta2), BLOCK=BLOCK)
-        ctx.save_for_backward(g, u)
-        ctx.betas = (float(beta1), float(beta2))
-        return h
+# The kernels run inside registered ops with fake implementations, so fake tensors (the dry run) and torch.compile
+# see opaque nodes of known shapes; each op makes its inputs dense (the kernels index flat elements).
 
-    @staticmethod
-    def backward(ctx, dh):
-        g, u = ctx.saved_tensors
-        dh = dh.contiguous()
-        dg, du = torch.empty_like(g), torch.empty_like(u)
-        n = g.numel()
-        _situ_bwd[(triton.cdiv(n, BLOCK),)](g, u, dh, dg, du, n, *ctx.betas, BLOCK=BLOCK)
-        return dg, du, None, None
+
+@torch.library.custom_op("k3kernels::situ_fwd", mutates_args=())
+def situ_fwd(g: torch.Tensor, u: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    g, u = g.contiguous(), u.contiguous()
+    h = torch.empty_like(g)
+    n = g.numel()
+    if n:
+        _situ_fwd[(triton.cdiv(n, BLOCK),)](g, u, h, n, beta1, beta2, BLOCK=BLOCK)
+    return h
+
+
+@situ_fwd.register_fake
+def _(g, u, beta1, beta2):
+    return g.new_empty(g.shape)
+
+
+@torch.library.custom_op("k3kernels::situ_bwd", mutates_args=())
+def situ_bwd(
+    g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, beta1: float, beta2: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g, u, dh = g.contiguous(), u.contiguous(), dh.contiguous()
+    dg, du = torch.empty_like(g), torch.empty_like(u)
+    n = g.numel()
+    if n:
+        _situ_bwd[(triton.cdiv(n, BLOCK),)](g, u, dh, dg, du, n, beta1, beta2, BLOCK=BLOCK)
+    return dg, du
+
+
+@situ_bwd.register_fake
+def _(g, u, dh, beta1, beta2):
+    return g.new_empty(g.shape), u.new_empty(u.shape)
+
+
+def _situ_setup(ctx, inputs, output):
+    g, u, beta1, beta2 = inputs
+    ctx.save_for_backward(g, u)
+    ctx.betas = (beta1, beta2)
+
+
+def _situ_backward(ctx, dh):
+    g, u = ctx.saved_tensors
+    return (*situ_bwd(g, u, dh, *ctx.betas), None, None)
+
+
+situ_fwd.register_autograd(_situ_backward, setup_context=_situ_setup)
 
 
 def situ_triton(g: torch.Tensor, u: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
     """SiTU-GLU of g and u (same shape) with the Triton kernel; differentiable."""
     if g.shape != u.shape:
         raise ValueError(f"situ_triton: gate {tuple(g.shape)} and linear {tuple(u.shape)} differ in shape")
-    return _SiTU.apply(g, u, beta1, beta2)
+    return situ_fwd(g, u, float(beta1), float(beta2))
