@@ -60,7 +60,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--only", nargs="+", choices=ITEMS, metavar="LAYER", help=f"run only these ({' '.join(ITEMS)})")
     ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 38 on CUDA)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per layer (default 5; smoke 1)")
-    ap.add_argument("--profile", action="store_true", help="after timing, print each layer's top kernels (profiler)")
+    ap.add_argument(
+        "--profile",
+        nargs="*",
+        choices=ITEMS,
+        metavar="LAYER",
+        default=None,
+        help="after timing, print these layers' top kernels by device time (all layers when none is named)",
+    )
     ap.add_argument("--gpu", default=None, help="k3train.plan.gpus entry to price against (default: detected)")
     a = ap.parse_args(argv)
     a.device = "cpu" if a.cpu_smoke else "cuda"
@@ -239,7 +246,7 @@ def measure(spec, a, dtype, deadline: float, row: dict) -> None:
             each = max(time.monotonic() - t - row["compile_s"], 1e-6)
             n = max(1, min(a.iters, int((deadline - time.monotonic()) * 0.5 / each)))
             row["times"] = _timed(step, n, a.device)
-            if a.profile:
+            if a.profile is not None and (not a.profile or row["layer"] in a.profile):
                 _profile(step, a.device)
         try:
             row["counted"] = _counted(module, call, x)
