@@ -615,13 +615,13 @@ def _zero_gather_skipped(orig):
 def _pp_stage_with(name, make):
     """Patch one method of the pipeline stage class that _pipeline_stage_cls builds (a new class per call).
     make(k3_method, torch_method) -> replacement: the stage's own override (from its mixins) and PipelineStage's
-    method."""
+    method (None where torch has none)."""
 
     def patch(orig):
         def _pipeline_stage_cls():
             cls = orig()
             torch_cls = next(c for c in cls.__mro__ if c.__name__ == "PipelineStage")
-            setattr(cls, name, make(getattr(cls, name), getattr(torch_cls, name)))
+            setattr(cls, name, make(getattr(cls, name), getattr(torch_cls, name, None)))
             return cls
 
         return _pipeline_stage_cls
@@ -650,6 +650,22 @@ def _bwd_bytes_as_elements(k3_method, torch_method):
         return ops
 
     return get_bwd_send_ops
+
+
+def _torch_recv_setup(orig):
+    """torch's own receive set-up back: every micro-batch's input and output-gradient buffers made at set-up."""
+
+    def torchs(k3_method, torch_method):
+        return torch_method
+
+    return _pp_stage_with("_create_grad_recv_info", torchs)(_pp_stage_with("_setup_forward_recv_info", torchs)(orig))
+
+
+def _recv_buffers_kept(k3_method, torch_method):
+    def _release_chunk(self, chunk_id):
+        return None  # a micro-batch's receive buffers stay after its backward, to the end of the step and beyond
+
+    return _release_chunk
 
 
 def _positions_are_the_order(orig):
@@ -1318,6 +1334,7 @@ KDA_CP = "tests/unit/test_kda_cp.py"
 EP = "tests/unit/test_ep_local.py"
 MOONEP = "tests/unit/test_moonep_planner.py"
 PIECES = "tests/unit/test_parallel_pieces.py"
+RECV = "tests/unit/test_pipeline_recv_buffers.py"
 OVERLAP = "tests/unit/test_ep_overlap.py"
 MB_OVERLAP = "tests/unit/test_ep_microbatch_overlap.py"
 GAPS = "tests/unit/test_mutant_gaps.py"
@@ -1752,6 +1769,21 @@ MUTATIONS: list[Mutation] = [
         "backward sends counted in elements, not bytes",
         _pp_stage_with("get_bwd_send_ops", _bwd_bytes_as_elements),
         (f"{PIECES}::test_pipeline_step_equals_one_process",),
+    ),
+    M(
+        "pp_recv_buffers_at_setup",
+        "k3train.parallel.pipeline:_pipeline_stage_cls",
+        "every micro-batch's receive buffers are made when the stage is set up (torch's PipelineStage), not as its "
+        "receives are posted",
+        _torch_recv_setup,
+        (f"{RECV}::test_receive_buffers_follow_the_microbatches_in_flight",),
+    ),
+    M(
+        "pp_recv_buffers_kept",
+        "k3train.parallel.pipeline:_pipeline_stage_cls",
+        "a micro-batch's receive buffers are not let go after its backward",
+        _pp_stage_with("_release_chunk", _recv_buffers_kept),
+        (f"{RECV}::test_receive_buffers_follow_the_microbatches_in_flight",),
     ),
     M(
         "ep_combine_sort_order",

@@ -21,6 +21,11 @@ rank), interleaved_1f1b, looped_bfs, interleaved_zb (loop placement: stage s on 
 (V placement: rank r holds stages r and 2 pp - 1 - r). Stage shapes are given statically, so no metadata-inference
 forward runs (it would run the routers on uninitialised inputs and count them).
 
+Receive buffers. torch's PipelineStage makes every micro-batch's receive buffers (a stage's input and its output's
+gradient) at set-up and keeps them for the whole step; K3PipelineStage makes a micro-batch's buffers when its
+receives are posted and lets them go once its backward has consumed them. A rank then holds boundary tensors for the
+micro-batches in flight (about pp x vpp under 1F1B, interleaved 1F1B and DualPipeV), not for the step's m.
+
 Data-parallel gradient reduction starts in a stage's last backward of the step (the schedule's last_backward flag:
 buckets are launched as their gradients complete) and ends at `perform_reduce_grad`, which the schedules call right
 after that backward: the rest is launched and everything waited for there. Pipeline ZeRO-2 reduce-scatters each
@@ -344,7 +349,10 @@ class _K3Stage:
                 feed.run_before(act)
                 feed.note(act.kind, act.stage, act.mb)
             self.submod.chunk = fwd_chunk_id
-            return super().forward_one_chunk(fwd_chunk_id, *a, **k)
+            out = super().forward_one_chunk(fwd_chunk_id, *a, **k)
+        if not self.has_backward:
+            self._release_chunk(fwd_chunk_id)
+        return out
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         feed, act = self.vision_feed, Act("B", self.stage_index, bwd_chunk_id)
@@ -363,6 +371,11 @@ class _K3Stage:
             out = super().backward_one_chunk(
                 bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
             )
+            self._release_chunk(bwd_chunk_id)
+            if full_backward and loss is not None and not loss._is_view():
+                # The schedule keeps each micro-batch's loss to the step's end; its spent graph would keep the
+                # received input alive (the input's AccumulateGrad node holds it).
+                loss.detach_()
             if feed is not None and self.is_first:  # the first stage sends nothing backward
                 feed.run_after(act)
         return out
@@ -389,6 +402,67 @@ class _K3Stage:
             feed.run_after(act)
         return []
 
+    # Receive buffers. torch's PipelineStage makes, at set-up, a buffer for every micro-batch of the step (its input
+    # and its output's gradient) and keeps them all: O(micro-batches) boundary tensors. Here a micro-batch's buffers
+    # are made when its receives are posted and let go once its backward has consumed them, so a stage holds them
+    # only for the micro-batches in flight. A buffer not yet made is a _RecvInfo with tensor_meta but no buffer.
+    def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
+        if self.is_first:  # root arguments: nothing is received
+            return super()._setup_forward_recv_info(num_microbatches, has_backward)
+        from torch.distributed.pipelining.stage import _RecvInfo
+
+        src, metas = self.stage_index - 1, self._stage_meta.inputs
+        name = f"recv_for_{self.stage_index}_from_{src}"
+        self.args_recv_info = {
+            mb: tuple(_RecvInfo(name, src, None, m) for m in metas) for mb in range(num_microbatches)
+        }
+
+    def _create_grad_recv_info(self, act_send_info: dict) -> tuple:
+        from torch.distributed.pipelining.stage import _RecvInfo
+
+        if self.is_last:
+            return ()
+        metas = self._stage_meta.output_grads
+        return tuple(
+            _RecvInfo(f"recv_grad_for_{self.stage_index}_from_{dst[0]}", dst[0], None, metas[i])
+            for i, dst in act_send_info.items()
+        )
+
+    def _make_buffers(self, infos: tuple) -> None:
+        from torch.distributed.pipelining import stage as torch_stage
+
+        for info in infos:
+            if not info.is_root_arg and info.buffer is None and info.tensor_meta is not None:
+                info.buffer = torch_stage._make_tensor_from_meta(info.tensor_meta, self.device)
+
+    @staticmethod
+    def _let_go(infos: tuple) -> None:
+        for info in infos:
+            if not info.is_root_arg:
+                info.buffer = None
+
+    def get_fwd_recv_ops(self, fwd_chunk_id):
+        self._make_buffers(self.args_recv_info[fwd_chunk_id])
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id):
+        if self.has_backward and not self.is_last:
+            self._make_buffers(self.grad_recv_info[bwd_chunk_id])
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index):
+        """V placement: the next stage's input gradients are handed over; a None one still needs a (zeroed) buffer."""
+        for info, grad in zip(self.grad_recv_info[mb_index], next_stage_bwd_outputs):
+            if grad is None:
+                self._make_buffers((info,))
+        super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    def _release_chunk(self, chunk_id: int) -> None:
+        """The chunk's backward (or its forward, without backward) has run: what a split backward still needs, its
+        weight pass keeps by itself (torch's backward_state)."""
+        self._let_go(self.args_recv_info.get(chunk_id, ()))
+        self._let_go(self.grad_recv_info.get(chunk_id, ()))
+
     @staticmethod
     def _counted(ops: list, what: str) -> list:
         for op in ops:
@@ -413,7 +487,9 @@ def _pipeline_stage_cls():
         part)` once per step right after that backward (the schedule's REDUCE_GRAD point: what is still missing is
         launched and everything is waited for), (2) counts its point-to-point bytes, (3) measures its busy time,
         (4) on the first pipeline rank, runs the vision work a VisionFeed's plan places around its actions (after
-        an action's sends are posted when the work fills the idle time that follows it)."""
+        an action's sends are posted when the work fills the idle time that follows it), (5) makes a micro-batch's
+        receive buffers (its input, its output's gradient) when their receives are posted and lets them go after its
+        backward, so it holds them for the micro-batches in flight, not for every micro-batch of the step."""
 
     return K3PipelineStage
 
