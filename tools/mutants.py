@@ -1157,6 +1157,20 @@ def _group_ranks_reversed(orig):
     return with_globals(orig, dist=Proxy(dist, new_group=new_group))
 
 
+def _loss_workspace_dropped(orig):
+    def loss_workspace_bytes(*a, **kw):
+        return 0.0
+
+    return loss_workspace_bytes
+
+
+def _receive_buffers_dropped(orig):
+    def pipeline_boundaries(x, s):
+        return {**orig(x, s), "recv_bytes": 0.0}
+
+    return pipeline_boundaries
+
+
 def _kda_saved_halved(orig):
     from k3train.models.costs import Costs, Saved
 
@@ -2391,6 +2405,20 @@ MUTATIONS: list[Mutation] = [
         "KDA declares half of the activations it saves per token (the planner's memory; the dry run measures it)",
         _kda_saved_halved,
         (f"{DRY}::test_reduced_world_ranks_issue_matching_collectives",),
+    ),
+    M(
+        "dryrun_planner_drops_loss_workspace",
+        "k3train.models.k3.loss:loss_workspace_bytes",
+        "the planner leaves out the chunked loss's backward workspace (its [V, D] weight-gradient sum and cast)",
+        _loss_workspace_dropped,
+        (f"{DRY}::test_loss_workspace_declaration_is_what_its_backward_holds",),
+    ),
+    M(
+        "dryrun_planner_drops_receive_buffers",
+        "k3train.plan.planner:pipeline_boundaries",
+        "the planner leaves out the receive buffers torch's PipelineStage makes for every micro-batch",
+        _receive_buffers_dropped,
+        (f"{DRY}::test_pipeline_ranks_peak_by_kind_equals_the_planner",),
     ),
 ]
 BY_NAME = {m.name: m for m in MUTATIONS}

@@ -204,8 +204,9 @@ class DryRunConfig:
     loads: str = "balanced"
     """Stand-in expert loads of the dry run: balanced (every expert the same rows) or zipf (skewed, per call)."""
     microbatches: int = 0
-    """Micro-batches of the dry run's one step; 0 takes pp x vpp, the pipeline's stages (the schedule's peak
-    memory stops growing once each stage holds a micro-batch)."""
+    """Micro-batches of the dry run's one step; 0 takes pp x vpp, the pipeline's stages (the schedule's saved
+    activations stop growing once each stage holds a micro-batch; the pipeline's receive buffers, one per
+    micro-batch, grow with m, and the planner counts them at the run's m)."""
     check: str = "warn"
     """At training start on CUDA without a passing dry-run verdict for the run's model, layout, activation and
     kernels: warn (print a warning) or strict (refuse to start)."""

@@ -32,8 +32,26 @@ SMALL = 1 << 24
 table: a 1M-token row's document starts)."""
 
 
-SNAPSHOT_STEP = 1.01
-"""The peak's snapshot of live storages is retaken each time the peak grows by 1%."""
+KINDS = ("grads", "activations", "pp_buffers", "ep_buffers", "cp_buffers", "workspace")
+"""What a storage alive at the step peak is, in the planner's kinds (k3train.plan.planner.RankPlan.by_kind)."""
+
+
+def kind_of(backward: bool, tags: set) -> str:
+    """The kind of a storage from where it was made (in a backward: an autograd node was running) and its tags:
+    a gradient (tagged "grads"); a pipeline boundary tensor (handed to a point-to-point op); saved for backward
+    (handed to a saved-tensor pack hook) in a forward: an activation, in a backward (a recomputed region's
+    saves): workspace; handed to an EP all-to-all or a CP collective: that buffer; anything else made in a
+    forward and alive at the peak is held for backward (an activation), made in a backward it is workspace."""
+    if "grads" in tags:
+        return "grads"
+    if "pp" in tags:
+        return "pp_buffers"
+    if "saved" in tags:
+        return "workspace" if backward else "activations"
+    for t in ("ep", "cp"):
+        if t in tags:
+            return f"{t}_buffers"
+    return "workspace" if backward else "activations"
 
 
 def _device_type(dev) -> str | None:
@@ -49,12 +67,13 @@ class FakeCPU(FakeTensorMode):
         self.live = 0
         """Bytes of the fake storages alive now (each storage once, however many views)."""
         self.peak = 0
-        self._refs: dict[int, list] = {}  # storage -> [bytes, tensors alive on it, the op that made it]
+        # storage -> [bytes, tensors alive on it, the op that made it, made in a backward, tags (see kind_of),
+        # clock when made, clock when freed (None: alive)]
+        self._refs: dict[int, list] = {}
         self._op = ""
-        self.at_peak: dict[int, tuple[int, str]] = {}
-        """The live storages (bytes, making op) at the last snapshot of the peak: taken each time the peak grows
-        by SNAPSHOT_STEP over the last one, so it is within that of the true peak."""
-        self._snapshot_at = 0
+        self._clock = 0  # counts every storage made and freed: the order of events
+        self.log: list[list] | None = None
+        """Every storage made since reset_peak, alive or freed (their _refs entries): the step's memory over time."""
 
     def _track(self, out) -> None:
         import weakref
@@ -65,12 +84,14 @@ class FakeCPU(FakeTensorMode):
             key = t.untyped_storage()._cdata
             ref = self._refs.get(key)
             if ref is None:
-                ref = self._refs[key] = [t.untyped_storage().nbytes(), 0, self._op]
+                backward = torch._C._current_autograd_node() is not None
+                self._clock += 1
+                ref = [t.untyped_storage().nbytes(), 0, self._op, backward, set(), self._clock, None]
+                self._refs[key] = ref
                 self.live += ref[0]
                 self.peak = max(self.peak, self.live)
-                if self.peak > self._snapshot_at * SNAPSHOT_STEP:
-                    self._snapshot_at = self.peak
-                    self.at_peak = {k: (r[0], r[2]) for k, r in self._refs.items()}
+                if self.log is not None:
+                    self.log.append(ref)
             ref[1] += 1
             weakref.finalize(t, self._release, key)
 
@@ -80,21 +101,62 @@ class FakeCPU(FakeTensorMode):
             ref[1] -= 1
             if ref[1] == 0:
                 self.live -= ref[0]
+                self._clock += 1
+                ref[6] = self._clock
                 del self._refs[key]
 
-    def reset_peak(self) -> None:
-        self.peak = self._snapshot_at = self.live
-        self.at_peak = {}
+    @property
+    def clock(self) -> int:
+        """The count of storages made and freed so far (step_memory's `until`)."""
+        return self._clock
 
-    def peak_by_op(self, exclude: set[int] = frozenset(), top: int = 6) -> list[tuple[str, int, int]]:
-        """(making op, bytes, storages) of the peak snapshot's storages not in `exclude`, largest first."""
-        groups: dict[str, list[int]] = {}
-        for key, (nbytes, op) in self.at_peak.items():
-            if key not in exclude:
-                g = groups.setdefault(op, [0, 0])
-                g[0] += nbytes
-                g[1] += 1
-        return sorted(((op, b, n) for op, (b, n) in groups.items()), key=lambda x: -x[1])[:top]
+    def reset_peak(self) -> None:
+        """Starts the step's log: peak and composition count the storages made from here on."""
+        self.peak = self.live
+        self.log = []
+
+    def tag(self, tensors, name: str) -> None:
+        """Adds tag `name` (see kind_of) to the storages of the fake tensors among `tensors` (any pytree)."""
+        for t in tree_leaves(tensors):
+            if isinstance(t, FakeTensor):
+                ref = self._refs.get(t.untyped_storage()._cdata)
+                if ref is not None:
+                    ref[4].add(name)
+
+    def tag_saved(self):
+        """A context in which every tensor autograd saves for backward is tagged "saved": each saved-tensor pack
+        hook pushed inside it (activation policies, checkpointing) is wrapped to tag first, and an outermost one
+        tags what unmanaged modules save (and keeps the tensor itself)."""
+        return _SavedTagger(self)
+
+    def step_memory(self, top: int = 10, until: int | None = None) -> StepMemory:
+        """The log's memory over the step up to clock `until` (default: now; `clock` read earlier, so that tags
+        given since still count): its peak (bytes above what was alive at reset_peak), what is alive at that moment
+        by kind and by making op, and each kind's own peak."""
+        until = self._clock if until is None else until
+        events = []
+        for ref in self.log or ():
+            if ref[5] > until:
+                continue
+            events.append((ref[5], ref[0], ref))
+            if ref[6] is not None and ref[6] <= until:
+                events.append((ref[6], -ref[0], ref))
+        events.sort(key=lambda e: e[0])
+        live, best, at = 0, 0, 0
+        kind_live = dict.fromkeys(KINDS, 0)
+        kind_peak = dict.fromkeys(KINDS, 0)
+        kind_at = dict.fromkeys(KINDS, 0)
+        for clock, nbytes, ref in events:
+            live += nbytes
+            k = kind_of(ref[3], ref[4])
+            kind_live[k] += nbytes
+            if kind_live[k] > kind_peak[k]:
+                kind_peak[k], kind_at[k] = kind_live[k], clock
+            if live > best:
+                best, at = live, clock
+        by_kind, by_op = _alive_by_op(self.log or (), at, top)
+        kind_ops = {k: _alive_by_op(self.log or (), kind_at[k], top, k)[1] for k in KINDS if kind_peak[k]}
+        return StepMemory(best, by_kind, kind_peak, by_op, kind_ops)
 
     @staticmethod
     def _shape(args) -> str:
@@ -130,6 +192,64 @@ class FakeCPU(FakeTensorMode):
             out = super().__torch_dispatch__(func, types, args, kwargs)
         self._track(out)
         return out
+
+
+@dataclass
+class StepMemory:
+    """FakeCPU.step_memory: the step's peak of bytes made during it, its composition and each kind's own peak."""
+
+    peak: int
+    by_kind: dict
+    """{kind: bytes} alive at the peak."""
+    kind_peaks: dict
+    """{kind: the most bytes of that kind alive at once during the step}."""
+    by_op: list
+    """[("kind: making op", bytes, storages)] alive at the peak, largest first."""
+    kind_ops: dict
+    """{kind: [("kind: making op", bytes, storages)] of that kind alive at its own peak, largest first}."""
+
+
+def _alive_by_op(log, at: int, top: int, only: str | None = None) -> tuple[dict, list]:
+    """({kind: bytes}, [("kind: op", bytes, storages)] largest first) of the logged storages alive at clock `at`
+    (of kind `only` if given)."""
+    by_kind, groups = dict.fromkeys(KINDS, 0), {}
+    for nbytes, _, op, backward, tags, made, freed in log:
+        if made <= at and (freed is None or freed > at):
+            kind = kind_of(backward, tags)
+            if only is not None and kind != only:
+                continue
+            by_kind[kind] += nbytes
+            g = groups.setdefault(f"{kind}: {op}", [0, 0])
+            g[0] += nbytes
+            g[1] += 1
+    return by_kind, sorted(((op, b, n) for op, (b, n) in groups.items()), key=lambda x: -x[1])[:top]
+
+
+class _SavedTagger:
+    def __init__(self, fake: FakeCPU):
+        self.fake = fake
+
+    def _pack(self, t):
+        self.fake.tag(t, "saved")
+        return t
+
+    def __enter__(self):
+        from torch.autograd import graph
+
+        mod, self.push = torch._C._autograd, torch._C._autograd._push_saved_tensors_default_hooks
+
+        def push(pack, unpack):
+            return self.push(lambda t: pack(self._pack(t)), unpack)
+
+        mod._push_saved_tensors_default_hooks = push
+        self.outer = graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self.outer.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.outer.__exit__(*exc)
+        torch._C._autograd._push_saved_tensors_default_hooks = self.push
+        return False
 
 
 @dataclass(frozen=True)
@@ -179,6 +299,8 @@ class Recorder:
     """The calls of one rank, in order (see Call)."""
 
     calls: list[Call] = field(default_factory=list)
+    on_call: object = None
+    """Called as on_call(call, args) after each recorded call (the dry run tags the buffers handed to it)."""
 
     def see(self, func, args) -> None:
         pg = _group_of(args)
@@ -202,6 +324,8 @@ class Recorder:
             nbytes = inp.numel() * inp.element_size()
             dtype = str(inp.dtype).replace("torch.", "")
         self.calls.append(Call(name, pg.group_name, ranks, nbytes, dtype, peer, in_splits, out_splits, row))
+        if self.on_call is not None:
+            self.on_call(self.calls[-1], args)
 
 
 class Recording(TorchDispatchMode):

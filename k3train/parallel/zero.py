@@ -164,6 +164,24 @@ def _grad_hook(group: "ShardGroup", it: ShardedParam):
     return hook
 
 
+BUCKET_NUMEL = 1 << 25
+"""Gradient elements per reduction bucket (a parameter larger than this is a bucket by itself)."""
+
+
+def bucket_groups(numels: list[int], cap: int = BUCKET_NUMEL) -> list[list[int]]:
+    """The reduction buckets of parameters of `numels` elements, in order: the indices in each (a bucket takes
+    parameters until the next would pass `cap` elements)."""
+    out: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(numels):
+        if not out or total + n > cap:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += n
+    return out
+
+
 def _fold_bf16_grad(it: ShardedParam) -> None:
     g = it.param.grad
     if g is None:
@@ -249,7 +267,7 @@ class ShardGroup:
         group,
         dim: str,
         zero: int,
-        bucket_numel: int = 1 << 25,
+        bucket_numel: int = BUCKET_NUMEL,
         blocks: dict[str, tuple[int, int]] | None = None,
         precision: str = "fp32",
         reduce_group=None,
@@ -299,12 +317,7 @@ class ShardGroup:
 
     @staticmethod
     def _make_buckets(items: list[ShardedParam], cap: int) -> list[Bucket]:
-        out: list[Bucket] = []
-        for it in items:
-            if not out or sum(s.param.numel() for s in out[-1].items) + it.param.numel() > cap:
-                out.append(Bucket())
-            out[-1].items.append(it)
-        return out
+        return [Bucket([items[i] for i in g]) for g in bucket_groups([it.param.numel() for it in items], cap)]
 
     # ---- gradient reduction ---------------------------------------------------------------------------------------
     # Every bucket reduction of a step goes through one queue per group and is launched strictly in queue order,
@@ -509,9 +522,12 @@ class ShardGroup:
     # ---- memory facts -------------------------------------------------------------------------------------------
     def grad_bytes(self) -> int:
         """Bytes of gradients this rank holds now (full gradients, reduce-scattered chunks, owned Muon matrices)."""
+        return _storage_bytes(self.grad_tensors())
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The gradients this rank holds now (full gradients, reduce-scattered chunks, owned Muon matrices)."""
         tensors = list(self.shard_grads.values()) + list(self.muon_owned.values())
-        tensors += [g for it in self.items for g in (it.param.grad, it.grad32) if g is not None]
-        return _storage_bytes(tensors)
+        return tensors + [g for it in self.items for g in (it.param.grad, it.grad32) if g is not None]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -530,7 +546,7 @@ class ShardedOptimizer:
         zero: int = 0,
         groups: dict[str, tuple] | None = None,
         expert_blocks: dict[str, tuple[int, int]] | None = None,
-        bucket_numel: int = 1 << 25,
+        bucket_numel: int = BUCKET_NUMEL,
         precision: str = "fp32",
         reduce_groups: dict | None = None,
     ):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 
 from k3train.models.costs import Flops, Saved
 from k3train.models.k3.args import K3ModelArgs
+from k3train.models.k3.loss import loss_workspace_bytes
 from k3train.models.k3.model import K3Layer, K3Model, sources_after
 from k3train.models.k3.mixers import layer_mixer
 
@@ -109,14 +110,15 @@ def layer_bytes_per_token(
                 total += _device_bytes(experts + Saved(act=args.moe_latent_dim * args.top_k), exp_policy, act_bytes)
         return total
     # Mixers checkpointed: they keep their inputs as they are (new in each layer: the partial sums before and after
-    # the attention) and save nothing else; routed experts recomputed from the routing and the latent rows.
+    # the attention) and save nothing else; routed experts recomputed from the routing and their k dispatched latent
+    # rows (k L per token: the rows the experts start from, after the exchange).
     total += 2 * args.dim * act_bytes
     total += _device_bytes(norms, layer_policy, act_bytes)
     total += _device_bytes(attn, attn_policy, act_bytes)
     total += _device_bytes(ffn_other, ffn_policy, act_bytes)
     if experts is not None:
         if exp_policy in (None, "recompute"):
-            total += args.moe_latent_dim * act_bytes + args.top_k * (8 + 4)
+            total += args.top_k * args.moe_latent_dim * act_bytes + args.top_k * (8 + 4)
         else:
             total += _device_bytes(experts, exp_policy, act_bytes)
     return total
@@ -191,7 +193,9 @@ def stage_bytes(
 
     The workspace is the transient bytes of the stage's most expensive layer while it runs backward (one layer at a
     time): a recomputed layer rebuilds everything it saves under keep for its own backward (one micro-batch), and its
-    token mixer's declared `workspace_bytes` per row (Gated MLA: one tile of its blocked attention)."""
+    token mixer's declared `workspace_bytes` per row (Gated MLA: one tile of its blocked attention); on the last
+    stage, the chunked loss's backward (k3train.models.k3.loss.loss_workspace_bytes: the [V, D] weight-gradient sum
+    and its cast, one chunk's logits) when it is larger."""
     S = 1 if first else sources_after(args, layers[0] - 1)
     total = worst = 0.0
     if first:
@@ -208,7 +212,8 @@ def stage_bytes(
         w += rows * layer_mixer(args, i).workspace_bytes(args, tokens // max(rows, 1), seq_len, act_bytes)
         worst = max(worst, w)
         S = sources_after(args, i)
-    if last:
+    if last:  # the LM head's chunked loss runs its backward alone, first
+        worst = max(worst, loss_workspace_bytes(args.dim, args.vocab_size, tokens, act_bytes, act_bytes))
         head = {k: c.saved for k, c in K3Model.head_costs(args, S, seq_len).items()}
         if plan.k3_defaults:  # the final mixer checkpointed: it keeps only the last partial sum
             head["final_res"] = Saved(act=args.dim, bf16=2.0 * args.dim)

@@ -7,8 +7,10 @@ Memory per pipeline rank (its stages and virtual stages), the worst data-paralle
 group holds the largest ZeRO chunks):
 - training state (k3train.plan.state_memory, exact): parameters, gradients, master weights, optimizer states;
 - saved activations (k3train.plan.activations) of every micro-batch in flight, at the peak of the schedule's own
-  timeline (k3train.plan.schedule_sim), with the stage's full gradient live from its first backward on; the
-  received AttnRes sources each in-flight micro-batch holds, and the send buffer of one micro-batch;
+  timeline (k3train.plan.schedule_sim), with the stage's full gradient live from its first backward on;
+- the pipeline boundary tensors over the same timeline (pipeline_boundaries): the receive buffers of every
+  micro-batch, the stage outputs until their backward (or the step's end where the schedule holds its sends) and
+  the received inputs' gradients;
 - the workspace of the stage's most expensive layer in backward (k3train.plan.activations.stage_bytes):
   a recomputed layer's rebuilt activations, Gated MLA's [T, T] softmax gradient;
 - offloaded activations in host memory, over the same timeline (a separate figure, checked against the host memory
@@ -62,7 +64,8 @@ class RankPlan:
     layers: list[list[int]]
     state: dict[str, int]  # params, grads, master, optim (at the measurement point: after the reduction)
     by_kind: dict[str, float]
-    """Peak bytes by kind: params, master, optim, grads, activations, pp_buffers (the boundary send buffer),
+    """Peak bytes by kind: params, master, optim, grads, activations, pp_buffers (the pipeline boundary tensors:
+    receive buffers, outputs and received inputs' gradients, at their peak over the schedule's timeline),
     ep_buffers, cp_buffers and workspace."""
     host: float = 0.0
     """Peak bytes of offloaded activations in host memory (not part of the device total)."""
@@ -302,8 +305,6 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
     kw = dict(first=s == 0, last=s == n - 1, tokens=tokens, rows=x.mb, seq_len=x.seq, plan=x.pplan, act_bytes=ab)
     act, work_bytes = stage_bytes(args, layers, **kw)
     host = stage_bytes(args, layers, **{**kw, "plan": x.pplan.offload_kept()})[0] - act  # offloaded bytes
-    if s > 0:  # the received sources a micro-batch holds until its backward
-        act += sources_after(args, layers[0] - 1) * tokens * args.dim * ab
     G = args.n_experts // dims.ep if dims.ep > 1 else 0
     expert_numel = 3 * args.moe_latent_dim * args.expert_hidden
     if dims.ep > 1 and dims.ep_dispatcher == "moonep":  # hosted experts' weights are saved for backward
@@ -334,9 +335,10 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
         latent = [layer_mixer(args, i).cp_gather(args).token_act for i in layers]
         lat = x.mb * x.seq * ab
         cpt = 3 * sum(latent) * lat * (dims.cp - 1) / dims.cp / x.bandwidth(dims.cp, 1)
-        cp_buf = max(latent) * lat
+        cp_buf = max(cp_gather_bytes(x, i) for i in layers)
     boundary = sources_after(args, layers[-1]) * tokens * args.dim * ab if s < n - 1 else 0.0  # the send buffer
     send = boundary / x.bandwidth(2, dims.dp_cp)
+    pp = pipeline_boundaries(x, s)
     # Any recomputed region (the K3 defaults checkpoint the AttnRes mixers) or MoonEP's shared weight all-to-all fuses
     # a split backward (StageCost; k3train.parallel.engine)
     cost = StageCost(
@@ -346,6 +348,7 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
         *x.state.stage_grad_bytes(s),
         send_s=send,
         fused_backward=x.pplan.k3_defaults or (G > 0 and dims.ep_dispatcher == "moonep" and n_moe > 0),
+        **pp,
     )
     bufs = {"pp": boundary, "ep": ep_buf, "cp": cp_buf, "work": work_bytes, "host": host}
     by_class |= {"ep_all_to_all": a2a, "cp": cpt, "host_copies": waits}
@@ -354,6 +357,39 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
     extra["a2a_recompute_passes"] = passes - sum(4 for i in layers if args.ffn_kind(i) == "moe")
     figures = {"ep_in_stages": a2a, "ep_total": ep["total"], "cp_in_stages": cpt}
     return cost, bufs, figures | {"by_class": by_class, "policy": extra}
+
+
+def cp_gather_bytes(x: _Inputs, layer_id: int) -> float:
+    """The CP buffers of one layer's gather (its mixer's CPGather), per micro-batch: the gathered pieces of every
+    row (its token latent over the whole row, its per-piece fp32 summaries and halos) beside the rank's own share
+    of them, the all-gather's input."""
+    g, dims = layer_mixer(x.args, layer_id).cp_gather(x.args), x.dims
+    row = g.token_act * x.seq * x.act_bytes + dims.cp_pieces * (4 * g.piece_fp32 + x.act_bytes * g.piece_act)
+    return x.mb * row * (1 + 1 / dims.cp)
+
+
+def pipeline_boundaries(x: _Inputs, s: int) -> dict:
+    """Stage s's boundary tensors as StageCost fields (k3train.plan.schedule_sim): its output of one micro-batch
+    (the AttnRes sources after its last layer, [S, B, T, D]), the gradient of one received input and whether a
+    single-stage schedule keeps it to the next backward, and the receive buffers
+    torch's PipelineStage makes for every micro-batch of the step (inputs from, and output gradients of, stages on
+    other ranks)."""
+    from k3train.parallel.mesh import stage_to_rank
+
+    args, n, m = x.args, x.dims.n_stages, x.dims.microbatches
+    where = stage_to_rank(x.dims)
+    one = x.tokens * args.dim * x.act_bytes
+    layers = x.stage_layers[s]
+    out = sources_after(args, layers[-1]) * one if s < n - 1 else 0.0
+    into = sources_after(args, layers[0] - 1) * one if s > 0 else 0.0
+    remote_next = s < n - 1 and where[s + 1] != where[s]  # a stage on the same rank is handed the tensor itself
+    remote_prev = s > 0 and where[s - 1] != where[s]
+    return {
+        "out_bytes": out,
+        "in_grad_bytes": into,
+        "keeps_last_send": x.dims.placement == "single",
+        "recv_bytes": m * (into * remote_prev + out * remote_next),
+    }
 
 
 def _whole_rerun(plan, i: int) -> bool:
@@ -403,9 +439,9 @@ def _rank_plan(x: _Inputs, r: int, stages: list, timeline, host_timeline) -> Ran
         "params": st.params,
         "master": st.master,
         "optim": st.optim,
-        "grads": max(peak["gradients"], st.grads),
+        "grads": max(peak["gradients"], st.grads) + x.state.reduction_copy_bytes(r),
         "activations": peak["activations"],
-        "pp_buffers": buf["pp"],
+        "pp_buffers": peak["pp_peak"],
         "ep_buffers": buf["ep"],
         "cp_buffers": buf["cp"],
         "workspace": buf["work"],
@@ -456,7 +492,15 @@ def plan_run(
     host_timeline = None  # offloaded activations live in host memory over the same timeline
     if any(b["host"] for _, b, _ in stages):
         host_costs = {
-            s: replace(c, act_bytes=stages[s][1]["host"], grad_bytes=0.0, grad_shard_bytes=0.0)
+            s: replace(
+                c,
+                act_bytes=stages[s][1]["host"],
+                grad_bytes=0.0,
+                grad_shard_bytes=0.0,
+                out_bytes=0.0,
+                in_grad_bytes=0.0,
+                recv_bytes=0.0,
+            )
             for s, c in costs.items()
         }
         host_timeline = simulate(dims, host_costs, zero=dims.zero)

@@ -8,6 +8,14 @@ frees them; under a split backward I frees the part only the input gradient need
 weight matmuls, WEIGHT_SHARE of the whole), unless the stage fuses them (it holds recomputed regions: I runs the
 whole backward and frees everything, W is empty). A stage's full gradient lives from its first backward to its
 REDUCE_GRAD point (its last backward) under Pipeline ZeRO-2, and to the end of the step otherwise.
+
+Pipeline boundary tensors follow it too (torch.distributed.pipelining's PipelineStage and schedules): a stage's
+receive buffers, of its input and of its output's gradient, one per micro-batch of the step, exist from the step's
+start (`recv_bytes`); its output lives from its forward to its backward (the stage's forward cache); the gradient
+of its received input, sent back, lives through its backward, and under a single-stage schedule (gpipe, 1f1b) to
+the next backward, whose send replaces the ops that hold it. Multi-stage schedules keep only the sends' work
+handles until the step ends: under NCCL, which keeps a sent tensor until its work is waited for, those tensors would
+stay to the step's end (the fake backend of the dry run keeps none; not counted here).
 """
 
 from __future__ import annotations
@@ -30,6 +38,14 @@ class StageCost:
     fused_backward: bool = False
     """The stage holds recomputed regions, so a split backward's I computes the weight gradients too and W is
     empty (k3train.parallel.pipeline.K3PipelineStage)."""
+    out_bytes: float = 0.0
+    """The stage's output of one micro-batch (the boundary tensor it hands on; 0 on the last stage)."""
+    in_grad_bytes: float = 0.0
+    """The gradient of one micro-batch's received input (0 on the first stage)."""
+    keeps_last_send: bool = False
+    """A single-stage schedule: the send ops of a backward's input gradient live until the next backward's."""
+    recv_bytes: float = 0.0
+    """The receive buffers of the whole step (every micro-batch's input and output gradient)."""
 
 
 @dataclass
@@ -62,23 +78,38 @@ def simulate(dims: ParallelDims, costs: dict[int, StageCost], *, zero: int) -> T
     makespan = max((evs[-1][1] for evs in events.values() if evs), default=0.0)
     parts = {}
     for r, evs in events.items():
-        live_act, best, best_parts = 0.0, 0.0, {"activations": 0.0, "gradients": 0.0}
+        static = sum(costs[s].recv_bytes for s in {a.stage for a in orders[r]})
+        live_act, live_pp, pp_peak = 0.0, static, static
+        best, best_parts = 0.0, {"activations": 0.0, "gradients": 0.0, "pp_buffers": static}
         grads: dict[int, float] = {}
+        sent_back: dict[int, float] = {}  # the last input gradient a single-stage schedule sent, per stage
         backward_left = Counter(a.stage for a in orders[r] if a.kind in ("B", "W"))
         for _, _, a in sorted(evs, key=lambda e: e[0]):
             c = costs[a.stage]
             if a.kind == "F":
                 live_act += c.act_bytes
+                live_pp += c.out_bytes
             elif a.kind in ("B", "W") or (a.kind == "I" and c.fused_backward):  # from the first backward on
                 grads.setdefault(a.stage, c.grad_bytes)
-            total = live_act + sum(grads.values())
+            if a.kind in ("B", "I"):  # the input's gradient, sent back
+                live_pp += c.in_grad_bytes
+            pp_peak = max(pp_peak, live_pp)
+            total = live_act + sum(grads.values()) + live_pp
             if total > best:
-                best, best_parts = total, {"activations": live_act, "gradients": sum(grads.values())}
+                best = total
+                best_parts = {"activations": live_act, "gradients": sum(grads.values()), "pp_buffers": live_pp}
             # a full backward frees what the forward saved; I the part only the input gradient needed, W the rest
             live_act -= c.act_bytes * freed(a, c)
+            if a.kind in ("B", "I"):  # the forward cache lets the output go; the input gradient is sent
+                live_pp -= c.out_bytes
+                if c.keeps_last_send:
+                    live_pp -= sent_back.get(a.stage, 0.0)
+                    sent_back[a.stage] = c.in_grad_bytes
+                else:
+                    live_pp -= c.in_grad_bytes
             if a.kind in ("B", "W"):
                 backward_left[a.stage] -= 1
                 if backward_left[a.stage] == 0 and zero == 2:
                     grads[a.stage] = c.grad_shard_bytes
-        parts[r] = best_parts
+        parts[r] = best_parts | {"pp_peak": pp_peak}
     return Timeline(makespan_s=makespan, peak_parts=parts, events=events)

@@ -33,7 +33,7 @@ from k3train.optim.build import param_kinds
 from k3train.optim.sharding import ShardingPlan
 from k3train.parallel.mesh import ParallelDims, stages_of_rank
 from k3train.parallel.pipeline import stage_part_on_meta
-from k3train.parallel.zero import ELEMENT_BYTES
+from k3train.parallel.zero import ELEMENT_BYTES, bucket_groups
 
 
 @dataclass
@@ -150,6 +150,30 @@ class StateModel:
             out.optim += mine * s_elem
             out.master += mine * m_elem
         return out
+
+    def reduction_copy_bytes(self, pp_rank: int) -> int:
+        """The gradient reduction's largest transient on the rank (k3train.parallel.zero): a bucket's gradients
+        copied into one buffer beside them before they are freed, in the buckets bucket_groups forms over each
+        group's parameters in reverse model order (Muon matrices and the rest apart): the flat bucket of an
+        all-reduce, a reduce-scatter's [ranks, the bucket's padded chunk] buffer under ZeRO-2, and under ZeRO-2 the
+        owner reduce-scatter's [ranks, longest segment] of an owner-sharded Muon group; groups of one rank reduce
+        nothing."""
+        dims, g_elem = self.dims, ELEMENT_BYTES[self.precision]["grad"]
+        plan = self.sharding_plan(stages_of_rank(dims, pp_rank))
+        best = 0
+        for group, n in {"dense": dims.dp_cp, "expert": dims.edp}.items():
+            if n <= 1:
+                continue
+            trained = [ps for ps in reversed(plan.params) if ps.group == group and ps.kind != "frozen"]
+            for muon in (False, True):
+                items = [ps for ps in trained if (ps.kind == "muon") == muon]
+                if muon and dims.zero == 2 and items and plan.owner_sharded(group):
+                    best = max(best, n * max(plan.muon_segment_numel(group, s) for s in plan.stages(group)))
+                    continue
+                for g in bucket_groups([ps.numel for ps in items]):
+                    chunks = sum(items[i].padded_chunk_numel for i in g)
+                    best = max(best, n * chunks if dims.zero == 2 else sum(items[i].numel for i in g))
+        return best * g_elem
 
     def stage_grad_bytes(self, stage: int) -> tuple[int, int]:
         """(the stage's full gradient on a rank, what remains of it after its reduction) on dp_cp rank 0."""

@@ -168,7 +168,8 @@ def test_reduced_world_ranks_issue_matching_collectives(reduced_world):
         for kind, planned in r.planned_state.items():
             assert r.state[kind] == planned, (r.rank, kind)
         assert abs(r.flops / r.planned_flops - 1) < 0.02, r.rank
-        assert abs(r.peak_bytes / r.planned_peak - 1) < 0.10, (r.rank, r.peak_bytes, r.planned_peak)
+        for kind in ("grads", "activations", "pp_buffers", "ep_buffers"):
+            assert abs(r.kind_peaks[kind] / r.planned_by_kind[kind] - 1) < 0.10, (r.rank, kind)
     assert plan_deviations(results) == []
     world = [c for c in results[0].calls if len(c.ranks) == 4]
     assert world and all(c.op == "allreduce_" for c in world)  # the step's one world all-reduce
@@ -254,3 +255,91 @@ def test_solo_muon_gradients_are_the_planners(monkeypatch):
     for r in results:
         assert {k: r.state[k] for k in r.planned_state} == r.planned_state, r.rank
         assert any(c.op.startswith("broadcast") for c in r.calls)  # the solo updates
+
+
+@pytest.mark.parametrize(
+    "tokens,vocab,dim,dtype",
+    [(8192, 163840, 7168, torch.bfloat16), (300, 5000, 64, torch.bfloat16), (4096, 32000, 1024, torch.float32)],
+)
+def test_loss_workspace_declaration_is_what_its_backward_holds(tokens, vocab, dim, dtype):
+    """The chunked loss's declared backward workspace (k3train.models.k3.loss.loss_workspace_bytes) against the
+    fake bytes its backward holds at its peak, counted by FakeCPU's log: K3's head (several chunks, bf16 with the
+    fp32 sum and the slab buffer), one chunk in bf16, one chunk in fp32."""
+    from k3train.dryrun.fake import FakeCPU
+    from k3train.models.k3.loss import linear_cross_entropy, loss_workspace_bytes
+
+    fake = FakeCPU()
+    with fake:
+        h = torch.empty(tokens, dim, dtype=dtype, requires_grad=True)
+        w = torch.empty(vocab, dim, dtype=dtype, requires_grad=True)
+        loss, _ = linear_cross_entropy(h, w, torch.zeros(tokens, dtype=torch.long))
+        fake.reset_peak()
+        torch.autograd.grad(loss, (h, w))
+        mem = fake.step_memory()
+    declared = loss_workspace_bytes(dim, vocab, tokens, dtype.itemsize, dtype.itemsize)
+    assert abs(mem.peak / declared - 1) < 0.10, (mem.peak, declared)
+    assert mem.by_kind["workspace"] == mem.peak  # all of it made in the backward, none saved or sent
+
+
+def test_planner_workspace_of_the_last_stage_holds_the_loss_backward():
+    """The tiny model's last stage: the chunked loss's backward (one micro-batch of 8 x 64 tokens, fp32) is its
+    largest backward transient, so it is the planner's workspace there; the first stage's is Gated MLA's tile."""
+    from k3train.models.k3.loss import loss_workspace_bytes
+    from k3train.plan.gpus import gpu_spec
+    from k3train.plan.planner import plan_run
+
+    spec = load_spec("tiny_cpu", ["parallel.pp=2", "parallel.microbatches=2", "data.seq_len=64"], world_size=2)
+    a, c = spec.model, spec.config.data
+    ranks = plan_run(spec, gpu_spec(spec.config.plan.gpu)).ranks
+    loss = loss_workspace_bytes(a.dim, a.vocab_size, c.micro_batch * c.seq_len, 4, 4)
+    assert ranks[1].by_kind["workspace"] == loss > ranks[0].by_kind["workspace"] > 0
+
+
+def test_storages_take_their_kind_from_where_they_were_made_and_their_tags():
+    """FakeCPU's kinds: saved for backward in a forward (activation), made in a backward (workspace), a leaf's
+    gradient tagged "grads", a tensor handed to a point-to-point op ("pp"), an EP buffer; each kind's own peak."""
+    from k3train.dryrun.fake import FakeCPU, kind_of
+
+    assert kind_of(False, {"saved", "pp"}) == "pp_buffers" and kind_of(True, {"saved"}) == "workspace"
+    assert kind_of(True, {"grads", "pp"}) == "grads" and kind_of(False, {"ep"}) == "ep_buffers"
+    fake = FakeCPU()
+    with fake:
+        w = torch.empty(64, 64, requires_grad=True)
+        fake.reset_peak()
+        with fake.tag_saved():
+            x = torch.empty(8, 64)
+            fake.tag(x, "pp")  # a received boundary
+            y = torch.tanh(x @ w)  # saves x (already pp) and the tanh output (an activation)
+            e = torch.empty(16, 64)
+            fake.tag(e, "ep")
+            (g,) = torch.autograd.grad(y.sum(), (w,))
+            fake.tag(g, "grads")
+        mem = fake.step_memory()
+    assert mem.kind_peaks["pp_buffers"] == 8 * 64 * 4 and mem.kind_peaks["ep_buffers"] == 16 * 64 * 4
+    assert mem.kind_peaks["activations"] == 8 * 64 * 4 * 2  # x @ w, and tanh's output (saved)
+    assert mem.kind_peaks["grads"] == 64 * 64 * 4
+    assert mem.kind_peaks["workspace"] >= 8 * 64 * 4  # the backward's gradient of tanh's input
+
+
+@pytest.mark.slow
+def test_pipeline_ranks_peak_by_kind_equals_the_planner():
+    """pp2 1F1B on the tiny model, m = 2 and 4 (fp32, one rank per stage): each stage's gradients, saved activations
+    and pipeline boundary tensors at their own peaks against the planner's same kinds. The boundary bytes are also
+    counted here by hand: torch's PipelineStage makes a receive buffer per micro-batch ([S, B, T, D] sources in, or
+    their gradient out); stage 0 keeps 1F1B's pp = 2 outputs in flight, stage 1 the input gradients of its current
+    and previous backward."""
+    from k3train.dryrun.run import dry_run
+    from k3train.models.k3.model import sources_after
+
+    for m in (2, 4):
+        spec = load_spec("tiny_cpu", ["parallel.pp=2", "parallel.microbatches=2", "data.seq_len=64"], world_size=2)
+        results = dry_run(spec, microbatches=m)
+        c, a = spec.config.data, spec.model
+        for r in results:
+            layers = spec.stages[r.coords["pp"]]
+            S = sources_after(a, layers[-1] if r.coords["pp"] == 0 else layers[0] - 1)
+            boundary = S * c.micro_batch * c.seq_len * a.dim * 4
+            assert r.kind_peaks["pp_buffers"] == (m + 2) * boundary == r.planned_by_kind["pp_buffers"]
+            assert r.kind_peaks["grads"] == r.state["grad_bytes"] == r.planned_by_kind["grads"]
+            assert abs(r.kind_peaks["activations"] / r.planned_by_kind["activations"] - 1) < 0.10
+            assert sum(r.peak_by_kind.values()) == r.peak_bytes

@@ -167,3 +167,24 @@ def loss_costs(dim: int, vocab: int) -> Costs:
     the label (no logits are kept); the LM head's matmul runs 4 times (forward, the logits again in backward, the
     input and the weight gradient): 8 x its weights executed."""
     return Costs(Saved(act=dim, fp32=1, i64=1, bf16=2.0 * dim + 13), Flops(dense_gemm=8.0 * dim * vocab))
+
+
+def loss_workspace_bytes(dim: int, vocab: int, tokens: int, act_bytes: int, param_bytes: int) -> float:
+    """Bytes the chunked loss's backward holds at its peak for one micro-batch of `tokens` rows (hidden [tokens,
+    dim] in the compute dtype of `act_bytes`, the head weight [vocab, dim] in `param_bytes`), as
+    _LinearCrossEntropy.backward allocates them: grad_hidden, the weight-gradient sum [V, D] in the accumulation
+    dtype, the weight cast to the compute dtype when it is stored wider, the slab buffer of the product when the
+    compute dtype is narrower than the sum; then either the logits of a chunk (its accumulation-dtype copy, made
+    in place into the gradient, and that gradient cast to the compute dtype), twice while a chunk after the first
+    forms its own beside the previous one's (the loop's names let go of the old only once the new exists), or, at
+    the end, the sum cast to the weight's dtype (when that differs) beside everything else."""
+    acc = 8 if act_bytes == 8 else 4
+    chunk = min(tokens, default_chunk_tokens(vocab))
+    copies = 2 if tokens > chunk else 1
+    held = tokens * dim * act_bytes + vocab * dim * acc
+    held += vocab * dim * act_bytes if param_bytes != act_bytes else 0
+    if act_bytes != acc:
+        held += min(vocab, max(1, GRAD_SLAB_BYTES // (dim * act_bytes))) * dim * act_bytes
+    logits = copies * chunk * vocab * (acc + (act_bytes if act_bytes != acc else 0))
+    cast_back = vocab * dim * param_bytes if param_bytes != acc else 0
+    return held + max(logits, cast_back)
