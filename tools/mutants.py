@@ -1166,7 +1166,7 @@ def _loss_workspace_dropped(orig):
 
 def _receive_buffers_dropped(orig):
     def pipeline_boundaries(x, s):
-        return {**orig(x, s), "recv_bytes": 0.0}
+        return {**orig(x, s), "recv_in_bytes": 0.0, "recv_grad_bytes": 0.0}
 
     return pipeline_boundaries
 

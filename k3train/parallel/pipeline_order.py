@@ -45,10 +45,8 @@ def _single_stage_order(dims: ParallelDims, rank: int) -> list[Act]:
     return out
 
 
-def schedule_order(dims: ParallelDims) -> dict[int, list[Act]]:
-    """{pipeline rank: its compute actions in order}."""
-    if dims.pp == 1 or SCHEDULES[dims.schedule][1] == "single":
-        return {r: _single_stage_order(dims, r) for r in range(dims.pp)}
+def _multi_stage_schedule(dims: ParallelDims):
+    """The torch schedule object of a multi-stage schedule, built from stand-in stage descriptions."""
     import torch.distributed.pipelining as pipelining
 
     cls = getattr(pipelining, SCHEDULES[dims.schedule][0])
@@ -66,17 +64,63 @@ def schedule_order(dims: ParallelDims) -> dict[int, list[Act]]:
         )
         for s in stages_of_rank(dims, 0)
     ]
-    sched = cls(stages, n_microbatches=dims.microbatches, loss_fn=lambda out, target: out)
+    return cls(stages, n_microbatches=dims.microbatches, loss_fn=lambda out, target: out)
+
+
+def _compute_acts(action) -> list[Act]:
+    """A torch action's compute parts (an overlapped F+B holds two)."""
+    return [
+        Act(sub.computation_type.value, sub.stage_index, sub.microbatch_index)
+        for sub in action.sub_actions or (action,)
+        if sub.computation_type.value in ("F", "B", "I", "W")
+    ]
+
+
+def _single_stage(dims: ParallelDims) -> bool:
+    return dims.pp == 1 or SCHEDULES[dims.schedule][1] == "single"
+
+
+def schedule_order(dims: ParallelDims) -> dict[int, list[Act]]:
+    """{pipeline rank: its compute actions in order}."""
+    if _single_stage(dims):
+        return {r: _single_stage_order(dims, r) for r in range(dims.pp)}
+    sched = _multi_stage_schedule(dims)
     return {
-        rank: [
-            Act(sub.computation_type.value, sub.stage_index, sub.microbatch_index)
-            for a in actions
-            if a is not None
-            for sub in a.sub_actions or (a,)
-            if sub.computation_type.value in ("F", "B", "I", "W")
-        ]
+        rank: [c for a in actions if a is not None for c in _compute_acts(a)]
         for rank, actions in sched.pipeline_order.items()
     }
+
+
+def receive_posts(dims: ParallelDims) -> dict[int, list[tuple[int, Act]]]:
+    """{pipeline rank: (k, act) per receive it posts}: before its k-th compute action the rank posts the receive
+    that act (a forward "F" or a backward "B" of a stage and micro-batch) consumes, from a stage on another rank;
+    the receive's buffer is made there (k3train.parallel.pipeline.K3PipelineStage). Multi-stage schedules post them
+    where torch's lowering puts its RECV_F / RECV_B actions (after the matching send's place in the global
+    order); gpipe and 1F1B right before the action that consumes them."""
+    from k3train.parallel.mesh import stage_to_rank
+
+    where, last = stage_to_rank(dims), dims.n_stages - 1
+    if _single_stage(dims):
+        out: dict[int, list[tuple[int, Act]]] = {}
+        for r, acts in schedule_order(dims).items():
+            out[r] = [
+                (k, Act(a.kind, a.stage, a.mb))
+                for k, a in enumerate(acts)
+                if (a.kind == "F" and a.stage > 0) or (a.kind == "B" and a.stage < last)
+            ]
+        return out
+    sched = _multi_stage_schedule(dims)
+    out = {}
+    for rank, actions in sched.pipeline_order_with_comms.items():
+        k, posts = 0, []
+        for a in actions:
+            kind = a.computation_type.value
+            if kind in ("RECV_F", "RECV_B"):
+                posts.append((k, Act(kind[-1], a.stage_index, a.microbatch_index)))
+            k += len(_compute_acts(a))
+        out[rank] = posts
+    assert all(where[a.stage] == r for r, posts in out.items() for _, a in posts)
+    return out
 
 
 Events = dict[int, list[tuple[float, float, Act]]]

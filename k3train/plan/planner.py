@@ -371,12 +371,12 @@ def cp_gather_bytes(x: _Inputs, layer_id: int) -> float:
 def pipeline_boundaries(x: _Inputs, s: int) -> dict:
     """Stage s's boundary tensors as StageCost fields (k3train.plan.schedule_sim): its output of one micro-batch
     (the AttnRes sources after its last layer, [S, B, T, D]), the gradient of one received input and whether a
-    single-stage schedule keeps it to the next backward, and the receive buffers
-    torch's PipelineStage makes for every micro-batch of the step (inputs from, and output gradients of, stages on
-    other ranks)."""
+    single-stage schedule keeps it to the next backward, and the receive buffers of one micro-batch (its input from,
+    and its output's gradient from, a stage on another rank; the schedule replay holds them for the micro-batches
+    in flight)."""
     from k3train.parallel.mesh import stage_to_rank
 
-    args, n, m = x.args, x.dims.n_stages, x.dims.microbatches
+    args, n = x.args, x.dims.n_stages
     where = stage_to_rank(x.dims)
     one = x.tokens * args.dim * x.act_bytes
     layers = x.stage_layers[s]
@@ -388,7 +388,8 @@ def pipeline_boundaries(x: _Inputs, s: int) -> dict:
         "out_bytes": out,
         "in_grad_bytes": into,
         "keeps_last_send": x.dims.placement == "single",
-        "recv_bytes": m * (into * remote_prev + out * remote_next),
+        "recv_in_bytes": into * remote_prev,
+        "recv_grad_bytes": out * remote_next,
     }
 
 
@@ -499,7 +500,8 @@ def plan_run(
                 grad_shard_bytes=0.0,
                 out_bytes=0.0,
                 in_grad_bytes=0.0,
-                recv_bytes=0.0,
+                recv_in_bytes=0.0,
+                recv_grad_bytes=0.0,
             )
             for s, c in costs.items()
         }

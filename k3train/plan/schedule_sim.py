@@ -9,9 +9,10 @@ weight matmuls, WEIGHT_SHARE of the whole), unless the stage fuses them (it hold
 whole backward and frees everything, W is empty). A stage's full gradient lives from its first backward to its
 REDUCE_GRAD point (its last backward) under Pipeline ZeRO-2, and to the end of the step otherwise.
 
-Pipeline boundary tensors follow it too (torch.distributed.pipelining's PipelineStage and schedules): a stage's
-receive buffers, of its input and of its output's gradient, one per micro-batch of the step, exist from the step's
-start (`recv_bytes`); its output lives from its forward to its backward (the stage's forward cache); the gradient
+Pipeline boundary tensors follow it too (torch.distributed.pipelining's schedules and K3PipelineStage): a stage's
+receive buffers, of a micro-batch's input and of its output's gradient, are made where the rank posts their receives
+(k3train.parallel.pipeline_order.receive_posts) and let go after the micro-batch's backward (B, or I when split);
+under a single-stage schedule the schedule's loop holds the last receive of each kind until its next post. Its output lives from its forward to its backward (the stage's forward cache); the gradient
 of its received input, sent back, lives through its backward, and under a single-stage schedule (gpipe, 1f1b) to
 the next backward, whose send replaces the ops that hold it. Multi-stage schedules keep only the sends' work
 handles until the step ends: under NCCL, which keeps a sent tensor until its work is waited for, those tensors would
@@ -24,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from k3train.parallel.mesh import ParallelDims
-from k3train.parallel.pipeline_order import Act, replay, schedule_order
+from k3train.parallel.pipeline_order import Act, receive_posts, replay, schedule_order
 
 
 @dataclass
@@ -44,8 +45,10 @@ class StageCost:
     """The gradient of one micro-batch's received input (0 on the first stage)."""
     keeps_last_send: bool = False
     """A single-stage schedule: the send ops of a backward's input gradient live until the next backward's."""
-    recv_bytes: float = 0.0
-    """The receive buffers of the whole step (every micro-batch's input and output gradient)."""
+    recv_in_bytes: float = 0.0
+    """The receive buffer of one micro-batch's input (from a stage on another rank; 0 otherwise)."""
+    recv_grad_bytes: float = 0.0
+    """The receive buffer of one micro-batch's output gradient (from a stage on another rank; 0 otherwise)."""
 
 
 @dataclass
@@ -76,40 +79,73 @@ def simulate(dims: ParallelDims, costs: dict[int, StageCost], *, zero: int) -> T
 
     events = replay(dims, orders, duration, lambda stage: costs[stage].send_s)
     makespan = max((evs[-1][1] for evs in events.values() if evs), default=0.0)
-    parts = {}
-    for r, evs in events.items():
-        static = sum(costs[s].recv_bytes for s in {a.stage for a in orders[r]})
-        live_act, live_pp, pp_peak = 0.0, static, static
-        best, best_parts = 0.0, {"activations": 0.0, "gradients": 0.0, "pp_buffers": static}
-        grads: dict[int, float] = {}
-        sent_back: dict[int, float] = {}  # the last input gradient a single-stage schedule sent, per stage
-        backward_left = Counter(a.stage for a in orders[r] if a.kind in ("B", "W"))
-        for _, _, a in sorted(evs, key=lambda e: e[0]):
-            c = costs[a.stage]
-            if a.kind == "F":
-                live_act += c.act_bytes
-                live_pp += c.out_bytes
-            elif a.kind in ("B", "W") or (a.kind == "I" and c.fused_backward):  # from the first backward on
-                grads.setdefault(a.stage, c.grad_bytes)
-            if a.kind in ("B", "I"):  # the input's gradient, sent back
-                live_pp += c.in_grad_bytes
-            pp_peak = max(pp_peak, live_pp)
-            total = live_act + sum(grads.values()) + live_pp
-            if total > best:
-                best = total
-                best_parts = {"activations": live_act, "gradients": sum(grads.values()), "pp_buffers": live_pp}
-            # a full backward frees what the forward saved; I the part only the input gradient needed, W the rest
-            live_act -= c.act_bytes * freed(a, c)
-            if a.kind in ("B", "I"):  # the forward cache lets the output go; the input gradient is sent
-                live_pp -= c.out_bytes
-                if c.keeps_last_send:
-                    live_pp -= sent_back.get(a.stage, 0.0)
-                    sent_back[a.stage] = c.in_grad_bytes
-                else:
-                    live_pp -= c.in_grad_bytes
-            if a.kind in ("B", "W"):
-                backward_left[a.stage] -= 1
-                if backward_left[a.stage] == 0 and zero == 2:
-                    grads[a.stage] = c.grad_shard_bytes
-        parts[r] = best_parts | {"pp_peak": pp_peak}
+    posts = receive_posts(dims)
+    parts = {r: _rank_peak(evs, orders[r], posts.get(r, []), costs, zero, freed) for r, evs in events.items()}
     return Timeline(makespan_s=makespan, peak_parts=parts, events=events)
+
+
+def _rank_peak(evs, order: list[Act], posts: list, costs: dict[int, StageCost], zero: int, freed) -> dict[str, float]:
+    """One rank's memory walk over its actions in order: the peak of activations + gradients + boundary tensors,
+    split by kind, and the boundary tensors' own peak."""
+    live_act, live_pp, pp_peak = 0.0, 0.0, 0.0
+    best, best_parts = 0.0, {"activations": 0.0, "gradients": 0.0, "pp_buffers": 0.0}
+    grads: dict[int, float] = {}
+    sent_back: dict[int, float] = {}  # the last input gradient a single-stage schedule sent, per stage
+    recv: dict[tuple[int, str, int], float] = {}  # live receive buffers by (stage, "F"/"B", micro-batch)
+    held: dict[tuple[int, str], int] = {}  # single-stage: the micro-batch of the last receive posted, per kind
+    spent: set[tuple[int, str, int]] = set()  # let go by the stage, still held by the schedule's loop
+    backward_left = Counter(a.stage for a in order if a.kind in ("B", "W"))
+    by_k: dict[int, list[Act]] = {}
+    for k, a in posts:
+        by_k.setdefault(k, []).append(a)
+
+    def note() -> None:
+        nonlocal best, best_parts, pp_peak
+        pp_peak = max(pp_peak, live_pp)
+        total = live_act + sum(grads.values()) + live_pp
+        if total > best:
+            best = total
+            best_parts = {"activations": live_act, "gradients": sum(grads.values()), "pp_buffers": live_pp}
+
+    for k, (_, _, a) in enumerate(evs):
+        c = costs[a.stage]
+        for p in by_k.get(k, ()):  # receives posted before this action make their buffers
+            pc = costs[p.stage]
+            recv[(p.stage, p.kind, p.mb)] = pc.recv_in_bytes if p.kind == "F" else pc.recv_grad_bytes
+            live_pp += recv[(p.stage, p.kind, p.mb)]
+            note()  # the new buffer is made before the loop lets the previous receive's ops go
+            prev = held.get((p.stage, p.kind))
+            if pc.keeps_last_send and (p.stage, p.kind, prev) in spent:
+                spent.discard((p.stage, p.kind, prev))
+                live_pp -= recv.pop((p.stage, p.kind, prev))
+            held[(p.stage, p.kind)] = p.mb
+        if a.kind == "F":
+            live_act += c.act_bytes
+            live_pp += c.out_bytes
+        elif a.kind in ("B", "W") or (a.kind == "I" and c.fused_backward):  # from the first backward on
+            grads.setdefault(a.stage, c.grad_bytes)
+        if a.kind in ("B", "I"):  # the input's gradient, sent back
+            live_pp += c.in_grad_bytes
+        note()
+        # a full backward frees what the forward saved; I the part only the input gradient needed, W the rest
+        live_act -= c.act_bytes * freed(a, c)
+        if a.kind in ("B", "I"):  # the forward cache lets the output go; the input gradient is sent
+            live_pp -= c.out_bytes
+            if c.keeps_last_send:
+                live_pp -= sent_back.get(a.stage, 0.0)
+                sent_back[a.stage] = c.in_grad_bytes
+            else:
+                live_pp -= c.in_grad_bytes
+            for kind in ("F", "B"):  # the micro-batch's receive buffers are let go
+                key = (a.stage, kind, a.mb)
+                if key not in recv:
+                    continue
+                if c.keeps_last_send and held.get((a.stage, kind)) == a.mb:
+                    spent.add(key)
+                else:
+                    live_pp -= recv.pop(key)
+        if a.kind in ("B", "W"):
+            backward_left[a.stage] -= 1
+            if backward_left[a.stage] == 0 and zero == 2:
+                grads[a.stage] = c.grad_shard_bytes
+    return best_parts | {"pp_peak": pp_peak}
