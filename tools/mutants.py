@@ -456,13 +456,30 @@ def _grads_accumulated_in_bf16(orig):
 
 
 def _muon_owner_grads_averaged(orig):
-    def reduce_scatter_owned(self, params, grad_of, dim="dp_cp"):
-        orig(self, params, grad_of, dim)
+    def reduce_scatter_owned(self, params, grad_of, dim="dp_cp", release=None, cap=None):
+        orig(self, params, grad_of, dim, release, cap)
         n = self.plan_of(params[0])["world"]
         for p in params:
             self.owned_grads[id(p)].div_(n)
 
     return reduce_scatter_owned
+
+
+def _muon_full_grads_kept(orig):
+    def reduce_scatter_owned(self, params, grad_of, dim="dp_cp", release=None, cap=None):
+        orig(self, params, grad_of, dim, None, cap)
+
+    return reduce_scatter_owned
+
+
+def _muon_chunks_never_all_reduced(orig):
+    def owner_chunks(numels, sizes, cap=None):
+        return [
+            (idx, max(sum(sizes[i][q] for i in idx) for q in range(len(sizes[idx[0]]))))
+            for idx, _ in orig(numels, sizes, cap)
+        ]
+
+    return owner_chunks
 
 
 def _weights_not_refreshed(orig):
@@ -1968,6 +1985,23 @@ MUTATIONS: list[Mutation] = [
         "Pipeline ZeRO-2 Muon reduce-scatter to matrix owners averages instead of summing",
         _muon_owner_grads_averaged,
         (f"{PIECES}::test_muon_gradients_reduce_scatter_to_matrix_owners",),
+    ),
+    M(
+        "muon_full_grads_kept",
+        "k3train.optim.muon:PerHeadMuon.reduce_scatter_owned",
+        "Pipeline ZeRO-2 Muon keeps every full gradient after packing it for its owners",
+        _muon_full_grads_kept,
+        (f"{DRY}::test_chunked_muon_gradients_are_the_planners",),
+    ),
+    M(
+        "muon_chunks_never_all_reduced",
+        "k3train.optim.muon:owner_chunks",
+        "every Muon owner chunk is reduce-scattered, however much of its buffer is padding",
+        _muon_chunks_never_all_reduced,
+        (
+            f"{PIECES}::test_muon_gradients_reduce_scatter_to_matrix_owners",
+            f"{DRY}::test_chunked_muon_gradients_are_the_planners",
+        ),
     ),
     M(
         "muon_updates_sent_in_fp32",

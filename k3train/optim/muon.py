@@ -62,6 +62,27 @@ reduce-scatter and all-gather, whose buffers are padded on every rank to the lon
 matrices (33,792 x 7,168) would otherwise pad them to 128 x 242M elements over dp_cp = 128."""
 
 
+def owner_chunks(
+    numels: Sequence[int], sizes: Sequence[Sequence[int]], cap: int | None = None
+) -> list[tuple[list[int], int | None]]:
+    """How the owner reduction of packed Muon parameters goes, chunk by chunk: the parameters of `numels` elements
+    (sizes[i][q]: the elements of parameter i that rank q owns) in the buckets of bucket_groups(numels, cap), each
+    (indices, width). A chunk is reduce-scattered with each rank's segment padded to the longest, `width`, when
+    that buffer (ranks x width) holds fewer than twice its elements (then it moves fewer bytes than an all-reduce's
+    2 (n - 1) / n x its elements); else (width None) its gradients are all-reduced as one flat buffer, the smaller
+    one, and each owner copies its matrices out. Either way the chunk's full gradients are freed once
+    they are packed, so a rank holds one chunk's buffer, not a whole stage's padded one. The optimizer
+    (PerHeadMuon.reduce_scatter_owned) and the planner (k3train.optim.sharding) both decide with this."""
+    from k3train.optim.buckets import bucket_groups
+
+    out = []
+    for idx in bucket_groups(list(numels), cap):
+        width = max(sum(sizes[i][q] for i in idx) for q in range(len(sizes[idx[0]])))
+        n = len(sizes[idx[0]])
+        out.append((idx, width if n * width < 2 * sum(numels[i] for i in idx) else None))
+    return out
+
+
 def travels_alone(owners: Sequence[int], numel: int, mean: float) -> bool:
     """Whether a Muon parameter whose matrices have `owners` travels by itself (SOLO_SHARE); mean: the group's Muon
     elements per rank. The optimizer's plan and the planner's ShardingPlan both decide with this."""
@@ -548,52 +569,86 @@ class PerHeadMuon(Optimizer):
                     load_owned(self, p, p.detach(), st["master_owned"])
 
     @torch.no_grad()
-    def reduce_scatter_owned(self, params: Sequence[Tensor], grad_of, dim: str = "dp_cp") -> None:
+    def reduce_scatter_owned(
+        self, params: Sequence[Tensor], grad_of, dim: str = "dp_cp", release=None, cap: int | None = None
+    ) -> None:
         """Sum the gradients of `params` (grad_of(p): this rank's full fp32 gradient, or None for zeros) over the
-        process group so that each rank receives only the matrices it owns: one reduce-scatter whose shard
-        boundaries are the owners' matrices (each rank's segment padded to the longest). A solo parameter (one owner,
-        more than SOLO_SHARE x the mean elements per rank) is all-reduced by itself instead, so that the packed
-        buffer is not padded to it on every rank. Fills owned_grads."""
+        process group so that each rank keeps only the matrices it owns, chunk by chunk (`owner_chunks`, buckets of
+        `cap` elements): each chunk is reduce-scattered with shard boundaries at the owners' matrices, or all-reduced
+        flat when that would mostly move padding, and release(p) is called once p's gradient is packed (the caller
+        frees it). A solo parameter (one owner, more than SOLO_SHARE x the mean elements per rank) is all-reduced by
+        itself. Fills owned_grads."""
         plan = self.plan_of(params[0])
         world, rank = plan["world"], plan["rank"]
         every = [self.entry_of(p) for p in params]
         entries = [e for e in every if e.get("solo") is None]
-        sizes, starts = [0] * world, []
-        for e in entries:
-            starts.append(list(sizes))
-            for pc in e["pieces"]:
-                for q in range(world):
-                    sizes[q] += pc["by_rank"][q][2]
-        width = max(sizes) if sizes else 0
         device = every[0]["param"].device if every else torch.device("cpu")
         # fp32 for bf16 weights (their gradients are fp32), otherwise the weights' own dtype
         dtype = torch.promote_types(every[0]["param"].dtype, torch.float32) if every else torch.float32
-        buf = torch.zeros(world, width, dtype=dtype, device=device)
-        for e, start in zip(entries, starts):
-            p, group = e["param"], self.param_groups[e["group"]]
-            g = grad_of(p)
-            if g is None:
-                continue
-            off = list(start)
-            for pc, G in zip(e["pieces"], self.pieces_of(group, p, g)):
-                for q, (idx, _, n) in enumerate(pc["by_rank"]):
-                    if n:
-                        buf[q, off[q] : off[q] + n] = G.index_select(0, idx).reshape(-1)
-                        off[q] += n
-        out = torch.empty(width, dtype=dtype, device=device)
-        comm.reduce_scatter(out, buf.view(-1), plan["pg"], dim, what="muon_grads")
-        del buf
-        for e, start in zip(entries, starts):
-            n = sum(pc["by_rank"][rank][2] for pc in e["pieces"])
-            self.owned_grads[id(e["param"])] = out[start[rank] : start[rank] + n]
+        release = release or (lambda p: None)
+        sizes = [[sum(pc["by_rank"][q][2] for pc in e["pieces"]) for q in range(world)] for e in entries]
+        numels = [e["param"].numel() for e in entries]
+        for idx, width in owner_chunks(numels, sizes, cap):
+            chunk = [entries[i] for i in idx]
+            if width is None:
+                self._all_reduce_owned(chunk, grad_of, dim, release, dtype, device)
+            else:
+                self._reduce_scatter_chunk(chunk, grad_of, dim, release, width, dtype, device)
         for e in [e for e in every if e.get("solo") is not None]:  # in plan order on every rank
             p = e["param"]
             g = grad_of(p)
             g = torch.zeros(p.shape, dtype=dtype, device=device) if g is None else g.to(dtype)
             comm.all_reduce(g, plan["pg"], dim, what="muon_grads")
-            owned = owned_of(e, rank, self.pieces_of(self.param_groups[e["group"]], p, g))
-            flat = [m.reshape(-1) for m in owned if m.numel()]
-            self.owned_grads[id(p)] = torch.cat(flat) if flat else g.new_zeros(0)
+            self._keep_owned(e, g, rank)
+            release(p)
+
+    def _keep_owned(self, e: dict, g: Tensor, rank: int) -> None:
+        """owned_grads of e's parameter: the matrices `rank` owns of its reduced full gradient g, copied out."""
+        owned = owned_of(e, rank, self.pieces_of(self.param_groups[e["group"]], e["param"], g))
+        flat = [m.reshape(-1) for m in owned if m.numel()]
+        self.owned_grads[id(e["param"])] = torch.cat(flat) if flat else g.new_zeros(0)
+
+    def _reduce_scatter_chunk(self, chunk, grad_of, dim, release, width, dtype, device) -> None:
+        """One chunk reduce-scattered: rank q's segment holds its owned matrices of the chunk, packed."""
+        plan = self.plan_of(chunk[0]["param"])
+        world, rank = plan["world"], plan["rank"]
+        buf = torch.zeros(world, width, dtype=dtype, device=device)
+        off, starts = [0] * world, []
+        for e in chunk:
+            p = e["param"]
+            starts.append(off[rank])
+            g = grad_of(p)
+            pieces = self.pieces_of(self.param_groups[e["group"]], p, g) if g is not None else [None] * len(e["pieces"])
+            for pc, G in zip(e["pieces"], pieces):
+                for q, (idx, _, n) in enumerate(pc["by_rank"]):
+                    if n and G is not None:
+                        buf[q, off[q] : off[q] + n] = G.index_select(0, idx).reshape(-1)
+                    off[q] += n
+            release(p)
+        out = torch.empty(width, dtype=dtype, device=device)
+        comm.reduce_scatter(out, buf.view(-1), plan["pg"], dim, what="muon_grads")
+        del buf
+        for e, start in zip(chunk, starts):
+            n = sum(pc["by_rank"][rank][2] for pc in e["pieces"])
+            self.owned_grads[id(e["param"])] = out[start : start + n]
+
+    def _all_reduce_owned(self, chunk, grad_of, dim, release, dtype, device) -> None:
+        """One chunk all-reduced as a flat buffer; each rank copies out the matrices it owns."""
+        plan = self.plan_of(chunk[0]["param"])
+        flat = torch.zeros(sum(e["param"].numel() for e in chunk), dtype=dtype, device=device)
+        k = 0
+        for e in chunk:
+            p, g = e["param"], grad_of(e["param"])
+            if g is not None:
+                flat[k : k + p.numel()] = g.reshape(-1)
+            k += p.numel()
+            release(p)
+        comm.all_reduce(flat, plan["pg"], dim, what="muon_grads")
+        k = 0
+        for e in chunk:
+            p = e["param"]
+            self._keep_owned(e, flat[k : k + p.numel()].view(p.shape), plan["rank"])
+            k += p.numel()
 
     def _muon_step_sharded(self, name: str = "dp_cp") -> None:
         plan = self.plan(name)

@@ -145,19 +145,26 @@ class ShardingPlan:
             if muon.travels_alone(own, self.param(name).numel, mean)
         }
 
-    def muon_segment_numel(self, group: str, stage: int) -> int:
-        """Elements of the longest rank's segment of one stage's owner reduce-scatter (each rank's owned matrices
-        of the stage, padded to the longest; solo parameters travel apart)."""
+    def muon_owner_chunks(self, group: str, stage: int) -> list[tuple[int, int | None, list[int]]]:
+        """One stage's owner reduction under ZeRO-2, chunk by chunk (k3train.optim.muon.owner_chunks over its
+        packed Muon parameters, in plan order; solo parameters travel apart): (elements, width or None when
+        all-reduced flat, the elements each rank owns)."""
         owners, solo = self.param_owners(group), self.solo_params(group)
         n = next(ps.n for ps in self.params if ps.group == group)
-        seg = [0] * n
+        numels, sizes = [], []
         for ps in self.params:
             if ps.group != group or ps.stage != stage or not ps.matrices or ps.name in solo:
                 continue
+            seg = [0] * n
             shapes = [(r, c) for cnt, r, c in ps.matrices for _ in range(cnt)]
             for (r, c), o in zip(shapes, owners[ps.name]):
                 seg[o] += r * c
-        return max(seg)
+            numels.append(ps.numel)
+            sizes.append(seg)
+        return [
+            (sum(numels[i] for i in idx), width, [sum(sizes[i][q] for i in idx) for q in range(n)])
+            for idx, width in muon.owner_chunks(numels, sizes)
+        ]
 
     def stages(self, group: str) -> list[int]:
         """The stages that hold Muon matrices of the group, in order."""

@@ -468,7 +468,7 @@ def build_engine(
     balancing: str = "none",
     float8: str = "none",
     qat: str = "none",
-    bucket_numel: int = 1 << 25,
+    bucket_numel: int | None = None,
     stage_layers: list[list[int]] | None = None,
     train_vision: bool = False,
     compile: bool = False,
@@ -569,7 +569,7 @@ def _build_parts(model_args, stage_layers, stage_ids, setup, param_dtype) -> tup
     return parts, handles, fused
 
 
-def _build_optimizer(parts, dims, mesh, optim_cfg, bucket_numel: int, precision: str) -> ShardedOptimizer:
+def _build_optimizer(parts, dims, mesh, optim_cfg, bucket_numel: int | None, precision: str) -> ShardedOptimizer:
     """The sharded optimizer over the parts: dense parameters reduced over dp_cp, home experts over edp only, each
     with a group of its own for the reductions that overlap backward."""
     dims_of = {"dense": "dp_cp", "expert": "edp"} if dims.ep > 1 else {"dense": "dp_cp"}

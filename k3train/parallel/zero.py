@@ -44,11 +44,13 @@ after backward.
 
 Muon (optim.name == "muon") keeps its matrices whole: every matrix has one owner rank that orthogonalises it
 (`k3train.optim.muon.PerHeadMuon` with the group as process_group; its momentum is sharded by owner). Under zero=1
-Muon gradients are all-reduced (ZeRO-1 shards state only); under zero=2 they are reduce-scattered at the stage's
-REDUCE_GRAD point with shard boundaries at the owners' matrices (`PerHeadMuon.reduce_scatter_owned`: each rank's
-segment is its owned matrices packed, padded to the longest segment), so only owners keep them. Home experts
-(ep > 1) have their owners among their edp replicas (a second ownership plan over the edp group). AdamW parameters
-(embeddings, head, norms, vectors) follow the dim-0 scheme above.
+Muon gradients are all-reduced (ZeRO-1 shards state only); under zero=2 they go to their owners at the stage's
+REDUCE_GRAD point chunk by chunk (`PerHeadMuon.reduce_scatter_owned`, chunks of BUCKET_NUMEL elements, decided by
+`k3train.optim.muon.owner_chunks`): a reduce-scatter whose segments are each rank's owned matrices of the chunk,
+padded to the longest, or, where that buffer would hold twice the chunk's elements, an all-reduce of the flat chunk
+after which each owner copies its matrices out; each full gradient is freed once packed, so only owners keep them.
+Home experts (ep > 1) have their owners among their edp replicas (a second ownership plan over the edp group). AdamW
+parameters (embeddings, head, norms, vectors) follow the dim-0 scheme above.
 
 Precision (train.precision). fp32: parameters, gradients and states in fp32, as described. bf16: parameters are
 stored in bf16 (compute under bf16 autocast); a post-accumulate-grad hook adds each bf16 gradient into an fp32
@@ -67,8 +69,8 @@ matrices of the group that this rank holds: its stages' dense matrices, or its h
     param_bytes   = sum N x s, s = 4 (fp32) or 2 (bf16); param_bytes_by_dtype splits it by dtype
     grad_bytes    = 4 x ( sum over AdamW p of (zero=2: c x R (the padded chunk) | else: N)
                           + sum over Muon p of (owner-sharded and zero=2: see below | else: N) )
-                    owner-sharded Muon under zero=2: 4 x max over ranks r of sum of M_r, per reduction (one per
-                    pipeline stage of the rank), the padded reduce-scatter output
+                    owner-sharded Muon under zero=2: 4 x, per chunk of owner_chunks, its width (reduce-scattered:
+                    the padded segment) or M_q of its parameters (all-reduced: the owned matrices copied out)
     master_bytes  = 0 (fp32); bf16: 4 x ( sum over AdamW p of (zero=0: N | else: O)
                                           + sum over Muon p of (owner-sharded: M_q | else: N) )
     optim_bytes   = 4 x ( sum over AdamW p of 2 x (zero=0: N | else: O)     (exp_avg, exp_avg_sq)
@@ -88,6 +90,8 @@ import torch.distributed as dist
 from torch import nn
 
 from k3train.distributed import comm
+from k3train.optim import buckets
+from k3train.optim.buckets import bucket_groups
 from k3train.optim.build import build_optimizer, param_kinds
 from k3train.optim.muon_state import load_owned, load_owned_matrices, owned_matrix_state
 from k3train.optim.qk_clip import QKClip
@@ -162,24 +166,6 @@ def _grad_hook(group: "ShardGroup", it: ShardedParam):
             g._grad_ready(it)
 
     return hook
-
-
-BUCKET_NUMEL = 1 << 25
-"""Gradient elements per reduction bucket (a parameter larger than this is a bucket by itself)."""
-
-
-def bucket_groups(numels: list[int], cap: int = BUCKET_NUMEL) -> list[list[int]]:
-    """The reduction buckets of parameters of `numels` elements, in order: the indices in each (a bucket takes
-    parameters until the next would pass `cap` elements)."""
-    out: list[list[int]] = []
-    total = 0
-    for i, n in enumerate(numels):
-        if not out or total + n > cap:
-            out.append([])
-            total = 0
-        out[-1].append(i)
-        total += n
-    return out
 
 
 def _fold_bf16_grad(it: ShardedParam) -> None:
@@ -267,7 +253,7 @@ class ShardGroup:
         group,
         dim: str,
         zero: int,
-        bucket_numel: int = BUCKET_NUMEL,
+        bucket_numel: int | None = None,
         blocks: dict[str, tuple[int, int]] | None = None,
         precision: str = "fp32",
         reduce_group=None,
@@ -281,6 +267,7 @@ class ShardGroup:
         with the collectives backward itself issues (expert all-to-all, context parallelism), whose order relative
         to it could differ from rank to rank."""
         self.group, self.dim, self.zero = group, dim, zero
+        self.bucket_numel = buckets.BUCKET_NUMEL if bucket_numel is None else bucket_numel
         self.low = precision == "bf16"
         self.muon_reducer = None  # set by ShardedOptimizer: reduce-scatters Muon gradients to their owners
         self.muon_owned: dict[int, torch.Tensor] = {}  # id(param) -> owned matrices' reduced gradient (flat)
@@ -296,8 +283,8 @@ class ShardGroup:
         # Buckets in reverse registration order, roughly the order backward produces the gradients, so the first
         # buckets are complete (and launched) first.
         rev = self.items[::-1]
-        self.buckets = self._make_buckets([it for it in rev if not it.muon], bucket_numel)
-        self.muon_buckets = self._make_buckets([it for it in rev if it.muon], bucket_numel)
+        self.buckets = self._make_buckets([it for it in rev if not it.muon], self.bucket_numel)
+        self.muon_buckets = self._make_buckets([it for it in rev if it.muon], self.bucket_numel)
         self._position = {id(it.param): k for k, it in enumerate(rev)}
         self.shard_grads: dict[int, torch.Tensor] = {}  # id(param) -> reduced gradient of the owned rows
         if reduce_group is not None and distributed:
@@ -546,7 +533,7 @@ class ShardedOptimizer:
         zero: int = 0,
         groups: dict[str, tuple] | None = None,
         expert_blocks: dict[str, tuple[int, int]] | None = None,
-        bucket_numel: int = BUCKET_NUMEL,
+        bucket_numel: int | None = None,
         precision: str = "fp32",
         reduce_groups: dict | None = None,
     ):
@@ -617,12 +604,15 @@ class ShardedOptimizer:
         return it.param if it.muon or self.zero == 0 else it.shard
 
     def _reduce_scatter_muon(self, g: ShardGroup, items: list[ShardedParam]) -> None:
-        """Pipeline ZeRO-2: the group's Muon gradients reduce-scattered to their matrices' owners, then freed."""
+        """Pipeline ZeRO-2: the group's Muon gradients reduced to their matrices' owners chunk by chunk, each full
+        gradient freed once it is packed."""
         self.optimizer.reduce_scatter_owned(
-            [it.param for it in items], lambda p: g.full_grad(self._by_param[id(p)]), dim=g.dim
+            [it.param for it in items],
+            lambda p: g.full_grad(self._by_param[id(p)]),
+            dim=g.dim,
+            release=lambda p: g.set_full_grad(self._by_param[id(p)], None),
+            cap=g.bucket_numel,
         )
-        for it in items:
-            g.set_full_grad(it, None)
 
     def _tensor_for(self, name: str) -> torch.Tensor:
         """The tensor the torch optimizer steps: the fp32 master under bf16, else the parameter or its chunk."""

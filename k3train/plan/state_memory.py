@@ -33,7 +33,8 @@ from k3train.optim.build import param_kinds
 from k3train.optim.sharding import ShardingPlan
 from k3train.parallel.mesh import ParallelDims, stages_of_rank
 from k3train.parallel.pipeline import stage_part_on_meta
-from k3train.parallel.zero import ELEMENT_BYTES, bucket_groups
+from k3train.optim.buckets import bucket_groups
+from k3train.parallel.zero import ELEMENT_BYTES
 
 
 @dataclass
@@ -138,8 +139,9 @@ class StateModel:
                 continue
             if plan.owner_sharded(group):  # each matrix lives on the rank assign_owners picks
                 mine = plan.muon_numel(group, q)
-                if dims.zero == 2:  # one reduce-scatter per stage, each rank's segment padded to the longest
-                    out.grads += sum(plan.muon_segment_numel(group, s) for s in plan.stages(group)) * g_elem
+                if dims.zero == 2:  # per chunk: its reduce-scatter's padded segment, or the owned matrices copied out
+                    chunks = [c for s in plan.stages(group) for c in plan.muon_owner_chunks(group, s)]
+                    out.grads += sum(own[q] if width is None else width for _, width, own in chunks) * g_elem
                     solo = plan.solo_params(group)  # all-reduced by themselves: the owner keeps its matrices
                     out.grads += sum(plan.param(name).numel for name, o in solo.items() if o == q) * g_elem
                 else:
@@ -155,9 +157,9 @@ class StateModel:
         """The gradient reduction's largest transient on the rank (k3train.parallel.zero): a bucket's gradients
         copied into one buffer beside them before they are freed, in the buckets bucket_groups forms over each
         group's parameters in reverse model order (Muon matrices and the rest apart): the flat bucket of an
-        all-reduce, a reduce-scatter's [ranks, the bucket's padded chunk] buffer under ZeRO-2, and under ZeRO-2 the
-        owner reduce-scatter's [ranks, longest segment] of an owner-sharded Muon group; groups of one rank reduce
-        nothing."""
+        all-reduce, a reduce-scatter's [ranks, the bucket's padded chunk] buffer under ZeRO-2, and under ZeRO-2 an
+        owner-sharded Muon group's chunk (k3train.optim.muon.owner_chunks: [ranks, width] or flat); groups of one
+        rank reduce nothing."""
         dims, g_elem = self.dims, ELEMENT_BYTES[self.precision]["grad"]
         plan = self.sharding_plan(stages_of_rank(dims, pp_rank))
         best = 0
@@ -168,7 +170,9 @@ class StateModel:
             for muon in (False, True):
                 items = [ps for ps in trained if (ps.kind == "muon") == muon]
                 if muon and dims.zero == 2 and items and plan.owner_sharded(group):
-                    best = max(best, n * max(plan.muon_segment_numel(group, s) for s in plan.stages(group)))
+                    for s in plan.stages(group):  # a chunk's [ranks, width] buffer, or its flat all-reduce buffer
+                        chunks = plan.muon_owner_chunks(group, s)
+                        best = max([best] + [numel if width is None else n * width for numel, width, _ in chunks])
                     continue
                 for g in bucket_groups([ps.numel for ps in items]):
                     chunks = sum(items[i].padded_chunk_numel for i in g)

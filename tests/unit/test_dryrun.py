@@ -257,6 +257,37 @@ def test_solo_muon_gradients_are_the_planners(monkeypatch):
         assert any(c.op.startswith("broadcast") for c in r.calls)  # the solo updates
 
 
+def test_chunked_muon_gradients_are_the_planners(monkeypatch):
+    """Pipeline ZeRO-2 with Muon in chunks of at most 4,096 elements (k3train.optim.buckets.BUCKET_NUMEL), so the
+    owner reduction runs chunk by chunk, some reduce-scattered and some all-reduced flat (muon.owner_chunks, as the
+    planner's ShardingPlan reads it): the reduced gradients each rank keeps, and everything else it holds, are the
+    planner's to the byte, and the largest chunk's buffer is far below the stage's one packed buffer."""
+    from k3train.dryrun.run import dry_run
+    from k3train.optim import buckets
+
+    ov = ["parallel.dp=2", "parallel.zero=2", "data.seq_len=64", "optim=muon"]
+    spec = load_spec("tiny_cpu", ov, world_size=2)
+    whole = _muon_chunks(spec)
+    monkeypatch.setattr(buckets, "BUCKET_NUMEL", 4096)
+    chunks = _muon_chunks(spec)
+    assert len(whole) == 1 and {w is None for _, w, _ in chunks} == {True, False}, chunks
+    biggest = max(n if w is None else 2 * w for n, w, _ in chunks)
+    assert biggest < 2 * whole[0][1] / 4, (biggest, whole)
+    results = dry_run(spec)
+    assert [r.rank for r in results] == [0, 1] and collective_mismatches(results) == []
+    for r in results:
+        assert {k: r.state[k] for k in r.planned_state} == r.planned_state, r.rank
+
+
+def _muon_chunks(spec) -> list:
+    """The dense group's owner-reduction chunks of the (only) stage, per the planner."""
+    from k3train.plan.state_memory import StateModel
+
+    layers = [list(s) for s in spec.stages]
+    st = StateModel(spec.model, spec.layout, layers, spec.config.optim, precision=spec.precision)
+    return st.sharding_plan([0]).muon_owner_chunks("dense", 0)
+
+
 @pytest.mark.parametrize(
     "tokens,vocab,dim,dtype",
     [(8192, 163840, 7168, torch.bfloat16), (300, 5000, 64, torch.bfloat16), (4096, 32000, 1024, torch.float32)],

@@ -327,6 +327,7 @@ def _muon_specs():
 
 
 def _muon_rs_worker(rank: int) -> list:
+    from k3train.optim import muon
     from k3train.optim.muon import PerHeadMuon
     from k3train.optim.muon_state import owned_piece_views
 
@@ -334,8 +335,17 @@ def _muon_rs_worker(rank: int) -> list:
     params = [nn.Parameter(torch.zeros(s, dtype=torch.float64)) for s, _ in specs]
     opt = PerHeadMuon([{"params": params, "structures": [st for _, st in specs]}], process_group=dist.group.WORLD)
     grads = {id(p): _grad(rank, 10 + i, p.shape) for i, p in enumerate(params)}
-    opt.reduce_scatter_owned(params, lambda p: grads[id(p)])
-    out = []
+    released, chunks = [], []
+    real = muon.owner_chunks
+
+    def recorded(*a):
+        chunks.extend("all_reduce" if w is None else "reduce_scatter" for _, w in real(*a))
+        return real(*a)
+
+    muon.owner_chunks = recorded
+    opt.reduce_scatter_owned(params, lambda p: grads[id(p)], release=lambda p: released.append(id(p)))
+    assert sorted(released) == sorted(id(p) for p in params)  # each gradient let go once, after it is packed
+    out = [chunks]
     for p in params:
         e = opt.entry_of(p)
         views = owned_piece_views(e, rank, opt.owned_grads[id(p)])
@@ -343,16 +353,26 @@ def _muon_rs_worker(rank: int) -> list:
     return out
 
 
-@pytest.mark.parametrize("solo", [False, True], ids=["packed", "solo"])
-def test_muon_gradients_reduce_scatter_to_matrix_owners(tmp_path, monkeypatch, solo):
-    """solo: every single-owner parameter travels by itself (muon.SOLO_SHARE = 0; all-reduced, then each owner keeps
-    its matrices), as K3's dense FFN matrices do at full size."""
-    from k3train.optim import muon
+@pytest.mark.parametrize("mode", ["packed", "solo", "chunked"])
+def test_muon_gradients_reduce_scatter_to_matrix_owners(tmp_path, monkeypatch, mode):
+    """packed: one chunk, reduce-scattered. solo: every single-owner parameter travels by itself (muon.SOLO_SHARE =
+    0; all-reduced, then each owner keeps its matrices; the others stay packed), as K3's dense FFN matrices do at
+    full size. chunked: chunks of at most 30 elements (one parameter each): those with matrices on both ranks are
+    reduce-scattered, the single-owner ones all-reduced flat (muon.owner_chunks: their padded buffer would hold
+    twice their elements), each owner copying its matrices out."""
+    from k3train.optim import buckets, muon
     from k3train.optim.muon import to_pieces
 
-    if solo:
+    if mode == "solo":
         monkeypatch.setattr(muon, "SOLO_SHARE", 0.0)  # the forked ranks inherit it
+    if mode == "chunked":
+        monkeypatch.setattr(buckets, "BUCKET_NUMEL", 30)
     recs = run_forked(_muon_rs_worker, tmp_path)
+    chunks = recs[0][0]
+    assert all(rec[0] == chunks for rec in recs)
+    want = {"reduce_scatter", "all_reduce"} if mode == "chunked" else {"reduce_scatter"}
+    assert set(chunks) == want and (mode != "packed" or len(chunks) == 1), chunks
+    recs = [rec[1:] for rec in recs]
     for i, (shape, st) in enumerate(_muon_specs()):
         total = to_pieces(sum(_grad(r, 10 + i, shape) for r in range(WORLD)), st)
         for j, piece in enumerate(total):
