@@ -465,6 +465,13 @@ def _muon_owner_grads_averaged(orig):
     return reduce_scatter_owned
 
 
+def _plan_pairs_sequential(orig):
+    def _paired_backwards(dims, costs, alone):
+        return {}
+
+    return _paired_backwards
+
+
 def _muon_full_grads_kept(orig):
     def reduce_scatter_owned(self, params, grad_of, dim="dp_cp", release=None, cap=None):
         orig(self, params, grad_of, dim, None, cap)
@@ -1779,6 +1786,13 @@ MUTATIONS: list[Mutation] = [
         "the planner's timeline splits the backward of stages that fuse it (I and W half each)",
         _sim_ignores_fused,
         ("tests/e2e/test_plan.py::test_fused_split_backward_runs_whole_backwards_in_the_input_pass",),
+    ),
+    M(
+        "plan_microbatch_overlap_ignored",
+        "k3train.plan.schedule_sim:_paired_backwards",
+        "the planner runs an overlapped forward-backward pair's two sides one after the other (ep_overlap=microbatch)",
+        _plan_pairs_sequential,
+        (f"{PLAN}::test_microbatch_overlap_fills_one_sides_all_to_all_waits_with_the_others_compute",),
     ),
     M(
         "muon_solo_never",

@@ -91,6 +91,20 @@ def schedule_order(dims: ParallelDims) -> dict[int, list[Act]]:
     }
 
 
+def overlapped_pairs(dims: ParallelDims) -> list[tuple[Act, Act]]:
+    """The (forward, backward) pairs the schedule runs as one action (torch's OVERLAP_F_B, DualPipeV's steady
+    state), in each rank's order; none under other schedules."""
+    if _single_stage(dims):
+        return []
+    sched = _multi_stage_schedule(dims)
+    return [
+        (acts[0], acts[1])
+        for actions in sched.pipeline_order.values()
+        for a in actions
+        if a is not None and a.sub_actions and len(acts := _compute_acts(a)) == 2
+    ]
+
+
 def receive_posts(dims: ParallelDims) -> dict[int, list[tuple[int, Act]]]:
     """{pipeline rank: (k, act) per receive it posts}: before its k-th compute action the rank posts the receive
     that act (a forward "F" or a backward "B" of a stage and micro-batch) consumes, from a stage on another rank;

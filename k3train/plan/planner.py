@@ -348,6 +348,8 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
         *x.state.stage_grad_bytes(s),
         send_s=send,
         fused_backward=x.pplan.k3_defaults or (G > 0 and dims.ep_dispatcher == "moonep" and n_moe > 0),
+        fwd_a2a_s=ep["fwd"],
+        bwd_a2a_s=ep["bwd"],
         **pp,
     )
     bufs = {"pp": boundary, "ep": ep_buf, "cp": cp_buf, "work": work_bytes, "host": host}

@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from k3train.parallel.mesh import ParallelDims
-from k3train.parallel.pipeline_order import Act, receive_posts, replay, schedule_order
+from k3train.parallel.pipeline_order import Act, overlapped_pairs, receive_posts, replay, schedule_order
 
 
 @dataclass
@@ -43,6 +43,10 @@ class StageCost:
     """The stage's output of one micro-batch (the boundary tensor it hands on; 0 on the last stage)."""
     in_grad_bytes: float = 0.0
     """The gradient of one micro-batch's received input (0 on the first stage)."""
+    fwd_a2a_s: float = 0.0
+    """The exposed expert all-to-all inside forward_s (its waits, which another micro-batch's compute can fill)."""
+    bwd_a2a_s: float = 0.0
+    """The exposed expert all-to-all inside backward_s."""
     keeps_last_send: bool = False
     """A single-stage schedule: the send ops of a backward's input gradient live until the next backward's."""
     recv_in_bytes: float = 0.0
@@ -65,11 +69,16 @@ WEIGHT_SHARE = 0.5
 def simulate(dims: ParallelDims, costs: dict[int, StageCost], *, zero: int) -> Timeline:
     orders = schedule_order(dims)
 
-    def duration(a: Act) -> float:
+    def alone(a: Act) -> float:
         c = costs[a.stage]
         if c.fused_backward and a.kind in ("I", "W"):
             return c.backward_s if a.kind == "I" else 0.0
         return {"F": c.forward_s, "B": c.backward_s, "I": c.backward_s / 2, "W": c.backward_s / 2}[a.kind]
+
+    paired = _paired_backwards(dims, costs, alone) if dims.ep_overlap == "microbatch" else {}
+
+    def duration(a: Act) -> float:
+        return paired.get(a, alone(a))
 
     def freed(a: Act, c: StageCost) -> float:
         """The share of the micro-batch's saved activations the action frees."""
@@ -82,6 +91,19 @@ def simulate(dims: ParallelDims, costs: dict[int, StageCost], *, zero: int) -> T
     posts = receive_posts(dims)
     parts = {r: _rank_peak(evs, orders[r], posts.get(r, []), costs, zero, freed) for r, evs in events.items()}
     return Timeline(makespan_s=makespan, peak_parts=parts, events=events)
+
+
+def _paired_backwards(dims: ParallelDims, costs: dict[int, StageCost], alone) -> dict[Act, float]:
+    """parallel.ep_overlap=microbatch: the two sides of an overlapped forward-backward action take turns at each
+    expert all-to-all wait (k3train.parallel.microbatch_overlap), so one side's waits are filled with the other's
+    compute. The pair takes max(both computes, each side alone) instead of the two one after the other; the
+    replay runs the forward at its own length and the backward for the rest: {backward: its seconds}."""
+    out = {}
+    for f, b in overlapped_pairs(dims):
+        fs, bs = alone(f), alone(b)
+        cf, cb = fs - costs[f.stage].fwd_a2a_s, bs - costs[b.stage].bwd_a2a_s
+        out[b] = max(cf + cb, fs, bs) - fs
+    return out
 
 
 def _rank_peak(evs, order: list[Act], posts: list, costs: dict[int, StageCost], zero: int, freed) -> dict[str, float]:
