@@ -465,6 +465,20 @@ def _muon_owner_grads_averaged(orig):
     return reduce_scatter_owned
 
 
+def _sent_outputs_kept(orig):
+    def before(self, act):
+        return None
+
+    return before
+
+
+def _plan_sent_outputs_kept(orig):
+    def sent_output_release(dims):
+        return {}
+
+    return sent_output_release
+
+
 def _plan_pairs_sequential(orig):
     def _paired_backwards(dims, costs, alone):
         return {}
@@ -1829,6 +1843,20 @@ MUTATIONS: list[Mutation] = [
         "a micro-batch's receive buffers are not let go after its backward",
         _pp_stage_with("_release_chunk", _recv_buffers_kept),
         (f"{RECV}::test_receive_buffers_follow_the_microbatches_in_flight",),
+    ),
+    M(
+        "pp_sent_outputs_kept",
+        "k3train.parallel.pipeline:SentOutputs.before",
+        "outputs sent to another rank keep their data until their backward (the release points ignored)",
+        _sent_outputs_kept,
+        (f"{RECV}::test_receive_buffers_follow_the_microbatches_in_flight",),
+    ),
+    M(
+        "plan_sent_outputs_kept",
+        "k3train.plan.schedule_sim:sent_output_release",
+        "the planner keeps every sent output to its backward",
+        _plan_sent_outputs_kept,
+        (f"{PLAN}::test_sent_outputs_are_let_go_once_between_their_forward_and_backward",),
     ),
     M(
         "ep_combine_sort_order",

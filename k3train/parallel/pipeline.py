@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import time
 from collections.abc import Callable
 
@@ -51,7 +52,7 @@ from k3train.models.k3.loss import linear_cross_entropy
 from k3train.models.k3.model import K3Model, sources_after
 from k3train.distributed import comm
 from k3train.parallel.mesh import SCHEDULES, ParallelDims
-from k3train.parallel.pipeline_order import Act
+from k3train.parallel.pipeline_order import Act, sent_output_release
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -292,6 +293,49 @@ class BusyClock:
         return self._host
 
 
+class SentOutputs:
+    """A rank's stage outputs sent to other ranks under a multi-stage schedule, and where it lets them go.
+
+    An output stays in torch's forward cache from its forward to its backward, which needs only its autograd graph
+    and shape, not its values (the output is a fresh stack of the AttnRes sources, saved by no backward), and the
+    runtime keeps the send works to the step's end. Here each such output is let go right before the first action
+    of its rank that consumes a message the receiving rank sent after it began that micro-batch's forward
+    (k3train.parallel.pipeline_order.sent_output_release): the send is complete there, so its wait returns at once,
+    and the output's data becomes one element broadcast to its shape. A rank so holds the outputs of the
+    micro-batches still on their way, not of every micro-batch in flight. Outputs handed to a stage on the same rank
+    are that stage's input and stay."""
+
+    def __init__(self, release: dict):
+        self.release = release
+        self.pending: dict[tuple[int, int], tuple[list, list]] = {}
+        self.lock = threading.Lock()  # an overlapped pair's two sides run on two threads
+        self.let_go = 0  # outputs let go (for tests)
+
+    def add(self, key: tuple[int, int], works: list, tensors: list) -> None:
+        with self.lock:
+            self.pending[key] = (works, tensors)
+
+    def before(self, act: Act) -> None:
+        with self.lock:
+            for key in self.release.get(act, ()):
+                if key not in self.pending:
+                    continue
+                works, tensors = self.pending.pop(key)
+                for w in works:
+                    w.wait()
+                for t in tensors:
+                    t.data = torch.empty(1, dtype=t.dtype, device=t.device).expand(t.shape)
+                self.let_go += 1
+
+    def finish(self) -> None:
+        """The step's end: the sends still pending are waited for (their outputs leave with the forward cache)."""
+        with self.lock:
+            for works, _ in self.pending.values():
+                for w in works:
+                    w.wait()
+            self.pending = {}
+
+
 class _K3Stage:
     """What K3PipelineStage adds to torch's PipelineStage (self.submod, self.is_first, self.stage_index; see its
     docstring): the gradient reduction, busy time, point-to-point byte counts and vision work of a stage."""
@@ -306,6 +350,7 @@ class _K3Stage:
         self.clock = BusyClock(self.device)
         self.early_sends: list = []
         self.fused_chunks: set[int] = set()
+        self.sent: SentOutputs | None = None  # set by build_schedule for multi-stage schedules
 
     @property
     def busy_s(self) -> float:
@@ -319,6 +364,19 @@ class _K3Stage:
         for w in self.early_sends:
             w.wait()
         self.early_sends = []
+        if self.sent is not None:
+            self.sent.finish()
+
+    def _send_outputs(self, ops: list, chunk: int) -> list:
+        """Under a multi-stage schedule the stage posts its output's sends itself (torch's runtime would post the
+        same sends at the same point) and hands them to the rank's SentOutputs, which lets the output go later."""
+        if self.sent is None or not ops:
+            return ops
+        works = [op.op(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer) for op in ops]
+        # what was sent is a detached alias of the cached output: both let their storage go
+        held = [op.tensor for op in ops] + [t for t in self.fwd_cache[chunk][0] if isinstance(t, torch.Tensor)]
+        self.sent.add((self.stage_index, chunk), works, held)
+        return []
 
     def reduce_once(self):
         if not self.reduced:
@@ -343,6 +401,8 @@ class _K3Stage:
     # VisionFeed's plan places before or after each action run around them.
     def forward_one_chunk(self, fwd_chunk_id, *a, **k):
         feed = self.vision_feed
+        if self.sent is not None:
+            self.sent.before(Act("F", self.stage_index, fwd_chunk_id))
         with self.clock.span():
             if feed is not None:
                 act = Act("F", self.stage_index, fwd_chunk_id)
@@ -356,6 +416,8 @@ class _K3Stage:
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         feed, act = self.vision_feed, Act("B", self.stage_index, bwd_chunk_id)
+        if self.sent is not None:
+            self.sent.before(Act("B" if full_backward else "I", self.stage_index, bwd_chunk_id))
         if feed is not None:
             with self.clock.span():
                 feed.run_before(act)
@@ -471,6 +533,7 @@ class _K3Stage:
 
     def get_fwd_send_ops(self, fwd_chunk_id):
         ops = self._counted(super().get_fwd_send_ops(fwd_chunk_id), "send_fwd")
+        ops = self._send_outputs(ops, fwd_chunk_id)
         return self._send_then_vision(ops, Act("F", self.stage_index, fwd_chunk_id))
 
     def get_bwd_send_ops(self, bwd_chunk_id):
@@ -631,6 +694,9 @@ def build_schedule(dims: ParallelDims, stages: list, loss_fn: Callable):
     import torch.distributed.pipelining as pipelining
 
     cls = getattr(pipelining, SCHEDULES[dims.schedule][0])
+    sent = SentOutputs(sent_output_release(dims)) if dims.placement != "single" else None
+    for st in stages:  # the rank's stages let their sent outputs go (SentOutputs)
+        st.sent = sent
     # The loss is already divided by the global token count: no further scaling by the micro-batch count.
     stages = stages[0] if dims.placement == "single" else stages
     return cls(stages, n_microbatches=dims.microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -105,6 +105,55 @@ def overlapped_pairs(dims: ParallelDims) -> list[tuple[Act, Act]]:
     ]
 
 
+def sent_output_release(dims: ParallelDims) -> dict[Act, list[tuple[int, int]]]:
+    """{compute action: the (stage, micro-batch) outputs its rank sent to another rank that it lets go right before
+    that action}, under a multi-stage schedule (none under gpipe and 1F1B).
+
+    A stage's output, sent to the next stage on rank R, has surely arrived once this rank has received a message
+    that R sent after it began that micro-batch's forward on the next stage (R waits for its receives before it
+    computes): the first compute action of this rank to consume such a message (a forward's input or a backward's
+    output gradient from R, both waited for before the action; the first part of an overlapped pair for both) lets
+    it go. Sends and receives are placed where torch's lowering puts them (pipeline_order_with_comms), on every
+    backend alike, so the send is complete there and waiting for it cannot block."""
+    from k3train.parallel.mesh import stage_to_rank
+
+    if _single_stage(dims):
+        return {}
+    where, last = stage_to_rank(dims), dims.n_stages - 1
+    comms = _multi_stage_schedule(dims).pipeline_order_with_comms
+    forward_at, send_at = {}, {}  # (rank, stage, mb) -> position in the rank's order
+    for rank, actions in comms.items():
+        for pos, a in enumerate(actions):
+            kind = a.computation_type.value
+            if kind in ("SEND_F", "SEND_B"):
+                send_at[(kind, a.stage_index, a.microbatch_index)] = pos
+            for c in _compute_acts(a):
+                if c.kind == "F":
+                    forward_at[(c.stage, c.mb)] = pos
+    out: dict[Act, list[tuple[int, int]]] = {}
+    for rank, actions in comms.items():
+        pending: list[tuple[int, int]] = []  # outputs sent to another rank, not yet let go
+        for a in actions:
+            acts = _compute_acts(a)
+            if not acts:
+                continue
+            for c in acts:  # messages this action consumes: (sender rank, the sender's position of the send)
+                got = []
+                if c.kind == "F" and c.stage > 0 and where[c.stage - 1] != rank:
+                    got.append((where[c.stage - 1], send_at[("SEND_F", c.stage - 1, c.mb)]))
+                if c.kind in ("B", "I") and c.stage < last and where[c.stage + 1] != rank:
+                    got.append((where[c.stage + 1], send_at[("SEND_B", c.stage + 1, c.mb)]))
+                for peer, pos in got:
+                    done = [o for o in pending if where[o[0] + 1] == peer and forward_at[(o[0] + 1, o[1])] < pos]
+                    if done:
+                        out.setdefault(acts[0], []).extend(done)
+                        pending = [o for o in pending if o not in done]
+            pending += [
+                (c.stage, c.mb) for c in acts if c.kind == "F" and c.stage < last and where[c.stage + 1] != rank
+            ]
+    return out
+
+
 def receive_posts(dims: ParallelDims) -> dict[int, list[tuple[int, Act]]]:
     """{pipeline rank: (k, act) per receive it posts}: before its k-th compute action the rank posts the receive
     that act (a forward "F" or a backward "B" of a stage and micro-batch) consumes, from a stage on another rank;

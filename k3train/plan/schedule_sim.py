@@ -12,11 +12,13 @@ REDUCE_GRAD point (its last backward) under Pipeline ZeRO-2, and to the end of t
 Pipeline boundary tensors follow it too (torch.distributed.pipelining's schedules and K3PipelineStage): a stage's
 receive buffers, of a micro-batch's input and of its output's gradient, are made where the rank posts their receives
 (k3train.parallel.pipeline_order.receive_posts) and let go after the micro-batch's backward (B, or I when split);
-under a single-stage schedule the schedule's loop holds the last receive of each kind until its next post. Its output lives from its forward to its backward (the stage's forward cache); the gradient
+under a single-stage schedule the schedule's loop holds the last receive of each kind until its next post. Its output
+lives from its forward to its backward (the stage's forward cache), or, sent to another rank under a multi-stage
+schedule, until the action k3train.parallel.pipeline_order.sent_output_release names; the gradient
 of its received input, sent back, lives through its backward, and under a single-stage schedule (gpipe, 1f1b) to
-the next backward, whose send replaces the ops that hold it. Multi-stage schedules keep only the sends' work
-handles until the step ends: under NCCL, which keeps a sent tensor until its work is waited for, those tensors would
-stay to the step's end (the fake backend of the dry run keeps none; not counted here).
+the next backward, whose send replaces the ops that hold it. Multi-stage schedules keep the work handles of the
+input gradients' sends until the step ends: under NCCL, which keeps a sent tensor until its work is waited for, those
+tensors would stay to the step's end (the fake backend of the dry run keeps none; not counted here).
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from k3train.parallel.mesh import ParallelDims
-from k3train.parallel.pipeline_order import Act, overlapped_pairs, receive_posts, replay, schedule_order
+from k3train.parallel.pipeline_order import (
+    Act,
+    overlapped_pairs,
+    receive_posts,
+    replay,
+    schedule_order,
+    sent_output_release,
+)
 
 
 @dataclass
@@ -88,8 +97,8 @@ def simulate(dims: ParallelDims, costs: dict[int, StageCost], *, zero: int) -> T
 
     events = replay(dims, orders, duration, lambda stage: costs[stage].send_s)
     makespan = max((evs[-1][1] for evs in events.values() if evs), default=0.0)
-    posts = receive_posts(dims)
-    parts = {r: _rank_peak(evs, orders[r], posts.get(r, []), costs, zero, freed) for r, evs in events.items()}
+    posts, release = receive_posts(dims), sent_output_release(dims)
+    parts = {r: _rank_peak(evs, orders[r], posts.get(r, []), release, costs, zero, freed) for r, evs in events.items()}
     return Timeline(makespan_s=makespan, peak_parts=parts, events=events)
 
 
@@ -106,7 +115,7 @@ def _paired_backwards(dims: ParallelDims, costs: dict[int, StageCost], alone) ->
     return out
 
 
-def _rank_peak(evs, order: list[Act], posts: list, costs: dict[int, StageCost], zero: int, freed) -> dict[str, float]:
+def _rank_peak(evs, order: list[Act], posts: list, release, costs, zero: int, freed) -> dict[str, float]:
     """One rank's memory walk over its actions in order: the peak of activations + gradients + boundary tensors,
     split by kind, and the boundary tensors' own peak."""
     live_act, live_pp, pp_peak = 0.0, 0.0, 0.0
@@ -114,6 +123,7 @@ def _rank_peak(evs, order: list[Act], posts: list, costs: dict[int, StageCost], 
     grads: dict[int, float] = {}
     sent_back: dict[int, float] = {}  # the last input gradient a single-stage schedule sent, per stage
     recv: dict[tuple[int, str, int], float] = {}  # live receive buffers by (stage, "F"/"B", micro-batch)
+    gone: set[tuple[int, int]] = set()  # outputs sent to another rank and let go before their backward
     held: dict[tuple[int, str], int] = {}  # single-stage: the micro-batch of the last receive posted, per kind
     spent: set[tuple[int, str, int]] = set()  # let go by the stage, still held by the schedule's loop
     backward_left = Counter(a.stage for a in order if a.kind in ("B", "W"))
@@ -141,6 +151,9 @@ def _rank_peak(evs, order: list[Act], posts: list, costs: dict[int, StageCost], 
                 spent.discard((p.stage, p.kind, prev))
                 live_pp -= recv.pop((p.stage, p.kind, prev))
             held[(p.stage, p.kind)] = p.mb
+        for key in release.get(a, ()):  # sent outputs let go before this action (k3train.parallel.pipeline)
+            gone.add(key)
+            live_pp -= costs[key[0]].out_bytes
         if a.kind == "F":
             live_act += c.act_bytes
             live_pp += c.out_bytes
@@ -152,7 +165,7 @@ def _rank_peak(evs, order: list[Act], posts: list, costs: dict[int, StageCost], 
         # a full backward frees what the forward saved; I the part only the input gradient needed, W the rest
         live_act -= c.act_bytes * freed(a, c)
         if a.kind in ("B", "I"):  # the forward cache lets the output go; the input gradient is sent
-            live_pp -= c.out_bytes
+            live_pp -= 0.0 if (a.stage, a.mb) in gone else c.out_bytes
             if c.keeps_last_send:
                 live_pp -= sent_back.get(a.stage, 0.0)
                 sent_back[a.stage] = c.in_grad_bytes

@@ -2,7 +2,9 @@
 
 Two forked gloo ranks train the tiny K3 in float64 under pp=2 with 16 micro-batches of one row, for two steps, under
 each schedule that keeps micro-batches in flight (1F1B, interleaved 1F1B, DualPipeV, and the split-backward
-interleaved ZB and ZBV). Every receive buffer a stage ever holds (its input, its output's gradient; on a V rank also
+interleaved ZB and ZBV). Under the multi-stage ones, an output sent to another rank keeps its data only until the
+point k3train.parallel.pipeline_order.sent_output_release gives (checked at every watched call; the backward needs
+its graph, not its values). Every receive buffer a stage ever holds (its input, its output's gradient; on a V rank also
 the input handed over by the stage beside it) is followed by a weak reference, so what is counted is what is still
 alive, whoever holds it. At every receive post, forward and backward, a rank's live buffers must fit in the
 micro-batches in flight on it (received or run forward, backward not finished): at most one input and one output
@@ -45,6 +47,7 @@ class BufferWatch:
             for s in stages
         }
         self.samples: list[dict] = []
+        self.last_forward: dict[int, int] = {}
         for st in stages:
             for name in WATCHED:
                 setattr(st, name, self._wrap(st.stage_index, name, getattr(st, name)))
@@ -54,6 +57,8 @@ class BufferWatch:
             mb = a[1] if name == "set_local_fwd_input" else a[0]
             if name in OPENS:
                 self.open.add((stage, mb))
+            if name == "forward_one_chunk":
+                self.last_forward[stage] = mb
             out = fn(*a, **k)
             split = name == "backward_one_chunk" and k.get("full_backward") is False
             if name == "backward_weight_one_chunk" or (name == "backward_one_chunk" and not split):
@@ -71,9 +76,21 @@ class BufferWatch:
                     if b is not None and id(b) not in self.seen:
                         self.seen[id(b)] = (weakref.ref(b), b.untyped_storage().nbytes())
         live = [n for ref, n in self.seen.values() if ref() is not None]
+        held = sent = 0  # outputs sent to another rank: all of them, and those holding their data past their time
+        for st in self.stages:
+            remote = not st.is_last and st.stage_index_to_group_rank[st.stage_index + 1] != st.group_rank
+            if not remote or st.sent is None:
+                continue
+            for chunk, (outs, _) in st.fwd_cache.items():
+                sent += 1
+                if (st.stage_index, chunk) in st.sent.pending or chunk == self.last_forward.get(st.stage_index):
+                    continue  # its send may be on its way, or is not yet posted
+                held += sum(t.untyped_storage().nbytes() > t.element_size() for t in outs)
         self.samples.append(
             {
                 "what": what,
+                "held_outputs": held,
+                "sent_outputs": sent,
                 "live": len(live),
                 "live_bytes": sum(live),
                 "open": len(self.open),
@@ -108,6 +125,7 @@ def _worker(rank: int) -> dict:
             "between": between,
             "buffers": len(watch.seen),
             "stages": engine.stage_ids,
+            "let_go": engine.pipeline.stages[0].sent.let_go if engine.pipeline.stages[0].sent else 0,
         }
     return out
 
@@ -148,6 +166,12 @@ def test_receive_buffers_follow_the_microbatches_in_flight(tmp_path, schedule):
         in_flight = max(s["open"] for s in samples)
         assert in_flight <= 2 * 2 * vpp < M, (rank, in_flight)
         assert run["between"] == [0] * STEPS, (rank, run["between"])  # nothing kept from one step to the next
+        # multi-stage schedules: an output sent to another rank keeps its storage only while its send is in flight
+        # (1F1B: torch's loop posts and holds the sends itself)
+        if schedule != "1f1b":
+            assert max(s["sent_outputs"] for s in samples) > 0, rank
+            assert all(s["held_outputs"] == 0 for s in samples), (rank, schedule)
+            assert run["let_go"] > 0, (rank, schedule)  # outputs let go before their backward
 
 
 @pytest.mark.slow
