@@ -105,6 +105,14 @@ class FakeCPU(FakeTensorMode):
                 ref[6] = self._clock
                 del self._refs[key]
 
+    def let_go(self, storages) -> None:
+        """Storages whose tensors took other data (k3train.parallel.pipeline.SentOutputs): freed now."""
+        for st in storages:
+            ref = self._refs.get(st._cdata)
+            if ref is not None:
+                ref[1] = 1
+                self._release(st._cdata)
+
     @property
     def clock(self) -> int:
         """The count of storages made and freed so far (step_memory's `until`)."""

@@ -170,6 +170,7 @@ def run_rank(spec, rank: int, loads: str = "balanced") -> RankResult:
     from torch.utils.flop_counter import FlopCounterMode
 
     from k3train.parallel.engine import build_engine_for
+    from k3train.parallel.pipeline import SentOutputs
 
     dims = spec.layout
     out = RankResult(rank, rank_coords(dims, rank))
@@ -204,9 +205,13 @@ def run_rank(spec, rank: int, loads: str = "balanced") -> RankResult:
             _tag_grads_as_made(fake, engine)
             out.start_bytes = fake.live
             fake.reset_peak()
-            with counter, fake.tag_saved():
-                engine.train_step(batch)
-                engine.update_biases()
+            SentOutputs.observers.append(fake.let_go)
+            try:
+                with counter, fake.tag_saved():
+                    engine.train_step(batch)
+                    engine.update_biases()
+            finally:
+                SentOutputs.observers.remove(fake.let_go)
             # The step's reduced gradients; optimizer states and masters as the step left them (a first step
             # creates them: what Engine.last_memory shows from the second step on).
             after = engine.memory_report()

@@ -305,6 +305,10 @@ class SentOutputs:
     micro-batches still on their way, not of every micro-batch in flight. Outputs handed to a stage on the same rank
     are that stage's input and stay."""
 
+    observers: list = []
+    """Called with the storages each let-go leaves (a memory tracker that follows tensors, such as the dry run's,
+    sees the tensor live on and would count its old storage)."""
+
     def __init__(self, release: dict):
         self.release = release
         self.pending: dict[tuple[int, int], tuple[list, list]] = {}
@@ -323,8 +327,11 @@ class SentOutputs:
                 works, tensors = self.pending.pop(key)
                 for w in works:
                     w.wait()
+                old = [t.untyped_storage() for t in tensors]
                 for t in tensors:
                     t.data = torch.empty(1, dtype=t.dtype, device=t.device).expand(t.shape)
+                for observe in self.observers:
+                    observe(old)
                 self.let_go += 1
 
     def finish(self) -> None:
