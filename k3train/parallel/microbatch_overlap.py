@@ -24,10 +24,10 @@ detail) with events "start", "issue" (an asynchronous collective launched: detai
 blocking one), "hand" (the side reached a wait and handed over the baton: detail what it waits for), "wait" (it has
 the baton back and waits on its handle), "end".
 
-The forward side's thread starts with the caller's counting scopes, grad mode, CUDA device and stream. On a GPU
-each side's kernels go to the same compute stream; what overlaps there is the collective (on its own
-stream) with the other micro-batch's kernels. Memory: nothing is added; the two micro-batches' activations are
-those DualPipeV holds anyway.
+The forward side's thread starts with the caller's counting scopes, grad mode, dispatch modes, CUDA device and
+stream. On a GPU each side's kernels go to the same compute stream; what overlaps there is the collective (on its
+own stream) with the other micro-batch's kernels. Memory: the two micro-batches' activations are those DualPipeV
+holds anyway; their expert all-to-all buffers can be alive at once.
 """
 
 from __future__ import annotations
@@ -153,8 +153,12 @@ class MicrobatchOverlap:
 
 def _caller_state():
     """A context that gives a new thread the caller's thread-local state the sides depend on: the open counting
-    scopes, grad mode, and on CUDA the current device and stream (so both sides queue kernels on one stream)."""
+    scopes, grad mode, the active dispatch modes, and on CUDA the current device and stream (so both sides queue
+    kernels on one stream)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
     scopes, grad = comm.current_scopes(), torch.is_grad_enabled()
+    modes = _get_current_dispatch_mode_stack()
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     device, stream = (torch.cuda.current_device(), torch.cuda.current_stream()) if cuda else (None, None)
 
@@ -163,6 +167,8 @@ def _caller_state():
         with contextlib.ExitStack() as stack:
             stack.enter_context(comm.in_scopes(scopes))
             stack.enter_context(torch.set_grad_enabled(grad))
+            for mode in modes:  # dispatch modes (a fake-tensor mode, an op counter) are per thread too
+                stack.enter_context(mode)
             if cuda:
                 torch.cuda.set_device(device)
                 stack.enter_context(torch.cuda.stream(stream))
