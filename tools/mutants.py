@@ -479,6 +479,20 @@ def _plan_sent_outputs_kept(orig):
     return sent_output_release
 
 
+def _overlap_thread_without_modes(orig):
+    def _caller_state():
+        import torch.utils._python_dispatch as pd
+
+        real = pd._get_current_dispatch_mode_stack
+        pd._get_current_dispatch_mode_stack = list
+        try:
+            return orig()
+        finally:
+            pd._get_current_dispatch_mode_stack = real
+
+    return _caller_state
+
+
 def _plan_pairs_sequential(orig):
     def _paired_backwards(dims, costs, alone):
         return {}
@@ -1800,6 +1814,13 @@ MUTATIONS: list[Mutation] = [
         "the planner's timeline splits the backward of stages that fuse it (I and W half each)",
         _sim_ignores_fused,
         ("tests/e2e/test_plan.py::test_fused_split_backward_runs_whole_backwards_in_the_input_pass",),
+    ),
+    M(
+        "overlap_thread_without_modes",
+        "k3train.parallel.microbatch_overlap:_caller_state",
+        "the overlapped action's forward thread runs without the caller's dispatch modes",
+        _overlap_thread_without_modes,
+        (f"{DRY}::test_microbatch_overlap_steps_on_fake_tensors_as_the_layer_overlap_does",),
     ),
     M(
         "plan_microbatch_overlap_ignored",

@@ -176,6 +176,25 @@ def test_reduced_world_ranks_issue_matching_collectives(reduced_world):
 
 
 @pytest.mark.slow
+def test_microbatch_overlap_steps_on_fake_tensors_as_the_layer_overlap_does():
+    """pp2 x dp2 x ep2 DualPipeV, 4 micro-batches: under parallel.ep_overlap=microbatch the overlapped actions' two
+    threads run on the caller's fake-tensor mode and op counter, so each rank's FLOPs, training state and the
+    multiset of its collectives equal those of ep_overlap=layer, and the ranks' collectives agree."""
+    from collections import Counter
+
+    from k3train.dryrun.run import dry_run
+
+    ov = ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=dualpipev", "parallel.ep=2", "parallel.dp=2"]
+    ov += ["parallel.microbatches=4", "data.seq_len=64"]
+    layer = dry_run(load_spec("tiny_cpu", ov, world_size=4))
+    lap = dry_run(load_spec("tiny_cpu", [*ov, "parallel.ep_overlap=microbatch"], world_size=4))
+    assert collective_mismatches(lap) == []
+    for a, b in zip(layer, lap, strict=True):
+        assert a.rank == b.rank and a.flops == b.flops > 0 and a.state == b.state
+        assert Counter((c.op, c.nbytes) for c in a.calls) == Counter((c.op, c.nbytes) for c in b.calls)
+
+
+@pytest.mark.slow
 def test_twice_the_microbatches_repeat_the_per_microbatch_collectives(reduced_world):
     """m = 2 pp: the same state bytes, FLOPs twice, and each per-micro-batch collective (EP all-to-all, pipeline
     send and receive) twice; the rest (reductions, the world all-reduce) unchanged."""
