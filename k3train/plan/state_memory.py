@@ -9,8 +9,9 @@ parameter is placed by the optimizer's own description of its sharding (k3train.
   hold E / ep experts per layer under expert parallelism.
 - gradients, measured after the reduction and before the optimizer step: the full fp32 gradient of every trainable
   parameter, except under zero=2, where AdamW parameters keep only their padded dim-0 chunk (ceil(d0 / n) rows of
-  the group of n replicas) and owner-sharded Muon matrices arrive on their owners by one reduce-scatter per stage
-  (each rank's segment padded to the longest).
+  the group of n replicas) and owner-sharded Muon matrices arrive on their owners chunk by chunk
+  (k3train.optim.muon.owner_chunks: a reduce-scatter's padded segment, or the owned matrices copied out of an
+  all-reduce).
 - optimizer states: AdamW's two moments over the owned chunk (zero >= 1) or the whole tensor; Muon's momentum over
   the matrices this rank owns when its group shards them (zero >= 1, k3train.optim.muon.assign_owners balancing
   Newton-Schulz cost over the group), the whole parameter otherwise; home experts under expert parallelism have
