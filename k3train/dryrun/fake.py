@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SMALL = 1 << 24
@@ -52,6 +52,10 @@ def kind_of(backward: bool, tags: set) -> str:
         if t in tags:
             return f"{t}_buffers"
     return "workspace" if backward else "activations"
+
+
+def _real_tensor(t) -> bool:
+    return isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and t.device.type != "meta"
 
 
 def _device_type(dev) -> str | None:
@@ -198,6 +202,9 @@ class FakeCPU(FakeTensorMode):
             out = super().__torch_dispatch__(func, types, tuple(low), kwargs).to(args[0].dtype)
         else:
             out = super().__torch_dispatch__(func, types, args, kwargs)
+        # FakeTensorMode may hand back a real CPU scalar for an op on a fake one (a 0-dim fake cast with .to): its
+        # value is unset memory, which a host read would take for a count. Results of fake inputs stay fake.
+        out = tree_map(lambda t: self.from_tensor(t) if _real_tensor(t) else t, out)
         self._track(out)
         return out
 

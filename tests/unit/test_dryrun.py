@@ -397,3 +397,17 @@ def test_pipeline_ranks_peak_by_kind_equals_the_planner():
             assert r.kind_peaks["grads"] == r.state["grad_bytes"] == r.planned_by_kind["grads"]
             assert abs(r.kind_peaks["activations"] / r.planned_by_kind["activations"] - 1) < 0.10
             assert sum(r.peak_by_kind.values()) == r.peak_bytes
+
+
+def test_results_of_fake_inputs_stay_fake():
+    """FakeTensorMode hands back a real CPU scalar for a cast of a 0-dim fake (a micro-batch's target count): its
+    value is unset memory, which the step's host read took for a count (now and then NaN: 'cannot convert float NaN
+    to integer'). FakeCPU keeps every result of fake inputs fake, so the read goes to the stand-in."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    from k3train.dryrun.fake import FakeCPU
+
+    with FakeCPU():
+        ids = torch.zeros(2, 8, dtype=torch.long)
+        count = (ids != -100).sum()
+        assert is_fake(count) and is_fake(count.to(dtype=torch.float64)) and is_fake(0 + count.double())
