@@ -77,8 +77,8 @@ def owner_chunks(
 
     out = []
     for idx in bucket_groups(list(numels), cap):
-        width = max(sum(sizes[i][q] for i in idx) for q in range(len(sizes[idx[0]])))
         n = len(sizes[idx[0]])
+        width = max(sum(sizes[i][q] for i in idx) for q in range(n))
         out.append((idx, width if n * width < 2 * sum(numels[i] for i in idx) else None))
     return out
 

@@ -13,6 +13,7 @@ time (k3train.parallel.vision_schedule) both read this timeline.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -46,9 +47,16 @@ def _single_stage_order(dims: ParallelDims, rank: int) -> list[Act]:
 
 
 def _multi_stage_schedule(dims: ParallelDims):
-    """The torch schedule object of a multi-stage schedule, built from stand-in stage descriptions."""
+    """The torch schedule object of a multi-stage schedule, built from stand-in stage descriptions (once per
+    schedule, pp, vpp and micro-batch count: the planner's replay reads it several times)."""
+    return _torch_schedule(dims.schedule, dims.pp, dims.vpp, dims.microbatches)
+
+
+@functools.lru_cache(maxsize=32)
+def _torch_schedule(schedule: str, pp: int, vpp: int, microbatches: int):
     import torch.distributed.pipelining as pipelining
 
+    dims = ParallelDims(pp=pp, vpp=vpp, microbatches=microbatches, schedule=schedule)
     cls = getattr(pipelining, SCHEDULES[dims.schedule][0])
     n = dims.n_stages
     stages = [
@@ -121,7 +129,7 @@ def sent_output_release(dims: ParallelDims) -> dict[Act, list[tuple[int, int]]]:
         return {}
     where, last = stage_to_rank(dims), dims.n_stages - 1
     comms = _multi_stage_schedule(dims).pipeline_order_with_comms
-    forward_at, send_at = {}, {}  # (rank, stage, mb) -> position in the rank's order
+    forward_at, send_at = {}, {}  # (stage, mb) / (kind, stage, mb) -> position in its rank's order
     for rank, actions in comms.items():
         for pos, a in enumerate(actions):
             kind = a.computation_type.value
