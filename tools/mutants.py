@@ -1216,6 +1216,13 @@ def _loss_workspace_dropped(orig):
     return loss_workspace_bytes
 
 
+def _forward_window_ignored(orig):
+    def forward_window(self, module=None, fn=None):
+        return None if module is not None else fn
+
+    return forward_window
+
+
 def _receive_buffers_dropped(orig):
     def pipeline_boundaries(x, s):
         return {**orig(x, s), "recv_in_bytes": 0.0, "recv_grad_bytes": 0.0}
@@ -2509,6 +2516,14 @@ MUTATIONS: list[Mutation] = [
         "the planner leaves out the chunked loss's backward workspace (its [V, D] weight-gradient sum and cast)",
         _loss_workspace_dropped,
         (f"{DRY}::test_loss_workspace_declaration_is_what_its_backward_holds",),
+    ),
+    M(
+        "dryrun_forward_temporaries_held",
+        "k3train.dryrun.fake:FakeCPU.forward_window",
+        "the dry run counts what a stage's forward makes and frees before it returns as activations (held for "
+        "backward) instead of the forward's workspace",
+        _forward_window_ignored,
+        (f"{DRY}::test_a_forwards_temporaries_are_workspace_and_what_it_holds_is_activations",),
     ),
     M(
         "dryrun_planner_drops_receive_buffers",

@@ -38,14 +38,18 @@ KINDS = ("grads", "activations", "pp_buffers", "ep_buffers", "cp_buffers", "work
 
 def kind_of(backward: bool, tags: set) -> str:
     """The kind of a storage from where it was made (in a backward: an autograd node was running) and its tags:
-    a gradient (tagged "grads"); a pipeline boundary tensor (handed to a point-to-point op); saved for backward
-    (handed to a saved-tensor pack hook) in a forward: an activation, in a backward (a recomputed region's
-    saves): workspace; handed to an EP all-to-all or a CP collective: that buffer; anything else made in a
-    forward and alive at the peak is held for backward (an activation), made in a backward it is workspace."""
+    a gradient (tagged "grads"); a pipeline boundary tensor (handed to a point-to-point op); made in a stage's
+    forward and freed before that forward ended ("transient", FakeCPU.forward_window): the forward's workspace
+    unless it was an EP or CP buffer; saved for backward (handed to a saved-tensor pack hook) in a forward: an
+    activation, in a backward (a recomputed region's saves): workspace; handed to an EP all-to-all or a CP
+    collective: that buffer; anything else made in a forward and alive at the peak is held for backward (an
+    activation), made in a backward it is workspace."""
     if "grads" in tags:
         return "grads"
     if "pp" in tags:
         return "pp_buffers"
+    if "transient" in tags and not tags & {"ep", "cp"}:
+        return "workspace"
     if "saved" in tags:
         return "workspace" if backward else "activations"
     for t in ("ep", "cp"):
@@ -108,6 +112,34 @@ class FakeCPU(FakeTensorMode):
                 self._clock += 1
                 ref[6] = self._clock
                 del self._refs[key]
+
+    def forward_window(self, module=None, fn=None):
+        """A stage's forward: what it makes outside any backward and frees before it returns is tagged "transient"
+        (the forward's temporaries, not held for backward: see kind_of). Hooks `module`'s forward, or returns `fn`
+        wrapped (the last stage's loss, which the schedule runs after the stage's forward)."""
+        starts: list[int] = []
+
+        def begin(*_):
+            starts.append(len(self.log) if self.log is not None else 0)
+
+        def end(*_):
+            for ref in (self.log or ())[starts.pop() :]:
+                if not ref[3] and ref[6] is not None:
+                    ref[4].add("transient")
+
+        if module is not None:
+            module.register_forward_pre_hook(begin)
+            module.register_forward_hook(end)
+            return None
+
+        def windowed(*a, **k):
+            begin()
+            try:
+                return fn(*a, **k)
+            finally:
+                end()
+
+        return windowed
 
     def let_go(self, storages) -> None:
         """Storages whose tensors took other data (k3train.parallel.pipeline.SentOutputs): freed now."""

@@ -203,6 +203,9 @@ def run_rank(spec, rank: int, loads: str = "balanced") -> RankResult:
             engine.zero.step = counted_step
             rec.on_call = _buffer_tagger(fake, engine, rank)
             _tag_grads_as_made(fake, engine)
+            for stage in engine.stage_modules.values():
+                fake.forward_window(stage)
+                stage.head_loss = fake.forward_window(fn=stage.head_loss)
             out.start_bytes = fake.live
             fake.reset_peak()
             SentOutputs.observers.append(fake.let_go)

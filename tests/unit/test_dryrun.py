@@ -371,6 +371,46 @@ def test_storages_take_their_kind_from_where_they_were_made_and_their_tags():
     assert mem.kind_peaks["workspace"] >= 8 * 64 * 4  # the backward's gradient of tanh's input
 
 
+def test_a_forwards_temporaries_are_workspace_and_what_it_holds_is_activations():
+    """A stage's forward (a hooked module, or the loss run after it): what it makes and frees before returning is
+    its workspace, EP buffers stay EP buffers, and what it leaves alive for the backward is an activation, saved or
+    not. Without the window, the same temporaries would count as activations."""
+    from torch import nn
+
+    from k3train.dryrun.fake import FakeCPU
+
+    class Stage(nn.Module):
+        def forward(self, x):
+            t = torch.exp(x) * 2  # exp's output is saved; the product is a temporary
+            e = torch.empty(16, 64)
+            fake.tag(e, "ep")
+            del e
+            self.kept = torch.empty(4, 64)  # held for the backward without being saved
+            return t.sum(1)
+
+    for window in (True, False):
+        fake = FakeCPU()
+        with fake:
+            stage = Stage()
+            loss = lambda v: torch.empty(32, 64).sum() + v.sum()  # one [32, 64] temporary  # noqa: E731
+            if window:
+                fake.forward_window(stage)
+                loss = fake.forward_window(fn=loss)
+            fake.reset_peak()
+            with fake.tag_saved():
+                x = torch.empty(8, 64, requires_grad=True)
+                out = loss(stage(x))
+            mem = fake.step_memory()
+        assert mem.kind_peaks["ep_buffers"] == 16 * 64 * 4
+        if window:  # the loss's temporary and its sum (the larger window); the stage's product, 8 x 64
+            assert mem.kind_peaks["workspace"] == 32 * 64 * 4 + 4
+            # x, exp's output (saved), the kept tensor, the stage's output and the loss
+            assert mem.kind_peaks["activations"] == 2 * 8 * 64 * 4 + 4 * 64 * 4 + 8 * 4 + 4
+        else:
+            assert mem.kind_peaks["workspace"] == 0 and mem.kind_peaks["activations"] > 32 * 64 * 4
+        del out
+
+
 @pytest.mark.slow
 def test_pipeline_ranks_peak_by_kind_equals_the_planner():
     """pp2 1F1B on the tiny model, m = 2, 4 and 6 (fp32, one rank per stage): each stage's gradients, saved
