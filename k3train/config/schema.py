@@ -199,7 +199,7 @@ class PlanConfig:
 @dataclass(kw_only=True)
 class DryRunConfig:
     ranks: list[int] = field(default_factory=list)
-    """`python -m k3train.dryrun`: the global ranks to simulate, one after another; empty: one rank per pipeline
+    """`python -m k3train.dryrun`: the global ranks to simulate (dryrun.jobs at once); empty: one rank per pipeline
     stage plus a second member of each of the first stage's dp, cp, ep and edp groups (k3train.dryrun.run)."""
     loads: str = "balanced"
     """Stand-in expert loads of the dry run: balanced (every expert the same rows) or zipf (skewed, per call)."""
@@ -207,6 +207,9 @@ class DryRunConfig:
     """Micro-batches of the dry run's one step; 0 takes pp x vpp, the pipeline's stages (the schedule's saved
     activations stop growing once each stage holds a micro-batch; the pipeline's receive buffers, one per
     micro-batch, grow with m, and the planner counts them at the run's m)."""
+    jobs: int = 0
+    """Ranks stepped at once, each in a process of its own (a rank's fake step runs on one core); 0: one per CPU
+    core, at most one per rank."""
     check: str = "warn"
     """At training start on CUDA without a passing dry-run verdict for the run's model, layout, activation and
     kernels: warn (print a warning) or strict (refuse to start)."""

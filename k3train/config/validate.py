@@ -373,5 +373,6 @@ def check_dryrun(cfg: K3TrainConfig, dims) -> None:
     _known("dryrun.loads", d.loads, "load stand-in", ("balanced", "zipf"))
     _known("dryrun.check", d.check, "verdict check", ("warn", "strict"))
     _need(d.microbatches >= 0, "dryrun.microbatches", f"must be >= 0 (0 takes pp), got {d.microbatches}")
+    _need(d.jobs >= 0, "dryrun.jobs", f"must be >= 0 (0: one process per CPU core), got {d.jobs}")
     bad = [r for r in d.ranks if not 0 <= r < dims.world]
     _need(not bad, "dryrun.ranks", f"{bad} outside the world of {dims.world} ranks (0..{dims.world - 1})")

@@ -4,7 +4,7 @@
     print(format_results(results))          # per rank: state bytes, FLOPs and memory by kind against the planner
     check_collectives(results)              # ConfigError naming the group, the position and both ranks' ops
 
-Each chosen rank in turn: the fake process group ("fake" backend) with the real world size and this rank, the mesh,
+Each chosen rank (dryrun.jobs at once, each in a spawned process): the fake process group ("fake" backend) with the real world size and this rank, the mesh,
 the engine (k3train.parallel.engine.build_engine_for: pipeline, EP dispatch, MoonEP, CP plan, ZeRO as the trainer
 builds them) under FakeCPU (k3train.dryrun.fake), one training step of m micro-batches (default m = pp x vpp: the
 saved activations stop growing once every stage holds a micro-batch; the receive buffers torch makes per
@@ -20,7 +20,10 @@ their matrix products), and CUDA streams and events.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing as mp
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +40,8 @@ from k3train.parallel.mesh import rank_coords
 class RankResult:
     rank: int
     coords: dict
+    pid: int = 0
+    """The process that stepped the rank (dryrun.jobs)."""
     calls: list[Call] = field(default_factory=list)
     state: dict = field(default_factory=dict)
     """Engine.last_memory of the step: bytes by kind of the training state."""
@@ -173,7 +178,7 @@ def run_rank(spec, rank: int, loads: str = "balanced") -> RankResult:
     from k3train.parallel.pipeline import SentOutputs
 
     dims = spec.layout
-    out = RankResult(rank, rank_coords(dims, rank))
+    out = RankResult(rank, rank_coords(dims, rank), os.getpid())
     rec = Recorder(out.calls)
     t0 = time.perf_counter()
     torch.__future__.set_overwrite_module_params_on_conversion(True)
@@ -322,11 +327,26 @@ def _plan_rank(spec, res: RankResult) -> None:
     res.planned_peak = sum(res.planned_by_kind.values())
 
 
-def dry_run(spec, ranks: list[int] | None = None, loads: str | None = None, microbatches: int = 0) -> list:
-    """RankResult of each rank (default: dryrun.ranks, else default_ranks) of the run's step."""
+def dry_run(
+    spec, ranks: list[int] | None = None, loads: str | None = None, microbatches: int = 0, jobs: int | None = None
+) -> list:
+    """RankResult of each rank (default: dryrun.ranks, else default_ranks) of the run's step, in rank order. With
+    more than one job (default: dryrun.jobs, 0 taking the CPU cores) the ranks step in that many spawned processes,
+    each rank in one process as it would alone (its own fake process group)."""
     dspec = dry_spec(spec, microbatches)
     ranks = list(ranks or spec.config.dryrun.ranks or default_ranks(dspec.layout))
-    return [run_rank(dspec, r, loads or spec.config.dryrun.loads) for r in ranks]
+    loads = loads or spec.config.dryrun.loads
+    jobs = spec.config.dryrun.jobs if jobs is None else jobs
+    jobs = min(len(ranks), jobs or os.cpu_count() or 1)
+    if jobs <= 1:
+        return [run_rank(dspec, r, loads) for r in ranks]
+    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_one_thread) as pool:
+        return list(pool.map(run_rank, [dspec] * len(ranks), ranks, [loads] * len(ranks)))
+
+
+def _one_thread() -> None:
+    """A worker's fake ops compute nothing: one intra-op thread each, so that the jobs share the cores evenly."""
+    torch.set_num_threads(1)
 
 
 def _by_group(results: list[RankResult]) -> dict:

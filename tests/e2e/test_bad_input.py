@@ -829,6 +829,13 @@ CASES = [
         "outside the world of 2048 ranks",
         dry("dryrun.ranks=[0,2048]"),
     ),
+    Bad(
+        "dryrun-jobs",
+        "dryrun",
+        "--config-name k3_full dryrun.jobs=-1",
+        "must be >= 0 \\(0: one process per CPU core\\), got -1",
+        dry("dryrun.jobs=-1"),
+    ),
     Bad("converge-key", "converge", "converge.stepz=3", "converge settings", converge("converge.stepz=3")),
     Bad(
         "converge-parallel",

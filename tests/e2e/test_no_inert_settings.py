@@ -142,6 +142,8 @@ REASONS: dict[str, str] = {
     "dryrun.loads": "the dry run's stand-in expert loads (tests/unit/test_dryrun.py shows balanced and zipf split "
     "sizes): dry run only",
     "dryrun.microbatches": "the dry run's micro-batches (tests/unit/test_dryrun.py: m = pp and m = 2pp): dry run only",
+    "dryrun.jobs": "how many ranks the dry run steps at once, each in its own process: the same results "
+    "(tests/unit/test_dryrun.py::test_ranks_stepped_in_parallel_processes_give_what_one_process_gives): dry run only",
     "dryrun.check": "what a GPU run does without a recorded dry-run verdict (warn or refuse); this machine has no "
     "GPU, so training never runs the check (tests/unit/test_dryrun.py calls it for cuda)",
     "data.on_bad_sample": "what an unusable image does (fail or skip and count); the built-in images all decode and "

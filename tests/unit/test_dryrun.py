@@ -451,3 +451,20 @@ def test_results_of_fake_inputs_stay_fake():
         ids = torch.zeros(2, 8, dtype=torch.long)
         count = (ids != -100).sum()
         assert is_fake(count) and is_fake(count.to(dtype=torch.float64)) and is_fake(0 + count.double())
+
+
+@pytest.mark.slow
+def test_ranks_stepped_in_parallel_processes_give_what_one_process_gives():
+    """dryrun.jobs: two ranks stepped in two spawned processes (each with its own fake process group) give the
+    same collectives, state, FLOPs and memory by kind as the same ranks one after another here."""
+    import os
+
+    from k3train.dryrun.run import dry_run
+
+    spec = load_spec("tiny_cpu", ["parallel.pp=2", "parallel.microbatches=2", "data.seq_len=64"], world_size=2)
+    here, spawned = dry_run(spec, jobs=1), dry_run(spec, jobs=2)
+    assert [r.rank for r in spawned] == [0, 1] and {r.pid for r in here} == {os.getpid()}
+    assert len({r.pid for r in spawned}) == 2 and os.getpid() not in {r.pid for r in spawned}
+    for a, b in zip(here, spawned):
+        assert a.calls == b.calls and a.state == b.state and a.flops == b.flops
+        assert a.kind_peaks == b.kind_peaks and a.planned_by_kind == b.planned_by_kind
