@@ -4,12 +4,12 @@
     print(format_results(results))          # per rank: state bytes, FLOPs and memory by kind against the planner
     check_collectives(results)              # ConfigError naming the group, the position and both ranks' ops
 
-Each chosen rank (dryrun.jobs at once, each in a spawned process): the fake process group ("fake" backend) with the real world size and this rank, the mesh,
-the engine (k3train.parallel.engine.build_engine_for: pipeline, EP dispatch, MoonEP, CP plan, ZeRO as the trainer
-builds them) under FakeCPU (k3train.dryrun.fake), one training step of m micro-batches (default m = pp x vpp: the
-saved activations stop growing once every stage holds a micro-batch; the receive buffers torch makes per
-micro-batch grow with m) and the balancers' update, then the process
-group is destroyed. The values the step reads on the host come from the stand-in of k3train.dryrun.loads,
+Each chosen rank (dryrun.jobs at once, each in a spawned process): the fake process group ("fake" backend) with the
+real world size and this rank, the mesh, the engine (k3train.parallel.engine.build_engine_for: pipeline, EP dispatch,
+MoonEP, CP plan, ZeRO as the trainer builds them) under FakeCPU (k3train.dryrun.fake), one training step of m
+micro-batches (default m = pp x vpp: the saved activations stop growing once every stage holds a micro-batch; the
+receive buffers torch makes per micro-batch grow with m) and the balancers' update, then the process group is
+destroyed. The values the step reads on the host come from the stand-in of k3train.dryrun.loads,
 through k3train.distributed.host_sync.stand_in.
 
 What does not run as on a GPU: torch.compile (model.compile is off: dynamo would trace the same ops), the Triton
