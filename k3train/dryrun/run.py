@@ -23,11 +23,12 @@ import dataclasses
 import multiprocessing as mp
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from k3train.distributed import host_sync
 from k3train.dryrun.fake import KINDS, Call, FakeCPU, Recorder, Recording
@@ -211,6 +212,8 @@ def run_rank(spec, rank: int, loads: str = "balanced") -> RankResult:
             for stage in engine.stage_modules.values():
                 fake.forward_window(stage)
                 stage.head_loss = fake.forward_window(fn=stage.head_loss)
+                if not stage.last:  # its output is a boundary tensor, sent or handed to a stage on this rank
+                    stage.register_forward_hook(lambda m, a, o: fake.tag(o, "pp"))
             out.start_bytes = fake.live
             fake.reset_peak()
             SentOutputs.observers.append(fake.let_go)
@@ -338,10 +341,22 @@ def dry_run(
     loads = loads or spec.config.dryrun.loads
     jobs = spec.config.dryrun.jobs if jobs is None else jobs
     jobs = min(len(ranks), jobs or os.cpu_count() or 1)
-    if jobs <= 1:
-        return [run_rank(dspec, r, loads) for r in ranks]
-    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_one_thread) as pool:
-        return list(pool.map(run_rank, [dspec] * len(ranks), ranks, [loads] * len(ranks)))
+    # A K3 rank takes minutes: a progress bar over the ranks (on stderr; off where stderr is not a terminal).
+    bar = tqdm(
+        total=len(ranks), desc=f"dry run: {len(ranks)} ranks, {jobs} at once", unit="rank", leave=False, disable=None
+    )
+    with bar:
+        if jobs <= 1:
+            out = []
+            for r in ranks:
+                out.append(run_rank(dspec, r, loads))
+                bar.update()
+            return out
+        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_one_thread) as pool:
+            futures = {pool.submit(run_rank, dspec, r, loads): r for r in ranks}
+            for _ in as_completed(futures):
+                bar.update()
+            return [f.result() for f in futures]
 
 
 def _one_thread() -> None:

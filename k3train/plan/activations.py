@@ -176,6 +176,19 @@ def stage_activation_bytes(args: K3ModelArgs, layers: list[int], *, tokens: int,
     return stage_bytes(args, layers, tokens=tokens, rows=rows, **kw)[0]
 
 
+def received_saved_bytes(
+    args: K3ModelArgs, layers: list[int], *, tokens: int, plan: PolicyPlan, act_bytes: int
+) -> float:
+    """Of a later stage's saved activations (stage_bytes' first figure), the bytes that are its input itself: the
+    sources it received ([S, B, T, D]), which a recomputed first layer keeps whole and a layer under the K3 defaults
+    keeps as its first partial sum. That tensor is a pipeline boundary (a receive buffer, or the previous stage's
+    output on the same rank) alive to the stage's backward, so the pipeline's memory counts it there once."""
+    if not plan.k3_defaults:
+        return 0.0
+    S = sources_after(args, layers[0] - 1)
+    return (S if plan.layer(layers[0]) == "recompute" else 1) * args.dim * act_bytes * tokens
+
+
 def stage_bytes(
     args: K3ModelArgs,
     layers: list[int],

@@ -46,7 +46,7 @@ from k3train.models.k3.model import K3Layer, K3Model, sources_after
 from k3train.parallel.float8 import float8_candidate, float8_fits
 from k3train.parallel.mesh import stages_of_rank
 from k3train.parallel.zero import ELEMENT_BYTES
-from k3train.plan.activations import KEEP, a2a_passes, policy_plan, recompute_costs, stage_bytes
+from k3train.plan.activations import KEEP, a2a_passes, policy_plan, received_saved_bytes, recompute_costs, stage_bytes
 from k3train.plan.comm_bytes import add_reduction_bytes
 from k3train.plan.efficiency import HBM_PASSES, OP_CLASSES, op_seconds, rates_for
 from k3train.plan.gpus import GPU
@@ -305,6 +305,8 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
     kw = dict(first=s == 0, last=s == n - 1, tokens=tokens, rows=x.mb, seq_len=x.seq, plan=x.pplan, act_bytes=ab)
     act, work_bytes = stage_bytes(args, layers, **kw)
     host = stage_bytes(args, layers, **{**kw, "plan": x.pplan.offload_kept()})[0] - act  # offloaded bytes
+    if s > 0:  # its received input is a boundary tensor: counted once, with the pipeline's buffers
+        act -= received_saved_bytes(args, layers, tokens=tokens, plan=x.pplan, act_bytes=ab)
     G = args.n_experts // dims.ep if dims.ep > 1 else 0
     expert_numel = 3 * args.moe_latent_dim * args.expert_hidden
     if dims.ep > 1 and dims.ep_dispatcher == "moonep":  # hosted experts' weights are saved for backward
