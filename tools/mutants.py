@@ -1223,6 +1223,13 @@ def _forward_window_ignored(orig):
     return forward_window
 
 
+def _received_inputs_counted_twice(orig):
+    def received_saved_bytes(*a, **kw):
+        return 0.0
+
+    return received_saved_bytes
+
+
 def _receive_buffers_dropped(orig):
     def pipeline_boundaries(x, s):
         return {**orig(x, s), "recv_in_bytes": 0.0, "recv_grad_bytes": 0.0}
@@ -2524,6 +2531,14 @@ MUTATIONS: list[Mutation] = [
         "backward) instead of the forward's workspace",
         _forward_window_ignored,
         (f"{DRY}::test_a_forwards_temporaries_are_workspace_and_what_it_holds_is_activations",),
+    ),
+    M(
+        "plan_received_inputs_counted_twice",
+        "k3train.plan.activations:received_saved_bytes",
+        "the planner counts a later stage's received input among its activations too (it is a boundary tensor, "
+        "already counted with the pipeline's buffers)",
+        _received_inputs_counted_twice,
+        (f"{DRY}::test_recomputed_later_stage_holds_its_received_input_once",),
     ),
     M(
         "dryrun_planner_drops_receive_buffers",
