@@ -337,8 +337,9 @@ def test_recipe_activation_plan_fits_and_beats_whole_recompute(recipe, gpu, grou
                 ["parallel.vpp=1", "parallel.schedule=1f1b"],
                 ["parallel.vpp=1", "parallel.schedule=interleaved_1f1b"],
                 ["parallel.vpp=2", "parallel.schedule=interleaved_zb"],
-                ["parallel.vpp=2", "parallel.schedule=dualpipev"],
                 ["parallel.vpp=2", "parallel.schedule=zbv"],
+                # Not interleaved_1f1b on two stages: it plans 1.6% faster and fits, but its full-size dry run does
+                # not match the plan yet (rank 0's activations and gradients by kind, the last rank's FLOPs 2.1% over).
             ],
         ),
         (
