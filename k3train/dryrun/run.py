@@ -353,7 +353,7 @@ def dry_run(
                 bar.update()
             return out
         with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_one_thread) as pool:
-            futures = {pool.submit(run_rank, dspec, r, loads): r for r in ranks}
+            futures = [pool.submit(run_rank, dspec, r, loads) for r in ranks]
             for _ in as_completed(futures):
                 bar.update()
             return [f.result() for f in futures]
