@@ -41,8 +41,6 @@ from k3train.parallel.mesh import rank_coords
 class RankResult:
     rank: int
     coords: dict
-    pid: int = 0
-    """The process that stepped the rank (dryrun.jobs)."""
     calls: list[Call] = field(default_factory=list)
     state: dict = field(default_factory=dict)
     """Engine.last_memory of the step: bytes by kind of the training state."""
@@ -73,6 +71,8 @@ class RankResult:
     """{kind: what holds its own peak, as peak_top}."""
     planned_by_kind: dict = field(default_factory=dict)
     """The planner's bytes of the same kinds for the rank's pipeline rank."""
+    pid: int = 0
+    """The process that stepped the rank (dryrun.jobs)."""
 
 
 OP_CLASSES = {
@@ -179,7 +179,7 @@ def run_rank(spec, rank: int, loads: str = "balanced") -> RankResult:
     from k3train.parallel.pipeline import SentOutputs
 
     dims = spec.layout
-    out = RankResult(rank, rank_coords(dims, rank), os.getpid())
+    out = RankResult(rank, rank_coords(dims, rank), pid=os.getpid())
     rec = Recorder(out.calls)
     t0 = time.perf_counter()
     torch.__future__.set_overwrite_module_params_on_conversion(True)
