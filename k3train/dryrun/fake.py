@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
 
 SMALL = 1 << 24
 """Elements up to which torch.arange or a boolean factory makes a real host tensor (a rank, position or document
@@ -66,12 +66,18 @@ def _device_type(dev) -> str | None:
     return None if dev is None else torch.device(dev).type
 
 
+_DEVICE = torch.ops.prim.device.default
+
+
 class FakeCPU(FakeTensorMode):
-    """FakeTensorMode with the host rules of the module doc; `ops` counts the ops that ran fake."""
+    """FakeTensorMode with the host rules of the module doc; `ops` counts the ops that ran fake (device queries
+    apart). `flops`, when set, is a torch FlopCounterMode whose formulas count each op's FLOPs here: its own
+    dispatch mode would add a layer to every op, device queries included (about half the ops a step dispatches)."""
 
     def __init__(self):
         super().__init__(allow_non_fake_inputs=True)
         self.ops = 0
+        self.flops = None
         self.live = 0
         """Bytes of the fake storages alive now (each storage once, however many views)."""
         self.peak = 0
@@ -208,7 +214,14 @@ class FakeCPU(FakeTensorMode):
         return "x".join(map(str, first.shape)) if first is not None else ""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        if func is _DEVICE and isinstance(args[0], FakeTensor):  # the tensor's own rule, as with no mode set
+            return FakeTensor.__torch_dispatch__(func, types, args, kwargs or {})
+        out = self._dispatch(func, types, args, kwargs or {})
+        if self.flops is not None:
+            self.flops._count_flops(func.overloadpacket, out, args, kwargs or {})
+        return out
+
+    def _dispatch(self, func, types, args, kwargs):
         leaves = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         if not any(isinstance(x, FakeTensor) for x in leaves):
             to = _device_type(kwargs.get("device"))

@@ -217,11 +217,13 @@ def run_rank(spec, rank: int, loads: str = "balanced") -> RankResult:
             out.start_bytes = fake.live
             fake.reset_peak()
             SentOutputs.observers.append(fake.let_go)
+            fake.flops = counter  # counted by FakeCPU with FlopCounterMode's formulas (see FakeCPU)
             try:
-                with counter, fake.tag_saved():
+                with fake.tag_saved():
                     engine.train_step(batch)
                     engine.update_biases()
             finally:
+                fake.flops = None
                 SentOutputs.observers.remove(fake.let_go)
             # The step's reduced gradients; optimizer states and masters as the step left them (a first step
             # creates them: what Engine.last_memory shows from the second step on).
@@ -504,4 +506,21 @@ def format_results(results: list[RankResult]) -> str:
             lines.append(f"{'':>5} {'':>3} {'':>12} {nbytes:>16,}   {n:>6} x {op}")
         lines.append(f"{r.rank:>5} {r.coords['pp']:>3} {'collectives':>12} {len(r.calls):>16,} {'':>16} {'':>7}")
         lines.append(f"{r.rank:>5} {r.coords['pp']:>3} {'fake ops':>12} {r.fake_ops:>16,} {r.wall_s:>15.1f}s {'':>7}")
+    return "\n".join(lines)
+
+
+def format_summary(results: list[RankResult]) -> str:
+    """One line per rank: its coordinates, measured / planned for the FLOPs and each memory kind (its own peak over
+    the step; "-" where both are zero, "unplanned" where only the measured one is not), the step peak in GiB against the planner's sum of kinds, and the wall time."""
+    short = {"activations": "acts", "workspace": "work"}
+    kinds = [short.get(k, k.replace("_buffers", "")) for k in KINDS]
+    head = ["rank", "pp", "dp", "cp", "ep", "flops", *kinds, "peak GiB", "wall"]
+    lines = [" ".join(f"{h:>9}" for h in head)]
+    for r in results:
+        ratios = [r.flops / r.planned_flops if r.planned_flops else 0.0]
+        ratios += [(r.kind_peaks.get(k, 0), p) for k, p in r.planned_by_kind.items()]
+        cells = [r.rank, *(r.coords[c] for c in ("pp", "dp", "cp", "ep")), f"{ratios[0]:.3f}"]
+        cells += [f"{m / p:.3f}" if p else ("-" if m == 0 else "unplanned") for m, p in ratios[1:]]
+        cells += [f"{r.peak_bytes / 2**30:.1f}/{r.planned_peak / 2**30:.1f}", f"{r.wall_s:.0f}s"]
+        lines.append(" ".join(f"{c:>9}" for c in cells))
     return "\n".join(lines)
