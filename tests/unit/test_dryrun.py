@@ -128,7 +128,7 @@ def test_bad_dryrun_settings_are_refused(override, match):
 
 
 def test_one_rank_of_a_reduced_layout_steps_on_fake_tensors():
-    from k3train.dryrun.run import dry_run
+    from k3train.dryrun.run import dry_run, format_summary
 
     ov = ["parallel.pp=2", "parallel.ep=2", "parallel.zero=1", "data.seq_len=64", "optim=muon"]
     spec = load_spec("tiny_cpu", ov + ["parallel.microbatches=2"], world_size=4)
@@ -145,6 +145,12 @@ def test_one_rank_of_a_reduced_layout_steps_on_fake_tensors():
     ops = [c.op for c in r.calls]
     assert "alltoall_base_" in ops and "recv_" in ops and "send" in ops and "allreduce_" in ops
     assert r.fake_ops > 1000
+    # the summary: the rank's coordinates and measured / planned per column
+    head, line = (row.split() for row in format_summary([r]).splitlines())
+    assert head[:6] == ["rank", "pp", "dp", "cp", "ep", "flops"] and line[:5] == ["2", "1", "0", "0", "0"]
+    assert float(line[5]) == pytest.approx(r.flops / r.planned_flops, abs=6e-4)
+    grads = r.kind_peaks["grads"] / r.planned_by_kind["grads"]
+    assert float(line[head.index("grads")]) == pytest.approx(grads, abs=6e-4) and line[-4] == "-"  # its CP buffers
 
 
 @pytest.fixture(scope="module")
