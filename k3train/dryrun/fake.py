@@ -214,11 +214,12 @@ class FakeCPU(FakeTensorMode):
         return "x".join(map(str, first.shape)) if first is not None else ""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func is _DEVICE and isinstance(args[0], FakeTensor):  # the tensor's own rule, as with no mode set
-            return FakeTensor.__torch_dispatch__(func, types, args, kwargs or {})
-        out = self._dispatch(func, types, args, kwargs or {})
+            return FakeTensor.__torch_dispatch__(func, types, args, kwargs)
+        out = self._dispatch(func, types, args, kwargs)
         if self.flops is not None:
-            self.flops._count_flops(func.overloadpacket, out, args, kwargs or {})
+            self.flops._count_flops(func.overloadpacket, out, args, kwargs)
         return out
 
     def _dispatch(self, func, types, args, kwargs):

@@ -157,9 +157,9 @@ def _counted_ops() -> dict:
 
 
 class _GlobalOnly:
-    """FlopCounterMode's module tracker, reduced to the total: the real one hooks every module's inputs for backward,
-    and that hook fails on a pipeline stage's leaf input under split backward (autograd.grad over the input pass of
-    interleaved_zb, zbv, dualpipev). Only the total is read."""
+    """FlopCounterMode's module tracker, reduced to the total (FakeCPU counts with the counter's formulas and never
+    enters its mode or tracker, whose hooks fail on a pipeline stage's leaf input under split backward). Only the
+    total is read."""
 
     parents = ("Global",)
 
@@ -510,17 +510,19 @@ def format_results(results: list[RankResult]) -> str:
 
 
 def format_summary(results: list[RankResult]) -> str:
-    """One line per rank: its coordinates, measured / planned for the FLOPs and each memory kind (its own peak over
-    the step; "-" where both are zero, "unplanned" where only the measured one is not), the step peak in GiB against the planner's sum of kinds, and the wall time."""
+    """One line per rank: its coordinates, measured / planned for the FLOPs and for each memory kind (its own peak
+    over the step; "-" where both are zero, "unplanned" where only the planner's is), the step peak in GiB against
+    the planner's sum of kinds, and the wall time."""
     short = {"activations": "acts", "workspace": "work"}
     kinds = [short.get(k, k.replace("_buffers", "")) for k in KINDS]
     head = ["rank", "pp", "dp", "cp", "ep", "flops", *kinds, "peak GiB", "wall"]
     lines = [" ".join(f"{h:>9}" for h in head)]
     for r in results:
-        ratios = [r.flops / r.planned_flops if r.planned_flops else 0.0]
-        ratios += [(r.kind_peaks.get(k, 0), p) for k, p in r.planned_by_kind.items()]
-        cells = [r.rank, *(r.coords[c] for c in ("pp", "dp", "cp", "ep")), f"{ratios[0]:.3f}"]
-        cells += [f"{m / p:.3f}" if p else ("-" if m == 0 else "unplanned") for m, p in ratios[1:]]
+        flops = r.flops / r.planned_flops if r.planned_flops else 0.0
+        cells = [r.rank, *(r.coords[c] for c in ("pp", "dp", "cp", "ep")), f"{flops:.3f}"]
+        for kind, p in r.planned_by_kind.items():
+            m = r.kind_peaks.get(kind, 0)
+            cells.append(f"{m / p:.3f}" if p else ("-" if m == 0 else "unplanned"))
         cells += [f"{r.peak_bytes / 2**30:.1f}/{r.planned_peak / 2**30:.1f}", f"{r.wall_s:.0f}s"]
         lines.append(" ".join(f"{c:>9}" for c in cells))
     return "\n".join(lines)
