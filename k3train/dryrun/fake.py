@@ -78,6 +78,8 @@ class FakeCPU(FakeTensorMode):
         super().__init__(allow_non_fake_inputs=True)
         self.ops = 0
         self.flops = None
+        self.recorder: Recorder | None = None
+        """When set, every c10d op is recorded into it (as Recording does, without a dispatch mode of its own)."""
         self.live = 0
         """Bytes of the fake storages alive now (each storage once, however many views)."""
         self.peak = 0
@@ -214,12 +216,15 @@ class FakeCPU(FakeTensorMode):
         return "x".join(map(str, first.shape)) if first is not None else ""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         if func is _DEVICE and isinstance(args[0], FakeTensor):  # the tensor's own rule, as with no mode set
-            return FakeTensor.__torch_dispatch__(func, types, args, kwargs)
+            t = args[0]
+            return torch.device("meta") if t.fake_mode.in_kernel_invocation else t.fake_device
+        kwargs = kwargs or {}
         out = self._dispatch(func, types, args, kwargs)
         if self.flops is not None:
             self.flops._count_flops(func.overloadpacket, out, args, kwargs)
+        if self.recorder is not None and func.namespace == "c10d":
+            record(self.recorder, func, args, vote=True)
         return out
 
     def _dispatch(self, func, types, args, kwargs):
@@ -399,9 +404,15 @@ class Recording(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.namespace == "c10d":
-            self.recorder.see(func, args)
-            if self.vote and func.__name__.startswith("recv_"):
-                for t in _tensors(args[0]):
-                    if not isinstance(t, FakeTensor) and t.numel() == 1 and not t.is_floating_point():
-                        t.fill_(1)
+            record(self.recorder, func, args, self.vote)
         return out
+
+
+def record(recorder: Recorder, func, args, vote: bool) -> None:
+    """Records the c10d op `func` (after it ran) and, with `vote`, answers the pipeline's warm-up vote: a received
+    real integer scalar is given 1."""
+    recorder.see(func, args)
+    if vote and func.__name__.startswith("recv_"):
+        for t in _tensors(args[0]):
+            if not isinstance(t, FakeTensor) and t.numel() == 1 and not t.is_floating_point():
+                t.fill_(1)

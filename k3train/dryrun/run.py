@@ -31,7 +31,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from k3train.distributed import host_sync
-from k3train.dryrun.fake import KINDS, Call, FakeCPU, Recorder, Recording
+from k3train.dryrun.fake import KINDS, Call, FakeCPU, Recorder
 from k3train.dryrun.loads import StandIn
 from k3train.errors import ConfigError
 from k3train.parallel.mesh import rank_coords
@@ -186,7 +186,8 @@ def run_rank(spec, rank: int, loads: str = "balanced") -> RankResult:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world)
     try:
         fake = FakeCPU()
-        with fake, Recording(rec), host_sync.stand_in(_stand_in(spec, rank, loads)):
+        fake.recorder = rec
+        with fake, host_sync.stand_in(_stand_in(spec, rank, loads)):
             engine = build_engine_for(spec, device="cpu")
             batch = stand_in_batch(spec)
             # Attention counted as flex_attention runs it on CUDA (visible blocks), not as the CPU reference

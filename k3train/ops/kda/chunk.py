@@ -159,33 +159,39 @@ class KDAChunks:
         state (whatever the previous document left: the state is multiplied by 0 there, a per-chunk flag on the
         device), and its final state is the state after its last chunk."""
         s, lay = self.shapes, self.layout
+        R = lay.rows if not lay.packed else 1
         S0 = initial_state.to(self.dtype) if initial_state is not None else None
+        # The state is carried as [R*H, K, V] and the maps are split per chunk once, so a chunk costs one baddbmm
+        # (and its backward one node): no per-chunk views or indexing.
         if not lay.packed:
-            S = self.B.new_zeros(lay.rows, s.H, s.K, s.V) if S0 is None else S0
+            S = self.B.new_zeros(R * s.H, s.K, s.V) if S0 is None else S0.flatten(0, 1)
         else:
-            S = self.B.new_zeros(1, s.H, s.K, s.V)
+            S = self.B.new_zeros(s.H, s.K, s.V)
             keep = (~lay.starts).to(self.dtype)  # [n_chunks]: 0 at a document's first chunk
             # each chunk's entering state if it starts a document, else 0 (one gather, not one per document)
             init = (
                 None
                 if S0 is None
-                else S0.index_select(0, lay.chunk_doc.clamp(max=s.N - 1)) * (1 - keep).view(-1, 1, 1, 1)
+                else (S0.index_select(0, lay.chunk_doc.clamp(max=s.N - 1)) * (1 - keep).view(-1, 1, 1, 1)).unbind(0)
             )
+            keep = keep.unbind(0)
         starts, ends = [], []
         with torch.autocast(self.device_type, enabled=False):  # the state carried across chunks stays fp32
             # unbind once: indexing M[:, :, n] in the loop would make backward build a full-size zero gradient per
             # chunk.
-            for n, (M_n, B_n) in enumerate(zip(self.M.unbind(2), self.B.unbind(2))):
+            Ms, Bs = (x.movedim(2, 0).flatten(1, 2).unbind(0) for x in (self.M, self.B))  # n x [R*H, K, *]
+            for n, (M_n, B_n) in enumerate(zip(Ms, Bs)):
                 if lay.packed:
-                    S = S * keep[n] if init is None else torch.addcmul(init[n : n + 1], S, keep[n])
+                    S = S * keep[n] if init is None else torch.addcmul(init[n], S, keep[n])
                 starts.append(S)
-                S = torch.baddbmm(B_n.flatten(0, 1), M_n.flatten(0, 1), S.flatten(0, 1)).view_as(B_n)
+                S = torch.baddbmm(B_n, M_n, S)
                 if lay.packed and output_final_state:
                     ends.append(S)
-            o = self.AU + torch.matmul(self.Qe, torch.stack(starts, dim=2))  # [R, H, n_chunks, C, V]
+            entering = torch.stack(starts, dim=1).view(R, s.H, len(starts), s.K, s.V)
+            o = self.AU + torch.matmul(self.Qe, entering)  # [R, H, n_chunks, C, V]
         final = None
         if output_final_state:
-            final = torch.cat(ends).index_select(0, lay.last_chunk) if lay.packed else S
+            final = torch.stack(ends).index_select(0, lay.last_chunk) if lay.packed else S.view(R, s.H, s.K, s.V)
         return self.layout.from_chunks(o, self.out_dtype), final
 
 

@@ -135,14 +135,17 @@ def kda_piece_summaries(chunks, plan: PiecePlan) -> torch.Tensor:
 def exclusive_prefix_states(summaries: torch.Tensor, K: int) -> torch.Tensor:
     """summaries [B, n, H, K, K+V] in sequence order -> the state entering each piece [B, n, H, K, V]
     (S_in(0) = 0, S_in(j+1) = M_j S_in(j) + B_j). A loop over the n pieces (2*world), batched over rows and heads."""
-    M, Bm = summaries[..., :K], summaries[..., K:]
-    S = torch.zeros_like(Bm[:, 0])
+    B, n, H = summaries.shape[:3]
+    # per piece [B*H, K, K+V], split once: each step is one baddbmm
+    pieces = summaries.transpose(1, 2).reshape(B * H, n, K, -1).unbind(1)
+    S = summaries.new_zeros(B * H, K, summaries.shape[-1] - K)
     prefix = []
     with torch.autocast(summaries.device.type, enabled=False):  # the fold stays in the summaries' fp32
-        for j in range(summaries.shape[1]):
+        for piece in pieces:
             prefix.append(S)
-            S = torch.matmul(M[:, j], S) + Bm[:, j]
-    return torch.stack(prefix, dim=1)
+            M, Bm = piece.split([K, piece.shape[-1] - K], dim=-1)
+            S = torch.baddbmm(Bm, M, S)
+    return torch.stack(prefix, dim=1).view(B, H, n, K, -1).transpose(1, 2)
 
 
 def kda_pieces(chunks, incoming: torch.Tensor, plan: PiecePlan) -> torch.Tensor:
