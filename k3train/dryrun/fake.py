@@ -86,7 +86,7 @@ class FakeCPU(FakeTensorMode):
         # storage -> [bytes, tensors alive on it, the op that made it, made in a backward, tags (see kind_of),
         # clock when made, clock when freed (None: alive)]
         self._refs: dict[int, list] = {}
-        self._op = ""
+        self._op: tuple = ("", None, "")  # (op, first tensor's shape, " " or " -> "): named when a storage is made
         self._clock = 0  # counts every storage made and freed: the order of events
         self.log: list[list] | None = None
         """Every storage made since reset_peak, alive or freed (their _refs entries): the step's memory over time."""
@@ -94,7 +94,7 @@ class FakeCPU(FakeTensorMode):
     def _track(self, out) -> None:
         import weakref
 
-        for t in tree_leaves(out):
+        for t in _flat_tensors(out):
             if not isinstance(t, FakeTensor):
                 continue
             key = t.untyped_storage()._cdata
@@ -102,7 +102,7 @@ class FakeCPU(FakeTensorMode):
             if ref is None:
                 backward = torch._C._current_autograd_node() is not None
                 self._clock += 1
-                ref = [t.untyped_storage().nbytes(), 0, self._op, backward, set(), self._clock, None]
+                ref = [t.untyped_storage().nbytes(), 0, _op_name(*self._op), backward, set(), self._clock, None]
                 self._refs[key] = ref
                 self.live += ref[0]
                 self.peak = max(self.peak, self.live)
@@ -210,11 +210,6 @@ class FakeCPU(FakeTensorMode):
         kind_ops = {k: _alive_by_op(self.log or (), kind_at[k], top, k)[1] for k in KINDS if kind_peak[k]}
         return StepMemory(best, by_kind, kind_peak, by_op, kind_ops)
 
-    @staticmethod
-    def _shape(args) -> str:
-        first = next((a for a in tree_leaves(args) if isinstance(a, torch.Tensor)), None)
-        return "x".join(map(str, first.shape)) if first is not None else ""
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE and isinstance(args[0], FakeTensor):  # the tensor's own rule, as with no mode set
             t = args[0]
@@ -228,7 +223,7 @@ class FakeCPU(FakeTensorMode):
         return out
 
     def _dispatch(self, func, types, args, kwargs):
-        leaves = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        leaves = _flat_tensors(args, kwargs.values())
         if not any(isinstance(x, FakeTensor) for x in leaves):
             to = _device_type(kwargs.get("device"))
             if leaves and to in (None, leaves[0].device.type):  # host values, or meta stays meta
@@ -236,17 +231,18 @@ class FakeCPU(FakeTensorMode):
             if not leaves and to == "meta":
                 return func(*args, **kwargs)
             out = super().__torch_dispatch__(func, types, args, kwargs)
-            n = sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-            boolean = all(t.dtype == torch.bool for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            made = _flat_tensors(out)
+            n = sum(t.numel() for t in made)
+            boolean = all(t.dtype == torch.bool for t in made)
             table = (func.overloadpacket is torch.ops.aten.arange or boolean) and n <= SMALL
             if not leaves and (table or (n <= 1 and func.overloadpacket is not torch.ops.aten.empty)):
                 return func(*args, **kwargs)
             self.ops += 1
-            self._op = f"{func.overloadpacket.__name__} -> {self._shape(out)}"
+            self._op = (func, made[0].shape if made else None, " -> ")
             self._track(out)
             return out
         self.ops += 1
-        self._op = f"{func.overloadpacket.__name__} {self._shape(args)}"
+        self._op = (func, leaves[0].shape, " ")
         if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
             # torch's meta function takes bf16 only (the CUDA kernel's dtype); CPU runs it in fp32 too: same shapes.
             low = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
@@ -255,9 +251,33 @@ class FakeCPU(FakeTensorMode):
             out = super().__torch_dispatch__(func, types, args, kwargs)
         # FakeTensorMode may hand back a real CPU scalar for an op on a fake one (a 0-dim fake cast with .to): its
         # value is unset memory, which a host read would take for a count. Results of fake inputs stay fake.
-        out = tree_map(lambda t: self.from_tensor(t) if _real_tensor(t) else t, out)
+        if any(_real_tensor(t) for t in _flat_tensors(out)):
+            out = tree_map(lambda t: self.from_tensor(t) if _real_tensor(t) else t, out)
         self._track(out)
         return out
+
+
+def _op_name(func, shape, arrow: str) -> str:
+    """ "op shape" (the first input's) or "op -> shape" (a factory's result): what made a storage."""
+    if isinstance(func, str):
+        return func
+    return f"{func.overloadpacket.__name__}{arrow}{'x'.join(map(str, shape)) if shape is not None else ''}".rstrip()
+
+
+def _flat_tensors(*xs) -> list:
+    """The tensors among xs and the lists and tuples in them (an op's arguments or results), in order: what
+    tree_leaves would give for them, without its per-node cost."""
+    out = []
+    for x in xs:
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)) or type(x).__name__ == "dict_values":
+            for y in x:
+                if isinstance(y, torch.Tensor):
+                    out.append(y)
+                elif isinstance(y, (list, tuple)):
+                    out.extend(_flat_tensors(*y))
+    return out
 
 
 @dataclass

@@ -199,6 +199,23 @@ def repack_scaled(
     return from_pieces([o * sc for o, sc in zip(O, scales)], shape, s, per_head), 1.0
 
 
+def _gathered_rows(piece: dict, width: int, world: int) -> tuple[list[int], Tensor | None]:
+    """Where a piece's matrices lie in the all-gathered update buffer [world * width] (rank q's part at q * width):
+    split sizes that alternate a gap and one owner's matrices, in rank order, and those matrices' indices in the same
+    order (None: no owner has any). Built once per piece and buffer width."""
+    got = piece.get("gather")
+    if got is None or got[0] != width:
+        sizes, idx, end = [], [], 0
+        for q, (own, off, n) in enumerate(piece["by_rank"]):
+            if n:
+                sizes += [q * width + off - end, n]
+                end = q * width + off + n
+                idx.append(own)
+        sizes.append(world * width - end)
+        got = piece["gather"] = (width, sizes, torch.cat(idx) if idx else None)
+    return got[1], got[2]
+
+
 def ns_calls(counts: Sequence[int], numel: int, max_numel: int) -> list[list[tuple[int, int, int]]]:
     """Cut a bucket of stacks (stack i holds counts[i] matrices of `numel` elements each) into Newton-Schulz calls.
 
@@ -699,7 +716,6 @@ class PerHeadMuon(Optimizer):
                 send[off : off + n] = O.reshape(-1).to(wire)
         flat = torch.empty(world * width, dtype=send.dtype, device=send.device)
         comm.all_gather(flat, send, plan["pg"], name, what="muon_weights" if send_master else "muon_updates")
-        recv = flat.chunk(world)
         for e in plan["params"]:
             group, p = self.param_groups[e["group"]], e["param"]
             Os = []
@@ -711,9 +727,9 @@ class PerHeadMuon(Optimizer):
                     Os.append(comm.broadcast(O, pc["solo"], plan["pg"], name, what="muon_solo"))
                     continue
                 O = torch.empty(pc["n"], r, c, dtype=wire, device=p.device)
-                for q, (idx, off, n) in enumerate(pc["by_rank"]):
-                    if n:
-                        O.index_copy_(0, idx, recv[q][off : off + n].view(-1, r, c))
+                sizes, idx = _gathered_rows(pc, width, world)
+                if idx is not None:  # every owner's matrices of this piece in one copy, not one per rank
+                    O.index_copy_(0, idx, torch.cat(flat.split(sizes)[1::2]).view(-1, r, c))
                 Os.append(O)
             if send_master:  # every matrix has one owner: the gathered matrices are the whole new weight
                 p.copy_(from_pieces(Os, p.shape, self._structure[id(p)], group["per_head"]))
