@@ -32,9 +32,32 @@ def sequence_order(gathered: torch.Tensor, batch: int, world: int, slot_of_piece
 
 
 def pick(x: torch.Tensor, dim: int, indices) -> torch.Tensor:
-    """x's slices at the given Python indices along dim, in that order: views and one cat (an index tensor would be
-    one host-to-device copy per call)."""
-    return torch.cat([x.narrow(dim, i, 1) for i in indices], dim=dim)
+    """x's slices at the given Python indices along dim, in that order: one strided view per run of indices with a
+    constant step (flipped where it steps down), and one cat. A zigzag layout's pieces are two such runs whatever the
+    group size; an index tensor would be one host-to-device copy per call."""
+    dim = dim % x.dim()
+    parts = []
+    for start, length, step in index_runs(list(indices)):
+        lo = start if step > 0 else start + (length - 1) * step
+        part = x.narrow(dim, lo, (length - 1) * abs(step) + 1)
+        if abs(step) > 1:
+            part = part[(slice(None),) * dim + (slice(None, None, abs(step)),)]
+        parts.append(part.flip(dim) if step < 0 else part)
+    return torch.cat(parts, dim=dim)
+
+
+def index_runs(indices: list[int]) -> list[tuple[int, int, int]]:
+    """indices as maximal runs (start, length, step) of a constant nonzero step, in order (a lone index: step 1)."""
+    runs, i, n = [], 0, len(indices)
+    while i < n:
+        j = i
+        step = indices[i + 1] - indices[i] if i + 1 < n else 0
+        if step:
+            while j + 1 < n and indices[j + 1] - indices[j] == step:
+                j += 1
+        runs.append((indices[i], j - i + 1, step or 1))
+        i = j + 1
+    return runs
 
 
 @dataclass(frozen=True)

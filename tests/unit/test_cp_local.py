@@ -198,3 +198,27 @@ def test_plan_shard_batch():
     assert out["input_ids"].shape == (4, 32) and torch.equal(out["labels"], out["input_ids"] + 1)
     assert out["ctx"].cu_seqlens is None and out["ctx"].cp.batch == 2
     assert torch.equal(out["ctx"].cp.gather_rows(out["input_ids"]), ids)
+
+
+# ---- pick: strided runs against one slice per index ----------------------------------------------------------------
+@pytest.mark.parametrize("world", [1, 2, 4, 128])
+def test_pick_equals_one_slice_per_index_in_value_and_gradient(world):
+    """pick gathers runs of a constant step as strided views; it equals the cat of one narrow per index, forward
+    and backward, on the zigzag orders (two runs, whatever the world), their inverse and arbitrary orders."""
+    from k3train.ops.cp import index_runs, pick
+
+    n = 2 * world
+    zigzag = [2 * c if c < world else 2 * (n - 1 - c) + 1 for c in range(n)]
+    inverse = sorted(range(n), key=zigzag.__getitem__)
+    gen = torch.Generator().manual_seed(world)
+    arbitrary = torch.randint(0, n, (7,), generator=gen).tolist()
+    for order in (zigzag, inverse, arbitrary, [0], list(range(n))[::-1]):
+        x = torch.randn(3, n, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+        w = torch.randn(3, len(order), 5, dtype=torch.float64, generator=gen)
+        got = pick(x, 1, order)
+        ref = torch.cat([x.narrow(1, i, 1) for i in order], dim=1)
+        assert torch.equal(got, ref)
+        (g_got,) = torch.autograd.grad((got * w).sum(), x)
+        (g_ref,) = torch.autograd.grad((ref * w).sum(), x)
+        assert torch.equal(g_got, g_ref)
+    assert len(index_runs(zigzag)) == (1 if world == 1 else 2)
