@@ -228,13 +228,16 @@ def fold_summaries(
         M, B = segmented_scan(M, B, ids.to(M.device))
         last = torch.tensor(seg).cumsum(0).sub(1).to(M.device)
         return M.index_select(0, last).movedim(0, dim), B.index_select(0, last).movedim(0, dim)
-    while M.shape[0] > 1:
-        if M.shape[0] % 2:
-            eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device).expand(1, *M.shape[1:])
-            M, B = torch.cat([M, eye]), torch.cat([B, B.new_zeros(1, *B.shape[1:])])
-        M_early, M_late, B_early, B_late = M[0::2], M[1::2], B[0::2], B[1::2]
-        M, B = torch.matmul(M_late, M_early), torch.matmul(M_late, B_early) + B_late
-    return M[0], B[0]
+    # Each map as one matrix [M | B]: a composition is one product, M_late [M_early | B_early], plus [0 | B_late].
+    K = M.shape[-1]
+    MB = torch.cat([M, B], dim=-1)
+    while MB.shape[0] > 1:
+        if MB.shape[0] % 2:
+            eye = torch.eye(K, MB.shape[-1], dtype=MB.dtype, device=MB.device)  # the identity map [I | 0]
+            MB = torch.cat([MB, eye.expand(1, *MB.shape[1:])])
+        early, late = MB[0::2], MB[1::2]
+        MB = torch.matmul(late[..., :K], early) + F.pad(late[..., K:], (K, 0))
+    return MB[0, ..., :K], MB[0, ..., K:]
 
 
 def segmented_scan(M: torch.Tensor, B: torch.Tensor, seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
