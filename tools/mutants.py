@@ -1230,6 +1230,42 @@ def _received_inputs_counted_twice(orig):
     return received_saved_bytes
 
 
+def _cp_key_rebuild_dropped(orig):
+    from k3train.models.costs import Flops
+
+    def cp_flops(args, cp, rerun):
+        return Flops()
+
+    return staticmethod(cp_flops)
+
+
+def _forward_a_third(orig):
+    def forward_flops(self):
+        from dataclasses import fields
+
+        from k3train.models.costs import Flops
+
+        return Flops(*(getattr(self.flops, f.name) / 3 for f in fields(Flops)))
+
+    return forward_flops
+
+
+def _runs_drop_the_last(orig):
+    def index_runs(indices):
+        runs = orig(indices)
+        return [(s, max(1, n - 1) if len(runs) > 1 else n, d) for s, n, d in runs]
+
+    return index_runs
+
+
+def _muon_gather_rank_order(orig):
+    def _gathered_rows(piece, width, world):
+        sizes, idx = orig(piece, width, world)
+        return sizes, None if idx is None else idx.flip(0)
+
+    return _gathered_rows
+
+
 def _receive_buffers_dropped(orig):
     def pipeline_boundaries(x, s):
         return {**orig(x, s), "recv_in_bytes": 0.0, "recv_grad_bytes": 0.0}
@@ -2546,6 +2582,38 @@ MUTATIONS: list[Mutation] = [
         "the planner leaves out the receive buffers torch's PipelineStage makes for every micro-batch",
         _receive_buffers_dropped,
         (f"{DRY}::test_pipeline_ranks_peak_by_kind_equals_the_planner",),
+    ),
+    M(
+        "mla_cp_key_rebuild_dropped",
+        "k3train.models.k3.mla:GatedMLA.cp_flops",
+        "the planner leaves out the keys and values Gated MLA builds for the row's whole key range on every "
+        "context-parallel rank",
+        _cp_key_rebuild_dropped,
+        ("tests/unit/test_costs.py::test_context_parallel_adds_the_whole_rows_key_rebuild_per_local_token",),
+        sweep=False,
+    ),
+    M(
+        "costs_forward_a_third",
+        "k3train.models.costs:Costs.forward_flops",
+        "a rerun is priced at a third of every part's training FLOPs, Gated MLA's attention included (whose training "
+        "FLOPs already rerun its chunk kernel)",
+        _forward_a_third,
+        ("tests/unit/test_costs.py::test_gated_mla_declares_what_it_executes_forward_and_in_training",),
+        sweep=False,
+    ),
+    M(
+        "cp_pick_runs_short",
+        "k3train.ops.cp:index_runs",
+        "context parallelism's pick takes one index too few from each run of a constant step",
+        _runs_drop_the_last,
+        ("tests/unit/test_cp_local.py::test_pick_equals_one_slice_per_index_in_value_and_gradient",),
+    ),
+    M(
+        "muon_gather_rows_misordered",
+        "k3train.optim.muon:_gathered_rows",
+        "sharded Muon copies a piece's gathered matrices to the wrong rows (indices in reverse rank order)",
+        _muon_gather_rank_order,
+        (MUON,),
     ),
 ]
 BY_NAME = {m.name: m for m in MUTATIONS}

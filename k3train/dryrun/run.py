@@ -299,7 +299,7 @@ def _plan_rank(spec, res: RankResult) -> None:
     from k3train.models.costs import Flops
     from k3train.models.k3.counts import executed_flops_by_class
     from k3train.parallel.mesh import stages_of_rank
-    from k3train.plan.activations import policy_plan, recompute_costs
+    from k3train.plan.activations import cp_flops, policy_plan, recompute_costs
     from k3train.plan.state_memory import StateModel
 
     dims, args, cfg = spec.layout, spec.model, spec.config
@@ -316,6 +316,7 @@ def _plan_rank(spec, res: RankResult) -> None:
         last = s == n - 1
         flops = sum((per_tok["layers"][i - 1] for i in layers[s]), flops)
         flops = flops + (per_tok["head"] if last else Flops()) + recompute_costs(args, layers[s], seq, pplan, last)[0]
+        flops = flops + cp_flops(args, layers[s], dims.cp, pplan, last)
     scale = tokens * dims.microbatches
     res.planned_flops = flops.total * scale
     res.planned_by_class = {

@@ -70,9 +70,18 @@ class Costs:
 
     saved: Saved = field(default_factory=Saved)
     flops: Flops = field(default_factory=Flops)
+    forward: Flops | None = None
+    """What one forward executes (a recomputation's rerun); None: a third of `flops`, a matmul's forward being one
+    of its three products. A module whose backward also recomputes part of its forward declares it."""
+
+    def forward_flops(self) -> Flops:
+        if self.forward is not None:
+            return self.forward
+        return Flops(*(getattr(self.flops, f.name) / 3 for f in fields(Flops)))
 
     def __add__(self, o: Costs) -> Costs:
-        return Costs(self.saved + o.saved, self.flops + o.flops)
+        fwd = None if self.forward is None and o.forward is None else self.forward_flops() + o.forward_flops()
+        return Costs(self.saved + o.saved, self.flops + o.flops, fwd)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ nothing new) and the routed-expert block recomputed from the saved routing and l
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from k3train.models.costs import Flops, Saved
 from k3train.models.k3.args import K3ModelArgs
@@ -24,7 +24,6 @@ from k3train.models.k3.loss import loss_workspace_bytes
 from k3train.models.k3.model import K3Layer, K3Model, sources_after
 from k3train.models.k3.mixers import layer_mixer
 
-OP_FIELDS = tuple(f.name for f in fields(Flops))
 
 FP8_BYTES = 1 + 4 / 128  # e4m3 element plus its share of one fp32 scale per 128-element block
 
@@ -156,9 +155,25 @@ def recompute_costs(
     if last:
         rerun_parts.append(K3Model.head_costs(args, S, seq_len)["final_res"])
     for c in rerun_parts:
-        flops = flops + Flops(*(getattr(c.flops, f) / 3 for f in OP_FIELDS))
+        flops = flops + c.forward_flops()
         saved = saved + c.saved
     return flops, saved
+
+
+def cp_flops(args: K3ModelArgs, layers: list[int], cp: int, plan: PolicyPlan, last: bool) -> Flops:
+    """Per local token of a stage under context parallelism over cp ranks: what each layer's token mixer adds (its
+    `cp_flops`, with a whole-layer rerun's share where the storage plan reruns the layer), and on the last stage the
+    MTP module's Gated MLA."""
+    out = Flops()
+    if cp == 1:
+        return out
+    for i in layers:
+        out = out + layer_mixer(args, i).cp_flops(args, cp, plan.k3_defaults and plan.layer(i) == "recompute")
+    if last and args.mtp_layers:
+        from k3train.models.k3.mla import GatedMLA
+
+        out = out + GatedMLA.cp_flops(args, cp, False)
+    return out
 
 
 def a2a_passes(args: K3ModelArgs, layer_id: int, plan: PolicyPlan) -> int:

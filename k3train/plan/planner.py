@@ -46,7 +46,15 @@ from k3train.models.k3.model import K3Layer, K3Model, sources_after
 from k3train.parallel.float8 import float8_candidate, float8_fits
 from k3train.parallel.mesh import stages_of_rank
 from k3train.parallel.zero import ELEMENT_BYTES
-from k3train.plan.activations import KEEP, a2a_passes, policy_plan, received_saved_bytes, recompute_costs, stage_bytes
+from k3train.plan.activations import (
+    KEEP,
+    a2a_passes,
+    cp_flops,
+    policy_plan,
+    received_saved_bytes,
+    recompute_costs,
+    stage_bytes,
+)
 from k3train.plan.comm_bytes import add_reduction_bytes
 from k3train.plan.efficiency import HBM_PASSES, OP_CLASSES, op_seconds, rates_for
 from k3train.plan.gpus import GPU
@@ -312,7 +320,7 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
     if dims.ep > 1 and dims.ep_dispatcher == "moonep":  # hosted experts' weights are saved for backward
         act += n_moe * G * expert_numel * ab
     work = [x.work["layers"][i - 1] for i in layers] + ([x.work["head"]] if s == n - 1 else [])
-    flops = sum((f for f, _ in work), Flops())
+    flops = sum((f for f, _ in work), Flops()) + cp_flops(args, layers, dims.cp, x.pplan, s == n - 1)
     fp8 = sum(x.fp8_per_token[i - 1] for i in layers) * tokens
     train = x.seconds(_scale(flops, tokens), HBM_PASSES * sum(b for _, b in work) * tokens, fp8)
     rflops, rsaved = recompute_costs(args, layers, x.seq, x.pplan, s == n - 1)
@@ -524,7 +532,7 @@ def plan_run(
         gpus_per_node=gpus_per_node,
         ranks=ranks,
         compute_s=max(busy),
-        bubble_s=timeline.makespan_s - max(busy),
+        bubble_s=max(0.0, timeline.makespan_s - max(busy)),  # never -0.000 from rounding when there is no bubble
         comm_s=comm,
         optimizer_s=optimizer_s,
         step_s=timeline.makespan_s + comm["dp"] + optimizer_s,

@@ -245,9 +245,13 @@ def test_sent_outputs_are_let_go_once_between_their_forward_and_backward(monkeyp
 
 @pytest.mark.parametrize("overrides", [{}, {"dim": 128, "kda_heads": 4, "mla_heads": 4, "top_k": 4}])
 def test_executed_flops_match_the_flop_counter(overrides):
-    """The planner's FLOPs of a training step against torch's FlopCounterMode on that step (one process)."""
+    """The planner's FLOPs of a training step against torch's FlopCounterMode on that step (one process), with the
+    dry run's additions to its table (the chunked loss's in-place weight-gradient accumulation, the attention chunks
+    as flex_attention runs them): within 0.5%."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
+
+    from k3train.dryrun.run import _counted_ops
 
     from k3train.models.k3.args import get_preset
     from k3train.models.k3.counts import executed_flops
@@ -260,11 +264,11 @@ def test_executed_flops_match_the_flop_counter(overrides):
     eng = build_engine(args, ParallelDims(), OptimConfig(), seed=0, device="cpu", seq_len_hint=T)
     ids = torch.randint(0, args.vocab_size, (1, B, T + 1), generator=torch.Generator().manual_seed(0))
     mbs = [{"input_ids": x[:, :-1].contiguous(), "labels": x[:, 1:].contiguous()} for x in ids]
-    with FlopCounterMode(display=False) as fc:
+    with FlopCounterMode(display=False, custom_mapping=_counted_ops()) as fc:
         eng.train_step(mbs)
     per_token = executed_flops(args, T)
     predicted = (sum(per_token["layers"]) + per_token["head"]) * B * T
-    assert abs(predicted / fc.get_total_flops() - 1) < 0.02
+    assert abs(predicted / fc.get_total_flops() - 1) < 0.005
 
 
 def test_trainer_refuses_before_any_process_group(monkeypatch, tmp_path):

@@ -21,14 +21,66 @@ def _matrix_weights(args) -> dict:
     return out
 
 
+def _wkv_b(args) -> int:
+    return args.mla_kv_rank * args.mla_heads * (args.mla_k_head_dim + args.mla_v_head_dim)
+
+
+def test_gated_mla_declares_what_it_executes_forward_and_in_training():
+    """FlopCounterMode over one Gated MLA layer (two key chunks, so keys are built per chunk): its training FLOPs
+    (dense and attention, the backward's rebuild of the keys included) and its forward's (what a rerun costs) are
+    the declaration's, exactly."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from k3train.dryrun.run import _counted_ops
+    from k3train.models.k3.mla import GatedMLA
+    from k3train.ops.attention.blocked import K_CHUNK
+
+    args = get_preset("tiny")
+    T = 2 * K_CHUNK
+    layer = GatedMLA(args)
+    x = torch.randn(1, T, args.dim, requires_grad=True)
+    declared = GatedMLA.costs(args, T)
+
+    def counted(train: bool) -> dict:
+        c = FlopCounterMode(display=False, custom_mapping=_counted_ops())
+        with c:
+            y = layer(x)
+            if train:
+                y.sum().backward()
+        per = {str(k).split(".")[-1]: v for k, v in c.get_flop_counts()["Global"].items()}
+        attention = sum(v for k, v in per.items() if k.startswith("attention_chunk"))
+        return {"dense": per.get("mm", 0) / T, "attention": attention / T}
+
+    for got, want in ((counted(True), declared.flops), (counted(False), declared.forward_flops())):
+        assert got["dense"] == pytest.approx(want.dense_gemm, rel=1e-12)
+        assert got["attention"] == pytest.approx(want.attention, rel=1e-12)
+    assert declared.forward_flops().attention < declared.flops.attention / 3  # the backward reruns the chunk kernel
+
+
+def test_context_parallel_adds_the_whole_rows_key_rebuild_per_local_token():
+    """Under CP every rank builds the row's keys and values (cp x its own) in the forward and backward: 8 per wkv_b
+    weight and remote key, 10 when the layer is rerun; KDA adds its pieces' summaries; nothing at cp = 1."""
+    from k3train.models.k3.kda import KDA
+    from k3train.models.k3.mla import GatedMLA
+
+    args = get_preset("small")
+    w = _wkv_b(args)
+    assert GatedMLA.cp_flops(args, 1, False).total == 0 and KDA.cp_flops(args, 1, True).total == 0
+    assert GatedMLA.cp_flops(args, 4, False).dense_gemm == 3 * 8 * w
+    assert GatedMLA.cp_flops(args, 128, True).dense_gemm == 127 * 10 * w
+    assert KDA.cp_flops(args, 4, True).kda == pytest.approx(4 / 3 * KDA.cp_flops(args, 4, False).kda)
+
+
 @pytest.mark.parametrize("preset,mtp", [("tiny", 0), ("tiny", 1), ("small", 1)])
 def test_declared_gemm_flops_are_six_times_the_matrices_and_eight_for_the_losses(preset, mtp):
     args = get_preset(preset, mtp_layers=mtp)
     weights = _matrix_weights(args)
     S = 1
+    rebuild = 2 * _wkv_b(args)  # Gated MLA's backward builds each key chunk's keys and values again
     for i in range(1, args.n_layers + 1):
         parts = K3Layer.costs(args, i, S, seq_len=64)
-        assert sum(c.flops.dense_gemm + c.flops.grouped_gemm for c in parts.values()) == 6 * weights[i], i
+        extra = rebuild if args.layer_kind(i) == "mla" else 0
+        assert sum(c.flops.dense_gemm + c.flops.grouped_gemm for c in parts.values()) == 6 * weights[i] + extra, i
         assert ("ffn.experts" in parts) == (args.ffn_kind(i) == "moe")
         S = sources_after(args, i)
     head = K3Model.head_costs(args, S, seq_len=64)
@@ -36,5 +88,6 @@ def test_declared_gemm_flops_are_six_times_the_matrices_and_eight_for_the_losses
     # forward, the logits again in backward, input and weight gradient
     out = args.dim * args.vocab_size
     loss_runs = 8 * out * (1 + bool(mtp))
-    assert sum(c.flops.dense_gemm for c in head.values()) == 6 * (weights["head"] - out) + loss_runs
+    mtp_rebuild = rebuild if mtp else 0
+    assert sum(c.flops.dense_gemm for c in head.values()) == 6 * (weights["head"] - out) + loss_runs + mtp_rebuild
     assert ("mtp" in head) == bool(mtp)

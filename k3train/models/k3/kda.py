@@ -122,6 +122,16 @@ class KDA(nn.Module):
         return Costs(saved, flops)
 
     @staticmethod
+    def cp_flops(args: K3ModelArgs, cp: int, rerun: bool) -> Flops:
+        """Per local token under context parallelism, beyond `costs`: each piece's chunk maps composed into its
+        summary (k3train.ops.kda.cp; about one [K, K] x [K, K + V] product per chunk and head, 2 K^2 (K + V) / C),
+        in the forward, twice in the backward, once more in a rerun. Nothing at cp = 1."""
+        if cp == 1:
+            return Flops()
+        H, K, C = args.kda_heads, args.kda_head_dim, args.kda_chunk
+        return Flops(kda=(4.0 if rerun else 3.0) * H * 2 * K * K * 2 * K / C)
+
+    @staticmethod
     def workspace_bytes(args: K3ModelArgs, q_tokens: int, seq_len: int, act_bytes: int) -> float:
         """Transient backward bytes per row beyond what the layer saves: none counted (the chunked kernels'
         per-chunk buffers are the saved maps)."""

@@ -134,8 +134,21 @@ class GatedMLA(nn.Module):
         act = D + 3 * q + 1 + kv + s + H * (k + s) + 3 * H * v
         bf16 = 2 * D + 10 * q + 4 + 2 * (kv + s) + 2 * H * (k + s) + 6 * H * v + 4 * H + 8
         weights = D * q + q * H * (k + s) + D * (kv + s) + kv * H * (k + v) + 2 * D * H * v
-        attention = 2.0 * visited_keys(seq_len) * H * (5 * args.mla_qk_head_dim + 4 * v)
-        return Costs(Saved(act=act, fp32=H, i64=1, bf16=bf16), gemm(weights) + Flops(attention=attention))
+        keys = 2.0 * visited_keys(seq_len) * H
+        qk = args.mla_qk_head_dim
+        # The backward rebuilds each key chunk's keys and values from the latent once more (2 per wkv_b weight).
+        flops = gemm(weights) + Flops(dense_gemm=2.0 * kv * H * (k + v), attention=keys * (5 * qk + 4 * v))
+        forward = Flops(dense_gemm=2.0 * weights, attention=keys * (qk + v))
+        return Costs(Saved(act=act, fp32=H, i64=1, bf16=bf16), flops, forward)
+
+    @staticmethod
+    def cp_flops(args: K3ModelArgs, cp: int, rerun: bool) -> Flops:
+        """Per local token under context parallelism over cp ranks, beyond `costs`: the attention builds the keys and
+        values of the row's whole key range (cp x its local tokens) from the gathered latent, in the forward and
+        again in the backward, which also takes their gradients (8 per wkv_b weight and key; 2 more when the layer's
+        forward is rerun, `rerun`); `costs` counts those of the local keys."""
+        w = args.mla_kv_rank * args.mla_heads * (args.mla_k_head_dim + args.mla_v_head_dim)
+        return Flops(dense_gemm=(cp - 1) * w * (10.0 if rerun else 8.0))
 
     @staticmethod
     def workspace_bytes(args: K3ModelArgs, q_tokens: int, seq_len: int, act_bytes: int) -> float:

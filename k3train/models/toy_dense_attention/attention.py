@@ -64,6 +64,11 @@ class DenseAttention(nn.Module):
         }
 
     @staticmethod
+    def cp_flops(args: K3ModelArgs, cp: int, rerun: bool) -> Flops:
+        """Nothing beyond `costs` under context parallelism (the kind refuses cp > 1)."""
+        return Flops()
+
+    @staticmethod
     def costs(args: K3ModelArgs, seq_len: int) -> Costs:
         """Per token (k3train.models.costs). Saved, in fp32 training: D + 4 H d + H T elements (the input of the
         projections; q, k and v; the output before o_proj; a row of softmax probabilities per head; d = head width,
