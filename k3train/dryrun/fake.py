@@ -10,9 +10,12 @@ memory:
   stay readable. Every other result is
   fake: parameters, activations, gradients, optimizer states, and every other buffer a factory call makes (a fake
   op writing into a real buffer, such as the expert counts' scatter_add_, would leave its values unset).
+A view of one fake tensor (view, detach, transpose, slice, ...: about half of a step's ops) runs its meta function
+directly, as FakeTensorMode does on a cache miss, without the cost of the cache key.
 
-`Recorder` is a dispatch mode that sees each c10d op (the fake backend's and gloo's alike) and keeps, in order, its
-op, its process group (name and global ranks), its bytes and its split sizes. A receive of one integer (the
+`Recorder` keeps, in order, each c10d op a rank issues (the fake backend's and gloo's alike): its op, its process
+group (name and global ranks), its bytes and its split sizes. FakeCPU feeds it when its `recorder` is set (the dry
+run); `Recording` is a dispatch mode that does the same around a real gloo run. A receive of one integer (the
 pipeline schedule's warm-up vote, the one host value a fake peer cannot send) is given 1: every stage of a run
 votes for the static shapes it was built with.
 """
