@@ -86,8 +86,10 @@ def test_cp_summaries_stay_fp32_under_autocast():
     ref = kda_piece_summaries(kda_piece_chunks(*[t.double() for t in pieces], plan, 16), plan)
     floor = kda_piece_summaries(kda_piece_chunks(*[t.bfloat16().float() for t in pieces], plan, 16), plan)
     with autocast():
-        got = kda_piece_summaries(kda_piece_chunks(*pieces, plan, 16), plan)
+        chunks = kda_piece_chunks(*pieces, plan, 16)
+        got = kda_piece_summaries(chunks, plan)
     assert got.dtype == torch.float32
+    assert chunks.M.dtype == chunks.B.dtype == torch.float32  # the per-chunk maps themselves, not only the fold
     assert rel_err(got, ref) <= 1.5 * rel_err(floor, ref)
 
 

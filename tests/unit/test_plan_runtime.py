@@ -127,8 +127,9 @@ def test_without_shared_experts_the_whole_all_to_all_is_exposed(monkeypatch):
 @pytest.mark.slow
 def test_fp8_linears_are_the_declared_dense_gemms_but_the_router():
     """k3_full: per layer, the FLOPs of the linears k3train.parallel.float8 converts are the layer's declared dense
-    GEMM FLOPs less the router's (6 E D per token): attention projections, dense FFN, latent projections and
-    shared experts all convert; the routed experts are grouped GEMMs, never in the dense class."""
+    GEMM FLOPs less the router's (6 E D per token) and Gated MLA's backward rebuild of its keys and values (2 per
+    wkv_b weight, priced at the bf16 rate): attention projections, dense FFN, latent projections and shared experts
+    all convert; the routed experts are grouped GEMMs, never in the dense class."""
     from k3train.plan.planner import fp8_linear_flops, work_per_token
 
     spec = _spec("k3_full")
@@ -136,7 +137,9 @@ def test_fp8_linears_are_the_declared_dense_gemms_but_the_router():
     work = work_per_token(a, spec.config.data.seq_len, 2)["layers"]
     for i in (1, 2, 3, 4, a.n_layers):
         router = 6.0 * a.n_experts * a.dim if a.ffn_kind(i) == "moe" else 0.0
-        assert fp8_linear_flops(a, i) == work[i - 1][0].dense_gemm - router, i
+        w = a.mla_kv_rank * a.mla_heads * (a.mla_k_head_dim + a.mla_v_head_dim)
+        rebuild = 2.0 * w if a.layer_kind(i) == "mla" else 0.0
+        assert fp8_linear_flops(a, i) == work[i - 1][0].dense_gemm - router - rebuild, i
 
 
 def test_fp8_plan_is_faster_by_the_formula_and_none_is_unchanged():
