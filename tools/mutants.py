@@ -1233,7 +1233,7 @@ def _received_inputs_counted_twice(orig):
 def _cp_key_rebuild_dropped(orig):
     from k3train.models.costs import Flops
 
-    def cp_flops(args, cp, rerun):
+    def cp_flops(args, cp, rerun, seq_len):
         return Flops()
 
     return staticmethod(cp_flops)
@@ -1431,6 +1431,46 @@ def _mx_scale_per_tensor(orig):
         return q.reshape(x.shape)
 
     return qdq_last
+
+
+def _tagger_misses_tensor_forms(orig):
+    def tagger(fake, engine, rank):
+        on_call = orig(fake, engine, rank)
+
+        def skip_underscored(call, args):  # c10d's tensor forms (_reduce_scatter_base_) left untagged
+            if not call.op.startswith("_"):
+                on_call(call, args)
+
+        return skip_underscored
+
+    return tagger
+
+
+def _stage_grads_keep_muon_full(orig):
+    from k3train.parallel.zero import ELEMENT_BYTES
+
+    def stage_grad_bytes(self, stage):  # a stage's Muon gradients kept whole after its owner reduction
+        g_elem, full, kept = ELEMENT_BYTES[self.precision]["grad"], 0, 0
+        for ps in self.sharding_plan([stage]).params:
+            if ps.kind == "frozen":
+                continue
+            full += ps.numel * g_elem
+            kept += (ps.owned_numel(0) if self.dims.zero == 2 and ps.kind != "muon" else ps.numel) * g_elem
+        return full, kept
+
+    return stage_grad_bytes
+
+
+def _kda_cp_fold_flops_dropped(orig):
+    from k3train.models.costs import Flops
+
+    def cp_flops(args, cp, rerun, seq_len):  # the piece summaries only: the fold over 2 cp summaries left out
+        if cp == 1:
+            return Flops()
+        H, K, C = args.kda_heads, args.kda_head_dim, args.kda_chunk
+        return Flops(kda=(4.0 if rerun else 3.0) * H * 2 * K * K * 2 * K / C)
+
+    return cp_flops
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -2554,6 +2594,21 @@ MUTATIONS: list[Mutation] = [
         (f"{DRY}::test_reduced_world_ranks_issue_matching_collectives",),
     ),
     M(
+        "dryrun_reduce_scatter_base_untagged",
+        "k3train.dryrun.run:_buffer_tagger",
+        "the dry run leaves the buffers of c10d's underscored collectives (Muon's owner _reduce_scatter_base_) "
+        "untagged, so a stage's owner-reduction buffer is counted as activations instead of gradients",
+        _tagger_misses_tensor_forms,
+        (f"{DRY}::test_virtual_stage_gradients_peak_as_the_planner_says",),
+    ),
+    M(
+        "plan_stage_keeps_muon_grads_full",
+        "k3train.plan.state_memory:StateModel.stage_grad_bytes",
+        "the planner keeps a virtual stage's Muon gradients whole after its Pipeline ZeRO-2 owner reduction",
+        _stage_grads_keep_muon_full,
+        (f"{DRY}::test_stage_reduced_gradients_add_up_to_the_ranks",),
+    ),
+    M(
         "dryrun_planner_drops_loss_workspace",
         "k3train.models.k3.loss:loss_workspace_bytes",
         "the planner leaves out the chunked loss's backward workspace (its [V, D] weight-gradient sum and cast)",
@@ -2590,6 +2645,14 @@ MUTATIONS: list[Mutation] = [
         "context-parallel rank",
         _cp_key_rebuild_dropped,
         ("tests/unit/test_costs.py::test_context_parallel_adds_the_whole_rows_key_rebuild_per_local_token",),
+        sweep=False,
+    ),
+    M(
+        "kda_cp_fold_flops_dropped",
+        "k3train.models.k3.kda:KDA.cp_flops",
+        "the planner leaves out KDA's fold of the row's 2 cp piece summaries (on every CP rank, growing as cp^2)",
+        _kda_cp_fold_flops_dropped,
+        ("tests/unit/test_costs.py::test_kda_prefix_fold_flops_are_the_declared_ones",),
         sweep=False,
     ),
     M(

@@ -281,7 +281,8 @@ def _buffer_tagger(fake: FakeCPU, engine, rank: int):
 
     def on_call(call: Call, args) -> None:
         members = frozenset(call.ranks)
-        reduction = call.op.startswith(("allreduce", "reduce_scatter")) and members in replicas
+        # c10d names the tensor forms with a leading underscore (_reduce_scatter_base_: Muon's owner reduction)
+        reduction = call.op.lstrip("_").startswith(("allreduce", "reduce_scatter")) and members in replicas
         if call.peer is not None or call.op in ("send", "recv_"):
             fake.tag(args, "pp")
         elif call.group in reduce or reduction:  # Muon's owner reduce-scatter runs on the dp x cp group itself
@@ -316,7 +317,7 @@ def _plan_rank(spec, res: RankResult) -> None:
         last = s == n - 1
         flops = sum((per_tok["layers"][i - 1] for i in layers[s]), flops)
         flops = flops + (per_tok["head"] if last else Flops()) + recompute_costs(args, layers[s], seq, pplan, last)[0]
-        flops = flops + cp_flops(args, layers[s], dims.cp, pplan, last)
+        flops = flops + cp_flops(args, layers[s], dims.cp, pplan, last, seq)
     scale = tokens * dims.microbatches
     res.planned_flops = flops.total * scale
     res.planned_by_class = {

@@ -160,19 +160,19 @@ def recompute_costs(
     return flops, saved
 
 
-def cp_flops(args: K3ModelArgs, layers: list[int], cp: int, plan: PolicyPlan, last: bool) -> Flops:
-    """Per local token of a stage under context parallelism over cp ranks: what each layer's token mixer adds (its
-    `cp_flops`, with a whole-layer rerun's share where the storage plan reruns the layer), and on the last stage the
-    MTP module's Gated MLA."""
+def cp_flops(args: K3ModelArgs, layers: list[int], cp: int, plan: PolicyPlan, last: bool, seq_len: int) -> Flops:
+    """Per local token of a stage under context parallelism over cp ranks (rows of seq_len tokens): what each
+    layer's token mixer adds (its `cp_flops`, with a whole-layer rerun's share where the storage plan reruns the
+    layer), and on the last stage the MTP module's Gated MLA."""
     out = Flops()
     if cp == 1:
         return out
     for i in layers:
-        out = out + layer_mixer(args, i).cp_flops(args, cp, plan.k3_defaults and plan.layer(i) == "recompute")
+        out = out + layer_mixer(args, i).cp_flops(args, cp, plan.k3_defaults and plan.layer(i) == "recompute", seq_len)
     if last and args.mtp_layers:
         from k3train.models.k3.mla import GatedMLA
 
-        out = out + GatedMLA.cp_flops(args, cp, False)
+        out = out + GatedMLA.cp_flops(args, cp, False, seq_len)
     return out
 
 

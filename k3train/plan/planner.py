@@ -44,7 +44,7 @@ from k3train.models.k3.mixers import layer_mixer
 from k3train.models.costs import Flops
 from k3train.models.k3.model import K3Layer, K3Model, sources_after
 from k3train.parallel.float8 import float8_candidate, float8_fits
-from k3train.parallel.mesh import stages_of_rank
+from k3train.parallel.mesh import stage_to_rank, stages_of_rank
 from k3train.parallel.zero import ELEMENT_BYTES
 from k3train.plan.activations import (
     KEEP,
@@ -320,7 +320,7 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
     if dims.ep > 1 and dims.ep_dispatcher == "moonep":  # hosted experts' weights are saved for backward
         act += n_moe * G * expert_numel * ab
     work = [x.work["layers"][i - 1] for i in layers] + ([x.work["head"]] if s == n - 1 else [])
-    flops = sum((f for f, _ in work), Flops()) + cp_flops(args, layers, dims.cp, x.pplan, s == n - 1)
+    flops = sum((f for f, _ in work), Flops()) + cp_flops(args, layers, dims.cp, x.pplan, s == n - 1, x.seq)
     fp8 = sum(x.fp8_per_token[i - 1] for i in layers) * tokens
     train = x.seconds(_scale(flops, tokens), HBM_PASSES * sum(b for _, b in work) * tokens, fp8)
     rflops, rsaved = recompute_costs(args, layers, x.seq, x.pplan, s == n - 1)
@@ -357,6 +357,7 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
         act,
         *x.state.stage_grad_bytes(s),
         send_s=send,
+        reduce_copy_bytes=x.state.reduction_copy_bytes(stage_to_rank(dims)[s], s),
         fused_backward=x.pplan.k3_defaults or (G > 0 and dims.ep_dispatcher == "moonep" and n_moe > 0),
         fwd_a2a_s=ep["fwd"],
         bwd_a2a_s=ep["bwd"],
@@ -452,7 +453,7 @@ def _rank_plan(x: _Inputs, r: int, stages: list, timeline, host_timeline) -> Ran
         "params": st.params,
         "master": st.master,
         "optim": st.optim,
-        "grads": max(peak["gradients"], st.grads) + x.state.reduction_copy_bytes(r),
+        "grads": max(peak["grad_peak"], st.grads),
         "activations": peak["activations"],
         "pp_buffers": peak["pp_peak"],
         "ep_buffers": buf["ep"],
@@ -514,6 +515,7 @@ def plan_run(
                 in_grad_bytes=0.0,
                 recv_in_bytes=0.0,
                 recv_grad_bytes=0.0,
+                reduce_copy_bytes=0.0,
             )
             for s, c in costs.items()
         }

@@ -62,6 +62,8 @@ class StageCost:
     """The receive buffer of one micro-batch's input (from a stage on another rank; 0 otherwise)."""
     recv_grad_bytes: float = 0.0
     """The receive buffer of one micro-batch's output gradient (from a stage on another rank; 0 otherwise)."""
+    reduce_copy_bytes: float = 0.0
+    """The largest buffer the stage's gradient reduction makes beside the gradients it reduces (a bucket's copy)."""
 
 
 @dataclass
@@ -117,8 +119,9 @@ def _paired_backwards(dims: ParallelDims, costs: dict[int, StageCost], alone) ->
 
 def _rank_peak(evs, order: list[Act], posts: list, release, costs, zero: int, freed) -> dict[str, float]:
     """One rank's memory walk over its actions in order: the peak of activations + gradients + boundary tensors,
-    split by kind, and the boundary tensors' own peak."""
-    live_act, live_pp, pp_peak = 0.0, 0.0, 0.0
+    split by kind, the boundary tensors' own peak and the gradients' own peak (a stage's reduction copies a bucket
+    beside the gradients alive when its last backward ends)."""
+    live_act, live_pp, pp_peak, grad_peak = 0.0, 0.0, 0.0, 0.0
     best, best_parts = 0.0, {"activations": 0.0, "gradients": 0.0, "pp_buffers": 0.0}
     grads: dict[int, float] = {}
     sent_back: dict[int, float] = {}  # the last input gradient a single-stage schedule sent, per stage
@@ -181,6 +184,8 @@ def _rank_peak(evs, order: list[Act], posts: list, release, costs, zero: int, fr
                     live_pp -= recv.pop(key)
         if a.kind in ("B", "W"):
             backward_left[a.stage] -= 1
-            if backward_left[a.stage] == 0 and zero == 2:
-                grads[a.stage] = c.grad_shard_bytes
-    return best_parts | {"pp_peak": pp_peak}
+            if backward_left[a.stage] == 0:
+                grad_peak = max(grad_peak, sum(grads.values()) + c.reduce_copy_bytes)
+                if zero == 2:
+                    grads[a.stage] = c.grad_shard_bytes
+    return best_parts | {"pp_peak": pp_peak, "grad_peak": grad_peak}

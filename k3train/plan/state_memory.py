@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from k3train.models.k3.args import K3ModelArgs
 from k3train.optim.build import param_kinds
 from k3train.optim.sharding import ShardingPlan
-from k3train.parallel.mesh import ParallelDims, stages_of_rank
+from k3train.parallel.mesh import ParallelDims, stage_to_rank, stages_of_rank
 from k3train.parallel.pipeline import stage_part_on_meta
 from k3train.optim.buckets import bucket_groups
 from k3train.parallel.zero import ELEMENT_BYTES
@@ -124,45 +124,55 @@ class StateModel:
         dims = self.dims
         plan = self.sharding_plan(stages_of_rank(dims, pp_rank))
         eb = ELEMENT_BYTES[self.precision]
-        p_elem, g_elem, m_elem, s_elem = eb["param"], eb["grad"], eb["master"], eb["state"]
+        p_elem, s_elem, m_elem = eb["param"], eb["state"], eb["master"]
         rank_in = {"dense": dp_cp_rank, "expert": dp_cp_rank // dims.ep}
-        out = StateBytes()
+        out = StateBytes(grads=self._reduced_grad_numel(plan, rank_in) * eb["grad"])
         for ps in plan.params:
             out.params += ps.numel * p_elem
             if ps.kind in ("frozen", "muon"):
                 continue
             held = ps.owned_numel(rank_in[ps.group]) if dims.zero >= 1 else ps.numel
-            out.grads += (ps.padded_chunk_numel if dims.zero == 2 else ps.numel) * g_elem
             out.optim += 2 * held * s_elem
             out.master += held * m_elem
         for group, q in rank_in.items():
-            if not plan.muon_matrices(group):
-                continue
-            if plan.owner_sharded(group):  # each matrix lives on the rank assign_owners picks
-                mine = plan.muon_numel(group, q)
-                if dims.zero == 2:  # per chunk: its reduce-scatter's padded segment, or the owned matrices copied out
-                    chunks = [c for s in plan.stages(group) for c in plan.muon_owner_chunks(group, s)]
-                    out.grads += sum(own[q] if width is None else width for _, width, own in chunks) * g_elem
-                    solo = plan.solo_params(group)  # all-reduced by themselves: the owner keeps its matrices
-                    out.grads += sum(plan.param(name).numel for name, o in solo.items() if o == q) * g_elem
-                else:
-                    out.grads += plan.muon_numel(group) * g_elem
-            else:
-                mine = plan.muon_numel(group)
-                out.grads += mine * g_elem
-            out.optim += mine * s_elem
-            out.master += mine * m_elem
+            if plan.muon_matrices(group):
+                mine = plan.muon_numel(group, q) if plan.owner_sharded(group) else plan.muon_numel(group)
+                out.optim += mine * s_elem
+                out.master += mine * m_elem
         return out
 
-    def reduction_copy_bytes(self, pp_rank: int) -> int:
-        """The gradient reduction's largest transient on the rank (k3train.parallel.zero): a bucket's gradients
-        copied into one buffer beside them before they are freed, in the buckets bucket_groups forms over each
-        group's parameters in reverse model order (Muon matrices and the rest apart): the flat bucket of an
-        all-reduce, a reduce-scatter's [ranks, the bucket's padded chunk] buffer under ZeRO-2, and under ZeRO-2 an
-        owner-sharded Muon group's chunk (k3train.optim.muon.owner_chunks: [ranks, width] or flat); groups of one
-        rank reduce nothing."""
+    def _reduced_grad_numel(self, plan: ShardingPlan, rank_in: dict[str, int], stage: int | None = None) -> int:
+        """Gradient elements the rank keeps after the reduction (of `stage`'s parameters, default all of the
+        plan's): under zero=2 AdamW's padded chunks and, of owner-sharded Muon matrices, per chunk its
+        reduce-scatter's padded segment or the owned matrices copied out of an all-reduce; else everything."""
+        ours = lambda s: stage is None or s == stage  # noqa: E731
+        n = 0
+        for ps in plan.params:
+            if ps.kind not in ("frozen", "muon") and ours(ps.stage):
+                n += ps.padded_chunk_numel if self.dims.zero == 2 else ps.numel
+        for group, q in rank_in.items():
+            if not plan.muon_matrices(group):
+                continue
+            if plan.owner_sharded(group) and self.dims.zero == 2:
+                chunks = [c for s in plan.stages(group) if ours(s) for c in plan.muon_owner_chunks(group, s)]
+                n += sum(own[q] if width is None else width for _, width, own in chunks)
+                solo = plan.solo_params(group)  # all-reduced by themselves: the owner keeps its matrices
+                n += sum(plan.param(k).numel for k, o in solo.items() if o == q and ours(plan.param(k).stage))
+            else:
+                n += sum(ps.numel for ps in plan.params if ps.group == group and ps.kind == "muon" and ours(ps.stage))
+        return n
+
+    def reduction_copy_bytes(self, pp_rank: int, stage: int | None = None) -> int:
+        """The gradient reduction's largest transient on the rank (k3train.parallel.zero), of `stage`'s reduction
+        (default: of any of the rank's stages): a bucket's gradients copied into one buffer beside them before they
+        are freed, in the buckets bucket_groups forms over each group's parameters in reverse model order (Muon
+        matrices and the rest apart) and restricted to the stage's parameters, as a stage's reduction takes them:
+        the flat bucket of an all-reduce, a reduce-scatter's [ranks, the bucket's padded chunk] buffer under ZeRO-2,
+        and under ZeRO-2 an owner-sharded Muon group's chunk (k3train.optim.muon.owner_chunks: [ranks, width] or
+        flat); groups of one rank reduce nothing."""
         dims, g_elem = self.dims, ELEMENT_BYTES[self.precision]["grad"]
         plan = self.sharding_plan(stages_of_rank(dims, pp_rank))
+        ours = lambda s: stage is None or s == stage  # noqa: E731
         best = 0
         for group, n in {"dense": dims.dp_cp, "expert": dims.edp}.items():
             if n <= 1:
@@ -171,21 +181,25 @@ class StateModel:
             for muon in (False, True):
                 items = [ps for ps in trained if (ps.kind == "muon") == muon]
                 if muon and dims.zero == 2 and items and plan.owner_sharded(group):
-                    for s in plan.stages(group):  # a chunk's [ranks, width] buffer, or its flat all-reduce buffer
+                    for s in filter(ours, plan.stages(group)):  # a chunk's [ranks, width] buffer, or its flat buffer
                         chunks = plan.muon_owner_chunks(group, s)
                         best = max([best] + [numel if width is None else n * width for numel, width, _ in chunks])
                     continue
                 for g in bucket_groups([ps.numel for ps in items]):
-                    chunks = sum(items[i].padded_chunk_numel for i in g)
-                    best = max(best, n * chunks if dims.zero == 2 else sum(items[i].numel for i in g))
+                    part = [items[i] for i in g if ours(items[i].stage)]
+                    size = (
+                        n * sum(ps.padded_chunk_numel for ps in part)
+                        if dims.zero == 2
+                        else sum(ps.numel for ps in part)
+                    )
+                    best = max(best, size)
         return best * g_elem
 
     def stage_grad_bytes(self, stage: int) -> tuple[int, int]:
-        """(the stage's full gradient on a rank, what remains of it after its reduction) on dp_cp rank 0."""
-        g_elem, full, kept = ELEMENT_BYTES[self.precision]["grad"], 0, 0
-        for ps in self.sharding_plan([stage]).params:
-            if ps.kind == "frozen":
-                continue
-            full += ps.numel * g_elem
-            kept += (ps.owned_numel(0) if self.dims.zero == 2 and ps.kind != "muon" else ps.numel) * g_elem
-        return full, kept
+        """(the stage's full gradient on a rank, what remains of it after its reduction) on dp_cp rank 0, from the
+        sharding of the pipeline rank that holds the stage (Muon owners are assigned over all its stages)."""
+        dims = self.dims
+        plan = self.sharding_plan(stages_of_rank(dims, stage_to_rank(dims)[stage]))
+        g_elem = ELEMENT_BYTES[self.precision]["grad"]
+        full = sum(ps.numel for ps in plan.params if ps.stage == stage and ps.kind != "frozen")
+        return full * g_elem, self._reduced_grad_numel(plan, {"dense": 0, "expert": 0}, stage) * g_elem

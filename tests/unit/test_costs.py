@@ -65,10 +65,29 @@ def test_context_parallel_adds_the_whole_rows_key_rebuild_per_local_token():
 
     args = get_preset("small")
     w = _wkv_b(args)
-    assert GatedMLA.cp_flops(args, 1, False).total == 0 and KDA.cp_flops(args, 1, True).total == 0
-    assert GatedMLA.cp_flops(args, 4, False).dense_gemm == 3 * 8 * w
-    assert GatedMLA.cp_flops(args, 128, True).dense_gemm == 127 * 10 * w
-    assert KDA.cp_flops(args, 4, True).kda == pytest.approx(4 / 3 * KDA.cp_flops(args, 4, False).kda)
+    assert GatedMLA.cp_flops(args, 1, False, 4096).total == 0 and KDA.cp_flops(args, 1, True, 4096).total == 0
+    assert GatedMLA.cp_flops(args, 4, False, 4096).dense_gemm == 3 * 8 * w
+    assert GatedMLA.cp_flops(args, 128, True, 4096).dense_gemm == 127 * 10 * w
+    assert KDA.cp_flops(args, 4, True, 4096).kda == pytest.approx(4 / 3 * KDA.cp_flops(args, 4, False, 4096).kda)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 16])
+def test_kda_prefix_fold_flops_are_the_declared_ones(cp):
+    """KDA's declared CP FLOPs beyond the piece summaries (the part that falls as 1 / seq_len) are what
+    FlopCounterMode counts in the fold of a row's 2 cp summaries into the states entering them, forward and
+    backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from k3train.models.k3.kda import KDA
+    from k3train.ops.kda.cp import exclusive_prefix_states
+
+    args = get_preset("tiny")
+    H, K, seq = args.kda_heads, args.kda_head_dim, 64 * cp
+    declared = KDA.cp_flops(args, cp, False, seq).kda - KDA.cp_flops(args, cp, False, 2 * seq).kda  # half the fold
+    summaries = torch.randn(1, 2 * cp, H, K, 2 * K, dtype=torch.float64, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        exclusive_prefix_states(summaries, K).sum().backward()
+    assert counter.get_total_flops() == pytest.approx(2 * declared * seq / cp, rel=1e-12)
 
 
 @pytest.mark.parametrize("preset,mtp", [("tiny", 0), ("tiny", 1), ("small", 1)])

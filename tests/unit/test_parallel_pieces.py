@@ -473,3 +473,16 @@ def test_busy_clock_times_cuda_work_with_events(monkeypatch):
     with cpu.span():
         _time.sleep(0.01)
     assert cpu.seconds >= 0.01
+
+
+def test_sum_of_squares_in_slices_equals_the_whole_sum():
+    """The gradient norm's float64 sum of squares, taken in slices so no full fp64 copy is made, equals the sum
+    over the whole tensor (fp32 input, an uneven last slice)."""
+    from k3train.parallel.zero import _sum_of_squares64
+
+    g = torch.randn(1000, 37, generator=torch.Generator().manual_seed(0))
+    whole = g.double().pow(2).sum()
+    sliced = _sum_of_squares64(g, chunk=4096)
+    assert sliced.dtype == torch.float64
+    assert abs(sliced.item() - whole.item()) <= 1e-12 * whole.item()
+    assert _sum_of_squares64(g[:0]).item() == 0.0

@@ -122,14 +122,21 @@ class KDA(nn.Module):
         return Costs(saved, flops)
 
     @staticmethod
-    def cp_flops(args: K3ModelArgs, cp: int, rerun: bool) -> Flops:
-        """Per local token under context parallelism, beyond `costs`: each piece's chunk maps composed into its
-        summary (k3train.ops.kda.cp; about one [K, K] x [K, K + V] product per chunk and head, 2 K^2 (K + V) / C),
-        in the forward, twice in the backward, once more in a rerun. Nothing at cp = 1."""
+    def cp_flops(args: K3ModelArgs, cp: int, rerun: bool, seq_len: int) -> Flops:
+        """Per local token under context parallelism, beyond `costs`, in the forward, twice in the backward, once
+        more in a rerun (k3train.ops.kda.cp):
+        - each piece's chunk maps composed into its summary: about one [K, K] x [K, K + V] product per chunk and
+          head, 2 K^2 (K + V) / C;
+        - the fold of the 2 cp pieces' summaries into the state entering each, on every rank: 2 cp - 2 products
+          [K, K] x [K, V] per row and head (2 K^2 V each) over its seq_len / cp local tokens; it grows as
+          cp^2 / seq_len.
+        Nothing at cp = 1."""
         if cp == 1:
             return Flops()
         H, K, C = args.kda_heads, args.kda_head_dim, args.kda_chunk
-        return Flops(kda=(4.0 if rerun else 3.0) * H * 2 * K * K * 2 * K / C)
+        summary = H * 2 * K * K * 2 * K / C
+        fold = H * 2 * K * K * K * (2 * cp - 2) * cp / seq_len
+        return Flops(kda=(4.0 if rerun else 3.0) * (summary + fold))
 
     @staticmethod
     def workspace_bytes(args: K3ModelArgs, q_tokens: int, seq_len: int, act_bytes: int) -> float:

@@ -142,7 +142,7 @@ class GatedMLA(nn.Module):
         return Costs(Saved(act=act, fp32=H, i64=1, bf16=bf16), flops, forward)
 
     @staticmethod
-    def cp_flops(args: K3ModelArgs, cp: int, rerun: bool) -> Flops:
+    def cp_flops(args: K3ModelArgs, cp: int, rerun: bool, seq_len: int) -> Flops:
         """Per local token under context parallelism over cp ranks, beyond `costs`: the attention builds the keys and
         values of the row's whole key range (cp x its local tokens) from the gathered latent, in the forward and
         again in the backward, which also takes their gradients (8 per wkv_b weight and key; 2 more when the layer's

@@ -64,7 +64,7 @@ class DenseAttention(nn.Module):
         }
 
     @staticmethod
-    def cp_flops(args: K3ModelArgs, cp: int, rerun: bool) -> Flops:
+    def cp_flops(args: K3ModelArgs, cp: int, rerun: bool, seq_len: int) -> Flops:
         """Nothing beyond `costs` under context parallelism (the kind refuses cp > 1)."""
         return Flops()
 

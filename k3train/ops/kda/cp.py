@@ -134,17 +134,17 @@ def kda_piece_summaries(chunks, plan: PiecePlan) -> torch.Tensor:
 
 def exclusive_prefix_states(summaries: torch.Tensor, K: int) -> torch.Tensor:
     """summaries [B, n, H, K, K+V] in sequence order -> the state entering each piece [B, n, H, K, V]
-    (S_in(0) = 0, S_in(j+1) = M_j S_in(j) + B_j). A loop over the n pieces (2*world), batched over rows and heads."""
+    (S_in(0) = 0, S_in(j+1) = M_j S_in(j) + B_j). A loop over the n pieces (2*world), batched over rows and heads:
+    n - 2 products (S_in(1) is B_0; nothing reads the state after the last piece)."""
     B, n, H = summaries.shape[:3]
+    V = summaries.shape[-1] - K
     # per piece [B*H, K, K+V], split once: each step is one baddbmm
     pieces = summaries.transpose(1, 2).reshape(B * H, n, K, -1).unbind(1)
-    S = summaries.new_zeros(B * H, K, summaries.shape[-1] - K)
-    prefix = []
+    prefix = [summaries.new_zeros(B * H, K, V)]
     with torch.autocast(summaries.device.type, enabled=False):  # the fold stays in the summaries' fp32
-        for piece in pieces:
-            prefix.append(S)
-            M, Bm = piece.split([K, piece.shape[-1] - K], dim=-1)
-            S = torch.baddbmm(Bm, M, S)
+        for j, piece in enumerate(pieces[:-1]):
+            M, Bm = piece.split([K, V], dim=-1)
+            prefix.append(Bm if j == 0 else torch.baddbmm(Bm, M, prefix[-1]))
     return torch.stack(prefix, dim=1).view(B, H, n, K, -1).transpose(1, 2)
 
 
