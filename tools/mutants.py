@@ -2009,7 +2009,10 @@ MUTATIONS: list[Mutation] = [
         "k3train.parallel.microbatch_overlap:_timed_once",
         "parallel.ep_overlap=microbatch: both sides' busy spans count, each covering the other's compute",
         _mb_overlap_timed_per_side,
-        (f"{MB_OVERLAP}::test_overlapped_microbatches_train_like_one_process[keep]",),
+        (
+            f"{MB_OVERLAP}::test_an_overlapped_action_is_one_busy_span",
+            f"{MB_OVERLAP}::test_overlapped_microbatches_train_like_one_process[keep]",
+        ),
     ),
     M(
         "ep_poison_never",

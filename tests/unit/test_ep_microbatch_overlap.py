@@ -138,3 +138,26 @@ def test_baton_alternates_and_a_finished_side_keeps_it_away():
     # F starts and the sides alternate at each hand-over; once F is done, B's hand-overs return at once (False).
     assert log == ["F0", "B0", "F1", "B1", "F2", "B2", "B3", "B4"]
     assert handed == {"F": [True] * 3, "B": [True] * 3 + [False] * 2}
+
+
+def test_an_overlapped_action_is_one_busy_span(monkeypatch):
+    """Inside an overlapped action the two sides' own spans overlap in time (each covers its wait for the baton):
+    the stages' busy clocks count the action once, not each side's span. A controlled clock: two nested side spans
+    over 1 s count 1 s, on every stage's distinct clock."""
+    from types import SimpleNamespace
+
+    from k3train.parallel import pipeline
+    from k3train.parallel.microbatch_overlap import _timed_once
+
+    now = [0.0]
+    monkeypatch.setattr(pipeline.time, "perf_counter", lambda: now[0])
+    a, b = pipeline.BusyClock(), pipeline.BusyClock()
+    stages = [SimpleNamespace(clock=a), SimpleNamespace(clock=b), SimpleNamespace(clock=a)]
+    with _timed_once(stages):
+        with a.span(), b.span():  # the forward side's span, with the backward side's inside it
+            with a.span():
+                now[0] += 1.0
+    assert a.seconds == 1.0 and b.seconds == 0.0  # one span, on the first stage's clock
+    with a.span():
+        now[0] += 0.5
+    assert a.seconds == 1.5  # outside an action every span counts
