@@ -38,6 +38,11 @@ from k3train.optim.buckets import bucket_groups
 from k3train.parallel.zero import ELEMENT_BYTES
 
 
+def _stage_filter(stage: int | None):
+    """Whether a parameter of stage s counts: every stage for None, else only `stage`."""
+    return lambda s: stage is None or s == stage
+
+
 @dataclass
 class StateBytes:
     params: int = 0
@@ -145,7 +150,7 @@ class StateModel:
         """Gradient elements the rank keeps after the reduction (of `stage`'s parameters, default all of the
         plan's): under zero=2 AdamW's padded chunks and, of owner-sharded Muon matrices, per chunk its
         reduce-scatter's padded segment or the owned matrices copied out of an all-reduce; else everything."""
-        ours = lambda s: stage is None or s == stage  # noqa: E731
+        ours = _stage_filter(stage)
         n = 0
         for ps in plan.params:
             if ps.kind not in ("frozen", "muon") and ours(ps.stage):
@@ -172,7 +177,7 @@ class StateModel:
         flat); groups of one rank reduce nothing."""
         dims, g_elem = self.dims, ELEMENT_BYTES[self.precision]["grad"]
         plan = self.sharding_plan(stages_of_rank(dims, pp_rank))
-        ours = lambda s: stage is None or s == stage  # noqa: E731
+        ours = _stage_filter(stage)
         best = 0
         for group, n in {"dense": dims.dp_cp, "expert": dims.edp}.items():
             if n <= 1:
