@@ -2120,6 +2120,23 @@ MUTATIONS: list[Mutation] = [
         _lifted_modules_rerun,
         (f"{ACT}::test_selective_recompute_stores_the_inner_module_under_its_policy",),
     ),
+    M(
+        "plan_ep_overlap_buffers_once",
+        "k3train.plan.planner:_rank_plan",
+        "the planner counts one micro-batch's expert all-to-all buffers under parallel.ep_overlap=microbatch, where "
+        "an overlapped action's two sides hold theirs at once",
+        lambda orig: lambda x, r, stages, timeline, host, pairs: orig(x, r, stages, timeline, host, []),
+        (f"{DRY}::test_microbatch_overlap_steps_on_fake_tensors_as_the_layer_overlap_does",),
+    ),
+    M(
+        "recompute_regions_process_wide",
+        "k3train.activation.hooks:_REGIONS",
+        "one stack of recomputed regions for all threads: under ep_overlap=microbatch the forward side's layers run "
+        "unchecked inside the other side's recomputation and save everything",
+        lambda orig: types.SimpleNamespace(items=[]),
+        (f"{ACT}::test_a_recomputation_on_one_thread_leaves_another_threads_modules_alone",),
+        sweep=False,
+    ),
     # ---- precision
     M(
         "precision_master_bf16",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import threading
 import weakref
 from collections import Counter, defaultdict
 from typing import Any, Callable, Iterable
@@ -195,10 +196,17 @@ class _Region:
         return tree_unflatten(leaves, spec)
 
 
-_REGIONS: list[_Region | None] = []
-"""The recomputed regions running now, innermost last; None while a module taken out of a region runs (inside it no
-region is active). Process-wide rather than thread-local: CUDA backward, and so recomputation, runs on autograd's
-device threads."""
+class _RegionStack(threading.local):
+    """The recomputed regions running now on this thread, innermost last; None while a module taken out of a region
+    runs (inside it no region is active). Per thread: a region is entered and left within one call on one thread
+    (the forward's, or on CUDA autograd's device thread that recomputes it), while under parallel.ep_overlap=microbatch
+    another micro-batch's forward runs on a second thread in the middle of a recomputation and must not see it."""
+
+    def __init__(self):
+        self.items: list[_Region | None] = []
+
+
+_REGIONS = _RegionStack()
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:
@@ -370,7 +378,8 @@ class _Site:
         """Call fn(*args, **kwargs) under this site's policy."""
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
-        region = _REGIONS[-1] if _REGIONS else None
+        regions = _REGIONS.items
+        region = regions[-1] if regions else None
         if self.recompute:
             if region is not None:  # a recompute nested in a recomputed region: the outer one covers it
                 return fn(*args, **kwargs)
@@ -379,11 +388,11 @@ class _Site:
 
             def inner(*a, **k):
                 region.enter()
-                _REGIONS.append(region)
+                _REGIONS.items.append(region)
                 try:
                     return fn(*a, **k)
                 finally:
-                    _REGIONS.pop()
+                    _REGIONS.items.pop()
 
             module = self.module
             return checkpoint(
@@ -398,12 +407,12 @@ class _Site:
         call = _Call(self, (args, kwargs))
         # Our hooks are the innermost: inside a recomputed region they, not the checkpoint's, store what this call
         # saves. The region is suspended meanwhile, so the managed modules inside this one follow their own rules.
-        _REGIONS.append(None)
+        _REGIONS.items.append(None)
         try:
             with torch.autograd.graph.saved_tensors_hooks(call.pack, _unpack):
                 out = fn(*args, **kwargs)
         finally:
-            _REGIONS.pop()
+            _REGIONS.items.pop()
         if region is not None:
             region.record(call, out)
         call.finish(out)

@@ -45,6 +45,7 @@ from k3train.models.costs import Flops
 from k3train.models.k3.model import K3Layer, K3Model, sources_after
 from k3train.parallel.float8 import float8_candidate, float8_fits
 from k3train.parallel.mesh import stage_to_rank, stages_of_rank
+from k3train.parallel.pipeline_order import overlapped_pairs
 from k3train.parallel.zero import ELEMENT_BYTES
 from k3train.plan.activations import (
     KEEP,
@@ -444,11 +445,15 @@ def ep_exposed(x: _Inputs, layers: list[int]) -> dict[str, float]:
     return out
 
 
-def _rank_plan(x: _Inputs, r: int, stages: list, timeline, host_timeline) -> RankPlan:
+def _rank_plan(x: _Inputs, r: int, stages: list, timeline, host_timeline, pairs: list) -> RankPlan:
     """Pipeline rank r's memory: its state (worst data-parallel rank), activations at the timeline's peak, the
-    boundary send buffer and the largest transient buffers of its stages."""
+    boundary send buffer and the largest transient buffers of its stages. `pairs`: the (forward, backward) actions
+    run as one under parallel.ep_overlap=microbatch, whose two micro-batches can hold their expert all-to-all
+    buffers at once (k3train.parallel.microbatch_overlap)."""
     st, mine, peak = x.state.rank_bytes(r), stages_of_rank(x.dims, r), timeline.peak_parts[r]
     buf = {k: max((stages[s][1][k] for s in mine), default=0.0) for k in ("pp", "ep", "cp", "work")}
+    both = {(f.stage, b.stage) for f, b in pairs if f.stage in mine}
+    buf["ep"] = max([buf["ep"], *(stages[f][1]["ep"] + stages[b][1]["ep"] for f, b in both)])
     by_kind = {
         "params": st.params,
         "master": st.master,
@@ -520,13 +525,24 @@ def plan_run(
             for s, c in costs.items()
         }
         host_timeline = simulate(dims, host_costs, zero=dims.zero)
-    ranks = [_rank_plan(x, r, stages, timeline, host_timeline) for r in range(dims.pp)]
+    pairs = overlapped_pairs(dims) if dims.ep_overlap == "microbatch" else []
+    ranks = [_rank_plan(x, r, stages, timeline, host_timeline, pairs) for r in range(dims.pp)]
     per_rank, m = [stages_of_rank(dims, r) for r in range(dims.pp)], dims.microbatches
+    # A rank's busy time is its actions' spans on the timeline: under parallel.ep_overlap=microbatch an overlapped
+    # pair is shorter than its two sides, by expert all-to-all waits the other side's compute fills ("hidden").
+    alone = [sum((costs[s].forward_s + costs[s].backward_s) * m for s in mine) for mine in per_rank]
+    busy = [sum(end - start for start, end, _ in timeline.events[r]) for r in range(dims.pp)]
+    hidden = [a - b if pairs else 0.0 for a, b in zip(alone, busy)]
     comm = {"dp": _dp_seconds(x)}
     for key in ("ep_in_stages", "ep_total", "cp_in_stages"):  # part of the stages' time
-        comm[key] = max(sum(stages[s][2][key] for s in mine) * m for mine in per_rank)
-    busy = [sum((costs[s].forward_s + costs[s].backward_s) * m for s in mine) for mine in per_rank]
-    worst = per_rank[max(range(dims.pp), key=lambda r: busy[r])]
+        comm[key] = max(
+            sum(stages[s][2][key] for s in mine) * m - hidden[r] * (key == "ep_in_stages")
+            for r, mine in enumerate(per_rank)
+        )
+    w = max(range(dims.pp), key=lambda r: busy[r])
+    worst = per_rank[w]
+    by_class = {k: sum(stages[s][2]["by_class"][k] for s in worst) * m for k in stages[0][2]["by_class"]}
+    by_class["ep_all_to_all"] -= hidden[w]
     optimizer_s = _muon_seconds(x)
     return Plan(
         spec=spec,
@@ -540,7 +556,7 @@ def plan_run(
         step_s=timeline.makespan_s + comm["dp"] + optimizer_s,
         flops_per_token=flops_per_token(spec.model, x.seq),
         timeline=timeline,
-        time_by_class={k: sum(stages[s][2]["by_class"][k] for s in worst) * m for k in stages[0][2]["by_class"]},
+        time_by_class=by_class,
         flops_by_class={
             c: getattr(sum((f for f, _ in [*x.work["layers"], x.work["head"]]), Flops()), c) for c in OP_CLASSES
         },
@@ -663,7 +679,12 @@ def format_plan(plan: Plan) -> str:
     if d.ep > 1:
         lines.append(
             f"expert all-to-all (busiest rank, s per step): exposed {plan.time_by_class['ep_all_to_all']:.3f} of "
-            f"{plan.policy['a2a_total_s']:.3f} on the wire (dispatch and combine overlap the shared experts)"
+            f"{plan.policy['a2a_total_s']:.3f} on the wire (dispatch and combine overlap the shared experts"
+            + (
+                ", and in DualPipeV's overlapped actions the other micro-batch's compute)"
+                if d.ep_overlap == "microbatch"
+                else ")"
+            )
         )
     if plan.time_by_class:
         t = plan.time_by_class

@@ -483,6 +483,39 @@ def test_selective_recompute_nesting(reference):
     _assert_same_grads(g, ref)
 
 
+def test_a_recomputation_on_one_thread_leaves_another_threads_modules_alone(reference):
+    """parallel.ep_overlap=microbatch runs one micro-batch's forward on a second thread while the other
+    micro-batch's backward may be inside a recomputed region: the second thread's layers are still checkpointed and
+    save what they save alone (their inputs), not everything inside them."""
+    import threading
+
+    from k3train.activation import hooks
+
+    m, tok, _, _ = reference
+    handle = apply_activation_policies(m, [Rule(kind="layer", policy="recompute")] + default_rules())
+    seen = {}
+
+    def forward_elsewhere():
+        loss_of(m, tok)
+        seen.update(handle.stats()["total"])
+
+    try:
+        loss_of(m, tok)
+        alone = handle.stats()["total"]
+        handle.reset_stats()
+        hooks._REGIONS.items.append(hooks._Region())  # this thread is inside a recomputation meanwhile
+        try:
+            other = threading.Thread(target=forward_elsewhere)
+            other.start()
+            other.join()
+        finally:
+            hooks._REGIONS.items.pop()
+    finally:
+        handle.remove()
+    assert alone["recompute"] > 0
+    assert seen == alone
+
+
 # ---- shipped activation configs ----------------------------------------------------------------------------------
 def test_recipes_select_shipped_activation_configs():
     from omegaconf import OmegaConf

@@ -185,7 +185,8 @@ def test_reduced_world_ranks_issue_matching_collectives(reduced_world):
 def test_microbatch_overlap_steps_on_fake_tensors_as_the_layer_overlap_does():
     """pp2 x dp2 x ep2 DualPipeV, 4 micro-batches: under parallel.ep_overlap=microbatch the overlapped actions' two
     threads run on the caller's fake-tensor mode and op counter, so each rank's FLOPs, training state and the
-    multiset of its collectives equal those of ep_overlap=layer, and the ranks' collectives agree."""
+    multiset of its collectives equal those of ep_overlap=layer, and the ranks' collectives agree. The two sides'
+    expert all-to-all buffers are alive at once, as the planner counts them (one side's under ep_overlap=layer)."""
     from collections import Counter
 
     from k3train.dryrun.run import dry_run
@@ -198,6 +199,9 @@ def test_microbatch_overlap_steps_on_fake_tensors_as_the_layer_overlap_does():
     for a, b in zip(layer, lap, strict=True):
         assert a.rank == b.rank and a.flops == b.flops > 0 and a.state == b.state
         assert Counter((c.op, c.nbytes) for c in a.calls) == Counter((c.op, c.nbytes) for c in b.calls)
+        for r in (a, b):
+            assert r.kind_peaks["ep_buffers"] == pytest.approx(r.planned_by_kind["ep_buffers"], rel=0.05)
+        assert b.planned_by_kind["ep_buffers"] == 2 * a.planned_by_kind["ep_buffers"] > 0
 
 
 @pytest.mark.slow
