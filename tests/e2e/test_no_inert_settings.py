@@ -317,6 +317,7 @@ def _sources(*specs: tuple) -> list:
 MIX = {"data.source": "files", "data.sources": _sources(("docs.jsonl", {}), ("docs.txt", {}))}
 TIKTOKEN = {"data.tokenizer": "tiktoken", "data.tokenizer_path": InWork("a.tiktoken")}
 KDA64 = {"model.overrides.kda_chunk": 64, "data.seq_len": 64}
+KDA64_ONE_STEP = {**KDA64, "train.steps": 1}
 
 
 def _tiny_vision(**changes) -> dict:
@@ -500,10 +501,14 @@ ONE_PROCESS: list[Case] = [
     _preset_case(),
     *_model_cases(),
     # The Triton kernels (under TRITON_INTERPRET=1 on CPU): same math, other arithmetic. The KDA chunk of 64 (and rows
-    # of 64) so the Triton KDA runs too; tests/unit/test_kernel_backend.py counts the kernels' calls.
-    Case("model.kernels", {"model.kernels": "triton"}, rounds_differently, base=KDA64),
+    # of 64) so the Triton KDA runs too; tests/unit/test_kernel_backend.py counts the kernels' calls. One step: the
+    # interpreted kernels take about 40 s a step here, and one step's loss and update show the change.
+    Case("model.kernels", {"model.kernels": "triton"}, rounds_differently, base=KDA64_ONE_STEP),
     Case(
-        "model.kernels", {"model.kernels": "torch"}, rounds_differently, base={**KDA64, "model.kernels": "triton"}
+        "model.kernels",
+        {"model.kernels": "torch"},
+        rounds_differently,
+        base={**KDA64_ONE_STEP, "model.kernels": "triton"},
     ),  # The MTP module: its loss joins the gradient (the logged loss stays the next-token loss), either key.
     Case("model.mtp_layers", {"model.mtp_layers": 1}, trains_and_logs_mtp),
     # Compiled layers (aot_eager on the CPU: the traced forward and backward run as eager ops): the eager losses.
