@@ -1507,6 +1507,17 @@ MOONEP_QAT = "tests/unit/test_moonep_qat.py"
 MX_LINEAR = "tests/unit/test_mx_linear.py"
 DRY = "tests/unit/test_dryrun.py"
 
+
+def _ep_buffers_without_moe(orig):
+    def stage_cost(x, s):
+        cost, bufs, figures = orig(x, s)
+        if x.dims.ep > 1 and not bufs["ep"]:
+            bufs = {**bufs, "ep": 2 * x.tokens * x.args.top_k * x.args.moe_latent_dim * x.act_bytes}
+        return cost, bufs, figures
+
+    return stage_cost
+
+
 M = Mutation
 MUTATIONS: list[Mutation] = [
     # ---- KDA layer
@@ -2121,12 +2132,19 @@ MUTATIONS: list[Mutation] = [
         (f"{ACT}::test_selective_recompute_stores_the_inner_module_under_its_policy",),
     ),
     M(
+        "plan_ep_buffers_without_moe",
+        "k3train.plan.planner:_stage_cost",
+        "the planner gives a stage without MoE layers the expert all-to-all buffers of one that has them",
+        _ep_buffers_without_moe,
+        (f"{PLAN}::test_microbatch_overlap_holds_both_sides_expert_buffers_where_both_have_moe_layers",),
+    ),
+    M(
         "plan_ep_overlap_buffers_once",
         "k3train.plan.planner:_rank_plan",
         "the planner counts one micro-batch's expert all-to-all buffers under parallel.ep_overlap=microbatch, where "
         "an overlapped action's two sides hold theirs at once",
         lambda orig: lambda x, r, stages, timeline, host, pairs: orig(x, r, stages, timeline, host, []),
-        (f"{DRY}::test_microbatch_overlap_steps_on_fake_tensors_as_the_layer_overlap_does",),
+        (f"{PLAN}::test_microbatch_overlap_holds_both_sides_expert_buffers_where_both_have_moe_layers",),
     ),
     M(
         "recompute_regions_process_wide",

@@ -1,7 +1,9 @@
 """Search layouts with the planner: every combination of the listed choices for a recipe on a GPU, the ones that
 fit sorted by predicted tokens/s (then the closest misses). By default it tries one and two virtual stages per rank
 and the pipeline schedules the engine runs with the smaller bubbles (interleaved 1F1B, interleaved zero-bubble, ZBV
-and DualPipeV; a schedule that a vpp does not allow is counted as refused), under the recipe's own activation plan.
+and DualPipeV; a schedule that a vpp does not allow is counted as refused), each with the expert all-to-all overlapped
+within a layer and, where the schedule has overlapped forward-backward actions (DualPipeV), across micro-batches too,
+under the recipe's own activation plan.
 
     python tools/plan_layouts.py --recipe k3_full --gpu h100_80g --world 2048 \
         --pp 16 32 --vpp 1 2 --ep 64 128 --zero 1 2 --microbatches 32 64 --activation recipe recompute_all
@@ -34,6 +36,7 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, nargs="+", default=[32])
     ap.add_argument("--schedule", nargs="+", default=["auto", "interleaved_zb", "zbv", "dualpipev"])
     ap.add_argument("--dispatcher", nargs="+", default=["alltoall"])
+    ap.add_argument("--ep-overlap", nargs="+", default=["layer", "microbatch"])
     ap.add_argument("--activation", nargs="+", default=["recipe"], choices=sorted(ACTIVATIONS))
     ap.add_argument("--micro-batch", type=int, nargs="+", default=[1])
     ap.add_argument("--extra", nargs="*", default=[], help="further overrides for every layout")
@@ -51,11 +54,21 @@ def main() -> None:
     gpu = gpu_spec(a.gpu)
     combos = list(
         itertools.product(
-            a.pp, a.vpp, a.ep, a.cp, a.zero, a.microbatches, a.schedule, a.dispatcher, a.activation, a.micro_batch
+            a.pp,
+            a.vpp,
+            a.ep,
+            a.cp,
+            a.zero,
+            a.microbatches,
+            a.schedule,
+            a.dispatcher,
+            a.ep_overlap,
+            a.activation,
+            a.micro_batch,
         )
     )
     results, refused = [], 0
-    for pp, vpp, ep, cp, zero, m, sched, disp, act, mb in tqdm(combos, desc="layouts"):
+    for pp, vpp, ep, cp, zero, m, sched, disp, lap, act, mb in tqdm(combos, desc="layouts"):
         if a.world % (pp * cp):
             refused += 1
             continue
@@ -70,6 +83,7 @@ def main() -> None:
             f"parallel.microbatches={m}",
             f"parallel.schedule={sched}",
             f"parallel.ep_dispatcher={disp}",
+            f"parallel.ep_overlap={lap}",
             f"data.micro_batch={mb}",
             *ACTIVATIONS[act],
             *a.extra,

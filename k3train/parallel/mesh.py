@@ -285,7 +285,8 @@ class ParallelDims:
 
     def describe(self) -> str:
         s = " ".join(f"{f}={getattr(self, f)}" for f in _DEGREES.values())
-        return s + (f" schedule={self.schedule}" if self.pp > 1 else "")
+        s += f" schedule={self.schedule}" if self.pp > 1 else ""
+        return s + (f" ep_overlap={self.ep_overlap}" if self.ep_overlap != "layer" else "")
 
 
 def stage_to_rank(dims: ParallelDims) -> dict[int, int]:

@@ -337,7 +337,7 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
     a2a = ep_buf = cpt = cp_buf = 0.0
     passes = sum(a2a_passes(args, i, x.pplan) for i in layers)
     ep = {"fwd": 0.0, "bwd": 0.0, "total": 0.0}
-    if dims.ep > 1:  # each pass moves the micro-batch's top_k latent rows
+    if dims.ep > 1 and n_moe:  # each pass moves the micro-batch's top_k latent rows
         ep = ep_exposed(x, layers)
         a2a = ep["fwd"] + ep["bwd"]
         rows = tokens * args.top_k * args.moe_latent_dim * ab
