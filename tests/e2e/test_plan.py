@@ -79,6 +79,7 @@ def _plan(*overrides, recipe="small_8gpu", cwd=None):
     )
 
 
+@pytest.mark.slow
 def test_context_extension_stages_in_the_docs_are_what_the_planner_prints():
     """docs/training.md's stage table (8k -> 128k -> 1M): each stage's command, planned on its GPU, prints (the plan
     command's own table and summary, `format_plan`) the memory and tokens/s the table gives, and fits. In process:
