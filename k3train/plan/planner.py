@@ -533,12 +533,14 @@ def plan_run(
     alone = [sum((costs[s].forward_s + costs[s].backward_s) * m for s in mine) for mine in per_rank]
     busy = [sum(end - start for start, end, _ in timeline.events[r]) for r in range(dims.pp)]
     hidden = [a - b if pairs else 0.0 for a, b in zip(alone, busy)]
+
+    def in_stages(key: str, r: int) -> float:  # a figure of the stages' time, summed over rank r's steps
+        return sum(stages[s][2][key] for s in per_rank[r]) * m
+
     comm = {"dp": _dp_seconds(x)}
-    for key in ("ep_in_stages", "ep_total", "cp_in_stages"):  # part of the stages' time
-        comm[key] = max(
-            sum(stages[s][2][key] for s in mine) * m - hidden[r] * (key == "ep_in_stages")
-            for r, mine in enumerate(per_rank)
-        )
+    comm["ep_in_stages"] = max(in_stages("ep_in_stages", r) - hidden[r] for r in range(dims.pp))
+    for key in ("ep_total", "cp_in_stages"):
+        comm[key] = max(in_stages(key, r) for r in range(dims.pp))
     w = max(range(dims.pp), key=lambda r: busy[r])
     worst = per_rank[w]
     by_class = {k: sum(stages[s][2]["by_class"][k] for s in worst) * m for k in stages[0][2]["by_class"]}
