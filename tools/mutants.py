@@ -792,6 +792,16 @@ def _mb_overlap_timed_per_side(orig):
     return timed_per_side
 
 
+def _mb_overlap_state_outside_baton(orig):
+    import contextlib
+
+    def run_side(exchange, side, body, errors, state=contextlib.nullcontext):
+        with state():  # the caller's state entered and left outside the baton, beside the other side's compute
+            orig(exchange, side, body, errors)
+
+    return run_side
+
+
 def _never_poisoned(orig):
     return lambda: False
 
@@ -2014,6 +2024,13 @@ MUTATIONS: list[Mutation] = [
         "parallel.ep_overlap=microbatch: the baton is handed over before the all-to-all is issued, not at its wait",
         _mb_overlap_hands_before_issue,
         (f"{MB_OVERLAP}::test_trace_shows_each_side_hiding_the_others_all_to_all[keep]",),
+    ),
+    M(
+        "ep_mb_overlap_state_outside_baton",
+        "k3train.parallel.microbatch_overlap:_run_side",
+        "parallel.ep_overlap=microbatch: the forward thread leaves the caller's state after giving the baton away",
+        _mb_overlap_state_outside_baton,
+        (f"{MB_OVERLAP}::test_the_forward_side_takes_and_gives_back_the_callers_state_while_it_holds_the_baton",),
     ),
     M(
         "ep_mb_overlap_busy_twice",

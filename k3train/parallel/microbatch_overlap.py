@@ -137,8 +137,7 @@ class MicrobatchOverlap:
 
         def forward_side():
             exchange.forward_thread = threading.get_ident()
-            with state():
-                _run_side(exchange, "F", lambda: _forward(sched, stages, fwd, ctx), errors)
+            _run_side(exchange, "F", lambda: _forward(sched, stages, fwd, ctx), errors, state)
 
         with comm.observing(exchange), _timed_once([stages[fwd.stage_index], stages[bwd.stage_index]]):
             thread = threading.Thread(target=forward_side, name="k3-overlap-forward")
@@ -195,12 +194,15 @@ def _timed_once(stages: list):
                 c.off = False
 
 
-def _run_side(exchange: _Exchange, side: str, body, errors: list) -> None:
-    """Take the baton, run the side, give the baton away for good (also when the side raised)."""
+def _run_side(exchange: _Exchange, side: str, body, errors: list, state=contextlib.nullcontext) -> None:
+    """Take the baton, run the side inside `state` (the forward thread's copy of the caller's state), give the baton
+    away for good (also when the side raised). `state` is entered and left while the side holds the baton: leaving a
+    fake-tensor mode changes the mode's own stack, which the other side's thread shares."""
     exchange.baton.take(side)
     exchange.note(side, "start")
     try:
-        body()
+        with state():
+            body()
     except Exception as e:  # re-raised on the caller's thread once both sides are done
         errors.append(e)
     finally:

@@ -10,8 +10,10 @@ of the parent process (tools/mutants.py) reaches the ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
+import time
 
 import pytest
 from test_parallel_pieces import _harness, run_forked
@@ -138,6 +140,33 @@ def test_baton_alternates_and_a_finished_side_keeps_it_away():
     # F starts and the sides alternate at each hand-over; once F is done, B's hand-overs return at once (False).
     assert log == ["F0", "B0", "F1", "B1", "F2", "B2", "B3", "B4"]
     assert handed == {"F": [True] * 3, "B": [True] * 3 + [False] * 2}
+
+
+def test_the_forward_side_takes_and_gives_back_the_callers_state_while_it_holds_the_baton():
+    """The forward side's thread enters the caller's state (dispatch modes, counting scopes) after it takes the baton
+    and leaves it before it gives the baton away for good: the other side computes nothing meanwhile (leaving a
+    fake-tensor mode pops the mode's own stack, shared by both threads). A slow exit would otherwise run beside
+    the backward side's compute."""
+    from k3train.parallel.microbatch_overlap import _Exchange, _run_side
+
+    exchange, log, errors = _Exchange(Baton(), {"F": (0, 0), "B": (1, 1)}, None), [], []
+
+    @contextlib.contextmanager
+    def state():
+        log.append("F enters")
+        yield
+        time.sleep(0.05)
+        log.append("F leaves")
+
+    def forward_side():
+        exchange.forward_thread = threading.get_ident()
+        _run_side(exchange, "F", lambda: log.append("F computes"), errors, state)
+
+    t = threading.Thread(target=forward_side)
+    t.start()
+    _run_side(exchange, "B", lambda: log.append("B computes"), errors)
+    t.join()
+    assert errors == [] and log == ["F enters", "F computes", "F leaves", "B computes"]
 
 
 def test_an_overlapped_action_is_one_busy_span(monkeypatch):
