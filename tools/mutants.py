@@ -802,6 +802,13 @@ def _mb_overlap_state_outside_baton(orig):
     return run_side
 
 
+def _release_whatever_is_at_the_address(orig):
+    def release(self, key, entry=None):
+        orig(self, key)  # a tensor's end frees whichever storage now sits at its first storage's address
+
+    return release
+
+
 def _never_poisoned(orig):
     return lambda: False
 
@@ -2662,6 +2669,13 @@ MUTATIONS: list[Mutation] = [
         "the planner keeps a virtual stage's Muon gradients whole after its Pipeline ZeRO-2 owner reduction",
         _stage_grads_keep_muon_full,
         (f"{DRY}::test_stage_reduced_gradients_add_up_to_the_ranks",),
+    ),
+    M(
+        "dryrun_release_by_address",
+        "k3train.dryrun.fake:FakeCPU._release",
+        "a let-go tensor's end frees the storage that took its old storage's address (run-to-run memory figures)",
+        _release_whatever_is_at_the_address,
+        (f"{DRY}::test_a_let_go_tensors_end_leaves_a_later_storage_at_its_old_address_alone",),
     ),
     M(
         "dryrun_planner_drops_loss_workspace",

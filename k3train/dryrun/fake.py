@@ -134,11 +134,13 @@ class FakeCPU(FakeTensorMode):
                 if self.log is not None:
                     self.log.append(ref)
             ref[1] += 1
-            weakref.finalize(t, self._release, key)
+            # bound to this entry: a tensor that took other data (SentOutputs) dies after its old storage, whose
+            # address a later storage may have taken by then
+            weakref.finalize(t, self._release, key, ref)
 
-    def _release(self, key: int) -> None:
+    def _release(self, key: int, entry: list | None = None) -> None:
         ref = self._refs.get(key)
-        if ref is not None:
+        if ref is not None and (entry is None or ref is entry):
             ref[1] -= 1
             if ref[1] == 0:
                 self.live -= ref[0]
