@@ -373,13 +373,15 @@ def test_recipe_activation_plan_fits_and_beats_whole_recompute(recipe, gpu, grou
         (
             "k3_full",
             [
-                ["parallel.vpp=1", "parallel.schedule=1f1b"],
-                ["parallel.vpp=1", "parallel.schedule=interleaved_1f1b"],
-                ["parallel.vpp=2", "parallel.schedule=interleaved_zb"],
-                ["parallel.vpp=2", "parallel.schedule=zbv"],
-                # Not interleaved_1f1b on two stages (1.6% faster) nor parallel.ep_overlap=microbatch (29% faster):
-                # both fit, but neither has passed the recipe's full-size dry run on all its default ranks
-                # (docs/planning.md).
+                [*ov, "parallel.ep_overlap=layer"]
+                for ov in (
+                    [],
+                    ["parallel.vpp=1", "parallel.schedule=1f1b"],
+                    ["parallel.vpp=1", "parallel.schedule=interleaved_1f1b"],
+                    ["parallel.vpp=2", "parallel.schedule=interleaved_1f1b"],
+                    ["parallel.vpp=2", "parallel.schedule=interleaved_zb"],
+                    ["parallel.vpp=2", "parallel.schedule=zbv"],
+                )
             ],
         ),
         (
