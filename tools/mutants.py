@@ -809,6 +809,10 @@ def _release_whatever_is_at_the_address(orig):
     return release
 
 
+def _storages_unpinned(orig):
+    return lambda storage: None  # no entry holds its storage's allocation: a dead one's address goes to a later one
+
+
 def _never_poisoned(orig):
     return lambda: False
 
@@ -2676,6 +2680,14 @@ MUTATIONS: list[Mutation] = [
         "a let-go tensor's end frees the storage that took its old storage's address (run-to-run memory figures)",
         _release_whatever_is_at_the_address,
         (f"{DRY}::test_a_let_go_tensors_end_leaves_a_later_storage_at_its_old_address_alone",),
+    ),
+    M(
+        "dryrun_storages_unpinned",
+        "k3train.dryrun.fake:StorageWeakRef",
+        "an entry does not hold its storage's allocation: a later storage at a cast parameter's old address goes "
+        "uncounted",
+        _storages_unpinned,
+        (f"{DRY}::test_a_storage_that_died_under_a_tensor_with_other_data_keeps_its_address_from_later_storages",),
     ),
     M(
         "dryrun_planner_drops_loss_workspace",

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -111,6 +112,10 @@ class FakeCPU(FakeTensorMode):
         # storage -> [bytes, tensors alive on it, the op that made it, made in a backward, tags (see kind_of),
         # clock when made, clock when freed (None: alive)]
         self._refs: dict[int, list] = {}
+        # storage -> a weak reference to it, held while it has an entry: it keeps the storage's allocation (not its
+        # data), so a storage that died under a tensor that took other data (the engine's dtype cast, SentOutputs)
+        # keeps its address, and no later storage is taken for it (which one would be depended on the allocator)
+        self._pins: dict[int, StorageWeakRef] = {}
         self._op: tuple = ("", None, "")  # (op, first tensor's shape, " " or " -> "): named when a storage is made
         self._clock = 0  # counts every storage made and freed: the order of events
         self.log: list[list] | None = None
@@ -129,6 +134,7 @@ class FakeCPU(FakeTensorMode):
                 self._clock += 1
                 ref = [t.untyped_storage().nbytes(), 0, _op_name(*self._op), backward, set(), self._clock, None]
                 self._refs[key] = ref
+                self._pins[key] = StorageWeakRef(t.untyped_storage())
                 self.live += ref[0]
                 self.peak = max(self.peak, self.live)
                 if self.log is not None:
@@ -147,6 +153,7 @@ class FakeCPU(FakeTensorMode):
                 self._clock += 1
                 ref[6] = self._clock
                 del self._refs[key]
+                del self._pins[key]
 
     def forward_window(self, module=None, fn=None):
         """A stage's forward: what it makes outside any backward and frees before it returns is tagged "transient"
