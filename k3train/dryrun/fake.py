@@ -113,8 +113,8 @@ class FakeCPU(FakeTensorMode):
         # clock when made, clock when freed (None: alive)]
         self._refs: dict[int, list] = {}
         # storage -> a weak reference to it, held while it has an entry: it keeps the storage's allocation (not its
-        # data), so a storage that died under a tensor that took other data (the engine's dtype cast, SentOutputs)
-        # keeps its address and no later storage is counted as it (which one was, depended on the allocator)
+        # data), so a storage that died under a tensor that took other data and was not let go (the engine's dtype
+        # cast) keeps its address and no later storage is counted as it (which one was, depended on the allocator)
         self._pins: dict[int, StorageWeakRef] = {}
         self._op: tuple = ("", None, "")  # (op, first tensor's shape, " " or " -> "): named when a storage is made
         self._clock = 0  # counts every storage made and freed: the order of events
