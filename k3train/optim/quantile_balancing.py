@@ -95,6 +95,10 @@ def _reduce(buf: Tensor, group) -> Tensor:
     return buf
 
 
+BINS = 4096
+"""Quantile Balancing's histogram bins per expert (the default of every router's balancer)."""
+
+
 class _Balancer:
     """Shared plumbing: every balancer packs its per-step counts into one int32 vector for a single all-reduce."""
 
@@ -132,7 +136,7 @@ class _Balancer:
 
 
 class QuantileBalancer(_Balancer):
-    def __init__(self, n_experts: int, top_k: int, bins: int = 4096):
+    def __init__(self, n_experts: int, top_k: int, bins: int = BINS):
         super().__init__(n_experts, top_k)
         if not (isinstance(bins, int) and bins >= 2):
             raise ValueError(f"bins must be an integer >= 2, got {bins!r}")
@@ -232,6 +236,17 @@ class SignBalancer(_Balancer):
 # ---------------------------------------------------------------------------------------------------------------------
 BALANCING = ("quantile", "sign", "none")
 """The names of train.balancing: Quantile Balancing, DeepSeek-V3's sign rule, or no balancing."""
+
+
+def step_bytes(kind: str, n_experts: int, bins: int = BINS) -> int:
+    """Device bytes one router's balancer holds through a training step, from its first forward to its update: the
+    bias copy (fp32) and the selection counts (int32), and under Quantile Balancing the [E, bins] int32 histogram
+    and its bin range (14.7 MB a router at 896 experts)."""
+    if kind not in BALANCING:
+        raise ValueError(f"balancer kind must be one of {BALANCING}, got {kind!r}")
+    if kind == "none":
+        return 0
+    return 8 * n_experts + (4 * n_experts * bins + 8 if kind == "quantile" else 0)
 
 
 def is_router(m: nn.Module) -> bool:

@@ -42,6 +42,7 @@ from k3train.errors import ConfigError
 from k3train.models.k3.counts import flops_per_token, stage_param_counts
 from k3train.models.k3.mixers import layer_mixer
 from k3train.models.costs import Flops
+from k3train.optim.quantile_balancing import step_bytes
 from k3train.models.k3.model import K3Layer, K3Model, sources_after
 from k3train.parallel.float8 import float8_candidate, float8_fits
 from k3train.parallel.mesh import stage_to_rank, stages_of_rank
@@ -459,7 +460,7 @@ def _rank_plan(x: _Inputs, r: int, stages: list, timeline, host_timeline, pairs:
         "master": st.master,
         "optim": st.optim,
         "grads": max(peak["grad_peak"], st.grads),
-        "activations": peak["activations"],
+        "activations": peak["activations"] + balancer_bytes(x, mine),
         "pp_buffers": peak["pp_peak"],
         "ep_buffers": buf["ep"],
         "cp_buffers": buf["cp"],
@@ -467,6 +468,14 @@ def _rank_plan(x: _Inputs, r: int, stages: list, timeline, host_timeline, pairs:
     }
     host = host_timeline.peak_parts[r]["activations"] if host_timeline is not None else 0.0
     return RankPlan(r, mine, [x.stage_layers[s] for s in mine], asdict(st), by_kind, host, runtime_bytes(x.dims))
+
+
+def balancer_bytes(x: _Inputs, stages: list[int]) -> float:
+    """The balancer counts of the routers in `stages`, made in the rank's first forward and held to the step's end
+    (k3train.optim.quantile_balancing.step_bytes): counted with the activations, whose peak they sit under."""
+    a = x.args
+    routers = sum(a.ffn_kind(i) == "moe" for s in stages for i in x.stage_layers[s])
+    return routers * step_bytes(x.spec.config.train.balancing, a.n_experts)
 
 
 def _dp_seconds(x: _Inputs) -> float:
