@@ -813,6 +813,10 @@ def _storages_unpinned(orig):
     return lambda storage: None  # no entry holds its storage's allocation: a dead one's address goes to a later one
 
 
+def _no_balancer_bytes(orig):
+    return lambda x, stages: 0.0  # the routers' balancer counts, held through the step, left out of the plan
+
+
 def _never_poisoned(orig):
     return lambda: False
 
@@ -2688,6 +2692,14 @@ MUTATIONS: list[Mutation] = [
         "uncounted",
         _storages_unpinned,
         (f"{DRY}::test_a_storage_that_died_under_a_tensor_with_other_data_keeps_its_address_from_later_storages",),
+    ),
+    M(
+        "plan_balancer_counts_uncounted",
+        "k3train.plan.planner:balancer_bytes",
+        "the planner leaves out Quantile Balancing's per-step histograms: a stage's measured activations exceed "
+        "the plan",
+        _no_balancer_bytes,
+        (f"{DRY}::test_recomputed_later_stage_holds_its_received_input_once",),
     ),
     M(
         "dryrun_planner_drops_loss_workspace",

@@ -521,17 +521,17 @@ def test_ranks_stepped_in_parallel_processes_give_what_one_process_gives():
         assert a.kind_peaks == b.kind_peaks and a.planned_by_kind == b.planned_by_kind
 
 
-def test_recomputed_later_stage_holds_its_received_input_once():
+@pytest.mark.parametrize("balancing", ["quantile", "none"])
+def test_recomputed_later_stage_holds_its_received_input_once(balancing):
     """Under whole-layer recompute a later stage's first layer keeps the sources it received: the receive buffer
     itself, counted by the planner with the pipeline's boundary tensors and not again among the activations. pp2
-    1F1B on the tiny model: the second stage's activations and boundary tensors against the planner's. Sign
-    balancing: Quantile Balancing's per-step histograms ([E, 4096] int32 per MoE layer, made in the step's first
-    forward; 14.7 MB per layer at K3's 896 experts) are a term the planner does not count, 0.5 of the tiny stage's
-    activations."""
+    1F1B on the tiny model: the second stage's activations and boundary tensors against the planner's. Quantile
+    Balancing's per-step histograms ([E, 4096] int32 per router, made in the step's first forward and held to the
+    optimizer step) are half of this stage's activations: the planner counts them with the activations."""
     from k3train.dryrun.run import dry_run
 
     ov = ["parallel.pp=2", "parallel.microbatches=2", "data.seq_len=64", "activation.policy=recompute"]
-    ov.append("train.balancing=sign")
+    ov.append(f"train.balancing={balancing}")
     (r,) = dry_run(load_spec("tiny_cpu", ov, world_size=2), ranks=[1])
     assert r.kind_peaks["pp_buffers"] == r.planned_by_kind["pp_buffers"]
     assert abs(r.kind_peaks["activations"] / r.planned_by_kind["activations"] - 1) < 0.10, (

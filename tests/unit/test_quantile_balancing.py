@@ -16,6 +16,7 @@ from k3train.optim.quantile_balancing import (
     bias_range,
     quantile_bias,
     quantile_bias_reference,
+    step_bytes,
     update_biases,
 )
 
@@ -261,6 +262,20 @@ def test_sign_balancer_rule():
     # loads [5, 2, 1, 0], mean 2 -> sign(mean - load) = [-1, 0, +1, +1]
     torch.testing.assert_close(new, bias + 0.01 * torch.tensor([-1.0, 0.0, 1.0, 1.0]))
     assert sb.last_loads.tolist() == [5, 2, 1, 0]
+
+
+@pytest.mark.parametrize("kind", ["quantile", "sign"])
+def test_step_bytes_are_what_a_balancer_holds_through_the_step(kind):
+    """The planner's balancer term: the tensors a balancer holds after observing a step's tokens, to the byte."""
+    E, k = 12, 3
+    bal = (QuantileBalancer if kind == "quantile" else SignBalancer)(E, k)
+    bal.observe(torch.rand(40, E), torch.zeros(E))
+    held = [t for t in vars(bal).values() if isinstance(t, torch.Tensor)]
+    assert sum(t.nbytes for t in held) == step_bytes(kind, E) and step_bytes("none", E) == 0
+    if kind == "quantile":
+        assert step_bytes(kind, E) >= 4 * E * 4096
+    with pytest.raises(ValueError, match="balancer kind"):
+        step_bytes("aux_loss", E)
 
 
 def test_balance_stats_and_errors():
