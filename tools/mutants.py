@@ -817,6 +817,10 @@ def _no_balancer_bytes(orig):
     return lambda x, stages: 0.0  # the routers' balancer counts, held through the step, left out of the plan
 
 
+def _workers_outlive_parent(orig):
+    return lambda: None  # no watcher: a stopped dry run's workers step their ranks to the end
+
+
 def _never_poisoned(orig):
     return lambda: False
 
@@ -2700,6 +2704,13 @@ MUTATIONS: list[Mutation] = [
         "the plan",
         _no_balancer_bytes,
         (f"{DRY}::test_recomputed_later_stage_holds_its_received_input_once",),
+    ),
+    M(
+        "dryrun_workers_outlive_parent",
+        "k3train.dryrun.run:exit_with_parent",
+        "the dry run's pool workers do not watch their parent: killed, the dry run leaves them running",
+        _workers_outlive_parent,
+        (f"{DRY}::test_a_worker_ends_with_the_dry_run_that_started_it",),
     ),
     M(
         "dryrun_planner_drops_loss_workspace",

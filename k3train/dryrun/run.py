@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import multiprocessing.connection
 import os
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -357,16 +359,33 @@ def dry_run(
                 out.append(run_rank(dspec, r, loads))
                 bar.update()
             return out
-        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_one_thread) as pool:
+        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_start) as pool:
             futures = [pool.submit(run_rank, dspec, r, loads) for r in ranks]
             for _ in as_completed(futures):
                 bar.update()
             return [f.result() for f in futures]
 
 
-def _one_thread() -> None:
-    """A worker's fake ops compute nothing: one intra-op thread each, so that the jobs share the cores evenly."""
+def _worker_start() -> None:
+    """A worker's fake ops compute nothing: one intra-op thread each, so that the jobs share the cores evenly. It
+    also ends with the dry run that started it: a rank takes minutes to an hour, and a pool's worker otherwise steps
+    the rank it holds to the end after its parent was stopped."""
     torch.set_num_threads(1)
+    exit_with_parent()
+
+
+def exit_with_parent() -> None:
+    """End this process, at once, when the process that started it has gone (a thread waits on the parent's
+    sentinel: the end of a pipe that closes when the parent dies, however it dies)."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def _by_group(results: list[RankResult]) -> dict:

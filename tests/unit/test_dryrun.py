@@ -7,6 +7,8 @@ pp2 x ep2, world 4) whose training state equals the planner's exactly.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -576,3 +578,51 @@ def test_stage_reduced_gradients_add_up_to_the_ranks(schedule):
         parts = [st.stage_grad_bytes(s) for s in stages]
         assert all(0 < kept < full for full, kept in parts), parts
         assert sum(kept for _, kept in parts) == st.rank_bytes(p).grads, (p, parts)
+
+
+def _running(pid: int) -> bool:
+    """pid is a live process (not gone, not a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads process states from /proc")
+def test_a_worker_ends_with_the_dry_run_that_started_it():
+    """dryrun.jobs' workers end with the dry run, however it ends: a pool worker started with the dry run's
+    exit_with_parent, busy with a long task, is gone within seconds of its parent's SIGKILL (before, a stopped dry
+    run left its workers stepping their ranks, up to an hour each)."""
+    import multiprocessing as mp
+    import signal
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+
+    from k3train.dryrun import run
+
+    r, w = os.pipe()
+    parent = os.fork()
+    if parent == 0:  # the dry run's process: a pool of one worker, busy, then killed below
+        try:
+            os.close(r)
+            pool = ProcessPoolExecutor(1, mp_context=mp.get_context("fork"), initializer=run.exit_with_parent)
+            worker = pool.submit(os.getpid).result()
+            pool.submit(time.sleep, 300)
+            os.write(w, str(worker).encode())
+            time.sleep(300)
+        finally:
+            os._exit(0)
+    os.close(w)
+    worker = int(os.read(r, 64) or 0)
+    os.close(r)
+    os.kill(parent, signal.SIGKILL)
+    os.waitpid(parent, 0)
+    assert worker > 0
+    deadline = time.monotonic() + 30
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    still = _running(worker)
+    if still:
+        os.kill(worker, signal.SIGKILL)
+    assert not still, "the worker outlived its parent"
