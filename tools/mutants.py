@@ -2700,10 +2700,9 @@ MUTATIONS: list[Mutation] = [
     M(
         "plan_balancer_counts_uncounted",
         "k3train.plan.planner:balancer_bytes",
-        "the planner leaves out Quantile Balancing's per-step histograms: a stage's measured activations exceed "
-        "the plan",
+        "the planner leaves out the balancers' per-step counts (Quantile Balancing's histograms)",
         _no_balancer_bytes,
-        (f"{DRY}::test_recomputed_later_stage_holds_its_received_input_once",),
+        ("tests/unit/test_plan_runtime.py::test_each_rank_plans_its_routers_balancer_counts",),
     ),
     M(
         "dryrun_workers_outlive_parent",

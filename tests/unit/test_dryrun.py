@@ -619,7 +619,7 @@ def test_a_worker_ends_with_the_dry_run_that_started_it():
     os.kill(parent, signal.SIGKILL)
     os.waitpid(parent, 0)
     assert worker > 0
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 10
     while _running(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
     still = _running(worker)

@@ -180,3 +180,30 @@ def test_fp8_is_priced_on_the_rerun_of_recomputed_layers():
     assert rerun > 0
     got = _stage_cost(base, s)[2]["policy"]["recompute_s"] - _stage_cost(fp8, s)[2]["policy"]["recompute_s"]
     assert got == pytest.approx(rerun * per_flop, rel=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["quantile", "sign"])
+def test_each_rank_plans_its_routers_balancer_counts(kind):
+    """A pipeline rank's activations carry the counts its routers' balancers hold through the step: against the same
+    run with train.balancing=none, the routers the model builds on the rank's stages times one balancer's bytes
+    (k3train.optim.quantile_balancing.step_bytes). tests/unit/test_dryrun.py measures them on fake tensors."""
+    import torch
+
+    from k3train.config.compose import load_spec
+    from k3train.models.k3.model import K3Model
+    from k3train.optim.quantile_balancing import step_bytes
+    from k3train.parallel.mesh import stages_of_rank
+    from k3train.plan.gpus import gpu_spec
+    from k3train.plan.planner import plan_run
+
+    ov = ["parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=4", "data.seq_len=64"]
+    spec, none = (load_spec("tiny_cpu", [*ov, f"train.balancing={b}"], world_size=2) for b in (kind, "none"))
+    with torch.device("meta"):
+        routers = [int(name.split(".")[1]) for name in K3Model(spec.model).routers()]
+    gpu = gpu_spec(spec.config.plan.gpu)
+    plan, base = plan_run(spec, gpu), plan_run(none, gpu)
+    for r in range(spec.layout.pp):
+        layers = {i for s in stages_of_rank(spec.layout, r) for i in spec.stages[s]}
+        held = sum(i in layers for i in routers) * step_bytes(kind, spec.model.n_experts)
+        assert held > 0
+        assert plan.ranks[r].by_kind["activations"] - base.ranks[r].by_kind["activations"] == held
