@@ -121,11 +121,7 @@ def stage_part_on_meta(args: K3ModelArgs, layer_ids: list[int], *, first: bool, 
     """The K3Model holding only `layer_ids` (plus the embedding/vision when first, final mix/norm/head when last), on
     the meta device: nothing is allocated until k3train.parallel.parallelize materialises it."""
     with torch.device("meta"):
-        model = K3Model(args)
-    keep = {str(i) for i in layer_ids}
-    for name in list(model.layers.keys()):
-        if name not in keep:
-            del model.layers[name]
+        model = K3Model(args, layer_ids)
     if not first:
         model.tok_embeddings = None
         model.vision = None

@@ -11,6 +11,7 @@ the embedding takes the stacked sources [S, B, T, D] as input, and a stage witho
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -76,7 +77,9 @@ class K3Layer(nn.Module):
 
 
 class K3Model(nn.Module):
-    def __init__(self, args: K3ModelArgs):
+    def __init__(self, args: K3ModelArgs, layer_ids: Iterable[int] | None = None):
+        """The model; `layer_ids` (1-based) builds only those decoder layers, in model order (a pipeline stage's
+        part: k3train.parallel.pipeline.stage_part_on_meta)."""
         super().__init__()
         args.validate()
         self.args = args
@@ -84,7 +87,8 @@ class K3Model(nn.Module):
         self.vision = None
         if args.vision is not None:
             self.vision = MoonViT(args.vision, args.dim)
-        self.layers = nn.ModuleDict({str(i): K3Layer(args, i) for i in range(1, args.n_layers + 1)})
+        keep = range(1, args.n_layers + 1) if layer_ids is None else set(layer_ids)
+        self.layers = nn.ModuleDict({str(i): K3Layer(args, i) for i in range(1, args.n_layers + 1) if i in keep})
         self.final_res = AttnResMixer(args.dim, args.norm_eps, learned=args.attnres_final_query)
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
