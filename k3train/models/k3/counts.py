@@ -52,9 +52,14 @@ def component_of(args: K3ModelArgs, name: str) -> str:
 
 
 def param_pieces(args: K3ModelArgs) -> dict:
-    """The one parameter count: {piece: {component: parameters}} from module shapes on the meta device."""
+    """The one parameter count: {piece: {component: parameters}} from module shapes on the meta device. Layers of
+    one kind (token mixer x feed-forward) hold the same parameters, so one layer of each kind is built (as
+    k3train.plan.state_memory lists a stage's)."""
+    first = {}  # (mixer, ffn) kind -> the first layer of that kind
+    for i in range(1, args.n_layers + 1):
+        first.setdefault((args.layer_kind(i), args.ffn_kind(i)), i)
     with torch.device("meta"):
-        model = K3Model(args)
+        model = K3Model(args, first.values())
     pieces: dict = {"embed": {}, **{i: {} for i in range(1, args.n_layers + 1)}, "head": {}}
     for name, p in model.named_parameters():
         if name.startswith("layers."):
@@ -63,6 +68,8 @@ def param_pieces(args: K3ModelArgs) -> dict:
             piece = "embed" if name.startswith(("tok_embeddings.", "vision.")) else "head"
         comp = component_of(args, name)
         pieces[piece][comp] = pieces[piece].get(comp, 0) + p.numel()
+    for i in range(1, args.n_layers + 1):
+        pieces[i] = dict(pieces[first[args.layer_kind(i), args.ffn_kind(i)]])
     return pieces
 
 
