@@ -821,6 +821,10 @@ def _workers_outlive_parent(orig):
     return lambda: None  # no watcher: a stopped dry run's workers step their ranks to the end
 
 
+def _store_forgets(orig):
+    return lambda self, rank, loads, microbatches: None  # nothing read back: a stopped dry run starts over
+
+
 def _never_poisoned(orig):
     return lambda: False
 
@@ -2710,6 +2714,13 @@ MUTATIONS: list[Mutation] = [
         "the dry run's pool workers do not watch their parent: killed, the dry run leaves them running",
         _workers_outlive_parent,
         (f"{DRY}::test_a_worker_ends_with_the_dry_run_that_started_it",),
+    ),
+    M(
+        "dryrun_store_forgets",
+        "k3train.dryrun.store:RankStore.load",
+        "a dry run run again after a stop reads back none of the ranks it finished",
+        _store_forgets,
+        (f"{DRY}::test_a_stopped_dry_run_goes_on_from_the_ranks_it_finished",),
     ),
     M(
         "dryrun_planner_drops_loss_workspace",

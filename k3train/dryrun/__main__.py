@@ -19,6 +19,7 @@ from k3train.config.app import DEFAULT_RECIPE, fail, run_app
 
 def _task(dcfg) -> None:
     from k3train.dryrun.run import check_against_plan, check_collectives, dry_run, format_results, format_summary
+    from k3train.dryrun.store import RankStore
     from k3train.dryrun.verdict import write_verdict
     from k3train.plan.planner import plan_world
 
@@ -26,9 +27,11 @@ def _task(dcfg) -> None:
         cfg = from_omegaconf(dcfg)
         recipe = HydraConfig.get().job.config_name or DEFAULT_RECIPE
         spec = resolve_run(cfg, world_size=plan_world(cfg), recipe=recipe, here=False)
-        results = dry_run(spec)
+        store = RankStore(Path("runs") / "dryrun" / f"{recipe}.ranks", spec)  # a stopped run goes on from here
+        results = dry_run(spec, store=store)
         print(format_results(results), flush=True)
         print(format_summary(results), flush=True)
+        store.clear()
         check_collectives(results)
         check_against_plan(results)
         path = write_verdict(spec, Path("runs") / "dryrun" / f"{recipe}.verdict.json")

@@ -35,6 +35,7 @@ from tqdm import tqdm
 from k3train.distributed import host_sync
 from k3train.dryrun.fake import KINDS, Call, FakeCPU, Recorder
 from k3train.dryrun.loads import StandIn
+from k3train.dryrun.store import RankStore
 from k3train.errors import ConfigError
 from k3train.parallel.mesh import rank_coords
 
@@ -338,32 +339,49 @@ def _plan_rank(spec, res: RankResult) -> None:
 
 
 def dry_run(
-    spec, ranks: list[int] | None = None, loads: str | None = None, microbatches: int = 0, jobs: int | None = None
+    spec,
+    ranks: list[int] | None = None,
+    loads: str | None = None,
+    microbatches: int = 0,
+    jobs: int | None = None,
+    store: RankStore | None = None,
 ) -> list:
     """RankResult of each rank (default: dryrun.ranks, else default_ranks) of the run's step, in rank order. With
     more than one job (default: dryrun.jobs, 0 taking the CPU cores) the ranks step in that many spawned processes,
-    each rank in one process as it would alone (its own fake process group)."""
+    each rank in one process as it would alone (its own fake process group). With a `store`, the ranks it holds
+    are read back instead of stepped, and each rank stepped is saved there as it finishes."""
     dspec = dry_spec(spec, microbatches)
     ranks = list(ranks or spec.config.dryrun.ranks or default_ranks(dspec.layout))
     loads = loads or spec.config.dryrun.loads
+    done = {r: store.load(r, loads, microbatches) for r in ranks} if store else {}
+    todo = [r for r in ranks if done.get(r) is None]
+
+    def finished(res: RankResult) -> None:
+        done[res.rank] = res
+        if store:
+            store.save(res, loads, microbatches)
+        bar.update()
+
     jobs = spec.config.dryrun.jobs if jobs is None else jobs
-    jobs = min(len(ranks), jobs or os.cpu_count() or 1)
+    jobs = min(len(todo), jobs or os.cpu_count() or 1)
     # A K3 rank takes minutes: a progress bar over the ranks (on stderr; off where stderr is not a terminal).
     bar = tqdm(
-        total=len(ranks), desc=f"dry run: {len(ranks)} ranks, {jobs} at once", unit="rank", leave=False, disable=None
+        total=len(ranks),
+        initial=len(ranks) - len(todo),
+        desc=f"dry run: {len(ranks)} ranks, {jobs} at once",
+        unit="rank",
+        leave=False,
+        disable=None,
     )
     with bar:
         if jobs <= 1:
-            out = []
-            for r in ranks:
-                out.append(run_rank(dspec, r, loads))
-                bar.update()
-            return out
-        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_start) as pool:
-            futures = [pool.submit(run_rank, dspec, r, loads) for r in ranks]
-            for _ in as_completed(futures):
-                bar.update()
-            return [f.result() for f in futures]
+            for r in todo:
+                finished(run_rank(dspec, r, loads))
+        elif todo:
+            with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_start) as pool:
+                for f in as_completed([pool.submit(run_rank, dspec, r, loads) for r in todo]):
+                    finished(f.result())
+    return [done[r] for r in ranks]
 
 
 def _worker_start() -> None:

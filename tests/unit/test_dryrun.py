@@ -626,3 +626,36 @@ def test_a_worker_ends_with_the_dry_run_that_started_it():
     if still:
         os.kill(worker, signal.SIGKILL)
     assert not still, "the worker outlived its parent"
+
+
+def test_a_stopped_dry_run_goes_on_from_the_ranks_it_finished(tmp_path, monkeypatch):
+    """With a RankStore (what python -m k3train.dryrun keeps under runs/dryrun/<recipe>.ranks) a run stopped after
+    its first rank steps only the second when run again, and gives what an uninterrupted run gives; another config
+    keys another folder."""
+    from k3train.dryrun import run
+    from k3train.dryrun.store import RankStore
+
+    ov = ["parallel.pp=2", "parallel.microbatches=2", "data.seq_len=64"]
+    spec = load_spec("tiny_cpu", ov, world_size=2)
+    store, real, stepped, stop = RankStore(tmp_path, spec), run.run_rank, [], {1}
+
+    def step(spec, rank, loads="balanced"):
+        if rank in stop:
+            raise KeyboardInterrupt  # stopped while stepping the second rank
+        stepped.append(rank)
+        return real(spec, rank, loads)
+
+    monkeypatch.setattr(run, "run_rank", step)
+    with pytest.raises(KeyboardInterrupt):
+        run.dry_run(spec, jobs=1, store=store)
+    assert stepped == [0] and store.load(0, "balanced", 0).rank == 0 and store.load(1, "balanced", 0) is None
+    stop.clear()
+    resumed = run.dry_run(spec, jobs=1, store=store)
+    assert stepped == [0, 1] and [r.rank for r in resumed] == [0, 1]
+    monkeypatch.setattr(run, "run_rank", real)
+    for a, b in zip(resumed, run.dry_run(spec, jobs=1)):
+        assert (a.calls, a.state, a.flops, a.kind_peaks) == (b.calls, b.state, b.flops, b.kind_peaks)
+    other = RankStore(tmp_path, load_spec("tiny_cpu", [*ov, "data.seq_len=32"], world_size=2))
+    assert other.dir != store.dir and other.load(0, "balanced", 0) is None
+    store.clear()
+    assert not tmp_path.exists()
