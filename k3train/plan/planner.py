@@ -42,8 +42,8 @@ from k3train.errors import ConfigError
 from k3train.models.k3.counts import flops_per_token, stage_param_counts
 from k3train.models.k3.mixers import layer_mixer
 from k3train.models.costs import Flops
-from k3train.optim.quantile_balancing import step_bytes
 from k3train.models.k3.model import K3Layer, K3Model, sources_after
+from k3train.optim.quantile_balancing import step_bytes
 from k3train.parallel.float8 import float8_candidate, float8_fits
 from k3train.parallel.mesh import stage_to_rank, stages_of_rank
 from k3train.parallel.pipeline_order import overlapped_pairs
