@@ -356,12 +356,6 @@ def dry_run(
     done = {r: store.load(r, loads, microbatches) for r in ranks} if store else {}
     todo = [r for r in ranks if done.get(r) is None]
 
-    def finished(res: RankResult) -> None:
-        done[res.rank] = res
-        if store:
-            store.save(res, loads, microbatches)
-        bar.update()
-
     jobs = spec.config.dryrun.jobs if jobs is None else jobs
     jobs = min(len(todo), jobs or os.cpu_count() or 1)
     # A K3 rank takes minutes: a progress bar over the ranks (on stderr; off where stderr is not a terminal).
@@ -373,6 +367,13 @@ def dry_run(
         leave=False,
         disable=None,
     )
+
+    def finished(res: RankResult) -> None:
+        done[res.rank] = res
+        if store:
+            store.save(res, loads, microbatches)
+        bar.update()
+
     with bar:
         if jobs <= 1:
             for r in todo:

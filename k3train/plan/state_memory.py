@@ -82,15 +82,15 @@ class StateModel:
         """[(name, full shape, optimizer kind ("frozen" when it does not train), Muon structure)] of one stage part,
         in model order.
 
-        Layers of the same kind (attention x feed-forward) hold the same parameters under their own names, so one
-        layer of each kind is built on the meta device and renamed (K3 has 93 layers of 3 kinds, each MoE layer
+        Layers of one shape (K3ModelArgs.layer_shape) hold the same parameters under their own names, so one layer
+        of each shape is built on the meta device and renamed (K3 has 93 layers of 3 kinds, each MoE layer
         2,688 expert matrices)."""
         if stage in self.cache:
             return self.cache[stage]
         args, cache = self.args, self.cache
         first, last = stage == 0, stage == len(self.stage_layers) - 1
         layers = self.stage_layers[stage]
-        key = ("ends", first, last, args.layer_kind(layers[0]), args.ffn_kind(layers[0]))
+        key = ("ends", first, last, *args.layer_shape(layers[0]))
         if key not in cache:  # embedding/vision and head parameters, with the order they take around the layers
             pre, before, after, seen_layer = f"layers.{layers[0]}.", [], [], False
             for r in self._part([layers[0]], first, last):
@@ -101,7 +101,7 @@ class StateModel:
         before, after = cache[key]
         out = list(before)
         for i in layers:
-            sig = ("layer", args.layer_kind(i), args.ffn_kind(i))
+            sig = ("layer", *args.layer_shape(i))
             if sig not in cache:
                 pre = f"layers.{i}."
                 cache[sig] = [(r[0][len(pre) :],) + r[1:] for r in self._part([i]) if r[0].startswith(pre)]

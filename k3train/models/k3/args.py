@@ -150,6 +150,11 @@ class K3ModelArgs:
         """'dense' or 'moe' for 1-based layer index i."""
         return "dense" if i <= self.n_dense_layers else "moe"
 
+    def layer_shape(self, i: int) -> tuple[str, str]:
+        """(token mixer, feed-forward) kind of 1-based layer i: layers of one shape hold the same parameters under
+        their own names, so counting and planning build one layer of each shape."""
+        return self.layer_kind(i), self.ffn_kind(i)
+
     @property
     def n_blocks(self) -> int:
         return -(-self.n_layers // self.attnres_block_layers)

@@ -52,12 +52,11 @@ def component_of(args: K3ModelArgs, name: str) -> str:
 
 
 def param_pieces(args: K3ModelArgs) -> dict:
-    """The one parameter count: {piece: {component: parameters}} from module shapes on the meta device. Layers of
-    one kind (token mixer x feed-forward) hold the same parameters, so one layer of each kind is built (as
-    k3train.plan.state_memory lists a stage's)."""
-    first = {}  # (mixer, ffn) kind -> the first layer of that kind
+    """The one parameter count: {piece: {component: parameters}} from module shapes on the meta device, one layer
+    of each shape built (K3ModelArgs.layer_shape) and its counts copied to the others."""
+    first = {}  # layer shape -> the first layer of that shape
     for i in range(1, args.n_layers + 1):
-        first.setdefault((args.layer_kind(i), args.ffn_kind(i)), i)
+        first.setdefault(args.layer_shape(i), i)
     with torch.device("meta"):
         model = K3Model(args, first.values())
     pieces: dict = {"embed": {}, **{i: {} for i in range(1, args.n_layers + 1)}, "head": {}}
@@ -69,7 +68,7 @@ def param_pieces(args: K3ModelArgs) -> dict:
         comp = component_of(args, name)
         pieces[piece][comp] = pieces[piece].get(comp, 0) + p.numel()
     for i in range(1, args.n_layers + 1):
-        pieces[i] = dict(pieces[first[args.layer_kind(i), args.ffn_kind(i)]])
+        pieces[i] = dict(pieces[first[args.layer_shape(i)]])
     return pieces
 
 
