@@ -494,7 +494,7 @@ def _overlap_thread_without_modes(orig):
 
 
 def _plan_pairs_sequential(orig):
-    def _paired_backwards(dims, costs, alone):
+    def _paired_backwards(pairs, costs, alone):
         return {}
 
     return _paired_backwards

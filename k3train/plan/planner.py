@@ -46,7 +46,6 @@ from k3train.models.k3.model import K3Layer, K3Model, sources_after
 from k3train.optim.quantile_balancing import step_bytes
 from k3train.parallel.float8 import float8_candidate, float8_fits
 from k3train.parallel.mesh import stage_to_rank, stages_of_rank
-from k3train.parallel.pipeline_order import overlapped_pairs
 from k3train.parallel.zero import ELEMENT_BYTES
 from k3train.plan.activations import (
     KEEP,
@@ -61,7 +60,7 @@ from k3train.plan.comm_bytes import add_reduction_bytes
 from k3train.plan.efficiency import HBM_PASSES, OP_CLASSES, op_seconds, rates_for
 from k3train.plan.gpus import GPU
 from k3train.plan.runtime_memory import communicators, runtime_bytes
-from k3train.plan.schedule_sim import StageCost, simulate
+from k3train.plan.schedule_sim import ScheduleFacts, StageCost, simulate
 from k3train.plan.state_memory import StateModel
 
 GiB = 2**30
@@ -246,6 +245,11 @@ class _Inputs:
         """The training state's model (k3train.plan.state_memory), its stage parameters listed once per plan."""
         s = self.spec
         return StateModel(self.args, self.dims, self.stage_layers, s.config.optim, s.trains_vision, s.precision)
+
+    @cached_property
+    def schedule(self) -> ScheduleFacts:
+        """The layout's schedule (its actions, receives, releases and pairs), read once per plan."""
+        return ScheduleFacts.of(self.dims)
 
     @cached_property
     def stage_layers(self) -> list[list[int]]:  # read by every stage's and rank's figure: converted once
@@ -516,7 +520,7 @@ def plan_run(
     x = _Inputs(spec, gpu, gpus_per_node, gpu.peak_flops(precision), ab, pplan, rates, p.efficiency, float8)
     stages = [_stage_cost(x, s) for s in range(dims.n_stages)]
     costs = {s: c for s, (c, _, _) in enumerate(stages)}
-    timeline = simulate(dims, costs, zero=dims.zero)
+    timeline = simulate(dims, costs, zero=dims.zero, facts=x.schedule)
     host_timeline = None  # offloaded activations live in host memory over the same timeline
     if any(b["host"] for _, b, _ in stages):
         host_costs = {
@@ -533,8 +537,8 @@ def plan_run(
             )
             for s, c in costs.items()
         }
-        host_timeline = simulate(dims, host_costs, zero=dims.zero)
-    pairs = overlapped_pairs(dims) if dims.ep_overlap == "microbatch" else []
+        host_timeline = simulate(dims, host_costs, zero=dims.zero, facts=x.schedule)
+    pairs = x.schedule.pairs
     ranks = [_rank_plan(x, r, stages, timeline, host_timeline, pairs) for r in range(dims.pp)]
     per_rank, m = [stages_of_rank(dims, r) for r in range(dims.pp)], dims.microbatches
     # A rank's busy time is its actions' spans on the timeline: under parallel.ep_overlap=microbatch an overlapped
@@ -599,7 +603,8 @@ def mfu_sensitivity(plan: Plan, change: float = 0.2) -> dict[str, tuple[float, f
                 else:
                     x.rates = base | {name: replace(base[name], value=base[name].value * f)}
                 costs = {s: _stage_cost(x, s)[0] for s in range(plan.dims.n_stages)}
-                step = simulate(plan.dims, costs, zero=plan.dims.zero).makespan_s + dp_s + _muon_seconds(x)
+                timeline = simulate(plan.dims, costs, zero=plan.dims.zero, facts=x.schedule)
+                step = timeline.makespan_s + dp_s + _muon_seconds(x)
                 mfu.append(work / step / peak)
             out[name] = tuple(mfu)
     finally:

@@ -77,8 +77,30 @@ WEIGHT_SHARE = 0.5
 """The share of a micro-batch's saved activations that only the weight gradient (W) reads under a split backward."""
 
 
-def simulate(dims: ParallelDims, costs: dict[int, StageCost], *, zero: int) -> Timeline:
-    orders = schedule_order(dims)
+@dataclass(frozen=True)
+class ScheduleFacts:
+    """What the replay reads of a layout's schedule, whatever the stages cost: each rank's compute actions in
+    order, its receive posts, the sent outputs let go before each action, and the overlapped forward-backward
+    pairs (k3train.parallel.pipeline_order). A plan reprices the same schedule many times: it reads them once."""
+
+    orders: dict
+    posts: dict
+    release: dict
+    pairs: list
+
+    @staticmethod
+    def of(dims: ParallelDims) -> ScheduleFacts:
+        pairs = overlapped_pairs(dims) if dims.ep_overlap == "microbatch" else []
+        return ScheduleFacts(schedule_order(dims), receive_posts(dims), sent_output_release(dims), pairs)
+
+
+def simulate(
+    dims: ParallelDims, costs: dict[int, StageCost], *, zero: int, facts: ScheduleFacts | None = None
+) -> Timeline:
+    """The step's timeline over the layout's schedule with the stages' costs: each rank's actions and its memory
+    peak by kind. `facts`: the layout's ScheduleFacts, where the caller has them already."""
+    facts = facts or ScheduleFacts.of(dims)
+    orders = facts.orders
 
     def alone(a: Act) -> float:
         c = costs[a.stage]
@@ -86,7 +108,7 @@ def simulate(dims: ParallelDims, costs: dict[int, StageCost], *, zero: int) -> T
             return c.backward_s if a.kind == "I" else 0.0
         return {"F": c.forward_s, "B": c.backward_s, "I": c.backward_s / 2, "W": c.backward_s / 2}[a.kind]
 
-    paired = _paired_backwards(dims, costs, alone) if dims.ep_overlap == "microbatch" else {}
+    paired = _paired_backwards(facts.pairs, costs, alone)
 
     def duration(a: Act) -> float:
         return paired.get(a, alone(a))
@@ -99,18 +121,18 @@ def simulate(dims: ParallelDims, costs: dict[int, StageCost], *, zero: int) -> T
 
     events = replay(dims, orders, duration, lambda stage: costs[stage].send_s)
     makespan = max((evs[-1][1] for evs in events.values() if evs), default=0.0)
-    posts, release = receive_posts(dims), sent_output_release(dims)
+    posts, release = facts.posts, facts.release
     parts = {r: _rank_peak(evs, orders[r], posts.get(r, []), release, costs, zero, freed) for r, evs in events.items()}
     return Timeline(makespan_s=makespan, peak_parts=parts, events=events)
 
 
-def _paired_backwards(dims: ParallelDims, costs: dict[int, StageCost], alone) -> dict[Act, float]:
+def _paired_backwards(pairs: list[tuple[Act, Act]], costs: dict[int, StageCost], alone) -> dict[Act, float]:
     """parallel.ep_overlap=microbatch: the two sides of an overlapped forward-backward action take turns at each
     expert all-to-all wait (k3train.parallel.microbatch_overlap), so one side's waits are filled with the other's
     compute. The pair takes max(both computes, each side alone) instead of the two one after the other; the
     replay runs the forward at its own length and the backward for the rest: {backward: its seconds}."""
     out = {}
-    for f, b in overlapped_pairs(dims):
+    for f, b in pairs:
         fs, bs = alone(f), alone(b)
         cf, cb = fs - costs[f.stage].fwd_a2a_s, bs - costs[b.stage].bwd_a2a_s
         out[b] = max(cf + cb, fs, bs) - fs

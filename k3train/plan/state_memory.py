@@ -27,6 +27,7 @@ that hold the same experts (k3train.parallel.mesh).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from k3train.models.k3.args import K3ModelArgs
@@ -59,6 +60,20 @@ def _part_parameters(
         part.vision.requires_grad_(False)
     kinds = param_kinds([part], optim_cfg)
     return [(name, tuple(p.shape), *kinds.get(name, ("frozen", None))) for name, p in part.named_parameters()]
+
+
+def _kept(method):
+    """A StateModel method computed once per arguments and kept in its cache: a plan asks for each stage's and
+    rank's figures many times (once more per repriced op class in k3train.plan.planner.mfu_sensitivity)."""
+
+    @functools.wraps(method)
+    def kept(self, *args):
+        key = (method.__name__, *(tuple(a) if isinstance(a, list) else a for a in args))
+        if key not in self.cache:
+            self.cache[key] = method(self, *args)
+        return self.cache[key]
+
+    return kept
 
 
 @dataclass
@@ -109,6 +124,7 @@ class StateModel:
         cache[stage] = out + list(after)
         return cache[stage]
 
+    @_kept
     def sharding_plan(self, stages: list[int]) -> ShardingPlan:
         """The optimizer's sharding of the parameters of `stages` (one pipeline rank's stages) under the layout:
         the description k3train.parallel.zero.ShardedOptimizer builds its shard groups from."""
@@ -167,6 +183,7 @@ class StateModel:
                 n += sum(ps.numel for ps in plan.params if ps.group == group and ps.kind == "muon" and ours(ps.stage))
         return n
 
+    @_kept
     def reduction_copy_bytes(self, pp_rank: int, stage: int | None = None) -> int:
         """The gradient reduction's largest transient on the rank (k3train.parallel.zero), of `stage`'s reduction
         (default: of any of the rank's stages): a bucket's gradients copied into one buffer beside them before they
@@ -200,6 +217,7 @@ class StateModel:
                     best = max(best, size)
         return best * g_elem
 
+    @_kept
     def stage_grad_bytes(self, stage: int) -> tuple[int, int]:
         """(the stage's full gradient on a rank, what remains of it after its reduction) on dp_cp rank 0, from the
         sharding of the pipeline rank that holds the stage (Muon owners are assigned over all its stages)."""

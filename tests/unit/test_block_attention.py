@@ -289,8 +289,9 @@ def test_flex_visible_pairs_counts_the_blocks_flex_computes():
     for ka, kb in ((0, 96), (96, 300), (200, 300)):  # key chunks, the last two partial
         kp, kd = pos[:, ka:kb], one_doc[:, ka:kb]
         assert flex_visible_pairs(pos, one_doc, kp, kd, block) == _dense_block_area(pos, one_doc, kp, kd, block)
-    got = flex_visible_pairs(pos[:1], one_doc[:1], pos[:1], one_doc[:1])  # at FLEX_BLOCK
-    assert got == round(visited_keys(T) * T)
+    for n in (1, 127, 128, 300, 512):  # shorter than a block, a block, whole and partial last blocks
+        p1, d1 = torch.arange(n)[None], torch.zeros(1, n, dtype=torch.long)
+        assert flex_visible_pairs(p1, d1, p1, d1) == round(visited_keys(n) * n), n  # at FLEX_BLOCK
     docs = (torch.rand(2, T, generator=torch.Generator().manual_seed(0)) < 0.02).long().cumsum(-1)
     p = torch.stack(
         [

@@ -176,9 +176,7 @@ class GatedMLA(nn.Module):
 def visited_keys(seq_len: int) -> float:
     """Keys per query that Gated MLA's fused chunk kernel computes without documents: every key of each
     FLEX_BLOCK-wide key block that is not entirely after the query block (flex_attention's block mask; key chunks
-    are whole blocks, k3train.ops.attention.inner)."""
-    total = 0
-    for qa in range(0, seq_len, FLEX_BLOCK):
-        qb = min(qa + FLEX_BLOCK, seq_len)
-        total += (qb - qa) * min(seq_len, -(-qb // FLEX_BLOCK) * FLEX_BLOCK)
-    return total / seq_len
+    are whole blocks, k3train.ops.attention.inner). Query block i of the n - 1 full ones sees (i + 1) blocks; the
+    last, of the remaining queries, sees all seq_len keys."""
+    B, n = FLEX_BLOCK, -(-seq_len // FLEX_BLOCK)
+    return (B * B * (n - 1) * n // 2 + (seq_len - (n - 1) * B) * seq_len) / seq_len
