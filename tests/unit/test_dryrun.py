@@ -134,7 +134,7 @@ def test_one_rank_of_a_reduced_layout_steps_on_fake_tensors():
 
     ov = ["parallel.pp=2", "parallel.ep=2", "parallel.zero=1", "data.seq_len=64", "optim=muon"]
     spec = load_spec("tiny_cpu", ov + ["parallel.microbatches=2"], world_size=4)
-    (r,) = dry_run(spec, ranks=[2])
+    (r,) = dry_run(spec, ranks=[2], jobs=1)
     assert r.coords["pp"] == 1 and r.coords["ep"] == 0
     for kind, planned in r.planned_state.items():  # the training state: exactly the planner's
         assert r.state[kind] == planned, kind
@@ -162,7 +162,7 @@ def reduced_world():
 
     ov = ["parallel.pp=2", "parallel.ep=2", "parallel.zero=1", "data.seq_len=64", "optim=muon", "optim.qk_clip=10"]
     spec = load_spec("tiny_cpu", ov + ["parallel.microbatches=2"], world_size=4)
-    return spec, dry_run(spec)
+    return spec, dry_run(spec, jobs=1)
 
 
 @pytest.mark.slow
@@ -195,8 +195,8 @@ def test_microbatch_overlap_steps_on_fake_tensors_as_the_layer_overlap_does():
 
     ov = ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=dualpipev", "parallel.ep=2", "parallel.dp=2"]
     ov += ["parallel.microbatches=4", "data.seq_len=64"]
-    layer = dry_run(load_spec("tiny_cpu", ov, world_size=4))
-    lap = dry_run(load_spec("tiny_cpu", [*ov, "parallel.ep_overlap=microbatch"], world_size=4))
+    layer = dry_run(load_spec("tiny_cpu", ov, world_size=4), jobs=1)
+    lap = dry_run(load_spec("tiny_cpu", [*ov, "parallel.ep_overlap=microbatch"], world_size=4), jobs=1)
     assert collective_mismatches(lap) == []
     for a, b in zip(layer, lap, strict=True):
         assert a.rank == b.rank and a.flops == b.flops > 0 and a.state == b.state
@@ -215,7 +215,7 @@ def test_twice_the_microbatches_repeat_the_per_microbatch_collectives(reduced_wo
     from k3train.dryrun.run import dry_run
 
     spec, results = reduced_world
-    (r2,) = dry_run(spec, ranks=[0], microbatches=4)
+    (r2,) = dry_run(spec, ranks=[0], microbatches=4, jobs=1)
     r1 = results[0]
     assert r2.state == r1.state
     assert abs(r2.flops / r1.flops - 2) < 1e-9
@@ -266,7 +266,7 @@ def test_context_parallel_ranks_step_and_agree():
     from k3train.dryrun.run import dry_run
 
     spec = load_spec("tiny_cpu", ["parallel.cp=2", "parallel.dp=1", "data.seq_len=128", "optim=muon"], world_size=2)
-    results = dry_run(spec)
+    results = dry_run(spec, jobs=1)
     assert [r.rank for r in results] == [0, 1] and collective_mismatches(results) == []
     for r in results:
         assert {k: r.state[k] for k in r.planned_state} == r.planned_state
@@ -281,7 +281,7 @@ def test_solo_muon_gradients_are_the_planners(monkeypatch):
 
     monkeypatch.setattr(muon, "SOLO_SHARE", 0.0)
     ov = ["parallel.dp=2", "parallel.zero=2", "data.seq_len=64", "optim=muon"]
-    results = dry_run(load_spec("tiny_cpu", ov, world_size=2))
+    results = dry_run(load_spec("tiny_cpu", ov, world_size=2), jobs=1)
     assert [r.rank for r in results] == [0, 1] and collective_mismatches(results) == []
     for r in results:
         assert {k: r.state[k] for k in r.planned_state} == r.planned_state, r.rank
@@ -304,7 +304,7 @@ def test_chunked_muon_gradients_are_the_planners(monkeypatch):
     assert len(whole) == 1 and {w is None for _, w, _ in chunks} == {True, False}, chunks
     biggest = max(n if w is None else 2 * w for n, w, _ in chunks)
     assert biggest < 2 * whole[0][1] / 4, (biggest, whole)
-    results = dry_run(spec)
+    results = dry_run(spec, jobs=1)
     assert [r.rank for r in results] == [0, 1] and collective_mismatches(results) == []
     for r in results:
         assert {k: r.state[k] for k in r.planned_state} == r.planned_state, r.rank
@@ -479,7 +479,7 @@ def test_pipeline_ranks_peak_by_kind_equals_the_planner():
 
     for m in (2, 4, 6):
         spec = load_spec("tiny_cpu", ["parallel.pp=2", "parallel.microbatches=2", "data.seq_len=64"], world_size=2)
-        results = dry_run(spec, microbatches=m)
+        results = dry_run(spec, microbatches=m, jobs=1)
         c, a = spec.config.data, spec.model
         for r in results:
             layers = spec.stages[r.coords["pp"]]
@@ -534,7 +534,7 @@ def test_recomputed_later_stage_holds_its_received_input_once(balancing):
 
     ov = ["parallel.pp=2", "parallel.microbatches=2", "data.seq_len=64", "activation.policy=recompute"]
     ov.append(f"train.balancing={balancing}")
-    (r,) = dry_run(load_spec("tiny_cpu", ov, world_size=2), ranks=[1])
+    (r,) = dry_run(load_spec("tiny_cpu", ov, world_size=2), ranks=[1], jobs=1)
     assert r.kind_peaks["pp_buffers"] == r.planned_by_kind["pp_buffers"]
     assert abs(r.kind_peaks["activations"] / r.planned_by_kind["activations"] - 1) < 0.10, (
         r.kind_peaks["activations"],
@@ -553,7 +553,7 @@ def test_virtual_stage_gradients_peak_as_the_planner_says(schedule):
 
     ov = ["parallel.pp=2", "parallel.vpp=2", f"parallel.schedule={schedule}", "parallel.dp=2", "parallel.zero=2"]
     ov += ["optim=muon", "parallel.microbatches=4", "data.seq_len=64"]
-    results = dry_run(load_spec("tiny_cpu", ov, world_size=4))
+    results = dry_run(load_spec("tiny_cpu", ov, world_size=4), jobs=1)
     assert collective_mismatches(results) == []
     for r in results:
         assert {k: r.state[k] for k in r.planned_state} == r.planned_state, r.rank
