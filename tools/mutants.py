@@ -2917,6 +2917,14 @@ def _preload() -> None:
         "omegaconf",
         "triton",
         "torchtitan.components.optimizer.lr_scheduler",
+        # what the project's modules import at their top (each run would import them again otherwise)
+        "torch.utils.flop_counter",
+        "torch.utils.checkpoint",
+        "torch._subclasses.fake_tensor",
+        "torch.nn.attention.flex_attention",
+        "torchao.prototype.qat",
+        "tqdm",
+        "safetensors.torch",
     ):
         try:
             importlib.import_module(name)
