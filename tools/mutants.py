@@ -825,6 +825,28 @@ def _store_forgets(orig):
     return lambda self, rank, loads, microbatches: None  # nothing read back: a stopped dry run starts over
 
 
+def _reductions_by_members(orig):
+    def tagger(fake, engine, rank):
+        inner, dims = orig(fake, engine, rank), engine.dims
+
+        def on_call(call, args):  # any reduction over dp x cp's number of ranks read as gradients
+            if call.peer is None and call.op.lstrip("_").startswith(("allreduce", "reduce_scatter")):
+                if len(call.ranks) == dims.dp_cp:
+                    return fake.tag(args, "grads")
+            return inner(call, args)
+
+        return on_call
+
+    return tagger
+
+
+def _muon_reduces_on_its_own_group(orig):
+    def reduce_scatter_owned(self, params, grad_of, dim="dp_cp", release=None, cap=None, group=None):
+        return orig(self, params, grad_of, dim, release, cap)  # the plan's dp x cp group, beside backward's
+
+    return reduce_scatter_owned
+
+
 def _never_poisoned(orig):
     return lambda: False
 
@@ -2714,6 +2736,20 @@ MUTATIONS: list[Mutation] = [
         "the dry run's pool workers do not watch their parent: killed, the dry run leaves them running",
         _workers_outlive_parent,
         (f"{DRY}::test_a_worker_ends_with_the_dry_run_that_started_it",),
+    ),
+    M(
+        "dryrun_reductions_tagged_by_members",
+        "k3train.dryrun.run:_buffer_tagger",
+        "the dry run reads any reduction over the dp x cp group's ranks as gradients (under dp = 1 the CP group's too)",
+        _reductions_by_members,
+        (f"{DRY}::test_reductions_are_told_from_context_parallel_collectives_by_group_not_members",),
+    ),
+    M(
+        "muon_owner_reduction_off_reduce_group",
+        "k3train.optim.muon:PerHeadMuon.reduce_scatter_owned",
+        "Pipeline ZeRO-2's Muon owner reduction runs on the dp x cp group, not the gradient-reduction group",
+        _muon_reduces_on_its_own_group,
+        (f"{DRY}::test_muon_owner_reduction_runs_on_the_gradient_reduction_group",),
     ),
     M(
         "dryrun_store_forgets",

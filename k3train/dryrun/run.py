@@ -267,28 +267,22 @@ def _tag_grads_as_made(fake: FakeCPU, engine) -> None:
 
 def _buffer_tagger(fake: FakeCPU, engine, rank: int):
     """on_call for the Recorder: the tensors of a point-to-point op are pipeline boundaries ("pp"); those of a
-    collective on a gradient-reduction group, or of an all-reduce or reduce-scatter over the dense or expert
-    replicas, gradients ("grads": a bucket's flat copy, a reduce-scatter's buffer);
-    of the expert all-to-all EP buffers ("ep"); of another collective over the CP group's ranks CP buffers ("cp").
-    The reduction groups are told apart by name (the dp x cp group may hold the EP or CP group's ranks)."""
+    collective on a gradient-reduction group gradients ("grads": a bucket's flat copy, a reduce-scatter's buffer,
+    Muon's owner chunks); of the expert all-to-all EP buffers ("ep"); of another collective over the CP group's
+    ranks CP buffers ("cp"). The reduction groups are told apart by name, not by members: the dp x cp group holds
+    the CP group's ranks when dp = 1, and the EP group's when ep = dp x cp."""
     dims, mesh = engine.dims, engine.mesh
     reduce = {g.group_name for g in mesh.reduce_groups.values() if g is not None} if mesh is not None else set()
     c = rank_coords(dims, rank)
     base = rank - c["dp_cp"]  # the first rank of this pipeline rank's dp x cp block
     cp = frozenset(range(rank - c["cp"], rank - c["cp"] + dims.cp))
     ep = frozenset(base + c["edp"] * dims.ep + e for e in range(dims.ep))
-    replicas = {
-        frozenset(range(base, base + dims.dp_cp)),
-        frozenset(base + q * dims.ep + c["ep"] for q in range(dims.edp)),
-    }
 
     def on_call(call: Call, args) -> None:
         members = frozenset(call.ranks)
-        # c10d names the tensor forms with a leading underscore (_reduce_scatter_base_: Muon's owner reduction)
-        reduction = call.op.lstrip("_").startswith(("allreduce", "reduce_scatter")) and members in replicas
         if call.peer is not None or call.op in ("send", "recv_"):
             fake.tag(args, "pp")
-        elif call.group in reduce or reduction:  # Muon's owner reduce-scatter runs on the dp x cp group itself
+        elif call.group in reduce:
             fake.tag(args, "grads")
         elif dims.ep > 1 and members == ep and call.op == "alltoall_base_":
             fake.tag(args, "ep")

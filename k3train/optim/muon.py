@@ -587,15 +587,23 @@ class PerHeadMuon(Optimizer):
 
     @torch.no_grad()
     def reduce_scatter_owned(
-        self, params: Sequence[Tensor], grad_of, dim: str = "dp_cp", release=None, cap: int | None = None
+        self,
+        params: Sequence[Tensor],
+        grad_of,
+        dim: str = "dp_cp",
+        release=None,
+        cap: int | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         """Sum the gradients of `params` (grad_of(p): this rank's full fp32 gradient, or None for zeros) over the
         process group so that each rank keeps only the matrices it owns, chunk by chunk (`owner_chunks`, buckets of
         `cap` elements): each chunk is reduce-scattered with shard boundaries at the owners' matrices, or all-reduced
         flat when that would mostly move padding, and release(p) is called once p's gradient is packed (the caller
         frees it). A solo parameter (one owner, more than SOLO_SHARE x the mean elements per rank) is all-reduced by
-        itself. Fills owned_grads."""
+        itself. Fills owned_grads. `group`: a process group over the plan's ranks in the same order that carries only
+        the gradient reductions (ShardGroup.reduce_group); default: the plan's own group."""
         plan = self.plan_of(params[0])
+        pg = plan["pg"] if group is None else group
         world, rank = plan["world"], plan["rank"]
         every = [self.entry_of(p) for p in params]
         entries = [e for e in every if e.get("solo") is None]
@@ -608,14 +616,14 @@ class PerHeadMuon(Optimizer):
         for idx, width in owner_chunks(numels, sizes, cap):
             chunk = [entries[i] for i in idx]
             if width is None:
-                self._all_reduce_owned(chunk, grad_of, dim, release, dtype, device)
+                self._all_reduce_owned(chunk, grad_of, dim, release, dtype, device, pg)
             else:
-                self._reduce_scatter_chunk(chunk, grad_of, dim, release, width, dtype, device)
+                self._reduce_scatter_chunk(chunk, grad_of, dim, release, width, dtype, device, pg)
         for e in [e for e in every if e.get("solo") is not None]:  # in plan order on every rank
             p = e["param"]
             g = grad_of(p)
             g = torch.zeros(p.shape, dtype=dtype, device=device) if g is None else g.to(dtype)
-            comm.all_reduce(g, plan["pg"], dim, what="muon_grads")
+            comm.all_reduce(g, pg, dim, what="muon_grads")
             self._keep_owned(e, g, rank)
             release(p)
 
@@ -625,7 +633,7 @@ class PerHeadMuon(Optimizer):
         flat = [m.reshape(-1) for m in owned if m.numel()]
         self.owned_grads[id(e["param"])] = torch.cat(flat) if flat else g.new_zeros(0)
 
-    def _reduce_scatter_chunk(self, chunk, grad_of, dim, release, width, dtype, device) -> None:
+    def _reduce_scatter_chunk(self, chunk, grad_of, dim, release, width, dtype, device, pg) -> None:
         """One chunk reduce-scattered: rank q's segment holds its owned matrices of the chunk, packed."""
         plan = self.plan_of(chunk[0]["param"])
         world, rank = plan["world"], plan["rank"]
@@ -643,13 +651,13 @@ class PerHeadMuon(Optimizer):
                     off[q] += n
             release(p)
         out = torch.empty(width, dtype=dtype, device=device)
-        comm.reduce_scatter(out, buf.view(-1), plan["pg"], dim, what="muon_grads")
+        comm.reduce_scatter(out, buf.view(-1), pg, dim, what="muon_grads")
         del buf
         for e, start in zip(chunk, starts):
             n = sum(pc["by_rank"][rank][2] for pc in e["pieces"])
             self.owned_grads[id(e["param"])] = out[start : start + n]
 
-    def _all_reduce_owned(self, chunk, grad_of, dim, release, dtype, device) -> None:
+    def _all_reduce_owned(self, chunk, grad_of, dim, release, dtype, device, pg) -> None:
         """One chunk all-reduced as a flat buffer; each rank copies out the matrices it owns."""
         plan = self.plan_of(chunk[0]["param"])
         flat = torch.zeros(sum(e["param"].numel() for e in chunk), dtype=dtype, device=device)
@@ -660,7 +668,7 @@ class PerHeadMuon(Optimizer):
                 flat[k : k + p.numel()] = g.reshape(-1)
             k += p.numel()
             release(p)
-        comm.all_reduce(flat, plan["pg"], dim, what="muon_grads")
+        comm.all_reduce(flat, pg, dim, what="muon_grads")
         k = 0
         for e in chunk:
             p = e["param"]

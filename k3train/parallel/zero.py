@@ -612,6 +612,7 @@ class ShardedOptimizer:
             dim=g.dim,
             release=lambda p: g.set_full_grad(self._by_param[id(p)], None),
             cap=g.bucket_numel,
+            group=g.reduce_group,
         )
 
     def _tensor_for(self, name: str) -> torch.Tensor:

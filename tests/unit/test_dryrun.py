@@ -310,6 +310,38 @@ def test_chunked_muon_gradients_are_the_planners(monkeypatch):
         assert {k: r.state[k] for k in r.planned_state} == r.planned_state, r.rank
 
 
+def test_muon_owner_reduction_runs_on_the_gradient_reduction_group():
+    """Pipeline ZeRO-2 with Muon in one chunk: its [ranks, width] owner-reduction buffer goes to a collective on
+    the gradient-reduction group (ShardGroup.reduce_group, the group the dry run reads as gradients), so it is
+    counted with the gradients at their peak, as the planner counts it (StateModel.reduction_copy_bytes)."""
+    from k3train.dryrun.run import dry_run
+
+    spec = load_spec("tiny_cpu", ["parallel.dp=2", "parallel.zero=2", "data.seq_len=64", "optim=muon"], world_size=2)
+    ((_, width, _),) = _muon_chunks(spec)
+    for r in dry_run(spec, jobs=1):
+        made = {what.split(": ", 1)[1]: (n, count) for what, n, count in r.kind_ops["grads"]}
+        assert made.get(f"zeros -> 2x{width}") == (2 * width * 4, 1), (r.rank, made)
+
+
+def test_reductions_are_told_from_context_parallel_collectives_by_group_not_members():
+    """dp = 1: the dp x cp group and the CP group hold the same ranks. A reduce-scatter on the gradient-reduction
+    group is gradients; one on the CP group (the backward of a CP all-gather: KDA's summary maps, 3 GiB a layer at
+    1M tokens) is a CP buffer (it had been counted as gradients: k3_long_context's middle pipeline ranks read
+    grads 1.15 to 1.18 of the plan)."""
+    from types import SimpleNamespace
+
+    from k3train.dryrun.run import _buffer_tagger
+
+    dims = ParallelDims(pp=2, dp=1, cp=2, zero=2, microbatches=2)
+    tags = []
+    fake = SimpleNamespace(tag=lambda args, kind: tags.append(kind))
+    engine = SimpleNamespace(dims=dims, mesh=SimpleNamespace(reduce_groups={"dp_cp": SimpleNamespace(group_name="9")}))
+    on_call = _buffer_tagger(fake, engine, rank=2)
+    for group in ("9", "5"):
+        on_call(Call(op="_reduce_scatter_base_", group=group, ranks=(2, 3), nbytes=64, dtype="float32"), [])
+    assert tags == ["grads", "cp"]
+
+
 def _muon_chunks(spec) -> list:
     """The dense group's owner-reduction chunks of the (only) stage, per the planner."""
     from k3train.plan.state_memory import StateModel
