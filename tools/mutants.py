@@ -372,8 +372,8 @@ def _fla_drops_initial_state(orig):
 
 
 def _fold_reversed(orig):
-    def fold_summaries(M, B, dim):
-        return orig(M.flip(dim), B.flip(dim), dim)
+    def fold_summaries(M, B, dim, counts=None):
+        return orig(M.flip(dim), B.flip(dim), dim, None if counts is None else list(reversed(counts)))
 
     return fold_summaries
 
@@ -456,8 +456,8 @@ def _grads_accumulated_in_bf16(orig):
 
 
 def _muon_owner_grads_averaged(orig):
-    def reduce_scatter_owned(self, params, grad_of, dim="dp_cp", release=None, cap=None):
-        orig(self, params, grad_of, dim, release, cap)
+    def reduce_scatter_owned(self, params, grad_of, dim="dp_cp", release=None, cap=None, group=None):
+        orig(self, params, grad_of, dim, release, cap, group)
         n = self.plan_of(params[0])["world"]
         for p in params:
             self.owned_grads[id(p)].div_(n)
@@ -501,8 +501,8 @@ def _plan_pairs_sequential(orig):
 
 
 def _muon_full_grads_kept(orig):
-    def reduce_scatter_owned(self, params, grad_of, dim="dp_cp", release=None, cap=None):
-        orig(self, params, grad_of, dim, None, cap)
+    def reduce_scatter_owned(self, params, grad_of, dim="dp_cp", release=None, cap=None, group=None):
+        orig(self, params, grad_of, dim, None, cap, group)
 
     return reduce_scatter_owned
 
@@ -756,8 +756,8 @@ def _split_backward_unfused(orig):
 def _sim_ignores_fused(orig):
     from dataclasses import replace
 
-    def simulate(dims, costs, *, zero):
-        return orig(dims, {s: replace(c, fused_backward=False) for s, c in costs.items()}, zero=zero)
+    def simulate(dims, costs, *, zero, facts=None):
+        return orig(dims, {s: replace(c, fused_backward=False) for s, c in costs.items()}, zero=zero, facts=facts)
 
     return simulate
 
@@ -942,7 +942,7 @@ def _plan_tower_frozen(orig):
 
 
 def _resume_check_names_only(orig):
-    def check_model_entries(model, meta, folder, what, *, show=3):
+    def check_model_entries(model, meta, folder, what, *, show=3, job_names=None):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         prefix = "engine.model."
@@ -950,7 +950,7 @@ def _resume_check_names_only(orig):
         for k, v in meta.items():
             if k.startswith(prefix) and isinstance(v, TensorStorageMetadata) and k[len(prefix) :] in same:
                 same[k[len(prefix) :]] = _torch().empty(tuple(v.size), device="meta")  # shapes taken as they are
-        return orig(same, meta, folder, what, show=show)
+        return orig(same, meta, folder, what, show=show, job_names=job_names)
 
     return check_model_entries
 
@@ -2205,7 +2205,9 @@ MUTATIONS: list[Mutation] = [
         "k3train.plan.planner:_rank_plan",
         "the planner counts one micro-batch's expert all-to-all buffers under parallel.ep_overlap=microbatch, where "
         "an overlapped action's two sides hold theirs at once",
-        lambda orig: lambda x, r, stages, timeline, host, pairs: orig(x, r, stages, timeline, host, []),
+        lambda orig: (
+            lambda x, r, stages, timeline, host_timeline, pairs: orig(x, r, stages, timeline, host_timeline, [])
+        ),
         (f"{PLAN}::test_microbatch_overlap_holds_both_sides_expert_buffers_where_both_have_moe_layers",),
     ),
     M(
@@ -2852,6 +2854,34 @@ def _counted(fn: Callable) -> Callable:
     return hit
 
 
+def _unaccepted(original, replacement) -> list[str]:
+    """The parameters of a function `original` that `replacement` cannot take: not by its name, not by its position,
+    not through *args or **kwargs."""
+    if not isinstance(original, types.FunctionType) or not callable(replacement) or isinstance(replacement, type):
+        return []
+    import inspect
+
+    try:
+        theirs = inspect.signature(replacement).parameters
+    except (TypeError, ValueError):
+        return []
+    kinds = {p.kind for p in theirs.values()}
+    positional = [p for p in theirs.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    out = []
+    for i, (name, p) in enumerate(inspect.signature(original).parameters.items()):
+        if p.kind is p.VAR_POSITIONAL:
+            ok = p.VAR_POSITIONAL in kinds
+        elif p.kind is p.VAR_KEYWORD:
+            ok = p.VAR_KEYWORD in kinds
+        elif p.kind is p.KEYWORD_ONLY:
+            ok = name in theirs or p.VAR_KEYWORD in kinds
+        else:
+            ok = name in theirs or p.VAR_KEYWORD in kinds or p.VAR_POSITIONAL in kinds or i < len(positional)
+        if not ok:
+            out.append(name)
+    return out
+
+
 def apply(mutation: Mutation) -> None:
     module_name, _, path = mutation.target.partition(":")
     try:
@@ -2868,6 +2898,9 @@ def apply(mutation: Mutation) -> None:
         raise MutantError(f"{mutation.name}: {mutation.target} does not exist")
     original = vars(owner)[attr]
     replacement = mutation.patch(original)
+    missing = _unaccepted(original, replacement)
+    if missing:  # a call the original takes would raise TypeError in the replacement: a kill that proves nothing
+        raise MutantError(f"{mutation.name}: the replacement does not take {', '.join(missing)} of {mutation.target}")
     is_code = isinstance(original, (types.FunctionType, type))
     if callable(replacement) and not isinstance(replacement, type):
         replacement = _counted(replacement)

@@ -39,3 +39,39 @@ def test_every_mutation_is_killed():
         lines[-summary["total"] - 6 :]
     )
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _load_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("k3_mutants_tool", REPO / "tools" / "mutants.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_replacement_that_cannot_take_the_originals_arguments_is_refused():
+    """A replacement that drops a parameter of the function it replaces fails every call that passes it with a
+    TypeError, which would read as a kill: such a mutation is refused (four had been, after keywords were added
+    to the functions they replace). Every registered mutation takes its original's arguments."""
+    import importlib
+
+    tool = _load_tool()
+
+    def original(params, grad_of, dim="dp_cp", *, cap=None, group=None):
+        return None
+
+    assert tool._unaccepted(original, lambda params, grad_of, dim="dp_cp", *, cap=None: None) == ["group"]
+    assert tool._unaccepted(original, lambda *a, **k: None) == []
+    assert tool._unaccepted(original, lambda p, g, d="x", *, cap=None, group=None: None) == []  # by position
+    bad = tool.Mutation("bad", "k3train.optim.muon:PerHeadMuon.reduce_scatter_owned", "", lambda o: lambda s, p: 0, ())
+    with pytest.raises(tool.MutantError, match="does not take grad_of, dim, release, cap, group"):
+        tool.apply(bad)
+    for m in tool.MUTATIONS:
+        module, _, path = m.target.partition(":")
+        owner = importlib.import_module(module)
+        for part in path.split(".")[:-1]:
+            owner = getattr(owner, part)
+        original = vars(owner)[path.split(".")[-1]]
+        assert tool._unaccepted(original, m.patch(original)) == [], m.name
