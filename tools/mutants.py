@@ -57,6 +57,7 @@ import signal
 import sys
 import tempfile
 import time
+import inspect
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -2859,8 +2860,6 @@ def _unaccepted(original, replacement) -> list[str]:
     not through *args or **kwargs."""
     if not isinstance(original, types.FunctionType) or not callable(replacement) or isinstance(replacement, type):
         return []
-    import inspect
-
     try:
         theirs = inspect.signature(replacement).parameters
     except (TypeError, ValueError):
@@ -2882,7 +2881,8 @@ def _unaccepted(original, replacement) -> list[str]:
     return out
 
 
-def apply(mutation: Mutation) -> None:
+def resolve(mutation: Mutation) -> tuple[Any, str, Any]:
+    """(the object that holds the target, the attribute's name, the original) of a mutation's target."""
     module_name, _, path = mutation.target.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -2896,7 +2896,12 @@ def apply(mutation: Mutation) -> None:
     attr = parts[-1]
     if attr not in vars(owner):  # the object's own attribute, not an inherited one
         raise MutantError(f"{mutation.name}: {mutation.target} does not exist")
-    original = vars(owner)[attr]
+    return owner, attr, vars(owner)[attr]
+
+
+def apply(mutation: Mutation) -> None:
+    owner, attr, original = resolve(mutation)
+    module = sys.modules[mutation.target.partition(":")[0]]
     replacement = mutation.patch(original)
     missing = _unaccepted(original, replacement)
     if missing:  # a call the original takes would raise TypeError in the replacement: a kill that proves nothing
