@@ -69,6 +69,30 @@ def test_mla_saved_bytes_exact(overrides, bf16):
         assert meter.bytes == GatedMLA.costs(args, T).saved.bytes(2 if bf16 else 4) * 2 * T
 
 
+@pytest.mark.parametrize(
+    "overrides", [{}, {"kda_head_dim": 128, "kda_chunk": 64}, {"kda_heads": 3, "kda_decay_rank": 24, "dim": 96}]
+)
+@pytest.mark.parametrize("bf16", [False, True])
+def test_kda_saved_bytes_exact(overrides, bf16):
+    """KDA's declared saved bytes are exact: the chunked recurrence keeps its inputs, each chunk's map, entering
+    state and Q Gamma - Aqk W, and recomputes the intra-chunk terms in backward (they would keep [C, C] scores and
+    the solve's factors). Beyond the per-token figure a call keeps one fp32 scalar per head and row."""
+    import torch
+
+    from k3train.models.k3.args import get_preset
+    from k3train.models.k3.kda import KDA
+    from k3train.plan.meter import SavedBytesMeter
+
+    args = get_preset("tiny", **overrides)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    m = KDA(args).to(dtype)
+    for T in (3 * args.kda_chunk, 5 * args.kda_chunk):  # from 3 chunks on, each chunk's map is kept whole
+        x = torch.randn(1, T, args.dim, dtype=dtype, requires_grad=True)
+        with SavedBytesMeter([m]) as meter, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            m(x)
+        assert meter.bytes == KDA.costs(args, T).saved.bytes(2 if bf16 else 4) * T + 4 * args.kda_heads, T
+
+
 def _plan(*overrides, recipe="small_8gpu", cwd=None):
     return subprocess.run(
         [sys.executable, "-m", "k3train.plan", "--config-name", recipe, *overrides],

@@ -103,23 +103,27 @@ class KDA(nn.Module):
 
     @staticmethod
     def costs(args: K3ModelArgs, seq_len: int) -> Costs:
-        """Per token (k3train.models.costs). Saved, H heads of width K, chunk C, decay rank r, in fp32 training:
-        D + r + H (3 K^2 / C + 39.5625 K + 3 K C / 32 + 4 C + 14) elements (the projections, short-convolution and
-        L2-norm chains, the gate, and the chunked recurrence's per-chunk maps and states). FLOPs: the projections'
-        matmuls, and the chunked form per head, 6 K^3 / C + 18 K^2 + 22 K C + 96 K (intra-chunk tiles, the WY
-        factors, the state recurrence and the short convolutions), minus 6 K^3 per row (the first chunk starts from
-        a zero state)."""
+        """Per token (k3train.models.costs), H heads of width K, chunk C, decay rank r, model width D.
+
+        Saved, in fp32 training: D + r + 9 + H (27 K + 3) elements of the projection, short-convolution, L2-norm,
+        gate and output-norm chains, and H (2 K^2 / C + 2 K + 1) in the fp32 island of the chunked recurrence: the
+        log-decay and beta it reads, and per chunk the map M [K, K], the state entering it [K, V] and Q Gamma - Aqk W
+        [C, K]. The intra-chunk terms (tile scores, the triangular solve) are recomputed in backward from the saved
+        inputs (k3train.ops.kda.chunk.KDAChunks), not kept. In bf16 training 2 (D + r) + 18 + H (8 K^2 / C + 88 K +
+        16) bytes (autocast's bf16 copies beside the fp32 island).
+
+        FLOPs per head: one forward of the chunked form, 2 K^3 / C + 6 K^2 + 6 K C + 32 K (intra-chunk tiles, the WY
+        factors, the state recurrence), its backward, and the intra-chunk terms' forward once more in backward,
+        4 K^2 + 6 K C + 32 K: 6 K^3 / C + 22 K^2 + 28 K C + 128 K in all, less (6 K^3 + 2 C K^2) per row (the first
+        chunk starts from a zero state, whose gradient is not formed); plus the projections' matmuls."""
         D, H, K, C, r = args.dim, args.kda_heads, args.kda_head_dim, args.kda_chunk, args.kda_decay_rank
-        # The chunk maps and carried states ([C, K] and [K, K] per chunk) are the fp32 island; the rest is the
-        # projection, convolution and normalisation chains of q, k, v, g and beta.
-        chains = 39.5625 * K + 3 * K * C / 32 + 4 * C + 14
-        bf16 = 2 * (D + r) + H * (11 * K * K / C + 115 * K + 3 * K * C / 8 + 12 * C + 4)
-        saved = Saved(act=D + r + H * chains, fp32=H * 3 * K * K / C, bf16=bf16)
-        inner = H * K
-        flops = gemm(5 * D * inner + D * r + r * inner + D * H) + Flops(
-            kda=H * (6 * K**3 / C + 18 * K * K + 22 * K * C + 96 * K) - 6 * H * K**3 / seq_len
-        )
-        return Costs(saved, flops)
+        bf16 = 2 * (D + r) + 18 + H * (8 * K * K / C + 70 * K + 12)
+        saved = Saved(act=D + r + 9 + H * (27 * K + 3), fp32=H * (2 * K * K / C + 2 * K + 1), bf16=bf16)
+        projections = gemm(5 * D * H * K + D * r + r * H * K + D * H)
+        forward = H * (2 * K**3 / C + 6 * K * K + 6 * K * C + 32 * K)
+        total = H * (6 * K**3 / C + 22 * K * K + 28 * K * C + 128 * K) - H * (6 * K**3 + 2 * C * K * K) / seq_len
+        fwd = Flops(dense_gemm=projections.dense_gemm / 3, kda=forward)
+        return Costs(saved, projections + Flops(kda=total), forward=fwd)
 
     @staticmethod
     def cp_flops(args: K3ModelArgs, cp: int, rerun: bool, seq_len: int) -> Flops:

@@ -25,11 +25,13 @@ everything else, the decay cumsum, M, B and the state carried across chunks incl
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .utils import ChunkLayout, check_inputs, compute_dtype
 
@@ -115,6 +117,16 @@ def _chunk_terms(q, k, v, g, beta, tile_dtype: torch.dtype | None = None):
     return M, Bm, q * gam - AW, AU
 
 
+def _layout_terms(lay: ChunkLayout, dt: torch.dtype, scale: float, tile_dtype, q, k, v, g, beta):
+    """_chunk_terms of tokens [B, T, H, *] laid out in chunks by `lay`, in the compute dtype `dt`, autocast off
+    except the tile scores (which take `tile_dtype` operands)."""
+    with torch.autocast(k.device.type, enabled=False):
+        kc, vc, gc = lay.to_chunks(k, dt), lay.to_chunks(v, dt), lay.to_chunks(g, dt)
+        bc = lay.to_chunks(beta.unsqueeze(-1), dt).squeeze(-1)
+        qc = None if q is None else lay.to_chunks(q, dt) * scale
+        return _chunk_terms(qc, kc, vc, gc, bc, tile_dtype)
+
+
 class KDAChunks:
     """The per-chunk terms of one packed batch (everything of chunk_kda except the state pass): built once, they give
     both the sequences' affine summaries and, from any initial states, the outputs. Context parallelism uses both
@@ -132,11 +144,16 @@ class KDAChunks:
         # Under autocast only the tile scores take low-precision operands; the decay cumsum, the per-chunk maps
         # (M, B) and so the state and the summaries stay in the compute dtype.
         tile_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-        with torch.autocast(dev, enabled=False):
-            kc, vc, gc = lay.to_chunks(k, dt), lay.to_chunks(v, dt), lay.to_chunks(g, dt)
-            bc = lay.to_chunks(beta.unsqueeze(-1), dt).squeeze(-1)
-            qc = None if q is None else lay.to_chunks(q, dt) * (s.K**-0.5 if scale is None else scale)
-            self.M, self.B, self.Qe, self.AU = _chunk_terms(qc, kc, vc, gc, bc, tile_dtype)
+        terms = functools.partial(_layout_terms, lay, dt, s.K**-0.5 if scale is None else scale, tile_dtype)
+        inputs = (q, k, v, g, beta)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+            # Backward recomputes the terms from the inputs (one more forward of the intra-chunk work) instead of
+            # keeping what their chains save: at K = 128, C = 64 about 11 KB per token and head in bf16 training,
+            # where the inputs are 1.3 KB. What the state pass saves (M, the states entering each chunk, Qe) stays.
+            out = checkpoint(terms, *inputs, use_reentrant=False, preserve_rng_state=False)
+        else:
+            out = terms(*inputs)
+        self.M, self.B, self.Qe, self.AU = out
 
     def summaries(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(M [n, H, K, K], B [n, H, K, V]) of every sequence (or of those in `index`, a device tensor): final state =
@@ -175,20 +192,20 @@ class KDAChunks:
                 else (S0.index_select(0, lay.chunk_doc.clamp(max=s.N - 1)) * (1 - keep).view(-1, 1, 1, 1)).unbind(0)
             )
             keep = keep.unbind(0)
-        starts, ends = [], []
+        outs, ends = [], []
         with torch.autocast(self.device_type, enabled=False):  # the state carried across chunks stays fp32
             # unbind once: indexing M[:, :, n] in the loop would make backward build a full-size zero gradient per
-            # chunk.
-            Ms, Bs = (x.movedim(2, 0).flatten(1, 2).unbind(0) for x in (self.M, self.B))  # n x [R*H, K, *]
+            # chunk. Each chunk's output is read from its entering state S in the loop, so the one saved copy of S
+            # serves both products (a stack of the states for one batched product would save them twice).
+            Ms, Bs, Qs, AUs = (x.movedim(2, 0).flatten(1, 2).unbind(0) for x in (self.M, self.B, self.Qe, self.AU))
             for n, (M_n, B_n) in enumerate(zip(Ms, Bs)):
                 if lay.packed:
                     S = S * keep[n] if init is None else torch.addcmul(init[n], S, keep[n])
-                starts.append(S)
+                outs.append(torch.baddbmm(AUs[n], Qs[n], S))  # [R*H, C, V]
                 S = torch.baddbmm(B_n, M_n, S)
                 if lay.packed and output_final_state:
                     ends.append(S)
-            entering = torch.stack(starts, dim=1).view(R, s.H, len(starts), s.K, s.V)
-            o = self.AU + torch.matmul(self.Qe, entering)  # [R, H, n_chunks, C, V]
+            o = torch.stack(outs, dim=1).view(R, s.H, len(outs), *outs[0].shape[-2:])  # [R, H, n_chunks, C, V]
         final = None
         if output_final_state:
             final = torch.stack(ends).index_select(0, lay.last_chunk) if lay.packed else S.view(R, s.H, s.K, s.V)
