@@ -10,7 +10,8 @@ With S the state at the chunk start, the chunk's pre-write residuals are Vn = U 
     M  = Diag(gamma) - (K e^{G_last - G})^T W,    B = (K e^{G_last - G})^T U.
 Everything but S' = M S + B is computed for all chunks at once; that one line is a Python loop over chunk index
 (batched over rows and heads). The same (M, B) give the affine summary used by context parallelism. Backward is
-autograd through these torch ops.
+autograd through these torch ops; the intra-chunk terms are recomputed in it from the inputs (k3train.ops.recompute),
+so what stays saved is the inputs and, per chunk, M, the entering state and Q Gamma - Aqk W.
 
 Layout and sizes (utils.ChunkLayout). Batch rows are rows of chunks. Documents (cu_seqlens) are each padded only to
 their next multiple of C and laid one after another in a single stream of (T + N (C - 1)) // C chunks (the most they
@@ -31,7 +32,8 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+
+from k3train.ops.recompute import recomputed
 
 from .utils import ChunkLayout, check_inputs, compute_dtype
 
@@ -145,15 +147,10 @@ class KDAChunks:
         # (M, B) and so the state and the summaries stay in the compute dtype.
         tile_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         terms = functools.partial(_layout_terms, lay, dt, s.K**-0.5 if scale is None else scale, tile_dtype)
-        inputs = (q, k, v, g, beta)
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-            # Backward recomputes the terms from the inputs (one more forward of the intra-chunk work) instead of
-            # keeping what their chains save: at K = 128, C = 64 about 11 KB per token and head in bf16 training,
-            # where the inputs are 1.3 KB. What the state pass saves (M, the states entering each chunk, Qe) stays.
-            out = checkpoint(terms, *inputs, use_reentrant=False, preserve_rng_state=False)
-        else:
-            out = terms(*inputs)
-        self.M, self.B, self.Qe, self.AU = out
+        # Backward recomputes the terms from the inputs (one more forward of the intra-chunk work) instead of keeping
+        # what their chains save: at K = 128, C = 64 about 11 KB per token and head in bf16 training, where the inputs
+        # are 1.3 KB. What the state pass saves (M, the states entering each chunk, Qe) stays.
+        self.M, self.B, self.Qe, self.AU = recomputed(terms, q, k, v, g, beta)
 
     def summaries(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(M [n, H, K, K], B [n, H, K, V]) of every sequence (or of those in `index`, a device tensor): final state =
