@@ -49,6 +49,7 @@ import argparse
 import builtins
 import dataclasses
 import functools
+import gc
 import importlib
 import json
 import math
@@ -309,6 +310,16 @@ def _chunk_terms_bf16(orig):
         return tuple(None if t is None else t.bfloat16().float() for t in out)
 
     return _chunk_terms
+
+
+def _recomputed_kept(orig):
+    """recomputed(fn, *args) is a plain call: autograd keeps what fn saves."""
+    return lambda fn, *args: fn(*args)
+
+
+def _kda_chunk_terms_kept(orig):
+    """KDAChunks runs its terms without recomputation: autograd keeps their chains."""
+    return with_globals(orig, recomputed=lambda fn, *args: fn(*args))
 
 
 def _scores_drop_tile_row(orig):
@@ -1737,10 +1748,24 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "kda_chunk_maps_under_autocast",
-        "k3train.ops.kda.chunk:KDAChunks.__init__",
+        "k3train.ops.kda.chunk:_layout_terms",
         "under autocast the per-chunk maps (M, B) and so the CP summaries come out of bf16 matmuls",
         _autocast_kept,
         (f"{ISLANDS}::test_cp_summaries_stay_fp32_under_autocast",),
+    ),
+    M(
+        "recomputed_chains_kept",
+        "k3train.ops.recompute:recomputed",
+        "an op's cheap chains (KDA's convolution, gate, output norm and chunk terms) keep their intermediates",
+        _recomputed_kept,
+        ("tests/e2e/test_plan.py::test_kda_saved_bytes_exact[False-overrides0]",),
+    ),
+    M(
+        "kda_chunk_terms_kept",
+        "k3train.ops.kda.chunk:KDAChunks.__init__",
+        "the intra-chunk terms keep what their chains save for backward instead of being recomputed from the inputs",
+        _kda_chunk_terms_kept,
+        ("tests/e2e/test_plan.py::test_kda_saved_bytes_exact[False-overrides0]",),
     ),
     M(
         "chunk_kda_drops_tile_row",
@@ -1963,7 +1988,7 @@ MUTATIONS: list[Mutation] = [
         "k3train.parallel.engine:_build_parts",
         "stages with recomputed regions split their backward: each region reruns once per autograd call",
         _split_backward_unfused,
-        ("tests/distributed/test_split_backward_recompute.py",),
+        ("tests/distributed/test_split_backward_recompute.py::test_recomputed_regions_rerun_once[dualpipev]",),
     ),
     M(
         "plan_split_backward_unfused",
@@ -2013,21 +2038,21 @@ MUTATIONS: list[Mutation] = [
         "every micro-batch's receive buffers are made when the stage is set up (torch's PipelineStage), not as its "
         "receives are posted",
         _torch_recv_setup,
-        (f"{RECV}::test_receive_buffers_follow_the_microbatches_in_flight",),
+        (f"{RECV}::test_receive_buffers_follow_the_microbatches_in_flight[1f1b]",),
     ),
     M(
         "pp_recv_buffers_kept",
         "k3train.parallel.pipeline:_pipeline_stage_cls",
         "a micro-batch's receive buffers are not let go after its backward",
         _pp_stage_with("_release_chunk", _recv_buffers_kept),
-        (f"{RECV}::test_receive_buffers_follow_the_microbatches_in_flight",),
+        (f"{RECV}::test_receive_buffers_follow_the_microbatches_in_flight[1f1b]",),
     ),
     M(
         "pp_sent_outputs_kept",
         "k3train.parallel.pipeline:SentOutputs.before",
         "outputs sent to another rank keep their data until their backward (the release points ignored)",
         _sent_outputs_kept,
-        (f"{RECV}::test_receive_buffers_follow_the_microbatches_in_flight",),
+        (f"{RECV}::test_receive_buffers_follow_the_microbatches_in_flight[interleaved_1f1b]",),
     ),
     M(
         "plan_sent_outputs_kept",
@@ -2247,7 +2272,10 @@ MUTATIONS: list[Mutation] = [
         "k3train.optim.muon:PerHeadMuon.reduce_scatter_owned",
         "Pipeline ZeRO-2 Muon keeps every full gradient after packing it for its owners",
         _muon_full_grads_kept,
-        (f"{DRY}::test_chunked_muon_gradients_are_the_planners",),
+        (
+            f"{PIECES}::test_muon_gradients_reduce_scatter_to_matrix_owners[packed]",
+            f"{DRY}::test_chunked_muon_gradients_are_the_planners",
+        ),
     ),
     M(
         "muon_chunks_never_all_reduced",
@@ -2255,7 +2283,7 @@ MUTATIONS: list[Mutation] = [
         "every Muon owner chunk is reduce-scattered, however much of its buffer is padding",
         _muon_chunks_never_all_reduced,
         (
-            f"{PIECES}::test_muon_gradients_reduce_scatter_to_matrix_owners",
+            f"{PIECES}::test_muon_gradients_reduce_scatter_to_matrix_owners[chunked]",
             f"{DRY}::test_chunked_muon_gradients_are_the_planners",
         ),
     ),
@@ -2702,7 +2730,10 @@ MUTATIONS: list[Mutation] = [
         "the dry run leaves the buffers of c10d's underscored collectives (Muon's owner _reduce_scatter_base_) "
         "untagged, so a stage's owner-reduction buffer is counted as activations instead of gradients",
         _tagger_misses_tensor_forms,
-        (f"{DRY}::test_virtual_stage_gradients_peak_as_the_planner_says",),
+        (
+            f"{DRY}::test_reductions_are_told_from_context_parallel_collectives_by_group_not_members",
+            f"{DRY}::test_virtual_stage_gradients_peak_as_the_planner_says[interleaved_1f1b]",
+        ),
     ),
     M(
         "plan_stage_keeps_muon_grads_full",
@@ -3005,6 +3036,9 @@ def _preload() -> None:
         except ImportError:  # an optional library: the runs import what they need themselves
             pass
     importlib.import_module("torch").set_num_threads(1)
+    # What is loaded now lives as long as every run: out of the collector's sight, a run's collections (pytest's
+    # gc.collect at its end among them, 0.2 s each over torch's objects) walk only what the run itself made.
+    gc.freeze()
 
 
 def _run_in_child(job: Job) -> None:
@@ -3019,6 +3053,9 @@ def _run_in_child(job: Job) -> None:
         if job.mutation:
             os.environ[ENV] = job.mutation
         os.environ[REPORT_ENV] = str(job.workdir / "report.json")
+        # no installed pytest plugins (anyio, typeguard, hydra's, xdist: no test uses them): importing them with
+        # their assertions rewritten took a quarter of a one-test run
+        os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
         os.chdir(REPO)
         sys.path.insert(0, str(REPO))  # what `python -m pytest` run from the repository puts first
         import pytest
@@ -3100,6 +3137,7 @@ def run_jobs(jobs: list[Job], parallel: int) -> dict[str, Outcome]:
                 rc = os.waitstatus_to_exitcode(status)
             running.remove(job)
             out[job.key] = _outcome(job, rc, elapsed)
+    gc.unfreeze()  # back in sight for the exit (else triton's bindings report their objects as leaked)
     return out
 
 

@@ -27,7 +27,7 @@ LAYOUTS = [
 ]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str, names: tuple[str, ...]) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -44,7 +44,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     hooks._Region.enter = counting_enter
     try:
         out = {}
-        for lay in LAYOUTS:
+        for lay in (lay for lay in LAYOUTS if lay.name in names):
             regions.clear()
             dims = lay.dims()
             engine = build_engine(
@@ -67,10 +67,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def counts(tmp_path_factory):
+def counts(request, tmp_path_factory):
     d = str(tmp_path_factory.mktemp("split_bwd"))
+    # the layouts this session's tests read: one test alone (a mutation's run) steps only its own
+    names = tuple({item.callspec.params["name"] for item in request.session.items if item.path == request.path})
     # Forked, so the workers inherit what the parent process has patched (tools/mutants.py).
-    mp.start_processes(_worker, args=(2, H.free_port(), d), nprocs=2, start_method="fork")
+    mp.start_processes(_worker, args=(2, H.free_port(), d, names), nprocs=2, start_method="fork")
     return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(2)]
 
 

@@ -15,6 +15,7 @@ nothing is alive between steps. Each schedule's losses equal the one-process eng
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import pytest
@@ -101,12 +102,13 @@ class BufferWatch:
         )
 
 
-def _worker(rank: int) -> dict:
+def _worker(schedules: tuple[str, ...], rank: int) -> dict:
     H = _harness()
     from k3train.parallel.engine import build_engine
 
     out = {}
-    for schedule, vpp in SCHEDULES.items():
+    for schedule in schedules:
+        vpp = SCHEDULES[schedule]
         dims = H.Layout(name=schedule, pp=2, vpp=vpp, microbatches=M, schedule=schedule).dims()
         engine = build_engine(
             H.model_args(), dims, H.optim_config(), seed=H.SEED, device="cpu", seq_len_hint=H.SEQ, precision="fp64"
@@ -144,19 +146,30 @@ def _one_process_losses() -> list[float]:
 
 
 _RUNS: dict = {}
+"""schedule -> both ranks' records."""
 
 
-def _runs(tmp_path) -> list[dict]:
-    if "pp2" not in _RUNS:
-        _RUNS["pp2"] = run_forked(_worker, tmp_path)
-    return _RUNS["pp2"]
+def _runs(request, tmp_path, schedules=tuple(SCHEDULES)) -> list[dict]:
+    """Both ranks' records of `schedules`. One forked run steps every schedule that this session's tests of this
+    file read (each test of it alone, as a mutation's run takes it, steps only its own)."""
+    if any(s not in _RUNS for s in schedules):
+        wanted = set(schedules)
+        for item in request.session.items:
+            if item.path == request.path:
+                params = getattr(item, "callspec", None)
+                wanted |= {params.params["schedule"]} if params else set(SCHEDULES)
+        todo = tuple(s for s in SCHEDULES if s in wanted and s not in _RUNS)
+        recs = run_forked(functools.partial(_worker, todo), tmp_path)
+        for schedule in todo:
+            _RUNS[schedule] = [rec[schedule] for rec in recs]
+    return [{s: _RUNS[s][rank] for s in schedules} for rank in range(2)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_receive_buffers_follow_the_microbatches_in_flight(tmp_path, schedule):
+def test_receive_buffers_follow_the_microbatches_in_flight(request, tmp_path, schedule):
     vpp = SCHEDULES[schedule]
-    for rank, rec in enumerate(_runs(tmp_path)):
+    for rank, rec in enumerate(_runs(request, tmp_path, (schedule,))):
         run = rec[schedule]
         samples = [s for s in run["samples"] if s["what"] != "between steps"]
         assert run["buffers"] > 0 and max(s["live"] for s in samples) > 0, (rank, "no buffer was ever received")
@@ -175,11 +188,11 @@ def test_receive_buffers_follow_the_microbatches_in_flight(tmp_path, schedule):
 
 
 @pytest.mark.slow
-def test_schedules_with_buffers_in_flight_train_like_one_process(tmp_path):
+def test_schedules_with_buffers_in_flight_train_like_one_process(request, tmp_path):
     H = _harness()
     ref = _one_process_losses()
     for schedule in SCHEDULES:
-        got = [rec[schedule]["losses"] for rec in _runs(tmp_path)]
+        got = [rec[schedule]["losses"] for rec in _runs(request, tmp_path)]
         for a, b in zip(got[0], ref):  # every rank reports the step's global loss
             assert H.rel_inf(a, b) <= H.FP64_BOUND, (schedule, got[0], ref)
         assert got[0] == got[1], schedule
