@@ -1756,7 +1756,7 @@ MUTATIONS: list[Mutation] = [
     M(
         "recomputed_chains_kept",
         "k3train.ops.recompute:recomputed",
-        "an op's cheap chains (KDA's convolution, gate, output norm and chunk terms) keep their intermediates",
+        "an op's recomputed work (KDA's intra-chunk terms) keeps its intermediates",
         _recomputed_kept,
         ("tests/e2e/test_plan.py::test_kda_saved_bytes_exact[False-overrides0]",),
     ),

@@ -1,7 +1,7 @@
-"""Cheap chains recomputed in backward: an op whose intermediates cost more memory than rerunning them (elementwise
-chains, the KDA chunk terms) saves only its inputs and reruns itself when backward needs them, as a compiler's
-recomputation pass would. The activation-storage policies (k3train.activation) decide for whole modules; this is an
-op's own choice, the same under every policy."""
+"""Cheap work recomputed in backward: an op whose intermediates cost more memory than rerunning them (KDA's
+intra-chunk terms) saves only its inputs and reruns itself when backward needs them, as a compiler's recomputation
+pass would. The activation-storage policies (k3train.activation) decide for whole modules; this is an op's own
+choice, the same under every policy."""
 
 from __future__ import annotations
 

@@ -109,8 +109,8 @@ class KDA(nn.Module):
         gate and output-norm chains, and H (2 K^2 / C + 2 K + 1) in the fp32 island of the chunked recurrence: the
         log-decay and beta it reads, and per chunk the map M [K, K], the state entering it [K, V] and Q Gamma - Aqk W
         [C, K]. The intra-chunk terms (tile scores, the triangular solve) are recomputed in backward from the saved
-        inputs (k3train.ops.kda.chunk.KDAChunks), not kept. In bf16 training 2 (D + r) + 18 + H (8 K^2 / C + 88 K +
-        16) bytes (autocast's bf16 copies beside the fp32 island).
+        inputs (k3train.ops.kda.chunk.KDAChunks), not kept. In bf16 training 2 (D + r) + 18 + H (8 K^2 / C + 70 K +
+        12) bytes (autocast's bf16 copies beside the fp32 island).
 
         FLOPs per head: one forward of the chunked form, 2 K^3 / C + 6 K^2 + 6 K C + 32 K (intra-chunk tiles, the WY
         factors, the state recurrence), its backward, and the intra-chunk terms' forward once more in backward,

@@ -148,7 +148,7 @@ class KDAChunks:
         tile_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         terms = functools.partial(_layout_terms, lay, dt, s.K**-0.5 if scale is None else scale, tile_dtype)
         # Backward recomputes the terms from the inputs (one more forward of the intra-chunk work) instead of keeping
-        # what their chains save: at K = 128, C = 64 about 11 KB per token and head in bf16 training, where the inputs
+        # what their chains save: at K = 128, C = 64 about 10 KB per token and head in bf16 training, where the inputs
         # are 1.3 KB. What the state pass saves (M, the states entering each chunk, Qe) stays.
         self.M, self.B, self.Qe, self.AU = recomputed(terms, q, k, v, g, beta)
 
