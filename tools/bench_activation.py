@@ -254,7 +254,7 @@ def main() -> None:
                 continue
             try:
                 results[name][plan] = measure(model, tok, rules, ref, args.steps)
-            except ValueError as e:  # a recipe's group sized for K3 (rules naming layers 91-93) fits no bench model
+            except ValueError as e:  # a recipe's group, sized for its model (rules naming layers a bench model lacks)
                 if "matches no module" not in str(e):
                     raise
                 print(f"{name}: {plan.strip()} skipped: {e}", file=sys.stderr)

@@ -419,7 +419,7 @@ def test_recipe_activation_plan_fits_and_beats_whole_recompute(recipe, gpu, grou
                 # Not vpp=2 with interleaved_zb: since KDA recomputes its chunk terms it fits (116.8 GiB) and plans
                 # 5.7% faster (89,476 against 84,680 tokens/s), but the recipe's full-size dry run has not been run
                 # under it.
-                # Not parallel.ep_overlap=microbatch: it plans 2.3% faster and fits, but the recipe's full-size dry
+                # Not parallel.ep_overlap=microbatch: it plans 2.4% faster and fits, but the recipe's full-size dry
                 # run has not been run under it.
             ],
         ),
