@@ -51,6 +51,7 @@ import dataclasses
 import functools
 import gc
 import importlib
+import inspect
 import json
 import math
 import os
@@ -58,7 +59,6 @@ import signal
 import sys
 import tempfile
 import time
-import inspect
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -319,7 +319,7 @@ def _recomputed_kept(orig):
 
 def _kda_chunk_terms_kept(orig):
     """KDAChunks runs its terms without recomputation: autograd keeps their chains."""
-    return with_globals(orig, recomputed=lambda fn, *args: fn(*args))
+    return with_globals(orig, recomputed=_recomputed_kept(None))
 
 
 def _scores_drop_tile_row(orig):

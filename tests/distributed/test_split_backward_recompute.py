@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import harness as H
+from selection import selected_values
 
 pytestmark = pytest.mark.slow
 
@@ -69,8 +70,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, names: tuple[str, ..
 @pytest.fixture(scope="module")
 def counts(request, tmp_path_factory):
     d = str(tmp_path_factory.mktemp("split_bwd"))
-    # the layouts this session's tests read: one test alone (a mutation's run) steps only its own
-    names = tuple({item.callspec.params["name"] for item in request.session.items if item.path == request.path})
+    names = selected_values(request, "name", [lay.name for lay in LAYOUTS])
     # Forked, so the workers inherit what the parent process has patched (tools/mutants.py).
     mp.start_processes(_worker, args=(2, H.free_port(), d, names), nprocs=2, start_method="fork")
     return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(2)]

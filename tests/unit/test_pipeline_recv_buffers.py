@@ -19,6 +19,7 @@ import functools
 import weakref
 
 import pytest
+from selection import selected_values
 from test_parallel_pieces import _harness, run_forked
 
 M = 16
@@ -153,11 +154,7 @@ def _runs(request, tmp_path, schedules=tuple(SCHEDULES)) -> list[dict]:
     """Both ranks' records of `schedules`. One forked run steps every schedule that this session's tests of this
     file read (each test of it alone, as a mutation's run takes it, steps only its own)."""
     if any(s not in _RUNS for s in schedules):
-        wanted = set(schedules)
-        for item in request.session.items:
-            if item.path == request.path:
-                params = getattr(item, "callspec", None)
-                wanted |= {params.params["schedule"]} if params else set(SCHEDULES)
+        wanted = set(schedules) | set(selected_values(request, "schedule", SCHEDULES))
         todo = tuple(s for s in SCHEDULES if s in wanted and s not in _RUNS)
         recs = run_forked(functools.partial(_worker, todo), tmp_path)
         for schedule in todo:
