@@ -1535,9 +1535,29 @@ def _kda_cp_fold_flops_dropped(orig):
         if cp == 1:
             return Flops()
         H, K, C = args.kda_heads, args.kda_head_dim, args.kda_chunk
-        return Flops(kda=(4.0 if rerun else 3.0) * H * 2 * K * K * 2 * K / C)
+        return Flops(kda=(5.0 if rerun else 4.0) * H * 2 * K * K * 2 * K / C)
 
     return cp_flops
+
+
+def _kda_cp_summaries_rerun_dropped(orig):
+    def cp_flops(args, cp, rerun, seq_len):  # the piece summaries priced as if backward kept their fold
+        out = orig(args, cp, rerun, seq_len)
+        if cp == 1:
+            return out
+        H, K, C = args.kda_heads, args.kda_head_dim, args.kda_chunk
+        return type(out)(kda=out.kda - H * 2 * K * K * 2 * K / C)
+
+    return cp_flops
+
+
+def _kda_cp_summaries_folded_apart(orig):
+    """The pieces' summaries composed after the recomputed terms, as a separate fold that keeps its products."""
+
+    def summaries(self, index=None):
+        return orig.__globals__["_summaries"](self.layout, self.M, self.B, index)
+
+    return summaries
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -2838,6 +2858,22 @@ MUTATIONS: list[Mutation] = [
         _kda_cp_fold_flops_dropped,
         ("tests/unit/test_costs.py::test_kda_prefix_fold_flops_are_the_declared_ones",),
         sweep=False,
+    ),
+    M(
+        "kda_cp_summaries_rerun_dropped",
+        "k3train.models.k3.kda:KDA.cp_flops",
+        "the planner leaves out the rerun of KDA's piece summaries in backward (composed with the recomputed terms)",
+        _kda_cp_summaries_rerun_dropped,
+        ("tests/unit/test_costs.py::test_kda_piece_summaries_cost_the_declared_flops[overrides0]",),
+        sweep=False,
+    ),
+    M(
+        "kda_cp_summaries_folded_apart",
+        "k3train.ops.kda.chunk:KDAChunks.summaries",
+        "context-parallel KDA composes its pieces' summaries outside the recomputed chunk terms, so autograd keeps "
+        "the fold's products (about 3 K^2/C fp32 per token and head, undeclared)",
+        _kda_cp_summaries_folded_apart,
+        ("tests/e2e/test_plan.py::test_kda_under_context_parallelism_saves_what_the_plain_layer_declares[False]",),
     ),
     M(
         "costs_forward_a_third",

@@ -170,10 +170,14 @@ class Kernels:
 
         return chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
 
-    def kda_segments(self, q, k, v, g, beta, *, cu_seqlens, chunk_size: int, g_min: float | None = None):
+    def kda_segments(
+        self, q, k, v, g, beta, *, cu_seqlens, chunk_size: int, g_min: float | None = None, summarise=None
+    ):
         """The per-segment primitive of context-parallel KDA over packed segments [1, N, H, *] (summaries(index) and
         run(initial_state)): k3train.ops.kda.chunk.KDAChunks, or k3train.ops.kda.cp.KernelSegments over
-        k3kernels.kda.chunk_kda (or, under 'fla', flash-linear-attention's) where chunk_kda would run it."""
+        k3kernels.kda.chunk_kda (or, under 'fla', flash-linear-attention's) where chunk_kda would run it.
+        summarise: the segments whose summaries will be asked for (KDAChunks composes them with its terms; the
+        kernels' backward recomputes their own)."""
         if self.kda_on_fla(q, k, v, g, beta, chunk_size=chunk_size):
             from k3train.ops.kda import fla_chunk
             from k3train.ops.kda.cp import KernelSegments
@@ -185,7 +189,7 @@ class Kernels:
             return KernelSegments(q, k, v, g, beta, cu_seqlens, chunk_size, _kernel("kda", "chunk_kda"))
         from k3train.ops.kda.chunk import KDAChunks
 
-        return KDAChunks(q, k, v, g, beta, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+        return KDAChunks(q, k, v, g, beta, cu_seqlens=cu_seqlens, chunk_size=chunk_size, summarise=summarise)
 
     def permute(self, x: torch.Tensor, idx: torch.Tensor, n_experts: int):
         """k3train.ops.moe_permute.permute or k3kernels.moe_permute.permute_triton."""

@@ -93,6 +93,32 @@ def test_kda_saved_bytes_exact(overrides, bf16):
         assert meter.bytes == KDA.costs(args, T).saved.bytes(2 if bf16 else 4) * T + 4 * args.kda_heads, T
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_kda_under_context_parallelism_saves_what_the_plain_layer_declares(bf16):
+    """Under context parallelism (a world-1 handle: two pieces a row) a KDA layer keeps what KDA.costs declares per
+    token, as the plain layer does, plus one fp32 state per piece and head (and a few scalars): the pieces'
+    summaries are composed inside the recomputed chunk terms, so their fold keeps nothing per token."""
+    import torch
+
+    from k3train.models.k3.args import get_preset
+    from k3train.models.k3.context import BatchContext
+    from k3train.models.k3.kda import KDA
+    from k3train.parallel.context_parallel import ContextParallel
+    from k3train.plan.meter import SavedBytesMeter
+
+    args = get_preset("tiny", kda_head_dim=128, kda_chunk=64)
+    H, K = args.kda_heads, args.kda_head_dim
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    m = KDA(args).to(dtype)
+    for T in (8 * args.kda_chunk, 16 * args.kda_chunk):
+        cp = ContextParallel(None, 0, 1, seq_len=T)
+        x = cp.shard_rows(torch.randn(1, T, args.dim, dtype=dtype)).requires_grad_()
+        with SavedBytesMeter([m]) as meter, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            m(x, BatchContext(cp=cp))
+        beyond = meter.bytes - KDA.costs(args, T).saved.bytes(2 if bf16 else 4) * T
+        assert 0 <= beyond - 2 * H * K * K * 4 <= 16 * 2 * H, (T, beyond)
+
+
 def _plan(*overrides, recipe="small_8gpu", cwd=None):
     return subprocess.run(
         [sys.executable, "-m", "k3train.plan", "--config-name", recipe, *overrides],

@@ -70,7 +70,41 @@ def test_context_parallel_adds_the_whole_rows_key_rebuild_per_local_token():
     assert GatedMLA.cp_flops(args, 1, False, 4096).total == 0 and KDA.cp_flops(args, 1, True, 4096).total == 0
     assert GatedMLA.cp_flops(args, 4, False, 4096).dense_gemm == 3 * 8 * w
     assert GatedMLA.cp_flops(args, 128, True, 4096).dense_gemm == 127 * 10 * w
-    assert KDA.cp_flops(args, 4, True, 4096).kda == pytest.approx(4 / 3 * KDA.cp_flops(args, 4, False, 4096).kda)
+    # a whole-layer rerun runs the summaries (4 -> 5 passes) and the fold (3 -> 4) once more
+    summary = 2 * KDA.cp_flops(args, 4, False, 2 * 4096).kda - KDA.cp_flops(args, 4, False, 4096).kda
+    rerun = 2 * KDA.cp_flops(args, 4, True, 2 * 4096).kda - KDA.cp_flops(args, 4, True, 4096).kda
+    assert rerun == pytest.approx(5 / 4 * summary)
+    fold = KDA.cp_flops(args, 4, False, 4096).kda - summary
+    assert KDA.cp_flops(args, 4, True, 4096).kda - rerun == pytest.approx(4 / 3 * fold)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"kda_head_dim": 64, "kda_chunk": 32}])
+def test_kda_piece_summaries_cost_the_declared_flops(overrides):
+    """Under context parallelism (a world-1 handle: two pieces a row, the CP path whole) the FLOPs beyond the plain
+    layer's grow with the tokens as KDA.cp_flops' summary term: forward, the rerun with the chunk terms, and backward
+    (the per-piece remainder, the rerun's skipped last products, does not grow)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from k3train.models.k3.context import BatchContext
+    from k3train.models.k3.kda import KDA
+    from k3train.parallel.context_parallel import ContextParallel
+
+    args = get_preset("tiny", **overrides)
+    m = KDA(args).double()
+
+    def beyond_plain(T):
+        x = torch.randn(1, T, args.dim, dtype=torch.float64)
+        flops = []
+        for cp in (None, ContextParallel(None, 0, 1, seq_len=T)):
+            xin = (x if cp is None else cp.shard_rows(x)).requires_grad_()
+            with FlopCounterMode(display=False) as counter:
+                m(xin, BatchContext(cp=cp)).sum().backward()
+            flops.append(counter.get_total_flops())
+        return flops[1] - flops[0]
+
+    T = 8 * args.kda_chunk
+    summary = 2 * KDA.cp_flops(args, 2, False, 2 * T).kda - KDA.cp_flops(args, 2, False, T).kda  # the 1/T part gone
+    assert beyond_plain(2 * T) - beyond_plain(T) == pytest.approx(summary * T, rel=1e-12)
 
 
 @pytest.mark.parametrize("cp", [2, 4, 16])

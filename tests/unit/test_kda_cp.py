@@ -122,7 +122,7 @@ def test_state_does_not_leak_across_documents():
 class _TorchKernelCalls(Kernels):
     """Kernels whose segments are KernelSegments over the PyTorch chunk_kda: the kernel-call primitive in fp64."""
 
-    def kda_segments(self, q, k, v, g, beta, *, cu_seqlens, chunk_size, g_min=None):
+    def kda_segments(self, q, k, v, g, beta, *, cu_seqlens, chunk_size, g_min=None, summarise=None):
         return KernelSegments(q, k, v, g, beta, cu_seqlens, chunk_size, chunk_kda)
 
 

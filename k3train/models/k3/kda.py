@@ -127,20 +127,21 @@ class KDA(nn.Module):
 
     @staticmethod
     def cp_flops(args: K3ModelArgs, cp: int, rerun: bool, seq_len: int) -> Flops:
-        """Per local token under context parallelism, beyond `costs`, in the forward, twice in the backward, once
-        more in a rerun (k3train.ops.kda.cp):
+        """Per local token under context parallelism, beyond `costs` (k3train.ops.kda.cp):
         - each piece's chunk maps composed into its summary: about one [K, K] x [K, K + V] product per chunk and
-          head, 2 K^2 (K + V) / C;
+          head, 2 K^2 (K + V) / C. It runs with the chunk terms, so backward reruns it with them: four times in all
+          (forward, rerun, backward twice), five under a whole-layer rerun. Saved: nothing per token beyond `costs`
+          (one state per piece and head);
         - the fold of the 2 cp pieces' summaries into the state entering each, on every rank: 2 cp - 2 products
-          [K, K] x [K, V] per row and head (2 K^2 V each) over its seq_len / cp local tokens; it grows as
-          cp^2 / seq_len.
+          [K, K] x [K, V] per row and head (2 K^2 V each) over its seq_len / cp local tokens, in the forward and
+          twice in the backward (once more in a whole-layer rerun); it grows as cp^2 / seq_len.
         Nothing at cp = 1."""
         if cp == 1:
             return Flops()
         H, K, C = args.kda_heads, args.kda_head_dim, args.kda_chunk
         summary = H * 2 * K * K * 2 * K / C
         fold = H * 2 * K * K * K * (2 * cp - 2) * cp / seq_len
-        return Flops(kda=(4.0 if rerun else 3.0) * (summary + fold))
+        return Flops(kda=(5.0 if rerun else 4.0) * summary + (4.0 if rerun else 3.0) * fold)
 
     @staticmethod
     def workspace_bytes(args: K3ModelArgs, q_tokens: int, seq_len: int, act_bytes: int) -> float:

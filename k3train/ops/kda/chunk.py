@@ -129,14 +129,48 @@ def _layout_terms(lay: ChunkLayout, dt: torch.dtype, scale: float, tile_dtype, q
         return _chunk_terms(qc, kc, vc, gc, bc, tile_dtype)
 
 
+def _summaries(lay: ChunkLayout, M: torch.Tensor, B: torch.Tensor, index: torch.Tensor | None):
+    """(M [n, H, K, K], B [n, H, K, V]) of every sequence, or of those in `index` (a device tensor), from the chunk
+    maps M, B [R, H, n_chunks, K, *]: final state = M S_0 + B. A chunk's zero-padded tail is the identity, so
+    composing a sequence's chunks is exact. In the packed layout each document composes only its own chunks: a
+    segmented scan over the stream, read at each document's last chunk."""
+    if not lay.packed:
+        return fold_summaries(M, B, dim=2) if index is None else fold_summaries(M[index], B[index], dim=2)
+    M, B = segmented_scan(M[0].transpose(0, 1), B[0].transpose(0, 1), lay.chunk_doc)  # [n_chunks, H, K, *]
+    last = lay.last_chunk if index is None else lay.last_chunk.index_select(0, index.to(M.device))
+    return M.index_select(0, last), B.index_select(0, last)
+
+
+def _terms_and_summaries(lay: ChunkLayout, dt, scale, tile_dtype, summarise, q, k, v, g, beta):
+    """_layout_terms, followed by the summaries of the sequences in `summarise` (an index) when it is given."""
+    terms = _layout_terms(lay, dt, scale, tile_dtype, q, k, v, g, beta)
+    if summarise is None:
+        return terms
+    with torch.autocast(k.device.type, enabled=False):  # the fold stays in the maps' compute dtype
+        return (*terms, *_summaries(lay, *terms[:2], summarise))
+
+
 class KDAChunks:
     """The per-chunk terms of one packed batch (everything of chunk_kda except the state pass): built once, they give
     both the sequences' affine summaries and, from any initial states, the outputs. Context parallelism uses both
     (summaries before its all-gather, outputs after), so the intra-chunk work runs once."""
 
     def __init__(
-        self, q, k, v, g, beta, scale: float | None = None, initial_state=None, cu_seqlens=None, chunk_size: int = 64
+        self,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale: float | None = None,
+        initial_state=None,
+        cu_seqlens=None,
+        chunk_size: int = 64,
+        summarise: torch.Tensor | None = None,
     ):
+        """summarise: the sequences (a device index) whose summaries will be asked for (context parallelism's
+        pieces). They are composed inside the recomputed terms, so backward reruns the fold with them instead of
+        keeping its products (about 3 K^2/C fp32 per token and head) and a second copy of B."""
         _check_chunk_size(chunk_size)
         s = self.shapes = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
         dt = self.dtype = compute_dtype(q, k, v, g, beta, initial_state)
@@ -146,25 +180,20 @@ class KDAChunks:
         # Under autocast only the tile scores take low-precision operands; the decay cumsum, the per-chunk maps
         # (M, B) and so the state and the summaries stay in the compute dtype.
         tile_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-        terms = functools.partial(_layout_terms, lay, dt, s.K**-0.5 if scale is None else scale, tile_dtype)
+        scale = s.K**-0.5 if scale is None else scale
+        terms = functools.partial(_terms_and_summaries, lay, dt, scale, tile_dtype, summarise)
         # Backward recomputes the terms from the inputs (one more forward of the intra-chunk work) instead of keeping
         # what their chains save: at K = 128, C = 64 about 10 KB per token and head in bf16 training, where the inputs
         # are 1.3 KB. What the state pass saves (M, the states entering each chunk, Qe) stays.
-        self.M, self.B, self.Qe, self.AU = recomputed(terms, q, k, v, g, beta)
+        self.M, self.B, self.Qe, self.AU, *folded = recomputed(terms, q, k, v, g, beta)
+        self.summarised = (summarise, tuple(folded)) if summarise is not None else None
 
     def summaries(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(M [n, H, K, K], B [n, H, K, V]) of every sequence (or of those in `index`, a device tensor): final state =
-        M S_0 + B. A chunk's zero-padded tail is the identity, so composing a sequence's chunks is exact. In the packed
-        layout each document composes only its own chunks: a segmented scan over the stream, read at each document's
-        last chunk."""
-        lay = self.layout
-        if not lay.packed:
-            M, B = (self.M, self.B) if index is None else (self.M[index], self.B[index])
-            return fold_summaries(M, B, dim=2)
-        M, B = self.M[0].transpose(0, 1), self.B[0].transpose(0, 1)  # [n_chunks, H, K, *]
-        M, B = segmented_scan(M, B, lay.chunk_doc)
-        last = lay.last_chunk if index is None else lay.last_chunk.index_select(0, index.to(M.device))
-        return M.index_select(0, last), B.index_select(0, last)
+        M S_0 + B (_summaries). Those of the constructor's `summarise` index were composed with the terms."""
+        if self.summarised is not None and index is self.summarised[0]:
+            return self.summarised[1]
+        return _summaries(self.layout, self.M, self.B, index)
 
     def run(self, initial_state: torch.Tensor | None = None, output_final_state: bool = False):
         """(o [B, T, H, V], final state [N, H, K, V] or None) from initial states [N, H, K, V] (zeros when None).

@@ -10,7 +10,8 @@ segments are packed as chunk_kda packs documents (ops.kda.utils.ChunkLayout): ea
 their chunks follow one another, so a rank's chunk terms hold at most R*L + segments x (C-1) token slots.
 
 The per-segment primitive is what the layer's kernels choose (k3train.ops.backend.Kernels.kda_segments): the PyTorch
-chunk terms (ops.kda.chunk.KDAChunks, computed once for the summaries and the outputs), or `KernelSegments` over
+chunk terms (ops.kda.chunk.KDAChunks, computed once for the summaries and the outputs; the summaries are composed
+with the terms, so backward reruns their fold rather than keep it), or `KernelSegments` over
 k3kernels.kda.chunk_kda (B is a segment's final state from zero, M its final state with zero values (V = K) from the
 identity, and the outputs one more call from the incoming states). Backward is autograd: the all-gather's backward
 reduce-scatters (sums) the gradients of the summaries back to the ranks that made them.
@@ -116,9 +117,10 @@ def kda_piece_chunks(q, k, v, g, beta, plan: PiecePlan, chunk: int, kernels=None
     flat = (q, k, v, g, beta)
     if plan.cu_seqlens is not None:
         flat = [t.reshape(1, R * L, *t.shape[2:]) for t in flat]
+    where = dict(cu_seqlens=plan.cu_seqlens, chunk_size=chunk, summarise=plan.last_seg)
     if kernels is None:
-        return KDAChunks(*flat, cu_seqlens=plan.cu_seqlens, chunk_size=chunk)
-    return kernels.kda_segments(*flat, cu_seqlens=plan.cu_seqlens, chunk_size=chunk, g_min=g_min)
+        return KDAChunks(*flat, **where)
+    return kernels.kda_segments(*flat, g_min=g_min, **where)
 
 
 def kda_piece_summaries(chunks, plan: PiecePlan) -> torch.Tensor:
