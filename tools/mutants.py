@@ -194,14 +194,25 @@ def _merge_without_rescale(orig):
     return _merge
 
 
-def _chunk_lse_grad_dropped(orig):
+def _chunk_backward_drops_delta(orig):
     torch = _torch()
 
-    def reference_backward(*args):
-        *rest, d_lse = args
-        return orig(*rest, torch.zeros_like(d_lse))
+    def reference_chunk_backward(q, k, v, q_pos, q_doc, k_pos, k_doc, scale, out, lse, d_out):
+        return orig(q, k, v, q_pos, q_doc, k_pos, k_doc, scale, torch.zeros_like(out), lse, d_out)
 
-    return reference_backward
+    return reference_chunk_backward
+
+
+def _triton_attention_ignores_documents(orig):
+    import triton
+
+    globals()["tl"] = triton.language  # a jit function must see triton.language in its module
+
+    @triton.jit
+    def _visible(qp, qd, kp, kd):
+        return (kd[None, :] >= 0) & (kp[None, :] <= qp[:, None])
+
+    return _visible
 
 
 def _latent_weight_grads_dropped(orig):
@@ -209,7 +220,7 @@ def _latent_weight_grads_dropped(orig):
 
     def backward(ctx, *grads):
         out = orig(ctx, *grads)
-        return (*out[:11], *[None if g is None else torch.zeros_like(g) for g in out[11:]])
+        return (*out[:12], *[None if g is None else torch.zeros_like(g) for g in out[12:]])
 
     return backward
 
@@ -1666,11 +1677,18 @@ MUTATIONS: list[Mutation] = [
         (f"{BLOCK}::test_latent_blocked_equals_dense_fp64", f"{BLOCK}::test_blocked_equals_dense_fp64"),
     ),
     M(
-        "attention_chunk_lse_grad_dropped",
-        "k3train.ops.attention.inner:reference_backward",
-        "the chunk kernel's backward ignores the gradient of its log-sum-exp (the chunk merge's share term)",
-        _chunk_lse_grad_dropped,
+        "attention_chunk_backward_drops_delta",
+        "k3train.ops.attention.inner:reference_chunk_backward",
+        "the chunk backward from the merged result leaves out rowsum(dO O), the softmax normalisation's term",
+        _chunk_backward_drops_delta,
         (f"{BLOCK}::test_latent_blocked_equals_dense_fp64", f"{BLOCK}::test_blocked_equals_dense_fp64"),
+    ),
+    M(
+        "attention_triton_backward_ignores_documents",
+        "k3kernels.attention:_visible",
+        "the Triton chunk backward lets a query see the earlier keys of other documents",
+        _triton_attention_ignores_documents,
+        ("tests/kernels/test_attention_kernel.py::test_chunk_backward_from_the_merged_result_equals_the_reference",),
     ),
     M(
         "latent_weight_grads_dropped",

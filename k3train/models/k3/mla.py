@@ -125,8 +125,8 @@ class GatedMLA(nn.Module):
         q = q_rank, kv = kv_rank, s = shared key width, k/v = head widths): the attention keeps the latent, not
         per-head keys and values, and nothing grows with T. FLOPs: the projections' matmuls, and the fused chunk kernel
         over the key blocks a query's block sees (flex_attention's block mask skips the others): scores and values
-        forward (qk + v), and in backward the recomputed chunk forward (qk + v) and the chunk kernel's backward
-        (scores again, dV, dP, dQ, dK: 3 qk + 2 v)."""
+        forward (qk + v), and in backward the chunk backward from the merged output and log-sum-exp, with no forward
+        of the chunk (scores again, dV, dP, dQ, dK: 3 qk + 2 v; k3train.ops.attention.blocked)."""
         D, H, q, kv, s = args.dim, args.mla_heads, args.mla_q_rank, args.mla_kv_rank, args.mla_shared_k_dim
         k, v = args.mla_k_head_dim, args.mla_v_head_dim
         # The chunked attention keeps q, the latent (it rebuilds per-head keys and values per key chunk), its output
@@ -137,7 +137,7 @@ class GatedMLA(nn.Module):
         keys = 2.0 * visited_keys(seq_len) * H
         qk = args.mla_qk_head_dim
         # The backward rebuilds each key chunk's keys and values from the latent once more (2 per wkv_b weight).
-        flops = gemm(weights) + Flops(dense_gemm=2.0 * kv * H * (k + v), attention=keys * (5 * qk + 4 * v))
+        flops = gemm(weights) + Flops(dense_gemm=2.0 * kv * H * (k + v), attention=keys * (4 * qk + 3 * v))
         forward = Flops(dense_gemm=2.0 * weights, attention=keys * (qk + v))
         return Costs(Saved(act=act, fp32=H, i64=1, bf16=bf16), flops, forward)
 
@@ -154,8 +154,8 @@ class GatedMLA(nn.Module):
     def workspace_bytes(args: K3ModelArgs, q_tokens: int, seq_len: int, act_bytes: int) -> float:
         """Transient backward bytes per row (q_tokens of its queries on this rank, seq_len keys) on the fused chunk
         kernel (k3train.ops.attention.blocked): one key chunk's keys and values with their gradients, and per query
-        the chunk's recomputed output, its gradient and the chunk's query gradient, fp32 [H, q_tokens, *] (the
-        kernel holds no score tile; the CPU reference's [H, q_tokens, chunk] tiles are not counted)."""
+        the fp32 [H, q_tokens, *] product of the output and its gradient (rowsum(dO O)) and the chunk's query
+        gradient (the kernel holds no score tile; the CPU reference's [H, q_tokens, chunk] tiles are not counted)."""
         H, bk, qk, v = args.mla_heads, min(K_CHUNK, seq_len), args.mla_qk_head_dim, args.mla_v_head_dim
         return 2 * 4.0 * H * bk * (qk + v) + 4.0 * H * q_tokens * (2 * v + qk)
 

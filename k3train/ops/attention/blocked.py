@@ -9,13 +9,12 @@ lse = log(e^lse + e^lse_j), o = o e^(lse - lse') + o_j e^(lse_j - lse'). Visibil
 is the inner kernel's mask from positions and document ids; nothing is read back to the host, and no chunk is
 skipped (on CUDA the block mask skips the hidden blocks inside a chunk).
 
-Forward saves q, the source c (not K, V), the output and the log-sum-exp. Backward (ours, by recomputation) rebuilds
-each chunk's K and V from c (under the forward's autocast), recomputes the chunk through the inner kernel with
-gradients on, and backpropagates into q, c and the parameters the merged output's gradient restricted to the chunk:
-with w_j = e^(lse_j - lse), d o_j = w_j dO and d lse_j = w_j (rowsum(dO o_j) - rowsum(dO O)); that is the standard
-dS = P (dO V^T - rowsum(dO O)) with P = e^(S - lse), so the inner kernel needs only its own (out, lse) backward.
-A `source` may stand between the saved c and the keys: context parallelism saves only the local latent and
-all-gathers the row's latent again in backward, whose gradient it reduce-scatters back.
+Forward saves q, the source c (not K, V), the output and the log-sum-exp. Backward (ours) rebuilds each chunk's K
+and V from c (under the forward's autocast) and hands them to the inner kernel's backward with the MERGED output and
+log-sum-exp: the gradient restricted to the chunk's keys is dS = P (dO V^T - rowsum(dO O)) with P = e^(S - lse),
+which needs no forward of the chunk (FlashAttention-2's backward, per key chunk); autograd then carries dK and dV
+into c and the parameters. A `source` may stand between the saved c and the keys: context parallelism saves only
+the local latent and all-gathers the row's latent again in backward, whose gradient it reduce-scatters back.
 
 Held at once besides inputs and outputs: the source of the key range (O(Tk x width of c)), one chunk's K and V, the
 running output and lse, and whatever the inner kernel holds (the CPU reference: a [B, H, Tq, K_CHUNK] score tile;
@@ -29,7 +28,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from k3train.ops.attention.inner import _finite, chunk_kernel
+from k3train.ops.attention.inner import _finite, chunk_backward_kernel, chunk_kernel
 from k3train.ops.backend import AUTO, Kernels
 from k3train.ops.dtypes import wide
 
@@ -62,7 +61,7 @@ def _merge(o, lse, o_j, lse_j):
 
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, c, scale, k_chunk, kv, source, inner, q_pos, q_doc, k_pos, k_doc, *params):
+    def forward(ctx, q, c, scale, k_chunk, kv, source, inner, inner_backward, q_pos, q_doc, k_pos, k_doc, *params):
         acc, dev = wide(q.dtype), q.device.type
         c_full = source.gather(c) if source is not None else c
         o = lse = mx = None
@@ -78,7 +77,7 @@ class _ChunkedAttention(torch.autograd.Function):
                 mx = torch.maximum(mx, m_j)
         out = o.to(q.dtype)
         ctx.save_for_backward(q, c, out, lse, q_pos, q_doc, k_pos, k_doc, *params)
-        ctx.meta = (scale, k_chunk, kv, source, inner)
+        ctx.meta = (scale, k_chunk, kv, source, inner_backward)
         ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         ctx.mark_non_differentiable(mx)
         return out, mx
@@ -86,43 +85,33 @@ class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, _d_max):
         q, c, out, lse, q_pos, q_doc, k_pos, k_doc, *params = ctx.saved_tensors
-        scale, k_chunk, kv, source, inner = ctx.meta
+        scale, k_chunk, kv, source, inner_backward = ctx.meta
         autocast_on, autocast_dtype = ctx.autocast
         acc, dev = wide(q.dtype), q.device.type
         c_full = source.gather(c) if source is not None else c
-        d_out = d_out.to(acc)
-        delta = (d_out * out.to(acc)).sum(-1)  # rowsum(dO O)
-        base = _finite(lse)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dc = torch.zeros(c_full.shape, dtype=wide(c_full.dtype), device=q.device)
         dparams = [torch.zeros(p.shape, dtype=wide(p.dtype), device=p.device) for p in params]
-        q_leaf = q.detach().requires_grad_()
         for ka, kb in _chunks(c_full.shape[1], k_chunk):
             with torch.enable_grad():
                 c_blk = c_full[:, ka:kb].detach().requires_grad_()
                 p_leaves = [p.detach().requires_grad_() for p in params]
                 with torch.autocast(dev, dtype=autocast_dtype, enabled=autocast_on):
                     k, v = kv(c_blk, *p_leaves)
-                with torch.autocast(dev, enabled=False):
-                    o_j, lse_j, _ = inner(q_leaf, k, v, q_pos, q_doc, k_pos[:, ka:kb], k_doc[:, ka:kb], scale)
-            w = torch.exp(lse_j.detach().to(acc) - base)  # this chunk's share of each row's softmax
-            g_lse = w * ((d_out * o_j.detach().to(acc)).sum(-1) - delta)
-            g_out = w[..., None] * d_out
-            grads = torch.autograd.grad(
-                (o_j, lse_j),
-                [q_leaf, c_blk, *p_leaves],
-                (g_out.to(o_j.dtype), g_lse.to(lse_j.dtype)),
-                allow_unused=True,
-            )
-            dq += grads[0]
-            dc[:, ka:kb] += grads[1]
-            for d, g in zip(dparams, grads[2:]):
+            with torch.autocast(dev, enabled=False):  # the chunk's share of the merged softmax: no forward of it
+                dq_j, dk, dv = inner_backward(
+                    q, k.detach(), v.detach(), q_pos, q_doc, k_pos[:, ka:kb], k_doc[:, ka:kb], scale, out, lse, d_out
+                )
+            dq += dq_j
+            grads = torch.autograd.grad((k, v), [c_blk, *p_leaves], (dk, dv), allow_unused=True)
+            dc[:, ka:kb] += grads[0]
+            for d, g in zip(dparams, grads[1:]):
                 if g is not None:
                     d += g
         dc = dc.to(c_full.dtype)
         d_c = source.scatter(dc) if source is not None else dc
-        # no gradients for the 9 inputs between c and the parameters (scale ... k_doc)
-        return dq.to(q.dtype), d_c, *[None] * 9, *[d.to(p.dtype) for d, p in zip(dparams, params)]
+        # no gradients for the 10 inputs between c and the parameters (scale ... k_doc)
+        return dq.to(q.dtype), d_c, *[None] * 10, *[d.to(p.dtype) for d, p in zip(dparams, params)]
 
 
 def latent_block_attention(
@@ -143,7 +132,8 @@ def latent_block_attention(
     """Softmax attention of q [B, H, Tq, d] over keys and values built per key chunk by kv(c[:, a:b], *params)
     -> (k [B, H, b-a, d], v [B, H, b-a, dv]), c [B, Tk, ...] (or, with `source`, c is what source.gather turns into
     that). Positions and document ids: q_pos, q_doc [B or 1, Tq]; k_pos, k_doc [B or 1, Tk]; queries may sit anywhere
-    in the row (context parallelism's pieces). `kernels` picks the inner kernel (inner.chunk_kernel). Returns
+    in the row (context parallelism's pieces). `kernels` picks the inner kernels (inner.chunk_kernel and
+    inner.chunk_backward_kernel). Returns
     (output [B, H, Tq, dv] in q's dtype, per-head max visible logit [H] fp32, fp64 for fp64 q). Differentiable in q,
     c and params. A query that sees no key gets output 0."""
     B = q.shape[0]
@@ -151,9 +141,9 @@ def latent_block_attention(
     q_pos, q_doc, k_pos, k_doc = expand(q_pos), expand(q_doc), expand(k_pos), expand(k_doc)
     if k_pos.shape[1] == 0 or int(k_chunk) < 1:
         raise ValueError(f"chunked attention needs keys and a positive chunk (got {k_pos.shape[1]}, {k_chunk})")
-    inner = chunk_kernel(kernels, q)
+    inner, inner_backward = chunk_kernel(kernels, q), chunk_backward_kernel(kernels, q)
     return _ChunkedAttention.apply(
-        q, c, float(scale), int(k_chunk), kv, source, inner, q_pos, q_doc, k_pos, k_doc, *params
+        q, c, float(scale), int(k_chunk), kv, source, inner, inner_backward, q_pos, q_doc, k_pos, k_doc, *params
     )
 
 

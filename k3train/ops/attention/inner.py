@@ -14,6 +14,12 @@ Two implementations, chosen by `chunk_kernel` from the tensors' device through t
   `k3train::attention_chunk` with a fake implementation (so fake tensors and torch.compile trace it) and a backward
   that is itself the custom op `k3train::attention_chunk_backward` (dense recomputation from the saved lse, taking
   the gradients of both out and lse). CPU, fp64, and `model.kernels=torch`.
+
+The outer layer's backward does not differentiate through a chunk: it asks `chunk_backward_kernel`'s function for
+the chunk's share of the merged result's gradient, (dq, dk, dv) from the merged out and lse, which needs no forward of
+the chunk: `reference_chunk_backward` (the same custom op with no lse gradient) or `triton_chunk_backward`
+(k3kernels.attention, FlashAttention-2's backward with hidden block pairs skipped) where the choice sends q to the
+Triton kernels.
 - `flex_chunk`: torch's flex_attention, compiled, with a block mask built from positions and document ids on the
   device; bf16 operands, fp32 accumulation; lse and the max scores through `return_aux=AuxRequest(lse=True,
   max_scores=True)` (flex returns them on CUDA; on CPU it refuses max scores and has no backward, so CPU never runs
@@ -187,7 +193,10 @@ def flex_flop_formulas() -> dict:
         return int(2 * q.shape[1] * pairs(q, k, q_pos, q_doc, k_pos, k_doc) * (3 * q.shape[-1] + 2 * v.shape[-1]))
 
     forward._get_raw = backward._get_raw = True
-    return {torch.ops.k3train.attention_chunk: forward, torch.ops.k3train.attention_chunk_backward: backward}
+    ops = {torch.ops.k3train.attention_chunk: forward, torch.ops.k3train.attention_chunk_backward: backward}
+    if hasattr(torch.ops.k3kernels, "attention_chunk_backward"):  # the Triton backward, once k3kernels.attention loaded
+        ops[torch.ops.k3kernels.attention_chunk_backward] = backward
+    return ops
 
 
 def reference_chunk(q, k, v, q_pos, q_doc, k_pos, k_doc, scale: float):
@@ -226,6 +235,31 @@ def flex_chunk(q, k, v, q_pos, q_doc, k_pos, k_doc, scale: float):
         q.to(bf), k.to(bf), v.to(bf), block_mask=mask, scale=scale, return_aux=AuxRequest(lse=True, max_scores=True)
     )
     return out.float(), aux.lse.float(), aux.max_scores.float()
+
+
+def reference_chunk_backward(q, k, v, q_pos, q_doc, k_pos, k_doc, scale: float, out, lse, d_out):
+    """The chunk's (dq, dk, dv) from the merged out and lse of the whole key range (k3train.ops.attention.blocked's
+    backward): the custom op `k3train::attention_chunk_backward` with no lse gradient (dense, in the wide dtype)."""
+    return attention_chunk_backward(
+        q, k, v, q_pos, q_doc, k_pos, k_doc, float(scale), out, lse, d_out, torch.zeros_like(lse)
+    )
+
+
+def triton_chunk_backward(q, k, v, q_pos, q_doc, k_pos, k_doc, scale: float, out, lse, d_out):
+    """The same from the Triton kernels (k3kernels.attention: bf16 operands on CUDA, fp32 accumulation, hidden block
+    pairs skipped)."""
+    import k3kernels.attention  # at call time, as the other Triton kernels (an import statement: compile traces it)
+
+    op = k3kernels.attention.attention_chunk_backward
+    if q.is_cuda:
+        q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
+    return op(q, k, v, q_pos, q_doc, k_pos, k_doc, float(scale), out, lse, d_out)
+
+
+def chunk_backward_kernel(kernels: Kernels, q: Tensor) -> Callable:
+    """The chunk backward from the merged result under the `kernels` choice: the Triton kernels where the choice sends
+    q to them (CUDA under `auto` or `triton`, the interpreter under `triton`; never fp64), the reference otherwise."""
+    return triton_chunk_backward if kernels.triton_for(q) else reference_chunk_backward
 
 
 def chunk_kernel(kernels: Kernels, q: Tensor) -> Callable:
