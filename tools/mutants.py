@@ -328,6 +328,15 @@ def _recomputed_kept(orig):
     return lambda fn, *args: fn(*args)
 
 
+def _kda_cp_kept_undeclared(orig):
+    import dataclasses
+
+    def cp_gather(args):
+        return dataclasses.replace(orig(args), kept_fp32=0.0, kept_act=0.0)
+
+    return cp_gather
+
+
 def _kda_chunk_terms_kept(orig):
     """KDAChunks runs its terms without recomputation: autograd keeps their chains."""
     return with_globals(orig, recomputed=_recomputed_kept(None))
@@ -1804,6 +1813,35 @@ MUTATIONS: list[Mutation] = [
         "the intra-chunk terms keep what their chains save for backward instead of being recomputed from the inputs",
         _kda_chunk_terms_kept,
         ("tests/e2e/test_plan.py::test_kda_saved_bytes_exact[False-overrides0]",),
+    ),
+    M(
+        "kda_conv_chains_kept",
+        "k3train.ops.short_conv:short_conv",
+        "the short conv and the SiLU / L2 norm after it keep what they save instead of being recomputed",
+        _kda_chunk_terms_kept,
+        ("tests/e2e/test_plan.py::test_kda_saved_bytes_exact[False-overrides0]",),
+    ),
+    M(
+        "kda_gate_kept",
+        "k3train.models.k3.kda:KDA.qkvgb",
+        "KDA's forget gate keeps its intermediates instead of being recomputed from the low-rank projection",
+        _kda_chunk_terms_kept,
+        ("tests/e2e/test_plan.py::test_kda_saved_bytes_exact[False-overrides0]",),
+    ),
+    M(
+        "kda_output_norm_kept",
+        "k3train.models.k3.kda:KDA.forward",
+        "KDA's output norm and gate keep their intermediates instead of being recomputed",
+        _kda_chunk_terms_kept,
+        ("tests/e2e/test_plan.py::test_kda_saved_bytes_exact[False-overrides0]",),
+    ),
+    M(
+        "kda_cp_piece_state_undeclared",
+        "k3train.models.k3.kda:KDA.cp_gather",
+        "the planner leaves out what KDA keeps per context-parallel piece (its entering state, the conv halos)",
+        _kda_cp_kept_undeclared,
+        (f"{PLAN}::test_planner_matches_measured_layouts",),
+        sweep=False,
     ),
     M(
         "chunk_kda_drops_tile_row",

@@ -88,11 +88,15 @@ class Costs:
 class CPGather:
     """Elements one layer all-gathers over its context-parallel group per micro-batch row (forward; backward
     reduce-scatters the same): per piece, fp32 (KDA's summaries) and in the compute dtype (halos), and per token in
-    the compute dtype, gathered again in backward (Gated MLA's latent, not kept for it)."""
+    the compute dtype, gathered again in backward (Gated MLA's latent, not kept for it). And what of it the layer
+    keeps for backward per local piece, beyond its per-token saves (KDA: the state entering the piece, fp32, and the
+    halos its recomputed convolutions start from), when it is not recomputed whole."""
 
     piece_fp32: float = 0.0
     piece_act: float = 0.0
     token_act: float = 0.0
+    kept_fp32: float = 0.0
+    kept_act: float = 0.0
 
 
 def gemm(weights: float) -> Flops:

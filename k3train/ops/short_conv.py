@@ -5,9 +5,12 @@ position-in-document masks the taps that would cross a document start)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from k3train.ops.cp import CPContext
+from k3train.ops.recompute import recomputed
 
 
 def causal_conv1d(
@@ -51,10 +54,21 @@ def conv_halo(y: torch.Tensor, W: int, cp: CPContext) -> torch.Tensor:
 
 
 def short_conv(
-    x: torch.Tensor, weight: torch.Tensor, pos_in_doc: torch.Tensor | None = None, cp: CPContext | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    pos_in_doc: torch.Tensor | None = None,
+    cp: CPContext | None = None,
+    then: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """causal_conv1d of a batch, or of the local pieces of a context-parallel batch (cp: k3train.ops.cp.CPContext):
-    then each piece reads the tokens before it through conv_halo, and the document mask comes from cp."""
-    if cp is None:
-        return causal_conv1d(x, weight, pos_in_doc)
-    return causal_conv1d(x, weight, cp.on("pos_in_doc", x.device), conv_halo(x, weight.shape[1], cp))
+    then each piece reads the tokens before it through conv_halo, and the document mask comes from cp.
+
+    then: what follows the conv (an activation, a norm). The two run as one recomputed op (k3train.ops.recompute):
+    backward reruns them from x, so none of their intermediates is kept; the halo, an exchange, is gathered outside
+    the rerun."""
+    halo = None if cp is None else conv_halo(x, weight.shape[1], cp)
+    pos = pos_in_doc if cp is None else cp.on("pos_in_doc", x.device)
+    if then is None:
+        return causal_conv1d(x, weight, pos, halo)
+    # pos is a table of the batch, alive anyway: read by the rerun, not kept by it
+    return recomputed(lambda x, weight, halo: then(causal_conv1d(x, weight, pos, halo)), x, weight, halo)

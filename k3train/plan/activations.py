@@ -215,9 +215,12 @@ def stage_bytes(
     seq_len: int,
     plan: PolicyPlan,
     act_bytes: int,
+    pieces: int = 0,
 ) -> tuple[float, float]:
     """(saved activations, backward workspace) of one micro-batch of `rows` rows on a stage, in device bytes
-    (tokens = rows x local sequence length), from one walk over its layers.
+    (tokens = rows x local sequence length), from one walk over its layers. pieces: the micro-batch's
+    context-parallel pieces on this rank (rows x pieces per rank; 0 without CP), for what a layer keeps per piece
+    (its CPGather's kept_*) when its token mixer is not rerun.
 
     The workspace is the transient bytes of the stage's most expensive layer while it runs backward (one layer at a
     time): a recomputed layer rebuilds everything it saves under keep for its own backward (one micro-batch), and its
@@ -232,6 +235,9 @@ def stage_bytes(
         total += (S - 1) * args.dim * act_bytes * tokens  # received sources the layers read (the last is counted)
     for i in layers:
         total += layer_bytes_per_token(args, i, seq_len, plan, act_bytes, S) * tokens
+        if pieces and (plan.of(f"layers.{i}.attn") or plan.layer(i)) != "recompute":
+            g = layer_mixer(args, i).cp_gather(args)
+            total += pieces * (4 * g.kept_fp32 + act_bytes * g.kept_act)
         w = (
             layer_bytes_per_token(args, i, seq_len, KEEP, act_bytes, S) * tokens
             if plan.layer(i) == "recompute"

@@ -178,7 +178,10 @@ def measure_layout(layout: Layout, results: list[dict] | None = None) -> list[di
     def acts(key: str) -> float:  # the planner's saved activations of stage s at length T (key "s:T")
         s, T = map(int, key.split(":"))
         tok, last = MICRO_BATCH * T // dims.cp, s == dims.n_stages - 1
-        return stage_activation_bytes(args, splits[T][s], first=s == 0, last=last, tokens=tok, seq_len=T, **kw)
+        pieces = MICRO_BATCH * dims.cp_pieces // dims.cp if dims.cp > 1 else 0
+        return stage_activation_bytes(
+            args, splits[T][s], first=s == 0, last=last, tokens=tok, seq_len=T, pieces=pieces, **kw
+        )
 
     rows = []
     for res in results:

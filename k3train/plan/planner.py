@@ -317,6 +317,7 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
     layers = x.stage_layers[s]
     n_moe = sum(args.ffn_kind(i) == "moe" for i in layers)
     kw = dict(first=s == 0, last=s == n - 1, tokens=tokens, rows=x.mb, seq_len=x.seq, plan=x.pplan, act_bytes=ab)
+    kw["pieces"] = x.mb * dims.cp_pieces // dims.cp if dims.cp > 1 else 0
     act, work_bytes = stage_bytes(args, layers, **kw)
     host = stage_bytes(args, layers, **{**kw, "plan": x.pplan.offload_kept()})[0] - act  # offloaded bytes
     if s > 0:  # its received input is a boundary tensor: counted once, with the pipeline's buffers

@@ -9,6 +9,7 @@ per document or over the pieces of a context-parallel batch).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -22,11 +23,18 @@ from k3train.models.structure import MatrixStructure
 from k3train.ops.backend import AUTO, Kernels
 from k3train.ops.kda import kda_gate
 from k3train.ops.kda.cp import kda
+from k3train.ops.recompute import recomputed
 from k3train.ops.short_conv import short_conv
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def _heads(shape: tuple[int, ...], normalise: bool, y: torch.Tensor) -> torch.Tensor:
+    """A short conv's output [B, T, H*K] through SiLU as heads [B, T, H, K], L2-normalised per head (q and k)."""
+    y = F.silu(y).view(shape)
+    return l2norm(y) if normalise else y
 
 
 class KDA(nn.Module):
@@ -65,17 +73,21 @@ class KDA(nn.Module):
             self.dt_bias.copy_(torch.log(frac) - torch.log1p(-frac))
 
     def qkvgb(self, x: torch.Tensor, ctx: BatchContext):
-        """Projected, convolved and normalised q, k, v [B,T,H,K], log-decay g [B,T,H,K] fp32, beta [B,T,H]."""
+        """Projected, convolved and normalised q, k, v [B,T,H,K], log-decay g [B,T,H,K] fp32, beta [B,T,H].
+
+        The elementwise chains between the projections and the recurrence (conv, SiLU, L2 norm; the gate) are
+        recomputed in backward from the projections' outputs (k3train.ops.recompute): they would keep several
+        copies of every q, k, v element, where rerunning them costs a few elementwise passes."""
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
         pos = None if ctx.cu_seqlens is None else ctx.documents(B, T, x.device).positions
         cp = ctx.cp_context(B, T)
-        branch = lambda proj, w: F.silu(short_conv(proj(x), w, pos, cp)).view(B, T, H, K)
-
-        q = l2norm(branch(self.q_proj, self.q_conv))
-        k = l2norm(branch(self.k_proj, self.k_conv))
-        v = branch(self.v_proj, self.v_conv)
-        g = kda_gate(self.f_b(self.f_a(x)).view(B, T, H, K), self.A_log, self.dt_bias, self.g_min)
+        heads = functools.partial(_heads, (B, T, H, K))
+        q = short_conv(self.q_proj(x), self.q_conv, pos, cp, then=functools.partial(heads, True))
+        k = short_conv(self.k_proj(x), self.k_conv, pos, cp, then=functools.partial(heads, True))
+        v = short_conv(self.v_proj(x), self.v_conv, pos, cp, then=functools.partial(heads, False))
+        gate = functools.partial(kda_gate, g_min=self.g_min)
+        g = recomputed(gate, self.f_b(self.f_a(x)).view(B, T, H, K), self.A_log, self.dt_bias)
         beta = torch.sigmoid(self.b_proj(x).to(torch.promote_types(x.dtype, torch.float32)))
         return q, k, v, g, beta
 
@@ -84,8 +96,12 @@ class KDA(nn.Module):
         ctx = ctx or BatchContext()
         where = dict(cu_seqlens=ctx.cu_seqlens, cp=ctx.cp_context(B, T))  # documents, context-parallel pieces
         o = kda(*self.qkvgb(x, ctx), chunk_size=self.chunk, kernels=self.kernels, g_min=self.g_min, **where)
-        o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(self.g_proj(x)).view(B, T, self.n_heads, self.head_dim)
+        o = recomputed(self._gated_norm, o.to(x.dtype), self.g_proj(x))  # the output norm and gate: rerun too
         return self.o_proj(o.reshape(B, T, -1))
+
+    def _gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The recurrence's output [B, T, H, K], RMS-normalised per head and gated by sigmoid(gate [B, T, H*K])."""
+        return self.o_norm(o) * torch.sigmoid(gate).view(o.shape)
 
     def muon_structure(self) -> dict[str, MatrixStructure]:
         H = self.n_heads
@@ -105,20 +121,21 @@ class KDA(nn.Module):
     def costs(args: K3ModelArgs, seq_len: int) -> Costs:
         """Per token (k3train.models.costs), H heads of width K, chunk C, decay rank r, model width D.
 
-        Saved, in fp32 training: D + r + 9 + H (27 K + 3) elements of the projection, short-convolution, L2-norm,
-        gate and output-norm chains, and H (2 K^2 / C + 2 K + 1) in the fp32 island of the chunked recurrence: the
-        log-decay and beta it reads, and per chunk the map M [K, K], the state entering it [K, V] and Q Gamma - Aqk W
-        [C, K]. The intra-chunk terms (tile scores, the triangular solve) are recomputed in backward from the saved
-        inputs (k3train.ops.kda.chunk.KDAChunks), not kept. In bf16 training 2 (D + r) + 18 + H (8 K^2 / C + 70 K +
-        12) bytes (autocast's bf16 copies beside the fp32 island).
+        Saved, in fp32 training: D + r + 10 H K elements (the projections' input and outputs, which the recomputed
+        chains start from, and the recurrence's output and gate input) and H (2 K^2 / C + 2 K + 1) in the fp32 island
+        of the chunked recurrence: the log-decay and beta it reads, and per chunk the map M [K, K], the state
+        entering it [K, V] and Q Gamma - Aqk W [C, K]. The intra-chunk terms (tile scores, the triangular solve) are
+        recomputed in backward from the saved inputs (k3train.ops.kda.chunk.KDAChunks), and so are the elementwise
+        chains (conv, SiLU, L2 norm, the gate, the output norm and its gate; `qkvgb`): neither is kept. In bf16
+        training the same split holds, the act elements in bf16 (2 (D + r) + H (8 K^2 / C + 28 K + 4) bytes). The
+        chains' reruns are elementwise passes over what is saved, charged with it.
 
         FLOPs per head: one forward of the chunked form, 2 K^3 / C + 6 K^2 + 6 K C + 32 K (intra-chunk tiles, the WY
         factors, the state recurrence), its backward, and the intra-chunk terms' forward once more in backward,
         4 K^2 + 6 K C + 32 K: 6 K^3 / C + 22 K^2 + 28 K C + 128 K in all, less (6 K^3 + 2 C K^2) per row (the first
         chunk starts from a zero state, whose gradient is not formed); plus the projections' matmuls."""
         D, H, K, C, r = args.dim, args.kda_heads, args.kda_head_dim, args.kda_chunk, args.kda_decay_rank
-        bf16 = 2 * (D + r) + 18 + H * (8 * K * K / C + 70 * K + 12)
-        saved = Saved(act=D + r + 9 + H * (27 * K + 3), fp32=H * (2 * K * K / C + 2 * K + 1), bf16=bf16)
+        saved = Saved(act=D + r + 10 * H * K, fp32=H * (2 * K * K / C + 2 * K + 1))
         projections = gemm(5 * D * H * K + D * r + r * H * K + D * H)
         forward = H * (2 * K**3 / C + 6 * K * K + 6 * K * C + 32 * K)
         total = H * (6 * K**3 / C + 22 * K * K + 28 * K * C + 128 * K) - H * (6 * K**3 + 2 * C * K * K) / seq_len
@@ -152,9 +169,11 @@ class KDA(nn.Module):
     @staticmethod
     def cp_gather(args: K3ModelArgs) -> CPGather:
         """Per piece: the fp32 summary [H, K, 2K] of its chunks, and the short convolutions' halos (W-1 tokens of q,
-        k and v) (k3train.ops.kda.cp, k3train.ops.short_conv)."""
+        k and v) (k3train.ops.kda.cp, k3train.ops.short_conv). Kept per local piece: the state entering it [H, K, V]
+        and the halos (inputs of the recomputed conv chains)."""
         H, K = args.kda_heads, args.kda_head_dim
-        return CPGather(piece_fp32=H * K * 2 * K, piece_act=(args.kda_conv_size - 1) * 3 * H * K)
+        halos = (args.kda_conv_size - 1) * 3 * H * K
+        return CPGather(piece_fp32=H * K * 2 * K, piece_act=halos, kept_fp32=H * K * K, kept_act=halos)
 
     @staticmethod
     def core_flops(args: K3ModelArgs, seq_len: int) -> int:
