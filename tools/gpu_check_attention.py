@@ -6,8 +6,11 @@ Gated MLA's widths (qk 192 = 128 + 64 shared, v 128), 16 heads, several document
 1. chunk: k3train.ops.attention.inner.flex_chunk (bf16 operands) against reference_chunk in fp32 on the same
    bf16-rounded operands, for 2048 queries against a later chunk of 1024 keys (queries before it see nothing):
    out, lse and the per-row max score (flex's AuxRequest(max_scores=True)), and the gradients of q, k, v through
-   (out, lse) for random output and lse gradients;
-2. layer: latent_block_attention on kernels=auto (flex) against kernels=torch (the reference chunk op, fp32), 2048
+   (out, lse) for random output and lse gradients; and the chunk backward from a merged result that the layer's
+   backward runs (k3train.ops.attention.inner.triton_chunk_backward, the Triton kernels of k3kernels.attention, bf16
+   operands) against reference_chunk_backward in fp32;
+2. layer: latent_block_attention on kernels=auto (flex forward, Triton chunk backward) against kernels=torch (the
+   reference chunk ops, fp32), 2048
    tokens in 1024-key chunks: output, per-head max logit, gradients of q, the latent and both weights; the second
    forward and backward (after compiling) run under torch.cuda.set_sync_debug_mode("error") (no host sync).
 Errors are max |a - b| / max |b|; the bounds allow bf16 operands (8 mantissa bits) with fp32 accumulation.
@@ -26,7 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k3train.models.k3.args import get_preset  # noqa: E402
 from k3train.models.k3.mla import GatedMLA  # noqa: E402
 from k3train.ops.attention import latent_block_attention  # noqa: E402
-from k3train.ops.attention.inner import flex_chunk, reference_chunk  # noqa: E402
+from k3train.ops.attention.inner import (  # noqa: E402
+    flex_chunk,
+    reference_chunk,
+    reference_chunk_backward,
+    triton_chunk_backward,
+)
 from k3train.ops.backend import Kernels  # noqa: E402
 
 H, DK, DS, DV, RANK = 16, 128, 64, 128, 512
@@ -81,6 +89,14 @@ def chunk_check(dev) -> None:
     print("chunk: flex_attention vs the dense reference (fp32 on the same bf16 operands)")
     for i, what in enumerate(("out", "lse", "max score", "dq", "dk", "dv")):
         check(what, res["flex"][i], res["ref"][i])
+    out, lse = res["ref"][0].detach(), res["ref"][1].detach()  # the merged result of this one chunk
+    d_out = torch.randn(out.shape, device=dev, generator=torch.Generator(device=dev).manual_seed(5))
+    args = (pos, doc, kp, kd, scale, out, lse, d_out)
+    got = triton_chunk_backward(q, k, v, *args)
+    ref = reference_chunk_backward(q.float(), k.float(), v.float(), *args)
+    print("chunk backward from the merged result: Triton (bf16) vs the dense reference (fp32)")
+    for what, a, b in zip(("dq", "dk", "dv"), got, ref):
+        check(what + " (merged)", a, b)
 
 
 def _layer_inputs(dev):

@@ -10,7 +10,8 @@ A kind is a module class with
   (k3train.models.structure; K3Model.muon_structure collects it from every module);
 - `workspace_bytes(args, q_tokens, seq_len, act_bytes) -> float`, `cp_gather(args) -> CPGather` and
   `cp_flops(args, cp, rerun, seq_len) -> Flops` (static): its transient backward bytes per sequence row, its
-  context-parallel traffic and the FLOPs context parallelism adds per local token, which the planner adds up.
+  context-parallel traffic (and what of it it keeps per piece) and the FLOPs context parallelism adds per local
+  token, which the planner adds up.
 KDA ("kda") and Gated MLA ("mla") are registered here. Another kind lives in a package of its own, named as the
 kind, under k3train.models (e.g. k3train.models.toy_dense_attention), that registers it when imported
 (`register_mixer`): `layer_mixer` imports it the first time a config names the kind, so a new kind needs no edit
