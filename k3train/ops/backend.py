@@ -8,7 +8,9 @@ in k3kernels (the `model.kernels` setting).
             run under the interpreter on CPU) and the Triton kernels for the other ops
 
 The ops covered: the chunked KDA (k3kernels.kda.chunk_kda vs k3train.ops.kda.chunk_kda), the SiTU-GLU activation
-(k3kernels.situ vs k3train.ops.situ) and the MoE permutation (k3kernels.moe_permute vs k3train.ops.moe_permute).
+(k3kernels.situ vs k3train.ops.situ), the MoE permutation (k3kernels.moe_permute vs k3train.ops.moe_permute) and
+the chunked attention's backward (k3kernels.attention vs the dense op; k3train.ops.attention.inner, whose forward
+runs flex_attention on CUDA whatever the choice but `torch`).
 Where the Triton kernel does not cover a case the PyTorch op runs, whatever the choice: fp64 tensors (the kernels
 compute in fp32), KDA chunk sizes other than 64 and KDA log-decays below -5. The context-parallel KDA
 (k3train.ops.kda.cp) follows the same choice through kda_segments: on Triton its piece summaries and outputs are
