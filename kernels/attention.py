@@ -29,16 +29,32 @@ def _visible(qp, qd, kp, kd):
 
 
 @triton.jit
+def _tile(P, bh, T, W, r, r_in, c, c_in):
+    """Pointers and mask of rows r, columns c of row bh of a [B*H, T, W] tensor."""
+    return P + bh * T * W + r[:, None] * W + c[None, :], r_in[:, None] & c_in
+
+
+@triton.jit
+def _load(P, bh, T, W, r, r_in, c, c_in):
+    at, mask = _tile(P, bh, T, W, r, r_in, c, c_in)
+    return tl.load(at, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store(P, bh, T, W, r, r_in, c, c_in, x):
+    at, mask = _tile(P, bh, T, W, r, r_in, c, c_in)
+    tl.store(at, x.to(P.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _dkdv(Q, K, V, DO, LSE, DELTA, QP, QD, KP, KD, DK, DV, H, Tq, Tk, D, E, scale,
           BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):  # fmt: skip
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     d, e = tl.arange(0, BD), tl.arange(0, BE)
-    d_in, e_in = d[None, :] < D, e[None, :] < E
-    n_in = n < Tk
-    k = tl.load(K + bh * Tk * D + n[:, None] * D + d[None, :], mask=n_in[:, None] & d_in, other=0.0)
-    v = tl.load(V + bh * Tk * E + n[:, None] * E + e[None, :], mask=n_in[:, None] & e_in, other=0.0)
+    d_in, e_in, n_in = d[None, :] < D, e[None, :] < E, n < Tk
+    k, v = _load(K, bh, Tk, D, n, n_in, d, d_in), _load(V, bh, Tk, E, n, n_in, e, e_in)
     kp = tl.load(KP + b * Tk + n, mask=n_in, other=0)
     kd = tl.load(KD + b * Tk + n, mask=n_in, other=-1)  # padding keys: a document no query has
     dk = tl.zeros((BN, BD), dtype=tl.float32)
@@ -50,18 +66,15 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, QP, QD, KP, KD, DK, DV, H, Tq, Tk, D, E, scal
         qd = tl.load(QD + b * Tq + m, mask=m_in, other=-2)  # padding queries: a document no key has
         vis = _visible(qp, qd, kp, kd)
         if tl.max(vis.to(tl.int32)) > 0:
-            q = tl.load(Q + bh * Tq * D + m[:, None] * D + d[None, :], mask=m_in[:, None] & d_in, other=0.0)
-            do = tl.load(DO + bh * Tq * E + m[:, None] * E + e[None, :], mask=m_in[:, None] & e_in, other=0.0)
+            q, do = _load(Q, bh, Tq, D, m, m_in, d, d_in), _load(DO, bh, Tq, E, m, m_in, e, e_in)
             lse = tl.load(LSE + bh * Tq + m, mask=m_in, other=0.0)
             delta = tl.load(DELTA + bh * Tq + m, mask=m_in, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
-            p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
+            p = tl.where(vis, tl.exp(tl.dot(q, tl.trans(k)) * scale - lse[:, None]), 0.0)
             dv += tl.dot(tl.trans(p).to(do.dtype), do)
             ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
             dk += tl.dot(tl.trans(ds).to(q.dtype), q)
-    dk_at, dv_at = DK + bh * Tk * D + n[:, None] * D + d[None, :], DV + bh * Tk * E + n[:, None] * E + e[None, :]
-    tl.store(dk_at, (dk * scale).to(DK.dtype.element_ty), mask=n_in[:, None] & d_in)
-    tl.store(dv_at, dv.to(DV.dtype.element_ty), mask=n_in[:, None] & e_in)
+    _store(DK, bh, Tk, D, n, n_in, d, d_in, dk * scale)
+    _store(DV, bh, Tk, E, n, n_in, e, e_in, dv)
 
 
 @triton.jit
@@ -71,10 +84,8 @@ def _dq(Q, K, V, DO, LSE, DELTA, QP, QD, KP, KD, DQ, H, Tq, Tk, D, E, scale,
     b = bh // H
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     d, e = tl.arange(0, BD), tl.arange(0, BE)
-    d_in, e_in = d[None, :] < D, e[None, :] < E
-    m_in = m < Tq
-    q = tl.load(Q + bh * Tq * D + m[:, None] * D + d[None, :], mask=m_in[:, None] & d_in, other=0.0)
-    do = tl.load(DO + bh * Tq * E + m[:, None] * E + e[None, :], mask=m_in[:, None] & e_in, other=0.0)
+    d_in, e_in, m_in = d[None, :] < D, e[None, :] < E, m < Tq
+    q, do = _load(Q, bh, Tq, D, m, m_in, d, d_in), _load(DO, bh, Tq, E, m, m_in, e, e_in)
     lse = tl.load(LSE + bh * Tq + m, mask=m_in, other=0.0)
     delta = tl.load(DELTA + bh * Tq + m, mask=m_in, other=0.0)
     qp = tl.load(QP + b * Tq + m, mask=m_in, other=0)
@@ -87,14 +98,11 @@ def _dq(Q, K, V, DO, LSE, DELTA, QP, QD, KP, KD, DQ, H, Tq, Tk, D, E, scale,
         kd = tl.load(KD + b * Tk + n, mask=n_in, other=-1)
         vis = _visible(qp, qd, kp, kd)
         if tl.max(vis.to(tl.int32)) > 0:
-            k = tl.load(K + bh * Tk * D + n[:, None] * D + d[None, :], mask=n_in[:, None] & d_in, other=0.0)
-            v = tl.load(V + bh * Tk * E + n[:, None] * E + e[None, :], mask=n_in[:, None] & e_in, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
-            p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
+            k, v = _load(K, bh, Tk, D, n, n_in, d, d_in), _load(V, bh, Tk, E, n, n_in, e, e_in)
+            p = tl.where(vis, tl.exp(tl.dot(q, tl.trans(k)) * scale - lse[:, None]), 0.0)
             ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k)
-    dq_at = DQ + bh * Tq * D + m[:, None] * D + d[None, :]
-    tl.store(dq_at, (dq * scale).to(DQ.dtype.element_ty), mask=m_in[:, None] & d_in)
+    _store(DQ, bh, Tq, D, m, m_in, d, d_in, dq * scale)
 
 
 def _width(n: int) -> int:
