@@ -4,8 +4,8 @@
 
 q [B, H, Tq, d], k [B, H, Tk, d], v [B, H, Tk, dv]; positions and document ids [B, T] (query i sees key j when both
 lie in one document and j is not after i). A row that sees no key of the chunk has out 0, lse and max -inf. out, lse
-and max are fp32 (fp64 for fp64 inputs). out and lse are differentiable in q, k and v (the outer layer,
-k3train.ops.attention.blocked, backpropagates through a recomputed chunk); max is a statistic (QK-Clip's).
+and max are fp32 (fp64 for fp64 inputs). out and lse are differentiable in q, k and v; max is a statistic
+(QK-Clip's).
 
 Two implementations, chosen by `chunk_kernel` from the tensors' device through the model's `kernels` choice
 (k3train.ops.backend, `model.kernels`):
@@ -14,17 +14,17 @@ Two implementations, chosen by `chunk_kernel` from the tensors' device through t
   `k3train::attention_chunk` with a fake implementation (so fake tensors and torch.compile trace it) and a backward
   that is itself the custom op `k3train::attention_chunk_backward` (dense recomputation from the saved lse, taking
   the gradients of both out and lse). CPU, fp64, and `model.kernels=torch`.
+- `flex_chunk`: torch's flex_attention, compiled, with a block mask built from positions and document ids on the
+  device; bf16 operands, fp32 accumulation; lse and the max scores through `return_aux=AuxRequest(lse=True,
+  max_scores=True)` (flex returns them on CUDA; on CPU it refuses max scores and has no backward, so CPU never runs
+  it). qk width 192 and v width 128 (Gated MLA's) are
+  checked against the reference by tools/gpu_check_attention.py. CUDA tensors, not fp64, under `auto` or `triton`.
 
 The outer layer's backward does not differentiate through a chunk: it asks `chunk_backward_kernel`'s function for
 the chunk's share of the merged result's gradient, (dq, dk, dv) from the merged out and lse, which needs no forward of
 the chunk: `reference_chunk_backward` (the same custom op with no lse gradient) or `triton_chunk_backward`
 (k3kernels.attention, FlashAttention-2's backward with hidden block pairs skipped) where the choice sends q to the
 Triton kernels.
-- `flex_chunk`: torch's flex_attention, compiled, with a block mask built from positions and document ids on the
-  device; bf16 operands, fp32 accumulation; lse and the max scores through `return_aux=AuxRequest(lse=True,
-  max_scores=True)` (flex returns them on CUDA; on CPU it refuses max scores and has no backward, so CPU never runs
-  it), and flex's own backward, which takes the lse's gradient. qk width 192 and v width 128 (Gated MLA's) are
-  checked against the reference by tools/gpu_check_attention.py. CUDA tensors, not fp64, under `auto` or `triton`.
 """
 
 from __future__ import annotations
@@ -251,9 +251,11 @@ def triton_chunk_backward(q, k, v, q_pos, q_doc, k_pos, k_doc, scale: float, out
     import k3kernels.attention  # at call time, as the other Triton kernels (an import statement: compile traces it)
 
     op = k3kernels.attention.attention_chunk_backward
+    dtypes = q.dtype, k.dtype, v.dtype
     if q.is_cuda:
         q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
-    return op(q, k, v, q_pos, q_doc, k_pos, k_doc, float(scale), out, lse, d_out)
+    grads = op(q, k, v, q_pos, q_doc, k_pos, k_doc, float(scale), out, lse, d_out)
+    return tuple(g.to(dt) for g, dt in zip(grads, dtypes))  # the gradients in the operands' own dtypes
 
 
 def chunk_backward_kernel(kernels: Kernels, q: Tensor) -> Callable:
