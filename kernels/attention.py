@@ -119,19 +119,18 @@ def attention_chunk_backward(
     k_pos: torch.Tensor,
     k_doc: torch.Tensor,
     scale: float,
-    out: torch.Tensor,
+    delta: torch.Tensor,
     lse: torch.Tensor,
     d_out: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of one key chunk from the merged out [B, H, Tq, E] and lse [B, H, Tq] of the whole key range and
-    d_out: q [B, H, Tq, D], k [B, H, Tk, D], v [B, H, Tk, E] (the operands' dtype: bf16 on CUDA), positions and
-    document ids [B, T]. Gradients in q's, k's and v's dtypes."""
+    """(dq, dk, dv) of one key chunk from rowsum(dO O) `delta` and the finite log-sum-exp `lse` [B, H, Tq] (fp32) of
+    the whole key range's merged result, and d_out: q [B, H, Tq, D], k [B, H, Tk, D], v [B, H, Tk, E] and d_out in
+    one dtype (bf16 on CUDA), positions and document ids [B, T]. The per-layer inputs (q, d_out, delta, lse) are
+    prepared once by the caller (k3train.ops.attention.inner.triton_chunk_backward); gradients in the operands'
+    dtype."""
     B, H, Tq, D = q.shape
     Tk, E = k.shape[2], v.shape[-1]
-    delta = (d_out.float() * out.float()).sum(-1).contiguous()
-    lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).float().contiguous()  # a row that sees nothing
-    dtypes = q.dtype, k.dtype, v.dtype
-    q, k, v, do = (t.to(q.dtype).contiguous() for t in (q, k, v, d_out))  # one operand dtype for the dots
+    q, k, v, do, delta, lse = (t.contiguous() for t in (q, k, v, d_out, delta, lse))
     pos = [t.expand(B, -1).to(torch.int64).contiguous() for t in (q_pos, q_doc, k_pos, k_doc)]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if B * H * Tq * Tk:
@@ -139,11 +138,11 @@ def attention_chunk_backward(
         args = (H, Tq, Tk, D, E, float(scale))
         _dkdv[(triton.cdiv(Tk, BLOCK), B * H)](q, k, v, do, lse, delta, *pos, dk, dv, *args, **sizes)
         _dq[(triton.cdiv(Tq, BLOCK), B * H)](q, k, v, do, lse, delta, *pos, dq, *args, **sizes)
-    return tuple(g.to(t) for g, t in zip((dq, dk, dv), dtypes))
+    return dq, dk, dv
 
 
 @attention_chunk_backward.register_fake
-def _(q, k, v, q_pos, q_doc, k_pos, k_doc, scale, out, lse, d_out):
+def _(q, k, v, q_pos, q_doc, k_pos, k_doc, scale, delta, lse, d_out):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 

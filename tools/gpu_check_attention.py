@@ -91,9 +91,9 @@ def chunk_check(dev) -> None:
         check(what, res["flex"][i], res["ref"][i])
     out, lse = res["ref"][0].detach(), res["ref"][1].detach()  # the merged result of this one chunk
     d_out = torch.randn(out.shape, device=dev, generator=torch.Generator(device=dev).manual_seed(5))
-    args = (pos, doc, kp, kd, scale, out, lse, d_out)
-    got = triton_chunk_backward(q, k, v, *args)
-    ref = reference_chunk_backward(q.float(), k.float(), v.float(), *args)
+    layer = (pos, doc, scale, out, lse, d_out)
+    got = triton_chunk_backward(q, *layer)(k, v, kp, kd)
+    ref = reference_chunk_backward(q.float(), *layer)(k.float(), v.float(), kp, kd)
     print("chunk backward from the merged result: Triton (bf16) vs the dense reference (fp32)")
     for what, a, b in zip(("dq", "dk", "dv"), got, ref):
         check(what + " (merged)", a, b)

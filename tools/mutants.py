@@ -197,8 +197,8 @@ def _merge_without_rescale(orig):
 def _chunk_backward_drops_delta(orig):
     torch = _torch()
 
-    def reference_chunk_backward(q, k, v, q_pos, q_doc, k_pos, k_doc, scale, out, lse, d_out):
-        return orig(q, k, v, q_pos, q_doc, k_pos, k_doc, scale, torch.zeros_like(out), lse, d_out)
+    def reference_chunk_backward(q, q_pos, q_doc, scale, out, lse, d_out):
+        return orig(q, q_pos, q_doc, scale, torch.zeros_like(out), lse, d_out)
 
     return reference_chunk_backward
 

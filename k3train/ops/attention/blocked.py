@@ -92,6 +92,8 @@ class _ChunkedAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dc = torch.zeros(c_full.shape, dtype=wide(c_full.dtype), device=q.device)
         dparams = [torch.zeros(p.shape, dtype=wide(p.dtype), device=p.device) for p in params]
+        with torch.autocast(dev, enabled=False):
+            chunk_grads = inner_backward(q, q_pos, q_doc, scale, out, lse, d_out)  # bound once: q's side of it
         for ka, kb in _chunks(c_full.shape[1], k_chunk):
             with torch.enable_grad():
                 c_blk = c_full[:, ka:kb].detach().requires_grad_()
@@ -99,9 +101,7 @@ class _ChunkedAttention(torch.autograd.Function):
                 with torch.autocast(dev, dtype=autocast_dtype, enabled=autocast_on):
                     k, v = kv(c_blk, *p_leaves)
             with torch.autocast(dev, enabled=False):  # the chunk's share of the merged softmax: no forward of it
-                dq_j, dk, dv = inner_backward(
-                    q, k.detach(), v.detach(), q_pos, q_doc, k_pos[:, ka:kb], k_doc[:, ka:kb], scale, out, lse, d_out
-                )
+                dq_j, dk, dv = chunk_grads(k.detach(), v.detach(), k_pos[:, ka:kb], k_doc[:, ka:kb])
             dq += dq_j
             grads = torch.autograd.grad((k, v), [c_blk, *p_leaves], (dk, dv), allow_unused=True)
             dc[:, ka:kb] += grads[0]

@@ -20,11 +20,11 @@ Two implementations, chosen by `chunk_kernel` from the tensors' device through t
   it). qk width 192 and v width 128 (Gated MLA's) are
   checked against the reference by tools/gpu_check_attention.py. CUDA tensors, not fp64, under `auto` or `triton`.
 
-The outer layer's backward does not differentiate through a chunk: it asks `chunk_backward_kernel`'s function for
-the chunk's share of the merged result's gradient, (dq, dk, dv) from the merged out and lse, which needs no forward of
-the chunk: `reference_chunk_backward` (the same custom op with no lse gradient) or `triton_chunk_backward`
-(k3kernels.attention, FlashAttention-2's backward with hidden block pairs skipped) where the choice sends q to the
-Triton kernels.
+The outer layer's backward does not differentiate through a chunk: it binds `chunk_backward_kernel`'s function once
+to the queries and the merged out and lse, and asks the bound function for each chunk's share of the gradient,
+(dq, dk, dv), which needs no forward of the chunk: `reference_chunk_backward` (the same custom op with no lse
+gradient) or `triton_chunk_backward` (k3kernels.attention, FlashAttention-2's backward with hidden block pairs
+skipped) where the choice sends q to the Triton kernels.
 """
 
 from __future__ import annotations
@@ -237,25 +237,36 @@ def flex_chunk(q, k, v, q_pos, q_doc, k_pos, k_doc, scale: float):
     return out.float(), aux.lse.float(), aux.max_scores.float()
 
 
-def reference_chunk_backward(q, k, v, q_pos, q_doc, k_pos, k_doc, scale: float, out, lse, d_out):
-    """The chunk's (dq, dk, dv) from the merged out and lse of the whole key range (k3train.ops.attention.blocked's
-    backward): the custom op `k3train::attention_chunk_backward` with no lse gradient (dense, in the wide dtype)."""
-    return attention_chunk_backward(
-        q, k, v, q_pos, q_doc, k_pos, k_doc, float(scale), out, lse, d_out, torch.zeros_like(lse)
-    )
+def reference_chunk_backward(q, q_pos, q_doc, scale: float, out, lse, d_out) -> Callable:
+    """Bound once per layer to the queries and the merged out and lse of the whole key range (k3train.ops.attention.
+    blocked's backward): the function of one key chunk (k, v, k_pos, k_doc) -> its (dq, dk, dv), the custom op
+    `k3train::attention_chunk_backward` with no lse gradient (dense, in the wide dtype)."""
+    no_lse_grad, scale = torch.zeros_like(lse), float(scale)
+
+    def chunk(k, v, k_pos, k_doc):
+        return attention_chunk_backward(q, k, v, q_pos, q_doc, k_pos, k_doc, scale, out, lse, d_out, no_lse_grad)
+
+    return chunk
 
 
-def triton_chunk_backward(q, k, v, q_pos, q_doc, k_pos, k_doc, scale: float, out, lse, d_out):
-    """The same from the Triton kernels (k3kernels.attention: bf16 operands on CUDA, fp32 accumulation, hidden block
-    pairs skipped)."""
+def triton_chunk_backward(q, q_pos, q_doc, scale: float, out, lse, d_out) -> Callable:
+    """The same on the Triton kernels (k3kernels.attention: bf16 operands on CUDA, fp32 accumulation, hidden block
+    pairs skipped). What depends on the queries alone is prepared once for every chunk: rowsum(dO O), the finite lse
+    and the operand copies of q and dO."""
     import k3kernels.attention  # at call time, as the other Triton kernels (an import statement: compile traces it)
 
-    op = k3kernels.attention.attention_chunk_backward
-    dtypes = q.dtype, k.dtype, v.dtype
-    if q.is_cuda:
-        q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
-    grads = op(q, k, v, q_pos, q_doc, k_pos, k_doc, float(scale), out, lse, d_out)
-    return tuple(g.to(dt) for g, dt in zip(grads, dtypes))  # the gradients in the operands' own dtypes
+    op, scale = k3kernels.attention.attention_chunk_backward, float(scale)
+    operand = torch.bfloat16 if q.is_cuda else q.dtype
+    delta = (d_out.float() * out.float()).sum(-1)
+    lse = _finite(lse).float()  # a row that sees nothing: its P is 0 through the mask
+    q_dtype, q, d_out = q.dtype, q.to(operand).contiguous(), d_out.to(operand).contiguous()
+
+    def chunk(k, v, k_pos, k_doc):
+        kv = k.to(operand), v.to(operand)
+        grads = op(q, *kv, q_pos, q_doc, k_pos, k_doc, scale, delta, lse, d_out)
+        return tuple(g.to(dt) for g, dt in zip(grads, (q_dtype, k.dtype, v.dtype)))  # the operands' own dtypes
+
+    return chunk
 
 
 def chunk_backward_kernel(kernels: Kernels, q: Tensor) -> Callable:
