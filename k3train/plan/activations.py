@@ -204,6 +204,12 @@ def received_saved_bytes(
     return (S if plan.layer(layers[0]) == "recompute" else 1) * args.dim * act_bytes * tokens
 
 
+def local_cp_pieces(dims, rows: int) -> int:
+    """The context-parallel pieces of `rows` micro-batch rows on one rank of layout `dims` (a ParallelDims): rows x
+    the pieces each rank holds of a row; 0 without CP (stage_bytes' `pieces`)."""
+    return rows * dims.cp_pieces // dims.cp if dims.cp > 1 else 0
+
+
 def stage_bytes(
     args: K3ModelArgs,
     layers: list[int],

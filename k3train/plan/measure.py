@@ -28,7 +28,7 @@ from k3train.optim.config import OptimConfig
 from k3train.parallel.engine import build_engine
 from k3train.parallel.mesh import ParallelDims, rank_coords
 from k3train.parallel.pipeline import split_layers
-from k3train.plan.activations import policy_plan, stage_activation_bytes
+from k3train.plan.activations import local_cp_pieces, policy_plan, stage_activation_bytes
 from k3train.plan.comm_bytes import analytic_step_bytes
 from k3train.plan.meter import SavedBytesMeter
 from k3train.plan.state_memory import StateModel
@@ -178,7 +178,7 @@ def measure_layout(layout: Layout, results: list[dict] | None = None) -> list[di
     def acts(key: str) -> float:  # the planner's saved activations of stage s at length T (key "s:T")
         s, T = map(int, key.split(":"))
         tok, last = MICRO_BATCH * T // dims.cp, s == dims.n_stages - 1
-        pieces = MICRO_BATCH * dims.cp_pieces // dims.cp if dims.cp > 1 else 0
+        pieces = local_cp_pieces(dims, MICRO_BATCH)
         return stage_activation_bytes(
             args, splits[T][s], first=s == 0, last=last, tokens=tok, seq_len=T, pieces=pieces, **kw
         )

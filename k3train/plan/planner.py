@@ -51,6 +51,7 @@ from k3train.plan.activations import (
     KEEP,
     a2a_passes,
     cp_flops,
+    local_cp_pieces,
     policy_plan,
     received_saved_bytes,
     recompute_costs,
@@ -317,7 +318,7 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
     layers = x.stage_layers[s]
     n_moe = sum(args.ffn_kind(i) == "moe" for i in layers)
     kw = dict(first=s == 0, last=s == n - 1, tokens=tokens, rows=x.mb, seq_len=x.seq, plan=x.pplan, act_bytes=ab)
-    kw["pieces"] = _local_pieces(x)
+    kw["pieces"] = local_cp_pieces(x.dims, x.mb)
     act, work_bytes = stage_bytes(args, layers, **kw)
     host = stage_bytes(args, layers, **{**kw, "plan": x.pplan.offload_kept()})[0] - act  # offloaded bytes
     if s > 0:  # its received input is a boundary tensor: counted once, with the pipeline's buffers
@@ -377,12 +378,6 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
     extra["a2a_recompute_passes"] = passes - sum(4 for i in layers if args.ffn_kind(i) == "moe")
     figures = {"ep_in_stages": a2a, "ep_total": ep["total"], "cp_in_stages": cpt}
     return cost, bufs, figures | {"by_class": by_class, "policy": extra}
-
-
-def _local_pieces(x: _Inputs) -> int:
-    """A micro-batch's context-parallel pieces on one rank (its rows x the pieces each rank holds of a row); 0
-    without CP."""
-    return x.mb * x.dims.cp_pieces // x.dims.cp if x.dims.cp > 1 else 0
 
 
 def cp_gather_bytes(x: _Inputs, layer_id: int) -> float:
@@ -626,7 +621,7 @@ def _policy_figures(x: _Inputs, stages: list, worst: list[int]) -> dict:
     for k in ("recompute_flops", "recompute_s", "a2a_passes", "a2a_recompute_passes", "a2a_total_s"):
         out[k] = sum(stages[s][2]["policy"][k] for s in worst) * m
     n = x.dims.n_stages
-    kw = dict(tokens=x.tokens, rows=x.mb, seq_len=x.seq, act_bytes=x.act_bytes, pieces=_local_pieces(x))
+    kw = dict(tokens=x.tokens, rows=x.mb, seq_len=x.seq, act_bytes=x.act_bytes, pieces=local_cp_pieces(x.dims, x.mb))
     for name, plan in (("act_bytes", x.pplan), ("keep_act_bytes", KEEP)):
         out[name] = sum(
             stage_bytes(x.args, x.stage_layers[s], first=s == 0, last=s == n - 1, plan=plan, **kw)[0] for s in worst
