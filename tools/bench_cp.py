@@ -6,8 +6,8 @@
 Bytes are counted from the collectives the CP handle really issues (its all-gathers and their backward
 reduce-scatters, through k3train.distributed.comm), on gloo with 2 processes, tiny-model widths, fp32 activations,
 one row of T tokens split zigzag over the 2 ranks:
-- KDA: one KDA layer forward + backward; the summaries' all-gather (and its reduce-scatter in backward) and the
-  conv halos' all-gathers. The summary bytes must not depend on T.
+- KDA: one KDA layer forward + backward; the summaries' all-gather (and in backward the all-gather of the pieces'
+  adjoints, as many bytes) and the conv halos' all-gathers. The summary bytes must not depend on T.
 - MLA: at the smallest length, one Gated MLA layer forward + backward; at every length, the latent all-gather
   itself (forward + backward through the same differentiable gather the layer uses; the dense CPU attention at 128k
   tokens would need tens of GB per rank). The analytic figure T * (kv_rank + shared) * bytes is printed beside it.
@@ -428,14 +428,14 @@ def main() -> None:
             res = torch.load(os.path.join(d, "bytes.pt"))
     print(f"tiny widths: KDA H={H} K=V={K}; MLA latent {L}; fp32; cp=2 zigzag (4 pieces); bytes on rank 0 per layer")
     print(
-        f"{'T':>8} {'KDA summ. AG':>13} {'KDA summ. RS':>13} {'KDA halo AG':>12} {'MLA lat. AG':>12} "
+        f"{'T':>8} {'KDA summ. AG':>13} {'KDA adj. AG':>13} {'KDA halo AG':>12} {'MLA lat. AG':>12} "
         f"{'MLA lat. RS':>12} {'MLA analytic':>13} {'KDA fwd+bwd s':>14}"
     )
     for T, row in res.items():
         k, m = row["kda"], row["mla"]
         analytic = T * L * 4
         print(
-            f"{T:>8} {k['kda_summary/all_gather']:>13,} {k['kda_summary/reduce_scatter']:>13,} "
+            f"{T:>8} {k['kda_summary/all_gather']:>13,} {k['kda_adjoint/all_gather']:>13,} "
             f"{k['conv_halo/all_gather']:>12,} {m['mla_latent/all_gather']:>12,} "
             f"{m['mla_latent/reduce_scatter']:>12,} "
             f"{analytic:>13,} {row['kda_s']:>14.2f}"

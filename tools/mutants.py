@@ -422,6 +422,27 @@ def _prefix_scan_transposed(orig):
     return exclusive_prefix_states
 
 
+def _adjoint_untransposed(orig):
+    torch = _torch()
+
+    def next_adjoints(adjoints, K):
+        return orig(torch.cat([adjoints[..., :K].transpose(-1, -2), adjoints[..., K:]], dim=-1), K)
+
+    return next_adjoints
+
+
+def _prefix_through_autograd(orig):
+    """The prefix scan differentiated by autograd through the gather: it keeps the row's summaries."""
+    from k3train.ops.kda.cp import exclusive_prefix_states
+
+    def incoming_states(mine, cp):
+        R, H, K, KV = mine.shape
+        every = cp.to_sequence_order(cp.gather(mine, "kda_summary"), R // cp.per_rank)
+        return cp.local(exclusive_prefix_states(every, K)).reshape(R, H, K, KV - K)
+
+    return incoming_states
+
+
 def _summary_keeps_m(orig):
     torch = _torch()
 
@@ -1914,6 +1935,20 @@ MUTATIONS: list[Mutation] = [
         "prefix scan applies M^T instead of M",
         _prefix_scan_transposed,
         (f"{KDA_CP}::test_kda_pieces_equal_whole_sequence",),
+    ),
+    M(
+        "kda_cp_adjoint_untransposed",
+        "k3train.ops.kda.cp:next_adjoints",
+        "the prefix's backward carries a state gradient through M instead of M^T",
+        _adjoint_untransposed,
+        (f"{KDA_CP}::test_incoming_states_backward_is_the_prefix_scans_gradient",),
+    ),
+    M(
+        "kda_cp_prefix_keeps_row",
+        "k3train.ops.kda.cp:incoming_states",
+        "the prefix scan differentiated through the gather, keeping the row's gathered summaries",
+        _prefix_through_autograd,
+        ("tests/distributed/test_context_parallel.py::test_kda_bytes_do_not_grow_with_the_row",),
     ),
     M(
         "cp_summary_crosses_documents",

@@ -87,10 +87,11 @@ class Costs:
 @dataclass(frozen=True)
 class CPGather:
     """Elements one layer all-gathers over its context-parallel group per micro-batch row (forward; backward
-    reduce-scatters the same): per piece, fp32 (KDA's summaries) and in the compute dtype (halos), and per token in
-    the compute dtype, gathered again in backward (Gated MLA's latent, not kept for it). And what of it the layer
-    keeps for backward per local piece, beyond its per-token saves (KDA: the state entering the piece, fp32, and the
-    halos its recomputed convolutions start from), when it is not recomputed whole."""
+    reduce-scatters the same, except the fp32 part): per piece, fp32 (KDA's summaries, whose backward all-gathers as
+    many adjoints instead) and in the compute dtype (halos), and per token in the compute dtype, gathered again in
+    backward (Gated MLA's latent, not kept for it). And what of it the layer keeps for backward per local piece,
+    beyond its per-token saves (KDA: its entering states and map, fp32, and the halos its recomputed convolutions
+    start from), when it is not recomputed whole."""
 
     piece_fp32: float = 0.0
     piece_act: float = 0.0

@@ -100,8 +100,8 @@ def _add_cp_bytes(
     out: dict, args: K3ModelArgs, dims, layers: list[int], *, mb: int, seq: int, elem: int, summary_elem: int, mtp: bool
 ) -> None:
     """Context-parallel collectives of one step (forward all-gathers, their backward reduce-scatters of the same
-    size) for these layers, from each token mixer's declared `cp_gather` (KDA: the pieces' fp32 summaries and conv
-    halos; Gated MLA: the latent of every token, all-gathered in forward and again in backward (not kept for it),
+    size) for these layers, from each token mixer's declared `cp_gather` (KDA: the pieces' fp32 summaries, whose
+    backward all-gathers the pieces' adjoints of the same size, and conv halos; Gated MLA: the latent of every token, all-gathered in forward and again in backward (not kept for it),
     its gradient reduce-scattered once). mtp (the MTP module is among them): its MLA layer's latent, and the
     one-token halo of the next piece's first embedding (D per piece)."""
     m, g = dims.microbatches, dims.cp
@@ -113,5 +113,6 @@ def _add_cp_bytes(
     latent = m * mb * seq * sum(c.token_act for c in gathers) * elem
     total = summary + halo + latent + (m * rows * args.dim * elem if mtp else 0)
     if total:
-        _add(out, "cp", "all_gather", total + latent, (g - 1) / g * (total + latent))
-        _add(out, "cp", "reduce_scatter", total, (g - 1) / g * total)
+        gathered = total + latent + summary
+        _add(out, "cp", "all_gather", gathered, (g - 1) / g * gathered)
+        _add(out, "cp", "reduce_scatter", total - summary, (g - 1) / g * (total - summary))

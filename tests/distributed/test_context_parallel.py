@@ -139,12 +139,23 @@ def _cp_model(layout, group, ep=False):
 
 
 def _kda_bytes(group, seq_len):
-    """Bytes of the KDA summaries' all-gather and reduce-scatter for one layer at seq_len tokens per row."""
+    """Bytes of the KDA summaries' and their adjoints' all-gathers for one layer at seq_len tokens per row, and the
+    bytes the layer saves for backward (`saved`) beside those of a world-1 handle over this rank's share of the row
+    (`saved_alone`: the same local pieces, nothing gathered)."""
+    from k3train.plan.meter import SavedBytesMeter
+
     m = random_layer(KDA)
-    cp = ContextParallel(group, seq_len=seq_len)
-    x = torch.randn(1, seq_len, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    m(cp.shard_rows(x), BatchContext(cp=cp)).sum().backward()
-    return {f"{a}/{b}": v for (a, b), v in cp.stats.items()}
+    saved = {}
+    for key, cp in (("saved", ContextParallel(group, seq_len=seq_len)), ("saved_alone", None)):
+        cp = cp or ContextParallel(None, 0, 1, seq_len=seq_len // dist.get_world_size(group))
+        x = torch.randn(1, cp.seq.seq_len, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        with SavedBytesMeter([m]) as meter:
+            y = m(cp.shard_rows(x), BatchContext(cp=cp))
+        saved[key] = meter.bytes
+        if key == "saved":
+            y.sum().backward()
+            stats = {f"{a}/{b}": v for (a, b), v in cp.stats.items()}
+    return stats | saved
 
 
 CAN_RUN_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -204,14 +215,14 @@ def _worker(rank: int, world: int, port: int, out: str, jobs: list[str]) -> None
         end_worker()  # tests/spawn_worker.py
 
 
-def _spawn(world: int, jobs: list[str], tmp) -> list[dict]:
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp), jobs), nprocs=world, join=True)
+def _spawn(world: int, jobs: list[str], tmp, start_method: str = "spawn") -> list[dict]:
+    args = (world, _free_port(), str(tmp), jobs)
+    mp.start_processes(_worker, args=args, nprocs=world, join=True, start_method=start_method)
     return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
 
 
 JOBS = {
-    2: ["kda", "mla", "kda_contiguous", "model", "model_ep", "bytes", "doc_start"]
-    + (["kda_triton"] if CAN_RUN_TRITON else []),
+    2: ["kda", "mla", "kda_contiguous", "model", "model_ep", "doc_start"] + (["kda_triton"] if CAN_RUN_TRITON else []),
     4: ["kda", "mla", "model", "doc_start"],
 }
 
@@ -219,11 +230,13 @@ JOBS = {
 _RUNS: dict = {}
 
 
-def _run(world: int, tmp_path_factory) -> tuple[int, list[dict]]:
-    """One spawn per world size, shared by every test that needs it."""
-    if world not in _RUNS:
-        _RUNS[world] = (world, _spawn(world, JOBS[world], tmp_path_factory.mktemp(f"cp{world}")))
-    return _RUNS[world]
+def _run(world: int, tmp_path_factory, jobs: str = "") -> tuple[int, list[dict]]:
+    """One spawn per world size (and set of jobs), shared by every test that needs it."""
+    key = jobs or world
+    if key not in _RUNS:
+        todo, how = ([jobs], "fork") if jobs else (JOBS[world], "spawn")
+        _RUNS[key] = (world, _spawn(world, todo, tmp_path_factory.mktemp(f"cp{world}{jobs}"), how))
+    return _RUNS[key]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"cp{w}")
@@ -234,6 +247,12 @@ def cp_run(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def cp2_run(tmp_path_factory):
     return _run(2, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def cp2_bytes(tmp_path_factory):
+    """The bytes checks alone, on ranks forked from this process: quick, and they run the mutation run's patches."""
+    return _run(2, tmp_path_factory, "bytes")
 
 
 # ---- checks ----------------------------------------------------------------------------------------------------------
@@ -308,10 +327,12 @@ def test_collective_bytes(cp_run):
     H, K = args.kda_heads, args.kda_head_dim
     n = 2 * world  # zigzag: two pieces per rank
     stats = results[0]["kda"]["stats"]
-    # KDA summaries: every piece's [M | B] (H*K*(K+V) fp64 numbers) gathered once; the same bytes reduce-scattered back
+    # KDA summaries: every piece's [M | B] (H*K*(K+V) fp64 numbers) gathered once; in backward every piece's
+    # [M | dS_in], the same bytes, and nothing reduce-scattered
     per_piece = H * K * (K + K) * 8
     assert stats["kda_summary/all_gather"] == [1, n * B * per_piece]
-    assert stats["kda_summary/reduce_scatter"] == [1, n * B * per_piece]
+    assert stats["kda_adjoint/all_gather"] == [1, n * B * per_piece]
+    assert "kda_summary/reduce_scatter" not in stats
     # conv halos: the last 3 projected tokens of every piece, for q, k and v
     assert stats["conv_halo/all_gather"] == [3, 3 * n * B * 3 * H * K * 8]
     # MLA: the latent (kv_rank + shared key) of every token, gathered in forward and again in backward (not kept),
@@ -319,9 +340,22 @@ def test_collective_bytes(cp_run):
     mla = results[0]["mla"]["stats"]
     row = B * T * (args.mla_kv_rank + args.mla_shared_k_dim) * 8
     assert mla == {"mla_latent/all_gather": [2, 2 * row], "mla_latent/reduce_scatter": [1, row]}
-    if world == 2:
-        short, long = results[0]["bytes"]  # 128 and 512 tokens per row
-        assert short == long and short["kda_summary/all_gather"][1] == 2 * world * per_piece
+
+
+@pytest.mark.slow
+def test_kda_bytes_do_not_grow_with_the_row(cp2_bytes):
+    """A KDA layer at cp = 2 gathers the same summary and adjoint bytes at 128 and 512 tokens a row, and keeps for
+    backward exactly what it keeps over the same local pieces with nothing gathered (a world-1 handle): nothing of
+    the row's gathered summaries."""
+    world, results = cp2_bytes
+    args = get_preset("tiny")
+    per_piece = args.kda_heads * args.kda_head_dim * 2 * args.kda_head_dim * 8
+    for rank in results:
+        short, long = rank["bytes"]
+        for run in (short, long):
+            assert run["saved"] == run["saved_alone"], run
+        for k in ("kda_summary/all_gather", "kda_adjoint/all_gather"):
+            assert short[k] == long[k] and short[k][1] == 2 * world * per_piece
 
 
 @pytest.mark.slow

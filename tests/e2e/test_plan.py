@@ -97,9 +97,11 @@ def test_kda_saved_bytes_exact(overrides, bf16):
 @pytest.mark.parametrize("bf16", [False, True])
 def test_kda_under_context_parallelism_saves_what_the_plain_layer_declares(bf16):
     """Under context parallelism (a world-1 handle: two pieces a row) a KDA layer keeps what KDA.costs declares per
-    token, as the plain layer does, plus per piece one fp32 state per head and the short convolutions' halos (the
-    W-1 tokens before it of q, k and v, inputs of the recomputed chains), and a few scalars: the pieces' summaries
-    are composed inside the recomputed chunk terms, so their fold keeps nothing per token."""
+    token, as the plain layer does, plus per piece three fp32 [K, K] matrices per head (its entering state as the
+    prefix gave it and as its chunk pass starts from, and its map, for the prefix's backward) and the short
+    convolutions' halos (the W-1 tokens before it of q, k and v, inputs of the recomputed chains), and a few
+    scalars: the pieces' summaries are composed inside the recomputed chunk terms, so their fold keeps nothing per
+    token."""
     import torch
 
     from k3train.models.k3.args import get_preset
@@ -119,7 +121,8 @@ def test_kda_under_context_parallelism_saves_what_the_plain_layer_declares(bf16)
             m(x, BatchContext(cp=cp))
         beyond = meter.bytes - KDA.costs(args, T).saved.bytes(2 if bf16 else 4) * T
         halos = 3 * 2 * (args.kda_conv_size - 1) * H * K * (2 if bf16 else 4)
-        assert 0 <= beyond - 2 * H * K * K * 4 - halos <= 16 * 2 * H, (T, beyond)
+        assert 0 <= beyond - 2 * KDA.cp_gather(args).kept_fp32 * 4 - halos <= 16 * 2 * H, (T, beyond)
+        assert KDA.cp_gather(args).kept_fp32 == 3 * H * K * K
 
 
 def _plan(*overrides, recipe="small_8gpu", cwd=None):

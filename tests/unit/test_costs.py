@@ -70,12 +70,15 @@ def test_context_parallel_adds_the_whole_rows_key_rebuild_per_local_token():
     assert GatedMLA.cp_flops(args, 1, False, 4096).total == 0 and KDA.cp_flops(args, 1, True, 4096).total == 0
     assert GatedMLA.cp_flops(args, 4, False, 4096).dense_gemm == 3 * 8 * w
     assert GatedMLA.cp_flops(args, 128, True, 4096).dense_gemm == 127 * 10 * w
-    # a whole-layer rerun runs the summaries (4 -> 5 passes) and the fold (3 -> 4) once more
+    # a whole-layer rerun runs the summaries (4 -> 5 passes) and the forward fold once more; the backward's adjoint
+    # fold and the local maps' gradients (two a row) run once either way
     summary = 2 * KDA.cp_flops(args, 4, False, 2 * 4096).kda - KDA.cp_flops(args, 4, False, 4096).kda
     rerun = 2 * KDA.cp_flops(args, 4, True, 2 * 4096).kda - KDA.cp_flops(args, 4, True, 4096).kda
     assert rerun == pytest.approx(5 / 4 * summary)
-    fold = KDA.cp_flops(args, 4, False, 4096).kda - summary
-    assert KDA.cp_flops(args, 4, True, 4096).kda - rerun == pytest.approx(4 / 3 * fold)
+    H, K = args.kda_heads, args.kda_head_dim
+    fold, local_maps = (H * 2 * K**3 * pieces * 4 / 4096 for pieces in (2 * 4 - 2, 2))
+    assert KDA.cp_flops(args, 4, False, 4096).kda - summary == pytest.approx(2 * fold + local_maps)
+    assert KDA.cp_flops(args, 4, True, 4096).kda - rerun == pytest.approx(3 * fold + local_maps)
 
 
 @pytest.mark.parametrize("overrides", [{}, {"kda_head_dim": 64, "kda_chunk": 32}])
@@ -111,19 +114,23 @@ def test_kda_piece_summaries_cost_the_declared_flops(overrides):
 def test_kda_prefix_fold_flops_are_the_declared_ones(cp):
     """KDA's declared CP FLOPs beyond the piece summaries (the part that falls as 1 / seq_len) are what
     FlopCounterMode counts in the fold of a row's 2 cp summaries into the states entering them, forward and
-    backward."""
+    backward (incoming_states, with one process holding every piece: it also forms the map gradients of the other
+    ranks' 2 cp - 2 pieces)."""
+    from cp_every_rank import EveryRank
     from torch.utils.flop_counter import FlopCounterMode
 
     from k3train.models.k3.kda import KDA
-    from k3train.ops.kda.cp import exclusive_prefix_states
+    from k3train.ops.kda.cp import incoming_states
+    from k3train.parallel.context_parallel import SequenceLayout
 
     args = get_preset("tiny")
     H, K, seq = args.kda_heads, args.kda_head_dim, 64 * cp
     declared = KDA.cp_flops(args, cp, False, seq).kda - KDA.cp_flops(args, cp, False, 2 * seq).kda  # half the fold
-    summaries = torch.randn(1, 2 * cp, H, K, 2 * K, dtype=torch.float64, requires_grad=True)
+    summaries = torch.randn(2 * cp, H, K, 2 * K, dtype=torch.float64, requires_grad=True)
     with FlopCounterMode(display=False) as counter:
-        exclusive_prefix_states(summaries, K).sum().backward()
-    assert counter.get_total_flops() == pytest.approx(2 * declared * seq / cp, rel=1e-12)
+        incoming_states(summaries, EveryRank(SequenceLayout(cp, seq))).sum().backward()
+    others = (2 * cp - 2) * H * 2 * K**3
+    assert counter.get_total_flops() == pytest.approx(2 * declared * seq / cp + others, rel=1e-12)
 
 
 @pytest.mark.parametrize("preset,mtp", [("tiny", 0), ("tiny", 1), ("small", 1)])

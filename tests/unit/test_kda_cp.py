@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cp_every_rank import EveryRank
 
 from k3train.models.k3.documents import Documents
 from k3train.ops.backend import Kernels
@@ -14,6 +15,7 @@ from k3train.ops.kda.chunk import KDAChunks
 from k3train.ops.kda.cp import (
     KernelSegments,
     exclusive_prefix_states,
+    incoming_states,
     kda_piece_chunks,
     kda_piece_summaries,
     kda_pieces,
@@ -65,15 +67,12 @@ def _simulate_cp(inputs, cu, world, layout, chunk, kernels=None):
         kda_piece_chunks(*(loc(t, r) for t in (q, k, v, g, beta)), plans[r], chunk, kernels) for r in range(world)
     ]
     summaries = torch.cat([kda_piece_summaries(chunks[r], plans[r]) for r in range(world)])
-    S_in = exclusive_prefix_states(lay.to_sequence_order(summaries, B), K)  # [B, n, H, K, V]
-    outs = []
-    for r in range(world):
-        inc = S_in[:, lay.pieces(r)].reshape(B * lay.per_rank, H, K, -1)
-        outs.append(lay.unrows(kda_pieces(chunks[r], inc, plans[r])))
+    S_in = incoming_states(summaries, EveryRank(lay)).view(world, B * lay.per_rank, H, K, -1)  # rank order
+    outs = [lay.unrows(kda_pieces(chunks[r], S_in[r], plans[r])) for r in range(world)]
     o = lay.unshard(outs, 1)
     seq = lay.to_sequence_order(summaries, B)
     last = seq[:, -1]
-    final = torch.matmul(last[..., :K], S_in[:, -1]) + last[..., K:]
+    final = torch.matmul(last[..., :K], lay.to_sequence_order(S_in.flatten(0, 1), B)[:, -1]) + last[..., K:]
     return o, final
 
 
@@ -104,6 +103,29 @@ def test_kda_pieces_equal_whole_sequence(world, layout, B, T, chunk, cu):
     grads_ref = torch.autograd.grad((o_ref.view(B, T, H, V) * w).sum(), inputs)
     for name, a, b in zip("q k v g beta".split(), grads, grads_ref):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-13, msg=lambda m: f"d{name}: {m}")  # measured 2.2e-15
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_incoming_states_backward_is_the_prefix_scans_gradient(keep):
+    """The prefix's own backward (each piece's map and entering-state gradient gathered, the recurrence run
+    backwards) gives what autograd gives through the prefix scan, in fp64; keep False: some maps zeroed (pieces
+    that begin a document)."""
+    B, n, H, K, V = 2, 6, 3, 4, 5
+    g = torch.Generator().manual_seed(11)
+    summaries = torch.randn(B, n, H, K, K + V, generator=g, dtype=torch.float64) / 2
+    if not keep:
+        summaries[:, 2, ..., :K] = 0
+    weight = torch.randn(B, n, H, K, V, generator=g, dtype=torch.float64)
+    lay = SequenceLayout(n, n, "contiguous")  # one piece a rank, so gathered order is sequence order
+    mine = summaries.transpose(0, 1).reshape(n * B, H, K, K + V).requires_grad_()  # rank-major
+    S_in = incoming_states(mine, EveryRank(lay)).view(n, B, H, K, V).transpose(0, 1)
+    ref = summaries.clone().requires_grad_()
+    S_ref = exclusive_prefix_states(ref, K)
+    torch.testing.assert_close(S_in, S_ref, rtol=0, atol=0)
+    (grad,) = torch.autograd.grad((S_in * weight).sum(), mine)
+    (grad_ref,) = torch.autograd.grad((S_ref * weight).sum(), ref)
+    torch.testing.assert_close(grad.view(n, B, H, K, K + V).transpose(0, 1), grad_ref, rtol=0, atol=1e-14)
+    assert float(grad[-B:].abs().max()) == 0.0 < float(grad[:B].abs().max())  # the last pieces feed nothing
 
 
 def test_state_does_not_leak_across_documents():

@@ -151,14 +151,16 @@ class KDA(nn.Module):
           (one state per piece and head);
         - the fold of the 2 cp pieces' summaries into the state entering each, on every rank: 2 cp - 2 products
           [K, K] x [K, V] per row and head (2 K^2 V each) over its seq_len / cp local tokens, in the forward and
-          twice in the backward (once more in a whole-layer rerun); it grows as cp^2 / seq_len.
+          once more in the backward's adjoint fold (and in a whole-layer rerun), and the gradient of each local
+          piece's map, one [K, V] x [V, K] product per local piece (two a row); it grows as cp^2 / seq_len.
         Nothing at cp = 1."""
         if cp == 1:
             return Flops()
         H, K, C = args.kda_heads, args.kda_head_dim, args.kda_chunk
         summary = H * 2 * K * K * 2 * K / C
         fold = H * 2 * K * K * K * (2 * cp - 2) * cp / seq_len
-        return Flops(kda=(5.0 if rerun else 4.0) * summary + (4.0 if rerun else 3.0) * fold)
+        local_maps = H * 2 * K * K * K * 2 * cp / seq_len
+        return Flops(kda=(5.0 if rerun else 4.0) * summary + (3.0 if rerun else 2.0) * fold + local_maps)
 
     @staticmethod
     def workspace_bytes(args: K3ModelArgs, q_tokens: int, seq_len: int, act_bytes: int) -> float:
@@ -170,10 +172,11 @@ class KDA(nn.Module):
     def cp_gather(args: K3ModelArgs) -> CPGather:
         """Per piece: the fp32 summary [H, K, 2K] of its chunks, and the short convolutions' halos (W-1 tokens of q,
         k and v) (k3train.ops.kda.cp, k3train.ops.short_conv). Kept per local piece: the state entering it [H, K, V]
-        and the halos (inputs of the recomputed conv chains)."""
+        twice (the prefix's output, and the state its chunk pass starts from, zeroed where it begins a document),
+        its map M [H, K, K] (for the prefix's backward) and the halos (inputs of the recomputed conv chains)."""
         H, K = args.kda_heads, args.kda_head_dim
         halos = (args.kda_conv_size - 1) * 3 * H * K
-        return CPGather(piece_fp32=H * K * 2 * K, piece_act=halos, kept_fp32=H * K * K, kept_act=halos)
+        return CPGather(piece_fp32=H * K * 2 * K, piece_act=halos, kept_fp32=3 * H * K * K, kept_act=halos)
 
     @staticmethod
     def core_flops(args: K3ModelArgs, seq_len: int) -> int:

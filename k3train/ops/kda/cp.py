@@ -13,8 +13,9 @@ The per-segment primitive is what the layer's kernels choose (k3train.ops.backen
 chunk terms (ops.kda.chunk.KDAChunks, computed once for the summaries and the outputs; the summaries are composed
 with the terms, so backward reruns their fold rather than keep it), or `KernelSegments` over
 k3kernels.kda.chunk_kda (B is a segment's final state from zero, M its final state with zero values (V = K) from the
-identity, and the outputs one more call from the incoming states). Backward is autograd: the all-gather's backward
-reduce-scatters (sums) the gradients of the summaries back to the ranks that made them.
+identity, and the outputs one more call from the incoming states). Backward of the prefix keeps only the rank's
+own pieces: it all-gathers each piece's map and entering-state gradient and runs the recurrence backwards
+(_IncomingStates), so no rank keeps the row's summaries.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+from torch.autograd.function import once_differentiable
 
 from k3train.ops.cp import CPContext
 from k3train.ops.dtypes import wide
@@ -161,13 +163,52 @@ def kda_pieces(chunks, incoming: torch.Tensor, plan: PiecePlan) -> torch.Tensor:
     return o.view(R, -1, H, V)
 
 
+def next_adjoints(adjoints: torch.Tensor, K: int) -> torch.Tensor:
+    """adjoints [B, n, H, K, K+V] = [M_j | G_j] in sequence order (G_j: the loss gradient of the state entering piece
+    j) -> the whole gradient of the state entering each NEXT piece, lambda_{j+1} [B, n, H, K, V] (0 after the last):
+    lambda_{n-1} = G_{n-1}, lambda_j = G_j + M_j^T lambda_{j+1}. The prefix fold run backwards: n - 2 products."""
+    B, n, H = adjoints.shape[:3]
+    V = adjoints.shape[-1] - K
+    pieces = adjoints.transpose(1, 2).reshape(B * H, n, K, -1).unbind(1)
+    after = [adjoints.new_zeros(B * H, K, V)]  # lambda_n, lambda_{n-1}, ..., lambda_1
+    for j in range(n - 1, 0, -1):
+        M, G = pieces[j].split([K, V], dim=-1)
+        after.append(G if j == n - 1 else torch.baddbmm(G, M.transpose(1, 2), after[-1]))
+    return torch.stack(after[::-1], dim=1).view(B, H, n, K, V).transpose(1, 2)
+
+
+class _IncomingStates(torch.autograd.Function):
+    """The prefix scan over a row's gathered summaries, keeping for backward only this rank's own maps M and
+    entering states (H K (K + V) per local piece). Backward all-gathers [M_j | dS_in(j)] of every piece (the bytes
+    of forward's gather) and runs the adjoint recurrence (next_adjoints); piece j's summary gets dB_j =
+    lambda_{j+1} and dM_j = lambda_{j+1} S_in(j)^T. Autograd through the gather would keep the whole row's
+    summaries, n pieces x H K (K + V) fp32 (3.2 GB per row at cp = 128 at K3's shape), and reduce-scatter them."""
+
+    @staticmethod
+    def forward(ctx, mine: torch.Tensor, cp: CPContext) -> torch.Tensor:
+        R, H, K, KV = mine.shape
+        every = cp.to_sequence_order(cp.gather(mine, "kda_summary"), R // cp.per_rank)  # [B, n, H, K, K+V]
+        S_in = cp.local(exclusive_prefix_states(every, K)).reshape(R, H, K, KV - K)
+        ctx.cp = cp
+        ctx.save_for_backward(mine[..., :K].contiguous(), S_in)
+        return S_in
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_in: torch.Tensor):
+        M, S_in = ctx.saved_tensors
+        cp, (R, H, K, V) = ctx.cp, S_in.shape
+        with torch.autocast(M.device.type, enabled=False):  # the adjoint fold stays in the summaries' dtype
+            adjoints = torch.cat([M, d_in.to(M.dtype)], dim=-1)
+            every = cp.to_sequence_order(cp.gather(adjoints, "kda_adjoint"), R // cp.per_rank)
+            lam = cp.local(next_adjoints(every, K)).reshape(R, H, K, V)
+            return torch.cat([lam @ S_in.transpose(-1, -2), lam], dim=-1), None
+
+
 def incoming_states(mine: torch.Tensor, cp: CPContext) -> torch.Tensor:
     """This rank's piece summaries [R, H, K, K+V] -> the states entering its pieces [R, H, K, V] (all-gather, then
     the prefix over every row's pieces in sequence order)."""
-    R, H, K, KV = mine.shape
-    every = cp.to_sequence_order(cp.gather(mine, "kda_summary"), R // cp.per_rank)  # [B, n, H, K, K+V]
-    S_in = exclusive_prefix_states(every, K)  # [B, n, H, K, V]
-    return cp.local(S_in).reshape(R, H, K, KV - K)
+    return _IncomingStates.apply(mine, cp)
 
 
 def kda_cp(q, k, v, g, beta, cp: CPContext, chunk: int, kernels=None, g_min: float | None = None) -> torch.Tensor:
