@@ -1861,7 +1861,7 @@ MUTATIONS: list[Mutation] = [
         "k3train.models.k3.kda:KDA.cp_gather",
         "the planner leaves out what KDA keeps per context-parallel piece (its entering state, the conv halos)",
         _kda_cp_kept_undeclared,
-        (f"{PLAN}::test_planner_matches_measured_layouts",),
+        (f"{PLAN}::test_kda_under_context_parallelism_saves_what_the_plain_layer_declares",),
         sweep=False,
     ),
     M(

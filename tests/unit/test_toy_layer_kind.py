@@ -106,11 +106,15 @@ def test_planner_reads_the_kinds_workspace_and_cp_declarations():
     assert stage_bytes(args, [5, 6, 7, 8], **kw)[1] >= 2 * 2.0 * 4 * args.mla_heads * T * T
     dims = ParallelDims.parse("cp2")  # zigzag: 4 pieces of each row gathered
     one = dict(pp_rank=0, mb=1, seq=T, precision="fp32")
-    base = analytic_step_bytes(get_preset("tiny"), dims, [list(range(1, 9))], **one)[("cp", "all_gather")]
-    toy = analytic_step_bytes(args, dims, [list(range(1, 9))], **one)[("cp", "all_gather")]
+    base = analytic_step_bytes(get_preset("tiny"), dims, [list(range(1, 9))], **one)
+    toy = analytic_step_bytes(args, dims, [list(range(1, 9))], **one)
     kda = MIXERS["kda"].cp_gather(args)
     assert kda.piece_fp32 and kda.piece_act
-    assert base["payload"] - toy["payload"] == dims.cp_pieces * 4 * (kda.piece_fp32 + kda.piece_act)
+    # KDA gathers its summaries, and in backward as many adjoints, and its halos (whose gradient is reduce-scattered)
+    gathered = base[("cp", "all_gather")]["payload"] - toy[("cp", "all_gather")]["payload"]
+    assert gathered == dims.cp_pieces * 4 * (2 * kda.piece_fp32 + kda.piece_act)
+    scattered = base[("cp", "reduce_scatter")]["payload"] - toy[("cp", "reduce_scatter")]["payload"]
+    assert scattered == dims.cp_pieces * 4 * kda.piece_act
 
 
 def test_planner_counts_and_muon_pick_it_up():
