@@ -101,8 +101,8 @@ def _add_cp_bytes(
 ) -> None:
     """Context-parallel collectives of one step (forward all-gathers, their backward reduce-scatters of the same
     size) for these layers, from each token mixer's declared `cp_gather` (KDA: the pieces' fp32 summaries, whose
-    backward all-gathers the pieces' adjoints of the same size, and conv halos; Gated MLA: the latent of every token, all-gathered in forward and again in backward (not kept for it),
-    its gradient reduce-scattered once). mtp (the MTP module is among them): its MLA layer's latent, and the
+    backward all-gathers the pieces' adjoints of the same size, and conv halos; Gated MLA: the latent of every
+    token, all-gathered in forward and again in backward (not kept for it), its gradient reduce-scattered once). mtp (the MTP module is among them): its MLA layer's latent, and the
     one-token halo of the next piece's first embedding (D per piece)."""
     m, g = dims.microbatches, dims.cp
     n_pieces = 2 * g if dims.cp_layout == "zigzag" else g
