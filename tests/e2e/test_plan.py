@@ -450,11 +450,8 @@ def test_recipe_activation_plan_fits_and_beats_whole_recompute(recipe, gpu, grou
                 ["parallel.vpp=1", "parallel.schedule=interleaved_1f1b"],
                 ["parallel.vpp=2", "parallel.schedule=interleaved_1f1b"],
                 ["parallel.vpp=2", "parallel.schedule=zbv"],
-                # Not vpp=2 with interleaved_zb: since KDA recomputes its chunk terms it fits (112.9 GiB) and plans
-                # 6.0% faster (104,531 against 98,608 tokens/s), but the recipe's full-size dry run has not been run
-                # under it.
-                # Not parallel.ep_overlap=microbatch: it plans 2.8% faster and fits, but the recipe's full-size dry
-                # run has not been run under it.
+                ["parallel.vpp=2", "parallel.schedule=dualpipev"],
+                ["parallel.vpp=2", "parallel.schedule=dualpipev", "parallel.ep_overlap=microbatch"],
             ],
         ),
     ],
