@@ -122,7 +122,6 @@ def test_kda_under_context_parallelism_saves_what_the_plain_layer_declares(bf16)
         beyond = meter.bytes - KDA.costs(args, T).saved.bytes(2 if bf16 else 4) * T
         halos = 3 * 2 * (args.kda_conv_size - 1) * H * K * (2 if bf16 else 4)
         assert 0 <= beyond - 2 * KDA.cp_gather(args).kept_fp32 * 4 - halos <= 16 * 2 * H, (T, beyond)
-        assert KDA.cp_gather(args).kept_fp32 == 3 * H * K * K
 
 
 def _plan(*overrides, recipe="small_8gpu", cwd=None):
