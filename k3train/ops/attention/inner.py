@@ -251,8 +251,8 @@ def reference_chunk_backward(q, q_pos, q_doc, scale: float, out, lse, d_out) -> 
 
 def triton_chunk_backward(q, q_pos, q_doc, scale: float, out, lse, d_out) -> Callable:
     """The same on the Triton kernels (k3kernels.attention: bf16 operands on CUDA, fp32 accumulation, hidden block
-    pairs skipped). What depends on the queries alone is prepared once for every chunk: rowsum(dO O), the finite lse
-    and the operand copies of q and dO."""
+    pairs skipped). What depends on the queries alone is prepared once for every chunk: rowsum(dO O), the finite lse,
+    the operand copies of q and dO and the queries' positions and documents as the kernels read them."""
     import k3kernels.attention  # at call time, as the other Triton kernels (an import statement: compile traces it)
 
     op, scale = k3kernels.attention.attention_chunk_backward, float(scale)
@@ -260,6 +260,7 @@ def triton_chunk_backward(q, q_pos, q_doc, scale: float, out, lse, d_out) -> Cal
     delta = (d_out.float() * out.float()).sum(-1)
     lse = _finite(lse).float()  # a row that sees nothing: its P is 0 through the mask
     q_dtype, q, d_out = q.dtype, q.to(operand).contiguous(), d_out.to(operand).contiguous()
+    q_pos, q_doc = (t.expand(q.shape[0], -1).to(torch.int64).contiguous() for t in (q_pos, q_doc))
 
     def chunk(k, v, k_pos, k_doc):
         kv = k.to(operand), v.to(operand)
