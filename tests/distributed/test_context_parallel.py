@@ -145,17 +145,18 @@ def _kda_bytes(group, seq_len):
     from k3train.plan.meter import SavedBytesMeter
 
     m = random_layer(KDA)
-    saved = {}
-    for key, cp in (("saved", ContextParallel(group, seq_len=seq_len)), ("saved_alone", None)):
-        cp = cp or ContextParallel(None, 0, 1, seq_len=seq_len // dist.get_world_size(group))
+
+    def run(cp):
         x = torch.randn(1, cp.seq.seq_len, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
         with SavedBytesMeter([m]) as meter:
             y = m(cp.shard_rows(x), BatchContext(cp=cp))
-        saved[key] = meter.bytes
-        if key == "saved":
-            y.sum().backward()
-            stats = {f"{a}/{b}": v for (a, b), v in cp.stats.items()}
-    return stats | saved
+        return meter.bytes, y
+
+    cp = ContextParallel(group, seq_len=seq_len)
+    saved, y = run(cp)
+    y.sum().backward()
+    alone, _ = run(ContextParallel(None, 0, 1, seq_len=seq_len // dist.get_world_size(group)))
+    return {f"{a}/{b}": v for (a, b), v in cp.stats.items()} | {"saved": saved, "saved_alone": alone}
 
 
 CAN_RUN_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
