@@ -247,6 +247,30 @@ def _attn_res_temperature(orig):
     return attn_res
 
 
+def _attn_res_rms_derivative_dropped(orig):
+    def _logit_input_grad(dlogits, logits, rstd, D):
+        a, b = orig(dlogits, logits, rstd, D)
+        return a, b * 0  # the logits' gradient stops at the keys' RMS
+
+    return _logit_input_grad
+
+
+def _attn_res_every_source_new(orig):
+    def costs(dim, n_sources, new_sources=1):
+        return orig.__func__(dim, n_sources, n_sources)  # every source counted as kept by this mixer alone
+
+    return staticmethod(costs)
+
+
+def _plan_traffic_unpriced(orig):
+    def hbm_bytes(c, act_bytes):
+        from k3train.plan.efficiency import HBM_PASSES
+
+        return HBM_PASSES * c.saved.bytes(act_bytes)  # the declared traffic left out
+
+    return hbm_bytes
+
+
 def _router_weights_biased(orig):
     torch = _torch()
     import torch.nn.functional as F
@@ -1185,9 +1209,9 @@ def _plan_ignores_k3_defaults(orig):
 
 def _plan_recompute_free(orig):
     def recompute_costs(*args, **kw):
-        from k3train.models.costs import Flops, Saved
+        from k3train.models.costs import Costs
 
-        return Flops(), Saved()  # the planner prices no rerun forward
+        return Costs()  # the planner prices no rerun forward
 
     return recompute_costs
 
@@ -1748,6 +1772,27 @@ MUTATIONS: list[Mutation] = [
         "depth softmax logits divided by sqrt(D)",
         _attn_res_temperature,
         (f"{MODEL}::test_attn_res_zero_query_is_mean_and_scale_invariant",),
+    ),
+    M(
+        "attn_res_rms_derivative_dropped",
+        "k3train.ops.attn_res:_logit_input_grad",
+        "the depth mix's backward leaves out the keys' RMS derivative (the logits' gradient stops at the norm)",
+        _attn_res_rms_derivative_dropped,
+        (f"{MODEL}::test_attn_res_backward_is_the_stacked_forms_gradient",),
+    ),
+    M(
+        "attn_res_every_source_new",
+        "k3train.models.k3.attn_res:AttnResMixer.costs",
+        "the planner counts every source a mixer reads as saved by it (the sources are shared down the stack)",
+        _attn_res_every_source_new,
+        (f"{MODEL}::test_attn_res_saves_the_sources_it_reads_and_two_scalars_each",),
+    ),
+    M(
+        "plan_traffic_unpriced",
+        "k3train.plan.planner:hbm_bytes",
+        "the planner prices memory-bound work by saved bytes only, not the traffic modules declare besides",
+        _plan_traffic_unpriced,
+        ("tests/unit/test_plan_efficiency.py::test_step_time_is_the_sum_of_the_op_classes_times",),
     ),
     M(
         "attn_res_logits_under_autocast",

@@ -313,7 +313,9 @@ def _plan_rank(spec, res: RankResult) -> None:
     for s in stages_of_rank(dims, res.coords["pp"]):
         last = s == n - 1
         flops = sum((per_tok["layers"][i - 1] for i in layers[s]), flops)
-        flops = flops + (per_tok["head"] if last else Flops()) + recompute_costs(args, layers[s], seq, pplan, last)[0]
+        flops = (
+            flops + (per_tok["head"] if last else Flops()) + recompute_costs(args, layers[s], seq, pplan, last).flops
+        )
         flops = flops + cp_flops(args, layers[s], dims.cp, pplan, last, seq)
     scale = tokens * dims.microbatches
     res.planned_flops = flops.total * scale
@@ -480,7 +482,7 @@ PEAK_RTOL = 0.10
 CHECKED_KINDS = ("grads", "activations", "pp_buffers", "ep_buffers", "cp_buffers")
 """The kinds held to PEAK_RTOL. Workspace is printed, not checked: the planner declares the largest backward
 transients (a recomputed layer's rebuild, Gated MLA's tile, the chunked loss), not the eager temporaries of
-elementwise chains (the AttnRes mixers' fp32 norm over the stacked sources, KDA's chunk form), which torch.compile
+elementwise chains (the AttnRes mixers' fp32 rows, one source at a time, KDA's chunk form), which torch.compile
 fuses on a GPU and which dominate the workspace of small layouts."""
 
 

@@ -14,6 +14,10 @@ counts), by op class, so a step-time model can give each class its own rate: den
 multiplies with: forward, input and weight gradient), grouped GEMMs (the routed experts), softmax attention, KDA's
 chunked recurrence and short convolutions, and elementwise work counted as FLOPs (the AttnRes depth mixing).
 
+Memory traffic: the planner prices memory-bound work by the bytes it moves, each saved tensor written once and read
+once; a module that also rereads tensors it does not save itself declares them (`traffic`: the AttnRes mix reads
+its sources, which the residual stream keeps).
+
 A token mixer also declares what does not scale with saved tokens: `workspace_bytes` (the transient bytes one
 sequence row holds while the layer runs backward) and `cp_gather` (a `CPGather`, its context-parallel traffic).
 
@@ -73,6 +77,11 @@ class Costs:
     forward: Flops | None = None
     """What one forward executes (a recomputation's rerun); None: a third of `flops`, a matmul's forward being one
     of its three products. A module whose backward also recomputes part of its forward declares it."""
+    traffic: float = 0.0
+    """Compute-dtype elements per token moved through HBM in forward and backward beyond its saved tensors' one
+    write and one read (tensors it reads but others keep, gradients it writes for them)."""
+    forward_traffic: float = 0.0
+    """Of `traffic`, what one forward moves (a recomputation's rerun moves it again)."""
 
     def forward_flops(self) -> Flops:
         if self.forward is not None:
@@ -81,7 +90,8 @@ class Costs:
 
     def __add__(self, o: Costs) -> Costs:
         fwd = None if self.forward is None and o.forward is None else self.forward_flops() + o.forward_flops()
-        return Costs(self.saved + o.saved, self.flops + o.flops, fwd)
+        traffic = (self.traffic + o.traffic, self.forward_traffic + o.forward_traffic)
+        return Costs(self.saved + o.saved, self.flops + o.flops, fwd, *traffic)
 
 
 @dataclass(frozen=True)

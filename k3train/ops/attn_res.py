@@ -4,6 +4,13 @@
 
 over the sources V (embedding, completed block sums, current partial sum). No 1/sqrt(d) temperature; with w = 0
 the result is the plain mean of the sources, and scaling one source leaves every weight unchanged (RMSNorm).
+
+The learned mix is one autograd function (`_DepthMix`) with its own backward: it keeps for backward the sources
+themselves (which the residual stream holds anyway) and two fp32 scalars per source and token (the inverse RMS and
+the depth logit), and works one source at a time in fp32, so neither direction holds an fp32 copy of the stacked
+sources. Autograd through the stacked form would keep the stack, its fp32 copy and the normalised keys (14 S D bytes
+per token under bf16) and build two fp32 [S, ..., D] gradients in backward. The loop is over depth (S <= 10 in K3),
+not over tokens.
 """
 
 from __future__ import annotations
@@ -11,9 +18,68 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from k3train.ops.dtypes import wide
+
+
+def _rows_dot(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """x [..., D] . v [D] -> [...], as one batched product: the dry run (k3train.dryrun.run.OP_CLASSES) reads batched
+    products as the planner's elementwise class, where the depth mix's FLOPs are declared."""
+    return torch.bmm(x.reshape(1, -1, x.shape[-1]), v.view(1, -1, 1)).view(x.shape[:-1])
+
+
+def _logit_input_grad(dlogits, logits, rstd, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two per-token factors of a logit's gradient into its source, d l_s / d x_s = qg r_s - l_s r_s^2 x_s / D
+    (the second is the RMS's own derivative): (dl r, dl l r^2 / D), [S, ...] each."""
+    return dlogits * rstd, dlogits * logits * rstd.square() / D
+
+
+class _DepthMix(torch.autograd.Function):
+    """forward(query, key_norm, eps, *sources) -> sum_s softmax_s(l) V_s, l_s = (V_s . query * key_norm) / rms(V_s)."""
+
+    @staticmethod
+    def forward(ctx, query, key_norm, eps, *sources):
+        acc = wide(sources[0].dtype)  # fp64 sources stay fp64
+        qg = query.to(acc) if key_norm is None else query.to(acc) * key_norm.to(acc)
+        rstd, logits = [], []
+        for v in sources:
+            x = v.to(acc)
+            r = torch.rsqrt(x.square().mean(-1) + eps)
+            rstd.append(r)
+            logits.append(_rows_dot(x, qg) * r)
+        rstd, logits = torch.stack(rstd), torch.stack(logits)  # [S, ...]
+        weights = torch.softmax(logits, dim=0)
+        out = torch.zeros(sources[0].shape, dtype=acc, device=sources[0].device)
+        for w, v in zip(weights, sources):
+            out.addcmul_(w.unsqueeze(-1), v.to(acc))
+        ctx.save_for_backward(query, key_norm, rstd, logits, *sources)
+        return out.to(sources[0].dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key_norm, rstd, logits, *sources = ctx.saved_tensors
+        acc, D = rstd.dtype, grad_out.shape[-1]
+        qg = query.to(acc) if key_norm is None else query.to(acc) * key_norm.to(acc)
+        g = grad_out.to(acc)
+        weights = torch.softmax(logits, dim=0)
+        dweights = torch.stack([(g * v.to(acc)).sum(-1) for v in sources])  # [S, ...]
+        dlogits = weights * (dweights - (weights * dweights).sum(0, keepdim=True))
+        a, b = _logit_input_grad(dlogits, logits, rstd, D)
+        dqg = torch.zeros_like(qg)
+        grads = []
+        for s, v in enumerate(sources):
+            x = v.to(acc)
+            dqg += torch.bmm(a[s].reshape(1, 1, -1), x.reshape(1, -1, D)).view(D)
+            # One fp32 row buffer per source (x may be the saved source itself: never written in place).
+            dx = (
+                (a[s].unsqueeze(-1) * qg)
+                .addcmul_(weights[s].unsqueeze(-1), g)
+                .addcmul_(b[s].unsqueeze(-1), x, value=-1)
+            )
+            grads.append(dx.to(v.dtype) if ctx.needs_input_grad[3 + s] else None)
+        dq = dqg if key_norm is None else dqg * key_norm.to(acc)
+        dk = None if key_norm is None else (dqg * query.to(acc)).to(key_norm.dtype)
+        return dq.to(query.dtype), dk, None, *grads
 
 
 def attn_res(query, sources: Sequence[torch.Tensor] | torch.Tensor, key_norm_weight=None, eps=1e-6) -> torch.Tensor:
@@ -21,24 +87,20 @@ def attn_res(query, sources: Sequence[torch.Tensor] | torch.Tensor, key_norm_wei
 
     query=None mixes uniformly (the mean); key_norm_weight=None uses a weightless RMSNorm.
     """
-    V = sources if isinstance(sources, torch.Tensor) else torch.stack(list(sources))
-    if V.dim() < 2:
-        raise ValueError(f"attn_res: sources must be [S, ..., D], got shape {tuple(V.shape)}")
-    D = V.shape[-1]
+    V = list(sources.unbind(0)) if isinstance(sources, torch.Tensor) and sources.dim() >= 2 else list(sources)
+    if isinstance(sources, torch.Tensor) and sources.dim() < 2 or not V:
+        raise ValueError(f"attn_res: sources must be [S, ..., D], got {getattr(sources, 'shape', len(V))}")
+    D = V[0].shape[-1]
     if query is None:
-        return V.mean(0)
+        return torch.stack(V).mean(0)
     if query.shape != (D,):
         raise ValueError(f"attn_res: query shape {tuple(query.shape)} does not match source width {D}")
     if key_norm_weight is not None and key_norm_weight.shape != (D,):
         raise ValueError(f"attn_res: key_norm_weight shape {tuple(key_norm_weight.shape)} != ({D},)")
-    # Depth logits and softmax in fp32 with autocast off: autocast would run the matmul in bf16, which shifts the
-    # mixture of fp32 sources by ~5e-3.
-    with torch.autocast(V.device.type, enabled=False):
-        acc = wide(V.dtype)  # fp64 sources stay fp64
-        keys = F.rms_norm(V.to(acc), (D,), None if key_norm_weight is None else key_norm_weight.to(acc), eps)
-        logits = keys @ query.to(acc)  # [S, ...]
-        weights = torch.softmax(logits, dim=0).to(V.dtype)
-    return torch.einsum("s...,s...d->...d", weights, V)
+    # The depth logits and softmax are an fp32 island with autocast off: autocast would run the products in bf16,
+    # which shifts the mixture of fp32 sources by ~5e-3.
+    with torch.autocast(V[0].device.type, enabled=False):
+        return _DepthMix.apply(query, key_norm_weight, eps, *V)
 
 
 def attn_res_reference(query, sources, key_norm_weight=None, eps=1e-6):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-from k3train.models.costs import Flops, Saved
+from k3train.models.costs import Costs, Flops, Saved
 from k3train.models.k3.args import K3ModelArgs
 from k3train.models.k3.loss import loss_workspace_bytes
 from k3train.models.k3.model import K3Layer, K3Model, sources_after
@@ -129,17 +129,15 @@ def recompute_flops_per_token(
     """Forward FLOPs per token a stage's backward runs again under `plan` (a third of the declared training FLOPs of
     what is rerun): a recomputed layer's whole forward; otherwise, under the K3 defaults, its AttnRes mixers and its
     routed-expert block unless a rule stores the experts; on the last stage the final mixer (checkpointed)."""
-    return recompute_costs(args, layers, seq_len, plan, last)[0].total
+    return recompute_costs(args, layers, seq_len, plan, last).flops.total
 
 
-def recompute_costs(
-    args: K3ModelArgs, layers: list[int], seq_len: int, plan: PolicyPlan, last: bool
-) -> tuple[Flops, Saved]:
-    """Per token of a stage, what its backward runs again under `plan` (recompute_flops_per_token's parts): the
-    rerun forward FLOPs by op class, and the activations the rerun writes again (what those parts save under keep)."""
-    flops, saved = Flops(), Saved()
+def recompute_costs(args: K3ModelArgs, layers: list[int], seq_len: int, plan: PolicyPlan, last: bool) -> Costs:
+    """Per token of a stage, what its backward runs again under `plan` (recompute_flops_per_token's parts), as one
+    Costs: `flops` the rerun forward FLOPs by op class, `saved` the activations the rerun writes again (what those
+    parts save under keep), `forward_traffic` what their forwards move besides."""
     if not plan.k3_defaults:
-        return flops, saved
+        return Costs()
     S = sources_after(args, layers[0] - 1)
     rerun_parts = []
     for i in layers:
@@ -154,10 +152,10 @@ def recompute_costs(
         S = sources_after(args, i)
     if last:
         rerun_parts.append(K3Model.head_costs(args, S, seq_len)["final_res"])
+    flops, saved, traffic = Flops(), Saved(), 0.0
     for c in rerun_parts:
-        flops = flops + c.forward_flops()
-        saved = saved + c.saved
-    return flops, saved
+        flops, saved, traffic = flops + c.forward_flops(), saved + c.saved, traffic + c.forward_traffic
+    return Costs(saved, flops, forward_traffic=traffic)
 
 
 def cp_flops(args: K3ModelArgs, layers: list[int], cp: int, plan: PolicyPlan, last: bool, seq_len: int) -> Flops:

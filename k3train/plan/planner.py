@@ -41,7 +41,7 @@ from functools import cached_property
 from k3train.errors import ConfigError
 from k3train.models.k3.counts import flops_per_token, stage_param_counts
 from k3train.models.k3.mixers import layer_mixer
-from k3train.models.costs import Flops
+from k3train.models.costs import Costs, Flops
 from k3train.models.k3.model import K3Layer, K3Model, sources_after
 from k3train.optim.quantile_balancing import step_bytes
 from k3train.parallel.float8 import float8_candidate, float8_fits
@@ -293,17 +293,27 @@ def fp8_linear_flops(args, layer_id: int) -> float:
     return _FP8_CACHE[key]
 
 
+def hbm_bytes(c: Costs, act_bytes: int) -> float:
+    """Memory-bound HBM bytes per token of a module's training step: its saves written and read once (HBM_PASSES)
+    and the traffic it declares besides."""
+    return HBM_PASSES * c.saved.bytes(act_bytes) + c.traffic * act_bytes
+
+
 def work_per_token(args, seq_len: int, act_bytes: int) -> dict:
     """What each piece executes per token, from the modules' declarations (k3train.models.costs): {"layers":
-    [(Flops by op class, saved bytes under keep) of each decoder layer], "head": (Flops, bytes)}; the FLOPs sum to
-    k3train.models.k3.counts.executed_flops."""
+    [(Flops by op class, HBM bytes of its memory-bound traffic) of each decoder layer], "head": (Flops, bytes)};
+    the FLOPs sum to k3train.models.k3.counts.executed_flops. The traffic: every byte saved under keep written and
+    read once (HBM_PASSES), and what the modules declare they move besides (`Costs.traffic`)."""
+
+    def work(parts) -> tuple[Flops, float]:
+        c = sum(parts, Costs())
+        return c.flops, hbm_bytes(c, act_bytes)
+
     out, S = [], 1
     for i in range(1, args.n_layers + 1):
-        parts = K3Layer.costs(args, i, S, seq_len).values()
-        out.append((sum((c.flops for c in parts), Flops()), sum(c.saved.bytes(act_bytes) for c in parts)))
+        out.append(work(K3Layer.costs(args, i, S, seq_len).values()))
         S = sources_after(args, i)
-    head = K3Model.head_costs(args, S, seq_len).values()
-    return {"layers": out, "head": (sum((c.flops for c in head), Flops()), sum(c.saved.bytes(act_bytes) for c in head))}
+    return {"layers": out, "head": work(K3Model.head_costs(args, S, seq_len).values())}
 
 
 def _scale(f: Flops, k: float) -> Flops:
@@ -330,11 +340,12 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
     work = [x.work["layers"][i - 1] for i in layers] + ([x.work["head"]] if s == n - 1 else [])
     flops = sum((f for f, _ in work), Flops()) + cp_flops(args, layers, dims.cp, x.pplan, s == n - 1, x.seq)
     fp8 = sum(x.fp8_per_token[i - 1] for i in layers) * tokens
-    train = x.seconds(_scale(flops, tokens), HBM_PASSES * sum(b for _, b in work) * tokens, fp8)
-    rflops, rsaved = recompute_costs(args, layers, x.seq, x.pplan, s == n - 1)
+    train = x.seconds(_scale(flops, tokens), sum(b for _, b in work) * tokens, fp8)
+    redo = recompute_costs(args, layers, x.seq, x.pplan, s == n - 1)
     # A whole-layer rerun repeats the layer's forward, its FP8 linears included (a third of their training FLOPs).
     rfp8 = sum(x.fp8_per_token[i - 1] for i in layers if _whole_rerun(x.pplan, i)) * tokens / 3
-    rerun = x.seconds(_scale(rflops, tokens), rsaved.bytes(ab) * tokens, rfp8)  # the rerun writes its saves again
+    # The rerun writes its saves again and moves its forward's declared traffic.
+    rerun = x.seconds(_scale(redo.flops, tokens), (redo.saved.bytes(ab) + redo.forward_traffic * ab) * tokens, rfp8)
     by_class = {c: train[c] + rerun[c] for c in OP_CLASSES}
     fwd, bwd = sum(train.values()) / 3, 2 * sum(train.values()) / 3 + sum(rerun.values())
     # Offloaded activations go to host memory during the forward and come back for the backward, on a side stream:
@@ -373,7 +384,7 @@ def _stage_cost(x: _Inputs, s: int) -> tuple:
     )
     bufs = {"pp": boundary, "ep": ep_buf, "cp": cp_buf, "work": work_bytes, "host": host}
     by_class |= {"ep_all_to_all": a2a, "cp": cpt, "host_copies": waits}
-    extra = {"recompute_flops": rflops.total * tokens, "recompute_s": sum(rerun.values()), "a2a_passes": passes}
+    extra = {"recompute_flops": redo.flops.total * tokens, "recompute_s": sum(rerun.values()), "a2a_passes": passes}
     extra["a2a_total_s"] = ep["total"]
     extra["a2a_recompute_passes"] = passes - sum(4 for i in layers if args.ffn_kind(i) == "moe")
     figures = {"ep_in_stages": a2a, "ep_total": ep["total"], "cp_in_stages": cpt}

@@ -74,6 +74,44 @@ def test_attn_res_zero_query_is_mean_and_scale_invariant():
     assert torch.allclose(attn_res(q, scaled, w) - out, 6.0 * wts[2].unsqueeze(-1) * srcs[2], atol=1e-4)
 
 
+@pytest.mark.parametrize("key_norm", [True, False])
+def test_attn_res_backward_is_the_stacked_forms_gradient(key_norm):
+    """The mix's own backward (one source at a time) against autograd through the loop-over-sources reference, fp64:
+    every source's gradient, the pseudo-query's and the key norm's, with sources of different scales."""
+    torch.manual_seed(1)
+    srcs = [(torch.randn(2, 5, 16, dtype=torch.float64) * (i + 1)).requires_grad_() for i in range(4)]
+    q = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    w = (torch.rand(16, dtype=torch.float64) + 0.5).requires_grad_() if key_norm else None
+    inputs = [q, *srcs] + ([w] if key_norm else [])
+    go = torch.randn(2, 5, 16, dtype=torch.float64)
+    got = torch.autograd.grad(attn_res(q, srcs, w), inputs, go)
+    want = torch.autograd.grad(attn_res_reference(q, srcs, w), inputs, go)
+    for name, a, b in zip(["query", *(f"source {i}" for i in range(4)), "key_norm"], got, want):
+        assert (a - b).abs().max() < 1e-12 * b.abs().max(), name
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_attn_res_saves_the_sources_it_reads_and_two_scalars_each(bf16):
+    """Saved bytes, exactly as AttnResMixer.costs declares: a mixer keeps its sources (counted once: the first mixer
+    keeps both sources it is first to read, the second only the partial sum made between them) and its inverse RMS
+    and depth logit per source in fp32; no stacked copy, no normalised keys."""
+    from k3train.models.k3.attn_res import AttnResMixer
+    from k3train.plan.meter import SavedBytesMeter
+
+    D, T, dtype = 32, 24, (torch.bfloat16 if bf16 else torch.float32)
+    first, second = AttnResMixer(D), AttnResMixer(D)
+    for m in (first, second):
+        torch.nn.init.normal_(m.query)
+    emb = torch.randn(T, D, requires_grad=True)
+    with SavedBytesMeter([first, second]) as meter, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        e = emb.to(dtype) * 1.0
+        a = e * 2.0
+        p = a + first([e, a])
+        second([e, p])
+    declared = AttnResMixer.costs(D, 2, new_sources=2).saved + AttnResMixer.costs(D, 2).saved
+    assert meter.bytes == declared.bytes(2 if bf16 else 4) * T
+
+
 def test_situ_bounded_and_swiglu_near_zero():
     g = torch.linspace(-1e4, 1e4, 20001)
     u = torch.linspace(1e4, -1e4, 20001)

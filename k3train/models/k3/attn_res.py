@@ -27,13 +27,21 @@ class AttnResMixer(nn.Module):
         return attn_res(self.query, sources, self.key_norm, self.eps)
 
     @staticmethod
-    def costs(dim: int, n_sources: int) -> Costs:
-        """Per token (k3train.models.costs) over S sources of width D: it saves 3 S D + 2 S elements (the stacked
-        sources, their normalised copies, the flattened keys, the logits and depth weights) and executes 6 S D
-        (the depth logits and the weighted sum); one source passes through and costs nothing."""
+    def costs(dim: int, n_sources: int, new_sources: int = 1) -> Costs:
+        """Per token (k3train.models.costs) over S sources of width D: the mix (k3train.ops.attn_res) keeps the
+        sources themselves, of which `new_sources` are kept by no other module (the partial sum made just before it;
+        the earlier sources are held by the mixers before it), and each source's inverse RMS and depth logit in fp32;
+        FlopCounterMode counts its depth logits (2 S D) in the forward and their weight gradient (2 S D) in the
+        backward. It moves S + 1 rows of D in the forward (reads the sources, writes the mix) and 3 S + 1 in the
+        backward (reads the mix's gradient and the sources twice, writes the sources' gradients). One source passes
+        through and costs nothing."""
         S, D = n_sources, dim
         if S == 1:
             return Costs()
-        # The depth logits and softmax are an fp32 island; under bf16 the stacked sources are bf16 and their
-        # normalised copies, keys and weights fp32.
-        return Costs(Saved(act=3 * S * D, fp32=2 * S, bf16=14.0 * S * D + 9.0 * S), Flops(elementwise=6 * S * D))
+        return Costs(
+            Saved(act=new_sources * D, fp32=2 * S, bf16=2.0 * new_sources * D + 8.0 * S),
+            Flops(elementwise=4 * S * D),
+            forward=Flops(elementwise=2 * S * D),
+            traffic=(4 * S + 2) * D,
+            forward_traffic=(S + 1) * D,
+        )

@@ -66,7 +66,8 @@ class K3Layer(nn.Module):
             "attn_res": AttnResMixer.costs(D, n_sources),
             "attn_norm": norm_costs(D),
             "attn": layer_mixer(args, layer_id).costs(args, seq_len),
-            "ffn_res": AttnResMixer.costs(D, n_sources + 1 if starts_block else n_sources),
+            # After a lone source passed through the first mixer, the second is the first to keep it.
+            "ffn_res": AttnResMixer.costs(D, n_sources + starts_block, 2 if n_sources == 1 else 1),
             "ffn_norm": norm_costs(D),
         }
         if args.ffn_kind(layer_id) == "dense":
