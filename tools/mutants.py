@@ -271,6 +271,36 @@ def _plan_traffic_unpriced(orig):
     return hbm_bytes
 
 
+def _rerun_memo_never_replays(orig):
+    def rewind(self):
+        self.next = 0  # the rerun is not told it is one: it attends again (and keeps a second copy)
+
+    return rewind
+
+
+def _memo_bytes_unplanned(orig):
+    def rerun_memo(args, seq_len):
+        from dataclasses import replace
+
+        from k3train.models.costs import Saved
+
+        return replace(orig.__func__(args, seq_len), saved=Saved())  # the kept output and lse not counted
+
+    return staticmethod(rerun_memo)
+
+
+def _memo_rerun_still_charged(orig):
+    def memo(self, args, i, seq_len):
+        from dataclasses import replace
+
+        from k3train.models.costs import Flops
+
+        out = orig(self, args, i, seq_len)
+        return out if out is None else replace(out, forward=Flops())  # the rerun priced as if it attended again
+
+    return memo
+
+
 def _router_weights_biased(orig):
     torch = _torch()
     import torch.nn.functional as F
@@ -1793,6 +1823,27 @@ MUTATIONS: list[Mutation] = [
         "the planner prices memory-bound work by saved bytes only, not the traffic modules declare besides",
         _plan_traffic_unpriced,
         ("tests/unit/test_plan_efficiency.py::test_step_time_is_the_sum_of_the_op_classes_times",),
+    ),
+    M(
+        "rerun_memo_never_replays",
+        "k3train.ops.rerun:RerunMemo.rewind",
+        "under keep_attention_output a layer's rerun attends again instead of taking the forward's results",
+        _rerun_memo_never_replays,
+        (f"{ACT}::test_kept_attention_output_is_not_attended_again",),
+    ),
+    M(
+        "memo_bytes_unplanned",
+        "k3train.models.k3.mla:GatedMLA.rerun_memo",
+        "the planner does not count the attention output and lse that keep_attention_output holds to the rerun",
+        _memo_bytes_unplanned,
+        (f"{ACT}::test_kept_attention_output_is_not_attended_again",),
+    ),
+    M(
+        "memo_rerun_still_charged",
+        "k3train.plan.activations:PolicyPlan.memo",
+        "the planner charges the rerun's attention although keep_attention_output skips it",
+        _memo_rerun_still_charged,
+        (f"{DRY}::test_kept_attention_output_skips_the_reruns_attention_as_planned",),
     ),
     M(
         "attn_res_logits_under_autocast",

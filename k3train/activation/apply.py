@@ -186,7 +186,13 @@ def _install(handle: ActivationHandle, tree: _Tree, effective: dict[str, dict[st
 
 
 def apply_activation_policies(
-    model: nn.Module, rules: Iterable[Any], group=None, *, dtype: torch.dtype | None = None, account_all: bool = True
+    model: nn.Module,
+    rules: Iterable[Any],
+    group=None,
+    *,
+    dtype: torch.dtype | None = None,
+    account_all: bool = True,
+    keep_attention_output: bool = False,
 ) -> ActivationHandle:
     """Wrap the modules of `model` (a whole K3Model, a pipeline stage, or any module) that `rules` select.
 
@@ -194,6 +200,8 @@ def apply_activation_policies(
     group: process group for offload_remote (default: the world group).
     dtype: the dtype activations are computed in (autocast dtype); default: the parameters' floating dtype.
     account_all: also count (and keep) what is saved outside every managed module, under the module itself.
+    keep_attention_output: a recomputed module keeps its chunked attentions' output and log-sum-exp from the forward,
+    and its rerun in backward does not attend again (k3train.ops.rerun).
     Raises ValueError for unknown policies/kinds/roles, a rule that matches no module, conflicting rules, fp8 where
     the device has no float8_e4m3fn or the activations are not floating, and offload_remote without a valid group.
     """
@@ -202,6 +210,7 @@ def apply_activation_policies(
     resolved = _resolve(rules, tree, type(model).__name__)
     handle = ActivationHandle()
     handle.dtype = _check_fp8(model, resolved, tree, dtype)
+    handle.keep_attention_output = keep_attention_output
     if any("offload_remote" in p.values() for p in resolved.values()):
         handle.exchange = RemoteExchange(group)
     if account_all and "" not in resolved:

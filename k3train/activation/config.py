@@ -23,3 +23,7 @@ class ActivationConfig:
     defaults: AttnRes mixers checkpointed, MoE dispatch recomputed in backward from the saved routing."""
     rules: list[ActivationRule] = field(default_factory=list)
     """Per-module exceptions to the default policy, tried in order (see docs/activation.md)."""
+    keep_attention_output: bool = False
+    """Under recompute, Gated MLA's chunked attention keeps its output and log-sum-exp from the forward (H (v + 2)
+    bytes per token and layer under bf16), and the layer's rerun in backward takes them instead of attending again
+    (k3train.ops.rerun). Needs a recomputed module (policy recompute, or a recompute rule)."""

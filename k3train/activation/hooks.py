@@ -24,6 +24,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
+from k3train.ops import rerun
+from k3train.ops.rerun import RerunMemo
 from k3train.activation.storage import FP8Saved, HostSaved, RemoteCall, RemoteExchange, RemoteSaved
 from k3train.models.k3 import activation_rules as k3_rules
 
@@ -55,6 +57,9 @@ class ActivationHandle:
         self.exchange: RemoteExchange | None = None
         self.dtype: torch.dtype = torch.float32
         """The compute dtype of activations (fp8 keeps wider tensors as they are)."""
+        self.keep_attention_output = False
+        """Recomputed calls keep the chunked attention's results for their reruns (activation.keep_attention_output,
+        k3train.ops.rerun): the rerun does not attend again."""
         self._installed: list[tuple[nn.Module, str, Any]] = []
         self.observers: list[Callable[[int | None, int, str], None]] = []
         """Called with (storage address or None, bytes, bucket) for everything stored: a meter that deduplicates
@@ -150,10 +155,13 @@ class _Region:
     the region saves by their order, so the outputs come back with their original requires_grad: the ops after
     them then save exactly what they saved in the forward."""
 
-    def __init__(self):
+    def __init__(self, memo: RerunMemo | None = None):
         self.runs = 0
         self.records: list[tuple[Any, list, Any]] = []  # per call: (pytree spec, packed leaves, remote stash)
         self.next = 0
+        self.memo = memo
+        """What the ops inside keep from the first run for the reruns (k3train.ops.rerun), when the handle asks for
+        it (keep_attention_output)."""
 
     @property
     def replaying(self) -> bool:
@@ -162,6 +170,8 @@ class _Region:
     def enter(self) -> None:
         self.runs += 1
         self.next = 0
+        if self.runs > 1 and self.memo is not None:
+            self.memo.rewind()
 
     def record(self, call: _Call, out) -> None:
         leaves, spec = tree_flatten(out)
@@ -365,6 +375,12 @@ class _Site:
     def param_ptrs(self) -> set[int]:
         return {_storage_ptr(t) for t in (*self.module.parameters(), *self.module.buffers())} - {None}
 
+    def _account_kept(self, value) -> None:
+        """What a recomputed call's ops keep for its reruns (k3train.ops.rerun): device bytes, like a kept save."""
+        for t in tree_leaves(value):
+            if isinstance(t, torch.Tensor):
+                self.handle.add(self.layer or self.name or "<root>", "device", t.nbytes, _storage_ptr(t))
+
     def _account_inputs(self, inputs) -> None:
         params, seen = self.param_ptrs(), set()
         for t in tree_leaves(inputs):
@@ -384,13 +400,14 @@ class _Site:
             if region is not None:  # a recompute nested in a recomputed region: the outer one covers it
                 return fn(*args, **kwargs)
             self._account_inputs((args, kwargs))
-            region = _Region()
+            region = _Region(RerunMemo(self._account_kept) if self.handle.keep_attention_output else None)
 
             def inner(*a, **k):
                 region.enter()
                 _REGIONS.items.append(region)
                 try:
-                    return fn(*a, **k)
+                    with rerun.scope(region.memo):
+                        return fn(*a, **k)
                 finally:
                     _REGIONS.items.pop()
 
@@ -409,7 +426,7 @@ class _Site:
         # saves. The region is suspended meanwhile, so the managed modules inside this one follow their own rules.
         _REGIONS.items.append(None)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(call.pack, _unpack):
+            with torch.autograd.graph.saved_tensors_hooks(call.pack, _unpack), rerun.scope(None):
                 out = fn(*args, **kwargs)
         finally:
             _REGIONS.items.pop()

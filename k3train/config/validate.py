@@ -296,6 +296,12 @@ def check_activation(cfg: K3TrainConfig) -> None:
         key = f"activation.rules[{i - 1}]." if i else "activation."
         _need(r.policy in activation_policies, key + "policy", f"unknown policy {r.policy!r}; choose one of {choices}")
         _need(i == 0 or bool(r.match), key + "match", "must be a non-empty pattern")
+    _need(
+        not a.keep_attention_output or "recompute" in [a.policy, *(r.policy for r in a.rules)],
+        "activation.keep_attention_output",
+        "keeps the attention's results for a recomputation, but nothing is recomputed: set activation.policy=recompute "
+        "(or a recompute rule), or leave it false",
+    )
 
 
 def check_logging(cfg: K3TrainConfig) -> None:

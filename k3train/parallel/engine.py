@@ -442,6 +442,7 @@ def build_engine_for(spec, device: torch.device | str | None = None) -> Engine:
         precision=spec.precision,
         seq_len_hint=cfg.data.seq_len,
         activation_rules=spec.activation_rules,
+        keep_attention_output=cfg.activation.keep_attention_output,
         balancing=cfg.train.balancing,
         float8=cfg.train.float8,
         qat=cfg.train.qat,
@@ -465,6 +466,7 @@ def build_engine(
     autocast_dtype: torch.dtype | None = None,
     seq_len_hint: int = 4096,
     activation_rules=(),
+    keep_attention_output: bool = False,
     balancing: str = "none",
     float8: str = "none",
     qat: str = "none",
@@ -478,8 +480,8 @@ def build_engine(
     parts (k3train.parallel.parallelize), the optimizer, the pipeline and the CP plan, and the engine over them.
 
     parallel: a ParallelDims or any object with pp, vpp, ep, cp, dp (-1 = fill), zero, microbatches, schedule
-    (e.g. the trainer's ParallelConfig). With world size 1 no process group is needed. activation_rules and
-    balancing are applied to every part (see parallelize_part), and so are float8 (train.float8) and qat
+    (e.g. the trainer's ParallelConfig). With world size 1 no process group is needed. activation_rules (with
+    keep_attention_output) and balancing are applied to every part (see parallelize_part), and so are float8 (train.float8) and qat
     (train.qat). precision "bf16" stores the parameters in bf16, computes under bf16 autocast and sends bf16
     activations between pipeline stages (train.precision); autocast_dtype alone (fp32 parameters, autocast
     compute) is kept for experiments. train_vision: the data feeds images, so the vision tower trains (else it is
@@ -508,6 +510,7 @@ def build_engine(
         seed=seed,
         seq_len=seq_len_hint,
         activation_rules=list(activation_rules),
+        keep_attention_output=keep_attention_output,
         balancing=balancing,
         float8=float8,
         qat=qat,

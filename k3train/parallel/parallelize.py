@@ -51,6 +51,8 @@ class PartSetup:
     """The training sequence length (context parallelism checks that every layer fits its pieces)."""
     activation_rules: list = field(default_factory=list)
     """Activation-storage rules (k3train.activation.rules_from_config); empty keeps everything."""
+    keep_attention_output: bool = False
+    """activation.keep_attention_output: recomputed layers keep their attention's results for the rerun."""
     balancing: str = "none"
     """Router balancing: quantile, sign or none."""
     compute_dtype: torch.dtype | None = None
@@ -97,7 +99,11 @@ def parallelize_part(part: nn.Module, setup: PartSetup):
 
         # Remote offload pairs ranks that run the same layers: the dp x cp replicas of this stage.
         handle = apply_activation_policies(
-            part, setup.activation_rules, group=mesh.group("dp_cp") if mesh else None, dtype=setup.compute_dtype
+            part,
+            setup.activation_rules,
+            group=mesh.group("dp_cp") if mesh else None,
+            dtype=setup.compute_dtype,
+            keep_attention_output=setup.keep_attention_output,
         )
     if setup.balancing != "none" and part.routers():
         from k3train.optim.quantile_balancing import attach_balancers

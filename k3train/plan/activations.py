@@ -39,6 +39,9 @@ class PolicyPlan:
     rules: tuple = ()  # ((fnmatch pattern, policy), ...)
     defaults: bool | None = None
     """Whether the K3 defaults apply; None: as the trainer decides (a default other than keep, or any rule)."""
+    keep_attention_output: bool = False
+    """activation.keep_attention_output: a recomputed layer's token mixer keeps what it declares (`rerun_memo`) and
+    its rerun skips that part of its forward."""
 
     @property
     def k3_defaults(self) -> bool:
@@ -51,7 +54,7 @@ class PolicyPlan:
             return "keep" if p.startswith("offload") else p
 
         rules = tuple((m, on_device(p)) for m, p in self.rules)
-        return PolicyPlan(on_device(self.default), rules, self.k3_defaults)
+        return PolicyPlan(on_device(self.default), rules, self.k3_defaults, self.keep_attention_output)
 
     def of(self, name: str) -> str | None:
         """The policy a rule gives module `name` (first match), or None."""
@@ -64,13 +67,25 @@ class PolicyPlan:
         """The policy decoder layer i's saves take as a whole ("keep" without the K3 defaults)."""
         return (self.of(f"layers.{i}") or self.default) if self.k3_defaults else "keep"
 
+    def memo(self, args: K3ModelArgs, i: int, seq_len: int) -> Costs | None:
+        """What layer i's token mixer keeps for its rerun and skips in it (its `rerun_memo`), when the layer and its
+        attention are recomputed under keep_attention_output; else None."""
+        if not (self.keep_attention_output and self.k3_defaults and self.layer(i) == "recompute"):
+            return None
+        if (self.of(f"layers.{i}.attn") or "recompute") != "recompute":
+            return None  # taken out of the recomputation: it runs once anyway
+        declare = getattr(layer_mixer(args, i), "rerun_memo", None)
+        return declare(args, seq_len) if declare is not None else None
+
 
 KEEP = PolicyPlan()
 
 
 def policy_plan(activation_cfg) -> PolicyPlan:
     return PolicyPlan(
-        default=activation_cfg.policy, rules=tuple((r.match, r.policy) for r in getattr(activation_cfg, "rules", ()))
+        default=activation_cfg.policy,
+        rules=tuple((r.match, r.policy) for r in getattr(activation_cfg, "rules", ())),
+        keep_attention_output=getattr(activation_cfg, "keep_attention_output", False),
     )
 
 
@@ -101,6 +116,8 @@ def layer_bytes_per_token(
     total = 0.0
     if layer_policy == "recompute":
         total += args.dim * act_bytes  # the layer's new input (its partial sum)
+        memo = plan.memo(args, layer_id, seq_len)
+        total += memo.saved.bytes(act_bytes) if memo is not None else 0.0
         # Modules a rule takes out of the recomputation store their saves and their outputs under their own policy.
         if attn_policy != "recompute":
             total += _device_bytes(attn + Saved(act=args.dim), attn_policy, act_bytes)
@@ -139,11 +156,13 @@ def recompute_costs(args: K3ModelArgs, layers: list[int], seq_len: int, plan: Po
     if not plan.k3_defaults:
         return Costs()
     S = sources_after(args, layers[0] - 1)
-    rerun_parts = []
+    rerun_parts, skipped = [], Costs()
     for i in layers:
         parts = K3Layer.costs(args, i, S, seq_len)
         if plan.layer(i) == "recompute":
             rerun = list(parts)
+            memo = plan.memo(args, i, seq_len)
+            skipped = skipped + memo if memo is not None else skipped
         else:
             rerun = ["attn_res", "ffn_res"]
             if "ffn.experts" in parts and plan.of(f"layers.{i}.ffn.experts") in (None, "recompute"):
@@ -155,6 +174,8 @@ def recompute_costs(args: K3ModelArgs, layers: list[int], seq_len: int, plan: Po
     flops, saved, traffic = Flops(), Saved(), 0.0
     for c in rerun_parts:
         flops, saved, traffic = flops + c.forward_flops(), saved + c.saved, traffic + c.forward_traffic
+    # Under keep_attention_output the reruns skip their attention (they still save its kept output and lse).
+    flops = Flops(*(getattr(flops, f) - getattr(skipped.forward_flops(), f) for f in Flops.__dataclass_fields__))
     return Costs(saved, flops, forward_traffic=traffic)
 
 
@@ -166,7 +187,9 @@ def cp_flops(args: K3ModelArgs, layers: list[int], cp: int, plan: PolicyPlan, la
     if cp == 1:
         return out
     for i in layers:
-        out = out + layer_mixer(args, i).cp_flops(args, cp, plan.k3_defaults and plan.layer(i) == "recompute", seq_len)
+        # A rerun that keeps the attention's results does not build the remote keys again either.
+        rerun = plan.k3_defaults and plan.layer(i) == "recompute" and plan.memo(args, i, seq_len) is None
+        out = out + layer_mixer(args, i).cp_flops(args, cp, rerun, seq_len)
     if last and args.mtp_layers:
         from k3train.models.k3.mla import GatedMLA
 

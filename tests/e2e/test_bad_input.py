@@ -408,6 +408,13 @@ CASES = [
     ),
     Bad("balancing", "config", "train.balancing=aux_loss", "balancing", config("train.balancing=aux_loss")),
     Bad("activation-policy", "config", "activation.policy=swap", "activation", config("activation.policy=swap")),
+    Bad(
+        "keep-attention-output",
+        "config",
+        "activation.keep_attention_output=true",
+        "nothing is recomputed",
+        config("activation.keep_attention_output=true"),
+    ),
     Bad("optim-lr", "config", "optim.lr=-1", "optim.lr", config("optim.lr=-1")),
     Bad("mtp-layers", "config", "model.mtp_layers=2", "mtp_layers", config("model.mtp_layers=2")),
     Bad(

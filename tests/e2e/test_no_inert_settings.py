@@ -254,6 +254,14 @@ def stores_activations(bucket: str, *, math: bool) -> Callable:
     return check
 
 
+def keeps_attention_output(base, changed) -> str:
+    """activation.keep_attention_output: the recomputed layers keep their attention's results on the device (the
+    storage accounting), and the math is the same."""
+    more = changed.activation.get("device", 0) - base.activation.get("device", 0)
+    assert more > 0, (base.activation, changed.activation)
+    return f"device {more:+,} B (attention outputs kept for the reruns); loss {same_math(base, changed):.1e} rel"
+
+
 def moves_fp8_bytes(src: str, dst: str) -> Callable:
     """FP8 bytes move from layer `src` to layer `dst` (per-layer accounting), and training changes."""
 
@@ -485,6 +493,12 @@ ONE_PROCESS: list[Case] = [
     Case("activation.policy", {"activation.policy": "offload_local"}, stores_activations("offload_local", math=False)),
     Case(
         "activation.rules", {"activation.rules": [_rule("layers.2.attn", "fp8")]}, stores_activations("fp8", math=True)
+    ),
+    Case(
+        "activation.keep_attention_output",
+        {"activation.keep_attention_output": True},
+        keeps_attention_output,
+        base={"activation.policy": "recompute"},
     ),
     Case(
         "activation.rules[].match",

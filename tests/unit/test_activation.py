@@ -221,6 +221,44 @@ def test_lossless_policies_give_the_same_gradients(reference, plan):
     assert "forward" not in m.__dict__ and all("forward" not in mod.__dict__ for mod in m.modules())
 
 
+@pytest.mark.parametrize("plan", ["recompute_layers", "recompute_kept_attn"])
+def test_kept_attention_output_is_not_attended_again(reference, monkeypatch, plan):
+    """activation.keep_attention_output: each recomputed layer's chunked attention runs its key-chunk pass once (the
+    rerun takes the forward's output and log-sum-exp), the gradients are the same, bit for bit, and the handle
+    accounts what the memo holds (the output and the fp32 log-sum-exp and max logit of every MLA layer). A module taken
+    out of the recomputation (attn: keep) runs once anyway and keeps nothing in the memo."""
+    from k3train.ops.attention import blocked
+
+    m, tok, ref_loss, ref = reference
+    calls = []
+    orig = blocked._attend
+    monkeypatch.setattr(blocked, "_attend", lambda *a: calls.append(1) or orig(*a))
+    rules = [Rule(kind="layer", policy="recompute")]
+    if plan == "recompute_kept_attn":
+        rules.insert(0, Rule(match="layers.*.attn", policy="keep"))
+    n_mla = sum(m.args.layer_kind(i) == "mla" for i in range(1, m.args.n_layers + 1))
+    for keep in (False, True):
+        calls.clear()
+        handle = apply_activation_policies(m, rules, keep_attention_output=keep)
+        try:
+            loss, g = grads(m, tok)
+            device = handle.stats()["total"]["device"]
+        finally:
+            handle.remove()
+        assert torch.equal(loss, ref_loss)
+        _assert_same_grads(g, ref)
+        rerun = not keep and plan == "recompute_layers"
+        assert len(calls) == (2 if rerun else 1) * n_mla, (keep, len(calls))
+        if not keep:
+            base = device
+    # What GatedMLA.rerun_memo declares per token (the planner's figure), and each layer's per-head max logit.
+    from k3train.models.k3.mla import GatedMLA
+
+    B, T = tok.shape
+    per_layer = GatedMLA.rerun_memo(m.args, T).saved.bytes(4) * B * T + m.args.mla_heads * 4
+    assert device - base == (n_mla * per_layer if plan == "recompute_layers" else 0)
+
+
 def test_default_plan_recomputes_moe_dispatch_not_router(reference):
     m, tok, _, ref = reference
     calls = {"router": 0, "dispatch": 0}

@@ -166,6 +166,28 @@ def reduced_world():
 
 
 @pytest.mark.slow
+def test_kept_attention_output_skips_the_reruns_attention_as_planned():
+    """Under whole-layer recompute with activation.keep_attention_output, the reruns no longer attend or build keys
+    from the latent: a step (FlopCounterMode) executes exactly the planner's fewer attention and dense FLOPs, and
+    the same of the other classes. (The dense class is not compared whole: a rerun stops after the last op whose
+    result backward needs, so each layer's last matmul is not rerun, which the planner charges; at this size that
+    is 3% of the dense FLOPs.)"""
+    from k3train.dryrun.run import dry_run
+
+    got = {}
+    for keep in (False, True):
+        ov = ["data.seq_len=64", "activation.policy=recompute", f"activation.keep_attention_output={keep}"]
+        (r,) = dry_run(load_spec("tiny_cpu", ov, world_size=1), ranks=[0], jobs=1)
+        for cls in ("grouped_gemm", "attention", "batched"):
+            assert r.flops_by_class[cls] == pytest.approx(r.planned_by_class[cls], rel=0.02), (keep, cls)
+        got[keep] = r
+    drop = {c: got[False].flops_by_class[c] - got[True].flops_by_class[c] for c in ("attention", "dense_gemm")}
+    planned = {c: got[False].planned_by_class[c] - got[True].planned_by_class[c] for c in drop}
+    assert drop["attention"] > 0.2 * got[False].flops_by_class["attention"]
+    assert drop == pytest.approx(planned, rel=1e-9)
+    assert got[True].flops_by_class["grouped_gemm"] == got[False].flops_by_class["grouped_gemm"]
+
+
 def test_reduced_world_ranks_issue_matching_collectives(reduced_world):
     """Every group's simulated members issue the same collectives in the same order and sizes (the check that
     catches an extra all-reduce on one rank, EP splits that disagree, a group built in another order)."""

@@ -11,7 +11,9 @@ A kind is a module class with
 - `workspace_bytes(args, q_tokens, seq_len, act_bytes) -> float`, `cp_gather(args) -> CPGather` and
   `cp_flops(args, cp, rerun, seq_len) -> Flops` (static): its transient backward bytes per sequence row, its
   context-parallel traffic (and what of it it keeps per piece) and the FLOPs context parallelism adds per local
-  token, which the planner adds up.
+  token, which the planner adds up;
+- optionally `rerun_memo(args, seq_len) -> Costs` (static): what it keeps per token from a recomputed layer's forward
+  for the rerun, and the forward FLOPs the rerun then skips (activation.keep_attention_output, k3train.ops.rerun).
 KDA ("kda") and Gated MLA ("mla") are registered here. Another kind lives in a package of its own, named as the
 kind, under k3train.models (e.g. k3train.models.toy_dense_attention), that registers it when imported
 (`register_mixer`): `layer_mixer` imports it the first time a config names the kind, so a new kind needs no edit

@@ -142,6 +142,17 @@ class GatedMLA(nn.Module):
         return Costs(Saved(act=act, fp32=H, i64=1, bf16=bf16), flops, forward)
 
     @staticmethod
+    def rerun_memo(args: K3ModelArgs, seq_len: int) -> Costs:
+        """Per token, what activation.keep_attention_output changes in a recomputed layer (k3train.ops.rerun):
+        `saved` the chunked attention's output and fp32 log-sum-exp, kept from the forward to the rerun (H v + H
+        elements); `forward` what the rerun then does not execute, the key chunks' key and value build from the
+        latent and the attention itself (under context parallelism also the remote keys' build, `cp_flops`)."""
+        H, kv, k, v = args.mla_heads, args.mla_kv_rank, args.mla_k_head_dim, args.mla_v_head_dim
+        keys = 2.0 * visited_keys(seq_len) * H
+        skipped = Flops(dense_gemm=2.0 * kv * H * (k + v), attention=keys * (args.mla_qk_head_dim + v))
+        return Costs(Saved(act=H * v, fp32=H, bf16=2.0 * H * v + 4.0 * H), forward=skipped)
+
+    @staticmethod
     def cp_flops(args: K3ModelArgs, cp: int, rerun: bool, seq_len: int) -> Flops:
         """Per local token under context parallelism over cp ranks, beyond `costs`: the attention builds the keys and
         values of the row's whole key range (cp x its local tokens) from the gathered latent, in the forward and

@@ -28,6 +28,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from k3train.ops import rerun
 from k3train.ops.attention.inner import _finite, chunk_backward_kernel, chunk_kernel
 from k3train.ops.backend import AUTO, Kernels
 from k3train.ops.dtypes import wide
@@ -59,23 +60,34 @@ def _merge(o, lse, o_j, lse_j):
     return o * torch.exp(lse - shift)[..., None] + o_j.to(o.dtype) * torch.exp(lse_j - shift)[..., None], new
 
 
+def _attend(q, c, scale, k_chunk, kv, source, inner, q_pos, q_doc, k_pos, k_doc, params):
+    """The forward pass over the key chunks: (output in q's dtype, merged log-sum-exp, per-head max logit)."""
+    acc, dev = wide(q.dtype), q.device.type
+    c_full = source.gather(c) if source is not None else c
+    o = lse = mx = None
+    for ka, kb in _chunks(c_full.shape[1], k_chunk):
+        k, v = kv(c_full[:, ka:kb], *params)
+        with torch.autocast(dev, enabled=False):  # the softmax and QK-Clip's max logit are fp32 islands
+            o_j, lse_j, m_j = inner(q, k, v, q_pos, q_doc, k_pos[:, ka:kb], k_doc[:, ka:kb], scale)
+        m_j = m_j.to(acc).amax(dim=(0, 2))
+        if o is None:
+            o, lse, mx = o_j.to(acc), lse_j.to(acc), m_j
+        else:
+            o, lse = _merge(o, lse, o_j, lse_j.to(acc))
+            mx = torch.maximum(mx, m_j)
+    return o.to(q.dtype), lse, mx
+
+
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, c, scale, k_chunk, kv, source, inner, inner_backward, q_pos, q_doc, k_pos, k_doc, *params):
-        acc, dev = wide(q.dtype), q.device.type
-        c_full = source.gather(c) if source is not None else c
-        o = lse = mx = None
-        for ka, kb in _chunks(c_full.shape[1], k_chunk):
-            k, v = kv(c_full[:, ka:kb], *params)
-            with torch.autocast(dev, enabled=False):  # the softmax and QK-Clip's max logit are fp32 islands
-                o_j, lse_j, m_j = inner(q, k, v, q_pos, q_doc, k_pos[:, ka:kb], k_doc[:, ka:kb], scale)
-            m_j = m_j.to(acc).amax(dim=(0, 2))
-            if o is None:
-                o, lse, mx = o_j.to(acc), lse_j.to(acc), m_j
-            else:
-                o, lse = _merge(o, lse, o_j, lse_j.to(acc))
-                mx = torch.maximum(mx, m_j)
-        out = o.to(q.dtype)
+        dev, memo = q.device.type, rerun.active()
+        if memo is not None and memo.replaying:  # a layer's recomputation: the forward's results, not a second pass
+            out, lse, mx = (t.detach() for t in memo.take("chunked attention"))  # new aliases: this node's outputs
+        else:
+            out, lse, mx = _attend(q, c, scale, k_chunk, kv, source, inner, q_pos, q_doc, k_pos, k_doc, params)
+            if memo is not None:
+                memo.keep((out, lse, mx))
         ctx.save_for_backward(q, c, out, lse, q_pos, q_doc, k_pos, k_doc, *params)
         ctx.meta = (scale, k_chunk, kv, source, inner_backward)
         ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
