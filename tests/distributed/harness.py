@@ -296,6 +296,8 @@ class Layout:
     activation: str = "keep"
     """The activation storage policy of every decoder layer (activation.policy), with the K3 defaults beside it;
     "keep" applies no rule at all (everything kept)."""
+    keep_attention_output: bool = False
+    """activation.keep_attention_output: recomputed layers keep their attention's results for the rerun."""
     seed: int = SEED
     """Initial weights and data (tools/fp32_drift.py measures drift over several)."""
 
@@ -348,6 +350,7 @@ def run_layout(layout: Layout, out_dir: str, rank: int) -> dict:
         float8=layout.float8,
         qat=layout.qat,
         activation_rules=activation_rules(layout.activation),
+        keep_attention_output=layout.keep_attention_output,
     )
     # The ranks of a CP group read the same rows (each runs its own pieces of them).
     dp_rank = rank_coords(dims, rank)["dp"] if dims.world > 1 else 0
@@ -661,8 +664,21 @@ TWO = [
     _lay("pp2_vpp2_interleaved_zb", pp=2, vpp=2, microbatches=2, schedule="interleaved_zb"),
     _lay("pp2_zbv", pp=2, vpp=2, microbatches=2, schedule="zbv"),
     _lay("pp2_dualpipev", pp=2, vpp=2, microbatches=4, schedule="dualpipev"),
-    # Whole-layer recompute under split backward: the input and the weight pass each recompute the layer.
-    _lay("pp2_dualpipev_recompute", pp=2, vpp=2, microbatches=4, schedule="dualpipev", activation="recompute"),
+    # Whole-layer recompute under split backward: the input and the weight pass each recompute the layer, and the
+    # attention's results kept for it (the K3 recipes' plans); and under context parallelism, where the kept
+    # attention's rerun also skips the latent's all-gather.
+    _lay(
+        "pp2_dualpipev_recompute",
+        pp=2,
+        vpp=2,
+        microbatches=4,
+        schedule="dualpipev",
+        activation="recompute",
+        keep_attention_output=True,
+    ),
+    _lay(
+        "cp2_recompute_kept_attention", cp=2, seq=64, microbatches=2, activation="recompute", keep_attention_output=True
+    ),
     _lay("ep2_dp2", dp=2, ep=2, zero=0, microbatches=2),
     _lay("ep2_dp2_zero2", dp=2, ep=2, zero=2, microbatches=2),
     _lay("muon_dp2_zero1", dp=2, zero=1, microbatches=2, optim="muon"),
