@@ -301,6 +301,10 @@ def _memo_rerun_still_charged(orig):
     return memo
 
 
+def _storage_wrappers_traced(orig):
+    return orig.__wrapped__  # torch.compile traces the checkpoint and saved-tensor hooks of the storage policies
+
+
 def _router_weights_biased(orig):
     torch = _torch()
     import torch.nn.functional as F
@@ -1844,6 +1848,14 @@ MUTATIONS: list[Mutation] = [
         "the planner charges the rerun's attention although keep_attention_output skips it",
         _memo_rerun_still_charged,
         (f"{DRY}::test_kept_attention_output_skips_the_reruns_attention_as_planned",),
+    ),
+    M(
+        "storage_wrappers_traced",
+        "k3train.activation.hooks:_Site.run",
+        "model.compile traces the storage policies' own wrappers (checkpoint, saved-tensor hooks) instead of running "
+        "them eagerly around the compiled module code",
+        _storage_wrappers_traced,
+        ("tests/unit/test_compile_model.py::test_compiled_layers_run_under_activation_policies",),
     ),
     M(
         "attn_res_logits_under_autocast",

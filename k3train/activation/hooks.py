@@ -390,8 +390,11 @@ class _Site:
                     seen.add(p)
                     self.handle.add(self.layer or self.name or "<root>", "recompute", t.nbytes, p)
 
+    @torch._dynamo.disable(recursive=False)
     def run(self, fn: Callable, *args, **kwargs):
-        """Call fn(*args, **kwargs) under this site's policy."""
+        """Call fn(*args, **kwargs) under this site's policy. Under torch.compile this frame runs eagerly (the
+        checkpoint, the saved-tensor hooks and the regions' bookkeeping) and what it calls compiles as frames of
+        their own: model.compile compiles the module's forward inside its recomputation and storage hooks."""
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
         regions = _REGIONS.items

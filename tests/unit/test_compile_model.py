@@ -171,6 +171,41 @@ def test_model_compile_compiles_each_layer_in_place():
         compile_layers(eager, "tensorrt")
 
 
+@pytest.mark.parametrize("rules", ["recompute", "k3_defaults"])
+def test_compiled_layers_run_under_activation_policies(rules):
+    """model.compile with the recipes' storage plans: whole-layer recompute keeping the attention's results, or the
+    K3 defaults alone (checkpointed mixers and experts inside kept layers). The storage wrappers run eagerly
+    (checkpoint, saved-tensor hooks, the regions' memo) and the module code inside them compiles; the loss and every
+    gradient are the eager model's under the same plan (to fp32 rounding: the compiled backward may sum a tensor's
+    gradient contributions in another order)."""
+    from torch._dynamo.utils import counters
+
+    from k3train.activation import apply_activation_policies, default_rules
+    from k3train.activation.policy import Rule
+    from k3train.models.k3.model import K3Model
+    from k3train.parallel.parallelize import compile_layers
+
+    plan = [Rule(kind="layer", policy="recompute")] if rules == "recompute" else default_rules()
+    ids = torch.randint(0, 512, (B, T), generator=torch.Generator().manual_seed(3))
+    out = []
+    for backend in (None, "aot_eager"):
+        model = K3Model(get_preset("tiny", n_layers=2, layer_kinds={1: "kda", 2: "mla"}))  # dense and MoE FFNs
+        model.init_weights(5)
+        handle = apply_activation_policies(model, plan, keep_attention_output=rules == "recompute")
+        if backend:
+            compile_layers(model, backend)
+        counters.clear()
+        loss = model(ids).float().logsumexp(-1).mean()
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+        handle.remove()
+    assert counters["frames"]["ok"] > 2  # the layers' code inside the wrappers ran compiled
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-6, atol=0)
+    assert out[0][1].keys() == out[1][1].keys()
+    for name, g in out[0][1].items():
+        torch.testing.assert_close(out[1][1][name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
 @pytest.mark.slow
 def test_inductor_smoke_dense_ffn():
     """The default backend (inductor: generated C++ on the CPU, Triton on CUDA) on the dense FFN, fp32."""
