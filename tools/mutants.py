@@ -356,11 +356,6 @@ def _muon_updates_sent_in_fp32(orig):
     return with_globals(orig, wide=lambda dtype: torch.float32)
 
 
-def _autocast_kept_static(orig):
-    """_autocast_kept for a staticmethod (an autograd.Function's forward)."""
-    return staticmethod(_autocast_kept(orig.__func__))
-
-
 def _autocast_kept_under_no_grad(orig):
     """_autocast_kept for a function decorated with torch.no_grad() (patch the function it wraps)."""
     return _torch().no_grad()(_autocast_kept(orig.__wrapped__))
@@ -1874,9 +1869,9 @@ MUTATIONS: list[Mutation] = [
     ),
     M(
         "qk_max_logits_under_autocast",
-        "k3train.ops.attention.blocked:_ChunkedAttention.forward",
+        "k3train.ops.attention.blocked:_attend",
         "attention logits (and QK-Clip's max logits) computed in the caller's bf16 autocast",
-        _autocast_kept_static,
+        _autocast_kept,
         (f"{ISLANDS}::test_qk_clip_max_logits_are_fp32_statistics_under_autocast",),
     ),
     M(

@@ -315,10 +315,10 @@ def test_moe_region_forward_equals_latent_moe():
         assert torch.equal(gx, gx_ref) and all(torch.equal(a, b) for a, b in zip(gp, gp_ref)), pol
 
 
-def cosines_under(m, tok, ref, rules):
+def cosines_under(m, tok, ref, rules, keep_attention_output=False):
     """(per-parameter gradient cosine to `ref`, total storage stats, the removed handle with its plan) of one step
     under `rules`."""
-    handle = apply_activation_policies(m, rules)
+    handle = apply_activation_policies(m, rules, keep_attention_output=keep_attention_output)
     try:
         _, g = grads(m, tok)
         st = handle.stats()["total"]
@@ -585,13 +585,17 @@ def test_shipped_activation_configs_keep_gradients(reference, group):
         torch.manual_seed(0)
         m = tiny(n_layers=n)
         _, ref = grads(m, tok)
-    cos, st, handle = cosines_under(m, tok, ref, rules_from_config(cfg))
+    cos, st, handle = cosines_under(m, tok, ref, rules_from_config(cfg), cfg.keep_attention_output)
     worst = min(cos, key=cos.get)
     assert cos[worst] >= 0.99, (group, worst, cos[worst])
     if n is not None:
-        # The recipes' plans: whole-layer recompute up to a layer, selective recompute (the K3 defaults) after it.
+        # The recipes' plans: whole-layer recompute up to a layer (k3_long_context: every layer), selective recompute
+        # (the K3 defaults) after it, the recomputed layers keeping their attention's results.
         assert st["recompute"] > 0 and handle.plan["layers.2"] == "recompute", st
-        assert handle.plan.get(f"layers.{n}") != "recompute" and handle.plan[f"layers.{n}.ffn.experts"] == "recompute"
+        assert cfg.keep_attention_output and handle.keep_attention_output
+        last = handle.plan.get(f"layers.{n}")
+        assert (last == "recompute") == (group == "recompute_k3_long_context"), (group, last)
+        assert last == "recompute" or handle.plan[f"layers.{n}.ffn.experts"] == "recompute"
     if group == "selective":
         # Layers keep what they save; the AttnRes mixers and routed experts are recomputed.
         assert handle.plan["layers.2.ffn.experts"] == "recompute" and handle.plan.get("layers.2") is None
