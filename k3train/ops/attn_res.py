@@ -23,60 +23,68 @@ from k3train.ops.dtypes import wide
 
 
 def _rows_dot(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """x [..., D] . v [D] -> [...], as one batched product: the dry run (k3train.dryrun.run.OP_CLASSES) reads batched
+    """x [N, D] . v [D] -> [N], as one batched product: the dry run (k3train.dryrun.run.OP_CLASSES) reads batched
     products as the planner's elementwise class, where the depth mix's FLOPs are declared."""
-    return torch.bmm(x.reshape(1, -1, x.shape[-1]), v.view(1, -1, 1)).view(x.shape[:-1])
+    return torch.bmm(x.unsqueeze(0), v.view(1, -1, 1)).view(-1)
+
+
+def _pair_dots(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Row-wise x [N, D] . y [N, D] -> [N], as one batched product (as _rows_dot)."""
+    return torch.bmm(x.unsqueeze(1), y.unsqueeze(2)).view(-1)
 
 
 def _logit_input_grad(dlogits, logits, rstd, D: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The two per-token factors of a logit's gradient into its source, d l_s / d x_s = qg r_s - l_s r_s^2 x_s / D
-    (the second is the RMS's own derivative): (dl r, dl l r^2 / D), [S, ...] each."""
+    (the second is the RMS's own derivative): (dl r, dl l r^2 / D), [S, N] each."""
     return dlogits * rstd, dlogits * logits * rstd.square() / D
 
 
 class _DepthMix(torch.autograd.Function):
-    """forward(query, key_norm, eps, *sources) -> sum_s softmax_s(l) V_s, l_s = (V_s . query * key_norm) / rms(V_s)."""
+    """forward(query, key_norm, eps, *sources) -> sum_s softmax_s(l) V_s, l_s = (V_s . query * key_norm) / rms(V_s).
+
+    Works on the sources' rows [N, D]: per source a few ops (its fp32 copy, norm and logit; in backward its logit's
+    weight gradient, the query's gradient and its own), the rest on the [S, N] statistics at once."""
 
     @staticmethod
     def forward(ctx, query, key_norm, eps, *sources):
+        shape, D = sources[0].shape, sources[0].shape[-1]
         acc = wide(sources[0].dtype)  # fp64 sources stay fp64
         qg = query.to(acc) if key_norm is None else query.to(acc) * key_norm.to(acc)
-        rstd, logits = [], []
-        for v in sources:
+        rows = [v.reshape(-1, D) for v in sources]
+        norms, dots = [], []
+        for v in rows:
             x = v.to(acc)
-            r = torch.rsqrt(x.square().mean(-1) + eps)
-            rstd.append(r)
-            logits.append(_rows_dot(x, qg) * r)
-        rstd, logits = torch.stack(rstd), torch.stack(logits)  # [S, ...]
+            norms.append(torch.linalg.vector_norm(x, dim=-1))
+            dots.append(_rows_dot(x, qg))
+        rstd = torch.rsqrt(torch.stack(norms).square_().div_(D).add_(eps))  # [S, N]
+        logits = torch.stack(dots).mul_(rstd)
         weights = torch.softmax(logits, dim=0)
-        out = torch.zeros(sources[0].shape, dtype=acc, device=sources[0].device)
-        for w, v in zip(weights, sources):
-            out.addcmul_(w.unsqueeze(-1), v.to(acc))
+        out = torch.zeros(rows[0].shape, dtype=acc, device=rows[0].device)
+        for w, v in zip(weights, rows):
+            out.addcmul_(w.unsqueeze(-1), v)  # accumulated in fp32 whatever the sources' dtype
         ctx.save_for_backward(query, key_norm, rstd, logits, *sources)
-        return out.to(sources[0].dtype)
+        return out.view(shape).to(sources[0].dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key_norm, rstd, logits, *sources = ctx.saved_tensors
         acc, D = rstd.dtype, grad_out.shape[-1]
         qg = query.to(acc) if key_norm is None else query.to(acc) * key_norm.to(acc)
-        g = grad_out.to(acc)
+        g = grad_out.reshape(-1, D).to(acc)
+        rows = [v.reshape(-1, D) for v in sources]
         weights = torch.softmax(logits, dim=0)
-        dweights = torch.stack([(g * v.to(acc)).sum(-1) for v in sources])  # [S, ...]
+        dweights = torch.stack([_pair_dots(g, v.to(acc)) for v in rows])  # [S, N]
         dlogits = weights * (dweights - (weights * dweights).sum(0, keepdim=True))
         a, b = _logit_input_grad(dlogits, logits, rstd, D)
-        dqg = torch.zeros_like(qg)
+        dqg = torch.zeros((1, 1, D), dtype=acc, device=g.device)
         grads = []
-        for s, v in enumerate(sources):
+        for s, v in enumerate(rows):
             x = v.to(acc)
-            dqg += torch.bmm(a[s].reshape(1, 1, -1), x.reshape(1, -1, D)).view(D)
+            dqg.baddbmm_(a[s].view(1, 1, -1), x.unsqueeze(0))
             # One fp32 row buffer per source (x may be the saved source itself: never written in place).
-            dx = (
-                (a[s].unsqueeze(-1) * qg)
-                .addcmul_(weights[s].unsqueeze(-1), g)
-                .addcmul_(b[s].unsqueeze(-1), x, value=-1)
-            )
-            grads.append(dx.to(v.dtype) if ctx.needs_input_grad[3 + s] else None)
+            dx = (weights[s].unsqueeze(-1) * g).addcmul_(b[s].unsqueeze(-1), x, value=-1).addr_(a[s], qg)
+            grads.append(dx.view(sources[s].shape).to(v.dtype) if ctx.needs_input_grad[3 + s] else None)
+        dqg = dqg.view(D)
         dq = dqg if key_norm is None else dqg * key_norm.to(acc)
         dk = None if key_norm is None else (dqg * query.to(acc)).to(key_norm.dtype)
         return dq.to(query.dtype), dk, None, *grads
