@@ -22,3 +22,11 @@ def one_process(monkeypatch):
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+LONGEST_FIRST = ("tests/e2e/test_mutants.py::test_every_mutation_is_killed", "tests/e2e/test_converge.py::")
+"""The suite's longest single tests (minutes each), started first so that no worker runs one alone at the end."""
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))  # stable: the rest keep their order
