@@ -32,9 +32,9 @@ class AttnResMixer(nn.Module):
         sources themselves, of which `new_sources` are kept by no other module (the partial sum made just before it;
         the earlier sources are held by the mixers before it), and each source's inverse RMS and depth logit in fp32;
         FlopCounterMode counts its depth logits (2 S D) in the forward and, in the backward, the logits' gradients
-        (2 S D) and the pseudo-query's (2 S D). It moves S + 1 rows of D in the forward (reads the sources, writes the mix) and 3 S + 1 in the
-        backward (reads the mix's gradient and the sources twice, writes the sources' gradients). One source passes
-        through and costs nothing."""
+        (2 S D) and the pseudo-query's (2 S D). It moves 2 S + 1 rows of D in the forward (reads the sources for their
+        logits, again for the weighted sum, writes the mix) and 3 S + 1 in the backward (reads the mix's gradient and
+        the sources twice, writes the sources' gradients). One source passes through and costs nothing."""
         S, D = n_sources, dim
         if S == 1:
             return Costs()
@@ -42,6 +42,6 @@ class AttnResMixer(nn.Module):
             Saved(act=new_sources * D, fp32=2 * S, bf16=2.0 * new_sources * D + 8.0 * S),
             Flops(elementwise=6 * S * D),
             forward=Flops(elementwise=2 * S * D),
-            traffic=(4 * S + 2) * D,
-            forward_traffic=(S + 1) * D,
+            traffic=(5 * S + 2) * D,
+            forward_traffic=(2 * S + 1) * D,
         )
