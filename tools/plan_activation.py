@@ -96,7 +96,8 @@ def compare(recipe: str, extra: list[str], gpus_per_node: int | None = None) -> 
 def format_rows(recipe: str, rows: list[dict]) -> str:
     lines = [
         f"{recipe}: activation plans, fastest first among those that fit",
-        f"{'plan':<44} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'largest rank':>13} {'limit':>8} {'host':>10}  verdict",
+        f"{'plan':<44} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'largest rank':>13} {'limit':>8} {'host':>10}"
+        "  verdict",
     ]
     for r in rows:
         lines.append(

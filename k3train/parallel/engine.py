@@ -481,8 +481,8 @@ def build_engine(
 
     parallel: a ParallelDims or any object with pp, vpp, ep, cp, dp (-1 = fill), zero, microbatches, schedule
     (e.g. the trainer's ParallelConfig). With world size 1 no process group is needed. activation_rules (with
-    keep_attention_output) and balancing are applied to every part (see parallelize_part), and so are float8 (train.float8) and qat
-    (train.qat). precision "bf16" stores the parameters in bf16, computes under bf16 autocast and sends bf16
+    keep_attention_output) and balancing are applied to every part (see parallelize_part), and so are float8
+    (train.float8) and qat (train.qat). precision "bf16" stores the parameters in bf16, computes under bf16 autocast and sends bf16
     activations between pipeline stages (train.precision); autocast_dtype alone (fp32 parameters, autocast
     compute) is kept for experiments. train_vision: the data feeds images, so the vision tower trains (else it is
     frozen: no gradient, no optimizer state, no weight decay).
