@@ -14,9 +14,9 @@ The decision, for a curve c against a reference r (step by step, d_t = |c_t - r_
     window  the mean of d_t over the last `converge.window` steps (where the curves have settled),
     max     the largest d_t over the run (a divergence that recovers still counts);
 each must stay within the tolerance of the precision (TOLERANCES; the looser of the two curves' precisions, so a
-bf16 run against the fp32 golden is held to the bf16 band, and so is a train.float8 run whatever its precision). On
-CPU in fp32 every layout reproduces one process to rounding, so the fp32 band is tight; bf16 and FP8 GEMMs move the
-curve by design, within the bf16 band.
+bf16 run against the fp32 golden is held to the bf16 band, and so is a train.float8 run whatever its precision). In
+fp32 the band is fp32's own drift: rounding moves a 50-step curve by up to 1.7e-3 from the fp64 one (a routing choice
+rounding decides can go either way); bf16 and FP8 GEMMs move the curve by design, within the bf16 band.
 
 A recipe's golden file (recipes/golden/<recipe>.json) holds the experiment (`converge`: layouts, steps, window and
 the overrides that shrink the recipe to a test) and the golden curve with what recorded it (commit, machine,
@@ -55,12 +55,13 @@ EXIT_BAD_INPUT = 2
 
 TOLERANCES = {
     "fp64": {"window": 1e-10, "max": 1e-10},
-    "fp32": {"window": 1e-5, "max": 1e-4},
+    "fp32": {"window": 2e-3, "max": 4e-3},
     "bf16": {"window": 0.015, "max": 0.04},
 }
 """Relative loss differences allowed per precision. fp64 (the check precision): every layout equals one process to
-rounding (docs/convergence.md). fp32: parallel layouts on CPU reproduce one process to float
-rounding (the parity tests measure ~1e-7). bf16: rounding of weights and activations moves the curve; the band is
+rounding (docs/convergence.md). fp32: twice fp32's own drift from the fp64 curve over tiny_cpu's 50 steps
+(window 9.1e-4, max 1.7e-3; each of two fp32 curves drifts): most steps agree to ~1e-7, but a router tie that
+rounding decides can flip in one run and not another, and the curves then part by that much. bf16: rounding of weights and activations moves the curve; the band is
 set from measured bf16-vs-fp32 differences on tiny_cpu (docs/convergence.md)."""
 
 OUTPUT_OVERRIDES = [
