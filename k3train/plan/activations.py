@@ -175,7 +175,8 @@ def recompute_costs(args: K3ModelArgs, layers: list[int], seq_len: int, plan: Po
     for c in rerun_parts:
         flops, saved, traffic = flops + c.forward_flops(), saved + c.saved, traffic + c.forward_traffic
     # Under keep_attention_output the reruns skip their attention (they still save its kept output and lse).
-    flops = Flops(*(getattr(flops, f) - getattr(skipped.forward_flops(), f) for f in Flops.__dataclass_fields__))
+    skip = skipped.forward_flops()
+    flops = Flops(*(getattr(flops, f) - getattr(skip, f) for f in Flops.__dataclass_fields__))
     return Costs(saved, flops, forward_traffic=traffic)
 
 
